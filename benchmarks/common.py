@@ -1,0 +1,47 @@
+"""Helpers every benchmark uses: timing medians, tables and JSON output."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+RESULTS_DIR = Path(__file__).resolve().parent.parent / "results"
+
+
+def median_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 2) -> float:
+    """Median wall time of `fn` over `repeats` runs after `warmup` untimed runs."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
+    """Prints rows as an aligned text table."""
+    cells = [[_fmt(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
+    for row in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
+    return str(value)
+
+
+def write_json(name: str, payload: dict[str, Any], path: str | None = None) -> Path:
+    """Writes results to `path` (default results/<name>.json) and returns the path."""
+    out = Path(path) if path else RESULTS_DIR / f"{name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(payload, indent=2))
+    return out

@@ -1,0 +1,28 @@
+"""raytrain-x: data-parallel training on Ray with fused collectives and self-tuning knobs."""
+
+from __future__ import annotations
+
+from raytrain_x.common.errors import (
+    ConfigError,
+    HostsUpdatedInterrupt,
+    InternalError,
+    RaytrainXError,
+    RendezvousTimeout,
+    ResetLimitExceeded,
+    TensorMismatchError,
+)
+from raytrain_x.common.knobs import Knobs, load_knobs
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigError",
+    "HostsUpdatedInterrupt",
+    "InternalError",
+    "Knobs",
+    "RaytrainXError",
+    "RendezvousTimeout",
+    "ResetLimitExceeded",
+    "TensorMismatchError",
+    "load_knobs",
+]

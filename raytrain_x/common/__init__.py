@@ -1,0 +1,1 @@
+"""Settings, knobs and errors shared by every layer; no Ray and no framework imports here."""

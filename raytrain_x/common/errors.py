@@ -1,0 +1,50 @@
+"""Errors raised by raytrain-x. Every message says what happened and what to do next."""
+
+from __future__ import annotations
+
+
+class RaytrainXError(Exception):
+    """Base class of every error raytrain-x raises."""
+
+
+class ConfigError(RaytrainXError, ValueError):
+    """A flag, knob, file or argument has a bad value; the message names it and the fix."""
+
+
+class TensorMismatchError(RaytrainXError):
+    """Ranks disagree on a tensor's shape, dtype or op (found during negotiation)."""
+
+
+class InternalError(RaytrainXError):
+    """A peer or the transport failed; elastic training restores the last commit."""
+
+
+class HostsUpdatedInterrupt(RaytrainXError):
+    """Hosts were added or removed; elastic training re-forms the world keeping its state.
+
+    Args:
+        skip_sync: True when no state sync is needed after the reset (only additions).
+    """
+
+    def __init__(self, skip_sync: bool = False, message: str | None = None) -> None:
+        super().__init__(message or "the set of hosts changed; re-forming the worker group")
+        self.skip_sync = skip_sync
+
+
+class RendezvousTimeout(RaytrainXError):
+    """Workers did not all arrive at a rendezvous in time."""
+
+
+class ResetLimitExceeded(RaytrainXError):
+    """An elastic job reset more often than its reset_limit allows."""
+
+
+__all__ = [
+    "RaytrainXError",
+    "ConfigError",
+    "TensorMismatchError",
+    "InternalError",
+    "HostsUpdatedInterrupt",
+    "RendezvousTimeout",
+    "ResetLimitExceeded",
+]

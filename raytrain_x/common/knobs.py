@@ -1,0 +1,241 @@
+"""The communication knobs: one source of truth for defaults, ranges, flags and env names.
+
+Flags, environment variables, config files and the autotuner all read and write `Knobs`.
+Precedence when resolving: flag > env > config file > default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from raytrain_x.common.errors import ConfigError
+
+MB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class KnobSpec:
+    """How one knob is named, bounded and parsed."""
+
+    env: str
+    flag: str
+    lo: float
+    hi: float
+    help: str
+    kind: type
+    # The CLI flag and config alias may use another unit (MB for the fusion threshold).
+    flag_scale: int = 1
+    alias: str | None = None
+
+
+def _knob(default: Any, spec: KnobSpec) -> Any:
+    return field(default=default, metadata={"spec": spec})
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """Every tunable communication setting.
+
+    Attributes:
+        fusion_threshold_bytes: largest fused batch in bytes; 0 turns fusion off.
+        cycle_time_ms: pause between engine cycles in milliseconds.
+        cache_capacity: response-cache entries; 0 turns the cache off.
+        hierarchical_allreduce: local reduce-scatter, cross allreduce, local allgather.
+        hierarchical_allgather: two-level allgather (local, then cross).
+    """
+
+    fusion_threshold_bytes: int = _knob(
+        64 * MB,
+        KnobSpec(
+            env="RAYTRAIN_X_FUSION_THRESHOLD",
+            flag="--fusion-threshold-mb",
+            lo=0,
+            hi=4096 * MB,
+            help="largest fused batch (flag in MB, env in bytes); 0 turns fusion off",
+            kind=int,
+            flag_scale=MB,
+            alias="fusion_threshold_mb",
+        ),
+    )
+    cycle_time_ms: float = _knob(
+        1.0,
+        KnobSpec(
+            env="RAYTRAIN_X_CYCLE_TIME",
+            flag="--cycle-time-ms",
+            lo=0.0,
+            hi=1000.0,
+            help="pause between engine cycles in milliseconds",
+            kind=float,
+        ),
+    )
+    cache_capacity: int = _knob(
+        1024,
+        KnobSpec(
+            env="RAYTRAIN_X_CACHE_CAPACITY",
+            flag="--cache-capacity",
+            lo=0,
+            hi=1 << 20,
+            help="response-cache entries; 0 turns the cache off",
+            kind=int,
+        ),
+    )
+    hierarchical_allreduce: bool = _knob(
+        False,
+        KnobSpec(
+            env="RAYTRAIN_X_HIERARCHICAL_ALLREDUCE",
+            flag="--hierarchical-allreduce",
+            lo=0,
+            hi=1,
+            help="local reduce-scatter, cross allreduce, local allgather",
+            kind=bool,
+        ),
+    )
+    hierarchical_allgather: bool = _knob(
+        False,
+        KnobSpec(
+            env="RAYTRAIN_X_HIERARCHICAL_ALLGATHER",
+            flag="--hierarchical-allgather",
+            lo=0,
+            hi=1,
+            help="two-level allgather: local, then across hosts",
+            kind=bool,
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            spec: KnobSpec = f.metadata["spec"]
+            value = getattr(self, f.name)
+            if spec.kind is bool:
+                if not isinstance(value, bool):
+                    raise ConfigError(f"knob {f.name} must be true or false, got {value!r}")
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(f"knob {f.name} must be a number, got {value!r}")
+            if spec.kind is int and value != int(value):
+                raise ConfigError(f"knob {f.name} must be a whole number, got {value!r}")
+            if not (math.isfinite(value) and spec.lo <= value <= spec.hi):
+                raise ConfigError(
+                    f"knob {f.name}={value!r} is out of range; allowed {spec.lo:g}..{spec.hi:g}"
+                )
+            object.__setattr__(self, f.name, spec.kind(value))
+
+    @staticmethod
+    def specs() -> dict[str, KnobSpec]:
+        """Knob name -> its spec, in declaration order."""
+        return {f.name: f.metadata["spec"] for f in dataclasses.fields(Knobs)}
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict of knob values (JSON-friendly)."""
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes: Any) -> Knobs:
+        """A copy with some knobs changed (validated)."""
+        unknown = set(changes) - set(self.specs())
+        if unknown:
+            raise ConfigError(f"unknown knob(s) {sorted(unknown)}; known: {sorted(self.specs())}")
+        return dataclasses.replace(self, **changes)
+
+
+def parse_knob_value(name: str, raw: Any, source: str) -> Any:
+    """Parses one value for knob `name` from a string or plain value; `source` names its origin."""
+    spec = Knobs.specs()[name]
+    if spec.kind is bool:
+        if isinstance(raw, bool):
+            return raw
+        text = str(raw).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{source}: {raw!r} is not a boolean for {name}; use 1/0 or true/false")
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{source}: {raw!r} is not a number for {name}") from None
+    return value
+
+
+def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, spec in Knobs.specs().items():
+        if spec.env in env and env[spec.env] != "":
+            out[name] = parse_knob_value(name, env[spec.env], f"environment {spec.env}")
+    return out
+
+
+def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
+    """Reads knobs from a YAML or JSON file: knob names (or `fusion_threshold_mb`) at top
+    level or under `params:` (Horovod's layout). Returns knob name -> value."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist; pass an existing YAML/JSON file")
+    text = p.read_text()
+    try:
+        data = json.loads(text) if p.suffix.lower() == ".json" else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as exc:
+        raise ConfigError(f"config file {str(p)!r} could not be parsed: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(p)!r} must hold a mapping of knob names to values")
+    if isinstance(data.get("params"), dict):
+        data = data["params"]
+    specs = Knobs.specs()
+    aliases = {spec.alias: name for name, spec in specs.items() if spec.alias}
+    out: dict[str, Any] = {}
+    for key, raw in data.items():
+        key_norm = str(key).replace("-", "_")
+        source = f"config file {str(p)!r} key {key!r}"
+        if key_norm in specs:
+            out[key_norm] = parse_knob_value(key_norm, raw, source)
+        elif key_norm in aliases:
+            name = aliases[key_norm]
+            out[name] = parse_knob_value(name, raw, source) * specs[name].flag_scale
+        else:
+            known = sorted(list(specs) + list(aliases))
+            raise ConfigError(f"{source} is not a knob; known keys: {', '.join(known)}")
+    return out
+
+
+def load_knobs(
+    flags: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+    config_file: str | os.PathLike | None = None,
+    base: Knobs | None = None,
+) -> tuple[Knobs, frozenset[str]]:
+    """Resolves knobs with precedence flag > env > config file > `base` (default `Knobs()`).
+
+    Args:
+        flags: knob name -> value already in knob units (the CLI converts MB to bytes).
+        env: environment to read `RAYTRAIN_X_*` from; `os.environ` when None.
+        config_file: optional YAML/JSON file of knobs.
+        base: starting values (defaults when None).
+
+    Returns:
+        The knobs and the names the user fixed explicitly (left out of autotuning).
+
+    Raises:
+        ConfigError: a value is malformed, unknown or out of range.
+    """
+    values: dict[str, Any] = {}
+    if config_file:
+        values.update(read_config_file(config_file))
+    values.update(_from_env(os.environ if env is None else env))
+    specs = Knobs.specs()
+    for name, value in (flags or {}).items():
+        if name not in specs:
+            raise ConfigError(f"unknown knob {name!r}; known: {', '.join(specs)}")
+        if value is not None:
+            values[name] = parse_knob_value(name, value, f"flag {specs[name].flag}")
+    knobs = (base or Knobs()).replace(**values)
+    return knobs, frozenset(values)

@@ -1,0 +1,100 @@
+"""Knob defaults, ranges, parsing and precedence (flag > env > file > default)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from raytrain_x import ConfigError, Knobs, load_knobs
+from raytrain_x.common.knobs import MB
+
+
+def test_defaults_and_specs():
+    k = Knobs()
+    assert k.fusion_threshold_bytes == 64 * MB
+    assert k.cycle_time_ms == 1.0
+    assert k.cache_capacity == 1024
+    assert not k.hierarchical_allreduce and not k.hierarchical_allgather
+    specs = Knobs.specs()
+    assert specs["fusion_threshold_bytes"].env == "RAYTRAIN_X_FUSION_THRESHOLD"
+    assert specs["cycle_time_ms"].flag == "--cycle-time-ms"
+
+
+@pytest.mark.parametrize(
+    "changes,match",
+    [
+        ({"fusion_threshold_bytes": -1}, "out of range"),
+        ({"cycle_time_ms": float("nan")}, "out of range"),
+        ({"cache_capacity": 1.5}, "whole number"),
+        ({"hierarchical_allreduce": "yes"}, "true or false"),
+        ({"cycle_time_ms": "fast"}, "must be a number"),
+        ({"bogus": 1}, "unknown knob"),
+    ],
+)
+def test_bad_values_rejected(changes, match):
+    with pytest.raises(ConfigError, match=match):
+        Knobs().replace(**changes)
+
+
+def test_precedence_flag_over_env_over_file_over_default(tmp_path):
+    cfg = tmp_path / "knobs.yaml"
+    cfg.write_text("params:\n  fusion_threshold_mb: 8\n  cycle_time_ms: 7\n  cache_capacity: 10\n")
+    env = {"RAYTRAIN_X_CYCLE_TIME": "3.5", "RAYTRAIN_X_CACHE_CAPACITY": "20"}
+    knobs, fixed = load_knobs(flags={"cache_capacity": 30}, env=env, config_file=cfg)
+    assert knobs.fusion_threshold_bytes == 8 * MB  # file
+    assert knobs.cycle_time_ms == 3.5  # env beats file
+    assert knobs.cache_capacity == 30  # flag beats env
+    assert knobs.hierarchical_allreduce is False  # default
+    assert fixed == {"fusion_threshold_bytes", "cycle_time_ms", "cache_capacity"}
+
+
+def test_env_parsing():
+    env = {
+        "RAYTRAIN_X_FUSION_THRESHOLD": "1048576",
+        "RAYTRAIN_X_HIERARCHICAL_ALLREDUCE": "true",
+        "RAYTRAIN_X_HIERARCHICAL_ALLGATHER": "0",
+    }
+    knobs, fixed = load_knobs(env=env)
+    assert knobs.fusion_threshold_bytes == MB
+    assert knobs.hierarchical_allreduce is True
+    assert knobs.hierarchical_allgather is False
+    assert "cycle_time_ms" not in fixed
+
+
+@pytest.mark.parametrize(
+    "env,match",
+    [
+        ({"RAYTRAIN_X_CYCLE_TIME": "soon"}, "RAYTRAIN_X_CYCLE_TIME.*not a number"),
+        ({"RAYTRAIN_X_HIERARCHICAL_ALLREDUCE": "maybe"}, "not a boolean"),
+        ({"RAYTRAIN_X_CACHE_CAPACITY": "-5"}, "out of range"),
+    ],
+)
+def test_bad_env_rejected(env, match):
+    with pytest.raises(ConfigError, match=match):
+        load_knobs(env=env)
+
+
+def test_json_config_and_unknown_key(tmp_path):
+    good = tmp_path / "k.json"
+    good.write_text(json.dumps({"cycle_time_ms": 2, "hierarchical_allgather": True}))
+    knobs, _ = load_knobs(env={}, config_file=good)
+    assert knobs.cycle_time_ms == 2.0 and knobs.hierarchical_allgather
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"fusion_treshold": 1}))
+    with pytest.raises(ConfigError, match="not a knob; known keys"):
+        load_knobs(env={}, config_file=bad)
+
+
+def test_missing_or_malformed_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_knobs(env={}, config_file=tmp_path / "nope.yaml")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("a: [1, 2\n")
+    with pytest.raises(ConfigError, match="could not be parsed"):
+        load_knobs(env={}, config_file=broken)
+
+
+def test_unknown_flag_rejected():
+    with pytest.raises(ConfigError, match="unknown knob 'fusion'"):
+        load_knobs(flags={"fusion": 1}, env={})
