@@ -291,6 +291,13 @@ NB_MODULE(_native, m) {
                  return entry_to_dict(*e);
              },
              "name"_a)
+        .def("peek",
+             [](const ResponseCache &c, const std::string &name) -> nb::object {
+                 const CacheEntry *e = c.peek(name);
+                 if (e == nullptr) return nb::none();
+                 return entry_to_dict(*e);
+             },
+             "name"_a)
         .def("slot",
              [](const ResponseCache &c, const std::string &name) {
                  const CacheEntry *e = c.peek(name);

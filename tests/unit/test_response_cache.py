@@ -82,3 +82,11 @@ def test_bit_and_of_two_ranks_gives_common_names():
     theirs = rank1.bits(["b", "c", "d"])
     common = [x & y for x, y in zip(mine, theirs)]
     assert [e["name"] for e in rank0.entries_for_bits(common)] == ["b", "d"]
+
+
+def test_peek_does_not_touch_lru_order():
+    c = ResponseCache(2)
+    _fill(c, ["a", "b"])
+    assert c.peek("a")["name"] == "a"
+    assert c.lru_order() == ["a", "b"]
+    assert c.peek("zz") is None

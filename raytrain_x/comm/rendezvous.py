@@ -1,0 +1,110 @@
+"""Where a worker learns its place in the world: ranks, sizes and the store to meet at."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from raytrain_x.common.errors import ConfigError
+
+DEFAULT_TIMEOUT_S = 30.0
+ENV_PREFIX = "RAYTRAIN_X_"
+
+
+@dataclass
+class Rendezvous:
+    """One rendezvous round's description of this worker's place in the world.
+
+    Attributes:
+        rank, size: global rank and world size.
+        local_rank, local_size: rank and count of workers on this host.
+        cross_rank, cross_size: index of this host and number of hosts.
+        store: a `torch.distributed.Store` all workers share (None for size 1).
+        timeout_s: collective and store timeout; a dead or stuck peer fails within it.
+        round: rendezvous round (elastic resets start a new one).
+        hosts: optional host id of every rank (rank order), for hierarchical groups.
+    """
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    local_size: int = 1
+    cross_rank: int = 0
+    cross_size: int = 1
+    store: Any = None
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    round: int = 0
+    hosts: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ConfigError(f"rank {self.rank} is not in a world of size {self.size}")
+        if self.local_size < 1 or not 0 <= self.local_rank < self.local_size:
+            raise ConfigError(f"local_rank {self.local_rank} not in local_size {self.local_size}")
+        if self.cross_size < 1 or not 0 <= self.cross_rank < self.cross_size:
+            raise ConfigError(f"cross_rank {self.cross_rank} not in cross_size {self.cross_size}")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"timeout_s must be positive, got {self.timeout_s}")
+        if self.size > 1 and self.store is None:
+            raise ConfigError("a world larger than 1 needs a store; start workers with "
+                              "RayExecutor or raytrain-x run, or set RAYTRAIN_X_STORE_ADDR/PORT")
+
+
+# A provider returns the next round's Rendezvous; the Ray executor installs one in each actor.
+_provider: Callable[[], Rendezvous] | None = None
+
+
+def set_rendezvous_provider(provider: Callable[[], Rendezvous] | None) -> None:
+    """Installs (or removes) the function `init()` calls to join the next round."""
+    global _provider
+    _provider = provider
+
+
+def next_rendezvous() -> Rendezvous:
+    """The rendezvous for this process: the installed provider, else the environment
+    (`RAYTRAIN_X_RANK`, `_SIZE`, `_LOCAL_RANK`, ..., `_STORE_ADDR`, `_STORE_PORT`), else a
+    world of one."""
+    if _provider is not None:
+        return _provider()
+    return rendezvous_from_env(os.environ)
+
+
+def rendezvous_from_env(env: Any) -> Rendezvous:
+    """Builds a Rendezvous from RAYTRAIN_X_* variables with a TCP store (rank 0 hosts it)."""
+
+    def num(name: str, default: float) -> float:
+        raw = env.get(ENV_PREFIX + name)
+        if raw in (None, ""):
+            return default
+        try:
+            return float(raw)
+        except ValueError:
+            raise ConfigError(f"environment {ENV_PREFIX}{name}={raw!r} is not a number") from None
+
+    size = int(num("SIZE", 1))
+    rank = int(num("RANK", 0))
+    timeout_s = num("TIMEOUT", DEFAULT_TIMEOUT_S)
+    store = None
+    if size > 1:
+        addr = env.get(ENV_PREFIX + "STORE_ADDR")
+        port = int(num("STORE_PORT", 0))
+        if not addr or not port:
+            raise ConfigError(f"{ENV_PREFIX}SIZE={size} but no {ENV_PREFIX}STORE_ADDR/PORT; "
+                              "launch with raytrain-x run or RayExecutor")
+        from datetime import timedelta
+
+        from torch.distributed import TCPStore
+
+        store = TCPStore(addr, port, size, rank == 0, timedelta(seconds=timeout_s))
+    return Rendezvous(
+        rank=rank,
+        size=size,
+        local_rank=int(num("LOCAL_RANK", rank)),
+        local_size=int(num("LOCAL_SIZE", size)),
+        cross_rank=int(num("CROSS_RANK", 0)),
+        cross_size=int(num("CROSS_SIZE", 1)),
+        store=store,
+        timeout_s=timeout_s,
+    )

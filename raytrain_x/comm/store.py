@@ -1,0 +1,127 @@
+"""A torch.distributed Store backed by a Ray actor: rendezvous with no server to start."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import timedelta
+
+import ray
+import torch.distributed as dist
+
+from raytrain_x.common.errors import RendezvousTimeout
+
+
+@ray.remote(num_cpus=0)
+class StoreActor:
+    """Key-value store with blocking waits, served by asyncio so waiters never block setters."""
+
+    def __init__(self) -> None:
+        self._data: dict[str, bytes] = {}
+        self._changed = asyncio.Condition()
+
+    async def set(self, key: str, value: bytes) -> None:
+        async with self._changed:
+            self._data[key] = value
+            self._changed.notify_all()
+
+    async def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        async with self._changed:
+            current = self._data.get(key)
+            if (current is None and expected == b"") or current == expected:
+                self._data[key] = desired
+                self._changed.notify_all()
+                return desired
+            return current if current is not None else expected
+
+    async def add(self, key: str, amount: int) -> int:
+        async with self._changed:
+            value = int(self._data.get(key, b"0")) + amount
+            self._data[key] = str(value).encode()
+            self._changed.notify_all()
+            return value
+
+    async def wait(self, keys: list[str], timeout_s: float) -> bool:
+        async with self._changed:
+            try:
+                await asyncio.wait_for(
+                    self._changed.wait_for(lambda: all(k in self._data for k in keys)), timeout_s
+                )
+                return True
+            except asyncio.TimeoutError:
+                return False
+
+    async def get(self, key: str, timeout_s: float) -> bytes | None:
+        if not await self.wait([key], timeout_s):
+            return None
+        return self._data[key]
+
+    async def check(self, keys: list[str]) -> bool:
+        return all(k in self._data for k in keys)
+
+    async def delete_key(self, key: str) -> bool:
+        async with self._changed:
+            return self._data.pop(key, None) is not None
+
+    async def num_keys(self) -> int:
+        return len(self._data)
+
+
+class RayStore(dist.Store):
+    """`torch.distributed.Store` whose data lives in a `StoreActor`.
+
+    Args:
+        actor: handle of a `StoreActor` every worker shares.
+        timeout_s: how long `get`/`wait` block before raising `RendezvousTimeout`.
+    """
+
+    def __init__(self, actor: ray.actor.ActorHandle, timeout_s: float = 30.0) -> None:
+        super().__init__()
+        self._actor = actor
+        self._timeout_s = timeout_s
+
+    def __reduce__(self):
+        return (RayStore, (self._actor, self._timeout_s))
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._timeout_s = timeout.total_seconds()
+
+    def set(self, key: str, value) -> None:
+        ray.get(self._actor.set.remote(key, _as_bytes(value)))
+
+    def get(self, key: str) -> bytes:
+        start = time.monotonic()
+        value = ray.get(self._actor.get.remote(key, self._timeout_s))
+        if value is None:
+            raise RendezvousTimeout(
+                f"rendezvous key {key!r} did not appear within {self._timeout_s:.0f}s "
+                f"(waited {time.monotonic() - start:.1f}s); a worker did not start or died"
+            )
+        return value
+
+    def add(self, key: str, amount: int) -> int:
+        return ray.get(self._actor.add.remote(key, int(amount)))
+
+    def compare_set(self, key: str, expected, desired) -> bytes:
+        return ray.get(self._actor.compare_set.remote(key, _as_bytes(expected), _as_bytes(desired)))
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        timeout_s = timeout.total_seconds() if timeout is not None else self._timeout_s
+        if not ray.get(self._actor.wait.remote(list(keys), timeout_s)):
+            raise RendezvousTimeout(f"rendezvous keys {list(keys)} did not all appear within "
+                                    f"{timeout_s:.0f}s; a worker did not start or died")
+
+    def check(self, keys: list[str]) -> bool:
+        return ray.get(self._actor.check.remote(list(keys)))
+
+    def delete_key(self, key: str) -> bool:
+        return ray.get(self._actor.delete_key.remote(key))
+
+    def num_keys(self) -> int:
+        return ray.get(self._actor.num_keys.remote())
+
+
+def _as_bytes(value) -> bytes:
+    if isinstance(value, str):
+        return value.encode()
+    return bytes(value)

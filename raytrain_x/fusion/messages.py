@@ -1,0 +1,111 @@
+"""What ranks tell each other: requests (one per enqueued tensor) and agreed responses."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+# Collectives the engine runs; only allreduce goes through the response cache and fusion.
+ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER, BARRIER = (
+    "allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "barrier")
+REDUCE_OPS = ("average", "sum", "min", "max", "product")
+
+
+class Handle:
+    """Completion of one asynchronous collective; `wait()` returns its output."""
+
+    __slots__ = ("name", "_event", "_result", "_error")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._event = threading.Event()
+        self._result: Any = None
+        self._error: BaseException | None = None
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Blocks until the collective finished; raises the error it failed with."""
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"collective {self.name!r} not done after {timeout}s")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def set_result(self, result: Any) -> None:
+        self._result = result
+        self._event.set()
+
+    def set_error(self, error: BaseException) -> None:
+        self._error = error
+        self._event.set()
+
+
+@dataclass(frozen=True)
+class Meta:
+    """The part of a request every rank must agree on (sent during negotiation)."""
+
+    kind: str
+    dtype: str
+    shape: tuple[int, ...]
+    op: str = ""
+    root: int = 0
+    prescale: float = 1.0
+    postscale: float = 1.0
+    process_set_id: int = 0
+    wire_dtype: str = ""  # compression: dtype on the wire, "" = same as dtype
+    device: str = "cpu"
+    splits: tuple[int, ...] = ()  # alltoall: elements of dim 0 sent to each rank
+
+    def cache_key(self) -> str:
+        """Everything but name/dtype/shape, as the response cache's op string."""
+        return (f"{self.kind}|{self.op}|{self.prescale!r}|{self.postscale!r}|"
+                f"{self.process_set_id}|{self.wire_dtype}|{self.device}")
+
+    @staticmethod
+    def from_cache(entry: dict[str, Any]) -> Meta:
+        kind, op, pre, post, pset, wire, device = entry["op"].split("|")
+        return Meta(kind, entry["dtype"], tuple(entry["shape"]), op, 0, float(pre), float(post),
+                    int(pset), wire, device)
+
+    def nbytes_on_wire(self) -> int:
+        numel = 1
+        for d in self.shape:
+            numel *= d
+        return numel * DTYPE_SIZES[self.wire_dtype or self.dtype]
+
+
+DTYPE_SIZES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8,
+               "int8": 1, "uint8": 1, "bool": 1, "int16": 2}
+
+
+@dataclass
+class Request:
+    """One enqueued collective on this rank."""
+
+    name: str
+    meta: Meta
+    tensor: Any  # input (and, for in-place allreduce/broadcast, output)
+    handle: Handle
+    output: Any = None
+    enqueued_at: float = field(default_factory=time.monotonic)
+    reported: bool = False
+    stall_reported_at: float = 0.0
+
+
+@dataclass
+class Response:
+    """A collective every member agreed to run now.
+
+    Attributes:
+        rank_dims: allgather: dim 0 of every member; alltoall: every member's splits.
+        error: set when ranks disagreed; each member fails its handle with it.
+    """
+
+    name: str
+    meta: Meta
+    rank_dims: tuple[Any, ...] = ()
+    error: str = ""

@@ -1,0 +1,156 @@
+"""Process-wide state behind `init()`: the rendezvous, the process groups and the engine.
+
+Framework adapters (`raytrain_x.torch`, ...) call into this module; it knows no framework.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+from collections.abc import Sequence
+
+from raytrain_x.common.errors import ConfigError
+from raytrain_x.common.knobs import Knobs, load_knobs
+from raytrain_x.comm.groups import ProcessGroups
+from raytrain_x.comm.rendezvous import Rendezvous, next_rendezvous
+from raytrain_x.fusion.engine import Engine
+
+_lock = threading.RLock()
+_engine: Engine | None = None
+_fixed_knobs: frozenset[str] = frozenset()
+
+
+class ProcessSet:
+    """A subset of ranks for collectives (Horovod's `ProcessSet`).
+
+    Create with the member ranks, register on every rank with `add_process_set` (or pass
+    to `init(process_sets=...)`), then give it to any collective as `process_set=`.
+    """
+
+    def __init__(self, ranks: Sequence[int] | None = None) -> None:
+        self.ranks = sorted(int(r) for r in ranks) if ranks is not None else None
+        self.process_set_id: int | None = 0 if ranks is None else None
+
+    def _resolved(self):
+        if self.process_set_id is None:
+            raise ConfigError(f"process set {self.ranks} is not registered; call "
+                              "add_process_set on every rank first")
+        return engine().groups.process_set(self.process_set_id)
+
+    def size(self) -> int:
+        return self._resolved().size()
+
+    def rank(self) -> int:
+        """This process's rank within the set, -1 when not a member."""
+        return self._resolved().rank()
+
+    def included(self) -> bool:
+        return self._resolved().included()
+
+    def __repr__(self) -> str:
+        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
+
+
+global_process_set = ProcessSet()
+
+
+def init(
+    process_sets: Sequence[ProcessSet] | None = None,
+    knobs: Knobs | None = None,
+    rendezvous: Rendezvous | None = None,
+) -> None:
+    """Joins the world and starts the engine; a no-op when already initialised.
+
+    Args:
+        process_sets: process sets to register on every rank.
+        knobs: communication knobs; by default read from `RAYTRAIN_X_*` env and
+            `RAYTRAIN_X_CONFIG_FILE`.
+        rendezvous: where to meet; by default from the Ray executor or the environment.
+    """
+    global _engine, _fixed_knobs
+    with _lock:
+        if _engine is not None and _engine.error is None:
+            return
+        if _engine is not None:
+            shutdown()
+        if knobs is None:
+            knobs, _fixed_knobs = load_knobs(
+                config_file=os.environ.get("RAYTRAIN_X_CONFIG_FILE") or None)
+        rdv = rendezvous or next_rendezvous()
+        groups = ProcessGroups(rdv)
+        _engine = Engine(
+            groups,
+            knobs,
+            timeline_path=os.environ.get("RAYTRAIN_X_TIMELINE") or None,
+            stall_warning_s=_env_float("RAYTRAIN_X_STALL_CHECK_TIME_SECONDS", 60.0),
+            stall_shutdown_s=_env_float("RAYTRAIN_X_STALL_SHUTDOWN_TIME_SECONDS", 0.0),
+        )
+        global_process_set.ranks = list(range(rdv.size))
+        for ps in process_sets or ():
+            add_process_set(ps)
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if not raw:
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ConfigError(f"environment {name}={raw!r} is not a number of seconds") from None
+
+
+def shutdown() -> None:
+    """Stops the engine (on every rank at the same cycle) and drops the process groups."""
+    global _engine
+    with _lock:
+        if _engine is not None:
+            _engine.shutdown()
+            _engine = None
+
+
+atexit.register(shutdown)
+
+
+def is_initialized() -> bool:
+    return _engine is not None
+
+
+def engine() -> Engine:
+    """The running engine; raises a clear error before `init()`."""
+    eng = _engine
+    if eng is None:
+        raise ConfigError("raytrain-x is not initialised; call init() first "
+                          "(import raytrain_x.torch as rx; rx.init())")
+    if eng.error is not None:
+        raise eng.error
+    return eng
+
+
+def rendezvous() -> Rendezvous:
+    return engine().groups.rdv
+
+
+def fixed_knobs() -> frozenset[str]:
+    """Knob names the user set explicitly at init (the autotuner leaves them alone)."""
+    return _fixed_knobs
+
+
+def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
+    """Registers a process set; call on every rank in the same order."""
+    ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
+    if ps.ranks is None:
+        raise ConfigError("the global process set is always registered")
+    created = engine().groups.add_process_set(ps.ranks)
+    ps.process_set_id = created.process_set_id
+    return ps
+
+
+def remove_process_set(process_set: ProcessSet) -> bool:
+    """Unregisters a process set on this rank (call on every rank)."""
+    if process_set.process_set_id in (None, 0):
+        return False
+    engine().groups.remove_process_set(process_set.process_set_id)
+    process_set.process_set_id = None
+    return True
