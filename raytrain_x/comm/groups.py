@@ -69,7 +69,8 @@ class Group:
         try:
             return fn(*args)
         except RuntimeError as exc:  # DistBackendError, DistNetworkError, gloo timeouts
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            text = str(exc).strip() or type(exc).__name__
+            first = text.splitlines()[0].split(" This is typically")[0][:300]
             raise InternalError(
                 f"{what} failed: {first}. A peer process probably died or stalled; elastic "
                 "jobs restore the last commit, others should be restarted."

@@ -409,7 +409,7 @@ class Engine:
         if meta.op == "average" and not floating:
             for t in tensors:
                 t.div_(pset.size(), rounding_mode="floor")
-        return [req.output if req.output is not None else req.tensor if req else None
+        return [None if req is None else req.output if req.output is not None else req.tensor
                 for req in requests]
 
     def _reduce(self, t: torch.Tensor, op: str, pset: ProcessSet) -> None:

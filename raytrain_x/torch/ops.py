@@ -81,6 +81,8 @@ def _set_id(process_set: ProcessSet) -> int:
 
 
 def _submit(name: str, meta: Meta, tensor: torch.Tensor, output: Any = None) -> Handle:
+    if meta.process_set_id:  # each process set has its own name space, as in Horovod
+        name = f"{name}@set{meta.process_set_id}"
     handle = Handle(name)
     runtime.engine().enqueue(Request(name, meta, tensor, handle, output))
     return handle

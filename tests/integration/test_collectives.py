@@ -1,0 +1,204 @@
+"""Every collective between real processes over real gloo groups (world sizes 1, 2, 3)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.workers import run_workers
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64,
+          torch.int8, torch.uint8]
+SHAPES = [(), (0,), (1,), (5,), (3, 7), (0, 3), (17, 1, 2)]
+
+
+def _value(rank: int, shape, dtype) -> torch.Tensor:
+    base = torch.arange(int(torch.tensor(shape).prod().item()) if shape else 1,
+                        dtype=torch.float64).reshape(shape) % 7
+    return (base + rank + 1).to(dtype)
+
+
+def _all_ops(threshold_mb: float) -> dict:
+    import raytrain_x.torch as rx
+
+    rx.init()
+    r, n = rx.rank(), rx.size()
+    checks = 0
+    for dtype in DTYPES:
+        for shape in SHAPES:
+            mine = _value(r, shape, dtype)
+            everyone = [_value(k, shape, dtype) for k in range(n)]
+            total = sum(e.to(torch.float64) for e in everyone)
+            got = rx.allreduce(mine, op=rx.Sum, name=f"sum.{dtype}.{shape}")
+            assert got.dtype == dtype and got.shape == mine.shape
+            assert torch.equal(got.to(torch.float64), total), (dtype, shape)
+            if dtype.is_floating_point:
+                avg = rx.allreduce(mine, name=f"avg.{dtype}.{shape}")
+                tol = 1e-2 if dtype in (torch.float16, torch.bfloat16) else 1e-6
+                assert torch.allclose(avg.double(), total / n, atol=tol, rtol=tol)
+            for op, fn in ((rx.Min, torch.minimum), (rx.Max, torch.maximum)):
+                want = everyone[0]
+                for e in everyone[1:]:
+                    want = fn(want, e)
+                assert torch.equal(rx.allreduce(mine, op=op, name=f"{op}.{dtype}.{shape}"), want)
+            gathered = rx.allgather(mine.reshape(-1, *shape[1:]) if shape else mine,
+                                    name=f"gather.{dtype}.{shape}")
+            assert torch.equal(gathered, torch.cat([e.reshape(-1, *shape[1:]) if shape
+                                                    else e.reshape(1) for e in everyone]))
+            b = rx.broadcast(mine, root_rank=n - 1, name=f"bcast.{dtype}.{shape}")
+            assert torch.equal(b, everyone[-1])
+            checks += 1
+    # prescale / postscale
+    x = torch.full((4,), float(r + 1))
+    got = rx.allreduce(x, op=rx.Sum, prescale_factor=2.0, postscale_factor=0.5)
+    assert torch.allclose(got, torch.full((4,), float(sum(range(1, n + 1)))))
+    # product, in place, grouped
+    p = torch.full((3,), 2.0)
+    rx.allreduce_(p, op=rx.Product)
+    assert torch.equal(p, torch.full((3,), 2.0 ** n))
+    grouped = rx.grouped_allreduce([torch.ones(2) * r, torch.ones(3, 3) * r], op=rx.Sum)
+    assert torch.equal(grouped[1], torch.full((3, 3), float(sum(range(n)))))
+    # allgather with a different first dimension per rank
+    g = rx.allgather(torch.full((r + 1, 2), float(r)))
+    assert g.shape == (sum(range(1, n + 1)), 2)
+    assert torch.equal(g[-n:], torch.full((n, 2), float(n - 1)))
+    # alltoall with splits: rank r sends k+1 rows to rank k
+    splits = [k + 1 for k in range(n)]
+    rows = torch.arange(sum(splits), dtype=torch.float32) + 100 * r
+    out, received = rx.alltoall(rows, splits=splits)
+    assert received.tolist() == [r + 1] * n
+    expected = torch.cat([torch.arange(sum(splits[:r]), sum(splits[: r + 1]),
+                                       dtype=torch.float32) + 100 * k for k in range(n)])
+    assert torch.equal(out, expected)
+    # reducescatter with an uneven first dimension
+    rs = rx.reducescatter(torch.ones(2 * n + 1, 2) * (r + 1), op=rx.Sum)
+    assert rs.shape[0] == (3 if r == 0 else 2) if n > 1 else rs.shape[0] == 3
+    assert torch.all(rs == sum(range(1, n + 1)))
+    # objects
+    assert rx.broadcast_object({"from": r}, root_rank=0) == {"from": 0}
+    assert rx.allgather_object(("rank", r)) == [("rank", k) for k in range(n)]
+    rx.barrier()
+    # fp16 compression of float32 goes through the native cast
+    c = rx.allreduce(torch.full((1000,), 0.1 * (r + 1)), op=rx.Sum,
+                     compression=rx.Compression.fp16)
+    assert c.dtype == torch.float32
+    assert torch.allclose(c, torch.full((1000,), 0.1 * sum(range(1, n + 1))), rtol=1e-3)
+    return {"checks": checks, "knobs": rx.knobs().fusion_threshold_bytes}
+
+
+@pytest.mark.parametrize("size", [1, 2, 3])
+def test_every_op_and_dtype(size):
+    results = run_workers(_all_ops, size, 64.0)
+    assert all(r["checks"] == len(DTYPES) * len(SHAPES) for r in results)
+
+
+def test_every_op_without_fusion_or_cache():
+    env = {"RAYTRAIN_X_FUSION_THRESHOLD": "0", "RAYTRAIN_X_CACHE_CAPACITY": "0"}
+    results = run_workers(_all_ops, 2, 0.0, env=env)
+    assert [r["knobs"] for r in results] == [0, 0]
+
+
+def _out_of_order() -> list[bool]:
+    import raytrain_x.torch as rx
+
+    rx.init()
+    handles = [rx.allreduce_async(torch.ones(10) * i, name=f"t{i}", op=rx.Sum) for i in range(20)]
+    results = []
+    for i in reversed(range(20)):  # wait in the opposite order of submission
+        results.append(torch.equal(rx.synchronize(handles[i]), torch.ones(10) * i * rx.size()))
+    # ranks submit the same names in different orders: negotiation still pairs them by name
+    names = [f"shuffled{i}" for i in range(8)]
+    order = names if rx.rank() == 0 else list(reversed(names))
+    hs = {name: rx.allreduce_async(torch.full((3,), float(names.index(name))), name=name,
+                                   op=rx.Sum) for name in order}
+    for name in names:
+        results.append(bool(torch.all(rx.synchronize(hs[name]) == 2 * names.index(name))))
+    assert rx.poll(hs[names[0]])
+    return results
+
+
+def test_async_handles_complete_out_of_order():
+    for res in run_workers(_out_of_order, 2):
+        assert all(res)
+
+
+def _fused_result(seed: int) -> list:
+    import raytrain_x.torch as rx
+
+    rx.init()
+    g = torch.Generator().manual_seed(seed + rx.rank())
+    tensors = [torch.randn(s, generator=g) for s in [(3,), (100, 3), (1,), (7, 7), (4096,)]]
+    handles = [rx.allreduce_async(t, name=f"w{i}") for i, t in enumerate(tensors)]
+    return [rx.synchronize(h) for h in handles]
+
+
+def test_fused_and_unfused_results_identical():
+    fused = run_workers(_fused_result, 2, 0)
+    unfused = run_workers(_fused_result, 2, 0, env={"RAYTRAIN_X_FUSION_THRESHOLD": "0"})
+    for a, b in zip(fused[0], unfused[0]):
+        assert torch.equal(a, b)
+    for a, b in zip(fused[0], fused[1]):
+        assert torch.equal(a, b)
+
+
+def _hierarchical() -> list:
+    import raytrain_x.torch as rx
+
+    rx.init()
+    assert rx.cross_size() == 2 and rx.local_size() == 2
+    x = torch.arange(11, dtype=torch.float32) * (rx.rank() + 1)
+    flat = rx.allreduce(x, op=rx.Sum, name="h")
+    g = rx.allgather(torch.full((2, 3), float(rx.rank())), name="hg")
+    return [flat, g]
+
+
+def test_hierarchical_allreduce_and_allgather_match_flat():
+    env = {"RAYTRAIN_X_HIERARCHICAL_ALLREDUCE": "1", "RAYTRAIN_X_HIERARCHICAL_ALLGATHER": "1"}
+    results = run_workers(_hierarchical, 4, env=env, hosts=2)
+    expected = torch.arange(11, dtype=torch.float32) * 10
+    expected_gather = torch.cat([torch.full((2, 3), float(r)) for r in range(4)])
+    for flat, gathered in results:
+        assert torch.equal(flat, expected)
+        assert torch.equal(gathered, expected_gather)
+
+
+def _process_sets() -> list:
+    import raytrain_x.torch as rx
+
+    evens = rx.ProcessSet([0, 2])
+    rx.init(process_sets=[evens])
+    out = []
+    if evens.included():
+        out.append(rx.allreduce(torch.ones(2) * rx.rank(), op=rx.Sum, process_set=evens))
+    odd = rx.add_process_set([1])
+    if rx.rank() == 1:
+        out.append(rx.allreduce(torch.ones(2) * 5, op=rx.Sum, process_set=odd))
+    out.append(rx.allreduce(torch.ones(1), op=rx.Sum))
+    assert rx.remove_process_set(odd)
+    return out
+
+
+def test_process_sets():
+    results = run_workers(_process_sets, 3)
+    assert torch.equal(results[0][0], torch.full((2,), 2.0))
+    assert torch.equal(results[2][0], torch.full((2,), 2.0))
+    assert torch.equal(results[1][0], torch.full((2,), 5.0))
+    assert all(torch.equal(r[-1], torch.full((1,), 3.0)) for r in results)
+
+
+def _join() -> tuple:
+    import raytrain_x.torch as rx
+
+    rx.init()
+    steps = 2 if rx.rank() == 0 else 4  # rank 0 runs out of data first
+    sums = []
+    for step in range(steps):
+        sums.append(rx.allreduce(torch.ones(3), op=rx.Sum, name=f"step{step}")[0].item())
+    last = rx.join()
+    return sums, last
+
+
+def test_join_lets_a_rank_finish_early():
+    results = run_workers(_join, 2)
+    assert results[0] == ([2.0, 2.0], 1)
+    assert results[1] == ([2.0, 2.0, 1.0, 1.0], 1)

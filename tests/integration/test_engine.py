@@ -1,0 +1,198 @@
+"""Engine behaviour under change and failure: knob switches, mismatches, dead peers."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+import torch
+
+from tests.workers import run_workers
+
+
+def _knob_change() -> dict:
+    import raytrain_x.torch as rx
+
+    rx.init()
+    seen = []
+    eng = rx._runtime.engine()
+    eng.on_knobs_changed(lambda k: seen.append((eng.stats.cycles, k.fusion_threshold_bytes)))
+    before = rx.knobs().fusion_threshold_bytes
+    if rx.rank() == 0:
+        rx.set_knobs(rx.knobs().replace(fusion_threshold_bytes=4096, cycle_time_ms=2.0))
+    else:  # ignored: only rank 0 decides
+        rx.set_knobs(rx.knobs().replace(fusion_threshold_bytes=12345))
+    for step in range(30):
+        rx.allreduce(torch.ones(64), name=f"s{step}")
+        if rx.knobs().fusion_threshold_bytes != before:
+            break
+    rx.barrier()
+    return {"cycle": seen[0][0] if seen else None, "threshold": rx.knobs().fusion_threshold_bytes,
+            "cycle_time": rx.knobs().cycle_time_ms}
+
+
+def test_knob_change_applies_on_every_rank_at_the_same_cycle():
+    results = run_workers(_knob_change, 3)
+    assert all(r["threshold"] == 4096 and r["cycle_time"] == 2.0 for r in results)
+    assert len({r["cycle"] for r in results}) == 1  # same engine cycle everywhere
+
+
+def _mismatch(kind: str) -> float:
+    import raytrain_x.torch as rx
+
+    rx.init()
+    start = time.monotonic()
+    try:
+        if kind == "shape":
+            rx.allreduce(torch.ones(3 if rx.rank() == 0 else 4), name="bad")
+        elif kind == "dtype":
+            rx.allreduce(torch.ones(3, dtype=torch.float32 if rx.rank() else torch.float64),
+                         name="bad")
+        else:
+            rx.allreduce(torch.ones(3), name="bad", op=rx.Sum if rx.rank() else rx.Max)
+    except rx.TensorMismatchError as exc:
+        assert "bad" in str(exc) and "ranks [0]" in str(exc) and "ranks [1]" in str(exc), exc
+        # the engine survives: later collectives still work
+        assert rx.allreduce(torch.ones(2), op=rx.Sum, name="after")[0].item() == rx.size()
+        return time.monotonic() - start
+    raise AssertionError("no TensorMismatchError")
+
+
+@pytest.mark.parametrize("kind", ["shape", "dtype", "op"])
+def test_mismatch_raises_within_seconds(kind):
+    elapsed = run_workers(_mismatch, 2, kind)
+    assert max(elapsed) < 3.0
+
+
+def _cached_then_changed() -> str:
+    import raytrain_x.torch as rx
+
+    rx.init()
+    for _ in range(3):  # "w" is now in the response cache on both ranks
+        rx.allreduce(torch.ones(5), name="w")
+    try:
+        rx.allreduce(torch.ones(6 if rx.rank() == 1 else 5), name="w")
+    except rx.TensorMismatchError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_mismatch_detected_for_a_cached_name():
+    for text in run_workers(_cached_then_changed, 2):
+        assert "ranks disagree on tensor 'w'" in text
+
+
+def _dead_peer() -> float:
+    import raytrain_x.torch as rx
+
+    rx.init()
+    rx.allreduce(torch.ones(3), name="warm")
+    if rx.rank() == 1:
+        os._exit(1)  # a real crash: no shutdown, sockets close
+    time.sleep(0.5)
+    start = time.monotonic()
+    try:
+        rx.allreduce(torch.ones(3), name="after-crash")
+    except rx.InternalError as exc:
+        assert "peer" in str(exc)
+        return time.monotonic() - start
+    raise AssertionError("no InternalError")
+
+
+def test_killed_peer_raises_internal_error_quickly():
+    results = run_workers(_dead_peer, 2, allow_failures=True, timeout=60)
+    assert isinstance(results[0], float) and results[0] < 5.0
+
+
+def _stall() -> str:
+    import logging
+
+    import raytrain_x.torch as rx
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda rec: records.append(rec.getMessage())
+    logging.getLogger("raytrain_x.engine").addHandler(handler)
+    rx.init()
+    if rx.rank() == 0:
+        try:
+            rx.allreduce(torch.ones(2), name="only-rank-0")
+        except rx.TensorMismatchError as exc:
+            return f"{records}|{exc}"
+        return "no error"
+    time.sleep(4)
+    return "slept"
+
+
+def test_stalled_tensor_warns_and_then_fails_naming_the_missing_rank():
+    env = {"RAYTRAIN_X_STALL_CHECK_TIME_SECONDS": "1",
+           "RAYTRAIN_X_STALL_SHUTDOWN_TIME_SECONDS": "2.5"}
+    text = run_workers(_stall, 2, env=env)[0]
+    assert "'only-rank-0' has waited" in text and "ranks [1] did not" in text
+    assert "stalled" in text
+
+
+def _timeline(path: str) -> None:
+    import raytrain_x.torch as rx
+
+    rx.init()
+    for i in range(3):
+        rx.grouped_allreduce([torch.ones(10), torch.ones(20)], name=f"g{i}")
+
+
+def test_timeline_is_written_on_rank_0(tmp_path):
+    path = tmp_path / "timeline.json"
+    run_workers(_timeline, 2, str(path), env={"RAYTRAIN_X_TIMELINE": str(path)})
+    events = json.loads(path.read_text())
+    names = {e.get("name") for e in events}
+    assert {"NEGOTIATE", "QUEUE", "ALLREDUCE", "MEMCPY_IN_FUSION_BUFFER",
+            "MEMCPY_OUT_FUSION_BUFFER"} <= names
+
+
+def _bad_calls() -> list[str]:
+    import raytrain_x.torch as rx
+
+    rx.init()
+    errors = []
+    for call in (
+        lambda: rx.allreduce([1, 2, 3]),
+        lambda: rx.allreduce(torch.ones(3), op="mean"),
+        lambda: rx.allreduce_(torch.ones(4, 4).t()),
+        lambda: rx.allreduce(torch.ones(2, dtype=torch.complex64)),
+        lambda: rx.alltoall(torch.ones(3), splits=[1, 1]),
+        lambda: rx.broadcast(torch.ones(1), root_rank=5),
+        lambda: rx.synchronize(42),
+    ):
+        try:
+            call()
+            errors.append("no error")
+        except rx.ConfigError as exc:
+            errors.append(str(exc))
+    h = rx.allreduce_async(torch.ones(1), name="dup")
+    try:
+        rx.allreduce_async(torch.ones(1), name="dup")
+    except rx.ConfigError as exc:
+        errors.append(str(exc))
+    rx.synchronize(h)
+    return errors
+
+
+def test_bad_calls_get_clear_errors():
+    errors = run_workers(_bad_calls, 2)[0]
+    assert "no error" not in errors
+    assert "needs a torch.Tensor" in errors[0]
+    assert "unknown reduce op 'mean'" in errors[1]
+    assert "not contiguous" in errors[2]
+    assert "not supported" in errors[3]
+    assert "splits [1, 1]" in errors[4]
+    assert "root_rank 5" in errors[5]
+    assert "already in flight" in errors[7]
+
+
+def test_not_initialised_error():
+    import raytrain_x.torch as rx
+
+    with pytest.raises(rx.ConfigError, match="call init"):
+        rx.rank()

@@ -1,0 +1,91 @@
+"""Runs a function on N real processes joined by real gloo groups (no Ray needed)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue as queue_module
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, size: int, port: int, fn: Callable, args: tuple, env: dict, hosts: int,
+           queue: Any) -> None:
+    os.environ.update({k: str(v) for k, v in env.items()})
+    per_host = size // hosts
+    os.environ.update({
+        "RAYTRAIN_X_RANK": str(rank),
+        "RAYTRAIN_X_SIZE": str(size),
+        "RAYTRAIN_X_LOCAL_RANK": str(rank % per_host),
+        "RAYTRAIN_X_LOCAL_SIZE": str(per_host),
+        "RAYTRAIN_X_CROSS_RANK": str(rank // per_host),
+        "RAYTRAIN_X_CROSS_SIZE": str(hosts),
+        "RAYTRAIN_X_STORE_ADDR": "127.0.0.1",
+        "RAYTRAIN_X_STORE_PORT": str(port),
+    })
+    os.environ.setdefault("RAYTRAIN_X_TIMEOUT", "20")
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        # plain pickle: tensors travel by value, not as shared-memory handles of a dead process
+        queue.put((rank, True, pickle.dumps(fn(*args))))
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        queue.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        try:
+            import raytrain_x.fusion.runtime as runtime
+
+            runtime.shutdown()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def run_workers(fn: Callable, size: int, *args: Any, env: dict | None = None, hosts: int = 1,
+                timeout: float = 120.0, allow_failures: bool = False) -> list[Any]:
+    """Runs `fn(*args)` on `size` spawned processes; returns per-rank results in rank order.
+
+    With `allow_failures`, a failed rank's entry is the exception text instead of raising.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, size, port, fn, args, env or {}, hosts, queue))
+             for r in range(size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) + len(failures) < size:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"workers did not finish within {timeout}s; got ranks "
+                                     f"{sorted(results)}, failed {sorted(failures)}")
+            try:
+                rank, ok, value = queue.get(timeout=0.2)
+                (results if ok else failures)[rank] = value
+            except queue_module.Empty:
+                for r, p in enumerate(procs):  # a rank that died without reporting
+                    if not p.is_alive() and r not in results and r not in failures \
+                            and queue.empty():
+                        failures[r] = f"process exited with code {p.exitcode} without a result"
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    if failures and not allow_failures:
+        raise AssertionError("\n".join(f"rank {r} failed: {t}" for r, t in sorted(failures.items())))
+    return [pickle.loads(results[r]) if r in results else failures[r] for r in range(size)]
