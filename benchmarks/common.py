@@ -45,3 +45,12 @@ def write_json(name: str, payload: dict[str, Any], path: str | None = None) -> P
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(payload, indent=2))
     return out
+
+
+def free_port() -> int:
+    """A free TCP port on loopback for the benchmarks' stores."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,150 @@
+"""One training step on a ResNet-50-shaped parameter set, 2 processes, several ways.
+
+Same processes, same model, measured back to back:
+  flat         one torch.distributed all_reduce of all gradient bytes (communication floor)
+  backward     forward + backward + step, no communication
+  ddp25        DistributedDataParallel(bucket_cap_mb=25)
+  ddp<N>       DDP with other bucket sizes (--ddp-buckets)
+  per_tensor   backward, then one all_reduce per gradient
+  rx           raytrain_x.torch.DistributedOptimizer
+Prints medians and ratios; writes results/optimizer_step.json.
+
+Run: .venv/bin/python benchmarks/optimizer_step.py [--workers 2] [--repeats 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import free_port, print_table, write_json  # noqa: E402
+
+
+def _median_step(fn, repeats: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    # every rank uses rank 0's clock: the slowest rank decides a step
+    t = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _worker(rank: int, size: int, port: int, args, queue) -> None:
+    import raytrain_x.torch as rx
+    from raytrain_x.common.workloads import resnet50_parameter_shapes, shaped_model
+
+    torch.set_num_threads(1)
+    os.environ.update({"RAYTRAIN_X_RANK": str(rank), "RAYTRAIN_X_SIZE": str(size),
+                       "RAYTRAIN_X_STORE_ADDR": "127.0.0.1", "RAYTRAIN_X_STORE_PORT": str(port)})
+    store = dist.TCPStore("127.0.0.1", port + 1, size, rank == 0, timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=size)
+    rx.init()
+    shapes = resnet50_parameter_shapes()
+    scale = torch.ones(())
+    results = {}
+
+    model = shaped_model(shapes)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    flat = torch.ones(sum(p.numel() for p in model.parameters()))
+    results["flat"] = _median_step(lambda: dist.all_reduce(flat), args.repeats)
+
+    def plain_step(after_backward=None):
+        opt.zero_grad()
+        model(scale).backward()
+        if after_backward:
+            after_backward()
+        opt.step()
+
+    results["backward"] = _median_step(plain_step, args.repeats)
+
+    def per_tensor():
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+
+    results["per_tensor"] = _median_step(lambda: plain_step(per_tensor), args.repeats)
+
+    for cap in args.ddp_buckets:
+        ddp_model = torch.nn.parallel.DistributedDataParallel(shaped_model(shapes),
+                                                              bucket_cap_mb=cap)
+        ddp_opt = torch.optim.SGD(ddp_model.parameters(), lr=1e-4)
+
+        def ddp_step():
+            ddp_opt.zero_grad()
+            ddp_model(scale).backward()
+            ddp_opt.step()
+
+        results[f"ddp{cap:g}"] = _median_step(ddp_step, args.repeats)
+        del ddp_model, ddp_opt
+
+    rx_model = shaped_model(shapes)
+    rx_opt = rx.DistributedOptimizer(torch.optim.SGD(rx_model.parameters(), lr=1e-4),
+                                     named_parameters=rx_model.named_parameters())
+
+    def rx_step():
+        rx_opt.zero_grad()
+        rx_model(scale).backward()
+        rx_opt.step()
+
+    results["rx"] = _median_step(rx_step, args.repeats)
+    results["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    rx.shutdown()
+    dist.destroy_process_group()
+    if rank == 0:
+        queue.put(results)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--ddp-buckets", type=float, nargs="+", default=[25.0, 4.0, 1.0, 100.0])
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    if 25.0 not in args.ddp_buckets:
+        args.ddp_buckets.insert(0, 25.0)
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, args.workers, port, args, queue))
+             for r in range(args.workers)]
+    for p in procs:
+        p.start()
+    results = queue.get(timeout=1800)
+    for p in procs:
+        p.join()
+    ddp_keys = [k for k in results if k.startswith("ddp")]
+    best_ddp = min(ddp_keys, key=lambda k: results[k])
+    rows = [{"method": k, "median ms": results[k] * 1e3,
+             "x ddp25": results[k] / results["ddp25"], "x flat": results[k] / results["flat"]}
+            for k in ["flat", "backward", "per_tensor", *ddp_keys, "rx"]]
+    print(f"{args.workers} workers, ResNet-50-shaped gradients (161 tensors, 25.6M float32)")
+    print_table(rows, ["method", "median ms", "x ddp25", "x flat"])
+    ratios = {"rx_over_ddp25": results["rx"] / results["ddp25"],
+              "rx_over_best_ddp": results["rx"] / results[best_ddp], "best_ddp": best_ddp,
+              "rx_over_flat": results["rx"] / results["flat"]}
+    print(ratios)
+    path = write_json("optimizer_step", {"workers": args.workers, "results": results,
+                                         "ratios": ratios}, args.json)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
