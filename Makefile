@@ -26,7 +26,7 @@ $(BUILD_STAMP): $(DEPS_STAMP) $(NATIVE_SOURCES)
 	touch $@
 
 demo: setup
-	$(BIN)/python examples/pack_demo.py
+	$(BIN)/raytrain-x run -np 2 python examples/torch_digits.py
 
 test: setup
 	$(BIN)/python -m pytest

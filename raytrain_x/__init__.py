@@ -10,6 +10,7 @@ from raytrain_x.common.errors import (
     RendezvousTimeout,
     ResetLimitExceeded,
     TensorMismatchError,
+    WorkerError,
 )
 from raytrain_x.common.knobs import Knobs, load_knobs
 
@@ -24,5 +25,6 @@ __all__ = [
     "RendezvousTimeout",
     "ResetLimitExceeded",
     "TensorMismatchError",
+    "WorkerError",
     "load_knobs",
 ]

@@ -19,6 +19,20 @@ class InternalError(RaytrainXError):
     """A peer or the transport failed; elastic training restores the last commit."""
 
 
+class WorkerError(RaytrainXError):
+    """A worker's function raised or its process exited; carries the rank and traceback.
+
+    Args:
+        rank: the failing worker's rank.
+        detail: the remote traceback or exit description.
+    """
+
+    def __init__(self, rank: int, detail: str) -> None:
+        super().__init__(f"rank {rank} failed:\n{detail}")
+        self.rank = rank
+        self.detail = detail
+
+
 class HostsUpdatedInterrupt(RaytrainXError):
     """Hosts were added or removed; elastic training re-forms the world keeping its state.
 
@@ -44,6 +58,7 @@ __all__ = [
     "ConfigError",
     "TensorMismatchError",
     "InternalError",
+    "WorkerError",
     "HostsUpdatedInterrupt",
     "RendezvousTimeout",
     "ResetLimitExceeded",

@@ -1,0 +1,133 @@
+"""The `raytrain-x` command: `raytrain-x run -np N [flags] python train.py [args]`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from raytrain_x.common.errors import ConfigError, RaytrainXError
+from raytrain_x.common.knobs import Knobs, load_knobs
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors and exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        sys.stderr.write(f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        sys.exit(2)
+
+
+def _add_knob_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("communication knobs (flag > env > config file)")
+    for name, spec in Knobs.specs().items():
+        if spec.kind is bool:
+            group.add_argument(spec.flag, dest=name, action=argparse.BooleanOptionalAction,
+                               default=None, help=spec.help)
+        else:
+            group.add_argument(spec.flag, dest=name, type=float, default=None,
+                               metavar="MB" if spec.flag_scale != 1 else "N", help=spec.help)
+    group.add_argument("--config-file", help="YAML/JSON file of knobs")
+    group.add_argument("--timeline-filename", help="Chrome trace written by rank 0")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="raytrain-x", description=__doc__)
+    sub = parser.add_subparsers(dest="command_name", required=True, parser_class=_Parser)
+    run = sub.add_parser("run", help="run a training script on N workers",
+                         description="Runs COMMAND on N Ray workers joined into one world.")
+    run.add_argument("-np", "--num-proc", dest="np", type=int, required=True,
+                     help="number of workers")
+    run.add_argument("--address", help="Ray cluster address (default: running cluster, else "
+                     "a local one)")
+    run.add_argument("--cpus-per-worker", type=float, default=1.0)
+    run.add_argument("--use-gpu", action="store_true")
+    run.add_argument("--timeout", type=float, default=30.0,
+                     help="rendezvous/collective timeout in seconds")
+    run.add_argument("--verbose", action="store_true")
+    _add_knob_flags(run)
+    run.add_argument("command", nargs=argparse.REMAINDER, help="the command to run")
+    return parser
+
+
+def resolve_knobs(args: argparse.Namespace) -> tuple[Knobs, frozenset[str]]:
+    """Knobs from flags (converted to knob units), env and the config file."""
+    flags: dict[str, Any] = {}
+    for name, spec in Knobs.specs().items():
+        value = getattr(args, name)
+        if value is not None:
+            flags[name] = value * spec.flag_scale if spec.kind is not bool else value
+    return load_knobs(flags=flags, config_file=args.config_file)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command_name == "run":
+            return _run(args, parser)
+    except ConfigError as exc:
+        sys.stderr.write(f"raytrain-x: error: {exc}\n")
+        return 2
+    except RaytrainXError as exc:
+        sys.stderr.write(f"raytrain-x: {exc}\n")
+        return 1
+    return 0
+
+
+def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        parser.error("run needs a command, e.g. raytrain-x run -np 2 python train.py")
+    if args.np < 1:
+        parser.error(f"-np must be >= 1, got {args.np}")
+    knobs, _fixed = resolve_knobs(args)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="raytrain-x %(levelname)s %(message)s")
+
+    from raytrain_x.ray.executor import RayExecutor, ensure_ray, knob_env
+    from raytrain_x.ray.launch import run_command_on_workers
+
+    ensure_ray(args.address, log_to_driver=args.verbose)
+    settings = RayExecutor.create_settings(timeout_s=args.timeout)
+    executor = RayExecutor(settings, num_workers=args.np, cpus_per_worker=args.cpus_per_worker,
+                           use_gpu=args.use_gpu, knobs=knobs)
+    env = dict(knob_env(knobs))
+    if args.timeline_filename:
+        env["RAYTRAIN_X_TIMELINE"] = os.path.abspath(args.timeline_filename)
+    start = time.monotonic()
+    executor.start(extra_env_vars=env)
+    try:
+        if args.verbose:
+            print(f"raytrain-x: {args.np} workers ready in {time.monotonic() - start:.1f}s",
+                  flush=True)
+        codes = run_command_on_workers(executor, command, env, _printer())
+    finally:
+        executor.shutdown()
+    failed = [(t, rank, code) for rank, (code, t) in enumerate(codes) if code != 0]
+    if failed:
+        _, rank, code = min(failed)
+        sys.stderr.write(f"raytrain-x: rank {rank} exited with code {code}\n")
+        return code if 0 < code < 256 else 1
+    return 0
+
+
+def _printer():
+    lock = threading.Lock()
+
+    def emit(rank: int, line: str) -> None:
+        with lock:
+            print(f"[{rank}]<stdout>:{line}", flush=True)
+
+    return emit
+
+
+if __name__ == "__main__":
+    sys.exit(main())

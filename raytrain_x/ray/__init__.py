@@ -1,0 +1,7 @@
+"""The Ray layer: `RayExecutor` places worker actors and forms their rendezvous."""
+
+from __future__ import annotations
+
+from raytrain_x.ray.executor import RayExecutor, Settings, ensure_ray
+
+__all__ = ["RayExecutor", "Settings", "ensure_ray"]

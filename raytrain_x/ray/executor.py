@@ -1,0 +1,334 @@
+"""`RayExecutor`: Ray actors that form raytrain-x worlds (horovod.ray's API)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from raytrain_x.common.errors import ConfigError, WorkerError
+from raytrain_x.common.knobs import Knobs
+from raytrain_x.comm.store import StoreActor
+from raytrain_x.ray.placement import (
+    Slot,
+    assign_ranks,
+    create_placement_group,
+    validate_shape,
+)
+from raytrain_x.ray.worker import Worker
+
+log = logging.getLogger("raytrain_x.ray")
+
+
+@dataclass
+class Settings:
+    """Executor timeouts.
+
+    Attributes:
+        timeout_s: rendezvous and collective timeout; after one rank fails, the others are
+            given this long to stop before they are killed.
+        placement_group_timeout_s: how long to wait for the cluster to fit the workers.
+    """
+
+    timeout_s: float = 30.0
+    placement_group_timeout_s: float = 100.0
+
+
+def ensure_ray(address: str | None = None, **init_kwargs: Any) -> None:
+    """Connects to Ray: `address`, else a running cluster (`auto`), else a local one."""
+    if ray.is_initialized():
+        return
+    if address:
+        ray.init(address=address, **init_kwargs)
+        return
+    try:
+        ray.init(address="auto", **init_kwargs)
+    except ConnectionError:
+        ray.init(**init_kwargs)
+
+
+class RayExecutor:
+    """Starts one Ray actor per worker and runs functions on all of them.
+
+    Args:
+        settings: from `RayExecutor.create_settings`.
+        num_workers: workers, packed onto as few nodes as fit (PACK placement).
+        num_hosts: alternatively, hosts to spread over (STRICT_SPREAD) with
+            `num_workers_per_host` workers each.
+        num_workers_per_host: workers per host with `num_hosts`.
+        cpus_per_worker: CPUs reserved per worker.
+        use_gpu: reserve GPUs; CUDA_VISIBLE_DEVICES is shared by the workers of a node.
+        gpus_per_worker: GPUs per worker (default 1 with `use_gpu`).
+        use_current_placement_group: run inside the caller's placement group (Tune trials).
+        min_workers, max_workers, reset_limit, cooldown_range, elastic_timeout: elastic
+            training (validated here).
+        knobs: communication knobs for every worker (defaults: env and config file).
+        autotune: an autotune configuration (validated here).
+    """
+
+    @staticmethod
+    def create_settings(timeout_s: float = 30.0, placement_group_timeout_s: float = 100.0,
+                        **unsupported: Any) -> Settings:
+        """Executor settings; Horovod's ssh/nics arguments do not apply on Ray."""
+        if unsupported:
+            raise ConfigError(f"create_settings does not take {sorted(unsupported)}: Ray places "
+                              "and connects the workers itself")
+        if timeout_s <= 0 or placement_group_timeout_s <= 0:
+            raise ConfigError("timeouts must be positive numbers of seconds")
+        return Settings(float(timeout_s), float(placement_group_timeout_s))
+
+    def __init__(
+        self,
+        settings: Settings | None = None,
+        num_workers: int | None = None,
+        num_hosts: int | None = None,
+        num_workers_per_host: int = 1,
+        cpus_per_worker: float = 1,
+        use_gpu: bool = False,
+        gpus_per_worker: float | None = None,
+        use_current_placement_group: bool = True,
+        min_workers: int | None = None,
+        max_workers: int | None = None,
+        reset_limit: int | None = None,
+        cooldown_range: tuple[float, float] | None = None,
+        elastic_timeout: float = 600,
+        knobs: Knobs | None = None,
+        autotune: Any = None,
+    ) -> None:
+        elastic = min_workers is not None or max_workers is not None
+        if elastic:
+            num_workers = num_workers if num_workers is not None else (min_workers or 1)
+        validate_shape(num_workers, num_hosts, num_workers_per_host, cpus_per_worker,
+                       gpus_per_worker, use_gpu)
+        if min_workers is not None and (min_workers < 1 or (max_workers is not None
+                                                            and max_workers < min_workers)):
+            raise ConfigError(f"need 1 <= min_workers <= max_workers, got {min_workers}, "
+                              f"{max_workers}")
+        if reset_limit is not None and reset_limit < 0:
+            raise ConfigError(f"reset_limit must be >= 0, got {reset_limit}")
+        if cooldown_range is not None:
+            if len(cooldown_range) != 2 or not 0 < cooldown_range[0] <= cooldown_range[1]:
+                raise ConfigError(f"cooldown_range must be (lo, hi) with 0 < lo <= hi, got "
+                                  f"{cooldown_range}")
+        if elastic_timeout <= 0:
+            raise ConfigError(f"elastic_timeout must be positive, got {elastic_timeout}")
+        if knobs is not None and not isinstance(knobs, Knobs):
+            raise ConfigError(f"knobs must be a raytrain_x.Knobs, got {type(knobs).__name__}")
+        self.settings = settings or Settings()
+        self.num_workers = num_workers
+        self.num_hosts = num_hosts
+        self.num_workers_per_host = num_workers_per_host
+        self.cpus_per_worker = cpus_per_worker
+        self.use_gpu = use_gpu
+        self.gpus_per_worker = (gpus_per_worker if gpus_per_worker is not None
+                                else (1 if use_gpu else 0))
+        self.use_current_placement_group = use_current_placement_group
+        self.min_workers, self.max_workers = min_workers, max_workers
+        self.reset_limit, self.cooldown_range = reset_limit, cooldown_range
+        self.elastic_timeout = elastic_timeout
+        self.knobs = knobs
+        self.autotune = autotune
+        self.workers: list[Any] = []
+        self.slots: list[Slot] = []
+        self._pg = None
+        self._owns_pg = False
+        self._store = None
+        self._round = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def world_size(self) -> int:
+        if self.num_hosts is not None:
+            return self.num_hosts * self.num_workers_per_host
+        return int(self.num_workers)
+
+    def start(self, executable_cls: type | None = None, executable_args: Sequence | None = None,
+              executable_kwargs: dict | None = None,
+              extra_env_vars: dict[str, str] | None = None) -> None:
+        """Places the workers, forms the world's rendezvous and builds the executables."""
+        if self.workers:
+            raise ConfigError("this executor is already started; call shutdown() first")
+        ensure_ray()
+        self._start_workers(extra_env_vars or {})
+        if executable_cls is not None:
+            ray.get([w.create_executable.remote(executable_cls, tuple(executable_args or ()),
+                                                dict(executable_kwargs or {}))
+                     for w in self.workers])
+
+    def _start_workers(self, extra_env: dict[str, str]) -> None:
+        current = ray.util.get_current_placement_group()
+        gpus = self.gpus_per_worker if self.use_gpu else 0
+        if self.use_current_placement_group and current is not None:
+            self._pg, self._owns_pg = current, False
+            offset = 1 if len(current.bundle_specs) > self.world_size else 0
+            indexes = [i + offset for i in range(self.world_size)]
+        else:
+            self._pg, indexes = create_placement_group(
+                self.num_workers if self.num_hosts is None else None, self.num_hosts,
+                self.num_workers_per_host, self.cpus_per_worker, gpus,
+                self.settings.placement_group_timeout_s)
+            self._owns_pg = True
+        workers = [
+            Worker.options(
+                num_cpus=self.cpus_per_worker, num_gpus=gpus,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, index),
+            ).remote()
+            for index in indexes
+        ]
+        node_ids = ray.get([w.node_id.remote() for w in workers])
+        slots = assign_ranks(node_ids)
+        order = sorted(range(len(workers)), key=lambda i: slots[i].rank)
+        self.workers = [workers[i] for i in order]
+        self.slots = [slots[i] for i in order]
+        self._store = StoreActor.options(
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, indexes[0])).remote()
+        env = dict(extra_env)
+        env["RAYTRAIN_X_TIMEOUT"] = str(self.settings.timeout_s)
+        if self.knobs is not None:
+            env.update(knob_env(self.knobs))
+        if self.use_gpu:
+            env_per_node = self._cuda_visible_devices()
+        else:
+            env_per_node = {}
+        ray.get([
+            w.setup.remote(self._rendezvous_args(slot), self._store,
+                           {**env, **env_per_node.get(slot.node_id, {})})
+            for w, slot in zip(self.workers, self.slots)
+        ])
+
+    def _rendezvous_args(self, slot: Slot) -> dict[str, Any]:
+        return {"rank": slot.rank, "size": len(self.slots), "local_rank": slot.local_rank,
+                "local_size": slot.local_size, "cross_rank": slot.cross_rank,
+                "cross_size": slot.cross_size, "timeout_s": self.settings.timeout_s,
+                "hosts": [s.node_id for s in self.slots]}
+
+    def _cuda_visible_devices(self) -> dict[str, dict[str, str]]:
+        ids = ray.get([w.gpu_ids.remote() for w in self.workers])
+        per_node: dict[str, set[str]] = {}
+        for slot, gpu_ids in zip(self.slots, ids):
+            per_node.setdefault(slot.node_id, set()).update(gpu_ids)
+        return {node: {"CUDA_VISIBLE_DEVICES": ",".join(sorted(g, key=int))}
+                for node, g in per_node.items()}
+
+    def shutdown(self) -> None:
+        """Kills the workers and frees their placement group."""
+        for w in self.workers:
+            ray.kill(w, no_restart=True)
+        if self._store is not None:
+            ray.kill(self._store, no_restart=True)
+        if self._pg is not None and self._owns_pg:
+            ray.util.remove_placement_group(self._pg)
+        self.workers, self.slots, self._store, self._pg = [], [], None, None
+
+    def __enter__(self) -> RayExecutor:
+        if not self.workers:
+            self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    # ------------------------------------------------------------------ running
+    def _require_started(self) -> None:
+        if not self.workers:
+            raise ConfigError("the executor is not started; call start() first")
+
+    def run_remote(self, fn: Callable, args: Sequence | None = None,
+                   kwargs: dict | None = None) -> list[ray.ObjectRef]:
+        """Starts `fn(*args, **kwargs)` on every worker; returns ObjectRefs in rank order."""
+        self._require_started()
+        if not callable(fn):
+            raise ConfigError(f"run needs a function, got {type(fn).__name__}")
+        self._round += 1
+        return [w.execute.remote(fn, tuple(args or ()), dict(kwargs or {}), False, self._round)
+                for w in self.workers]
+
+    def run(self, fn: Callable, args: Sequence | None = None, kwargs: dict | None = None,
+            callbacks: Sequence[Callable[[Any], None]] | None = None) -> list[Any]:
+        """Runs `fn` on every worker and returns the results in rank order.
+
+        Args:
+            callbacks: called on the driver with `(rank, result)` as each rank finishes.
+
+        Raises:
+            WorkerError: a rank raised or exited; names the rank and its traceback. The
+                other ranks are released (their engines stop) within `timeout_s`.
+        """
+        return self._collect(self.run_remote(fn, args, kwargs), callbacks)
+
+    def execute(self, fn: Callable[[Any], Any],
+                callbacks: Sequence[Callable[[Any], None]] | None = None) -> list[Any]:
+        """Runs `fn(executable)` on every worker's executable; results in rank order."""
+        self._require_started()
+        self._round += 1
+        refs = [w.execute.remote(fn, (), {}, True, self._round) for w in self.workers]
+        return self._collect(refs, callbacks)
+
+    def execute_single(self, fn: Callable[[Any], Any]) -> Any:
+        """Runs `fn(executable)` on rank 0 only."""
+        self._require_started()
+        self._round += 1
+        return self._collect([self.workers[0].execute.remote(fn, (), {}, True, self._round)],
+                             None)[0]
+
+    def _collect(self, refs: list[ray.ObjectRef],
+                 callbacks: Sequence[Callable[[Any], None]] | None) -> list[Any]:
+        pending = {ref: rank for rank, ref in enumerate(refs)}
+        results: dict[int, Any] = {}
+        errors: dict[int, WorkerError] = {}
+        deadline = float("inf")
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=0.5)
+            for ref in ready:
+                rank = pending.pop(ref)
+                try:
+                    results[rank] = ray.get(ref)
+                    for cb in callbacks or ():
+                        cb((rank, results[rank]))
+                except (RayTaskError, RayActorError) as exc:
+                    errors[rank] = WorkerError(rank, _describe_failure(exc))
+                    deadline = min(deadline, time.monotonic() + self.settings.timeout_s)
+            if errors and pending and time.monotonic() > deadline:
+                stuck = sorted(pending.values())
+                log.warning("ranks %s did not stop %.0fs after rank %d failed; killing them",
+                            stuck, self.settings.timeout_s, min(errors))
+                for rank in stuck:
+                    ray.kill(self.workers[rank], no_restart=True)
+                break
+        if errors:
+            raise _root_cause(errors)
+        return [results[r] for r in range(len(refs))]
+
+
+def _root_cause(errors: dict[int, WorkerError]) -> WorkerError:
+    """The failure that started it: ranks that only lost a peer report InternalError."""
+    causes = [e for e in errors.values() if "InternalError" not in e.detail
+              and "RendezvousTimeout" not in e.detail]
+    chosen = min(causes or errors.values(), key=lambda e: e.rank)
+    others = sorted(r for r in errors if r != chosen.rank)
+    if others:
+        chosen = WorkerError(chosen.rank, chosen.detail.rstrip() +
+                             f"\n(ranks {others} stopped because of this failure)")
+    return chosen
+
+
+def _describe_failure(exc: Exception) -> str:
+    if isinstance(exc, RayActorError):
+        return ("the worker process exited (sys.exit, a crash or a killed node); its output "
+                "is in the Ray logs")
+    cause = getattr(exc, "cause", None)
+    if cause is not None and type(cause).__name__ == "_WorkerFailure":
+        return str(cause)
+    return str(exc)
+
+
+def knob_env(knobs: Knobs) -> dict[str, str]:
+    """Environment variables that set every knob to its value in `knobs`."""
+    return {spec.env: str(int(value) if isinstance(value, bool) else value)
+            for (name, spec), value in zip(Knobs.specs().items(), knobs.to_dict().values())}

@@ -1,0 +1,61 @@
+"""Runs a shell command on every worker of a started executor, streaming its output."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import ray
+from ray.exceptions import RayActorError
+
+from raytrain_x.ray.executor import RayExecutor
+
+
+def command_env(executor: RayExecutor, rank: int, store_addr: str, store_port: int) -> dict:
+    """The RAYTRAIN_X_* variables `rx.init()` reads in a launched process."""
+    slot = executor.slots[rank]
+    return {
+        "RAYTRAIN_X_RANK": str(slot.rank),
+        "RAYTRAIN_X_SIZE": str(len(executor.slots)),
+        "RAYTRAIN_X_LOCAL_RANK": str(slot.local_rank),
+        "RAYTRAIN_X_LOCAL_SIZE": str(slot.local_size),
+        "RAYTRAIN_X_CROSS_RANK": str(slot.cross_rank),
+        "RAYTRAIN_X_CROSS_SIZE": str(slot.cross_size),
+        "RAYTRAIN_X_STORE_ADDR": store_addr,
+        "RAYTRAIN_X_STORE_PORT": str(store_port),
+    }
+
+
+def run_command_on_workers(executor: RayExecutor, command: list[str], env: dict[str, str],
+                           emit: Callable[[int, str], None]) -> list[tuple[int, float]]:
+    """Runs `command` on every worker; `emit(rank, line)` gets each output line.
+
+    Rank 0's process hosts the TCP store the others meet at. Returns `(exit code, time it
+    ended)` per rank; a worker whose actor died reports code 1.
+    """
+    rank0 = executor.workers[0]
+    addr, port = ray.get([rank0.node_ip.remote(), rank0.free_port.remote()])
+    results: list[tuple[int, float]] = [(1, float("inf"))] * len(executor.workers)
+
+    def follow(rank: int) -> None:
+        gen = executor.workers[rank].run_command.options(num_returns="streaming").remote(
+            command, {**env, **command_env(executor, rank, addr, port)})
+        try:
+            for ref in gen:
+                item = ray.get(ref)
+                if isinstance(item, int):
+                    results[rank] = (item, time.monotonic())
+                else:
+                    emit(rank, item)
+        except RayActorError:
+            emit(rank, "raytrain-x: this worker's actor died (node lost or killed)")
+            results[rank] = (1, time.monotonic())
+
+    threads = [threading.Thread(target=follow, args=(r,), daemon=True)
+               for r in range(len(executor.workers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results

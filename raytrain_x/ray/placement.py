@@ -1,0 +1,102 @@
+"""Placement groups and the rank layout that follows from where actors landed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group
+
+from raytrain_x.common.errors import ConfigError, RendezvousTimeout
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one worker runs and its place in the world."""
+
+    rank: int
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+    node_id: str
+
+
+def assign_ranks(node_ids: list[str]) -> list[Slot]:
+    """Ranks for workers given the node each landed on (in actor creation order).
+
+    Workers on one node get consecutive ranks; nodes are ordered by their first worker, so
+    rank 0 stays on the first worker's node. Returns slots indexed like `node_ids`.
+    """
+    order: list[str] = []
+    for node in node_ids:
+        if node not in order:
+            order.append(node)
+    per_node = {n: [i for i, x in enumerate(node_ids) if x == n] for n in order}
+    slots: list[Slot | None] = [None] * len(node_ids)
+    rank = 0
+    for cross_rank, node in enumerate(order):
+        members = per_node[node]
+        for local_rank, index in enumerate(members):
+            slots[index] = Slot(rank, local_rank, len(members), cross_rank, len(order), node)
+            rank += 1
+    return [s for s in slots if s is not None]
+
+
+def create_placement_group(
+    num_workers: int | None,
+    num_hosts: int | None,
+    num_workers_per_host: int,
+    cpus_per_worker: float,
+    gpus_per_worker: float,
+    timeout_s: float,
+) -> tuple[PlacementGroup, list[int]]:
+    """A placement group for the workers and the bundle index of each worker.
+
+    `num_workers` packs one bundle per worker (PACK); `num_hosts` spreads one bundle per
+    host holding `num_workers_per_host` workers (STRICT_SPREAD).
+    """
+    def bundle(workers: int) -> dict[str, float]:
+        b = {"CPU": cpus_per_worker * workers}
+        if gpus_per_worker:
+            b["GPU"] = gpus_per_worker * workers
+        return b
+
+    if num_hosts is not None:
+        bundles = [bundle(num_workers_per_host) for _ in range(num_hosts)]
+        strategy = "STRICT_SPREAD"
+        indexes = [h for h in range(num_hosts) for _ in range(num_workers_per_host)]
+    else:
+        bundles = [bundle(1) for _ in range(num_workers or 0)]
+        strategy = "PACK"
+        indexes = list(range(num_workers or 0))
+    pg = placement_group(bundles, strategy=strategy)
+    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    if not ready:
+        ray.util.remove_placement_group(pg)
+        total = {k: sum(b.get(k, 0) for b in bundles) for k in ("CPU", "GPU")}
+        raise RendezvousTimeout(
+            f"the cluster could not place {len(indexes)} workers ({strategy}, needs "
+            f"{total['CPU']:g} CPU, {total['GPU']:g} GPU) within {timeout_s:g}s; available: "
+            f"{ray.available_resources()}. Lower num_workers/cpus_per_worker or add nodes.")
+    return pg, indexes
+
+
+def validate_shape(num_workers, num_hosts, num_workers_per_host, cpus_per_worker,
+                   gpus_per_worker, use_gpu) -> None:
+    """Raises ConfigError for impossible executor arguments."""
+    if (num_workers is None) == (num_hosts is None):
+        raise ConfigError("give exactly one of num_workers or num_hosts "
+                          "(with num_workers_per_host)")
+    if num_workers is not None and num_workers < 1:
+        raise ConfigError(f"num_workers must be >= 1, got {num_workers}")
+    if num_hosts is not None and num_hosts < 1:
+        raise ConfigError(f"num_hosts must be >= 1, got {num_hosts}")
+    if num_workers_per_host < 1:
+        raise ConfigError(f"num_workers_per_host must be >= 1, got {num_workers_per_host}")
+    if cpus_per_worker <= 0:
+        raise ConfigError(f"cpus_per_worker must be > 0, got {cpus_per_worker}")
+    if gpus_per_worker is not None and gpus_per_worker < 0:
+        raise ConfigError(f"gpus_per_worker must be >= 0, got {gpus_per_worker}")
+    if gpus_per_worker and not use_gpu:
+        raise ConfigError("gpus_per_worker needs use_gpu=True")

@@ -1,0 +1,88 @@
+"""The Ray actor that hosts one worker (one rank)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import ray
+
+from raytrain_x.comm.rendezvous import Rendezvous, set_rendezvous_provider
+from raytrain_x.comm.store import RayStore
+
+
+class _WorkerFailure(Exception):
+    """Carries a remote traceback as plain text (user exceptions may not unpickle)."""
+
+
+@ray.remote
+class Worker:
+    """Runs user functions and commands for one rank."""
+
+    def __init__(self) -> None:
+        self.executable: Any = None
+        self.rank = -1
+        self.round = 0
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def node_ip(self) -> str:
+        return ray.util.get_node_ip_address()
+
+    def gpu_ids(self) -> list[str]:
+        return [str(g) for g in ray.get_gpu_ids()]
+
+    def free_port(self) -> int:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+
+    def setup(self, rdv: dict[str, Any], store_actor: Any, env: dict[str, str]) -> None:
+        """Sets the environment and installs the rendezvous `rx.init()` will use."""
+        os.environ.update(env)
+        self.rank = rdv["rank"]
+
+        def provider() -> Rendezvous:
+            # each run()/execute() is a new round, so a world re-formed after a failure
+            # never reads the keys of the one before
+            return Rendezvous(store=RayStore(store_actor, rdv["timeout_s"]), round=self.round,
+                              **rdv)
+
+        set_rendezvous_provider(provider)
+
+    def create_executable(self, cls: type, args: tuple, kwargs: dict) -> None:
+        self.executable = cls(*args, **kwargs)
+
+    def execute(self, fn: Callable, args: tuple = (), kwargs: dict | None = None,
+                with_executable: bool = False, round: int = 0) -> Any:
+        """Runs `fn`; on failure shuts this rank's engine down so its peers are released."""
+        self.round = round
+        try:
+            if with_executable:
+                return fn(self.executable)
+            return fn(*args, **(kwargs or {}))
+        except BaseException as exc:
+            from raytrain_x.fusion import runtime
+
+            runtime.shutdown()
+            if isinstance(exc, SystemExit):
+                raise
+            raise _WorkerFailure(traceback.format_exc()) from None
+
+    def run_command(self, command: list[str], env: dict[str, str]) -> Iterator[Any]:
+        """Runs a command, yielding its output lines and finally its exit code (an int)."""
+        if command and command[0] in ("python", "python3"):
+            command = [sys.executable, *command[1:]]  # the interpreter Ray runs us with
+        proc = subprocess.Popen(command, env={**os.environ, **env, "PYTHONUNBUFFERED": "1"},
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                bufsize=1)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            yield line.rstrip("\n")
+        yield proc.wait()
