@@ -1,0 +1,137 @@
+"""The raytrain-x command end to end, and through `ray job submit`."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+BIN = Path(sys.executable).parent
+
+
+def _cli(*args: str, timeout: float = 240, env: dict | None = None):
+    return subprocess.run([str(BIN / "raytrain-x"), *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO,
+                          env={**os.environ, "RAY_AUTH_MODE": "disabled", **(env or {})})
+
+
+def test_cli_trains_digits_on_two_workers(ray_cluster):
+    out = _cli("run", "-np", "2", "--address", ray_cluster, "--fusion-threshold-mb", "1",
+               "python", "examples/torch_digits.py", "--epochs", "4")
+    assert out.returncode == 0, out.stderr[-3000:]
+    match = re.search(r"\[0\]<stdout>:test accuracy ([0-9.]+) on 2 workers", out.stdout)
+    assert match and float(match.group(1)) > 0.85, out.stdout
+
+
+def test_cli_reports_the_failing_rank(ray_cluster, tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text(
+        "import sys, torch, raytrain_x.torch as rx\n"
+        "rx.init()\n"
+        "print('hello from', rx.rank())\n"
+        "if rx.rank() == 1:\n"
+        "    sys.exit(7)\n"
+        "rx.allreduce(torch.ones(1), name='x')\n")
+    out = _cli("run", "-np", "2", "--address", ray_cluster, "python", str(script))
+    assert out.returncode == 7
+    assert "[1]<stdout>:hello from 1" in out.stdout
+    assert "rank 1 exited with code 7" in out.stderr
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["run", "-np", "2"], "needs a command"),
+        (["run", "-np", "0", "python", "x.py"], "-np must be >= 1"),
+        (["run", "-np", "2", "--cycle-time-ms", "fast", "python", "x.py"], "invalid float"),
+        (["run", "-np", "2", "--fusion-threshold-mb", "-1", "python", "x.py"], "out of range"),
+        (["run", "--bogus", "-np", "2", "python", "x.py"], "unrecognized arguments"),
+        (["run", "-np", "2", "--config-file", "/nope.yaml", "python", "x.py"], "does not exist"),
+    ],
+)
+def test_bad_arguments_exit_2_with_one_line(args, message):
+    out = _cli(*args, timeout=60)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], out.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_ray_job_submit():
+    """`ray job submit --working-dir . -- raytrain-x run -np 2 python examples/torch_digits.py`
+    against a `ray start --head` cluster this test starts."""
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled",
+           "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    gcs, dash = _free_port(), _free_port()
+    temp = Path(tempfile.mkdtemp(prefix="rtxjob", dir="/tmp"))  # unix socket paths stay short
+    start = subprocess.run(
+        [str(BIN / "ray"), "start", "--head", f"--port={gcs}", f"--dashboard-port={dash}",
+         "--dashboard-host=127.0.0.1", "--num-cpus=4", "--include-dashboard=true",
+         f"--temp-dir={temp}", "--disable-usage-stats"],
+        capture_output=True, text=True, env=env, timeout=180)
+    assert start.returncode == 0, start.stderr[-2000:]
+    try:
+        deadline = time.monotonic() + 60
+        submit = None
+        while time.monotonic() < deadline:
+            submit = subprocess.run(
+                [str(BIN / "ray"), "job", "submit", f"--address=http://127.0.0.1:{dash}",
+                 "--working-dir", ".", "--", "raytrain-x", "run", "-np", "2", "python",
+                 "examples/torch_digits.py", "--epochs", "3"],
+                capture_output=True, text=True, env=env, cwd=REPO, timeout=400)
+            if "Connection refused" not in submit.stderr + submit.stdout:
+                break
+            time.sleep(2)
+        assert submit is not None and submit.returncode == 0, \
+            (submit.stdout[-3000:], submit.stderr[-3000:])
+        assert re.search(r"\[0\]<stdout>:test accuracy 0\.[89]", submit.stdout), submit.stdout
+        assert "succeeded" in submit.stdout
+    finally:
+        _stop_cluster(temp)
+
+
+def _stop_cluster(temp: Path) -> None:
+    """Stops only the processes of the cluster under `temp` (`ray stop` would also stop the
+    test session's shared cluster)."""
+    import signal
+
+    parents: dict[int, int] = {}
+    mine: set[int] = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            parents[int(pid)] = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1]
+                                    .split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if str(temp) in cmdline and int(pid) != os.getpid():
+            mine.add(int(pid))
+    grew = True
+    while grew:  # agents rename themselves (ray::DashboardAgent): take descendants too
+        children = {p for p, parent in parents.items() if parent in mine} - mine
+        grew = bool(children)
+        mine |= children
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in mine:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        time.sleep(1)
+    shutil.rmtree(temp, ignore_errors=True)

@@ -1,0 +1,123 @@
+"""RayExecutor on a real Ray cluster: run, execute, failures, bad arguments."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from raytrain_x import ConfigError, Knobs, WorkerError
+from raytrain_x.ray import RayExecutor
+
+
+def _identity(tag: str) -> dict:
+    import raytrain_x.torch as rx
+
+    rx.init()
+    total = rx.allreduce(torch.tensor([float(rx.rank())]), op=rx.Sum).item()
+    return {"rank": rx.rank(), "size": rx.size(), "local_rank": rx.local_rank(),
+            "local_size": rx.local_size(), "cross_size": rx.cross_size(), "sum": total,
+            "tag": tag, "fusion": rx.knobs().fusion_threshold_bytes}
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_run_on_n_workers(ray_cluster, workers):
+    settings = RayExecutor.create_settings(timeout_s=20)
+    with RayExecutor(settings, num_workers=workers,
+                     knobs=Knobs(fusion_threshold_bytes=1 << 20)) as executor:
+        results = executor.run(_identity, args=("a",))
+        again = executor.run(_identity, kwargs={"tag": "b"})
+    assert [r["rank"] for r in results] == list(range(workers))
+    assert [r["local_rank"] for r in results] == list(range(workers))  # one node here
+    assert all(r["size"] == workers and r["local_size"] == workers and r["cross_size"] == 1
+               for r in results)
+    assert all(r["sum"] == sum(range(workers)) for r in results)
+    assert all(r["fusion"] == 1 << 20 for r in results)  # knobs reached every worker
+    assert [r["tag"] for r in again] == ["b"] * workers
+
+
+class Counter:
+    def __init__(self, start: int) -> None:
+        import raytrain_x.torch as rx
+
+        rx.init()
+        self.rx = rx
+        self.value = start
+
+    def bump(self) -> int:
+        self.value += 1
+        return int(self.rx.allreduce(torch.tensor(self.value), op=self.rx.Sum,
+                                     name=f"bump{self.value}").item())
+
+
+def test_execute_keeps_state_between_calls(ray_cluster):
+    executor = RayExecutor(RayExecutor.create_settings(timeout_s=20), num_workers=2)
+    executor.start(executable_cls=Counter, executable_args=(10,))
+    try:
+        assert executor.execute(lambda c: c.bump()) == [22, 22]
+        assert executor.execute(lambda c: c.bump()) == [24, 24]
+        assert executor.execute_single(lambda c: (c.rx.rank(), c.value)) == (0, 12)
+        refs = executor.run_remote(lambda: 5)
+        import ray
+
+        assert ray.get(refs) == [5, 5]
+    finally:
+        executor.shutdown()
+
+
+def _fails_on_rank_1(kind: str) -> str:
+    import sys
+
+    import raytrain_x.torch as rx
+
+    rx.init()
+    rx.allreduce(torch.ones(2), name="before")
+    if rx.rank() == 1:
+        if kind == "raise":
+            raise ValueError("boom on purpose")
+        sys.exit(3)
+    rx.allreduce(torch.ones(2), name="never-completes")  # rank 1 is gone: must not hang
+    return "unreachable"
+
+
+@pytest.mark.parametrize("kind", ["raise", "exit"])
+def test_failing_rank_is_reported_and_others_released(ray_cluster, kind):
+    settings = RayExecutor.create_settings(timeout_s=15)
+    executor = RayExecutor(settings, num_workers=3)
+    executor.start()
+    try:
+        start = time.monotonic()
+        with pytest.raises(WorkerError) as info:
+            executor.run(_fails_on_rank_1, args=(kind,))
+        elapsed = time.monotonic() - start
+        assert info.value.rank == 1
+        if kind == "raise":
+            assert "ValueError: boom on purpose" in str(info.value)
+            assert "_fails_on_rank_1" in str(info.value)  # the remote traceback
+        else:
+            assert "exited" in str(info.value)
+        assert elapsed < settings.timeout_s
+        if kind == "raise":  # the same workers form a new world afterwards
+            assert [r["sum"] for r in executor.run(_identity, args=("x",))] == [3.0] * 3
+    finally:
+        executor.shutdown()
+
+
+def test_bad_arguments(ray_cluster):
+    with pytest.raises(ConfigError, match="does not take"):
+        RayExecutor.create_settings(ssh_identity_file="x")
+    with pytest.raises(ConfigError, match="exactly one"):
+        RayExecutor(num_workers=2, num_hosts=2)
+    with pytest.raises(ConfigError, match="cooldown_range"):
+        RayExecutor(num_workers=2, cooldown_range=(5, 1))
+    with pytest.raises(ConfigError, match="min_workers"):
+        RayExecutor(min_workers=3, max_workers=2)
+    with pytest.raises(ConfigError, match="knobs must be"):
+        RayExecutor(num_workers=1, knobs={"cycle_time_ms": 1})
+    with pytest.raises(ConfigError, match="not started"):
+        RayExecutor(num_workers=1).run(lambda: 1)
+    executor = RayExecutor(RayExecutor.create_settings(placement_group_timeout_s=2),
+                           num_workers=50)
+    with pytest.raises(Exception, match="could not place 50 workers"):
+        executor.start()
