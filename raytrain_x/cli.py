@@ -111,9 +111,10 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         codes = run_command_on_workers(executor, command, env, _printer())
     finally:
         executor.shutdown()
-    failed = [(t, rank, code) for rank, (code, t) in enumerate(codes) if code != 0]
-    if failed:
-        _, rank, code = min(failed)
+    failed = [(r["lost_peer"], r["ended"], rank, r["code"]) for rank, r in enumerate(codes)
+              if r["code"] != 0]
+    if failed:  # report the root cause: not a rank that only lost its peer, the earliest
+        _, _, rank, code = min(failed)
         sys.stderr.write(f"raytrain-x: rank {rank} exited with code {code}\n")
         return code if 0 < code < 256 else 1
     return 0

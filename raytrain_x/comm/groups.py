@@ -109,6 +109,11 @@ class Group:
         self._call("alltoall", lambda: pg.alltoall_base(output, tensor, output_splits,
                                                         input_splits, opts).wait())
 
+    def close(self) -> None:
+        """Drops the backends now, while the interpreter is fully alive."""
+        self._gloo = None
+        self._nccl = None
+
     def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor) -> None:
         """Sums `tensor` over members; member i keeps the i-th of `size` equal chunks."""
         opts = dist.ReduceScatterOptions()
@@ -214,6 +219,18 @@ class ProcessGroups:
     def _subgroup(self, prefix: str, ranks: list[int]) -> Group:
         return Group(dist.PrefixStore(prefix, self._store), ranks.index(self.rdv.rank),
                      len(ranks), self.rdv.timeout_s, ranks)
+
+    def close(self) -> None:
+        """Releases every communicator of this round (the store last)."""
+        for ps in self._sets.values():
+            if ps.group is not None and ps.group is not self.world:
+                ps.group.close()
+        for group in (self._local, self._cross, self.world):
+            if group is not None:
+                group.close()
+        self._sets.clear()
+        self._local = self._cross = None
+        self._store = None
 
     def add_process_set(self, ranks: Sequence[int]) -> ProcessSet:
         """Registers a process set; every rank must call it with the same ranks, in the same

@@ -123,13 +123,20 @@ class Engine:
     # ----------------------------------------------------------------- user-thread API
     def enqueue(self, request: Request) -> None:
         """Queues a request; the engine completes its handle."""
+        self.enqueue_many([request])
+
+    def enqueue_many(self, requests: list[Request]) -> None:
+        """Queues requests atomically: one cycle picks them all up, so a group that is
+        ready everywhere is fused together (grouped allreduce)."""
         with self._cond:
             self._raise_if_stopped()
-            if request.name in self._inflight:
-                raise ConfigError(f"a collective named {request.name!r} is already in flight; "
-                                  "names must be unique until their handle completes")
-            self._inflight.add(request.name)
-            self._queue.append(request)
+            names = [r.name for r in requests]
+            for name in names:
+                if name in self._inflight or names.count(name) > 1:
+                    raise ConfigError(f"a collective named {name!r} is already in flight; "
+                                      "names must be unique until their handle completes")
+            self._inflight.update(names)
+            self._queue.extend(requests)
             self._cond.notify()
 
     def join(self, handle: Any) -> None:
@@ -160,6 +167,11 @@ class Engine:
         self._thread.join(timeout)
         if self._timeline is not None:
             self._timeline.close()
+        if not self._thread.is_alive():
+            # Tear the groups down here, in order, rather than leave them to the garbage
+            # collector at interpreter exit (gloo aborted the process there, now and then).
+            self.groups.close()
+            self.groups.rdv.store = None
 
     @property
     def error(self) -> BaseException | None:

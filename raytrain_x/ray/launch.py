@@ -28,15 +28,17 @@ def command_env(executor: RayExecutor, rank: int, store_addr: str, store_port: i
 
 
 def run_command_on_workers(executor: RayExecutor, command: list[str], env: dict[str, str],
-                           emit: Callable[[int, str], None]) -> list[tuple[int, float]]:
+                           emit: Callable[[int, str], None]) -> list[dict]:
     """Runs `command` on every worker; `emit(rank, line)` gets each output line.
 
-    Rank 0's process hosts the TCP store the others meet at. Returns `(exit code, time it
-    ended)` per rank; a worker whose actor died reports code 1.
+    Rank 0's process hosts the TCP store the others meet at. Returns per rank a dict with
+    `code`, `ended` (time) and `lost_peer` (it failed only because a peer did); a worker
+    whose actor died reports code 1.
     """
     rank0 = executor.workers[0]
     addr, port = ray.get([rank0.node_ip.remote(), rank0.free_port.remote()])
-    results: list[tuple[int, float]] = [(1, float("inf"))] * len(executor.workers)
+    results = [{"code": 1, "ended": float("inf"), "lost_peer": False}
+               for _ in executor.workers]
 
     def follow(rank: int) -> None:
         gen = executor.workers[rank].run_command.options(num_returns="streaming").remote(
@@ -44,13 +46,13 @@ def run_command_on_workers(executor: RayExecutor, command: list[str], env: dict[
         try:
             for ref in gen:
                 item = ray.get(ref)
-                if isinstance(item, int):
-                    results[rank] = (item, time.monotonic())
+                if isinstance(item, dict):
+                    results[rank] = item
                 else:
                     emit(rank, item)
         except RayActorError:
             emit(rank, "raytrain-x: this worker's actor died (node lost or killed)")
-            results[rank] = (1, time.monotonic())
+            results[rank] = {"code": 1, "ended": time.time(), "lost_peer": False}
 
     threads = [threading.Thread(target=follow, args=(r,), daemon=True)
                for r in range(len(executor.workers))]

@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -76,13 +77,17 @@ class Worker:
             raise _WorkerFailure(traceback.format_exc()) from None
 
     def run_command(self, command: list[str], env: dict[str, str]) -> Iterator[Any]:
-        """Runs a command, yielding its output lines and finally its exit code (an int)."""
+        """Runs a command, yielding its output lines and finally a dict with its exit code,
+        when it ended (this node's clock) and whether it only failed because a peer did."""
         if command and command[0] in ("python", "python3"):
             command = [sys.executable, *command[1:]]  # the interpreter Ray runs us with
         proc = subprocess.Popen(command, env={**os.environ, **env, "PYTHONUNBUFFERED": "1"},
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 bufsize=1)
         assert proc.stdout is not None
+        lost_peer = False
         for line in proc.stdout:
+            lost_peer = lost_peer or "InternalError" in line
             yield line.rstrip("\n")
-        yield proc.wait()
+        code = proc.wait()
+        yield {"code": code, "ended": time.time(), "lost_peer": lost_peer}

@@ -80,12 +80,16 @@ def _set_id(process_set: ProcessSet) -> int:
     return process_set.process_set_id
 
 
-def _submit(name: str, meta: Meta, tensor: torch.Tensor, output: Any = None) -> Handle:
+def _request(name: str, meta: Meta, tensor: torch.Tensor | None, output: Any = None) -> Request:
     if meta.process_set_id:  # each process set has its own name space, as in Horovod
         name = f"{name}@set{meta.process_set_id}"
-    handle = Handle(name)
-    runtime.engine().enqueue(Request(name, meta, tensor, handle, output))
-    return handle
+    return Request(name, meta, tensor, Handle(name), output)
+
+
+def _submit(name: str, meta: Meta, tensor: torch.Tensor | None, output: Any = None) -> Handle:
+    request = _request(name, meta, tensor, output)
+    runtime.engine().enqueue(request)
+    return request.handle
 
 
 class _Decompressing(Handle):
@@ -109,6 +113,41 @@ class _Decompressing(Handle):
 
 
 # ------------------------------------------------------------------------- allreduce
+def _allreduce_request(
+    tensor: torch.Tensor,
+    average: bool | None,
+    name: str | None,
+    op: str | None,
+    prescale_factor: float,
+    postscale_factor: float,
+    process_set: ProcessSet,
+    compression: type[Compressor],
+) -> tuple[Request, Handle]:
+    """The request for an in-place allreduce and the handle the caller should wait on."""
+    tensor = _check_tensor(tensor, "allreduce")
+    if not tensor.is_contiguous():
+        raise ConfigError(f"allreduce {name or ''}: tensor is not contiguous; call "
+                          ".contiguous() first")
+    op = _resolve_op(op, average)
+    name = name or _auto_name(ALLREDUCE)
+    wire = ""
+    target = None
+    compressor_ctx = None
+    work = tensor.detach()
+    if compression is not Compression.none:
+        if getattr(compression, "wire_dtype", None) and work.dtype == torch.float32:
+            wire = compression.wire_dtype  # the native core casts while packing
+        else:
+            work, compressor_ctx = compression.compress(work)
+            target = tensor
+    meta = Meta(ALLREDUCE, _dtype_name(work), tuple(work.shape), op, 0, float(prescale_factor),
+                float(postscale_factor), _set_id(process_set), wire, work.device.type)
+    request = _request(name, meta, work, output=tensor if target is None else None)
+    if target is not None:
+        return request, _Decompressing(request.handle, compression, compressor_ctx, target)
+    return request, request.handle
+
+
 def allreduce_async_(
     tensor: torch.Tensor,
     average: bool | None = None,
@@ -131,27 +170,9 @@ def allreduce_async_(
         process_set: ranks that take part.
         compression: `Compression.fp16` sends float16 over the wire.
     """
-    tensor = _check_tensor(tensor, "allreduce")
-    if not tensor.is_contiguous():
-        raise ConfigError(f"allreduce {name or ''}: tensor is not contiguous; call "
-                          ".contiguous() first")
-    op = _resolve_op(op, average)
-    name = name or _auto_name(ALLREDUCE)
-    wire = ""
-    target = None
-    compressor_ctx = None
-    work = tensor.detach()
-    if compression is not Compression.none:
-        if getattr(compression, "wire_dtype", None) and work.dtype == torch.float32:
-            wire = compression.wire_dtype  # the native core casts while packing
-        else:
-            work, compressor_ctx = compression.compress(work)
-            target = tensor
-    meta = Meta(ALLREDUCE, _dtype_name(work), tuple(work.shape), op, 0, float(prescale_factor),
-                float(postscale_factor), _set_id(process_set), wire, work.device.type)
-    handle = _submit(name, meta, work, output=tensor if target is None else None)
-    if target is not None:
-        return _Decompressing(handle, compression, compressor_ctx, target)
+    request, handle = _allreduce_request(tensor, average, name, op, prescale_factor,
+                                         postscale_factor, process_set, compression)
+    runtime.engine().enqueue(request)
     return handle
 
 
@@ -171,17 +192,32 @@ def allreduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     return synchronize(allreduce_async(tensor, *args, **kwargs))
 
 
-def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None,
-                             name: str | None = None, **kwargs: Any) -> list[Handle]:
-    """Starts in-place allreduces of several tensors, enqueued together so they fuse."""
+def grouped_allreduce_async_(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+    compression: type[Compressor] = Compression.none,
+) -> list[Handle]:
+    """Starts in-place allreduces of several tensors, enqueued atomically so that they
+    are negotiated in the same cycle and fused together (within the fusion threshold)."""
     base = name or _auto_name("grouped_allreduce")
-    return [allreduce_async_(t, average, f"{base}.{i}", **kwargs) for i, t in enumerate(tensors)]
+    pairs = [_allreduce_request(t, average, f"{base}.{i}", op, prescale_factor,
+                                postscale_factor, process_set, compression)
+             for i, t in enumerate(tensors)]
+    runtime.engine().enqueue_many([request for request, _ in pairs])
+    return [handle for _, handle in pairs]
 
 
-def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None,
-                            name: str | None = None, **kwargs: Any) -> list[Handle]:
-    base = name or _auto_name("grouped_allreduce")
-    return [allreduce_async(t, average, f"{base}.{i}", **kwargs) for i, t in enumerate(tensors)]
+def grouped_allreduce_async(tensors: Sequence[torch.Tensor], *args: Any,
+                            **kwargs: Any) -> list[Handle]:
+    """Like `grouped_allreduce_async_` on copies: the inputs are left unchanged."""
+    copies = [_check_tensor(t, "allreduce").detach().clone(memory_format=torch.contiguous_format)
+              for t in tensors]
+    return grouped_allreduce_async_(copies, *args, **kwargs)
 
 
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], *args: Any,
