@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -11,6 +12,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from raytrain_x.common.autotune_config import AutotuneConfig
 from raytrain_x.common.errors import ConfigError, RaytrainXError
 from raytrain_x.common.knobs import Knobs, load_knobs
 
@@ -36,6 +38,17 @@ def _add_knob_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--timeline-filename", help="Chrome trace written by rank 0")
 
 
+def _add_autotune_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("autotune (flag > RAYTRAIN_X_AUTOTUNE* env)")
+    group.add_argument("--autotune", action="store_true", default=None,
+                       help="tune the free knobs while training")
+    kinds = {"log_file": str, "resume_from": str, "gaussian_process_noise": float,
+             "warmup_time_s": float, "sampling_time_s": float}
+    for name, flag in AutotuneConfig.flag_names().items():
+        group.add_argument(flag, dest=f"autotune_{name}", type=kinds.get(name, int),
+                           default=None)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="raytrain-x", description=__doc__)
     sub = parser.add_subparsers(dest="command_name", required=True, parser_class=_Parser)
@@ -51,8 +64,28 @@ def build_parser() -> argparse.ArgumentParser:
                      help="rendezvous/collective timeout in seconds")
     run.add_argument("--verbose", action="store_true")
     _add_knob_flags(run)
+    _add_autotune_flags(run)
     run.add_argument("command", nargs=argparse.REMAINDER, help="the command to run")
+    report = sub.add_parser("autotune-report", help="summarise an autotune log",
+                            description="Prints the samples of an autotune log and plots "
+                            "score per sample with the best-so-far curve.")
+    report.add_argument("log", help="autotune log CSV")
+    report.add_argument("--plot", help="write a PNG here")
     return parser
+
+
+def resolve_autotune(args: argparse.Namespace) -> AutotuneConfig | None:
+    """Autotune settings from flags over env; None when autotune is off."""
+    from_env = AutotuneConfig.from_env()
+    flags = {name: getattr(args, f"autotune_{name}") for name in AutotuneConfig.flag_names()
+             if getattr(args, f"autotune_{name}") is not None}
+    if not (args.autotune or from_env or flags.get("resume_from")):
+        if flags:
+            raise ConfigError(f"{sorted(flags)} need --autotune (or RAYTRAIN_X_AUTOTUNE=1)")
+        return None
+    base = dataclasses.asdict(from_env) if from_env else {}
+    base.pop("initial_knobs", None)
+    return AutotuneConfig(**{**base, **flags})
 
 
 def resolve_knobs(args: argparse.Namespace) -> tuple[Knobs, frozenset[str]]:
@@ -71,6 +104,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command_name == "run":
             return _run(args, parser)
+        if args.command_name == "autotune-report":
+            from raytrain_x.tune_integration.report import autotune_report
+
+            autotune_report(args.log, args.plot)
+            return 0
     except ConfigError as exc:
         sys.stderr.write(f"raytrain-x: error: {exc}\n")
         return 2
@@ -88,7 +126,8 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("run needs a command, e.g. raytrain-x run -np 2 python train.py")
     if args.np < 1:
         parser.error(f"-np must be >= 1, got {args.np}")
-    knobs, _fixed = resolve_knobs(args)
+    knobs, fixed = resolve_knobs(args)
+    autotune = resolve_autotune(args)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="raytrain-x %(levelname)s %(message)s")
 
@@ -98,8 +137,13 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     ensure_ray(args.address, log_to_driver=args.verbose)
     settings = RayExecutor.create_settings(timeout_s=args.timeout)
     executor = RayExecutor(settings, num_workers=args.np, cpus_per_worker=args.cpus_per_worker,
-                           use_gpu=args.use_gpu, knobs=knobs)
-    env = dict(knob_env(knobs))
+                           use_gpu=args.use_gpu)
+    # Only the knobs the user fixed travel as env, so the launched ranks see the same fixed
+    # set; rank 0 of a launched script runs the autotune controller in-process.
+    env = {k: v for k, v in knob_env(knobs).items()
+           if any(Knobs.specs()[n].env == k for n in fixed)}
+    if autotune is not None:
+        env.update(autotune.to_env())
     if args.timeline_filename:
         env["RAYTRAIN_X_TIMELINE"] = os.path.abspath(args.timeline_filename)
     start = time.monotonic()

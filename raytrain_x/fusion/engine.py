@@ -111,7 +111,7 @@ class Engine:
         self._pending: dict[str, Request] = {}
         self._requested_knobs: Knobs | None = None
         self._knob_listeners: list[Callable[[Knobs], None]] = []
-        self._cycle_hooks: list[Callable[[Engine], None]] = []
+        self._cycle_hooks: list[Callable[[Knobs, int, list[Response]], None]] = []
         self._shutdown_requested = False
         self._join_handle = None
         self._join_state = "none"  # none -> requested -> reported (joined)
@@ -155,8 +155,9 @@ class Engine:
     def on_knobs_changed(self, listener: Callable[[Knobs], None]) -> None:
         self._knob_listeners.append(listener)
 
-    def add_cycle_hook(self, hook: Callable[[Engine], None]) -> None:
-        """Runs `hook(engine)` on the engine thread after each cycle that did work."""
+    def add_cycle_hook(self, hook: Callable[[Knobs, int, list[Response]], None]) -> None:
+        """Runs `hook(knobs, step, responses)` on the engine thread after each cycle that
+        completed collectives. A hook that raises is logged and removed; training goes on."""
         self._cycle_hooks.append(hook)
 
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -286,8 +287,12 @@ class Engine:
             self._execute(batch)
         if responses:
             self.stats.steps += 1
-            for hook in self._cycle_hooks:
-                hook(self)
+            for hook in list(self._cycle_hooks):
+                try:
+                    hook(self.knobs, self.stats.steps, responses)
+                except Exception:  # noqa: BLE001 - a tuning failure must not stop training
+                    log.exception("raytrain-x: a cycle hook failed and was removed")
+                    self._cycle_hooks.remove(hook)
         if new_knobs is not None:
             self._apply_knobs(new_knobs)
         return not agreed & _NOT_SHUTTING_DOWN

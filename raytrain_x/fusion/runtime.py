@@ -8,17 +8,36 @@ from __future__ import annotations
 import atexit
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+from raytrain_x.common.autotune_config import AutotuneConfig
+from raytrain_x.common.autotune_log import load_best_knobs
 from raytrain_x.common.errors import ConfigError
 from raytrain_x.common.knobs import Knobs, load_knobs
 from raytrain_x.comm.groups import ProcessGroups
 from raytrain_x.comm.rendezvous import Rendezvous, next_rendezvous
+from raytrain_x.fusion.autotune_sampler import Advisor, AutotuneSampler
 from raytrain_x.fusion.engine import Engine
 
 _lock = threading.RLock()
 _engine: Engine | None = None
 _fixed_knobs: frozenset[str] = frozenset()
+_sampler: AutotuneSampler | None = None
+AdvisorFactory = Callable[[AutotuneConfig, Knobs, frozenset], Advisor]
+_advisor_factory: AdvisorFactory | None = None
+
+
+def set_autotune_advisor_factory(factory: AdvisorFactory | None) -> None:
+    """Installs how rank 0 reaches the autotune controller (the Ray executor installs a
+    client of its controller actor); without one, rank 0 runs the controller in-process."""
+    global _advisor_factory
+    _advisor_factory = factory
+
+
+def _local_advisor(config: AutotuneConfig, start: Knobs, fixed: frozenset) -> Advisor:
+    from raytrain_x.tune_integration.autotune import AutotuneController
+
+    return AutotuneController(config, start, fixed)
 
 
 class ProcessSet:
@@ -59,16 +78,18 @@ def init(
     process_sets: Sequence[ProcessSet] | None = None,
     knobs: Knobs | None = None,
     rendezvous: Rendezvous | None = None,
+    autotune: AutotuneConfig | None = None,
 ) -> None:
     """Joins the world and starts the engine; a no-op when already initialised.
 
     Args:
         process_sets: process sets to register on every rank.
-        knobs: communication knobs; by default read from `RAYTRAIN_X_*` env and
-            `RAYTRAIN_X_CONFIG_FILE`.
+        knobs: communication knobs (all held fixed); by default read from `RAYTRAIN_X_*`
+            env and `RAYTRAIN_X_CONFIG_FILE`.
         rendezvous: where to meet; by default from the Ray executor or the environment.
+        autotune: tune the free knobs while training (default: `RAYTRAIN_X_AUTOTUNE*` env).
     """
-    global _engine, _fixed_knobs
+    global _engine, _fixed_knobs, _sampler
     with _lock:
         if _engine is not None and _engine.error is None:
             return
@@ -77,6 +98,17 @@ def init(
         if knobs is None:
             knobs, _fixed_knobs = load_knobs(
                 config_file=os.environ.get("RAYTRAIN_X_CONFIG_FILE") or None)
+        else:
+            _fixed_knobs = frozenset(Knobs.specs())
+        config = autotune if autotune is not None else AutotuneConfig.from_env()
+        if config is not None and config.resume_from:
+            # resume at a finished search's best knobs; knobs fixed by the user still win
+            best = load_best_knobs(config.resume_from)
+            knobs = best.replace(**{n: getattr(knobs, n) for n in _fixed_knobs})
+            config = None
+        elif config is not None and config.initial_knobs is not None:
+            knobs = config.initial_knobs.replace(
+                **{n: getattr(knobs, n) for n in _fixed_knobs})
         rdv = rendezvous or next_rendezvous()
         groups = ProcessGroups(rdv)
         _engine = Engine(
@@ -87,6 +119,11 @@ def init(
             stall_shutdown_s=_env_float("RAYTRAIN_X_STALL_SHUTDOWN_TIME_SECONDS", 0.0),
         )
         global_process_set.ranks = list(range(rdv.size))
+        _sampler = None
+        if config is not None and rdv.rank == 0:
+            advisor = (_advisor_factory or _local_advisor)(config, knobs, _fixed_knobs)
+            _sampler = AutotuneSampler(config, advisor, _engine.request_knobs)
+            _engine.add_cycle_hook(_sampler.on_cycle)
         for ps in process_sets or ():
             add_process_set(ps)
 
@@ -130,6 +167,11 @@ def engine() -> Engine:
 
 def rendezvous() -> Rendezvous:
     return engine().groups.rdv
+
+
+def autotune_sampler() -> AutotuneSampler | None:
+    """Rank 0's autotune sampler while tuning is configured (None elsewhere)."""
+    return _sampler
 
 
 def fixed_knobs() -> frozenset[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -12,8 +13,9 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from raytrain_x.common.autotune_config import AutotuneConfig
 from raytrain_x.common.errors import ConfigError, WorkerError
-from raytrain_x.common.knobs import Knobs
+from raytrain_x.common.knobs import Knobs, load_knobs
 from raytrain_x.comm.store import StoreActor
 from raytrain_x.ray.placement import (
     Slot,
@@ -22,6 +24,7 @@ from raytrain_x.ray.placement import (
     validate_shape,
 )
 from raytrain_x.ray.worker import Worker
+from raytrain_x.tune_integration.autotune import remote_controller
 
 log = logging.getLogger("raytrain_x.ray")
 
@@ -68,8 +71,10 @@ class RayExecutor:
         use_current_placement_group: run inside the caller's placement group (Tune trials).
         min_workers, max_workers, reset_limit, cooldown_range, elastic_timeout: elastic
             training (validated here).
-        knobs: communication knobs for every worker (defaults: env and config file).
-        autotune: an autotune configuration (validated here).
+        knobs: communication knobs for every worker, all held fixed (defaults: env and
+            config file).
+        autotune: an `AutotuneConfig` (or True): tune the free knobs while training; the
+            controller runs as a Ray actor, rank 0 reports each sample to it.
     """
 
     @staticmethod
@@ -120,6 +125,11 @@ class RayExecutor:
             raise ConfigError(f"elastic_timeout must be positive, got {elastic_timeout}")
         if knobs is not None and not isinstance(knobs, Knobs):
             raise ConfigError(f"knobs must be a raytrain_x.Knobs, got {type(knobs).__name__}")
+        if autotune is True:
+            autotune = AutotuneConfig()
+        if autotune is not None and not isinstance(autotune, AutotuneConfig):
+            raise ConfigError("autotune must be an AutotuneConfig (or True for the defaults), "
+                              f"got {type(autotune).__name__}")
         self.settings = settings or Settings()
         self.num_workers = num_workers
         self.num_hosts = num_hosts
@@ -140,6 +150,7 @@ class RayExecutor:
         self._owns_pg = False
         self._store = None
         self._round = 0
+        self.autotune_controller = None
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -192,15 +203,33 @@ class RayExecutor:
         env["RAYTRAIN_X_TIMEOUT"] = str(self.settings.timeout_s)
         if self.knobs is not None:
             env.update(knob_env(self.knobs))
+        if self.autotune is not None and self.autotune_controller is None:
+            env.update(self._start_autotune())
         if self.use_gpu:
             env_per_node = self._cuda_visible_devices()
         else:
             env_per_node = {}
         ray.get([
             w.setup.remote(self._rendezvous_args(slot), self._store,
-                           {**env, **env_per_node.get(slot.node_id, {})})
+                           {**env, **env_per_node.get(slot.node_id, {})},
+                           self.autotune_controller if slot.rank == 0 else None)
             for w, slot in zip(self.workers, self.slots)
         ])
+
+    def _start_autotune(self) -> dict[str, str]:
+        """Starts the controller actor; returns the env that gives every worker the same
+        starting knobs and autotune settings."""
+        config = self.autotune
+        if self.knobs is not None:
+            base, fixed = self.knobs, frozenset(Knobs.specs())
+        else:
+            base, fixed = load_knobs(config_file=os.environ.get("RAYTRAIN_X_CONFIG_FILE"))
+        start = base
+        if config.initial_knobs is not None:
+            start = config.initial_knobs.replace(**{n: getattr(base, n) for n in fixed})
+        if not config.resume_from:
+            self.autotune_controller = remote_controller(config, start, fixed)
+        return {**config.to_env(), **knob_env(start)}
 
     def _rendezvous_args(self, slot: Slot) -> dict[str, Any]:
         return {"rank": slot.rank, "size": len(self.slots), "local_rank": slot.local_rank,
@@ -222,6 +251,9 @@ class RayExecutor:
             ray.kill(w, no_restart=True)
         if self._store is not None:
             ray.kill(self._store, no_restart=True)
+        if self.autotune_controller is not None:
+            ray.kill(self.autotune_controller, no_restart=True)
+            self.autotune_controller = None
         if self._pg is not None and self._owns_pg:
             ray.util.remove_placement_group(self._pg)
         self.workers, self.slots, self._store, self._pg = [], [], None, None

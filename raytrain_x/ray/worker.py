@@ -21,6 +21,16 @@ class _WorkerFailure(Exception):
     """Carries a remote traceback as plain text (user exceptions may not unpickle)."""
 
 
+class ActorAdvisor:
+    """Rank 0's client of the `AutotuneController` actor."""
+
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+
+    def report(self, score: float) -> dict[str, Any]:
+        return ray.get(self.actor.report.remote(score))
+
+
 @ray.remote
 class Worker:
     """Runs user functions and commands for one rank."""
@@ -44,10 +54,17 @@ class Worker:
             s.bind(("", 0))
             return s.getsockname()[1]
 
-    def setup(self, rdv: dict[str, Any], store_actor: Any, env: dict[str, str]) -> None:
-        """Sets the environment and installs the rendezvous `rx.init()` will use."""
+    def setup(self, rdv: dict[str, Any], store_actor: Any, env: dict[str, str],
+              autotune_actor: Any = None) -> None:
+        """Sets the environment and installs the rendezvous `rx.init()` will use (and, with
+        autotune, the client of the executor's controller actor)."""
         os.environ.update(env)
         self.rank = rdv["rank"]
+        if autotune_actor is not None:
+            from raytrain_x.fusion import runtime
+
+            runtime.set_autotune_advisor_factory(
+                lambda config, start, fixed: ActorAdvisor(autotune_actor))
 
         def provider() -> Rendezvous:
             # each run()/execute() is a new round, so a world re-formed after a failure

@@ -1,0 +1,192 @@
+"""The autotune search: one joint space over every free knob, Ray Tune's BayesOptSearch.
+
+`AutotuneController` is plain Python so it can run in-process (a launched script's rank 0)
+or as a Ray actor (`RemoteAutotuneController`, started by `RayExecutor`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from raytrain_x.common.autotune_config import AutotuneConfig
+from raytrain_x.common.knobs import Knobs
+
+log = logging.getLogger("raytrain_x.autotune")
+
+# Continuous dimensions the searcher sees; `to_knobs` rounds them onto knob values.
+FUSION_LOG2 = (10.0, 28.0)  # 1 KiB .. 256 MiB on a log2 scale; below 11 means fusion off
+FUSION_OFF_BELOW = 11.0
+CYCLE_LOG10 = (-1.0, math.log10(50.0))  # 0.1 .. 50 ms on a log scale
+CACHE_LOG2 = (-1.0, 12.0)  # below 0 means cache off, else 2^x entries (up to 4096)
+
+
+@dataclass
+class SearchSpace:
+    """The joint space of every knob not fixed by the user.
+
+    Args:
+        base: values of the fixed knobs (and the start of the search).
+        fixed: knob names held constant (given by flag, env or config file).
+    """
+
+    base: Knobs
+    fixed: frozenset[str]
+
+    def dimensions(self) -> dict[str, tuple[float, float]]:
+        dims = {
+            "fusion_threshold_bytes": FUSION_LOG2,
+            "cycle_time_ms": CYCLE_LOG10,
+            "cache_capacity": CACHE_LOG2,
+            "hierarchical_allreduce": (0.0, 1.0),
+            "hierarchical_allgather": (0.0, 1.0),
+        }
+        return {name: bounds for name, bounds in dims.items() if name not in self.fixed}
+
+    def to_knobs(self, point: dict[str, float]) -> Knobs:
+        changes: dict[str, Any] = {}
+        for name, x in ((n, float(v)) for n, v in point.items()):
+            if name == "fusion_threshold_bytes":
+                changes[name] = 0 if x < FUSION_OFF_BELOW else int(round(2 ** x / 1024)) * 1024
+            elif name == "cycle_time_ms":
+                changes[name] = round(10 ** x, 3)
+            elif name == "cache_capacity":
+                changes[name] = 0 if x < 0 else int(round(2 ** x))
+            else:
+                changes[name] = x >= 0.5
+        return self.base.replace(**changes)
+
+    def to_point(self, knobs: Knobs) -> dict[str, float]:
+        """The searcher's coordinates of `knobs` (clipped into the space)."""
+        def clip(x: float, bounds: tuple[float, float]) -> float:
+            return min(max(x, bounds[0]), bounds[1])
+
+        point = {}
+        for name, bounds in self.dimensions().items():
+            value = getattr(knobs, name)
+            if name == "fusion_threshold_bytes":
+                x = math.log2(value) if value > 0 else FUSION_LOG2[0]
+            elif name == "cycle_time_ms":
+                x = math.log10(value) if value > 0 else CYCLE_LOG10[0]
+            elif name == "cache_capacity":
+                x = math.log2(value) if value > 0 else CACHE_LOG2[0]
+            else:
+                x = 1.0 if value else 0.0
+            point[name] = clip(x, bounds)
+        return point
+
+
+class AutotuneController:
+    """Proposes knobs, takes each sample's score, decides when tuning is over.
+
+    The first proposal is the starting knobs, so the result is never worse than the start:
+    if no sample beats it by more than `min_improvement`, the start stays.
+    """
+
+    def __init__(self, config: AutotuneConfig, start: Knobs, fixed: frozenset[str]) -> None:
+        self.config = config
+        self.space = SearchSpace(start, frozenset(fixed))
+        self.start = start
+        self.samples: list[tuple[Knobs, float]] = []
+        self.current = start
+        self._reference: float | None = None
+        self._since_best = 0
+        self._searcher = None
+        self._trial = 0
+        self._rng = random.Random(config.seed)
+        dims = self.space.dimensions()
+        if dims:
+            from ray.tune.search.bayesopt import BayesOptSearch
+
+            self._searcher = BayesOptSearch(
+                space=dict(dims),
+                metric="score", mode="max",
+                random_search_steps=min(4, max(1, config.bayes_opt_max_samples // 4)),
+                random_state=config.seed, skip_duplicate=False,
+                patience=10**6)  # repeats are handled in _next_unmeasured
+            self._searcher.optimizer.set_gp_params(alpha=config.gaussian_process_noise)
+
+    def _trial_id(self) -> str:
+        return f"sample{self._trial}"
+
+    @property
+    def free_knobs(self) -> list[str]:
+        return list(self.space.dimensions())
+
+    def best(self) -> tuple[Knobs, float]:
+        """The best measured knobs; the start wins ties within the noise floor."""
+        if not self.samples:
+            return self.start, 0.0
+        start_score = self.samples[0][1]
+        knobs, score = max(self.samples, key=lambda s: s[1])
+        if score <= start_score * (1 + self.config.min_improvement):
+            return self.samples[0]
+        return knobs, score
+
+    def report(self, score: float) -> dict[str, Any]:
+        """Records the score of `self.current`; returns the next knobs and whether done."""
+        previous_best = max((s for _, s in self.samples), default=0.0)
+        self.samples.append((self.current, score))
+        if self._reference is None:
+            self._reference = score or 1.0
+        if score > previous_best * (1 + self.config.min_improvement):
+            self._since_best = 0
+        else:
+            self._since_best += 1
+        done = (len(self.samples) >= self.config.bayes_opt_max_samples
+                or self._searcher is None
+                or (self.config.convergence_patience
+                    and self._since_best >= self.config.convergence_patience))
+        if not done:
+            if len(self.samples) == 1:  # the start was measured outside the searcher
+                self._searcher.optimizer.register(self.space.to_point(self.start), 1.0)
+            else:
+                self._searcher.on_trial_complete(self._trial_id(),
+                                                 {"score": score / self._reference})
+                self._trial += 1
+            self.current = self._next_unmeasured()
+        best, best_score = self.best()
+        if done:
+            self.current = best
+        return {"next": self.current.to_dict(), "done": bool(done), "best": best.to_dict(),
+                "best_score": best_score,
+                "samples_left": max(0, self.config.bayes_opt_max_samples - len(self.samples))}
+
+    def _next_unmeasured(self) -> Knobs:
+        """Asks the searcher until it proposes knobs not measured yet; a repeat is answered
+        from the earlier measurement instead of spending a sample on it."""
+        from bayes_opt.util import NotUniqueError
+
+        measured = {k: s for k, s in self.samples}
+        for _ in range(10):
+            point = self._searcher.suggest(self._trial_id())
+            if not isinstance(point, dict):  # the searcher declared itself finished
+                break
+            knobs = self.space.to_knobs(point)
+            if knobs not in measured:
+                return knobs
+            try:
+                self._searcher.on_trial_complete(self._trial_id(),
+                                                 {"score": measured[knobs] / self._reference})
+            except NotUniqueError:  # the exact point again: the acquisition is stuck
+                break
+            finally:
+                self._trial += 1
+        # Explore instead of repeating a measurement.
+        for _ in range(100):
+            point = {name: self._rng.uniform(lo, hi)
+                     for name, (lo, hi) in self.space.dimensions().items()}
+            knobs = self.space.to_knobs(point)
+            if knobs not in measured:
+                return knobs
+        return knobs
+
+
+def remote_controller(config: AutotuneConfig, start: Knobs, fixed: frozenset[str]):
+    """Starts the controller as a Ray actor (no CPU reserved)."""
+    import ray
+
+    return ray.remote(num_cpus=0)(AutotuneController).remote(config, start, fixed)
