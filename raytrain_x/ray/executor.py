@@ -227,8 +227,9 @@ class RayExecutor:
         start = base
         if config.initial_knobs is not None:
             start = config.initial_knobs.replace(**{n: getattr(base, n) for n in fixed})
-        if not config.resume_from:
-            self.autotune_controller = remote_controller(config, start, fixed)
+        if config.resume_from:  # workers read the resume file themselves
+            return {**config.to_env(), **(knob_env(self.knobs) if self.knobs else {})}
+        self.autotune_controller = remote_controller(config, start, fixed)
         return {**config.to_env(), **knob_env(start)}
 
     def _rendezvous_args(self, slot: Slot) -> dict[str, Any]:

@@ -1,0 +1,103 @@
+"""Autotune on 2 real workers: tuning finishes, ranks agree, the log has every row, and the
+chosen knobs beat the starting ones in the same run."""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from raytrain_x import Knobs
+from raytrain_x.common.autotune_config import AutotuneConfig
+from raytrain_x.ray import RayExecutor
+from tests.conftest import REPO
+
+# Many small tensors: with fusion off (the start) each is its own collective.
+TENSORS, ELEMENTS = 150, 2048
+
+
+def _steps_per_second(rx, tensors, steps: int) -> float:
+    start = time.perf_counter()
+    for _ in range(steps):
+        rx.grouped_allreduce_(tensors, name="grads")
+    return steps / (time.perf_counter() - start)
+
+
+def _train_with_autotune(start_knobs: dict) -> dict:
+    import raytrain_x.torch as rx
+    from raytrain_x.fusion import runtime
+
+    rx.init()
+    tensors = [torch.ones(ELEMENTS) for _ in range(TENSORS)]
+    for step in range(400):
+        rx.grouped_allreduce_(tensors, name="grads")
+        if step % 5 == 4:
+            sampler = runtime.autotune_sampler()
+            done = torch.tensor([1.0 if sampler is None or sampler.done else 0.0])
+            if rx.allreduce(done, op=rx.Min, name=f"done{step}").item() == 1.0:
+                break
+    tuned = rx.knobs()
+    # Same run, same workers: the starting knobs against the tuned ones.
+    rates = {}
+    for label, knobs in (("start", Knobs(**start_knobs)), ("tuned", tuned)):
+        if rx.rank() == 0:
+            rx.set_knobs(knobs)
+        _steps_per_second(rx, tensors, 3)  # the switch lands within these steps
+        rates[label] = _steps_per_second(rx, tensors, 15)
+    return {"knobs": tuned.to_dict(), "steps": step + 1, "rates": rates}
+
+
+def test_autotune_beats_the_starting_knobs(ray_cluster, tmp_path):
+    log_path = tmp_path / "autotune.csv"
+    start = Knobs(fusion_threshold_bytes=0)  # far from the best for this workload
+    config = AutotuneConfig(log_file=str(log_path), warmup_samples=1, steps_per_sample=3,
+                            bayes_opt_max_samples=6, convergence_patience=0,
+                            initial_knobs=start)
+    settings = RayExecutor.create_settings(timeout_s=30)
+    with RayExecutor(settings, num_workers=2, autotune=config) as executor:
+        assert executor.autotune_controller is not None  # the controller is a Ray actor
+        results = executor.run(_train_with_autotune, args=(start.to_dict(),))
+    assert results[0]["knobs"] == results[1]["knobs"]  # every rank ended identical
+    assert results[0]["steps"] < 400  # tuning finished
+    rows = list(csv.DictReader(log_path.open()))
+    kinds = [r["kind"] for r in rows]
+    assert kinds == ["warmup"] + ["sample"] * 6 + ["best"]
+    assert int(rows[1]["fusion_threshold_bytes"]) == 0  # the first sample is the start
+    best = rows[-1]
+    assert float(best["score_bytes_per_s"]) >= max(float(r["score_bytes_per_s"])
+                                                   for r in rows if r["kind"] == "sample")
+    assert results[0]["knobs"]["fusion_threshold_bytes"] == int(best["fusion_threshold_bytes"])
+    rates = results[0]["rates"]
+    assert rates["tuned"] > 1.5 * rates["start"], rates
+    # the report and the plot
+    plot = tmp_path / "autotune.png"
+    out = subprocess.run([str(Path(sys.executable).parent / "raytrain-x"), "autotune-report",
+                          str(log_path), "--plot", str(plot)], capture_output=True, text=True,
+                         cwd=REPO, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "best: fusion" in out.stdout and plot.stat().st_size > 10_000
+
+
+def _resumed() -> dict:
+    import raytrain_x.torch as rx
+    from raytrain_x.fusion import runtime
+
+    rx.init()
+    return {"knobs": rx.knobs().to_dict(), "tuning": runtime.autotune_sampler() is not None}
+
+
+def test_resume_starts_at_the_best_knobs_without_tuning(ray_cluster, tmp_path):
+    from raytrain_x.common.autotune_log import AutotuneLog, Sample
+
+    log_path = tmp_path / "old.csv"
+    best = Knobs(fusion_threshold_bytes=8 << 20, cycle_time_ms=0.3)
+    AutotuneLog(log_path).finish(Sample(3, best, 1e9, 40, 10.0))
+    config = AutotuneConfig(resume_from=str(log_path))
+    with RayExecutor(RayExecutor.create_settings(timeout_s=20), num_workers=2,
+                     autotune=config) as executor:
+        results = executor.run(_resumed)
+    assert all(r["knobs"] == best.to_dict() and not r["tuning"] for r in results)
