@@ -1,0 +1,163 @@
+"""Autotune vs an exhaustive grid on the ResNet-50-shaped gradient workload, 2 processes.
+
+In the same processes: autotune (fusion threshold x cycle time, BayesOptSearch) runs
+first, then every grid point is measured the same way, then the tuned and the default
+knobs are measured again. Reports how many samples autotune needed to get within 5% of the
+grid best, and the tuned knobs' ratio to the grid best and to the defaults.
+Writes results/autotune_quality.json and results/autotune_quality.png.
+
+Run: .venv/bin/python benchmarks/autotune_quality.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS_DIR, free_port, print_table, write_json  # noqa: E402
+
+FUSION_MB = [0, 1, 4, 16, 64, 256]
+CYCLE_MS = [0.2, 1.0, 2.5, 5.0, 10.0, 25.0]
+
+
+def _worker(rank: int, size: int, port: int, args, queue) -> None:
+    import raytrain_x.torch as rx
+    from raytrain_x import Knobs
+    from raytrain_x.common.autotune_config import AutotuneConfig
+    from raytrain_x.common.workloads import resnet50_parameter_shapes, shaped_model
+    from raytrain_x.fusion import runtime
+
+    torch.set_num_threads(1)
+    os.environ.update({"RAYTRAIN_X_RANK": str(rank), "RAYTRAIN_X_SIZE": str(size),
+                       "RAYTRAIN_X_STORE_ADDR": "127.0.0.1", "RAYTRAIN_X_STORE_PORT": str(port),
+                       # the grid covers fusion x cycle time; the other knobs stay fixed
+                       "RAYTRAIN_X_CACHE_CAPACITY": "1024",
+                       "RAYTRAIN_X_HIERARCHICAL_ALLREDUCE": "0",
+                       "RAYTRAIN_X_HIERARCHICAL_ALLGATHER": "0"})
+    config = AutotuneConfig(log_file=args.log, warmup_samples=2, steps_per_sample=6,
+                            bayes_opt_max_samples=20, convergence_patience=0)
+    rx.init(autotune=config)
+    model = shaped_model(resnet50_parameter_shapes())
+    opt = rx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-5),
+                                  named_parameters=model.named_parameters())
+    grad_bytes = sum(p.numel() for p in model.parameters()) * 4
+    scale = torch.ones(())
+
+    def step() -> None:
+        opt.zero_grad()
+        model(scale).backward()
+        opt.step()
+
+    def measure(knobs: Knobs, steps: int) -> float:
+        if rank == 0:
+            rx.set_knobs(knobs)
+        step()
+        step()  # the switch lands within these
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        return grad_bytes * steps / (time.perf_counter() - start)
+
+    tuning_steps = 0
+    while True:
+        step()
+        tuning_steps += 1
+        if tuning_steps % 3 == 0:
+            sampler = runtime.autotune_sampler()
+            done = torch.tensor([1.0 if sampler is None or sampler.done else 0.0])
+            if rx.allreduce(done, op=rx.Min, name=f"done{tuning_steps}").item() == 1.0:
+                break
+    tuned = rx.knobs()
+    grid = []
+    for mb in args.fusion_mb:
+        for cycle in args.cycle_ms:
+            knobs = Knobs(fusion_threshold_bytes=int(mb * 2**20), cycle_time_ms=cycle)
+            grid.append((mb, cycle, measure(knobs, args.steps)))
+            if rank == 0:
+                print(f"grid fusion {mb} MB, cycle {cycle} ms: {grid[-1][2] / 1e6:.1f} MB/s",
+                      flush=True)
+    final = {"tuned": measure(tuned, 2 * args.steps),
+             "default": measure(Knobs(), 2 * args.steps)}
+    rx.shutdown()
+    if rank == 0:
+        queue.put({"grid": grid, "final": final, "tuned": tuned.to_dict(),
+                   "tuning_steps": tuning_steps})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per grid point")
+    parser.add_argument("--quick", action="store_true", help="fewer grid points")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    args.fusion_mb = [0, 4, 64] if args.quick else FUSION_MB
+    args.cycle_ms = [1.0, 10.0] if args.quick else CYCLE_MS
+    args.log = str(RESULTS_DIR / "autotune_quality_log.csv")
+    RESULTS_DIR.mkdir(exist_ok=True)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, 2, port, args, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    out = queue.get(timeout=3600)
+    for p in procs:
+        p.join()
+
+    grid_best = max(score for _, _, score in out["grid"])
+    best_point = max(out["grid"], key=lambda g: g[2])
+    rows = list(csv.DictReader(open(args.log)))
+    samples = [r for r in rows if r["kind"] == "sample"]
+    within = next((i + 1 for i, r in enumerate(samples)
+                   if float(r["score_bytes_per_s"]) >= 0.95 * grid_best), None)
+    result = {
+        "grid_points": len(out["grid"]),
+        "grid_best_mb_s": grid_best / 1e6,
+        "grid_best_knobs": {"fusion_mb": best_point[0], "cycle_ms": best_point[1]},
+        "autotune_samples": len(samples),
+        "samples_to_within_5pct_of_grid_best": within,
+        "tuned_knobs": out["tuned"],
+        "tuned_mb_s": out["final"]["tuned"] / 1e6,
+        "default_mb_s": out["final"]["default"] / 1e6,
+        "tuned_over_grid_best": out["final"]["tuned"] / grid_best,
+        "tuned_over_default": out["final"]["tuned"] / out["final"]["default"],
+    }
+    print_table([{"what": k, "value": v} for k, v in result.items()
+                 if not isinstance(v, dict)], ["what", "value"])
+    print(f"grid best {result['grid_best_knobs']}, tuned {out['tuned']}")
+    _plot(out["grid"], samples, grid_best, RESULTS_DIR / "autotune_quality.png")
+    print(f"wrote {write_json('autotune_quality', {**result, 'grid': out['grid']}, args.json)}")
+
+
+def _plot(grid, samples, grid_best, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    scores = [float(r["score_bytes_per_s"]) / 1e6 for r in samples]
+    best_so_far = [max(scores[: i + 1]) for i in range(len(scores))]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ax.plot(range(1, len(scores) + 1), scores, "o", label="autotune sample")
+    ax.step(range(1, len(scores) + 1), best_so_far, where="post", label="autotune best so far")
+    ax.axhline(grid_best / 1e6, color="green", linestyle="--",
+               label=f"grid best ({len(grid)} points)")
+    ax.axhline(0.95 * grid_best / 1e6, color="green", linestyle=":", label="95% of grid best")
+    ax.set_xlabel("autotune sample")
+    ax.set_ylabel("gradient MB/s")
+    ax.set_title("autotune vs exhaustive grid (ResNet-50-shaped, 2 workers)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
