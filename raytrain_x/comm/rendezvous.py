@@ -25,6 +25,7 @@ class Rendezvous:
         timeout_s: collective and store timeout; a dead or stuck peer fails within it.
         round: rendezvous round (elastic resets start a new one).
         hosts: optional host id of every rank (rank order), for hierarchical groups.
+        hosts_version: the elastic driver's host-set version this round was formed at.
     """
 
     rank: int = 0
@@ -37,6 +38,7 @@ class Rendezvous:
     timeout_s: float = DEFAULT_TIMEOUT_S
     round: int = 0
     hosts: list[str] = field(default_factory=list)
+    hosts_version: int = 0
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:

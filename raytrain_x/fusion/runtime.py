@@ -25,6 +25,25 @@ _fixed_knobs: frozenset[str] = frozenset()
 _sampler: AutotuneSampler | None = None
 AdvisorFactory = Callable[[AutotuneConfig, Knobs, frozenset], Advisor]
 _advisor_factory: AdvisorFactory | None = None
+_host_update_probe: Callable[[], int] | None = None
+
+
+def set_host_update_probe(probe: Callable[[], int] | None) -> None:
+    """Installs how rank 0 reads the elastic driver's host-set version."""
+    global _host_update_probe
+    _host_update_probe = probe
+
+
+def host_update_probe() -> Callable[[], int] | None:
+    return _host_update_probe
+
+
+def reset() -> None:
+    """Leaves this world and joins the next rendezvous round (elastic). The knobs in effect
+    carry over; tuning does not restart."""
+    knobs = _engine.knobs if _engine is not None else None
+    shutdown()
+    init(knobs=knobs, autotune=False)
 
 
 def set_autotune_advisor_factory(factory: AdvisorFactory | None) -> None:
@@ -78,7 +97,7 @@ def init(
     process_sets: Sequence[ProcessSet] | None = None,
     knobs: Knobs | None = None,
     rendezvous: Rendezvous | None = None,
-    autotune: AutotuneConfig | None = None,
+    autotune: AutotuneConfig | None | bool = None,
 ) -> None:
     """Joins the world and starts the engine; a no-op when already initialised.
 
@@ -87,7 +106,11 @@ def init(
         knobs: communication knobs (all held fixed); by default read from `RAYTRAIN_X_*`
             env and `RAYTRAIN_X_CONFIG_FILE`.
         rendezvous: where to meet; by default from the Ray executor or the environment.
-        autotune: tune the free knobs while training (default: `RAYTRAIN_X_AUTOTUNE*` env).
+        autotune: tune the free knobs while training (default: `RAYTRAIN_X_AUTOTUNE*` env;
+            False: never).
+
+    Every rank adopts rank 0's knobs, so a worker that joins a running elastic job uses
+    the knobs the job has (tuned ones included).
     """
     global _engine, _fixed_knobs, _sampler
     with _lock:
@@ -100,7 +123,10 @@ def init(
                 config_file=os.environ.get("RAYTRAIN_X_CONFIG_FILE") or None)
         else:
             _fixed_knobs = frozenset(Knobs.specs())
-        config = autotune if autotune is not None else AutotuneConfig.from_env()
+        if autotune is False:
+            config = None
+        else:
+            config = autotune if autotune is not None else AutotuneConfig.from_env()
         if config is not None and config.resume_from:
             # resume at a finished search's best knobs; knobs fixed by the user still win
             best = load_best_knobs(config.resume_from)
@@ -111,6 +137,8 @@ def init(
                 **{n: getattr(knobs, n) for n in _fixed_knobs})
         rdv = rendezvous or next_rendezvous()
         groups = ProcessGroups(rdv)
+        if rdv.size > 1:
+            knobs = groups.world.broadcast_object(knobs, 0)
         _engine = Engine(
             groups,
             knobs,

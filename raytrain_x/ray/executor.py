@@ -75,6 +75,12 @@ class RayExecutor:
             config file).
         autotune: an `AutotuneConfig` (or True): tune the free knobs while training; the
             controller runs as a Ray actor, rank 0 reports each sample to it.
+        resources_per_worker: extra Ray resources each worker reserves.
+        host_discovery_script: elastic: an executable printing `host:slots` lines (default:
+            Ray's alive nodes and their free resources).
+
+    With `min_workers`/`max_workers` the executor is elastic: `run` keeps the job going
+    while workers fail or hosts come and go (see docs/elastic.md).
     """
 
     @staticmethod
@@ -105,6 +111,8 @@ class RayExecutor:
         elastic_timeout: float = 600,
         knobs: Knobs | None = None,
         autotune: Any = None,
+        resources_per_worker: dict[str, float] | None = None,
+        host_discovery_script: str | None = None,
     ) -> None:
         elastic = min_workers is not None or max_workers is not None
         if elastic:
@@ -144,6 +152,22 @@ class RayExecutor:
         self.elastic_timeout = elastic_timeout
         self.knobs = knobs
         self.autotune = autotune
+        self.elastic = elastic
+        if elastic:
+            self.min_workers = min_workers or 1
+            self.max_workers = max_workers or max(self.min_workers, num_workers or 1)
+        if resources_per_worker is not None and any(
+                not isinstance(v, (int, float)) or v < 0 for v in resources_per_worker.values()):
+            raise ConfigError(f"resources_per_worker needs non-negative numbers, got "
+                              f"{resources_per_worker}")
+        self.resources_per_worker = dict(resources_per_worker or {})
+        self.host_discovery_script = host_discovery_script
+        if host_discovery_script is not None:
+            from raytrain_x.elastic.discovery import ScriptDiscovery
+
+            ScriptDiscovery(host_discovery_script)  # validates it now, not mid-job
+        self.last_elastic_job = None
+        self._elastic_env: dict[str, str] | None = None
         self.workers: list[Any] = []
         self.slots: list[Slot] = []
         self._pg = None
@@ -163,9 +187,19 @@ class RayExecutor:
               executable_kwargs: dict | None = None,
               extra_env_vars: dict[str, str] | None = None) -> None:
         """Places the workers, forms the world's rendezvous and builds the executables."""
-        if self.workers:
+        if self.workers or self._elastic_env is not None:
             raise ConfigError("this executor is already started; call shutdown() first")
         ensure_ray()
+        if self.elastic:  # workers are started by each run(), as capacity allows
+            if executable_cls is not None:
+                raise ConfigError("elastic executors run functions; executable_cls needs a "
+                                  "fixed set of workers (drop min_workers/max_workers)")
+            self._elastic_env = {**(extra_env_vars or {}),
+                                 "RAYTRAIN_X_TIMEOUT": str(self.settings.timeout_s),
+                                 **(knob_env(self.knobs) if self.knobs else {})}
+            if self.autotune is not None:
+                self._elastic_env.update(self._start_autotune())
+            return
         self._start_workers(extra_env_vars or {})
         if executable_cls is not None:
             ray.get([w.create_executable.remote(executable_cls, tuple(executable_args or ()),
@@ -183,11 +217,12 @@ class RayExecutor:
             self._pg, indexes = create_placement_group(
                 self.num_workers if self.num_hosts is None else None, self.num_hosts,
                 self.num_workers_per_host, self.cpus_per_worker, gpus,
-                self.settings.placement_group_timeout_s)
+                self.settings.placement_group_timeout_s, self.resources_per_worker)
             self._owns_pg = True
         workers = [
             Worker.options(
                 num_cpus=self.cpus_per_worker, num_gpus=gpus,
+                resources=self.resources_per_worker or None,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, index),
             ).remote()
             for index in indexes
@@ -248,6 +283,7 @@ class RayExecutor:
 
     def shutdown(self) -> None:
         """Kills the workers and frees their placement group."""
+        self._elastic_env = None
         for w in self.workers:
             ray.kill(w, no_restart=True)
         if self._store is not None:
@@ -269,8 +305,22 @@ class RayExecutor:
 
     # ------------------------------------------------------------------ running
     def _require_started(self) -> None:
-        if not self.workers:
+        if not self.workers and self._elastic_env is None:
             raise ConfigError("the executor is not started; call start() first")
+
+    def _run_elastic(self, fn: Callable, args: Sequence | None, kwargs: dict | None) -> list:
+        from raytrain_x.elastic.driver import ElasticJob, ElasticSettings
+
+        settings = ElasticSettings(
+            min_workers=self.min_workers, max_workers=self.max_workers,
+            cpus_per_worker=self.cpus_per_worker,
+            gpus_per_worker=self.gpus_per_worker if self.use_gpu else 0,
+            resources_per_worker=self.resources_per_worker, reset_limit=self.reset_limit,
+            cooldown_range=self.cooldown_range, elastic_timeout=self.elastic_timeout,
+            timeout_s=self.settings.timeout_s, discovery_script=self.host_discovery_script,
+            env=self._elastic_env, autotune_actor=self.autotune_controller)
+        self.last_elastic_job = ElasticJob(settings, fn, tuple(args or ()), dict(kwargs or {}))
+        return self.last_elastic_job.run()
 
     def run_remote(self, fn: Callable, args: Sequence | None = None,
                    kwargs: dict | None = None) -> list[ray.ObjectRef]:
@@ -293,6 +343,13 @@ class RayExecutor:
             WorkerError: a rank raised or exited; names the rank and its traceback. The
                 other ranks are released (their engines stop) within `timeout_s`.
         """
+        if self.elastic:
+            self._require_started()
+            results = self._run_elastic(fn, args, kwargs)
+            for rank, result in enumerate(results):
+                for cb in callbacks or ():
+                    cb((rank, result))
+            return results
         return self._collect(self.run_remote(fn, args, kwargs), callbacks)
 
     def execute(self, fn: Callable[[Any], Any],
@@ -325,7 +382,7 @@ class RayExecutor:
                     for cb in callbacks or ():
                         cb((rank, results[rank]))
                 except (RayTaskError, RayActorError) as exc:
-                    errors[rank] = WorkerError(rank, _describe_failure(exc))
+                    errors[rank] = WorkerError(rank, describe_failure(exc))
                     deadline = min(deadline, time.monotonic() + self.settings.timeout_s)
             if errors and pending and time.monotonic() > deadline:
                 stuck = sorted(pending.values())
@@ -351,7 +408,7 @@ def _root_cause(errors: dict[int, WorkerError]) -> WorkerError:
     return chosen
 
 
-def _describe_failure(exc: Exception) -> str:
+def describe_failure(exc: Exception) -> str:
     if isinstance(exc, RayActorError):
         return ("the worker process exited (sys.exit, a crash or a killed node); its output "
                 "is in the Ray logs")

@@ -50,6 +50,7 @@ def create_placement_group(
     cpus_per_worker: float,
     gpus_per_worker: float,
     timeout_s: float,
+    resources_per_worker: dict[str, float] | None = None,
 ) -> tuple[PlacementGroup, list[int]]:
     """A placement group for the workers and the bundle index of each worker.
 
@@ -60,6 +61,8 @@ def create_placement_group(
         b = {"CPU": cpus_per_worker * workers}
         if gpus_per_worker:
             b["GPU"] = gpus_per_worker * workers
+        for name, amount in (resources_per_worker or {}).items():
+            b[name] = amount * workers
         return b
 
     if num_hosts is not None:

@@ -74,6 +74,27 @@ class Worker:
 
         set_rendezvous_provider(provider)
 
+    def setup_elastic(self, worker_id: str, coordinator: Any, store_actor: Any,
+                      timeout_s: float, env: dict[str, str], autotune_actor: Any = None) -> None:
+        """Elastic worker: every `rx.init()` joins the next round the driver forms."""
+        os.environ.update(env)
+        if autotune_actor is not None:  # whoever becomes rank 0 reports to the controller
+            from raytrain_x.fusion import runtime as rt
+
+            rt.set_autotune_advisor_factory(
+                lambda config, start, fixed: ActorAdvisor(autotune_actor))
+
+        def provider() -> Rendezvous:
+            place = ray.get(coordinator.join.remote(worker_id))
+            self.rank = place["rank"]
+            return Rendezvous(store=RayStore(store_actor, timeout_s), timeout_s=timeout_s,
+                              **place)
+
+        set_rendezvous_provider(provider)
+        from raytrain_x.fusion import runtime
+
+        runtime.set_host_update_probe(lambda: ray.get(coordinator.hosts_version.remote()))
+
     def create_executable(self, cls: type, args: tuple, kwargs: dict) -> None:
         self.executable = cls(*args, **kwargs)
 

@@ -58,6 +58,7 @@ from raytrain_x.torch.ops import (
     reducescatter_async,
     synchronize,
 )
+from raytrain_x.torch import elastic
 from raytrain_x.torch.optimizer import DistributedOptimizer
 
 

@@ -1,0 +1,98 @@
+"""Where workers can run: Ray's alive nodes (default) or a user's discovery script."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from raytrain_x.common.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class HostSlots:
+    """A host and how many more workers fit on it."""
+
+    host: str  # a Ray node id
+    slots: int
+
+
+def parse_host_slots(text: str, source: str = "discovery script") -> dict[str, int]:
+    """Parses `host:slots` lines (blank lines and `#` comments ignored)."""
+    hosts: dict[str, int] = {}
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        host, sep, slots = line.rpartition(":")
+        if not sep or not host or not slots.strip().isdigit():
+            raise ConfigError(f"{source} line {number}: {raw!r} is not 'host:slots' (for "
+                              "example 'node-1:4')")
+        hosts[host.strip()] = int(slots)
+    return hosts
+
+
+class ScriptDiscovery:
+    """Runs an executable that prints `host:slots` lines; hosts are matched to Ray nodes by
+    IP address, hostname or node id."""
+
+    def __init__(self, script: str, timeout_s: float = 30.0) -> None:
+        if not os.path.isfile(script):
+            raise ConfigError(f"host discovery script {script!r} does not exist")
+        if not os.access(script, os.X_OK):
+            raise ConfigError(f"host discovery script {script!r} is not executable; "
+                              f"run: chmod +x {script}")
+        self.script = script
+        self.timeout_s = timeout_s
+
+    def hosts(self) -> dict[str, int]:
+        try:
+            out = subprocess.run([self.script], capture_output=True, text=True,
+                                 timeout=self.timeout_s)
+        except subprocess.TimeoutExpired:
+            raise ConfigError(f"host discovery script {self.script!r} did not finish in "
+                              f"{self.timeout_s:g}s") from None
+        if out.returncode != 0:
+            raise ConfigError(f"host discovery script {self.script!r} exited with "
+                              f"{out.returncode}: {out.stderr.strip()[:300]}")
+        return parse_host_slots(out.stdout, f"host discovery script {self.script!r}")
+
+
+def slots_from_resources(available: Mapping[str, float], per_worker: Mapping[str, float]) -> int:
+    """How many workers fit in `available` resources."""
+    fits = [math.floor(available.get(name, 0.0) / need + 1e-9)
+            for name, need in per_worker.items() if need > 0]
+    return max(0, min(fits)) if fits else 0
+
+
+class RayDiscovery:
+    """Free worker slots on Ray's alive nodes, from their available resources."""
+
+    def __init__(self, per_worker: Mapping[str, float]) -> None:
+        self.per_worker = dict(per_worker)
+
+    def hosts(self) -> dict[str, int]:
+        import ray
+        from ray._private.state import available_resources_per_node
+
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        per_node = available_resources_per_node()
+        return {node: slots_from_resources(res, self.per_worker)
+                for node, res in per_node.items() if node in alive}
+
+
+def resolve_hosts(reported: Mapping[str, int]) -> dict[str, int]:
+    """Maps user host names (IP, hostname or node id) to alive Ray node ids."""
+    import ray
+
+    by_name: dict[str, str] = {}
+    for node in ray.nodes():
+        if not node.get("Alive"):
+            continue
+        for key in (node["NodeID"], node.get("NodeManagerAddress"), node.get("NodeName"),
+                    node.get("NodeManagerHostname")):
+            if key:
+                by_name[str(key)] = node["NodeID"]
+    return {by_name[h]: slots for h, slots in reported.items() if h in by_name}

@@ -1,0 +1,261 @@
+"""The elastic driver: keeps a job running while workers come and go.
+
+Each worker actor runs the user function once; its `rx.init()` (and every reset inside
+`elastic.run`) waits in the `ElasticCoordinator` until the driver forms a round from all
+live workers. Dead workers are dropped and their hosts blacklisted; discovered capacity
+starts new workers, and survivors meet them at their next `commit()`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from raytrain_x.common.errors import RaytrainXError, ResetLimitExceeded, WorkerError
+from raytrain_x.comm.store import StoreActor
+from raytrain_x.elastic.blacklist import Blacklist
+from raytrain_x.elastic.discovery import RayDiscovery, ScriptDiscovery, resolve_hosts
+from raytrain_x.elastic.rendezvous import ElasticCoordinator
+from raytrain_x.ray.executor import describe_failure
+from raytrain_x.ray.placement import assign_ranks
+from raytrain_x.ray.worker import Worker
+
+log = logging.getLogger("raytrain_x.elastic")
+
+
+class ElasticTimeout(RaytrainXError):
+    """Too few workers for longer than `elastic_timeout`."""
+
+
+@dataclass
+class _Member:
+    worker_id: str
+    actor: Any
+    node: str
+    age: int  # start order: the oldest survivor becomes rank 0
+    ref: Any = None
+    rank: int = -1
+
+
+@dataclass
+class ElasticSettings:
+    min_workers: int
+    max_workers: int
+    cpus_per_worker: float
+    gpus_per_worker: float
+    resources_per_worker: dict[str, float]
+    reset_limit: int | None
+    cooldown_range: tuple[float, float] | None
+    elastic_timeout: float
+    timeout_s: float
+    discovery_script: str | None = None
+    discovery_interval_s: float = 1.0
+    env: dict[str, str] | None = None
+    autotune_actor: Any = None
+
+
+class ElasticJob:
+    """Runs `fn` elastically and returns the results of the workers that finished it."""
+
+    def __init__(self, settings: ElasticSettings, fn: Callable, args: tuple, kwargs: dict):
+        self.s = settings
+        self.fn, self.args, self.kwargs = fn, args, kwargs
+        self.blacklist = Blacklist(settings.cooldown_range)
+        per_worker = {"CPU": settings.cpus_per_worker, **settings.resources_per_worker}
+        if settings.gpus_per_worker:
+            per_worker["GPU"] = settings.gpus_per_worker
+        self.per_worker = per_worker
+        self.discovery = (ScriptDiscovery(settings.discovery_script)
+                          if settings.discovery_script else RayDiscovery(per_worker))
+        self.members: dict[str, _Member] = {}
+        self.resets = -1  # the first round is not a reset
+        self.rounds = 0
+        self.events: list[tuple[float, str, str]] = []  # (time, what, host) for tests/logs
+        self._ids = itertools.count()
+        self._ages = itertools.count()
+        self.coordinator = ElasticCoordinator.remote()
+        self.store = StoreActor.remote()
+        self._needs_round = True
+        self._below_min_since: float | None = None
+
+    # ------------------------------------------------------------------ main loop
+    def run(self) -> list[Any]:
+        try:
+            self._scale_up()
+            next_discovery = time.monotonic() + self.s.discovery_interval_s
+            while True:
+                finished = self._poll_workers()
+                if finished:
+                    return self._finish(finished)
+                if not self.members and getattr(self, "last_failure", None) is not None:
+                    raise self.last_failure  # every worker failed: the job fails
+                if time.monotonic() >= next_discovery:
+                    if self._scale_up() and self.rounds:
+                        ray.get(self.coordinator.bump_hosts.remote())
+                        self.events.append((time.monotonic(), "scale_up", ""))
+                    next_discovery = time.monotonic() + self.s.discovery_interval_s
+                self._check_minimum()
+                self._maybe_form_round()
+        except BaseException as exc:
+            ray.get(self.coordinator.fail.remote(f"the elastic job stopped: {exc}"))
+            raise
+        finally:
+            self._kill_all()
+
+    def _poll_workers(self) -> dict[str, Any]:
+        refs = {m.ref: m for m in self.members.values() if m.ref is not None}
+        if not refs:
+            time.sleep(0.1)
+            return {}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0.1)
+        finished = {}
+        for ref in ready:
+            member = refs[ref]
+            try:
+                finished[member.worker_id] = ray.get(ref)
+            except (RayActorError, RayTaskError) as exc:
+                self._on_failure(member, exc)
+        return finished
+
+    def _on_failure(self, member: _Member, exc: Exception) -> None:
+        del self.members[member.worker_id]
+        wait = self.blacklist.record_failure(member.node)
+        self.events.append((time.monotonic(), "failure", member.node))
+        log.warning("raytrain-x elastic: worker %s (rank %d) on node %s failed; host "
+                    "blacklisted for %s", member.worker_id, member.rank, member.node[:8],
+                    "good" if wait == float("inf") else f"{wait:.1f}s")
+        self.last_failure = WorkerError(member.rank, describe_failure(exc))
+        self._needs_round = True
+        try:
+            ray.kill(member.actor, no_restart=True)
+        except Exception:  # noqa: BLE001 - already dead
+            pass
+
+    def _finish(self, finished: dict[str, Any]) -> list[Any]:
+        """A worker finished: the job is done. Others get `timeout_s` to finish too."""
+        deadline = time.monotonic() + self.s.timeout_s
+        while time.monotonic() < deadline:
+            pending = [m for m in self.members.values()
+                       if m.ref is not None and m.worker_id not in finished]
+            if not pending:
+                break
+            ready, _ = ray.wait([m.ref for m in pending], num_returns=len(pending),
+                                timeout=0.2)
+            for m in pending:
+                if m.ref in ready:
+                    try:
+                        finished[m.worker_id] = ray.get(m.ref)
+                    except (RayActorError, RayTaskError):
+                        pass
+        order = sorted(finished, key=lambda w: self.members[w].rank
+                       if w in self.members else 1 << 30)
+        return [finished[w] for w in order]
+
+    # ------------------------------------------------------------------ capacity
+    def _free_slots(self) -> dict[str, int]:
+        reported = self.discovery.hosts()
+        if isinstance(self.discovery, ScriptDiscovery):
+            reported = resolve_hosts(reported)
+            used: dict[str, int] = {}
+            for m in self.members.values():
+                used[m.node] = used.get(m.node, 0) + 1
+            reported = {h: n - used.get(h, 0) for h, n in reported.items()}
+        return {h: n for h, n in reported.items() if n > 0 and not self.blacklist.is_blacklisted(h)}
+
+    def _scale_up(self) -> int:
+        """Starts workers on free slots up to max_workers; returns how many started."""
+        room = self.s.max_workers - len(self.members)
+        if room <= 0:
+            return 0
+        nodes = [node for node, slots in sorted(self._free_slots().items())
+                 for _ in range(slots)][:room]
+        resources = {k: v for k, v in self.per_worker.items() if k not in ("CPU", "GPU")}
+        actors = [Worker.options(
+            num_cpus=self.s.cpus_per_worker, num_gpus=self.s.gpus_per_worker,
+            resources=resources or None,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+            for node in nodes]
+        placed = {a.node_id.remote(): (a, node) for a, node in zip(actors, nodes)}
+        # a slot that disappeared (taken by another job) must not stall the driver
+        ready, stuck = ray.wait(list(placed), num_returns=len(placed), timeout=15)
+        for ref in stuck:
+            ray.kill(placed[ref][0], no_restart=True)
+        started = [placed[ref] for ref in ready]
+        for actor, node in started:
+            worker_id = f"w{next(self._ids)}"
+            ray.get(actor.setup_elastic.remote(worker_id, self.coordinator, self.store,
+                                               self.s.timeout_s, self.s.env or {},
+                                               self.s.autotune_actor))
+            member = _Member(worker_id, actor, node, next(self._ages))
+            member.ref = actor.execute.remote(self.fn, self.args, self.kwargs, False, 0)
+            self.members[worker_id] = member
+            self._needs_round = True
+            self.events.append((time.monotonic(), "start", node))
+        return len(started)
+
+    def _check_minimum(self) -> None:
+        if len(self.members) >= self.s.min_workers:
+            self._below_min_since = None
+            return
+        now = time.monotonic()
+        if self._below_min_since is None:
+            self._below_min_since = now
+            log.warning("raytrain-x elastic: %d workers, fewer than min_workers=%d; waiting up "
+                        "to %.0fs for capacity", len(self.members), self.s.min_workers,
+                        self.s.elastic_timeout)
+        elif now - self._below_min_since > self.s.elastic_timeout:
+            raise ElasticTimeout(
+                f"only {len(self.members)} workers for {self.s.elastic_timeout:.0f}s, fewer than "
+                f"min_workers={self.s.min_workers}; blacklisted hosts: "
+                f"{[h[:8] for h in self.blacklist.blacklisted()]}. Add capacity, lower "
+                "min_workers or raise elastic_timeout.")
+
+    # ------------------------------------------------------------------ rounds
+    def _maybe_form_round(self) -> None:
+        if not self._needs_round or len(self.members) < self.s.min_workers:
+            return
+        waiting = set(ray.get(self.coordinator.waiting.remote()))
+        if not waiting or waiting != set(self.members):
+            return  # survivors are still on their way to the rendezvous
+        self.resets += 1
+        if self.s.reset_limit is not None and self.resets > self.s.reset_limit:
+            raise ResetLimitExceeded(
+                f"the job reset {self.resets} times, more than reset_limit="
+                f"{self.s.reset_limit}; the last failure: {getattr(self, 'last_failure', '')}")
+        by_age = sorted(self.members.values(), key=lambda m: m.age)
+        slots = assign_ranks([m.node for m in by_age])
+        version = ray.get(self.coordinator.hosts_version.remote())
+        self.rounds += 1
+        assignments = {}
+        for member, slot in zip(by_age, slots):
+            member.rank = slot.rank
+            assignments[member.worker_id] = {
+                "rank": slot.rank, "size": len(by_age), "local_rank": slot.local_rank,
+                "local_size": slot.local_size, "cross_rank": slot.cross_rank,
+                "cross_size": slot.cross_size, "round": self.rounds,
+                "hosts": [s.node_id for s in sorted(slots, key=lambda s: s.rank)],
+                "hosts_version": version}
+        ray.get(self.coordinator.publish.remote(assignments))
+        self._needs_round = False
+        self.events.append((time.monotonic(), "round", str(len(by_age))))
+        log.info("raytrain-x elastic: round %d with %d workers", self.rounds, len(by_age))
+
+    def _kill_all(self) -> None:
+        for m in list(self.members.values()):
+            try:
+                ray.kill(m.actor, no_restart=True)
+            except Exception:  # noqa: BLE001
+                pass
+        for actor in (self.coordinator, self.store):
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001
+                pass

@@ -1,0 +1,130 @@
+"""Worker-side elastic state: commit, restore, sync from the new rank 0, and `run`.
+
+The decorated function must not run collectives before it is called: a worker that joins
+a running job gets its state from rank 0 in the first `sync()`, inside `run`.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from raytrain_x.common.errors import HostsUpdatedInterrupt, InternalError
+
+log = logging.getLogger("raytrain_x.elastic")
+
+
+class State:
+    """Base of elastic states: what survives a failure is what was last committed."""
+
+    def __init__(self) -> None:
+        self._reset_callbacks: list[Callable[[], None]] = []
+
+    def register_reset_callbacks(self, callbacks: list[Callable[[], None]]) -> None:
+        """Functions run after every reset (e.g. to rescale the learning rate by size)."""
+        self._reset_callbacks.extend(callbacks)
+
+    def on_reset(self) -> None:
+        for callback in self._reset_callbacks:
+            callback()
+
+    def commit(self) -> None:
+        """Saves the state in memory, then checks for added or removed hosts (raising
+        `HostsUpdatedInterrupt` on every rank at once when the world should change)."""
+        self.save()
+        self.check_host_updates()
+
+    def check_host_updates(self) -> None:
+        """Raises `HostsUpdatedInterrupt` when the driver has new hosts for this job. Rank 0
+        asks and broadcasts the answer, so every rank raises at the same commit."""
+        from raytrain_x.fusion import runtime
+
+        probe = runtime.host_update_probe()
+        if probe is None:
+            return
+        from raytrain_x.torch.functions import broadcast_object
+
+        rdv = runtime.rendezvous()
+        version = probe() if rdv.rank == 0 else None
+        version = broadcast_object(version, 0, name="elastic.hosts_version")
+        if version != rdv.hosts_version:
+            raise HostsUpdatedInterrupt(skip_sync=False)
+
+    def save(self) -> None:
+        raise NotImplementedError
+
+    def restore(self) -> None:
+        raise NotImplementedError
+
+    def sync(self) -> None:
+        raise NotImplementedError
+
+
+class ObjectState(State):
+    """Plain Python attributes, broadcast from rank 0 on sync.
+
+    Example: `state = ObjectState(epoch=0, batch=0)`; `state.epoch += 1`; `state.commit()`.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__()
+        self._names = list(kwargs)
+        for name, value in kwargs.items():
+            setattr(self, name, value)
+        self._saved = copy.deepcopy(kwargs)
+
+    def _values(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self._names}
+
+    def save(self) -> None:
+        self._saved = copy.deepcopy(self._values())
+
+    def restore(self) -> None:
+        for name, value in copy.deepcopy(self._saved).items():
+            setattr(self, name, value)
+
+    def sync(self) -> None:
+        from raytrain_x.torch.functions import broadcast_object
+
+        values = broadcast_object(self._values(), 0, name="elastic.object_state")
+        for name, value in values.items():
+            setattr(self, name, value)
+        self.save()
+
+
+def run(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Makes `func(state, *args, **kwargs)` elastic.
+
+    On `InternalError` (a peer or the transport failed) the state is restored to its last
+    commit; on `HostsUpdatedInterrupt` it is kept. Either way the worker re-initialises
+    through a new rendezvous round (the tuned knobs carry over), runs the reset callbacks,
+    syncs the state from the new rank 0 (the oldest surviving worker) and calls `func`
+    again.
+    """
+
+    @functools.wraps(func)
+    def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
+        from raytrain_x.fusion import runtime
+
+        reset_required = False
+        skip_sync = False
+        while True:
+            try:  # a peer may die during the reset and the sync too: same recovery
+                if reset_required:
+                    runtime.reset()
+                    state.on_reset()
+                if not skip_sync:
+                    state.sync()
+                return func(state, *args, **kwargs)
+            except InternalError as exc:
+                log.warning("raytrain-x elastic: %s; restoring the last commit", exc)
+                state.restore()
+                skip_sync = False
+            except HostsUpdatedInterrupt as exc:
+                skip_sync = exc.skip_sync
+            reset_required = True
+
+    return wrapper

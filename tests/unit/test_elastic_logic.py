@@ -1,0 +1,78 @@
+"""Cooldown rule, blacklist and discovery parsing (pure logic)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from raytrain_x import ConfigError
+from raytrain_x.elastic.blacklist import Blacklist, cooldown_seconds
+from raytrain_x.elastic.discovery import ScriptDiscovery, parse_host_slots, slots_from_resources
+
+
+def test_cooldown_doubles_from_lo_and_caps_at_hi():
+    assert [cooldown_seconds(n, (2, 20)) for n in range(1, 7)] == [2, 4, 8, 16, 20, 20]
+    assert cooldown_seconds(1, (2, 20), jitter=1.5) == 3.5
+    assert cooldown_seconds(5, (2, 20), jitter=1.5) == 20
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_blacklist_with_cooldown_returns_after_the_rule():
+    clock = FakeClock()
+    bl = Blacklist((2.0, 20.0), clock=clock, rng=random.Random(0))
+    first = bl.record_failure("n1")
+    assert 2.0 <= first <= 4.0  # lo plus jitter up to lo
+    assert bl.is_blacklisted("n1") and bl.blacklisted() == ["n1"]
+    clock.now += first + 0.01
+    assert not bl.is_blacklisted("n1")
+    second = bl.record_failure("n1")
+    assert 4.0 <= second <= 6.0
+    assert not bl.is_blacklisted("other")
+
+
+def test_blacklist_without_cooldown_is_permanent():
+    clock = FakeClock()
+    bl = Blacklist(None, clock=clock)
+    assert bl.record_failure("n1") == float("inf")
+    clock.now += 1e9
+    assert bl.is_blacklisted("n1")
+
+
+def test_parse_host_slots():
+    text = "# hosts\nnode-1:4\n\n10.0.0.2:2  # gpu box\n"
+    assert parse_host_slots(text) == {"node-1": 4, "10.0.0.2": 2}
+
+
+@pytest.mark.parametrize("bad", ["node-1", "node-1:four", ":3", "node-1:-1"])
+def test_bad_script_output_is_a_clear_error(bad):
+    with pytest.raises(ConfigError, match="is not 'host:slots'"):
+        parse_host_slots(f"ok:1\n{bad}\n")
+
+
+def test_script_must_exist_and_be_executable(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        ScriptDiscovery(str(tmp_path / "missing.sh"))
+    script = tmp_path / "hosts.sh"
+    script.write_text("#!/bin/sh\necho localhost:2\n")
+    with pytest.raises(ConfigError, match="not executable; run: chmod"):
+        ScriptDiscovery(str(script))
+    script.chmod(0o755)
+    assert ScriptDiscovery(str(script)).hosts() == {"localhost": 2}
+    failing = tmp_path / "fail.sh"
+    failing.write_text("#!/bin/sh\necho oops >&2\nexit 3\n")
+    failing.chmod(0o755)
+    with pytest.raises(ConfigError, match="exited with 3: oops"):
+        ScriptDiscovery(str(failing)).hosts()
+
+
+def test_slots_from_resources():
+    assert slots_from_resources({"CPU": 7.0, "rtx": 2.0}, {"CPU": 2, "rtx": 1}) == 2
+    assert slots_from_resources({"CPU": 1.0}, {"CPU": 2}) == 0
