@@ -67,6 +67,18 @@ class StoreActor:
         return len(self._data)
 
 
+def call_actor(method, *args, attempts: int = 20, pause_s: float = 0.5):
+    """`ray.get(method.remote(*args))`, retried while Ray reports the actor as temporarily
+    unavailable (its node was just lost and the cluster is re-checking its members)."""
+    for attempt in range(attempts):
+        try:
+            return ray.get(method.remote(*args))
+        except ray.exceptions.ActorUnavailableError:
+            if attempt == attempts - 1:
+                raise
+            time.sleep(pause_s)
+
+
 class RayStore(dist.Store):
     """`torch.distributed.Store` whose data lives in a `StoreActor`.
 
@@ -87,11 +99,11 @@ class RayStore(dist.Store):
         self._timeout_s = timeout.total_seconds()
 
     def set(self, key: str, value) -> None:
-        ray.get(self._actor.set.remote(key, _as_bytes(value)))
+        call_actor(self._actor.set, key, _as_bytes(value))
 
     def get(self, key: str) -> bytes:
         start = time.monotonic()
-        value = ray.get(self._actor.get.remote(key, self._timeout_s))
+        value = call_actor(self._actor.get, key, self._timeout_s)
         if value is None:
             raise RendezvousTimeout(
                 f"rendezvous key {key!r} did not appear within {self._timeout_s:.0f}s "
@@ -100,25 +112,25 @@ class RayStore(dist.Store):
         return value
 
     def add(self, key: str, amount: int) -> int:
-        return ray.get(self._actor.add.remote(key, int(amount)))
+        return call_actor(self._actor.add, key, int(amount))
 
     def compare_set(self, key: str, expected, desired) -> bytes:
-        return ray.get(self._actor.compare_set.remote(key, _as_bytes(expected), _as_bytes(desired)))
+        return call_actor(self._actor.compare_set, key, _as_bytes(expected), _as_bytes(desired))
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         timeout_s = timeout.total_seconds() if timeout is not None else self._timeout_s
-        if not ray.get(self._actor.wait.remote(list(keys), timeout_s)):
+        if not call_actor(self._actor.wait, list(keys), timeout_s):
             raise RendezvousTimeout(f"rendezvous keys {list(keys)} did not all appear within "
                                     f"{timeout_s:.0f}s; a worker did not start or died")
 
     def check(self, keys: list[str]) -> bool:
-        return ray.get(self._actor.check.remote(list(keys)))
+        return call_actor(self._actor.check, list(keys))
 
     def delete_key(self, key: str) -> bool:
-        return ray.get(self._actor.delete_key.remote(key))
+        return call_actor(self._actor.delete_key, key)
 
     def num_keys(self) -> int:
-        return ray.get(self._actor.num_keys.remote())
+        return call_actor(self._actor.num_keys)
 
 
 def _as_bytes(value) -> bytes:

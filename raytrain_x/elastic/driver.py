@@ -25,7 +25,7 @@ from raytrain_x.elastic.blacklist import Blacklist
 from raytrain_x.elastic.discovery import RayDiscovery, ScriptDiscovery, resolve_hosts
 from raytrain_x.elastic.rendezvous import ElasticCoordinator
 from raytrain_x.ray.executor import describe_failure
-from raytrain_x.ray.placement import assign_ranks
+from raytrain_x.ray.placement import assign_ranks, stable_node_strategy
 from raytrain_x.ray.worker import Worker
 
 log = logging.getLogger("raytrain_x.elastic")
@@ -81,8 +81,10 @@ class ElasticJob:
         self.events: list[tuple[float, str, str]] = []  # (time, what, host) for tests/logs
         self._ids = itertools.count()
         self._ages = itertools.count()
-        self.coordinator = ElasticCoordinator.remote()
-        self.store = StoreActor.remote()
+        # The job's own actors live on the head node: worker nodes may vanish at any time.
+        here = stable_node_strategy()
+        self.coordinator = ElasticCoordinator.options(scheduling_strategy=here).remote()
+        self.store = StoreActor.options(scheduling_strategy=here).remote()
         self._needs_round = True
         self._below_min_since: float | None = None
 
@@ -105,7 +107,11 @@ class ElasticJob:
                 self._check_minimum()
                 self._maybe_form_round()
         except BaseException as exc:
-            ray.get(self.coordinator.fail.remote(f"the elastic job stopped: {exc}"))
+            try:
+                ray.get(self.coordinator.fail.remote(f"the elastic job stopped: {exc}"),
+                        timeout=5)
+            except Exception:  # noqa: BLE001 - the original error matters more
+                pass
             raise
         finally:
             self._kill_all()

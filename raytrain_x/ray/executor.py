@@ -21,6 +21,7 @@ from raytrain_x.ray.placement import (
     Slot,
     assign_ranks,
     create_placement_group,
+    stable_node_strategy,
     validate_shape,
 )
 from raytrain_x.ray.worker import Worker
@@ -232,8 +233,7 @@ class RayExecutor:
         order = sorted(range(len(workers)), key=lambda i: slots[i].rank)
         self.workers = [workers[i] for i in order]
         self.slots = [slots[i] for i in order]
-        self._store = StoreActor.options(
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, indexes[0])).remote()
+        self._store = StoreActor.options(scheduling_strategy=stable_node_strategy()).remote()
         env = dict(extra_env)
         env["RAYTRAIN_X_TIMEOUT"] = str(self.settings.timeout_s)
         if self.knobs is not None:

@@ -85,6 +85,21 @@ def create_placement_group(
     return pg, indexes
 
 
+def stable_node_strategy():
+    """Scheduling for a job's control actors (store, coordinator, autotune controller): the
+    head node, which autoscalers and spot reclaims never take away (else the driver's node).
+    Hard affinity: soft affinity was seen to spill them onto worker nodes, and they need no
+    resources, so the node always fits them."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    node = ray.get_runtime_context().get_node_id()
+    for info in ray.nodes():
+        if info.get("Alive") and "node:__internal_head__" in info.get("Resources", {}):
+            node = info["NodeID"]
+            break
+    return NodeAffinitySchedulingStrategy(node, soft=False)
+
+
 def validate_shape(num_workers, num_hosts, num_workers_per_host, cpus_per_worker,
                    gpus_per_worker, use_gpu) -> None:
     """Raises ConfigError for impossible executor arguments."""

@@ -14,7 +14,7 @@ from typing import Any
 import ray
 
 from raytrain_x.comm.rendezvous import Rendezvous, set_rendezvous_provider
-from raytrain_x.comm.store import RayStore
+from raytrain_x.comm.store import RayStore, call_actor
 
 
 class _WorkerFailure(Exception):
@@ -85,7 +85,7 @@ class Worker:
                 lambda config, start, fixed: ActorAdvisor(autotune_actor))
 
         def provider() -> Rendezvous:
-            place = ray.get(coordinator.join.remote(worker_id))
+            place = call_actor(coordinator.join, worker_id)
             self.rank = place["rank"]
             return Rendezvous(store=RayStore(store_actor, timeout_s), timeout_s=timeout_s,
                               **place)
@@ -93,7 +93,7 @@ class Worker:
         set_rendezvous_provider(provider)
         from raytrain_x.fusion import runtime
 
-        runtime.set_host_update_probe(lambda: ray.get(coordinator.hosts_version.remote()))
+        runtime.set_host_update_probe(lambda: call_actor(coordinator.hosts_version))
 
     def create_executable(self, cls: type, args: tuple, kwargs: dict) -> None:
         self.executable = cls(*args, **kwargs)

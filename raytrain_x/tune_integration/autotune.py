@@ -189,4 +189,7 @@ def remote_controller(config: AutotuneConfig, start: Knobs, fixed: frozenset[str
     """Starts the controller as a Ray actor (no CPU reserved)."""
     import ray
 
-    return ray.remote(num_cpus=0)(AutotuneController).remote(config, start, fixed)
+    from raytrain_x.ray.placement import stable_node_strategy
+
+    return ray.remote(num_cpus=0)(AutotuneController).options(
+        scheduling_strategy=stable_node_strategy()).remote(config, start, fixed)

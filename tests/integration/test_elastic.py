@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -18,7 +19,8 @@ from tests.conftest import ELASTIC_RESOURCE
 STEPS = 40
 
 
-def _elastic_train(steps: int, pause: float, bad_node: str | None = None) -> dict:
+def _elastic_train(steps: int, pause: float, bad_node: str | None = None,
+                   progress: str | None = None) -> dict:
     import os
 
     import raytrain_x.torch as rx
@@ -44,6 +46,9 @@ def _elastic_train(steps: int, pause: float, bad_node: str | None = None) -> dic
             state.step += 1
             time.sleep(pause)
             state.commit()
+            if progress and rx.rank() == 0:
+                with open(progress, "w") as f:
+                    f.write(f"{state.step} {rx.size()}")
         return {"step": state.step, "done_steps": list(state.done_steps),
                 "sizes": list(state.sizes), "rank": rx.rank(),
                 "weight": model.weight.detach().clone()}
@@ -59,82 +64,107 @@ def _executor(min_workers: int, max_workers: int, **kwargs) -> RayExecutor:
     return executor
 
 
-def _in_background(action, when) -> threading.Thread:
-    def run():
-        while not when():
-            time.sleep(0.1)
-        action()
+class _Job:
+    """Runs `executor.run` in a thread so the test's main thread can inject faults
+    (Cluster.add_node/remove_node must run on the main thread)."""
 
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread
+    def __init__(self, executor: RayExecutor, *args) -> None:
+        self.executor = executor
+        self.result = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=args, daemon=True)
+        self.thread.start()
+
+    def _run(self, *args) -> None:
+        try:
+            self.result = self.executor.run(_elastic_train, args=args)
+        except BaseException as exc:  # noqa: BLE001 - inspected by the test
+            self.error = exc
+
+    def wait_until(self, condition, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert self.thread.is_alive(), f"the job ended early: {self.error!r}"
+            assert time.monotonic() < deadline, "condition not reached"
+            time.sleep(0.05)
+
+    def trained(self, progress: Path, steps: int, size: int) -> bool:
+        """Rank 0 committed `steps` steps in a world of `size`."""
+        try:
+            step, world = map(int, progress.read_text().split())
+        except (OSError, ValueError):
+            return False
+        return step >= steps and world == size
+
+    def join(self, timeout: float = 180.0):
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "the elastic job did not finish"
+        if self.error is not None:
+            raise self.error
+        return self.result
 
 
-def _check_committed_history(results: list[dict]) -> None:
+def _youngest(executor: RayExecutor):
+    return max(executor.last_elastic_job.members.values(), key=lambda m: m.age)
+
+
+def _check_committed_history(results: list[dict], steps: int = STEPS) -> None:
     for r in results:
         assert r["step"] == STEPS  # the planned step count
         assert r["done_steps"] == list(range(STEPS))  # none lost, none repeated
     assert all(torch.equal(results[0]["weight"], r["weight"]) for r in results)
 
 
-def test_killed_worker_actor_training_finishes(elastic_nodes):
+def test_killed_worker_actor_training_finishes(elastic_nodes, tmp_path):
     elastic_nodes(3)
     executor = _executor(2, 3)
-
-    def running_rounds() -> bool:
-        job = executor.last_elastic_job
-        return job is not None and job.rounds >= 1 and len(job.members) == 3
-
-    def kill_one():
-        time.sleep(1.0)  # mid-epoch
-        victim = next(m for m in executor.last_elastic_job.members.values() if m.rank == 2)
-        ray.kill(victim.actor, no_restart=True)
-
-    _in_background(kill_one, running_rounds)
-    results = executor.run(_elastic_train, args=(STEPS, 0.1))
-    job = executor.last_elastic_job
+    progress = tmp_path / "progress"
+    job = _Job(executor, STEPS, 0.1, None, str(progress))
+    job.wait_until(lambda: job.trained(progress, 10, 3))  # mid-epoch, 3 workers
+    ray.kill(_youngest(executor).actor, no_restart=True)
+    results = job.join()
+    events = executor.last_elastic_job.events
+    rounds = executor.last_elastic_job.rounds
     executor.shutdown()
     assert len(results) == 2  # the survivors finished
     _check_committed_history(results)
-    assert any(kind == "failure" for _, kind, _ in job.events)
-    assert job.rounds >= 2
-    assert results[0]["sizes"][0] == 3 and results[0]["sizes"][-1] == 2
+    assert any(kind == "failure" for _, kind, _ in events)
+    assert rounds >= 2
+    assert 3 in results[0]["sizes"] and results[0]["sizes"][-1] == 2
 
 
-def test_removed_node_survivors_continue(cluster, elastic_nodes):
+def test_removed_node_survivors_continue(cluster, elastic_nodes, tmp_path):
     nodes = elastic_nodes(3)
     executor = _executor(2, 3)
-
-    def remove_a_node():
-        time.sleep(1.0)
-        job = executor.last_elastic_job
-        victim = next(m for m in job.members.values() if m.rank == 1)
-        node = next(n for n in nodes if n.unique_id == victim.node)
-        cluster.remove_node(node, allow_graceful=False)
-
-    _in_background(remove_a_node, lambda: executor.last_elastic_job is not None
-                   and executor.last_elastic_job.rounds >= 1)
-    results = executor.run(_elastic_train, args=(STEPS, 0.1))
+    progress = tmp_path / "progress"
+    job = _Job(executor, STEPS, 0.1, None, str(progress))
+    job.wait_until(lambda: job.trained(progress, 10, 3))
+    victim = _youngest(executor)
+    cluster.remove_node(next(n for n in nodes if n.node_id == victim.node),
+                        allow_graceful=False)
+    results = job.join()
     executor.shutdown()
     assert len(results) == 2
     _check_committed_history(results)
-    assert results[0]["sizes"][-1] == 2
+    assert 3 in results[0]["sizes"] and results[0]["sizes"][-1] == 2
 
 
-def test_added_node_joins_at_the_next_commit(elastic_nodes):
+def test_added_node_joins_at_the_next_commit(elastic_nodes, tmp_path):
     elastic_nodes(2)
     executor = _executor(2, 3)
-    _in_background(lambda: (time.sleep(1.0), elastic_nodes(1)),
-                   lambda: executor.last_elastic_job is not None
-                   and executor.last_elastic_job.rounds >= 1)
-    results = executor.run(_elastic_train, args=(STEPS, 0.15))
-    job = executor.last_elastic_job
+    progress = tmp_path / "progress"
+    job = _Job(executor, 2 * STEPS, 0.1, None, str(progress))
+    job.wait_until(lambda: job.trained(progress, 5, 2))
+    elastic_nodes(1)
+    results = job.join()
+    events = executor.last_elastic_job.events
     executor.shutdown()
     assert len(results) == 3  # the new worker finished with the others
-    _check_committed_history(results)  # it received the state from rank 0
+    for r in results:  # it received the committed state from rank 0
+        assert r["step"] == 2 * STEPS and r["done_steps"] == list(range(2 * STEPS))
     sizes = results[0]["sizes"]
-    assert sizes[0] == 2 and sizes[-1] == 3
-    assert any(kind == "scale_up" for _, kind, _ in job.events)
+    assert 2 in sizes and sizes[-1] == 3
+    assert any(kind == "scale_up" for _, kind, _ in events)
 
 
 def test_failing_host_is_blacklisted_with_cooldown_and_reset_limit_stops_the_job(
@@ -144,10 +174,10 @@ def test_failing_host_is_blacklisted_with_cooldown_and_reset_limit_stops_the_job
     executor = _executor(2, 3, cooldown_range=(2.0, 30.0), reset_limit=4)
     start = time.monotonic()
     with pytest.raises(ResetLimitExceeded, match="reset_limit=4"):
-        executor.run(_elastic_train, args=(10_000, 0.05, bad.unique_id))
+        executor.run(_elastic_train, args=(10_000, 0.05, bad.node_id))
     job = executor.last_elastic_job
     executor.shutdown()
-    on_bad = [(t, kind) for t, kind, host in job.events if host == bad.unique_id]
+    on_bad = [(t, kind) for t, kind, host in job.events if host == bad.node_id]
     failures = [t for t, kind in on_bad if kind == "failure"]
     restarts = [t for t, kind in on_bad if kind == "start"][1:]  # after the first start
     assert len(failures) >= 2 and len(restarts) >= 1
