@@ -63,6 +63,16 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--timeout", type=float, default=30.0,
                      help="rendezvous/collective timeout in seconds")
     run.add_argument("--verbose", action="store_true")
+    elastic = run.add_argument_group("elastic (any of these makes the job elastic)")
+    elastic.add_argument("--min-np", type=int, help="fewest workers to train with")
+    elastic.add_argument("--max-np", type=int, help="most workers to scale up to")
+    elastic.add_argument("--host-discovery-script",
+                         help="executable printing 'host:slots' lines (default: Ray's nodes)")
+    elastic.add_argument("--blacklist-cooldown-range", type=float, nargs=2,
+                         metavar=("LO", "HI"), help="seconds a failed host stays out")
+    elastic.add_argument("--reset-limit", type=int, help="most resets before the job fails")
+    elastic.add_argument("--elastic-timeout", type=float, default=600.0,
+                         help="seconds to wait for min-np workers")
     _add_knob_flags(run)
     _add_autotune_flags(run)
     run.add_argument("command", nargs=argparse.REMAINDER, help="the command to run")
@@ -134,8 +144,11 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from raytrain_x.ray.executor import RayExecutor, ensure_ray, knob_env
     from raytrain_x.ray.launch import run_command_on_workers
 
-    ensure_ray(args.address, log_to_driver=args.verbose)
+    elastic = args.min_np is not None or args.max_np is not None
+    ensure_ray(args.address, log_to_driver=args.verbose or elastic)
     settings = RayExecutor.create_settings(timeout_s=args.timeout)
+    if elastic:
+        return _run_elastic(args, command, settings, knobs, fixed, autotune)
     executor = RayExecutor(settings, num_workers=args.np, cpus_per_worker=args.cpus_per_worker,
                            use_gpu=args.use_gpu)
     # Only the knobs the user fixed travel as env, so the launched ranks see the same fixed
@@ -162,6 +175,33 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         sys.stderr.write(f"raytrain-x: rank {rank} exited with code {code}\n")
         return code if 0 < code < 256 else 1
     return 0
+
+
+def _run_elastic(args, command, settings, knobs, fixed, autotune) -> int:
+    """Elastic jobs run the script inside each worker actor (so every rank can reach the
+    rendezvous coordinator); Ray forwards the output with its worker prefix."""
+    from raytrain_x.ray.executor import RayExecutor, knob_env
+    from raytrain_x.ray.launch import run_script
+
+    env = {k: v for k, v in knob_env(knobs).items()
+           if any(Knobs.specs()[n].env == k for n in fixed)}
+    if args.timeline_filename:
+        env["RAYTRAIN_X_TIMELINE"] = os.path.abspath(args.timeline_filename)
+    executor = RayExecutor(
+        settings, num_workers=args.np, cpus_per_worker=args.cpus_per_worker,
+        use_gpu=args.use_gpu, min_workers=args.min_np or 1,
+        max_workers=args.max_np or max(args.np, args.min_np or 1),
+        reset_limit=args.reset_limit,
+        cooldown_range=tuple(args.blacklist_cooldown_range)
+        if args.blacklist_cooldown_range else None,
+        elastic_timeout=args.elastic_timeout,
+        host_discovery_script=args.host_discovery_script, autotune=autotune)
+    executor.start(extra_env_vars=env)
+    try:
+        codes = executor.run(run_script, args=(command,))
+    finally:
+        executor.shutdown()
+    return 0 if all(code == 0 for code in codes) else 1
 
 
 def _printer():

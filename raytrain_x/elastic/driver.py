@@ -79,6 +79,7 @@ class ElasticJob:
         self.resets = -1  # the first round is not a reset
         self.rounds = 0
         self.events: list[tuple[float, str, str]] = []  # (time, what, host) for tests/logs
+        self.cooldowns: list[tuple[str, float, float]] = []  # (host, failed at, seconds out)
         self._ids = itertools.count()
         self._ages = itertools.count()
         # The job's own actors live on the head node: worker nodes may vanish at any time.
@@ -135,6 +136,7 @@ class ElasticJob:
         del self.members[member.worker_id]
         wait = self.blacklist.record_failure(member.node)
         self.events.append((time.monotonic(), "failure", member.node))
+        self.cooldowns.append((member.node, time.monotonic(), wait))
         log.warning("raytrain-x elastic: worker %s (rank %d) on node %s failed; host "
                     "blacklisted for %s", member.worker_id, member.rank, member.node[:8],
                     "good" if wait == float("inf") else f"{wait:.1f}s")
@@ -183,6 +185,8 @@ class ElasticJob:
             return 0
         nodes = [node for node, slots in sorted(self._free_slots().items())
                  for _ in range(slots)][:room]
+        for node in nodes:
+            self.events.append((time.monotonic(), "place", node))
         resources = {k: v for k, v in self.per_worker.items() if k not in ("CPU", "GPU")}
         actors = [Worker.options(
             num_cpus=self.s.cpus_per_worker, num_gpus=self.s.gpus_per_worker,

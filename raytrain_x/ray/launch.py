@@ -12,6 +12,33 @@ from ray.exceptions import RayActorError
 from raytrain_x.ray.executor import RayExecutor
 
 
+def run_script(command: list[str]) -> int:
+    """Runs `python script.py args` (or `python -m module args`) inside this process, as
+    `__main__`; returns its exit code. Used by elastic jobs launched from the CLI."""
+    import runpy
+    import sys
+
+    if command and command[0] in ("python", "python3") or command[0] == sys.executable:
+        command = command[1:]
+    module = command[0] == "-m"
+    target = command[1] if module else command[0]
+    saved = sys.argv
+    sys.argv = command[1:] if module else list(command)
+    try:
+        if module:
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(target, run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if code:
+            raise
+        return 0
+    finally:
+        sys.argv = saved
+    return 0
+
+
 def command_env(executor: RayExecutor, rank: int, store_addr: str, store_port: int) -> dict:
     """The RAYTRAIN_X_* variables `rx.init()` reads in a launched process."""
     slot = executor.slots[rank]

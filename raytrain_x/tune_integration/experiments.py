@@ -1,0 +1,298 @@
+"""Offline autotune experiments: short distributed runs, one configuration each.
+
+Like DeepSpeed's autotuning experiments, but on Ray Tune: each experiment runs the user's
+function on `num_workers` workers with one configuration (user parameters such as
+`micro_batch_size` and/or raytrain-x knobs); the metric is the mean of what rank 0 reports
+between `start_step` and `steps_per_experiment`. An experiment that raises scores as
+failed and the search goes on.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ray import tune
+
+from raytrain_x.common.errors import ConfigError
+from raytrain_x.common.knobs import Knobs
+
+
+@dataclass
+class Experiment:
+    index: int
+    config: dict[str, Any]
+    metric: float | None  # None when it failed
+    error: str = ""
+    steps: int = 0
+
+
+@dataclass
+class ExperimentsResult:
+    """What `autotune_experiments` found."""
+
+    experiments: list[Experiment]
+    best: Experiment | None
+    output_dir: Path
+    metric: str
+    mode: str
+    space: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def best_config(self) -> dict[str, Any] | None:
+        return self.best.config if self.best else None
+
+
+def _validate_space(space: Mapping[str, Any], search: str) -> dict[str, Any]:
+    """Turns the user's space into Tune's; raises ConfigError with the fix."""
+    if not isinstance(space, Mapping) or not space:
+        raise ConfigError("space must be a non-empty dict: name -> list of values (grid) or "
+                          "(low, high) (bayesopt)")
+    knob_names = set(Knobs.specs())
+    tune_space: dict[str, Any] = {}
+    for name, spec in space.items():
+        if isinstance(spec, list):
+            if not spec:
+                raise ConfigError(f"space[{name!r}] is an empty list; give the values to try")
+            if search == "bayesopt":
+                numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                              for v in spec)
+                if not numeric:
+                    raise ConfigError(f"space[{name!r}]: bayesopt searches numbers; use "
+                                      "search='grid' for categorical values")
+                tune_space[name] = tune.uniform(min(spec), max(spec)) if len(spec) > 1 \
+                    else spec[0]
+            else:
+                tune_space[name] = tune.grid_search(list(spec))
+        elif isinstance(spec, tuple):
+            if len(spec) != 2 or not all(isinstance(v, (int, float)) for v in spec) \
+                    or not spec[0] < spec[1]:
+                raise ConfigError(f"space[{name!r}] = {spec!r}: a range is (low, high) with "
+                                  "low < high")
+            if search == "grid":
+                raise ConfigError(f"space[{name!r}]: grid search needs a list of values, "
+                                  f"not a range {spec!r}")
+            tune_space[name] = tune.uniform(float(spec[0]), float(spec[1]))
+        else:
+            raise ConfigError(f"space[{name!r}] = {spec!r}: use a list of values or a "
+                              "(low, high) tuple")
+        if name in knob_names:
+            tune_space.setdefault("raytrain_x", {})
+    return tune_space
+
+
+def _round_like(space: Mapping[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """BayesOpt proposes floats; give integer parameters integers."""
+    out = {}
+    for name, value in config.items():
+        spec = space.get(name)
+        values = list(spec) if isinstance(spec, (list, tuple)) else []
+        if values and all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+            value = int(round(value))
+        out[name] = value
+    return out
+
+
+class _PatienceStopper(tune.Stopper):
+    """Stops the whole search after `patience` finished experiments without a better one."""
+
+    def __init__(self, metric: str, mode: str, patience: int | None) -> None:
+        self.metric, self.mode, self.patience = metric, mode, patience
+        self.best = -math.inf
+        self.since_best = 0
+
+    def __call__(self, trial_id: str, result: dict) -> bool:
+        return False
+
+    def on_trial_done(self, score: float | None) -> None:
+        if score is None:
+            self.since_best += 1
+            return
+        signed = score if self.mode == "max" else -score
+        if signed > self.best:
+            self.best, self.since_best = signed, 0
+        else:
+            self.since_best += 1
+
+    def stop_all(self) -> bool:
+        return self.patience is not None and self.since_best >= self.patience
+
+
+def autotune_experiments(
+    train_fn: Callable[[dict], Any],
+    space: Mapping[str, Any],
+    num_workers: int = 2,
+    metric: str = "samples_per_sec",
+    mode: str = "max",
+    max_experiments: int = 10,
+    steps_per_experiment: int = 10,
+    start_step: int = 2,
+    search: str = "bayesopt",
+    early_stop_patience: int | None = None,
+    output_dir: str | os.PathLike = "raytrain_x_experiments",
+    cpus_per_worker: float = 1,
+    seed: int = 0,
+) -> ExperimentsResult:
+    """Runs short experiments and picks the best configuration.
+
+    `train_fn(config)` runs on every worker and calls
+    `raytrain_x.tune_integration.report({metric: value})` once per step; knob names in the
+    space (e.g. `fusion_threshold_bytes`) are applied as communication knobs.
+
+    Returns:
+        The experiments, the best one, and `output_dir` holding one folder per experiment
+        (config.json, metrics.csv, log.txt), summary.csv, best_config.json and
+        metric_per_experiment.png.
+    """
+    from raytrain_x.tune_integration.trainable import DistributedTrainableCreator
+
+    if search not in ("bayesopt", "grid"):
+        raise ConfigError(f"search must be 'bayesopt' or 'grid', got {search!r}")
+    if mode not in ("max", "min"):
+        raise ConfigError(f"mode must be 'max' or 'min', got {mode!r}")
+    if not 0 <= start_step < steps_per_experiment:
+        raise ConfigError(f"need 0 <= start_step < steps_per_experiment, got {start_step}, "
+                          f"{steps_per_experiment}")
+    tune_space = _validate_space(space, search)
+    tune_space.pop("raytrain_x", None)
+    knob_names = set(Knobs.specs())
+    out = Path(output_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+
+    def experiment_fn(config: dict) -> Any:
+        params = _round_like(space, {k: v for k, v in config.items() if k != "raytrain_x"})
+        return train_fn(params)
+
+    trainable = DistributedTrainableCreator(experiment_fn, num_workers=num_workers,
+                                            cpus_per_worker=cpus_per_worker)
+    search_alg = None
+    if search == "bayesopt":
+        from ray.tune.search.bayesopt import BayesOptSearch
+
+        search_alg = BayesOptSearch(metric=metric, mode=mode, random_state=seed,
+                                    random_search_steps=min(3, max_experiments))
+    param_space = dict(tune_space)
+    knob_params = [n for n in space if n in knob_names]
+    if knob_params:  # knobs reach the job through config["raytrain_x"]
+        param_space["raytrain_x"] = {n: tune_space[n] for n in knob_params}
+        for n in knob_params:
+            param_space.pop(n)
+    stopper = _PatienceStopper(metric, mode, early_stop_patience)
+    tuner = tune.Tuner(
+        trainable,
+        param_space=param_space,
+        tune_config=tune.TuneConfig(
+            search_alg=search_alg, num_samples=max_experiments if search == "bayesopt" else 1,
+            max_concurrent_trials=1),
+        run_config=tune.RunConfig(
+            name="raytrain_x_experiments", storage_path=str(out / "tune"),
+            stop=_StopAfter(steps_per_experiment, stopper, metric), verbose=0))
+    grid = tuner.fit()
+
+    experiments = []
+    for i, result in enumerate(grid):
+        config = dict(result.config)
+        knobs = config.pop("raytrain_x", {})
+        config = _round_like(space, {**config, **knobs})
+        frame = result.metrics_dataframe
+        error = ""
+        value = None
+        steps = 0 if frame is None else len(frame)
+        if result.error is not None:
+            error = str(result.error)
+        elif frame is not None and metric in frame and steps > start_step:
+            value = float(frame[metric].iloc[start_step:steps_per_experiment].mean())
+        else:
+            error = f"the function reported {steps} steps of {metric!r}, fewer than needed"
+        experiments.append(Experiment(i, config, value, error, steps))
+        _write_experiment(out / f"experiment_{i:03d}", experiments[-1], frame)
+        if max_experiments and len(experiments) >= max_experiments:
+            break
+    scored = [e for e in experiments if e.metric is not None]
+    best = (max if mode == "max" else min)(scored, key=lambda e: e.metric) if scored else None
+    result = ExperimentsResult(experiments, best, out, metric, mode, dict(space))
+    _write_summary(result)
+    return result
+
+
+class _StopAfter(tune.Stopper):
+    """Ends each experiment after `steps` reports; asks the patience stopper about the
+    whole search."""
+
+    def __init__(self, steps: int, patience: _PatienceStopper, metric: str) -> None:
+        self.steps, self.patience, self.metric = steps, patience, metric
+        self.values: dict[str, list[float]] = {}
+
+    def __call__(self, trial_id: str, result: dict) -> bool:
+        self.values.setdefault(trial_id, []).append(result.get(self.metric, math.nan))
+        done = result.get("training_iteration", 0) >= self.steps
+        if done:
+            vals = [v for v in self.values[trial_id] if v == v]
+            self.patience.on_trial_done(sum(vals) / len(vals) if vals else None)
+        return done
+
+    def stop_all(self) -> bool:
+        return self.patience.stop_all()
+
+
+def _write_experiment(folder: Path, exp: Experiment, frame: Any) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(exp.config, indent=2, default=str))
+    if frame is not None:
+        frame.to_csv(folder / "metrics.csv", index=False)
+    (folder / "log.txt").write_text(exp.error or f"ok: {exp.steps} steps, metric {exp.metric}")
+
+
+def _write_summary(result: ExperimentsResult) -> None:
+    out = result.output_dir
+    names = sorted({k for e in result.experiments for k in e.config})
+    with (out / "summary.csv").open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["experiment", *names, result.metric, "status", "error"])
+        for e in result.experiments:
+            writer.writerow([e.index, *[e.config.get(n) for n in names],
+                             "" if e.metric is None else e.metric,
+                             "ok" if e.metric is not None else "failed",
+                             e.error.splitlines()[0][:200] if e.error else ""])
+    if result.best is not None:
+        (out / "best_config.json").write_text(json.dumps(
+            {"config": result.best.config, result.metric: result.best.metric}, indent=2,
+            default=str))
+    print(f"tuning space: {result.space}")
+    print(f"experiments: {len(result.experiments)} "
+          f"({sum(e.metric is None for e in result.experiments)} failed)")
+    for e in result.experiments:
+        shown = "FAILED" if e.metric is None else f"{e.metric:.4g}"
+        print(f"  #{e.index}: {e.config} -> {result.metric} {shown}")
+    if result.best is not None:
+        print(f"best {result.metric}: {result.best.metric:.4g} with {result.best.config}")
+    _plot(result, out / "metric_per_experiment.png")
+
+
+def _plot(result: ExperimentsResult, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ok = [e for e in result.experiments if e.metric is not None]
+    failed = [e for e in result.experiments if e.metric is None]
+    ax.bar([e.index for e in ok], [e.metric for e in ok], label=result.metric)
+    if failed:
+        ax.scatter([e.index for e in failed], [0] * len(failed), marker="x", color="red",
+                   label="failed", zorder=3)
+    if result.best is not None:
+        ax.bar([result.best.index], [result.best.metric], color="green", label="best")
+    ax.set_xlabel("experiment")
+    ax.set_ylabel(result.metric)
+    ax.set_title("raytrain-x experiments")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
