@@ -65,7 +65,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                 prescale_factor=pre, postscale_factor=post,
                                 process_set=self._process_set, compression=self._compression)
 
+    def _drop_finished(self) -> None:
+        """Forgets handles that already ended (a failed world's, after an elastic reset)."""
+        for p in [p for p, h in self._handles.items() if h.done()]:
+            del self._handles[p]
+
     def _on_grad_ready(self, p: torch.Tensor) -> None:
+        if p in self._handles and self._handles[p].done():
+            self._drop_finished()
         if p in self._handles:
             raise ConfigError(
                 f"gradient of {self._names[p]!r} computed twice before step(); with gradient "
@@ -77,15 +84,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def synchronize(self) -> None:
         """Waits for every gradient allreduce (starting those whose hook did not fire)."""
-        for p in self._requires_update:
-            if p not in self._handles:
-                self._handles[p] = self._allreduce_grad(p)
-        for p, handle in list(self._handles.items()):
-            synchronize(handle)
-        self._handles.clear()
-        for p in self._passes:
-            self._passes[p] = 0
-        self._synchronized = True
+        try:
+            for p in self._requires_update:
+                if p not in self._handles:
+                    self._handles[p] = self._allreduce_grad(p)
+            for p, handle in list(self._handles.items()):
+                synchronize(handle)
+            self._synchronized = True
+        finally:  # on failure too: an elastic reset must find no stale handles
+            self._handles.clear()
+            for p in self._passes:
+                self._passes[p] = 0
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -104,6 +113,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return super(self.__class__, self).step(closure)  # type: ignore[misc]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._drop_finished()
         if self._handles:
             raise ConfigError("zero_grad() called while gradient allreduces are in flight; "
                               "call step() or synchronize() first")

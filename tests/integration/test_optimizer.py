@@ -77,3 +77,32 @@ def test_matches_single_process_training(size, opt_name, compression, passes, to
             assert torch.allclose(state[key], value, atol=tol, rtol=tol), key
     for key in reference:  # every rank ends bit-identical
         assert all(torch.equal(results[0][key], s[key]) for s in results[1:])
+
+
+def _peer_dies_mid_step() -> str:
+    import os
+    import time
+
+    import raytrain_x.torch as rx
+
+    rx.init()
+    model = torch.nn.Linear(64, 64)
+    opt = rx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                  named_parameters=model.named_parameters())
+    model(torch.ones(2, 64)).sum().backward()
+    opt.step()
+    if rx.rank() == 1:
+        os._exit(1)  # dies between steps; rank 0's next step fails mid-flight
+    time.sleep(0.5)
+    model(torch.ones(2, 64)).sum().backward()
+    try:
+        opt.step()
+    except rx.InternalError:
+        pass
+    opt.zero_grad()  # an elastic reset must be able to go on: no stale handles
+    return "ok"
+
+
+def test_failed_step_leaves_no_stale_handles():
+    results = run_workers(_peer_dies_mid_step, 2, allow_failures=True, timeout=60)
+    assert results[0] == "ok"
