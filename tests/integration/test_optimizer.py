@@ -94,8 +94,8 @@ def _peer_dies_mid_step() -> str:
     if rx.rank() == 1:
         os._exit(1)  # dies between steps; rank 0's next step fails mid-flight
     time.sleep(0.5)
-    model(torch.ones(2, 64)).sum().backward()
-    try:
+    try:  # the failure surfaces in backward (hooks) or in step, whichever comes first
+        model(torch.ones(2, 64)).sum().backward()
         opt.step()
     except rx.InternalError:
         pass
