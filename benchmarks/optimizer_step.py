@@ -93,16 +93,20 @@ def _worker(rank: int, size: int, port: int, args, queue) -> None:
         results[f"ddp{cap:g}"] = _median_step(ddp_step, args.repeats)
         del ddp_model, ddp_opt
 
-    rx_model = shaped_model(shapes)
-    rx_opt = rx.DistributedOptimizer(torch.optim.SGD(rx_model.parameters(), lr=1e-4),
-                                     named_parameters=rx_model.named_parameters())
+    for cap in args.rx_buckets:
+        rx_model = shaped_model(shapes)
+        rx_opt = rx.DistributedOptimizer(torch.optim.SGD(rx_model.parameters(), lr=1e-4),
+                                         named_parameters=rx_model.named_parameters(),
+                                         bucket_cap_mb=cap)
 
-    def rx_step():
-        rx_opt.zero_grad()
-        rx_model(scale).backward()
-        rx_opt.step()
+        def rx_step():
+            rx_opt.zero_grad()
+            rx_model(scale).backward()
+            rx_opt.step()
 
-    results["rx"] = _median_step(rx_step, args.repeats)
+        key = "rx" if cap == args.rx_buckets[0] else f"rx_bucket{cap:g}"
+        results[key if cap else "rx_unbucketed"] = _median_step(rx_step, args.repeats)
+        del rx_model, rx_opt
     results["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     rx.shutdown()
     dist.destroy_process_group()
@@ -115,6 +119,9 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--ddp-buckets", type=float, nargs="+", default=[25.0, 4.0, 1.0, 100.0])
+    parser.add_argument("--rx-buckets", type=float, nargs="+", default=[25.0, 4.0, 0.0],
+                        help="DistributedOptimizer bucket_cap_mb values (0 = per-tensor "
+                        "allreduce through the engine's fusion); the first is reported as rx")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if 25.0 not in args.ddp_buckets:
@@ -134,7 +141,8 @@ def main() -> None:
     best_ddp = min(ddp_keys, key=lambda k: results[k])
     rows = [{"method": k, "median ms": results[k] * 1e3,
              "x ddp25": results[k] / results["ddp25"], "x flat": results[k] / results["flat"]}
-            for k in ["flat", "backward", "per_tensor", *ddp_keys, "rx"]]
+            for k in ["flat", "backward", "per_tensor", *ddp_keys,
+                      *[k for k in results if k.startswith("rx")]]]
     print(f"{args.workers} workers, ResNet-50-shaped gradients (161 tensors, 25.6M float32)")
     print_table(rows, ["method", "median ms", "x ddp25", "x flat"])
     ratios = {"rx_over_ddp25": results["rx"] / results["ddp25"],

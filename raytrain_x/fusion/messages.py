@@ -59,17 +59,18 @@ class Meta:
     wire_dtype: str = ""  # compression: dtype on the wire, "" = same as dtype
     device: str = "cpu"
     splits: tuple[int, ...] = ()  # alltoall: elements of dim 0 sent to each rank
+    fuse: bool = True  # False: already a bucket; reduce it alone, in place (no copies)
 
     def cache_key(self) -> str:
         """Everything but name/dtype/shape, as the response cache's op string."""
         return (f"{self.kind}|{self.op}|{self.prescale!r}|{self.postscale!r}|"
-                f"{self.process_set_id}|{self.wire_dtype}|{self.device}")
+                f"{self.process_set_id}|{self.wire_dtype}|{self.device}|{int(self.fuse)}")
 
     @staticmethod
     def from_cache(entry: dict[str, Any]) -> Meta:
-        kind, op, pre, post, pset, wire, device = entry["op"].split("|")
+        kind, op, pre, post, pset, wire, device, fuse = entry["op"].split("|")
         return Meta(kind, entry["dtype"], tuple(entry["shape"]), op, 0, float(pre), float(post),
-                    int(pset), wire, device)
+                    int(pset), wire, device, fuse=fuse == "1")
 
     def nbytes_on_wire(self) -> int:
         numel = 1

@@ -18,7 +18,7 @@ def plan_batches(responses: list[Response], threshold_bytes: int) -> list[list[R
     batches: list[list[Response]] = []
     open_batch: dict[tuple, tuple[int, int]] = {}  # key -> (batch index, bytes so far)
     for r in responses:
-        if r.error or r.meta.kind != ALLREDUCE or threshold_bytes <= 0:
+        if r.error or r.meta.kind != ALLREDUCE or threshold_bytes <= 0 or not r.meta.fuse:
             batches.append([r])
             continue
         key = fusion_key(r)

@@ -122,6 +122,7 @@ def _allreduce_request(
     postscale_factor: float,
     process_set: ProcessSet,
     compression: type[Compressor],
+    fuse: bool = True,
 ) -> tuple[Request, Handle]:
     """The request for an in-place allreduce and the handle the caller should wait on."""
     tensor = _check_tensor(tensor, "allreduce")
@@ -141,7 +142,8 @@ def _allreduce_request(
             work, compressor_ctx = compression.compress(work)
             target = tensor
     meta = Meta(ALLREDUCE, _dtype_name(work), tuple(work.shape), op, 0, float(prescale_factor),
-                float(postscale_factor), _set_id(process_set), wire, work.device.type)
+                float(postscale_factor), _set_id(process_set), wire, work.device.type,
+                fuse=fuse)
     request = _request(name, meta, work, output=tensor if target is None else None)
     if target is not None:
         return request, _Decompressing(request.handle, compression, compressor_ctx, target)
@@ -157,6 +159,7 @@ def allreduce_async_(
     postscale_factor: float = 1.0,
     process_set: ProcessSet = global_process_set,
     compression: type[Compressor] = Compression.none,
+    fuse: bool = True,
 ) -> Handle:
     """Starts an in-place allreduce; returns a handle for `synchronize`.
 
@@ -169,9 +172,10 @@ def allreduce_async_(
             Average only).
         process_set: ranks that take part.
         compression: `Compression.fp16` sends float16 over the wire.
+        fuse: False for a tensor that is already a bucket: it is reduced alone, in place.
     """
     request, handle = _allreduce_request(tensor, average, name, op, prescale_factor,
-                                         postscale_factor, process_set, compression)
+                                         postscale_factor, process_set, compression, fuse)
     runtime.engine().enqueue(request)
     return handle
 

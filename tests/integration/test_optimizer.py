@@ -106,3 +106,34 @@ def _peer_dies_mid_step() -> str:
 def test_failed_step_leaves_no_stale_handles():
     results = run_workers(_peer_dies_mid_step, 2, allow_failures=True, timeout=60)
     assert results[0] == "ok"
+
+
+def _bucketed(cap: float) -> dict:
+    import raytrain_x.torch as rx
+
+    rx.init()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 300), torch.nn.Tanh(), torch.nn.Linear(300, 3))
+    opt = rx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                  named_parameters=model.named_parameters(), bucket_cap_mb=cap)
+    views = []
+    for x, y in _data(4, 12):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[rx.rank()::2]), y[rx.rank()::2]).backward()
+        opt.step()
+        views.append(all(p.grad is not None and p.grad.data_ptr() in
+                         {b.flat.data_ptr() + off for b in opt._buckets
+                          for off in range(0, b.flat.numel() * 4, 4)}
+                         for p in model.parameters()) if cap else True)
+    return {"state": {k: v.clone() for k, v in model.state_dict().items()},
+            "buckets": len(opt._buckets), "views": all(views)}
+
+
+def test_bucketed_gradients_are_views_and_match_unbucketed():
+    bucketed = run_workers(_bucketed, 2, 0.004)  # ~4 KB: several buckets
+    plain = run_workers(_bucketed, 2, 0.0)
+    assert bucketed[0]["buckets"] >= 2 and bucketed[0]["views"]
+    assert plain[0]["buckets"] == 0
+    for key, value in plain[0]["state"].items():
+        assert torch.allclose(bucketed[0]["state"][key], value, atol=1e-6)
+        assert torch.equal(bucketed[0]["state"][key], bucketed[1]["state"][key])
