@@ -81,6 +81,22 @@ def build_parser() -> argparse.ArgumentParser:
                             "score per sample with the best-so-far curve.")
     report.add_argument("log", help="autotune log CSV")
     report.add_argument("--plot", help="write a PNG here")
+    exp = sub.add_parser("tune-experiments", help="short experiments to pick settings",
+                         description="Runs FN (module:function, called with a config dict on "
+                         "every worker) once per configuration of SPACE on Ray Tune.")
+    exp.add_argument("--fn", required=True, help="module:function, e.g. train:step_fn")
+    exp.add_argument("--space", required=True,
+                     help='JSON: name -> list of values or [low, high] with --search bayesopt')
+    exp.add_argument("-np", "--num-workers", dest="np", type=int, default=2)
+    exp.add_argument("--metric", default="samples_per_sec")
+    exp.add_argument("--mode", choices=["max", "min"], default="max")
+    exp.add_argument("--search", choices=["bayesopt", "grid"], default="bayesopt")
+    exp.add_argument("--max-experiments", type=int, default=10)
+    exp.add_argument("--steps-per-experiment", type=int, default=10)
+    exp.add_argument("--start-step", type=int, default=2)
+    exp.add_argument("--early-stop-patience", type=int)
+    exp.add_argument("--output-dir", default="raytrain_x_experiments")
+    exp.add_argument("--address", help="Ray cluster address")
     return parser
 
 
@@ -114,6 +130,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command_name == "run":
             return _run(args, parser)
+        if args.command_name == "tune-experiments":
+            return _tune_experiments(args)
         if args.command_name == "autotune-report":
             from raytrain_x.tune_integration.report import autotune_report
 
@@ -202,6 +220,38 @@ def _run_elastic(args, command, settings, knobs, fixed, autotune) -> int:
     finally:
         executor.shutdown()
     return 0 if all(code == 0 for code in codes) else 1
+
+
+def _tune_experiments(args: argparse.Namespace) -> int:
+    import importlib
+    import json
+
+    from raytrain_x.ray.executor import ensure_ray
+    from raytrain_x.tune_integration.experiments import autotune_experiments
+
+    module_name, _, fn_name = args.fn.partition(":")
+    if not fn_name:
+        raise ConfigError(f"--fn {args.fn!r} must look like module:function")
+    sys.path.insert(0, os.getcwd())
+    try:
+        fn = getattr(importlib.import_module(module_name), fn_name)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"--fn {args.fn!r} could not be loaded: {exc}") from None
+    try:
+        raw = json.loads(args.space)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--space is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError("--space must be a JSON object: name -> values")
+    space = {k: tuple(v) if args.search == "bayesopt" and isinstance(v, list) and len(v) == 2
+             and all(isinstance(x, (int, float)) for x in v) else v for k, v in raw.items()}
+    ensure_ray(args.address, runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
+    result = autotune_experiments(
+        fn, space, num_workers=args.np, metric=args.metric, mode=args.mode,
+        max_experiments=args.max_experiments, steps_per_experiment=args.steps_per_experiment,
+        start_step=args.start_step, search=args.search,
+        early_stop_patience=args.early_stop_patience, output_dir=args.output_dir)
+    return 0 if result.best is not None else 1
 
 
 def _printer():
