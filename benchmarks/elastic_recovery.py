@@ -155,7 +155,8 @@ def main() -> None:
                  for k, v in medians.items()], ["recovery", "median s (kill -> first step)"])
     ratio = medians["checkpoint"] / medians["elastic"]
     print(f"restart-from-checkpoint / elastic: {ratio:.1f}x")
-    print(f"wrote {write_json('elastic_recovery', {'runs': results, 'medians': medians, 'checkpoint_over_elastic': ratio}, args.json)}")
+    payload = {"runs": results, "medians": medians, "checkpoint_over_elastic": ratio}
+    print(f"wrote {write_json('elastic_recovery', payload, args.json)}")
 
 
 if __name__ == "__main__":

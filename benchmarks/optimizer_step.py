@@ -91,7 +91,6 @@ def _worker(rank: int, size: int, port: int, args, queue) -> None:
             ddp_opt.step()
 
         results[f"ddp{cap:g}"] = _median_step(ddp_step, args.repeats)
-        del ddp_model, ddp_opt
 
     for cap in args.rx_buckets:
         rx_model = shaped_model(shapes)
@@ -106,7 +105,6 @@ def _worker(rank: int, size: int, port: int, args, queue) -> None:
 
         key = "rx" if cap == args.rx_buckets[0] else f"rx_bucket{cap:g}"
         results[key if cap else "rx_unbucketed"] = _median_step(rx_step, args.repeats)
-        del rx_model, rx_opt
     results["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     rx.shutdown()
     dist.destroy_process_group()

@@ -25,7 +25,8 @@ from raytrain_x.fusion import FusionBufferPool, pack, unpack  # noqa: E402
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=30)
-    parser.add_argument("--json", default=None, help="output path (default results/pack_bench.json)")
+    parser.add_argument("--json", default=None,
+                        help="output path (default results/pack_bench.json)")
     args = parser.parse_args()
 
     torch.manual_seed(0)

@@ -5,14 +5,15 @@ Run:  raytrain-x run -np 2 --min-np 1 --max-np 3 python examples/elastic_digits.
 
 from __future__ import annotations
 
-import torch
-
 import os
 import sys
 
+import torch
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import raytrain_x.torch as rx  # noqa: E402
 from torch_digits import load_shard  # noqa: E402
+
+import raytrain_x.torch as rx  # noqa: E402
 
 
 def main(epochs: int = 8, batch_size: int = 32) -> None:

@@ -1,7 +1,8 @@
 """Trains an MLP on scikit-learn's bundled digits with DistributedOptimizer.
 
 Run on 2 workers:   raytrain-x run -np 2 python examples/torch_digits.py
-As a Ray job:       ray job submit --working-dir . -- raytrain-x run -np 2 python examples/torch_digits.py
+As a Ray job:
+    ray job submit --working-dir . -- raytrain-x run -np 2 python examples/torch_digits.py
 """
 
 from __future__ import annotations

@@ -14,12 +14,13 @@ import torch
 from ray import tune
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from torch_digits import load_shard  # noqa: E402
+
 from raytrain_x.tune_integration import (  # noqa: E402
     DistributedTrainableCreator,
     get_checkpoint,
     report,
 )
-from torch_digits import load_shard  # noqa: E402
 
 
 def train_digits(config: dict) -> None:

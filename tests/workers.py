@@ -87,5 +87,6 @@ def run_workers(fn: Callable, size: int, *args: Any, env: dict | None = None, ho
             if p.is_alive():
                 p.kill()
     if failures and not allow_failures:
-        raise AssertionError("\n".join(f"rank {r} failed: {t}" for r, t in sorted(failures.items())))
+        raise AssertionError("\n".join(f"rank {r} failed: {t}"
+                                       for r, t in sorted(failures.items())))
     return [pickle.loads(results[r]) if r in results else failures[r] for r in range(size)]

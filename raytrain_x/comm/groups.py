@@ -17,8 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from raytrain_x.common.errors import ConfigError, InternalError
 from raytrain_x.comm.rendezvous import Rendezvous
+from raytrain_x.common.errors import ConfigError, InternalError
 
 REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -237,7 +237,8 @@ class ProcessGroups:
         order of calls. Returns the set (with a group only on members)."""
         members = sorted(set(int(r) for r in ranks))
         if not members or members[0] < 0 or members[-1] >= self.rdv.size:
-            raise ConfigError(f"process set ranks {list(ranks)} must be within 0..{self.rdv.size - 1}")
+            raise ConfigError(f"process set ranks {list(ranks)} must be within "
+                              f"0..{self.rdv.size - 1}")
         if len(members) != len(list(ranks)):
             raise ConfigError(f"process set ranks {list(ranks)} contain duplicates")
         for existing in self._sets.values():

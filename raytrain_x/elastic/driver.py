@@ -19,8 +19,8 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raytrain_x.common.errors import RaytrainXError, ResetLimitExceeded, WorkerError
 from raytrain_x.comm.store import StoreActor
+from raytrain_x.common.errors import RaytrainXError, ResetLimitExceeded, WorkerError
 from raytrain_x.elastic.blacklist import Blacklist
 from raytrain_x.elastic.discovery import RayDiscovery, ScriptDiscovery, resolve_hosts
 from raytrain_x.elastic.rendezvous import ElasticCoordinator

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from raytrain_x import _native
+from raytrain_x.comm.groups import ProcessGroups, ProcessSet
 from raytrain_x.common.errors import (
     ConfigError,
     InternalError,
@@ -32,7 +33,6 @@ from raytrain_x.common.errors import (
     TensorMismatchError,
 )
 from raytrain_x.common.knobs import Knobs
-from raytrain_x.comm.groups import ProcessGroups, ProcessSet
 from raytrain_x.fusion.buffers import FusionBufferPool, pack, unpack
 from raytrain_x.fusion.coordinator import Coordinator, Report
 from raytrain_x.fusion.messages import (
@@ -466,7 +466,8 @@ class Engine:
                 and self._multi_level()):
             self._hierarchical_allgather(outs, padded.contiguous())
         else:
-            self._timed(resp.name, "ALLGATHER", lambda: pset.group.allgather(outs, padded.contiguous()))
+            self._timed(resp.name, "ALLGATHER",
+                        lambda: pset.group.allgather(outs, padded.contiguous()))
         return [torch.cat([o[:d] for o, d in zip(outs, dims)])]
 
     def _hierarchical_allgather(self, outs: list[torch.Tensor], tensor: torch.Tensor) -> None:

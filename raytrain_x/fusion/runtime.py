@@ -10,12 +10,12 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 
+from raytrain_x.comm.groups import ProcessGroups
+from raytrain_x.comm.rendezvous import Rendezvous, next_rendezvous
 from raytrain_x.common.autotune_config import AutotuneConfig
 from raytrain_x.common.autotune_log import load_best_knobs
 from raytrain_x.common.errors import ConfigError
 from raytrain_x.common.knobs import Knobs, load_knobs
-from raytrain_x.comm.groups import ProcessGroups
-from raytrain_x.comm.rendezvous import Rendezvous, next_rendezvous
 from raytrain_x.fusion.autotune_sampler import Advisor, AutotuneSampler
 from raytrain_x.fusion.engine import Engine
 

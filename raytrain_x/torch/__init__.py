@@ -22,6 +22,7 @@ from raytrain_x.fusion.runtime import (
     remove_process_set,
     shutdown,
 )
+from raytrain_x.torch import elastic
 from raytrain_x.torch.compression import Compression
 from raytrain_x.torch.functions import (
     allgather_object,
@@ -58,7 +59,6 @@ from raytrain_x.torch.ops import (
     reducescatter_async,
     synchronize,
 )
-from raytrain_x.torch import elastic
 from raytrain_x.torch.optimizer import DistributedOptimizer
 
 
