@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -22,20 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import free_port, print_table, write_json  # noqa: E402
-
-
-def _time(fn, repeats: int) -> float:
-    fn()
-    samples = []
-    for _ in range(repeats):
-        dist.barrier()
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    t = torch.tensor([statistics.median(samples)], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
+from common import free_port, median_across_ranks, print_table, write_json  # noqa: E402
 
 
 def _worker(rank: int, size: int, port: int, sizes: list[int], queue) -> None:
@@ -51,8 +36,9 @@ def _worker(rank: int, size: int, port: int, sizes: list[int], queue) -> None:
     for nbytes in sizes:
         t = torch.ones(max(1, nbytes // 4))
         repeats = 50 if nbytes <= 1 << 20 else 10 if nbytes <= 32 << 20 else 4
-        raw = _time(lambda: dist.all_reduce(t), repeats)
-        engine = _time(lambda: rx.allreduce_(t, op=rx.Sum, name=f"sweep{nbytes}"), repeats)
+        raw = median_across_ranks(lambda: dist.all_reduce(t), repeats)
+        engine = median_across_ranks(
+            lambda: rx.allreduce_(t, op=rx.Sum, name=f"sweep{nbytes}"), repeats)
         rows.append((t.numel() * 4, raw, engine))
     rx.shutdown()
     dist.destroy_process_group()

@@ -24,6 +24,26 @@ def median_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 2) -> floa
     return statistics.median(samples)
 
 
+def median_across_ranks(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
+    """Median seconds of `fn` after a barrier each time, taken from the slowest rank (a
+    collective step is as slow as its slowest member). Needs torch.distributed's default
+    group."""
+    import torch
+    import torch.distributed as dist
+
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    t = torch.tensor([statistics.median(samples)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
 def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
     """Prints rows as an aligned text table."""
     cells = [[_fmt(r.get(c, "")) for c in columns] for r in rows]

@@ -17,9 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-import statistics
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -28,22 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import free_port, print_table, write_json  # noqa: E402
-
-
-def _median_step(fn, repeats: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    # every rank uses rank 0's clock: the slowest rank decides a step
-    t = torch.tensor([statistics.median(times)], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
+from common import free_port, median_across_ranks, print_table, write_json  # noqa: E402
 
 
 def _worker(rank: int, size: int, port: int, args, queue) -> None:
@@ -63,7 +46,7 @@ def _worker(rank: int, size: int, port: int, args, queue) -> None:
     model = shaped_model(shapes)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     flat = torch.ones(sum(p.numel() for p in model.parameters()))
-    results["flat"] = _median_step(lambda: dist.all_reduce(flat), args.repeats)
+    results["flat"] = median_across_ranks(lambda: dist.all_reduce(flat), args.repeats, warmup=3)
 
     def plain_step(after_backward=None):
         opt.zero_grad()
@@ -72,13 +55,14 @@ def _worker(rank: int, size: int, port: int, args, queue) -> None:
             after_backward()
         opt.step()
 
-    results["backward"] = _median_step(plain_step, args.repeats)
+    results["backward"] = median_across_ranks(plain_step, args.repeats, warmup=3)
 
     def per_tensor():
         for p in model.parameters():
             dist.all_reduce(p.grad)
 
-    results["per_tensor"] = _median_step(lambda: plain_step(per_tensor), args.repeats)
+    results["per_tensor"] = median_across_ranks(lambda: plain_step(per_tensor), args.repeats,
+                                                warmup=3)
 
     for cap in args.ddp_buckets:
         ddp_model = torch.nn.parallel.DistributedDataParallel(shaped_model(shapes),
@@ -90,7 +74,7 @@ def _worker(rank: int, size: int, port: int, args, queue) -> None:
             ddp_model(scale).backward()
             ddp_opt.step()
 
-        results[f"ddp{cap:g}"] = _median_step(ddp_step, args.repeats)
+        results[f"ddp{cap:g}"] = median_across_ranks(ddp_step, args.repeats, warmup=3)
 
     for cap in args.rx_buckets:
         rx_model = shaped_model(shapes)
@@ -104,7 +88,8 @@ def _worker(rank: int, size: int, port: int, args, queue) -> None:
             rx_opt.step()
 
         key = "rx" if cap == args.rx_buckets[0] else f"rx_bucket{cap:g}"
-        results[key if cap else "rx_unbucketed"] = _median_step(rx_step, args.repeats)
+        results[key if cap else "rx_unbucketed"] = median_across_ranks(rx_step, args.repeats,
+                                                                       warmup=3)
     results["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     rx.shutdown()
     dist.destroy_process_group()
