@@ -140,3 +140,10 @@ def _stop_cluster(temp: Path) -> None:
                 pass
         time.sleep(1)
     shutil.rmtree(temp, ignore_errors=True)
+
+
+def test_cli_elastic_job(ray_cluster):
+    out = _cli("run", "-np", "2", "--min-np", "1", "--max-np", "2", "--address", ray_cluster,
+               "python", "examples/elastic_digits.py")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert re.search(r"test accuracy 0\.9", out.stdout + out.stderr), out.stdout[-2000:]

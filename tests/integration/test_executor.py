@@ -121,3 +121,20 @@ def test_bad_arguments(ray_cluster):
                            num_workers=50)
     with pytest.raises(Exception, match="could not place 50 workers"):
         executor.start()
+
+
+def test_num_hosts_spreads_over_nodes_with_cross_ranks(elastic_nodes):
+    from tests.conftest import ELASTIC_RESOURCE
+
+    elastic_nodes(2)  # one worker slot each; the head has none of this resource
+    executor = RayExecutor(RayExecutor.create_settings(timeout_s=20), num_hosts=2,
+                           num_workers_per_host=1, cpus_per_worker=1,
+                           resources_per_worker={ELASTIC_RESOURCE: 1})
+    with executor:
+        results = executor.run(_identity, args=("spread",))
+        nodes = {slot.node_id for slot in executor.slots}
+    assert len(nodes) == 2  # STRICT_SPREAD: one host each
+    assert [r["rank"] for r in results] == [0, 1]
+    assert all(r["cross_size"] == 2 and r["local_size"] == 1 and r["local_rank"] == 0
+               for r in results)
+    assert all(r["sum"] == 1.0 for r in results)
