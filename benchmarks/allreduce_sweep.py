@@ -10,9 +10,7 @@ Run: .venv/bin/python benchmarks/allreduce_sweep.py [--workers 2 3] [--max-mb 25
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -20,17 +18,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import free_port, median_across_ranks, print_table, write_json  # noqa: E402
+from common import free_port, join_world, median_across_ranks, print_table, write_json  # noqa: E402
 
 
 def _worker(rank: int, size: int, port: int, sizes: list[int], queue) -> None:
     import raytrain_x.torch as rx
 
-    torch.set_num_threads(1)
-    os.environ.update({"RAYTRAIN_X_RANK": str(rank), "RAYTRAIN_X_SIZE": str(size),
-                       "RAYTRAIN_X_STORE_ADDR": "127.0.0.1", "RAYTRAIN_X_STORE_PORT": str(port)})
-    store = dist.TCPStore("127.0.0.1", port + 1, size, rank == 0, timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=size)
+    join_world(rank, size, port)
     rx.init()
     rows = []
     for nbytes in sizes:

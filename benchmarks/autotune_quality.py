@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import os
 import sys
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, free_port, print_table, write_json  # noqa: E402
+from common import RESULTS_DIR, free_port, join_world, print_table, write_json  # noqa: E402
 
 FUSION_MB = [0, 1, 4, 16, 64, 256]
 CYCLE_MS = [0.2, 1.0, 2.5, 5.0, 10.0, 25.0]
@@ -35,13 +34,10 @@ def _worker(rank: int, size: int, port: int, args, queue) -> None:
     from raytrain_x.common.workloads import resnet50_parameter_shapes, shaped_model
     from raytrain_x.fusion import runtime
 
-    torch.set_num_threads(1)
-    os.environ.update({"RAYTRAIN_X_RANK": str(rank), "RAYTRAIN_X_SIZE": str(size),
-                       "RAYTRAIN_X_STORE_ADDR": "127.0.0.1", "RAYTRAIN_X_STORE_PORT": str(port),
-                       # the grid covers fusion x cycle time; the other knobs stay fixed
-                       "RAYTRAIN_X_CACHE_CAPACITY": "1024",
-                       "RAYTRAIN_X_HIERARCHICAL_ALLREDUCE": "0",
-                       "RAYTRAIN_X_HIERARCHICAL_ALLGATHER": "0"})
+    # the grid covers fusion x cycle time; the other knobs stay fixed
+    join_world(rank, size, port, {"RAYTRAIN_X_CACHE_CAPACITY": "1024",
+                                  "RAYTRAIN_X_HIERARCHICAL_ALLREDUCE": "0",
+                                  "RAYTRAIN_X_HIERARCHICAL_ALLGATHER": "0"})
     config = AutotuneConfig(log_file=args.log, warmup_samples=2, steps_per_sample=6,
                             bayes_opt_max_samples=20, convergence_patience=0)
     rx.init(autotune=config)

@@ -67,6 +67,23 @@ def write_json(name: str, payload: dict[str, Any], path: str | None = None) -> P
     return out
 
 
+def join_world(rank: int, size: int, port: int, extra_env: dict[str, str] | None = None) -> None:
+    """Joins a benchmark world twice over: torch.distributed's default group (the
+    baselines, TCP store on port+1) and raytrain-x (TCP store on port), one thread each."""
+    import os
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update({"RAYTRAIN_X_RANK": str(rank), "RAYTRAIN_X_SIZE": str(size),
+                       "RAYTRAIN_X_STORE_ADDR": "127.0.0.1", "RAYTRAIN_X_STORE_PORT": str(port),
+                       **(extra_env or {})})
+    store = dist.TCPStore("127.0.0.1", port + 1, size, rank == 0, timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=size)
+
+
 def free_port() -> int:
     """A free TCP port on loopback for the benchmarks' stores."""
     import socket

@@ -15,10 +15,8 @@ Run: .venv/bin/python benchmarks/optimizer_step.py [--workers 2] [--repeats 10]
 from __future__ import annotations
 
 import argparse
-import os
 import resource
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -26,18 +24,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import free_port, median_across_ranks, print_table, write_json  # noqa: E402
+from common import free_port, join_world, median_across_ranks, print_table, write_json  # noqa: E402
 
 
 def _worker(rank: int, size: int, port: int, args, queue) -> None:
     import raytrain_x.torch as rx
     from raytrain_x.common.workloads import resnet50_parameter_shapes, shaped_model
 
-    torch.set_num_threads(1)
-    os.environ.update({"RAYTRAIN_X_RANK": str(rank), "RAYTRAIN_X_SIZE": str(size),
-                       "RAYTRAIN_X_STORE_ADDR": "127.0.0.1", "RAYTRAIN_X_STORE_PORT": str(port)})
-    store = dist.TCPStore("127.0.0.1", port + 1, size, rank == 0, timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=size)
+    join_world(rank, size, port)
     rx.init()
     shapes = resnet50_parameter_shapes()
     scale = torch.ones(())

@@ -159,7 +159,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="raytrain-x %(levelname)s %(message)s")
 
-    from raytrain_x.ray.executor import RayExecutor, ensure_ray, knob_env
+    from raytrain_x.ray.executor import RayExecutor, ensure_ray, fixed_knob_env
     from raytrain_x.ray.launch import run_command_on_workers
 
     elastic = args.min_np is not None or args.max_np is not None
@@ -171,8 +171,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                            use_gpu=args.use_gpu)
     # Only the knobs the user fixed travel as env, so the launched ranks see the same fixed
     # set; rank 0 of a launched script runs the autotune controller in-process.
-    env = {k: v for k, v in knob_env(knobs).items()
-           if any(Knobs.specs()[n].env == k for n in fixed)}
+    env = fixed_knob_env(knobs, fixed)
     if autotune is not None:
         env.update(autotune.to_env())
     if args.timeline_filename:
@@ -198,11 +197,10 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 def _run_elastic(args, command, settings, knobs, fixed, autotune) -> int:
     """Elastic jobs run the script inside each worker actor (so every rank can reach the
     rendezvous coordinator); Ray forwards the output with its worker prefix."""
-    from raytrain_x.ray.executor import RayExecutor, knob_env
+    from raytrain_x.ray.executor import RayExecutor, fixed_knob_env
     from raytrain_x.ray.launch import run_script
 
-    env = {k: v for k, v in knob_env(knobs).items()
-           if any(Knobs.specs()[n].env == k for n in fixed)}
+    env = fixed_knob_env(knobs, fixed)
     if args.timeline_filename:
         env["RAYTRAIN_X_TIMELINE"] = os.path.abspath(args.timeline_filename)
     executor = RayExecutor(

@@ -350,7 +350,7 @@ class RayExecutor:
                 for cb in callbacks or ():
                     cb((rank, result))
             return results
-        return self._collect(self.run_remote(fn, args, kwargs), callbacks)
+        return self.collect(self.run_remote(fn, args, kwargs), callbacks)
 
     def execute(self, fn: Callable[[Any], Any],
                 callbacks: Sequence[Callable[[Any], None]] | None = None) -> list[Any]:
@@ -358,17 +358,23 @@ class RayExecutor:
         self._require_started()
         self._round += 1
         refs = [w.execute.remote(fn, (), {}, True, self._round) for w in self.workers]
-        return self._collect(refs, callbacks)
+        return self.collect(refs, callbacks)
 
     def execute_single(self, fn: Callable[[Any], Any]) -> Any:
         """Runs `fn(executable)` on rank 0 only."""
         self._require_started()
         self._round += 1
-        return self._collect([self.workers[0].execute.remote(fn, (), {}, True, self._round)],
+        return self.collect([self.workers[0].execute.remote(fn, (), {}, True, self._round)],
                              None)[0]
 
-    def _collect(self, refs: list[ray.ObjectRef],
+    def collect(self, refs: list[ray.ObjectRef],
                  callbacks: Sequence[Callable[[Any], None]] | None) -> list[Any]:
+        """Waits for per-rank ObjectRefs from `run_remote`; returns results in rank order.
+
+        Raises:
+            WorkerError: the root-cause failure; ranks still running `timeout_s` after it
+                are killed.
+        """
         pending = {ref: rank for rank, ref in enumerate(refs)}
         results: dict[int, Any] = {}
         errors: dict[int, WorkerError] = {}
@@ -416,6 +422,13 @@ def describe_failure(exc: Exception) -> str:
     if cause is not None and type(cause).__name__ == "_WorkerFailure":
         return str(cause)
     return str(exc)
+
+
+def fixed_knob_env(knobs: Knobs, fixed: frozenset[str]) -> dict[str, str]:
+    """Env for the knobs the user fixed only, so launched ranks see the same fixed set."""
+    specs = Knobs.specs()
+    return {specs[name].env: value for name, value in
+            zip(specs, knob_env(knobs).values()) if name in fixed}
 
 
 def knob_env(knobs: Knobs) -> dict[str, str]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 from typing import Any
 
 import cloudpickle
@@ -49,7 +48,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
 
     name = name or type(obj).__name__
     is_root = runtime.rendezvous().rank == root_rank
-    payload = _dumps(obj) if is_root else b""
+    payload = cloudpickle.dumps(obj) if is_root else b""
     length = torch.tensor([len(payload)], dtype=torch.int64)
     broadcast_(length, root_rank, f"broadcast_object.{name}.length", process_set)
     data = torch.zeros(int(length.item()), dtype=torch.uint8)
@@ -57,20 +56,20 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
         data.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
     if data.numel():
         broadcast_(data, root_rank, f"broadcast_object.{name}.data", process_set)
-    return obj if is_root else _loads(data.numpy().tobytes())
+    return obj if is_root else cloudpickle.loads(data.numpy().tobytes())
 
 
 def allgather_object(obj: Any, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> list[Any]:
     """Every member's object, in rank order."""
     name = name or type(obj).__name__
-    payload = torch.frombuffer(bytearray(_dumps(obj)), dtype=torch.uint8)
+    payload = torch.frombuffer(bytearray(cloudpickle.dumps(obj)), dtype=torch.uint8)
     sizes = allgather(torch.tensor([payload.numel()], dtype=torch.int64),
                       f"allgather_object.{name}.sizes", process_set)
     data = allgather(payload, f"allgather_object.{name}.data", process_set)
     out, offset = [], 0
     for size in sizes.tolist():
-        out.append(_loads(data[offset:offset + size].numpy().tobytes()))
+        out.append(cloudpickle.loads(data[offset:offset + size].numpy().tobytes()))
         offset += size
     return out
 
@@ -81,14 +80,5 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
     state = broadcast_object(optimizer.state_dict(), root_rank, "optimizer_state", process_set)
     optimizer.load_state_dict(state)
 
-
-def _dumps(obj: Any) -> bytes:
-    buf = io.BytesIO()
-    cloudpickle.dump(obj, buf)
-    return buf.getvalue()
-
-
-def _loads(data: bytes) -> Any:
-    return cloudpickle.loads(data)
 
 

@@ -7,7 +7,7 @@ import pytest
 from raytrain_x import ConfigError, Knobs
 from raytrain_x.cli import build_parser, resolve_knobs
 from raytrain_x.common.knobs import MB
-from raytrain_x.ray.executor import knob_env
+from raytrain_x.ray.executor import fixed_knob_env, knob_env
 from raytrain_x.ray.placement import assign_ranks, validate_shape
 
 
@@ -64,3 +64,9 @@ def test_cli_flags_convert_units_and_beat_env(monkeypatch):
     assert knobs.cycle_time_ms == 3.0 and knobs.cache_capacity == 11
     assert "hierarchical_allreduce" in fixed
     assert args.command == ["python", "t.py", "--lr", "1"]
+
+
+def test_fixed_knob_env_holds_only_the_fixed_knobs():
+    knobs = Knobs(cycle_time_ms=2.5, hierarchical_allreduce=True)
+    env = fixed_knob_env(knobs, frozenset({"cycle_time_ms", "hierarchical_allreduce"}))
+    assert env == {"RAYTRAIN_X_CYCLE_TIME": "2.5", "RAYTRAIN_X_HIERARCHICAL_ALLREDUCE": "1"}
