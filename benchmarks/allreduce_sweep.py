@@ -1,8 +1,9 @@
 """Allreduce sweep, 4 B to 256 MB: raw torch.distributed vs the raytrain-x engine.
 
-Same processes, same tensors, alternating per size. Prints time, algbw and busbw
-(nccl-tests formulas: algbw = bytes / time, busbw = algbw * 2(n-1)/n) and the ratio
-engine / raw. Writes results/allreduce_sweep_<n>w.json.
+Same processes, same tensors. The engine runs twice: over its shared-memory transport
+(the default when every rank is on one host) and with `RAYTRAIN_X_SHM=0` (gloo). Prints
+time, algbw and busbw (nccl-tests formulas: algbw = bytes / time, busbw = algbw *
+2(n-1)/n) and the ratios engine / raw. Writes results/allreduce_sweep_<n>w.json.
 
 Run: .venv/bin/python benchmarks/allreduce_sweep.py [--workers 2 3] [--max-mb 256]
 """
@@ -10,31 +11,37 @@ Run: .venv/bin/python benchmarks/allreduce_sweep.py [--workers 2 3] [--max-mb 25
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import free_port, join_world, median_across_ranks, print_table, write_json  # noqa: E402
+from common import join_world, median_across_ranks, print_table, run_ranks, write_json  # noqa: E402
 
 
 def _worker(rank: int, size: int, port: int, sizes: list[int], queue) -> None:
     import raytrain_x.torch as rx
 
     join_world(rank, size, port)
-    rx.init()
-    rows = []
-    for nbytes in sizes:
-        t = torch.ones(max(1, nbytes // 4))
-        repeats = 50 if nbytes <= 1 << 20 else 10 if nbytes <= 32 << 20 else 4
-        raw = median_across_ranks(lambda: dist.all_reduce(t), repeats)
-        engine = median_across_ranks(
-            lambda: rx.allreduce_(t, op=rx.Sum, name=f"sweep{nbytes}"), repeats)
-        rows.append((t.numel() * 4, raw, engine))
-    rx.shutdown()
+    timings: dict[str, list[float]] = {"raw": [], "shm": [], "gloo": []}
+    for i, transport in enumerate(("shm", "gloo")):  # the engine over each; raw gloo alongside
+        os.environ["RAYTRAIN_X_SHM"] = "1" if transport == "shm" else "0"
+        os.environ["RAYTRAIN_X_STORE_PORT"] = str(port + 2 * i)  # a fresh store per init
+        rx.init()
+        assert rx.transport() == transport, rx.transport()
+        for nbytes in sizes:
+            t = torch.ones(max(1, nbytes // 4))
+            repeats = 50 if nbytes <= 1 << 20 else 10 if nbytes <= 32 << 20 else 4
+            if transport == "shm":
+                timings["raw"].append(median_across_ranks(lambda: dist.all_reduce(t), repeats))
+            timings[transport].append(median_across_ranks(
+                lambda: rx.allreduce_(t, op=rx.Sum, name=f"sweep{nbytes}"), repeats))
+        rx.shutdown()
+    rows = [(max(4, s // 4 * 4), *values)
+            for s, values in zip(sizes, zip(timings["raw"], timings["shm"], timings["gloo"]))]
     dist.destroy_process_group()
     if rank == 0:
         queue.put(rows)
@@ -55,27 +62,21 @@ def main() -> None:
     args = parser.parse_args()
     sizes = [4 << (2 * i) for i in range(20) if 4 << (2 * i) <= args.max_mb << 20]
     for n in args.workers:
-        ctx = mp.get_context("spawn")
-        queue = ctx.Queue()
-        port = free_port()
-        procs = [ctx.Process(target=_worker, args=(r, n, port, sizes, queue)) for r in range(n)]
-        for p in procs:
-            p.start()
-        rows = queue.get(timeout=3600)
-        for p in procs:
-            p.join()
+        rows = run_ranks(_worker, n, sizes)
         table = []
-        for nbytes, raw, engine in rows:
-            bus = 2 * (n - 1) / n
+        bus = 2 * (n - 1) / n
+        for nbytes, raw, engine, engine_gloo in rows:
             table.append({"size": _human(nbytes), "raw ms": raw * 1e3, "engine ms": engine * 1e3,
+                          "engine(gloo) ms": engine_gloo * 1e3,
                           "raw busbw GB/s": nbytes / raw * bus / 1e9,
                           "engine busbw GB/s": nbytes / engine * bus / 1e9,
-                          "engine/raw": engine / raw})
-        print(f"\n{n} workers (gloo, loopback)")
+                          "engine/raw": engine / raw, "engine(gloo)/raw": engine_gloo / raw})
+        print(f"\n{n} workers on one host: raw = torch.distributed gloo all_reduce; engine = "
+              "raytrain-x (shared memory); engine(gloo) = raytrain-x with RAYTRAIN_X_SHM=0")
         print_table(table, list(table[0]))
         write_json(f"allreduce_sweep_{n}w", {"workers": n, "rows": [
-            {"bytes": b, "raw_s": r, "engine_s": e, "algbw_raw": b / r, "algbw_engine": b / e}
-            for b, r, e in rows]})
+            {"bytes": b, "raw_s": r, "engine_s": e, "engine_gloo_s": g, "algbw_raw": b / r,
+             "algbw_engine": b / e, "algbw_engine_gloo": b / g} for b, r, e, g in rows]})
 
 
 if __name__ == "__main__":

@@ -18,10 +18,9 @@ import time
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, free_port, join_world, print_table, write_json  # noqa: E402
+from common import RESULTS_DIR, join_world, print_table, run_ranks, write_json  # noqa: E402
 
 FUSION_MB = [0, 1, 4, 16, 64, 256]
 CYCLE_MS = [0.2, 1.0, 2.5, 5.0, 10.0, 25.0]
@@ -98,15 +97,7 @@ def main() -> None:
     args.cycle_ms = [1.0, 10.0] if args.quick else CYCLE_MS
     args.log = str(RESULTS_DIR / "autotune_quality_log.csv")
     RESULTS_DIR.mkdir(exist_ok=True)
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, 2, port, args, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    out = queue.get(timeout=3600)
-    for p in procs:
-        p.join()
+    out = run_ranks(_worker, 2, args)
 
     grid_best = max(score for _, _, score in out["grid"])
     best_point = max(out["grid"], key=lambda g: g[2])

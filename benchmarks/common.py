@@ -91,3 +91,37 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def run_ranks(target: Callable[..., Any], size: int, *args: Any, timeout_s: float = 3600) -> Any:
+    """Runs `target(rank, size, port, *args, queue)` in `size` spawned processes and returns
+    what rank 0 put on the queue. Fails at once (not at the timeout) if a rank dies."""
+    import queue as queue_mod
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(r, size, port, *args, results))
+             for r in range(size)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            try:
+                out = results.get(timeout=2)
+                break
+            except queue_mod.Empty:
+                failed = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if failed or time.monotonic() > deadline:
+                    raise RuntimeError(f"benchmark ranks {failed} failed (see their traceback "
+                                       "above)" if failed else "benchmark timed out") from None
+        for p in procs:
+            p.join()
+        return out
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()

@@ -21,10 +21,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import free_port, join_world, median_across_ranks, print_table, write_json  # noqa: E402
+from common import join_world, median_across_ranks, print_table, run_ranks, write_json  # noqa: E402
 
 
 def _worker(rank: int, size: int, port: int, args, queue) -> None:
@@ -104,16 +103,7 @@ def main() -> None:
     if 25.0 not in args.ddp_buckets:
         args.ddp_buckets.insert(0, 25.0)
 
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, args.workers, port, args, queue))
-             for r in range(args.workers)]
-    for p in procs:
-        p.start()
-    results = queue.get(timeout=1800)
-    for p in procs:
-        p.join()
+    results = run_ranks(_worker, args.workers, args)
     ddp_keys = [k for k in results if k.startswith("ddp")]
     best_ddp = min(ddp_keys, key=lambda k: results[k])
     rows = [{"method": k, "median ms": results[k] * 1e3,

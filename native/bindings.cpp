@@ -11,6 +11,7 @@
 #include "fusion_buffer.h"
 #include "pack.h"
 #include "response_cache.h"
+#include "shm_group.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -207,6 +208,21 @@ nb::object view_of(FusionBuffer &b, nb::handle owner, std::size_t count) {
     return nb::cast(nb::ndarray<>(b.data(), 1, shape, owner, nullptr, d));
 }
 
+ReduceOp parse_op(const std::string &name) {
+    ReduceOp op;
+    if (!reduce_op_from_name(name, op))
+        throw nb::value_error(("unsupported reduce op '" + name +
+                               "'; use one of sum, min, max, product, band").c_str());
+    return op;
+}
+
+void shm_allreduce(ShmGroup &g, OutArray a, const std::string &op_name) {
+    Target t = target_of(a, "shm allreduce");
+    const ReduceOp op = parse_op(op_name);
+    nb::gil_scoped_release release;
+    g.allreduce(t.data, t.capacity, t.dtype, op);
+}
+
 nb::dict entry_to_dict(const CacheEntry &e) {
     nb::dict d;
     d["name"] = e.name;
@@ -222,7 +238,8 @@ nb::dict entry_to_dict(const CacheEntry &e) {
 
 NB_MODULE(_native, m) {
     using namespace rtx;
-    m.doc() = "raytrain-x native fusion core: fusion buffers, pack/unpack, response cache.";
+    m.doc() = "raytrain-x native fusion core: fusion buffers, pack/unpack, response cache, "
+              "shared-memory groups.";
 
     nb::class_<FusionBuffer>(m, "FusionBuffer")
         .def("__init__",
@@ -276,6 +293,18 @@ NB_MODULE(_native, m) {
         if (n < 0) throw nb::value_error("set_num_threads: n must be >= 0 (0 = default)");
         set_num_threads(n);
     }, "n"_a);
+
+    nb::class_<ShmGroup>(m, "ShmGroup")
+        .def(nb::init<const std::string &, int, int, std::size_t, bool, double>(), "name"_a,
+             "rank"_a, "size"_a, "slot_bytes"_a, "create"_a, "timeout_s"_a)
+        .def("unlink", &ShmGroup::unlink)
+        .def("peers_visible", &ShmGroup::peers_visible)
+        .def("allreduce", &shm_allreduce, "array"_a, "op"_a = "sum")
+        .def("abort", &ShmGroup::abort)
+        .def_prop_ro("rank", &ShmGroup::rank)
+        .def_prop_ro("size", &ShmGroup::size)
+        .def_prop_ro("slot_bytes", &ShmGroup::slot_bytes)
+        .def_prop_ro("barriers", &ShmGroup::barriers);
 
     nb::class_<ResponseCache>(m, "ResponseCache")
         .def(nb::init<std::size_t>(), "capacity"_a)

@@ -1,6 +1,7 @@
 """The background engine: negotiate ready tensors, fuse them, run one collective per batch.
 
-A cycle (every `cycle_time_ms` while there is work):
+A cycle (paced by `cycle_time_ms` while work keeps arriving; the first request after an
+idle spell starts one at once):
   1. take newly enqueued requests;
   2. one allreduce(BAND) of [status word, response-cache bits]: in steady state this alone
      tells every rank which cached names are ready everywhere (slot order, identical);
@@ -48,6 +49,7 @@ from raytrain_x.fusion.messages import (
     Response,
 )
 from raytrain_x.fusion.planner import plan_batches
+from raytrain_x.fusion.shm import SHM_DTYPES, SHM_OPS, open_host_group
 from raytrain_x.fusion.timeline import Timeline
 
 log = logging.getLogger("raytrain_x.engine")
@@ -103,6 +105,8 @@ class Engine:
         self._cache = _native.ResponseCache(knobs.cache_capacity)
         self._coordinator = Coordinator(self._members_of, stall_shutdown_s)
         self._buffers = FusionBufferPool()
+        # Single-host worlds reduce through shared memory (opened collectively, now).
+        self._shm = open_host_group(groups, groups.rdv.timeout_s)
         self._stall_warning_s = stall_warning_s
         self._timeline = Timeline(timeline_path) if timeline_path and self.rank == 0 else None
         self._cond = threading.Condition()
@@ -173,6 +177,12 @@ class Engine:
             # collector at interpreter exit (gloo aborted the process there, now and then).
             self.groups.close()
             self.groups.rdv.store = None
+            self._shm = None
+
+    @property
+    def transport(self) -> str:
+        """'shm' when allreduces of the world go through shared memory, else 'gloo'."""
+        return "shm" if self._shm is not None else "gloo"
 
     @property
     def error(self) -> BaseException | None:
@@ -188,25 +198,35 @@ class Engine:
         return self.groups.process_set(process_set_id).ranks
 
     # ----------------------------------------------------------------- engine thread
+    def _has_work(self) -> bool:
+        return bool(self._queue or self._pending or self._shutdown_requested
+                    or self._join_state != "none" or self._requested_knobs)
+
     def _loop(self) -> None:
         last = 0.0
+        busy = False  # work was waiting when the last cycle ended
         try:
             while True:
                 with self._cond:
-                    if not (self._queue or self._pending or self._shutdown_requested
-                            or self._join_state != "none" or self._requested_knobs):
+                    if not self._has_work():
                         self._cond.wait(_IDLE_WAKE_S)
+                # The cycle time paces cycles while work keeps coming (so tensors batch);
+                # the first request after an idle spell starts a cycle at once.
                 wait = last + self.knobs.cycle_time_ms / 1000.0 - time.perf_counter()
-                if wait > 0:
+                if busy and wait > 0:
                     time.sleep(wait)
                 last = time.perf_counter()
                 if self._cycle():
                     break
+                with self._cond:
+                    busy = self._has_work()
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the handles
             if not isinstance(exc, RaytrainXError):
                 log.exception("raytrain-x engine failed")
                 exc = InternalError(f"the raytrain-x engine failed: {exc!r}")
             self._error = exc
+            if self._shm is not None:
+                self._shm.abort()  # peers waiting on this host fail now, not at the timeout
         finally:
             self._stop()
 
@@ -259,7 +279,7 @@ class Engine:
         vector[0] = status
         if len(words):
             vector[1:] = torch.from_numpy(words)
-        self.groups.world.allreduce(vector, "band")
+        self._world_allreduce(vector, "band")
         agreed = int(vector[0].item())
         all_joined = bool(agreed & _JOINED)
 
@@ -429,8 +449,23 @@ class Engine:
         return [None if req is None else req.output if req.output is not None else req.tensor
                 for req in requests]
 
+    def _world_allreduce(self, t: torch.Tensor, op: str) -> None:
+        if self._shm is not None and t.device.type == "cpu" and t.dtype in SHM_DTYPES \
+                and op in SHM_OPS and t.is_contiguous():
+            try:
+                self._shm.allreduce(t, op)
+            except RuntimeError as exc:
+                raise InternalError(
+                    f"allreduce failed: {exc}. A peer process probably died or stalled; "
+                    "elastic jobs restore the last commit, others should be restarted."
+                ) from exc
+        else:
+            self.groups.world.allreduce(t, op)
+
     def _reduce(self, t: torch.Tensor, op: str, pset: ProcessSet) -> None:
-        if (self.knobs.hierarchical_allreduce and op == "sum" and pset.process_set_id == 0
+        if self._shm is not None and pset.process_set_id == 0:
+            self._world_allreduce(t, op)
+        elif (self.knobs.hierarchical_allreduce and op == "sum" and pset.process_set_id == 0
                 and self._multi_level()):
             self._hierarchical_allreduce(t)
         else:

@@ -96,6 +96,12 @@ def knobs():
     return _runtime.engine().knobs
 
 
+def transport() -> str:
+    """How world allreduces travel: 'shm' (shared memory, every rank on one host) or
+    'gloo'. Set `RAYTRAIN_X_SHM=0` to force gloo."""
+    return _runtime.engine().transport
+
+
 def set_knobs(new_knobs) -> None:
     """Requests new knobs; rank 0's request switches every rank at the same cycle (other
     ranks' requests are ignored)."""

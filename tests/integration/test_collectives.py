@@ -83,13 +83,48 @@ def _all_ops(threshold_mb: float) -> dict:
                      compression=rx.Compression.fp16)
     assert c.dtype == torch.float32
     assert torch.allclose(c, torch.full((1000,), 0.1 * sum(range(1, n + 1))), rtol=1e-3)
-    return {"checks": checks, "knobs": rx.knobs().fusion_threshold_bytes}
+    return {"checks": checks, "knobs": rx.knobs().fusion_threshold_bytes,
+            "transport": rx.transport()}
 
 
-@pytest.mark.parametrize("size", [1, 2, 3])
-def test_every_op_and_dtype(size):
-    results = run_workers(_all_ops, size, 64.0)
+@pytest.mark.parametrize("size,transport", [(1, "gloo"), (2, "shm"), (3, "shm"), (2, "gloo"),
+                                            (3, "gloo")])
+def test_every_op_and_dtype(size, transport):
+    env = {"RAYTRAIN_X_SHM": "1" if transport == "shm" else "0"}
+    results = run_workers(_all_ops, size, 64.0, env=env)
     assert all(r["checks"] == len(DTYPES) * len(SHAPES) for r in results)
+    assert [r["transport"] for r in results] == [transport] * size
+
+
+def _transport() -> str:
+    import raytrain_x.torch as rx
+
+    rx.init()
+    return rx.transport()
+
+
+def test_shared_memory_only_when_every_rank_can_use_it():
+    # one rank without shared memory: all fall back to gloo together (no hang)
+    assert run_workers(_transport, 2, env={"RAYTRAIN_X_SHM": "1"}) == ["shm", "shm"]
+    # two "hosts": the world spans hosts, so gloo
+    assert run_workers(_transport, 4, hosts=2) == ["gloo"] * 4
+
+
+def _one_rank_opts_out() -> str:
+    import os
+
+    import raytrain_x.torch as rx
+
+    if int(os.environ["RAYTRAIN_X_RANK"]) == 1:
+        os.environ["RAYTRAIN_X_SHM"] = "0"
+    rx.init()
+    got = rx.allreduce(torch.ones(3), op=rx.Sum, name="after_fallback")
+    assert torch.equal(got, torch.full((3,), 2.0))
+    return rx.transport()
+
+
+def test_one_rank_without_shared_memory_makes_all_use_gloo():
+    assert run_workers(_one_rank_opts_out, 2) == ["gloo", "gloo"]
 
 
 def test_every_op_without_fusion_or_cache():

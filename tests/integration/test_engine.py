@@ -101,8 +101,10 @@ def _dead_peer() -> float:
     raise AssertionError("no InternalError")
 
 
-def test_killed_peer_raises_internal_error_quickly():
-    results = run_workers(_dead_peer, 2, allow_failures=True, timeout=60)
+@pytest.mark.parametrize("transport", ["shm", "gloo"])
+def test_killed_peer_raises_internal_error_quickly(transport):
+    env = {"RAYTRAIN_X_SHM": "1" if transport == "shm" else "0"}
+    results = run_workers(_dead_peer, 2, allow_failures=True, timeout=60, env=env)
     assert isinstance(results[0], float) and results[0] < 5.0
 
 

@@ -1,0 +1,87 @@
+"""Allreduce through shared memory when every rank of the world runs on one host.
+
+On one host, gloo moves every byte through loopback TCP (kernel copies, syscalls, one
+thread per pair). The native `ShmGroup` instead maps one segment into every rank: each
+rank copies a chunk into its slot, the ranks meet at a futex barrier, and each rank sums
+the slots in rank order, so every rank holds bit-identical results. On this project's
+2-core machine that is 3x faster than gloo for 64 MB and about 30x for 4 KB
+(docs/performance.md).
+
+The group is opened collectively at engine start; if any rank cannot create, open or see
+its peers (no /dev/shm, separate PID namespaces, `RAYTRAIN_X_SHM=0` on some rank), every
+rank keeps using gloo. The segment's name is removed as soon as all ranks have mapped
+it, so a crash never leaves it behind in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+
+import torch
+
+from raytrain_x import _native
+from raytrain_x.comm.groups import ProcessGroups
+
+log = logging.getLogger("raytrain_x.engine")
+
+SHM_ENV = "RAYTRAIN_X_SHM"
+SLOT_BYTES = 256 << 10  # per-rank chunk: fits the L2 cache; measured best of 64 KB..4 MB
+SHM_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16,
+                        torch.int32, torch.int64, torch.int8, torch.uint8})
+SHM_OPS = frozenset({"sum", "min", "max", "product", "band"})
+
+
+def shm_enabled() -> bool:
+    """False when `RAYTRAIN_X_SHM` is 0/false/off on this rank."""
+    return os.environ.get(SHM_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def open_host_group(groups: ProcessGroups, timeout_s: float) -> _native.ShmGroup | None:
+    """Collectively opens the shared-memory group of a single-host world, or returns None
+    on every rank (multi-host world, one rank, or any rank unable to use it)."""
+    rdv, world = groups.rdv, groups.world
+    if rdv.size < 2 or len({cross for _, cross in groups.layout}) != 1:
+        return None
+    if not _all(world, shm_enabled()):
+        return None
+    name = world.broadcast_object(f"/rtx-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+    group, reason = None, ""
+    if rdv.rank == 0:
+        group, reason = _open(name, rdv.rank, rdv.size, True, timeout_s)
+    if not _all(world, rdv.rank != 0 or group is not None):
+        return _give_up(rdv.rank, group, reason or "rank 0 could not create the segment")
+    if rdv.rank != 0:
+        group, reason = _open(name, rdv.rank, rdv.size, False, timeout_s)
+    opened = _all(world, group is not None)
+    visible = opened and _all(world, group.peers_visible())
+    if group is not None:
+        group.unlink()  # everyone has mapped it (or given up): drop the name now
+    if not visible:
+        reason = reason or ("a rank could not open the segment" if not opened
+                            else "ranks cannot see each other's processes")
+        return _give_up(rdv.rank, group, reason)
+    return group
+
+
+def _open(name: str, rank: int, size: int, create: bool,
+          timeout_s: float) -> tuple[_native.ShmGroup | None, str]:
+    try:
+        return _native.ShmGroup(name, rank, size, SLOT_BYTES, create, timeout_s), ""
+    except (RuntimeError, ValueError) as exc:
+        return None, str(exc)
+
+
+def _all(world, flag: bool) -> bool:
+    vote = torch.tensor([1 if flag else 0], dtype=torch.int64)
+    world.allreduce(vote, "min")
+    return bool(vote.item())
+
+
+def _give_up(rank: int, group: _native.ShmGroup | None, reason: str) -> None:
+    if group is not None:
+        group.unlink()
+    if rank == 0:
+        log.info("raytrain-x: shared-memory allreduce unavailable (%s); using gloo", reason)
+    return None
