@@ -7,6 +7,8 @@ Same processes, same model, measured back to back:
   ddp<N>       DDP with other bucket sizes (--ddp-buckets)
   per_tensor   backward, then one all_reduce per gradient
   rx           raytrain_x.torch.DistributedOptimizer
+Then peak resident memory: each of `none` (no communication), `ddp25` and `rx` runs alone
+in a fresh pair of processes for the same steps; the peak RSS of the larger rank is kept.
 Prints medians and ratios; writes results/optimizer_step.json.
 
 Run: .venv/bin/python benchmarks/optimizer_step.py [--workers 2] [--repeats 10]
@@ -83,11 +85,38 @@ def _worker(rank: int, size: int, port: int, args, queue) -> None:
         key = "rx" if cap == args.rx_buckets[0] else f"rx_bucket{cap:g}"
         results[key if cap else "rx_unbucketed"] = median_across_ranks(rx_step, args.repeats,
                                                                        warmup=3)
-    results["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     rx.shutdown()
     dist.destroy_process_group()
     if rank == 0:
         queue.put(results)
+
+
+def _memory_worker(rank: int, size: int, port: int, method: str, steps: int, queue) -> None:
+    """Trains `steps` steps one way only, then reports this job's peak RSS (max of ranks)."""
+    from raytrain_x.common.workloads import resnet50_parameter_shapes, shaped_model
+
+    join_world(rank, size, port)
+    model = shaped_model(resnet50_parameter_shapes())
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    if method == "ddp25":
+        model = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25)
+    elif method == "rx":
+        import raytrain_x.torch as rx
+
+        rx.init()
+        opt = rx.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    scale = torch.ones(())
+    for _ in range(steps):
+        opt.zero_grad()
+        model(scale).backward()
+        opt.step()
+    peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024])
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    if method == "rx":
+        rx.shutdown()
+    dist.destroy_process_group()
+    if rank == 0:
+        queue.put(float(peak.item()))
 
 
 def main() -> None:
@@ -104,6 +133,8 @@ def main() -> None:
         args.ddp_buckets.insert(0, 25.0)
 
     results = run_ranks(_worker, args.workers, args)
+    memory = {m: run_ranks(_memory_worker, args.workers, m, args.repeats + 3)
+              for m in ("none", "ddp25", "rx")}
     ddp_keys = [k for k in results if k.startswith("ddp")]
     best_ddp = min(ddp_keys, key=lambda k: results[k])
     rows = [{"method": k, "median ms": results[k] * 1e3,
@@ -114,10 +145,13 @@ def main() -> None:
     print_table(rows, ["method", "median ms", "x ddp25", "x flat"])
     ratios = {"rx_over_ddp25": results["rx"] / results["ddp25"],
               "rx_over_best_ddp": results["rx"] / results[best_ddp], "best_ddp": best_ddp,
-              "rx_over_flat": results["rx"] / results["flat"]}
+              "rx_over_flat": results["rx"] / results["flat"],
+              "rx_rss_over_ddp25_rss": memory["rx"] / memory["ddp25"]}
+    print_table([{"job": m, "peak RSS MB": mb, "x ddp25": mb / memory["ddp25"]}
+                 for m, mb in memory.items()], ["job", "peak RSS MB", "x ddp25"])
     print(ratios)
     path = write_json("optimizer_step", {"workers": args.workers, "results": results,
-                                         "ratios": ratios}, args.json)
+                                         "peak_rss_mb": memory, "ratios": ratios}, args.json)
     print(f"wrote {path}")
 
 

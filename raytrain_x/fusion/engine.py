@@ -49,7 +49,7 @@ from raytrain_x.fusion.messages import (
     Response,
 )
 from raytrain_x.fusion.planner import plan_batches
-from raytrain_x.fusion.shm import SHM_DTYPES, SHM_OPS, open_host_group
+from raytrain_x.fusion.shm import SHM_DTYPES, open_host_group
 from raytrain_x.fusion.timeline import Timeline
 
 log = logging.getLogger("raytrain_x.engine")
@@ -103,6 +103,7 @@ class Engine:
         self.knobs = knobs
         self.stats = EngineStats()
         self._cache = _native.ResponseCache(knobs.cache_capacity)
+        self._cache_version = 0  # bumped whenever entries may have changed
         self._coordinator = Coordinator(self._members_of, stall_shutdown_s)
         self._buffers = FusionBufferPool()
         # Single-host worlds reduce through shared memory (opened collectively, now).
@@ -274,21 +275,23 @@ class Engine:
         status |= _NO_MESSAGE if not has_message else 0
         status |= _JOINED if joined else 0
         names_for_bits = self._cache.lru_order() if joined else cached
-        words = np.array(self._cache.bits(names_for_bits), dtype=np.uint64).view(np.int64)
-        vector = torch.empty(1 + len(words), dtype=torch.int64)
+        words = self._cache.bits(names_for_bits)
+        vector = np.empty(1 + len(words), dtype=np.uint64)
         vector[0] = status
-        if len(words):
-            vector[1:] = torch.from_numpy(words)
-        self._world_allreduce(vector, "band")
-        agreed = int(vector[0].item())
+        vector[1:] = words
+        self._world_allreduce(vector.view(np.int64), "band")
+        agreed = int(vector[0])
         all_joined = bool(agreed & _JOINED)
 
         responses: list[Response] = []
         if not all_joined and len(words):
-            bits = vector[1:].numpy().view(np.uint64).tolist()
+            bits = vector[1:].tolist()
             for entry in self._cache.entries_for_bits(bits):
-                self._cache.get(entry["name"])  # same LRU touch on every rank
-                responses.append(Response(entry["name"], Meta.from_cache(entry)))
+                name = entry["name"]
+                self._cache.get(name)  # same LRU touch on every rank
+                req = self._pending.get(name)  # its meta matched the entry: reuse it
+                responses.append(Response(name, req.meta if req is not None
+                                          else Meta.from_cache(entry)))
             self._coordinator.forget([r.name for r in responses])
 
         new_knobs = None
@@ -320,8 +323,12 @@ class Engine:
     def _cache_matches(self, req: Request) -> bool:
         if req.meta.kind != ALLREDUCE or self._cache.capacity == 0:
             return False
+        if req.cache_checked == self._cache_version:  # asked before, cache unchanged since
+            return req.cache_hit
         entry = self._cache.peek(req.name)
-        return entry is not None and Meta.from_cache(entry) == req.meta
+        req.cache_hit = entry is not None and Meta.from_cache(entry) == req.meta
+        req.cache_checked = self._cache_version
+        return req.cache_hit
 
     def _negotiate(self, responses: list[Response], stalled: dict[str, float],
                    knobs_wanted: Knobs | None, join_state: str) -> Knobs | None:
@@ -341,6 +348,7 @@ class Engine:
                 self._cache.erase(r.name)
             elif r.meta.kind == ALLREDUCE and self._cache.capacity:
                 self._cache.put(r.name, r.meta.dtype, list(r.meta.shape), r.meta.cache_key())
+        self._cache_version += 1
         responses.extend(decision.responses)
         if self.rank == 0:
             for text in decision.warnings:
@@ -365,6 +373,7 @@ class Engine:
     def _apply_knobs(self, knobs: Knobs) -> None:
         if knobs.cache_capacity != self.knobs.cache_capacity:
             self._cache = _native.ResponseCache(knobs.cache_capacity)
+            self._cache_version += 1
         self.knobs = knobs
         for listener in self._knob_listeners:
             listener(knobs)
@@ -449,18 +458,23 @@ class Engine:
         return [None if req is None else req.output if req.output is not None else req.tensor
                 for req in requests]
 
-    def _world_allreduce(self, t: torch.Tensor, op: str) -> None:
-        if self._shm is not None and t.device.type == "cpu" and t.dtype in SHM_DTYPES \
-                and op in SHM_OPS and t.is_contiguous():
-            try:
-                self._shm.allreduce(t, op)
-            except RuntimeError as exc:
-                raise InternalError(
-                    f"allreduce failed: {exc}. A peer process probably died or stalled; "
-                    "elastic jobs restore the last commit, others should be restarted."
-                ) from exc
-        else:
+    def _world_allreduce(self, t: torch.Tensor | np.ndarray, op: str) -> None:
+        """In-place allreduce over the world: shared memory when possible, else gloo."""
+        if isinstance(t, np.ndarray):  # the engine's own control words
+            if self._shm is None:
+                self.groups.world.allreduce(torch.from_numpy(t), op)
+                return
+        elif (self._shm is None or t.device.type != "cpu" or t.dtype not in SHM_DTYPES
+              or not t.is_contiguous()):
             self.groups.world.allreduce(t, op)
+            return
+        try:
+            self._shm.allreduce(t, op)
+        except RuntimeError as exc:
+            raise InternalError(
+                f"allreduce failed: {exc}. A peer process probably died or stalled; "
+                "elastic jobs restore the last commit, others should be restarted."
+            ) from exc
 
     def _reduce(self, t: torch.Tensor, op: str, pset: ProcessSet) -> None:
         if self._shm is not None and pset.process_set_id == 0:

@@ -30,7 +30,6 @@ SHM_ENV = "RAYTRAIN_X_SHM"
 SLOT_BYTES = 256 << 10  # per-rank chunk: fits the L2 cache; measured best of 64 KB..4 MB
 SHM_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16,
                         torch.int32, torch.int64, torch.int8, torch.uint8})
-SHM_OPS = frozenset({"sum", "min", "max", "product", "band"})
 
 
 def shm_enabled() -> bool:
