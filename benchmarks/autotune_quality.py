@@ -1,8 +1,9 @@
 """Autotune vs an exhaustive grid on the ResNet-50-shaped gradient workload, 2 processes.
 
 In the same processes: autotune (fusion threshold x cycle time, BayesOptSearch) runs
-first, then every grid point is measured the same way, then the tuned and the default
-knobs are measured again. Reports how many samples autotune needed to get within 5% of the
+first, then every grid point is measured the same way, then the top 3 grid points, the
+tuned and the default knobs are measured again in interleaved rounds (medians; the
+grid's single best number is the luckiest of 36 and would flatter the grid). Reports how many samples autotune needed to get within 5% of the
 grid best, and the tuned knobs' ratio to the grid best and to the defaults.
 Writes results/autotune_quality.json and results/autotune_quality.png.
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -42,7 +44,8 @@ def _worker(rank: int, size: int, port: int, args, queue) -> None:
     rx.init(autotune=config)
     model = shaped_model(resnet50_parameter_shapes())
     opt = rx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-5),
-                                  named_parameters=model.named_parameters())
+                                  named_parameters=model.named_parameters(),
+                                  bucket_cap_mb=args.bucket_cap_mb)
     grad_bytes = sum(p.numel() for p in model.parameters()) * 4
     scale = torch.ones(())
 
@@ -79,11 +82,22 @@ def _worker(rank: int, size: int, port: int, args, queue) -> None:
             if rank == 0:
                 print(f"grid fusion {mb} MB, cycle {cycle} ms: {grid[-1][2] / 1e6:.1f} MB/s",
                       flush=True)
-    final = {"tuned": measure(tuned, 2 * args.steps),
-             "default": measure(Knobs(), 2 * args.steps)}
+    # The grid's maximum is biased upwards (the luckiest of 36 noisy numbers), so the top
+    # 3 grid points, the tuned and the default knobs are measured again, interleaved, and
+    # compared by their medians.
+    top = sorted(grid, key=lambda g: g[2], reverse=True)[:3]
+    finalists = {f"grid {mb:g} MB / {cycle:g} ms": Knobs(fusion_threshold_bytes=int(mb * 2**20),
+                                                         cycle_time_ms=cycle)
+                 for mb, cycle, _ in top}
+    finalists.update({"tuned": tuned, "default": Knobs()})
+    rounds: dict[str, list[float]] = {name: [] for name in finalists}
+    for _ in range(args.rounds):
+        for name, knobs in finalists.items():
+            rounds[name].append(measure(knobs, 2 * args.steps))
+    final = {name: statistics.median(v) for name, v in rounds.items()}
     rx.shutdown()
     if rank == 0:
-        queue.put({"grid": grid, "final": final, "tuned": tuned.to_dict(),
+        queue.put({"grid": grid, "final": final, "rounds": rounds, "tuned": tuned.to_dict(),
                    "tuning_steps": tuning_steps})
 
 
@@ -91,6 +105,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4, help="timed steps per grid point")
     parser.add_argument("--quick", action="store_true", help="fewer grid points")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="interleaved re-measurements of the finalists")
+    parser.add_argument("--bucket-cap-mb", type=float, default=0.0,
+                        help="DistributedOptimizer buckets; 0 (default) sends every gradient "
+                        "as its own request, so fusion and cycle time decide the batching")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     args.fusion_mb = [0, 4, 64] if args.quick else FUSION_MB
@@ -99,27 +118,32 @@ def main() -> None:
     RESULTS_DIR.mkdir(exist_ok=True)
     out = run_ranks(_worker, 2, args)
 
-    grid_best = max(score for _, _, score in out["grid"])
-    best_point = max(out["grid"], key=lambda g: g[2])
+    final = out["final"]
+    grid_names = [k for k in final if k.startswith("grid")]
+    best_name = max(grid_names, key=lambda k: final[k])
+    grid_best = final[best_name]  # re-measured: the best of the top 3 grid points
     rows = list(csv.DictReader(open(args.log)))
-    samples = [r for r in rows if r["kind"] == "sample"]
+    samples = [r for r in rows if r["kind"] in ("sample", "confirm")]
     within = next((i + 1 for i, r in enumerate(samples)
                    if float(r["score_bytes_per_s"]) >= 0.95 * grid_best), None)
     result = {
+        "workload": f"DistributedOptimizer, bucket_cap_mb={args.bucket_cap_mb:g}",
         "grid_points": len(out["grid"]),
+        "grid_best_single_mb_s": max(score for _, _, score in out["grid"]) / 1e6,
         "grid_best_mb_s": grid_best / 1e6,
-        "grid_best_knobs": {"fusion_mb": best_point[0], "cycle_ms": best_point[1]},
+        "grid_best": best_name,
         "autotune_samples": len(samples),
         "samples_to_within_5pct_of_grid_best": within,
         "tuned_knobs": out["tuned"],
-        "tuned_mb_s": out["final"]["tuned"] / 1e6,
-        "default_mb_s": out["final"]["default"] / 1e6,
-        "tuned_over_grid_best": out["final"]["tuned"] / grid_best,
-        "tuned_over_default": out["final"]["tuned"] / out["final"]["default"],
+        "tuned_mb_s": final["tuned"] / 1e6,
+        "default_mb_s": final["default"] / 1e6,
+        "tuned_over_grid_best": final["tuned"] / grid_best,
+        "tuned_over_default": final["tuned"] / final["default"],
+        "final_rounds_mb_s": {k: [x / 1e6 for x in v] for k, v in out["rounds"].items()},
     }
     print_table([{"what": k, "value": v} for k, v in result.items()
                  if not isinstance(v, dict)], ["what", "value"])
-    print(f"grid best {result['grid_best_knobs']}, tuned {out['tuned']}")
+    print(f"grid best {best_name}, tuned {out['tuned']}")
     _plot(out["grid"], samples, grid_best, RESULTS_DIR / "autotune_quality.png")
     print(f"wrote {write_json('autotune_quality', {**result, 'grid': out['grid']}, args.json)}")
 
@@ -136,7 +160,7 @@ def _plot(grid, samples, grid_best, path) -> None:
     ax.plot(range(1, len(scores) + 1), scores, "o", label="autotune sample")
     ax.step(range(1, len(scores) + 1), best_so_far, where="post", label="autotune best so far")
     ax.axhline(grid_best / 1e6, color="green", linestyle="--",
-               label=f"grid best ({len(grid)} points)")
+               label=f"grid best ({len(grid)} points, re-measured)")
     ax.axhline(0.95 * grid_best / 1e6, color="green", linestyle=":", label="95% of grid best")
     ax.set_xlabel("autotune sample")
     ax.set_ylabel("gradient MB/s")

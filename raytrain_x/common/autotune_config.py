@@ -25,6 +25,7 @@ _NAMES = {
     "convergence_patience": ("RAYTRAIN_X_AUTOTUNE_CONVERGENCE_PATIENCE",
                              "--autotune-convergence-patience"),
     "resume_from": ("RAYTRAIN_X_AUTOTUNE_RESUME_FROM", "--autotune-resume-from"),
+    "confirm_top": ("RAYTRAIN_X_AUTOTUNE_CONFIRM_TOP", "--autotune-confirm-top"),
 }
 
 
@@ -43,6 +44,10 @@ class AutotuneConfig:
         convergence_patience: stop early after this many scored samples without a gain
             beyond `min_improvement` over the best so far (0 = never early).
         min_improvement: relative gain that counts as an improvement (noise floor).
+        confirm_top: before deciding, the best this-many candidates are measured once
+            more (within `bayes_opt_max_samples`, at most a quarter of it) and the choice
+            goes by each one's mean score, so one lucky sample cannot win (0 = decide on
+            single samples).
         sub_windows: each sample's score is the median over this many sub-windows.
         initial_knobs: where the search starts (measured first); not fixed.
         resume_from: a log CSV or knobs JSON: start at its best knobs and do not tune.
@@ -58,6 +63,7 @@ class AutotuneConfig:
     sampling_time_s: float | None = None
     convergence_patience: int = 8
     min_improvement: float = 0.02
+    confirm_top: int = 2
     sub_windows: int = 3
     initial_knobs: Knobs | None = None
     resume_from: str | None = None
@@ -73,6 +79,7 @@ class AutotuneConfig:
             (self.sampling_time_s is None or self.sampling_time_s > 0,
              "sampling_time must be > 0"),
             (self.convergence_patience >= 0, "convergence_patience must be >= 0"),
+            (self.confirm_top >= 0, "confirm_top must be >= 0"),
             (self.sub_windows >= 1, "sub_windows must be >= 1"),
             (self.initial_knobs is None or isinstance(self.initial_knobs, Knobs),
              "initial_knobs must be a Knobs"),

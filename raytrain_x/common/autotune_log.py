@@ -33,6 +33,11 @@ class Sample:
     warmup: bool = False
 
 
+# Row kinds: "warmup" (discarded), "sample" (a search sample), "confirm" (a candidate
+# measured again before the decision), "best" (the final choice, its mean score).
+SCORED_KINDS = ("sample", "confirm")
+
+
 def row_of(sample: Sample, kind: str, best: bool) -> dict[str, Any]:
     k = sample.knobs
     return {
@@ -106,7 +111,7 @@ def load_best_knobs(path: str | os.PathLike) -> Knobs:
     best = [r for r in rows if r["kind"] == "best"]
     if best:
         return knobs_of_row(best[-1])
-    scored = [r for r in rows if r["kind"] == "sample"]
+    scored = [r for r in rows if r["kind"] in SCORED_KINDS]
     if not scored:
         raise ConfigError(f"autotune log {str(p)!r} has no scored samples to resume from")
     return knobs_of_row(max(scored, key=lambda r: float(r[SCORE_COLUMN])))

@@ -7,6 +7,7 @@ median, over `sub_windows` equal sub-windows, of (bytes allreduced + allgathered
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import statistics
 import time
@@ -63,6 +64,7 @@ class AutotuneSampler:
         self._rates: list[float] = []
         self._sample_start: float | None = None
         self._warmups_left = config.warmup_samples if config.warmup_time_s is None else 0
+        self._confirming = False  # the sample being measured re-measures a candidate
 
     # ------------------------------------------------------------------ engine hook
     def on_cycle(self, knobs: Knobs, step: int, responses: list[Response]) -> None:
@@ -133,11 +135,15 @@ class AutotuneSampler:
         answer = self.advisor.report(score)
         scored = [s for s in self.samples if not s.warmup]
         best_knobs = Knobs(**answer["best"])
-        self.best = next((s for s in reversed(scored) if s.knobs == best_knobs), scored[0])
+        latest = next((s for s in reversed(scored) if s.knobs == best_knobs), scored[0])
+        self.best = dataclasses.replace(latest, score=answer["best_score"])  # mean score
+        kind = "confirm" if self._confirming else "sample"
+        self._confirming = bool(answer.get("confirming")) and not answer["done"]
         if self.log:
-            self.log.append(sample, "sample")
+            self.log.append(sample, kind)
+        again = " (a candidate measured again)" if kind == "confirm" else ""
         self.emit(f"raytrain-x autotune: sample {len(scored)}/{self.config.bayes_opt_max_samples}"
-                  f": {describe(knobs)} -> {score / 1e6:.1f} MB/s (best "
+                  f"{again}: {describe(knobs)} -> {score / 1e6:.1f} MB/s (best "
                   f"{self.best.score / 1e6:.1f} MB/s, {answer['samples_left']} left)")
         nxt = Knobs(**answer["next"])
         if answer["done"]:

@@ -83,7 +83,10 @@ class AutotuneController:
     """Proposes knobs, takes each sample's score, decides when tuning is over.
 
     The first proposal is the starting knobs, so the result is never worse than the start:
-    if no sample beats it by more than `min_improvement`, the start stays.
+    if no candidate beats it by more than `min_improvement`, the start stays. The search
+    ends `confirm_top` samples (at most a quarter of the budget) before
+    `bayes_opt_max_samples`, or earlier on convergence; the remaining samples re-measure
+    the best candidates, and the choice goes by each setting's mean score.
     """
 
     def __init__(self, config: AutotuneConfig, start: Knobs, fixed: frozenset[str]) -> None:
@@ -96,6 +99,7 @@ class AutotuneController:
         self._since_best = 0
         self._searcher = None
         self._trial = 0
+        self._confirming: list[Knobs] | None = None  # re-measurements still to take
         self._rng = random.Random(config.seed)
         dims = self.space.dimensions()
         if dims:
@@ -116,14 +120,27 @@ class AutotuneController:
     def free_knobs(self) -> list[str]:
         return list(self.space.dimensions())
 
+    @property
+    def confirming(self) -> bool:
+        """True once the search is over and candidates are being re-measured."""
+        return self._confirming is not None
+
+    def means(self) -> dict[Knobs, float]:
+        """Mean score of every measured setting, in first-measured order."""
+        scores: dict[Knobs, list[float]] = {}
+        for knobs, score in self.samples:
+            scores.setdefault(knobs, []).append(score)
+        return {k: sum(v) / len(v) for k, v in scores.items()}
+
     def best(self) -> tuple[Knobs, float]:
-        """The best measured knobs; the start wins ties within the noise floor."""
+        """The best setting by mean score; the start wins ties within the noise floor."""
         if not self.samples:
             return self.start, 0.0
-        start_score = self.samples[0][1]
-        knobs, score = max(self.samples, key=lambda s: s[1])
+        means = self.means()
+        start_score = means[self.samples[0][0]]
+        knobs, score = max(means.items(), key=lambda item: item[1])
         if score <= start_score * (1 + self.config.min_improvement):
-            return self.samples[0]
+            return self.samples[0][0], start_score
         return knobs, score
 
     def report(self, score: float) -> dict[str, Any]:
@@ -136,24 +153,47 @@ class AutotuneController:
             self._since_best = 0
         else:
             self._since_best += 1
-        done = (len(self.samples) >= self.config.bayes_opt_max_samples
-                or self._searcher is None
-                or (self.config.convergence_patience
-                    and self._since_best >= self.config.convergence_patience))
-        if not done:
-            if len(self.samples) == 1:  # the start was measured outside the searcher
-                self._searcher.optimizer.register(self.space.to_point(self.start), 1.0)
+        budget = self.config.bayes_opt_max_samples
+        if self._confirming is None:
+            search_over = (len(self.samples) >= budget - self._reserved()
+                           or self._searcher is None
+                           or (self.config.convergence_patience
+                               and self._since_best >= self.config.convergence_patience))
+            if search_over:
+                self._confirming = self._candidates(budget - len(self.samples))
             else:
-                self._searcher.on_trial_complete(self._trial_id(),
-                                                 {"score": score / self._reference})
-                self._trial += 1
-            self.current = self._next_unmeasured()
+                if len(self.samples) == 1:  # the start was measured outside the searcher
+                    self._searcher.optimizer.register(self.space.to_point(self.start), 1.0)
+                else:
+                    self._searcher.on_trial_complete(self._trial_id(),
+                                                     {"score": score / self._reference})
+                    self._trial += 1
+                self.current = self._next_unmeasured()
+        done = self._confirming is not None and not self._confirming
+        if self._confirming:
+            self.current = self._confirming.pop(0)
         best, best_score = self.best()
         if done:
             self.current = best
         return {"next": self.current.to_dict(), "done": bool(done), "best": best.to_dict(),
-                "best_score": best_score,
-                "samples_left": max(0, self.config.bayes_opt_max_samples - len(self.samples))}
+                "best_score": best_score, "confirming": self.confirming,
+                "samples_left": max(0, budget - len(self.samples))}
+
+    def _reserved(self) -> int:
+        """Samples kept for re-measuring candidates: `confirm_top`, at most a quarter of
+        the budget."""
+        return min(self.config.confirm_top, self.config.bayes_opt_max_samples // 4)
+
+    def _candidates(self, room: int) -> list[Knobs]:
+        """The best settings by mean score, to measure once more each. With room for one,
+        the best other than the start (the start needs no second chance to stay)."""
+        if self._searcher is None or room <= 0:
+            return []
+        ranked = [k for k, _ in sorted(self.means().items(), key=lambda item: item[1],
+                                       reverse=True)]
+        if min(self._reserved(), room) == 1:
+            ranked = [k for k in ranked if k != self.start]
+        return ranked[: min(self._reserved(), room)]
 
     def _next_unmeasured(self) -> Knobs:
         """Asks the searcher until it proposes knobs not measured yet; a repeat is answered

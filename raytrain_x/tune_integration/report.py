@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from raytrain_x.common.autotune_log import SCORE_COLUMN, read_rows
+from raytrain_x.common.autotune_log import SCORE_COLUMN, SCORED_KINDS, read_rows
 
 
 def autotune_report(log_path: str | os.PathLike, plot_path: str | None = None) -> None:
@@ -14,10 +14,10 @@ def autotune_report(log_path: str | os.PathLike, plot_path: str | None = None) -
 
     read_rows(log_path)  # validates the schema with a clear error
     frame = pd.read_csv(log_path)
-    samples = frame[frame["kind"] == "sample"].copy()
+    samples = frame[frame["kind"].isin(SCORED_KINDS)].copy()
     samples["MB/s"] = samples[SCORE_COLUMN] / 1e6
     samples["best so far MB/s"] = samples["MB/s"].cummax()
-    columns = ["sample", "fusion_threshold_mb", "cycle_time_ms", "cache_capacity",
+    columns = ["sample", "kind", "fusion_threshold_mb", "cycle_time_ms", "cache_capacity",
                "hierarchical_allreduce", "hierarchical_allgather", "MB/s", "best so far MB/s"]
     with pd.option_context("display.width", 160, "display.max_columns", 20):
         print(samples[columns].to_string(index=False, float_format=lambda v: f"{v:.3g}"))
@@ -30,7 +30,8 @@ def autotune_report(log_path: str | os.PathLike, plot_path: str | None = None) -
                   f"{row['cycle_time_ms']:g} ms, cache {row['cache_capacity']}, hierarchical "
                   f"allreduce/allgather {row['hierarchical_allreduce']}/"
                   f"{row['hierarchical_allgather']}: {row[SCORE_COLUMN] / 1e6:.1f} MB/s, "
-                  f"{row[SCORE_COLUMN] / 1e6 / start:.2f}x the start ({len(samples)} samples)")
+                  f"{row[SCORE_COLUMN] / 1e6 / start:.2f}x the start ({len(samples)} samples; "
+                  "the best row's score is the mean of its measurements)")
         else:
             print(f"\ntuning did not finish: {len(samples)} samples, best so far "
                   f"{samples['MB/s'].max():.1f} MB/s ({samples['MB/s'].max() / start:.2f}x)")
@@ -44,7 +45,12 @@ def autotune_report(log_path: str | os.PathLike, plot_path: str | None = None) -
         warm = frame[frame["kind"] == "warmup"]
         ax.scatter(warm["sample"].astype(int), warm[SCORE_COLUMN] / 1e6, color="lightgray",
                    label="warmup (discarded)")
-        ax.plot(samples["sample"].astype(int), samples["MB/s"], "o", label="sample score")
+        search = samples[samples["kind"] == "sample"]
+        again = samples[samples["kind"] == "confirm"]
+        ax.plot(search["sample"].astype(int), search["MB/s"], "o", label="sample score")
+        if len(again):
+            ax.plot(again["sample"].astype(int), again["MB/s"], "s", color="tab:orange",
+                    label="candidate measured again")
         ax.step(samples["sample"].astype(int), samples["best so far MB/s"], where="post",
                 label="best so far")
         if len(samples):
