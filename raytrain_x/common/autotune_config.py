@@ -44,10 +44,10 @@ class AutotuneConfig:
         convergence_patience: stop early after this many scored samples without a gain
             beyond `min_improvement` over the best so far (0 = never early).
         min_improvement: relative gain that counts as an improvement (noise floor).
-        confirm_top: before deciding, the best this-many candidates are measured once
-            more (within `bayes_opt_max_samples`, at most a quarter of it) and the choice
-            goes by each one's mean score, so one lucky sample cannot win (0 = decide on
-            single samples).
+        confirm_top: before deciding, the best this-many settings are measured again until
+            each has two measurements (within `bayes_opt_max_samples`), and the choice is
+            made among confirmed settings and the start by mean score, so one lucky sample
+            cannot win (0 = decide on single samples).
         sub_windows: each sample's score is the median over this many sub-windows.
         initial_knobs: where the search starts (measured first); not fixed.
         resume_from: a log CSV or knobs JSON: start at its best knobs and do not tune.

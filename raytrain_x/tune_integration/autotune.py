@@ -84,9 +84,11 @@ class AutotuneController:
 
     The first proposal is the starting knobs, so the result is never worse than the start:
     if no candidate beats it by more than `min_improvement`, the start stays. The search
-    ends `confirm_top` samples (at most a quarter of the budget) before
-    `bayes_opt_max_samples`, or earlier on convergence; the remaining samples re-measure
-    the best candidates, and the choice goes by each setting's mean score.
+    stops a few samples before `bayes_opt_max_samples` (2 x `confirm_top`, at most a
+    quarter of the budget), or earlier on convergence. Then the leaders are confirmed: the
+    best `confirm_top` settings by mean score are measured again until each has two
+    measurements (re-ranking after each one), and the choice is made among confirmed
+    settings and the start, by mean score.
     """
 
     def __init__(self, config: AutotuneConfig, start: Knobs, fixed: frozenset[str]) -> None:
@@ -99,7 +101,7 @@ class AutotuneController:
         self._since_best = 0
         self._searcher = None
         self._trial = 0
-        self._confirming: list[Knobs] | None = None  # re-measurements still to take
+        self._confirming = False
         self._rng = random.Random(config.seed)
         dims = self.space.dimensions()
         if dims:
@@ -122,25 +124,32 @@ class AutotuneController:
 
     @property
     def confirming(self) -> bool:
-        """True once the search is over and candidates are being re-measured."""
-        return self._confirming is not None
+        """True once the search is over and the leaders are being measured again."""
+        return self._confirming
 
-    def means(self) -> dict[Knobs, float]:
-        """Mean score of every measured setting, in first-measured order."""
+    def _stats(self) -> dict[Knobs, list[float]]:
         scores: dict[Knobs, list[float]] = {}
         for knobs, score in self.samples:
             scores.setdefault(knobs, []).append(score)
-        return {k: sum(v) / len(v) for k, v in scores.items()}
+        return scores
+
+    def means(self) -> dict[Knobs, float]:
+        """Mean score of every measured setting, in first-measured order."""
+        return {k: sum(v) / len(v) for k, v in self._stats().items()}
 
     def best(self) -> tuple[Knobs, float]:
-        """The best setting by mean score; the start wins ties within the noise floor."""
+        """The best setting by mean score, among the confirmed ones (measured twice) and the
+        start once any is confirmed; the start wins ties within the noise floor."""
         if not self.samples:
             return self.start, 0.0
+        stats = self._stats()
         means = self.means()
-        start_score = means[self.samples[0][0]]
-        knobs, score = max(means.items(), key=lambda item: item[1])
-        if score <= start_score * (1 + self.config.min_improvement):
-            return self.samples[0][0], start_score
+        first = self.samples[0][0]
+        confirmed = {k: m for k, m in means.items() if len(stats[k]) > 1 or k == first}
+        pool = confirmed if len(confirmed) > 1 else means
+        knobs, score = max(pool.items(), key=lambda item: item[1])
+        if score <= means[first] * (1 + self.config.min_improvement):
+            return first, means[first]
         return knobs, score
 
     def report(self, score: float) -> dict[str, Any]:
@@ -154,14 +163,12 @@ class AutotuneController:
         else:
             self._since_best += 1
         budget = self.config.bayes_opt_max_samples
-        if self._confirming is None:
-            search_over = (len(self.samples) >= budget - self._reserved()
-                           or self._searcher is None
-                           or (self.config.convergence_patience
-                               and self._since_best >= self.config.convergence_patience))
-            if search_over:
-                self._confirming = self._candidates(budget - len(self.samples))
-            else:
+        if not self._confirming:
+            self._confirming = (len(self.samples) >= budget - self._reserved()
+                                or self._searcher is None
+                                or bool(self.config.convergence_patience
+                                        and self._since_best >= self.config.convergence_patience))
+            if not self._confirming:
                 if len(self.samples) == 1:  # the start was measured outside the searcher
                     self._searcher.optimizer.register(self.space.to_point(self.start), 1.0)
                 else:
@@ -169,9 +176,13 @@ class AutotuneController:
                                                      {"score": score / self._reference})
                     self._trial += 1
                 self.current = self._next_unmeasured()
-        done = self._confirming is not None and not self._confirming
+        done = False
         if self._confirming:
-            self.current = self._confirming.pop(0)
+            again = (self._next_confirmation()
+                     if self._searcher is not None and len(self.samples) < budget else None)
+            done = again is None
+            if again is not None:
+                self.current = again
         best, best_score = self.best()
         if done:
             self.current = best
@@ -180,20 +191,22 @@ class AutotuneController:
                 "samples_left": max(0, budget - len(self.samples))}
 
     def _reserved(self) -> int:
-        """Samples kept for re-measuring candidates: `confirm_top`, at most a quarter of
-        the budget."""
-        return min(self.config.confirm_top, self.config.bayes_opt_max_samples // 4)
+        """Samples kept for confirming leaders: 2 x `confirm_top`, at most a quarter of the
+        budget."""
+        return min(2 * self.config.confirm_top, self.config.bayes_opt_max_samples // 4)
 
-    def _candidates(self, room: int) -> list[Knobs]:
-        """The best settings by mean score, to measure once more each. With room for one,
-        the best other than the start (the start needs no second chance to stay)."""
-        if self._searcher is None or room <= 0:
-            return []
+    def _next_confirmation(self) -> Knobs | None:
+        """The best-ranked leader still measured only once, or None when the top
+        `confirm_top` are all confirmed. The start needs no second chance to stay, so it is
+        measured again only when it is among several leaders."""
+        stats = self._stats()
         ranked = [k for k, _ in sorted(self.means().items(), key=lambda item: item[1],
                                        reverse=True)]
-        if min(self._reserved(), room) == 1:
-            ranked = [k for k in ranked if k != self.start]
-        return ranked[: min(self._reserved(), room)]
+        top = ranked[: self.config.confirm_top]
+        for knobs in top:
+            if len(stats[knobs]) < 2 and not (knobs == self.samples[0][0] and len(top) == 1):
+                return knobs
+        return None
 
     def _next_unmeasured(self) -> Knobs:
         """Asks the searcher until it proposes knobs not measured yet; a repeat is answered
