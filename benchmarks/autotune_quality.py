@@ -40,7 +40,8 @@ def _worker(rank: int, size: int, port: int, args, queue) -> None:
     # the grid covers fusion x cycle time; the other knobs stay fixed
     join_world(rank, size, port, {"RAYTRAIN_X_CACHE_CAPACITY": "1024",
                                   "RAYTRAIN_X_HIERARCHICAL_ALLREDUCE": "0",
-                                  "RAYTRAIN_X_HIERARCHICAL_ALLGATHER": "0"})
+                                  "RAYTRAIN_X_HIERARCHICAL_ALLGATHER": "0",
+                                  "RAYTRAIN_X_SHM": "1" if args.transport == "shm" else "0"})
     config = AutotuneConfig(log_file=args.log)  # the defaults users get: 3 warmup samples,
     # 10 steps per sample, at most 20 samples, convergence after 8 without a gain
     rx.init(autotune=config)
@@ -107,6 +108,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4, help="timed steps per grid point")
     parser.add_argument("--quick", action="store_true", help="fewer grid points")
+    parser.add_argument("--transport", choices=["shm", "gloo"], default="shm",
+                        help="gloo: as between hosts, where every unfused tensor is a network "
+                        "round trip")
     parser.add_argument("--rounds", type=int, default=3,
                         help="interleaved re-measurements of the finalists")
     parser.add_argument("--bucket-cap-mb", type=float, default=0.0,
@@ -116,7 +120,8 @@ def main() -> None:
     args = parser.parse_args()
     args.fusion_mb = [0, 4, 64] if args.quick else FUSION_MB
     args.cycle_ms = [1.0, 10.0] if args.quick else CYCLE_MS
-    args.log = str(RESULTS_DIR / "autotune_quality_log.csv")
+    suffix = "" if args.transport == "shm" else "_gloo"
+    args.log = str(RESULTS_DIR / f"autotune_quality{suffix}_log.csv")
     RESULTS_DIR.mkdir(exist_ok=True)
     out = run_ranks(_worker, 2, args)
 
@@ -130,6 +135,7 @@ def main() -> None:
                    if float(r["score_bytes_per_s"]) >= 0.95 * grid_best), None)
     result = {
         "workload": f"DistributedOptimizer, bucket_cap_mb={args.bucket_cap_mb:g}",
+        "transport": args.transport,
         "grid_points": len(out["grid"]),
         "grid_best_single_mb_s": max(score for _, _, score in out["grid"]) / 1e6,
         "grid_best_mb_s": grid_best / 1e6,
@@ -146,28 +152,38 @@ def main() -> None:
     print_table([{"what": k, "value": v} for k, v in result.items()
                  if not isinstance(v, dict)], ["what", "value"])
     print(f"grid best {best_name}, tuned {out['tuned']}")
-    _plot(out["grid"], samples, grid_best, RESULTS_DIR / "autotune_quality.png")
-    print(f"wrote {write_json('autotune_quality', {**result, 'grid': out['grid']}, args.json)}")
+    _plot(out["grid"], samples, grid_best, final, RESULTS_DIR / f"autotune_quality{suffix}.png")
+    path = write_json("autotune_quality" + suffix, {**result, "grid": out["grid"]}, args.json)
+    print(f"wrote {path}")
 
 
-def _plot(grid, samples, grid_best, path) -> None:
+def _plot(grid, samples, grid_best, final, path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     scores = [float(r["score_bytes_per_s"]) / 1e6 for r in samples]
+    index = range(1, len(scores) + 1)
     best_so_far = [max(scores[: i + 1]) for i in range(len(scores))]
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    ax.plot(range(1, len(scores) + 1), scores, "o", label="autotune sample")
-    ax.step(range(1, len(scores) + 1), best_so_far, where="post", label="autotune best so far")
+    for kind, marker, label in (("sample", "o", "autotune sample"),
+                                ("confirm", "s", "leader measured again")):
+        points = [(i, v) for i, v, r in zip(index, scores, samples) if r["kind"] == kind]
+        if points:
+            ax.plot(*zip(*points), marker, label=label)
+    ax.step(index, best_so_far, where="post", label="best single sample so far")
     ax.axhline(grid_best / 1e6, color="green", linestyle="--",
                label=f"grid best ({len(grid)} points, re-measured)")
     ax.axhline(0.95 * grid_best / 1e6, color="green", linestyle=":", label="95% of grid best")
+    ax.axhline(final["tuned"] / 1e6, color="tab:red", linestyle="-.",
+               label="tuned knobs, re-measured")
+    ax.axhline(final["default"] / 1e6, color="gray", linestyle=":",
+               label="default knobs, re-measured")
     ax.set_xlabel("autotune sample")
     ax.set_ylabel("gradient MB/s")
     ax.set_title("autotune vs exhaustive grid (ResNet-50-shaped, 2 workers)")
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

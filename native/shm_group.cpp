@@ -144,42 +144,29 @@ void combine16(std::uint16_t *out, const std::uint16_t *a, const std::uint16_t *
     }
 }
 
+template <typename T>
+void combine_as(void *out, const void *a, const void *b, std::size_t n, ReduceOp op) {
+    combine_native(static_cast<T *>(out), static_cast<const T *>(a), static_cast<const T *>(b),
+                   n, op);
+}
+
+template <float (*ToF)(std::uint16_t), std::uint16_t (*FromF)(float)>
+void combine16_as(void *out, const void *a, const void *b, std::size_t n, ReduceOp op) {
+    combine16<ToF, FromF>(static_cast<std::uint16_t *>(out),
+                          static_cast<const std::uint16_t *>(a),
+                          static_cast<const std::uint16_t *>(b), n, op);
+}
+
 void combine(void *out, const void *a, const void *b, std::size_t n, DType dt, ReduceOp op) {
     switch (dt) {
-        case DType::Float32:
-            combine_native(static_cast<float *>(out), static_cast<const float *>(a),
-                           static_cast<const float *>(b), n, op);
-            break;
-        case DType::Float64:
-            combine_native(static_cast<double *>(out), static_cast<const double *>(a),
-                           static_cast<const double *>(b), n, op);
-            break;
-        case DType::Int32:
-            combine_native(static_cast<std::int32_t *>(out), static_cast<const std::int32_t *>(a),
-                           static_cast<const std::int32_t *>(b), n, op);
-            break;
-        case DType::Int64:
-            combine_native(static_cast<std::int64_t *>(out), static_cast<const std::int64_t *>(a),
-                           static_cast<const std::int64_t *>(b), n, op);
-            break;
-        case DType::Int8:
-            combine_native(static_cast<std::int8_t *>(out), static_cast<const std::int8_t *>(a),
-                           static_cast<const std::int8_t *>(b), n, op);
-            break;
-        case DType::UInt8:
-            combine_native(static_cast<std::uint8_t *>(out), static_cast<const std::uint8_t *>(a),
-                           static_cast<const std::uint8_t *>(b), n, op);
-            break;
-        case DType::Float16:
-            combine16<half_to_float, float_to_half>(
-                static_cast<std::uint16_t *>(out), static_cast<const std::uint16_t *>(a),
-                static_cast<const std::uint16_t *>(b), n, op);
-            break;
-        case DType::BFloat16:
-            combine16<bf16_to_float, float_to_bf16>(
-                static_cast<std::uint16_t *>(out), static_cast<const std::uint16_t *>(a),
-                static_cast<const std::uint16_t *>(b), n, op);
-            break;
+        case DType::Float32: combine_as<float>(out, a, b, n, op); break;
+        case DType::Float64: combine_as<double>(out, a, b, n, op); break;
+        case DType::Int32: combine_as<std::int32_t>(out, a, b, n, op); break;
+        case DType::Int64: combine_as<std::int64_t>(out, a, b, n, op); break;
+        case DType::Int8: combine_as<std::int8_t>(out, a, b, n, op); break;
+        case DType::UInt8: combine_as<std::uint8_t>(out, a, b, n, op); break;
+        case DType::Float16: combine16_as<half_to_float, float_to_half>(out, a, b, n, op); break;
+        case DType::BFloat16: combine16_as<bf16_to_float, float_to_bf16>(out, a, b, n, op); break;
     }
 }
 
