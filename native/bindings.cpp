@@ -223,6 +223,12 @@ void shm_allreduce(ShmGroup &g, OutArray a, const std::string &op_name) {
     g.allreduce(t.data, t.capacity, t.dtype, op);
 }
 
+void shm_allgather_shards(ShmGroup &g, OutArray a) {
+    Target t = target_of(a, "shm allgather_shards");
+    nb::gil_scoped_release release;
+    g.allgather_shards(t.data, t.capacity, t.dtype);
+}
+
 nb::dict entry_to_dict(const CacheEntry &e) {
     nb::dict d;
     d["name"] = e.name;
@@ -300,6 +306,7 @@ NB_MODULE(_native, m) {
         .def("unlink", &ShmGroup::unlink)
         .def("peers_visible", &ShmGroup::peers_visible)
         .def("allreduce", &shm_allreduce, "array"_a, "op"_a = "sum")
+        .def("allgather_shards", &shm_allgather_shards, "array"_a)
         .def("abort", &ShmGroup::abort)
         .def_prop_ro("rank", &ShmGroup::rank)
         .def_prop_ro("size", &ShmGroup::size)

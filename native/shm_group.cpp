@@ -345,4 +345,27 @@ void ShmGroup::allreduce(void *data, std::size_t count, DType dt, ReduceOp op) {
     }
 }
 
+void ShmGroup::allgather_shards(void *data, std::size_t count, DType dt) {
+    if (size_ == 1 || count == 0) return;
+    const std::size_t isz = itemsize(dt);
+    const std::size_t per_chunk = slot_bytes_ / isz;
+    const std::size_t longest = (count + size_ - 1) / size_;
+    char *bytes = static_cast<char *>(data);
+    auto shard = [&](int r) { return std::make_pair(count * r / size_, count * (r + 1) / size_); };
+    for (std::size_t off = 0; off < longest; off += per_chunk) {
+        const int set = static_cast<int>(chunks_++ & 1);
+        const auto [lo, hi] = shard(rank_);
+        if (lo + off < hi)
+            std::memcpy(slot(set, rank_), bytes + (lo + off) * isz,
+                        std::min(per_chunk, hi - lo - off) * isz);
+        barrier();
+        for (int r = 0; r < size_; ++r) {
+            const auto [rlo, rhi] = shard(r);
+            if (r == rank_ || rlo + off >= rhi) continue;
+            std::memcpy(bytes + (rlo + off) * isz, slot(set, r),
+                        std::min(per_chunk, rhi - rlo - off) * isz);
+        }
+    }
+}
+
 }  // namespace rtx

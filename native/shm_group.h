@@ -45,6 +45,10 @@ public:
     // Throws std::runtime_error on timeout, a dead peer or an aborted group.
     void allreduce(void *data, std::size_t count, DType dtype, ReduceOp op);
 
+    // Shares shards in place: member r owns elements [count*r/size, count*(r+1)/size) of
+    // `data`; afterwards every member holds every shard. Collective over all members.
+    void allgather_shards(void *data, std::size_t count, DType dtype);
+
     // Makes every member's current and future waits fail (call when this rank gives up).
     void abort();
 

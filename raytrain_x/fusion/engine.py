@@ -49,7 +49,7 @@ from raytrain_x.fusion.messages import (
     Response,
 )
 from raytrain_x.fusion.planner import plan_batches
-from raytrain_x.fusion.shm import SHM_DTYPES, open_host_group
+from raytrain_x.fusion.shm import SHM_DTYPES, open_host_group, open_local_group
 from raytrain_x.fusion.timeline import Timeline
 
 log = logging.getLogger("raytrain_x.engine")
@@ -106,8 +106,11 @@ class Engine:
         self._cache_version = 0  # bumped whenever entries may have changed
         self._coordinator = Coordinator(self._members_of, stall_shutdown_s)
         self._buffers = FusionBufferPool()
-        # Single-host worlds reduce through shared memory (opened collectively, now).
+        # Single-host worlds reduce through shared memory (opened collectively, now); in
+        # multi-host worlds each host's ranks share memory for hierarchical allreduce.
         self._shm = open_host_group(groups, groups.rdv.timeout_s)
+        self._local_shm = (open_local_group(groups, groups.rdv.timeout_s)
+                           if self._shm is None and self._multi_level() else None)
         self._stall_warning_s = stall_warning_s
         self._timeline = Timeline(timeline_path) if timeline_path and self.rank == 0 else None
         self._cond = threading.Condition()
@@ -178,12 +181,16 @@ class Engine:
             # collector at interpreter exit (gloo aborted the process there, now and then).
             self.groups.close()
             self.groups.rdv.store = None
-            self._shm = None
+            self._shm = self._local_shm = None
 
     @property
     def transport(self) -> str:
-        """'shm' when allreduces of the world go through shared memory, else 'gloo'."""
-        return "shm" if self._shm is not None else "gloo"
+        """'shm' when allreduces of the world go through shared memory; 'gloo+shm' when the
+        world spans hosts (gloo) and each host's ranks share memory for the local stages of
+        hierarchical allreduce (when that knob is on); else 'gloo'."""
+        if self._shm is not None:
+            return "shm"
+        return "gloo+shm" if self._local_shm is not None else "gloo"
 
     @property
     def error(self) -> BaseException | None:
@@ -226,8 +233,9 @@ class Engine:
                 log.exception("raytrain-x engine failed")
                 exc = InternalError(f"the raytrain-x engine failed: {exc!r}")
             self._error = exc
-            if self._shm is not None:
-                self._shm.abort()  # peers waiting on this host fail now, not at the timeout
+            for shm in (self._shm, self._local_shm):
+                if shm is not None:
+                    shm.abort()  # peers waiting on this host fail now, not at the timeout
         finally:
             self._stop()
 
@@ -490,10 +498,26 @@ class Engine:
         return rdv.cross_size > 1 and rdv.local_size > 1 and self.groups.homogeneous()
 
     def _hierarchical_allreduce(self, t: torch.Tensor) -> None:
-        """Local reduce-scatter, cross allreduce of the shard, local allgather."""
+        """Local reduce-scatter, cross allreduce of the shard, local allgather. With
+        shared memory on this host: local allreduce and shard exchange in the segment.
+        Shards are the same on every host either way (the cross allreduce pairs them)."""
         local, cross = self.groups.local, self.groups.cross
         flat = t.reshape(-1)
         pad = (-flat.numel()) % local.size
+        shm = self._local_shm
+        if shm is not None and t.dtype in SHM_DTYPES and t.is_contiguous():
+            work = torch.cat([flat, flat.new_zeros(pad)]) if pad else flat
+            n = work.numel() // local.size
+            try:
+                shm.allreduce(work, "sum")
+                cross.allreduce(work[local.rank * n:(local.rank + 1) * n], "sum")
+                shm.allgather_shards(work)
+            except RuntimeError as exc:
+                raise InternalError(f"hierarchical allreduce failed: {exc}. A peer process "
+                                    "probably died or stalled.") from exc
+            if pad:
+                flat.copy_(work[: flat.numel()])
+            return
         work = torch.cat([flat, flat.new_zeros(pad)]) if pad else flat.clone()
         shard = work.new_empty(work.numel() // local.size)
         local.reduce_scatter(shard, work)

@@ -7,10 +7,11 @@ the slots in rank order, so every rank holds bit-identical results. On this proj
 2-core machine that is 3x faster than gloo for 64 MB and about 30x for 4 KB
 (docs/performance.md).
 
-The group is opened collectively at engine start; if any rank cannot create, open or see
-its peers (no /dev/shm, separate PID namespaces, `RAYTRAIN_X_SHM=0` on some rank), every
-rank keeps using gloo. The segment's name is removed as soon as all ranks have mapped
-it, so a crash never leaves it behind in /dev/shm.
+In a multi-host world, the ranks of each host open such a group for the local stages of
+hierarchical allreduce. A group is opened collectively at engine start; if any rank cannot
+create, open or see its peers (no /dev/shm, separate PID namespaces, `RAYTRAIN_X_SHM=0` on
+some rank), every rank keeps using gloo. The segment's name is removed as soon as all
+ranks have mapped it, so a crash never leaves it behind in /dev/shm.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import uuid
 import torch
 
 from raytrain_x import _native
-from raytrain_x.comm.groups import ProcessGroups
+from raytrain_x.comm.groups import Group, ProcessGroups
 
 log = logging.getLogger("raytrain_x.engine")
 
@@ -40,27 +41,36 @@ def shm_enabled() -> bool:
 def open_host_group(groups: ProcessGroups, timeout_s: float) -> _native.ShmGroup | None:
     """Collectively opens the shared-memory group of a single-host world, or returns None
     on every rank (multi-host world, one rank, or any rank unable to use it)."""
-    rdv, world = groups.rdv, groups.world
-    if rdv.size < 2 or len({cross for _, cross in groups.layout}) != 1:
+    if len({cross for _, cross in groups.layout}) != 1:
         return None
-    if not _all(world, shm_enabled()):
+    return _open_for(groups.world, timeout_s)
+
+
+def open_local_group(groups: ProcessGroups, timeout_s: float) -> _native.ShmGroup | None:
+    """Collectively (among this host's ranks) opens a shared-memory group for the local
+    stages of hierarchical allreduce in a multi-host world, or returns None."""
+    return _open_for(groups.local, timeout_s)
+
+
+def _open_for(comm: Group, timeout_s: float) -> _native.ShmGroup | None:
+    if comm.size < 2 or not _all(comm, shm_enabled()):
         return None
-    name = world.broadcast_object(f"/rtx-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+    name = comm.broadcast_object(f"/rtx-{os.getpid()}-{uuid.uuid4().hex[:12]}")
     group, reason = None, ""
-    if rdv.rank == 0:
-        group, reason = _open(name, rdv.rank, rdv.size, True, timeout_s)
-    if not _all(world, rdv.rank != 0 or group is not None):
-        return _give_up(rdv.rank, group, reason or "rank 0 could not create the segment")
-    if rdv.rank != 0:
-        group, reason = _open(name, rdv.rank, rdv.size, False, timeout_s)
-    opened = _all(world, group is not None)
-    visible = opened and _all(world, group.peers_visible())
+    if comm.rank == 0:
+        group, reason = _open(name, comm.rank, comm.size, True, timeout_s)
+    if not _all(comm, comm.rank != 0 or group is not None):
+        return _give_up(comm.rank, group, reason or "rank 0 could not create the segment")
+    if comm.rank != 0:
+        group, reason = _open(name, comm.rank, comm.size, False, timeout_s)
+    opened = _all(comm, group is not None)
+    visible = opened and _all(comm, group.peers_visible())
     if group is not None:
         group.unlink()  # everyone has mapped it (or given up): drop the name now
     if not visible:
         reason = reason or ("a rank could not open the segment" if not opened
                             else "ranks cannot see each other's processes")
-        return _give_up(rdv.rank, group, reason)
+        return _give_up(comm.rank, group, reason)
     return group
 
 
@@ -72,9 +82,9 @@ def _open(name: str, rank: int, size: int, create: bool,
         return None, str(exc)
 
 
-def _all(world, flag: bool) -> bool:
+def _all(comm: Group, flag: bool) -> bool:
     vote = torch.tensor([1 if flag else 0], dtype=torch.int64)
-    world.allreduce(vote, "min")
+    comm.allreduce(vote, "min")
     return bool(vote.item())
 
 

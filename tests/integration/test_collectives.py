@@ -106,8 +106,9 @@ def _transport() -> str:
 def test_shared_memory_only_when_every_rank_can_use_it():
     # one rank without shared memory: all fall back to gloo together (no hang)
     assert run_workers(_transport, 2, env={"RAYTRAIN_X_SHM": "1"}) == ["shm", "shm"]
-    # two "hosts": the world spans hosts, so gloo
-    assert run_workers(_transport, 4, hosts=2) == ["gloo"] * 4
+    # two "hosts": the world spans hosts, so gloo, with shared memory for the local stages
+    # of hierarchical allreduce (opened even while that knob is off: autotune may turn it on)
+    assert run_workers(_transport, 4, hosts=2) == ["gloo+shm"] * 4
 
 
 def _one_rank_opts_out() -> str:
@@ -184,17 +185,25 @@ def _hierarchical() -> list:
     x = torch.arange(11, dtype=torch.float32) * (rx.rank() + 1)
     flat = rx.allreduce(x, op=rx.Sum, name="h")
     g = rx.allgather(torch.full((2, 3), float(rx.rank())), name="hg")
-    return [flat, g]
+    # larger than a shared-memory slot, and not a multiple of the local size
+    big = torch.arange(300_001, dtype=torch.float64) * (rx.rank() + 1)
+    big_sum = rx.allreduce(big, op=rx.Sum, name="big")
+    return [flat, g, big_sum, rx.transport()]
 
 
-def test_hierarchical_allreduce_and_allgather_match_flat():
-    env = {"RAYTRAIN_X_HIERARCHICAL_ALLREDUCE": "1", "RAYTRAIN_X_HIERARCHICAL_ALLGATHER": "1"}
+@pytest.mark.parametrize("transport", ["gloo+shm", "gloo"])
+def test_hierarchical_allreduce_and_allgather_match_flat(transport):
+    env = {"RAYTRAIN_X_HIERARCHICAL_ALLREDUCE": "1", "RAYTRAIN_X_HIERARCHICAL_ALLGATHER": "1",
+           "RAYTRAIN_X_SHM": "1" if transport == "gloo+shm" else "0"}
     results = run_workers(_hierarchical, 4, env=env, hosts=2)
     expected = torch.arange(11, dtype=torch.float32) * 10
     expected_gather = torch.cat([torch.full((2, 3), float(r)) for r in range(4)])
-    for flat, gathered in results:
+    expected_big = torch.arange(300_001, dtype=torch.float64) * 10
+    for flat, gathered, big, used in results:
         assert torch.equal(flat, expected)
         assert torch.equal(gathered, expected_gather)
+        assert torch.equal(big, expected_big)
+        assert used == transport
 
 
 def _process_sets() -> list:

@@ -166,3 +166,18 @@ def test_dead_peer_process_is_noticed_within_a_second():
     finally:
         peer.kill()
         peer.wait()
+
+
+@pytest.mark.parametrize("size,count", [(2, 5000), (3, 4097), (4, 3), (3, 1)])
+def test_allgather_shards_gives_every_rank_every_shard(size, count):
+    want = torch.arange(count, dtype=torch.float64)
+
+    def body(group, r):
+        t = torch.full((count,), -1.0, dtype=torch.float64)
+        lo, hi = count * r // size, count * (r + 1) // size
+        t[lo:hi] = want[lo:hi]  # this rank owns only its shard
+        group.allgather_shards(t)
+        return t
+
+    for got in _run(size, body):
+        assert torch.equal(got, want)
