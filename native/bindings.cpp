@@ -223,6 +223,18 @@ void shm_allreduce(ShmGroup &g, OutArray a, const std::string &op_name) {
     g.allreduce(t.data, t.capacity, t.dtype, op);
 }
 
+void shm_allreduce_many(ShmGroup &g, const std::vector<OutArray> &arrays, const std::string &op_name,
+                        double prescale, double postscale) {
+    const std::vector<std::string> names;
+    const DType dt = check_tensors(arrays, names);
+    const ReduceOp op = parse_op(op_name);
+    std::vector<ShmGroup::Piece> pieces;
+    pieces.reserve(arrays.size());
+    for (const OutArray &a : arrays) pieces.push_back({const_cast<void *>(a.data()), a.size()});
+    nb::gil_scoped_release release;
+    g.allreduce_many(pieces, dt, op, prescale, postscale);
+}
+
 void shm_allgather_shards(ShmGroup &g, OutArray a) {
     Target t = target_of(a, "shm allgather_shards");
     nb::gil_scoped_release release;
@@ -307,6 +319,8 @@ NB_MODULE(_native, m) {
         .def("peers_visible", &ShmGroup::peers_visible)
         .def("allreduce", &shm_allreduce, "array"_a, "op"_a = "sum")
         .def("allgather_shards", &shm_allgather_shards, "array"_a)
+        .def("allreduce_many", &shm_allreduce_many, "arrays"_a, "op"_a = "sum",
+             "prescale"_a = 1.0, "postscale"_a = 1.0)
         .def("abort", &ShmGroup::abort)
         .def_prop_ro("rank", &ShmGroup::rank)
         .def_prop_ro("size", &ShmGroup::size)

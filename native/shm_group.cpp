@@ -1,5 +1,7 @@
 #include "shm_group.h"
 
+#include "pack.h"
+
 #include <fcntl.h>
 #include <linux/futex.h>
 #include <sched.h>
@@ -342,6 +344,59 @@ void ShmGroup::allreduce(void *data, std::size_t count, DType dt, ReduceOp op) {
             combine(mine, slot(set, 0), slot(set, 1), m, dt, op);
             for (int r = 2; r < size_; ++r) combine(mine, mine, slot(set, r), m, dt, op);
         }
+    }
+}
+
+void ShmGroup::allreduce_many(const std::vector<Piece> &pieces, DType dt, ReduceOp op,
+                              double prescale, double postscale) {
+    if (op == ReduceOp::BAnd && is_floating(dt))
+        throw std::invalid_argument("bitwise AND needs an integer dtype");
+    if ((prescale != 1.0 || postscale != 1.0) && !is_floating(dt))
+        throw std::invalid_argument("scaling needs a floating dtype");
+    std::size_t total = 0;
+    for (const Piece &p : pieces) total += p.count;
+    if (total == 0) return;
+    const std::size_t isz = itemsize(dt);
+    const std::size_t per_chunk = slot_bytes_ / isz;
+    // Walks the pieces as one array: calls fn(piece pointer, offset in the chunk, count).
+    struct Cursor {
+        std::size_t piece = 0, offset = 0;
+    };
+    auto walk = [&](Cursor &c, std::size_t m, auto &&fn) {
+        for (std::size_t done = 0; done < m;) {
+            while (pieces[c.piece].count == c.offset) {
+                ++c.piece;
+                c.offset = 0;
+            }
+            const std::size_t take = std::min(m - done, pieces[c.piece].count - c.offset);
+            fn(static_cast<char *>(pieces[c.piece].data) + c.offset * isz, done, take);
+            done += take;
+            c.offset += take;
+        }
+    };
+    std::vector<Segment> segs;
+    Cursor fill, drain;
+    for (std::size_t off = 0; off < total; off += per_chunk) {
+        const std::size_t m = std::min(per_chunk, total - off);
+        const int set = static_cast<int>(chunks_++ & 1);
+        char *mine = slot(set, rank_);
+        segs.clear();
+        walk(fill, m, [&](char *p, std::size_t at, std::size_t n) {
+            segs.push_back({p, mine + at * isz, n});
+        });
+        copy_segments(segs, dt, dt, prescale, 1);
+        if (size_ > 1) barrier();
+        segs.clear();
+        walk(drain, m, [&](char *p, std::size_t at, std::size_t n) {
+            if (size_ > 1) {
+                combine(p, slot(set, 0) + at * isz, slot(set, 1) + at * isz, n, dt, op);
+                for (int r = 2; r < size_; ++r) combine(p, p, slot(set, r) + at * isz, n, dt, op);
+            } else {
+                std::memcpy(p, mine + at * isz, n * isz);
+            }
+            if (postscale != 1.0) segs.push_back({p, p, n});
+        });
+        if (!segs.empty()) copy_segments(segs, dt, dt, postscale, 1);
     }
 }
 

@@ -13,6 +13,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "dtypes.h"
 
@@ -44,6 +45,16 @@ public:
     // In-place allreduce of `count` elements at `data`; collective over all members.
     // Throws std::runtime_error on timeout, a dead peer or an aborted group.
     void allreduce(void *data, std::size_t count, DType dtype, ReduceOp op);
+
+    // One allreduce over several arrays of one dtype, as if they were back to back: the
+    // chunks are filled straight from the arrays (times `prescale`) and the sums written
+    // straight back (times `postscale`), so fusing costs no copies beyond the slots.
+    struct Piece {
+        void *data;
+        std::size_t count;  // elements
+    };
+    void allreduce_many(const std::vector<Piece> &pieces, DType dtype, ReduceOp op,
+                        double prescale, double postscale);
 
     // Shares shards in place: member r owns elements [count*r/size, count*(r+1)/size) of
     // `data`; afterwards every member holds every shard. Collective over all members.

@@ -181,3 +181,34 @@ def test_allgather_shards_gives_every_rank_every_shard(size, count):
 
     for got in _run(size, body):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64])
+def test_allreduce_many_equals_one_allreduce_of_the_concatenation(size, dtype):
+    counts = [5, 0, 1, 2000, 3, 1500, 0, 700]  # spans chunks, with empty pieces
+    floating = dtype.is_floating_point
+    pre, post = (0.5, 0.25) if floating else (1.0, 1.0)
+
+    def body(group, r):
+        pieces = [_inputs(r * 10 + i, n, dtype) for i, n in enumerate(counts)]
+        flat = torch.cat(pieces)
+        if floating:
+            flat = (flat * pre).to(dtype)
+        group.allreduce_many(pieces, "sum", pre, post)
+        group.allreduce(flat, "sum")
+        if floating:
+            flat = (flat * post).to(dtype)
+        return torch.cat(pieces), flat
+
+    for many, one in _run(size, body):
+        assert torch.equal(many, one)
+
+
+def test_allreduce_many_rejects_mixed_or_unscalable_input():
+    group = _native.ShmGroup(_name(), 0, 1, SLOT, True, 1.0)
+    group.unlink()
+    with pytest.raises(ValueError, match="one fused batch holds one dtype"):
+        group.allreduce_many([torch.ones(2), torch.ones(2, dtype=torch.float64)])
+    with pytest.raises(ValueError, match="scaling needs a floating dtype"):
+        group.allreduce_many([torch.ones(2, dtype=torch.int32)], "sum", 2.0)
