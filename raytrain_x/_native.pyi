@@ -80,3 +80,39 @@ class ResponseCache:
     def entries_for_bits(self, bits: Sequence[int]) -> list[dict[str, Any]]:
         """Entries whose bits are set, in slot order (identical on every rank)."""
     def lru_order(self) -> list[str]: ...
+
+class ShmGroup:
+    """Collectives among the processes of one host through a POSIX shared-memory segment.
+
+    Rank 0 creates the segment (`create=True`), the others open it by `name` afterwards;
+    call `unlink()` once every rank has opened it. Every method below is collective over
+    all `size` members and releases the GIL. A wait raises RuntimeError after `timeout_s`,
+    within about 100 ms of a peer process dying, or at once after a peer's `abort()`.
+    """
+
+    def __init__(self, name: str, rank: int, size: int, slot_bytes: int, create: bool,
+                 timeout_s: float) -> None: ...
+    def unlink(self) -> None:
+        """Removes the segment's name (mappings stay valid)."""
+    def peers_visible(self) -> bool:
+        """True when every member's process can be seen from here (same PID namespace)."""
+    def allreduce(self, array: Any, op: str = "sum") -> None:
+        """In-place allreduce of a contiguous CPU array: sum, min, max, product or band;
+        every rank gets bit-identical results (slots combined in rank order)."""
+    def allreduce_many(self, arrays: Sequence[Any], op: str = "sum", prescale: float = 1.0,
+                       postscale: float = 1.0) -> None:
+        """One allreduce over several arrays of one dtype, as if back to back, filled and
+        drained in place (scaling floating arrays on the way in and out)."""
+    def allgather_shards(self, array: Any) -> None:
+        """Member r owns elements [n*r//size, n*(r+1)//size); afterwards all hold all."""
+    def abort(self) -> None:
+        """Makes every member's current and future waits fail."""
+    @property
+    def rank(self) -> int: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def slot_bytes(self) -> int: ...
+    @property
+    def barriers(self) -> int:
+        """Barriers this member has passed (two per chunk on the split path, else one)."""
