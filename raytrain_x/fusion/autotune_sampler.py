@@ -151,9 +151,15 @@ class AutotuneSampler:
             if self.log:
                 knobs_file = self.log.finish(self.best)
                 self.emit(f"raytrain-x autotune: log {self.log.path}, knobs {knobs_file}")
+            start = [s.score for s in scored if s.knobs == scored[0].knobs]
+            if self.best.knobs == scored[0].knobs:
+                verdict = "no setting beat the starting knobs beyond the noise floor"
+            else:
+                ratio = self.best.score / max(sum(start) / len(start), 1e-9)
+                verdict = f"{ratio:.2f}x the start"
             self.emit(f"raytrain-x autotune: done after {len(scored)} samples; keeping "
-                      f"{describe(self.best.knobs)} ({self.best.score / 1e6:.1f} MB/s, "
-                      f"{self.best.score / max(scored[0].score, 1e-9):.2f}x the start)")
+                      f"{describe(self.best.knobs)} ({self.best.score / 1e6:.1f} MB/s mean, "
+                      f"{verdict})")
         if nxt != knobs:
             self._target = nxt
             self.request_knobs(nxt)
