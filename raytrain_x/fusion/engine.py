@@ -390,11 +390,11 @@ class Engine:
     def _execute(self, batch: list[Response]) -> None:
         first = batch[0]
         requests = [self._pending.pop(r.name, None) for r in batch]
+        results: list[Any] = [None] * len(batch)
+        error: BaseException | None = None
         try:
             if first.error:
-                for req in requests:
-                    if req is not None:
-                        req.handle.set_error(TensorMismatchError(first.error))
+                error = TensorMismatchError(first.error)
                 return
             pset = self.groups.process_set(first.meta.process_set_id)
             if not pset.included():
@@ -406,16 +406,28 @@ class Engine:
             results = run(batch, requests, pset)
             self.stats.add(first.meta.kind, sum(r.meta.nbytes_on_wire() for r in batch),
                            time.perf_counter() - began)
-            for req, result in zip(requests, results):
-                if req is not None:
-                    if self._timeline is not None:
+            if self._timeline is not None:
+                for req in requests:
+                    if req is not None:
                         self._timeline.record(req.name, "QUEUE", _perf_from_mono(req.enqueued_at),
                                               began)
-                    req.handle.set_result(result)
+        except BaseException as exc:
+            error = exc if isinstance(exc, RaytrainXError) else InternalError(
+                f"the raytrain-x engine failed: {exc!r}")
+            raise
         finally:
+            # Names leave the in-flight set before their handles complete: a caller that
+            # wakes up and submits the same name again (every training step does) must
+            # never find it still in flight.
             with self._cond:
                 for r in batch:
                     self._inflight.discard(r.name)
+            for req, result in zip(requests, results):
+                if req is not None:
+                    if error is not None:
+                        req.handle.set_error(error)
+                    else:
+                        req.handle.set_result(result)
 
     def _allreduce(self, batch: list[Response], requests: list[Request | None],
                    pset: ProcessSet) -> list[Any]:

@@ -205,3 +205,25 @@ def test_not_initialised_error():
 
     with pytest.raises(rx.ConfigError, match="call init"):
         rx.rank()
+
+
+def _same_name_at_once() -> int:
+    import raytrain_x.torch as rx
+    from raytrain_x.fusion.messages import Handle
+
+    completed = Handle.set_result
+
+    def slow_after_completing(self, result):  # widen the window after a handle completes
+        completed(self, result)
+        time.sleep(0.02)
+
+    Handle.set_result = slow_after_completing
+    rx.init()
+    t = torch.ones(8)
+    for _ in range(20):  # every step submits the same name the moment the last one is done
+        rx.allreduce_(t, op=rx.Sum, name="every-step")
+    return int(t[0].item())
+
+
+def test_a_name_can_be_submitted_again_as_soon_as_its_handle_completes():
+    assert run_workers(_same_name_at_once, 2) == [2**20, 2**20]
