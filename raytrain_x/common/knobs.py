@@ -47,7 +47,8 @@ class Knobs:
 
     Attributes:
         fusion_threshold_bytes: largest fused batch in bytes; 0 turns fusion off.
-        cycle_time_ms: pause between engine cycles in milliseconds.
+        cycle_time_ms: pause between engine cycles in milliseconds while work keeps
+            arriving (a request reaching an idle engine starts a cycle at once).
         cache_capacity: response-cache entries; 0 turns the cache off.
         hierarchical_allreduce: local reduce-scatter, cross allreduce, local allgather.
         hierarchical_allgather: two-level allgather (local, then cross).
@@ -73,7 +74,7 @@ class Knobs:
             flag="--cycle-time-ms",
             lo=0.0,
             hi=1000.0,
-            help="pause between engine cycles in milliseconds",
+            help="pause between engine cycles in milliseconds while work keeps arriving",
             kind=float,
         ),
     )
