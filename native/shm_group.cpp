@@ -172,6 +172,11 @@ void combine(void *out, const void *a, const void *b, std::size_t n, DType dt, R
     }
 }
 
+void check_op(DType dt, ReduceOp op) {
+    if (op == ReduceOp::BAnd && is_floating(dt))
+        throw std::invalid_argument("bitwise AND needs an integer dtype");
+}
+
 }  // namespace
 
 ShmGroup::ShmGroup(const std::string &name, int rank, int size, std::size_t slot_bytes,
@@ -249,6 +254,16 @@ char *ShmGroup::slot(int set, int rank) const {
     return data_ + (static_cast<std::size_t>(set) * size_ + rank) * slot_bytes_;
 }
 
+void ShmGroup::combine_slots(void *out, int set, std::size_t at, std::size_t n, DType dt,
+                             ReduceOp op) const {
+    if (size_ == 1) {
+        std::memcpy(out, slot(set, 0) + at, n * itemsize(dt));
+        return;
+    }
+    combine(out, slot(set, 0) + at, slot(set, 1) + at, n, dt, op);
+    for (int r = 2; r < size_; ++r) combine(out, out, slot(set, r) + at, n, dt, op);
+}
+
 void ShmGroup::abort() {
     header_->aborted.store(1, std::memory_order_seq_cst);
     for (int r = 0; r < size_; ++r) futex(&words_of(header_)[r].seq, FUTEX_WAKE, INT_MAX, nullptr);
@@ -313,8 +328,7 @@ void ShmGroup::wait_for(int peer, std::uint32_t target) {
 }
 
 void ShmGroup::allreduce(void *data, std::size_t count, DType dt, ReduceOp op) {
-    if (op == ReduceOp::BAnd && is_floating(dt))
-        throw std::invalid_argument("bitwise AND needs an integer dtype");
+    check_op(dt, op);
     if (size_ == 1 || count == 0) return;
     const std::size_t isz = itemsize(dt);
     const std::size_t per_chunk = slot_bytes_ / isz;
@@ -330,9 +344,7 @@ void ShmGroup::allreduce(void *data, std::size_t count, DType dt, ReduceOp op) {
             // slot); after the second barrier everyone copies the other shares out.
             const std::size_t lo = m * rank_ / size_, hi = m * (rank_ + 1) / size_;
             char *share = mine + lo * isz;
-            combine(share, slot(set, 0) + lo * isz, slot(set, 1) + lo * isz, hi - lo, dt, op);
-            for (int r = 2; r < size_; ++r)
-                combine(share, share, slot(set, r) + lo * isz, hi - lo, dt, op);
+            combine_slots(share, set, lo * isz, hi - lo, dt, op);
             std::memcpy(slot(set, rank_) + lo * isz, share, (hi - lo) * isz);
             barrier();
             for (int r = 0; r < size_; ++r) {
@@ -341,16 +353,14 @@ void ShmGroup::allreduce(void *data, std::size_t count, DType dt, ReduceOp op) {
                 std::memcpy(mine + rlo * isz, slot(set, r) + rlo * isz, (rhi - rlo) * isz);
             }
         } else {
-            combine(mine, slot(set, 0), slot(set, 1), m, dt, op);
-            for (int r = 2; r < size_; ++r) combine(mine, mine, slot(set, r), m, dt, op);
+            combine_slots(mine, set, 0, m, dt, op);
         }
     }
 }
 
 void ShmGroup::allreduce_many(const std::vector<Piece> &pieces, DType dt, ReduceOp op,
                               double prescale, double postscale) {
-    if (op == ReduceOp::BAnd && is_floating(dt))
-        throw std::invalid_argument("bitwise AND needs an integer dtype");
+    check_op(dt, op);
     if ((prescale != 1.0 || postscale != 1.0) && !is_floating(dt))
         throw std::invalid_argument("scaling needs a floating dtype");
     std::size_t total = 0;
@@ -385,15 +395,10 @@ void ShmGroup::allreduce_many(const std::vector<Piece> &pieces, DType dt, Reduce
             segs.push_back({p, mine + at * isz, n});
         });
         copy_segments(segs, dt, dt, prescale, 1);
-        if (size_ > 1) barrier();
+        barrier();
         segs.clear();
         walk(drain, m, [&](char *p, std::size_t at, std::size_t n) {
-            if (size_ > 1) {
-                combine(p, slot(set, 0) + at * isz, slot(set, 1) + at * isz, n, dt, op);
-                for (int r = 2; r < size_; ++r) combine(p, p, slot(set, r) + at * isz, n, dt, op);
-            } else {
-                std::memcpy(p, mine + at * isz, n * isz);
-            }
+            combine_slots(p, set, at * isz, n, dt, op);
             if (postscale != 1.0) segs.push_back({p, p, n});
         });
         if (!segs.empty()) copy_segments(segs, dt, dt, postscale, 1);

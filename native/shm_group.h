@@ -70,6 +70,9 @@ public:
 
 private:
     char *slot(int set, int rank) const;
+    // out[0, n) = every member's slot of `set` from byte `at`, combined in rank order.
+    void combine_slots(void *out, int set, std::size_t at, std::size_t n, DType dt,
+                       ReduceOp op) const;
     void barrier();
     void wait_for(int peer, std::uint32_t target);
     void check_peer(int peer) const;
