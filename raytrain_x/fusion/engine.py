@@ -287,7 +287,7 @@ class Engine:
         vector = np.empty(1 + len(words), dtype=np.uint64)
         vector[0] = status
         vector[1:] = words
-        self._world_allreduce(vector.view(np.int64), "band")
+        self._world_allreduce(torch.from_numpy(vector.view(np.int64)), "band")
         agreed = int(vector[0])
         all_joined = bool(agreed & _JOINED)
 
@@ -451,7 +451,7 @@ class Engine:
             if post != 1.0:
                 t.mul_(post)
         elif (self._shm is not None and pset.process_set_id == 0 and wire == meta.dtype
-              and tensors[0].device.type == "cpu" and tensors[0].dtype in SHM_DTYPES):
+              and all(_fits_shm(t) for t in tensors)):
             # Fused straight through the shared slots: no fusion-buffer copies.
             self._timed(row, "ALLREDUCE", lambda: self._shm_call(
                 self._shm.allreduce_many, tensors, reduce_op, pre, post))
@@ -483,17 +483,12 @@ class Engine:
         return [None if req is None else req.output if req.output is not None else req.tensor
                 for req in requests]
 
-    def _world_allreduce(self, t: torch.Tensor | np.ndarray, op: str) -> None:
+    def _world_allreduce(self, t: torch.Tensor, op: str) -> None:
         """In-place allreduce over the world: shared memory when possible, else gloo."""
-        if isinstance(t, np.ndarray):  # the engine's own control words
-            if self._shm is None:
-                self.groups.world.allreduce(torch.from_numpy(t), op)
-                return
-        elif (self._shm is None or t.device.type != "cpu" or t.dtype not in SHM_DTYPES
-              or not t.is_contiguous()):
+        if self._shm is not None and _fits_shm(t):
+            self._shm_call(self._shm.allreduce, t, op)
+        else:
             self.groups.world.allreduce(t, op)
-            return
-        self._shm_call(self._shm.allreduce, t, op)
 
     @staticmethod
     def _shm_call(fn: Callable[..., Any], *args: Any) -> None:
@@ -526,16 +521,12 @@ class Engine:
         flat = t.reshape(-1)
         pad = (-flat.numel()) % local.size
         shm = self._local_shm
-        if shm is not None and t.dtype in SHM_DTYPES and t.is_contiguous():
+        if shm is not None and _fits_shm(t):
             work = torch.cat([flat, flat.new_zeros(pad)]) if pad else flat
             n = work.numel() // local.size
-            try:
-                shm.allreduce(work, "sum")
-                cross.allreduce(work[local.rank * n:(local.rank + 1) * n], "sum")
-                shm.allgather_shards(work)
-            except RuntimeError as exc:
-                raise InternalError(f"hierarchical allreduce failed: {exc}. A peer process "
-                                    "probably died or stalled.") from exc
+            self._shm_call(shm.allreduce, work, "sum")
+            cross.allreduce(work[local.rank * n:(local.rank + 1) * n], "sum")
+            self._shm_call(shm.allgather_shards, work)
             if pad:
                 flat.copy_(work[: flat.numel()])
             return
@@ -622,6 +613,11 @@ class Engine:
         out = fn()
         self._timeline.record(row, activity, began, time.perf_counter())
         return out
+
+
+def _fits_shm(t: torch.Tensor) -> bool:
+    """True when the shared-memory group can reduce `t` in place."""
+    return t.device.type == "cpu" and t.dtype in SHM_DTYPES and t.is_contiguous()
 
 
 def _zeros(meta: Meta) -> torch.Tensor:
