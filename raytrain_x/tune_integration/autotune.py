@@ -127,29 +127,25 @@ class AutotuneController:
         """True once the search is over and the leaders are being measured again."""
         return self._confirming
 
-    def _stats(self) -> dict[Knobs, list[float]]:
+    def _scores(self) -> dict[Knobs, list[float]]:
+        """Every measurement of every setting, in first-measured order."""
         scores: dict[Knobs, list[float]] = {}
         for knobs, score in self.samples:
             scores.setdefault(knobs, []).append(score)
         return scores
-
-    def means(self) -> dict[Knobs, float]:
-        """Mean score of every measured setting, in first-measured order."""
-        return {k: sum(v) / len(v) for k, v in self._stats().items()}
 
     def best(self) -> tuple[Knobs, float]:
         """The best setting by mean score, among the confirmed ones (measured twice) and the
         start once any is confirmed; the start wins ties within the noise floor."""
         if not self.samples:
             return self.start, 0.0
-        stats = self._stats()
-        means = self.means()
-        first = self.samples[0][0]
-        confirmed = {k: m for k, m in means.items() if len(stats[k]) > 1 or k == first}
+        scores = self._scores()
+        means = {k: _mean(v) for k, v in scores.items()}
+        confirmed = {k: m for k, m in means.items() if len(scores[k]) > 1 or k == self.start}
         pool = confirmed if len(confirmed) > 1 else means
         knobs, score = max(pool.items(), key=lambda item: item[1])
-        if score <= means[first] * (1 + self.config.min_improvement):
-            return first, means[first]
+        if score <= means[self.start] * (1 + self.config.min_improvement):
+            return self.start, means[self.start]
         return knobs, score
 
     def report(self, score: float) -> dict[str, Any]:
@@ -199,12 +195,11 @@ class AutotuneController:
         """The best-ranked leader still measured only once, or None when the top
         `confirm_top` are all confirmed. The start needs no second chance to stay, so it is
         measured again only when it is among several leaders."""
-        stats = self._stats()
-        ranked = [k for k, _ in sorted(self.means().items(), key=lambda item: item[1],
-                                       reverse=True)]
-        top = ranked[: self.config.confirm_top]
+        scores = self._scores()
+        top = sorted(scores, key=lambda k: _mean(scores[k]), reverse=True)
+        top = top[: self.config.confirm_top]
         for knobs in top:
-            if len(stats[knobs]) < 2 and not (knobs == self.samples[0][0] and len(top) == 1):
+            if len(scores[knobs]) < 2 and not (knobs == self.start and len(top) == 1):
                 return knobs
         return None
 
@@ -236,6 +231,10 @@ class AutotuneController:
             if knobs not in measured:
                 return knobs
         return knobs
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
 
 
 def remote_controller(config: AutotuneConfig, start: Knobs, fixed: frozenset[str]):
