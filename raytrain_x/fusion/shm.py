@@ -60,7 +60,7 @@ def _open_for(comm: Group, timeout_s: float) -> _native.ShmGroup | None:
     if comm.rank == 0:
         group, reason = _open(name, comm.rank, comm.size, True, timeout_s)
     if not _all(comm, comm.rank != 0 or group is not None):
-        return _give_up(comm.rank, group, reason or "rank 0 could not create the segment")
+        return _give_up(comm.rank, reason or "rank 0 could not create the segment")
     if comm.rank != 0:
         group, reason = _open(name, comm.rank, comm.size, False, timeout_s)
     opened = _all(comm, group is not None)
@@ -70,7 +70,7 @@ def _open_for(comm: Group, timeout_s: float) -> _native.ShmGroup | None:
     if not visible:
         reason = reason or ("a rank could not open the segment" if not opened
                             else "ranks cannot see each other's processes")
-        return _give_up(comm.rank, group, reason)
+        return _give_up(comm.rank, reason)
     return group
 
 
@@ -88,9 +88,7 @@ def _all(comm: Group, flag: bool) -> bool:
     return bool(vote.item())
 
 
-def _give_up(rank: int, group: _native.ShmGroup | None, reason: str) -> None:
-    if group is not None:
-        group.unlink()
+def _give_up(rank: int, reason: str) -> None:
     if rank == 0:
         log.info("raytrain-x: shared-memory allreduce unavailable (%s); using gloo", reason)
     return None
