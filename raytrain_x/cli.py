@@ -43,7 +43,7 @@ def _add_autotune_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--autotune", action="store_true", default=None,
                        help="tune the free knobs while training")
     kinds = {"log_file": str, "resume_from": str, "gaussian_process_noise": float,
-             "warmup_time_s": float, "sampling_time_s": float}
+             "warmup_time_s": float, "sampling_time_s": float, "early_stop_ratio": float}
     for name, flag in AutotuneConfig.flag_names().items():
         group.add_argument(flag, dest=f"autotune_{name}", type=kinds.get(name, int),
                            default=None)

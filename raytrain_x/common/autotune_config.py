@@ -26,6 +26,7 @@ _NAMES = {
                              "--autotune-convergence-patience"),
     "resume_from": ("RAYTRAIN_X_AUTOTUNE_RESUME_FROM", "--autotune-resume-from"),
     "confirm_top": ("RAYTRAIN_X_AUTOTUNE_CONFIRM_TOP", "--autotune-confirm-top"),
+    "early_stop_ratio": ("RAYTRAIN_X_AUTOTUNE_EARLY_STOP_RATIO", "--autotune-early-stop-ratio"),
 }
 
 
@@ -36,8 +37,9 @@ class AutotuneConfig:
     Attributes:
         log_file: CSV with one row per sample and a final `best` row (rank 0 writes it).
         warmup_samples: samples measured and discarded first (the job is still warming up).
-        steps_per_sample: training steps per sample (a step ends when a tensor name
-            repeats); ignored when `sampling_time_s` is set.
+        steps_per_sample: training steps per sample (a step ends at a step mark, which
+            `DistributedOptimizer.step()` sets; without marks, when a tensor name repeats);
+            ignored when `sampling_time_s` is set.
         bayes_opt_max_samples: scored samples at most, the starting knobs included.
         gaussian_process_noise: the GP's alpha (noise of the standardised scores).
         warmup_time_s / sampling_time_s: time-based warmup and sampling instead of counts.
@@ -49,6 +51,9 @@ class AutotuneConfig:
             made among confirmed settings and the start by mean score, so one lucky sample
             cannot win (0 = decide on single samples).
         sub_windows: each sample's score is the median over this many sub-windows.
+        early_stop_ratio: a search sample whose first sub-window scores below this fraction
+            of the best mean so far ends there: the rest would only cost training time
+            (0 = measure every sample fully). Leaders being confirmed are never cut.
         initial_knobs: where the search starts (measured first); not fixed.
         resume_from: a log CSV or knobs JSON: start at its best knobs and do not tune.
         seed: random state of the search.
@@ -65,6 +70,7 @@ class AutotuneConfig:
     min_improvement: float = 0.02
     confirm_top: int = 2
     sub_windows: int = 3
+    early_stop_ratio: float = 0.8
     initial_knobs: Knobs | None = None
     resume_from: str | None = None
     seed: int = 0
@@ -81,6 +87,7 @@ class AutotuneConfig:
             (self.convergence_patience >= 0, "convergence_patience must be >= 0"),
             (self.confirm_top >= 0, "confirm_top must be >= 0"),
             (self.sub_windows >= 1, "sub_windows must be >= 1"),
+            (0 <= self.early_stop_ratio < 1, "early_stop_ratio must be in [0, 1)"),
             (self.initial_knobs is None or isinstance(self.initial_knobs, Knobs),
              "initial_knobs must be a Knobs"),
         ]

@@ -1,4 +1,5 @@
-"""The autotune log: one CSV row per sample, then a row marked `best`."""
+"""The autotune log: one CSV row per sample, a row marked `best`, then a row marked `after`
+(the chosen knobs measured once more, with what tuning cost)."""
 
 from __future__ import annotations
 
@@ -13,34 +14,71 @@ from typing import Any
 from raytrain_x.common.errors import ConfigError
 from raytrain_x.common.knobs import MB, Knobs
 
-SCORE_COLUMN = "score_bytes_per_s"
+SCORE_COLUMN = "score"
+KNOB_COLUMNS = ["fusion_threshold_bytes", "cycle_time_ms", "cache_capacity",
+                "hierarchical_allreduce", "hierarchical_allgather"]
 COLUMNS = [
     "sample", "kind", "engine_step", "wall_time_s", "fusion_threshold_bytes",
     "fusion_threshold_mb", "fusion_threshold_log2", "cycle_time_ms", "cache_capacity",
-    "hierarchical_allreduce", "hierarchical_allgather", SCORE_COLUMN, "warmup", "best",
+    "hierarchical_allreduce", "hierarchical_allgather", SCORE_COLUMN, "unit", "searched",
+    "warmup", "best", "tuning_s", "tuning_steps", "cost", "gain",
 ]
 
 
 @dataclass
 class Sample:
-    """One measured setting."""
+    """One measured setting.
+
+    Attributes:
+        score: steps/s or samples/s between step marks; bytes/s for scripts without them.
+        unit: the score's unit ("steps/s", "samples/s" or "bytes/s").
+        searched: the knobs the search moved, joined with "+" (empty before it began).
+    """
 
     index: int
     knobs: Knobs
-    score: float  # bytes allreduced + allgathered per second
+    score: float
     engine_step: int
     wall_time_s: float
     warmup: bool = False
+    unit: str = "bytes/s"
+    searched: str = ""
+
+
+@dataclass(frozen=True)
+class TuningCost:
+    """What tuning cost: the tuning phase's wall time against the same steps at the chosen
+    knobs (their time per step measured after tuning)."""
+
+    tuning_s: float
+    tuning_steps: int
+    start_score: float
+    chosen_score: float
+    after_step_s: float | None = None
+
+    @property
+    def ratio(self) -> float:
+        """Tuning-phase time / the same steps at the chosen knobs (1.0 = free)."""
+        if not self.after_step_s or not self.tuning_steps:
+            return float("nan")
+        return self.tuning_s / (self.tuning_steps * self.after_step_s)
+
+    @property
+    def gain(self) -> float:
+        """The chosen knobs' mean score over the start's."""
+        return self.chosen_score / self.start_score if self.start_score else float("nan")
 
 
 # Row kinds: "warmup" (discarded), "sample" (a search sample), "confirm" (a candidate
-# measured again before the decision), "best" (the final choice, its mean score).
+# measured again before the decision), "best" (the final choice, its mean score), "after"
+# (the chosen knobs measured after tuning; carries the cost columns).
 SCORED_KINDS = ("sample", "confirm")
 
 
-def row_of(sample: Sample, kind: str, best: bool) -> dict[str, Any]:
+def row_of(sample: Sample, kind: str, best: bool,
+           cost: TuningCost | None = None) -> dict[str, Any]:
     k = sample.knobs
-    return {
+    row = {
         "sample": sample.index if kind != "best" else "best",
         "kind": kind,
         "engine_step": sample.engine_step,
@@ -53,10 +91,16 @@ def row_of(sample: Sample, kind: str, best: bool) -> dict[str, Any]:
         "cache_capacity": k.cache_capacity,
         "hierarchical_allreduce": int(k.hierarchical_allreduce),
         "hierarchical_allgather": int(k.hierarchical_allgather),
-        SCORE_COLUMN: round(sample.score, 1),
+        SCORE_COLUMN: round(sample.score, 4),
+        "unit": sample.unit,
+        "searched": sample.searched,
         "warmup": int(sample.warmup),
         "best": int(best),
     }
+    if cost is not None:
+        row.update(tuning_s=round(cost.tuning_s, 3), tuning_steps=cost.tuning_steps,
+                   cost=round(cost.ratio, 4), gain=round(cost.gain, 4))
+    return row
 
 
 class AutotuneLog:
@@ -68,23 +112,33 @@ class AutotuneLog:
         with self.path.open("w", newline="") as f:
             csv.DictWriter(f, COLUMNS).writeheader()
 
-    def append(self, sample: Sample, kind: str, best: bool = False) -> None:
+    def append(self, sample: Sample, kind: str, best: bool = False,
+               cost: TuningCost | None = None) -> None:
         with self.path.open("a", newline="") as f:
-            csv.DictWriter(f, COLUMNS).writerow(row_of(sample, kind, best))
+            csv.DictWriter(f, COLUMNS).writerow(row_of(sample, kind, best, cost))
 
     def finish(self, best: Sample) -> Path:
         """Writes the `best` row and `<log>.knobs.json`; returns the knobs file path."""
         self.append(best, "best", best=True)
         knobs_path = self.path.with_suffix(".knobs.json")
         knobs_path.write_text(json.dumps({"knobs": best.knobs.to_dict(),
-                                          SCORE_COLUMN: best.score}, indent=2))
+                                          SCORE_COLUMN: best.score, "unit": best.unit},
+                                         indent=2))
         return knobs_path
+
+    def finish_cost(self, best: Sample, cost: TuningCost) -> None:
+        """Writes the `after` row: the chosen knobs' time per step after tuning and the
+        cost of the tuning phase."""
+        per_second = 1.0 / cost.after_step_s if cost.after_step_s else 0.0
+        after = Sample(best.index, best.knobs, per_second, best.engine_step, best.wall_time_s,
+                       unit="steps/s", searched=best.searched)
+        self.append(after, "after", cost=cost)
 
 
 def read_rows(path: str | os.PathLike) -> list[dict[str, str]]:
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
-    if not rows or set(COLUMNS) - set(rows[0]):
+    if not rows or {"kind", *KNOB_COLUMNS} - set(rows[0]):
         raise ConfigError(f"{str(path)!r} is not a raytrain-x autotune log (columns {COLUMNS})")
     return rows
 

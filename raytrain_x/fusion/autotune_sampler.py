@@ -1,8 +1,14 @@
 """Measures autotune samples on rank 0's engine and switches the knobs between them.
 
-Runs on the engine thread as a cycle hook. A training step ends when a tensor name that
-already completed since the last step boundary completes again. A sample's score is the
-median, over `sub_windows` equal sub-windows, of (bytes allreduced + allgathered) / second.
+Runs on the engine thread as a cycle hook. Steps end at the marks `DistributedOptimizer`
+(or the user, through `mark_step`) sets; a script that never marks a step falls back to
+inferring steps from repeated tensor names. A sample's score is the median, over
+`sub_windows` equal sub-windows, of steps per second (samples per second when the batch
+size is known) or, without step marks, of bytes allreduced + allgathered per second.
+
+Before the search starts the sampler decides which knobs can matter in this job (the
+search spends no sample on the others); after the search it measures the chosen knobs
+once more to report what tuning cost.
 """
 
 from __future__ import annotations
@@ -10,28 +16,43 @@ from __future__ import annotations
 import dataclasses
 import logging
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from raytrain_x.common.autotune_config import AutotuneConfig
-from raytrain_x.common.autotune_log import AutotuneLog, Sample
+from raytrain_x.common.autotune_log import AutotuneLog, Sample, TuningCost
 from raytrain_x.common.knobs import MB, Knobs
 from raytrain_x.fusion.messages import ALLGATHER, ALLREDUCE, Response
 
 log = logging.getLogger("raytrain_x.autotune")
 
+# What the fusion threshold governs on this job's path, as frameworks report it.
+BATCHING_BUCKETS = "buckets"  # gradient buckets sized by the knob
+BATCHING_FIXED_BUCKETS = "fixed buckets"  # buckets of a size the user fixed
+
 
 class Advisor(Protocol):
     """What the sampler asks for the next knobs (the controller, in-process or an actor)."""
+
+    def begin(self, searched: list[str]) -> None: ...
 
     def report(self, score: float) -> dict[str, Any]: ...
 
 
 def describe(knobs: Knobs) -> str:
-    return (f"fusion {knobs.fusion_threshold_bytes / MB:g} MB, cycle {knobs.cycle_time_ms:g} ms, "
-            f"cache {knobs.cache_capacity}, hier ar/ag "
+    return (f"bucket/fusion {knobs.fusion_threshold_bytes / MB:g} MB, cycle "
+            f"{knobs.cycle_time_ms:g} ms, cache {knobs.cache_capacity}, hier ar/ag "
             f"{int(knobs.hierarchical_allreduce)}/{int(knobs.hierarchical_allgather)}")
+
+
+@dataclasses.dataclass
+class JobShape:
+    """What the sampler knows of the world when it starts."""
+
+    size: int = 1
+    multi_level: bool = False  # more than one host and more than one worker per host
 
 
 class AutotuneSampler:
@@ -42,68 +63,141 @@ class AutotuneSampler:
         advisor: answers each score with the next knobs (and says when tuning is done).
         request_knobs: asks the engine to switch every rank's knobs.
         emit: prints a progress line (default: print, flushed).
+        shape: the world's size and layout (which dimensions can matter).
+        fixed: knob names the user fixed (reported as such, never searched).
+        clock: seconds, monotonic (tests pass their own).
     """
 
     def __init__(self, config: AutotuneConfig, advisor: Advisor,
                  request_knobs: Callable[[Knobs], None],
-                 emit: Callable[[str], None] | None = None) -> None:
+                 emit: Callable[[str], None] | None = None,
+                 shape: JobShape | None = None, fixed: frozenset[str] = frozenset(),
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.advisor = advisor
         self.request_knobs = request_knobs
         self.emit = emit or (lambda line: print(line, flush=True))
+        self.shape = shape or JobShape()
+        self.fixed = fixed
+        self.clock = clock
         self.log = AutotuneLog(config.log_file) if config.log_file else None
         self.samples: list[Sample] = []
-        self.done = False
+        self.done = False  # the knobs are chosen
+        self.finished = False  # ... and measured again for the cost report
         self.best: Sample | None = None
-        self._started = time.monotonic()
+        self.searched: list[str] | None = None  # decided at the first scored sample
+        self.left_out: dict[str, str] = {}
+        self.cost: TuningCost | None = None
+        self.samples_per_step: int | None = None  # batch size x world size, when known
+        self.batching: set[str] = set()
+        self._started = clock()
         self._target: Knobs | None = None  # knobs we wait to see in effect
+        self._marks: list[float] = []
+        self._marks_lock = threading.Lock()
+        self._step_mode = False
         self._seen: set[str] = set()
         self._steps = 0
+        self._window_steps = 0
         self._window_bytes = 0
         self._window_start: float | None = None
         self._rates: list[float] = []
-        self._sample_start: float | None = None
         self._warmups_left = config.warmup_samples if config.warmup_time_s is None else 0
         self._confirming = False  # the sample being measured re-measures a candidate
+        # what the job does, for deciding the dimensions
+        self._allreduce_names: set[str] = set()
+        self._fusable = False
+        self._allgathers = False
+        # the cost of tuning: steps and time from the first scored sample to the decision
+        self._tuning_start: float | None = None
+        self._tuning_steps = 0
+
+    # ------------------------------------------------------------------ user thread
+    def mark_step(self) -> None:
+        """A training step ended (called from the training thread)."""
+        now = self.clock()
+        with self._marks_lock:
+            self._marks.append(now)
+
+    def _take_marks(self) -> list[float]:
+        with self._marks_lock:
+            marks, self._marks = self._marks, []
+        return marks
+
+    @property
+    def unit(self) -> str:
+        if not self._step_mode:
+            return "bytes/s"
+        return "samples/s" if self.samples_per_step else "steps/s"
 
     # ------------------------------------------------------------------ engine hook
     def on_cycle(self, knobs: Knobs, step: int, responses: list[Response]) -> None:
         """Called by the engine after every cycle that completed collectives."""
-        if self.done:
+        if self.finished:
             return
+        if self.searched is None:
+            self._observe(responses)
+        marks = self._take_marks()
+        if marks and not self._step_mode:  # explicit step marks replace inferred steps
+            self._step_mode = True
+            self._reset_window()
         if self._target is not None:
+            self._count_tuning_steps(len(marks))  # steps while the switch lands
             if knobs != self._target:
                 return
             self._target = None
             self._reset_window()  # the step in flight ran partly under the old knobs
-        nbytes = sum(r.meta.nbytes_on_wire() for r in responses
-                     if r.meta.kind in (ALLREDUCE, ALLGATHER) and not r.error)
-        names = [r.name for r in responses]
-        if any(n in self._seen for n in names):
-            self._on_step_boundary(knobs, step)
-            self._seen.clear()
-        self._seen.update(names)
-        self._window_bytes += nbytes
+            marks = []
+        if self._step_mode:
+            for t in marks:
+                self._on_step_boundary(knobs, step, t)
+        else:
+            names = [r.name for r in responses]
+            if any(n in self._seen for n in names):
+                self._on_step_boundary(knobs, step, self.clock())
+                self._seen.clear()
+            self._seen.update(names)
+            self._window_bytes += sum(r.meta.nbytes_on_wire() for r in responses
+                                      if r.meta.kind in (ALLREDUCE, ALLGATHER) and not r.error)
+
+    def _count_tuning_steps(self, n: int) -> None:
+        if self._tuning_start is not None and not self.done:
+            self._tuning_steps += n
+
+    def _observe(self, responses: list[Response]) -> None:
+        for r in responses:
+            if r.meta.kind == ALLREDUCE and len(self._allreduce_names) <= 1 << 20:
+                self._allreduce_names.add(r.name)
+                self._fusable = self._fusable or r.meta.fuse
+            elif r.meta.kind == ALLGATHER:
+                self._allgathers = True
 
     def _reset_window(self) -> None:
         self._seen.clear()
         self._window_bytes = 0
+        self._window_steps = 0
         self._window_start = None
-        self._sample_start = None
         self._steps = 0
         self._rates = []
 
-    def _on_step_boundary(self, knobs: Knobs, step: int) -> None:
-        now = time.monotonic()
+    def _on_step_boundary(self, knobs: Knobs, step: int, now: float) -> None:
         if self._window_start is None:  # the first boundary opens the first window
-            self._window_start = self._sample_start = now
+            self._count_tuning_steps(1)
+            self._window_start = now
+            self._window_bytes = self._window_steps = 0
+            return
+        if self._in_warmup_time(now):
+            self._window_start = now
             self._window_bytes = 0
             return
-        if self.config.warmup_time_s and now - self._started < self.config.warmup_time_s:
-            self._window_start = self._sample_start = now
-            self._window_bytes = 0
-            return
+        if self._tuning_start is None and not self._warmups_left and not self.done:
+            self._tuning_start = self._window_start  # the first scored sample starts here
+        self._count_tuning_steps(1)
         self._steps += 1
+        self._window_steps += 1
+        if self.done:  # measuring the chosen knobs for the cost report
+            if self._steps >= self._after_steps():
+                self._finish_after(now)
+            return
         if self.config.sampling_time_s:
             per_window = self.config.sampling_time_s / self.config.sub_windows
             window_full = now - self._window_start >= per_window
@@ -111,17 +205,37 @@ class AutotuneSampler:
             per_window = max(1, self.config.steps_per_sample // self.config.sub_windows)
             window_full = self._steps % per_window == 0
         if window_full:
-            self._rates.append(self._window_bytes / max(now - self._window_start, 1e-9))
+            elapsed = max(now - self._window_start, 1e-9)
+            if self._step_mode:
+                rate = self._window_steps * (self.samples_per_step or 1) / elapsed
+            else:
+                rate = self._window_bytes / elapsed
+            self._rates.append(rate)
             self._window_start = now
-            self._window_bytes = 0
+            self._window_bytes = self._window_steps = 0
+            if self._clearly_worse(rate):
+                self._finish_sample(knobs, step, rate, now, cut=True)
+                return
         if len(self._rates) >= self.config.sub_windows:
-            self._finish_sample(knobs, step, statistics.median(self._rates))
+            self._finish_sample(knobs, step, statistics.median(self._rates), now)
+
+    def _in_warmup_time(self, now: float) -> bool:
+        return bool(self.config.warmup_time_s and now - self._started < self.config.warmup_time_s)
+
+    def _clearly_worse(self, rate: float) -> bool:
+        """True when a search sample's first sub-window is far below the best so far: the
+        rest of the sample would only cost training time (leaders are never cut)."""
+        ratio = self.config.early_stop_ratio
+        if not ratio or self._confirming or self._warmups_left or self.best is None:
+            return False
+        return len(self._rates) == 1 and rate < ratio * self.best.score
 
     # ------------------------------------------------------------------ samples
-    def _finish_sample(self, knobs: Knobs, step: int, score: float) -> None:
+    def _finish_sample(self, knobs: Knobs, step: int, score: float, now: float,
+                       cut: bool = False) -> None:
         warmup = self._warmups_left > 0
-        sample = Sample(len(self.samples), knobs, score, step,
-                        time.monotonic() - self._started, warmup)
+        sample = Sample(len(self.samples), knobs, score, step, now - self._started, warmup,
+                        unit=self.unit)
         self.samples.append(sample)
         self._rates = []
         self._steps = 0
@@ -130,8 +244,11 @@ class AutotuneSampler:
             if self.log:
                 self.log.append(sample, "warmup")
             self.emit(f"raytrain-x autotune: warmup sample {sample.index}: {describe(knobs)} -> "
-                      f"{score / 1e6:.1f} MB/s (discarded)")
+                      f"{self._fmt(score)} (discarded)")
             return
+        if self.searched is None:
+            self._begin(knobs)
+        sample.searched = "+".join(self.searched or []) or "none"
         answer = self.advisor.report(score)
         scored = [s for s in self.samples if not s.warmup]
         best_knobs = Knobs(**answer["best"])
@@ -142,26 +259,83 @@ class AutotuneSampler:
         if self.log:
             self.log.append(sample, kind)
         again = " (a candidate measured again)" if kind == "confirm" else ""
+        stopped = " (stopped early: far below the best)" if cut else ""
         self.emit(f"raytrain-x autotune: sample {len(scored)}/{self.config.bayes_opt_max_samples}"
-                  f"{again}: {describe(knobs)} -> {score / 1e6:.1f} MB/s (best "
-                  f"{self.best.score / 1e6:.1f} MB/s, {answer['samples_left']} left)")
+                  f"{again}: {describe(knobs)} -> {self._fmt(score)}{stopped} (best "
+                  f"{self._fmt(self.best.score)}, {answer['samples_left']} left)")
         nxt = Knobs(**answer["next"])
         if answer["done"]:
-            self.done = True
-            if self.log:
-                knobs_file = self.log.finish(self.best)
-                self.emit(f"raytrain-x autotune: log {self.log.path}, knobs {knobs_file}")
-            start = [s.score for s in scored if s.knobs == scored[0].knobs]
-            if self.best.knobs == scored[0].knobs:
-                verdict = "no setting beat the starting knobs beyond the noise floor"
-            else:
-                ratio = self.best.score / max(sum(start) / len(start), 1e-9)
-                verdict = f"{ratio:.2f}x the start"
-            self.emit(f"raytrain-x autotune: done after {len(scored)} samples; keeping "
-                      f"{describe(self.best.knobs)} ({self.best.score / 1e6:.1f} MB/s mean, "
-                      f"{verdict})")
+            self._decide(scored, now)
         if nxt != knobs:
             self._target = nxt
             self.request_knobs(nxt)
         else:
             self._reset_window()
+
+    def _begin(self, knobs: Knobs) -> None:
+        """Decides which knobs the search moves, from what the job did so far."""
+        self.searched, self.left_out = self.relevant_dimensions(knobs)
+        self.advisor.begin(list(self.searched))
+        skipped = "; ".join(f"{n}: {why}" for n, why in self.left_out.items())
+        self.emit(f"raytrain-x autotune: searching {', '.join(self.searched) or 'nothing'}"
+                  f"{' (left out: ' + skipped + ')' if skipped else ''}; score in {self.unit}")
+
+    def relevant_dimensions(self, knobs: Knobs) -> tuple[list[str], dict[str, str]]:
+        """(knobs to search, {knob: why it is left out}) for this job as observed."""
+        out: dict[str, str] = {}
+        for name in Knobs.specs():
+            if name in self.fixed:
+                out[name] = "fixed by the user"
+        if "fusion_threshold_bytes" not in out and not self._fusable \
+                and BATCHING_BUCKETS not in self.batching:
+            out["fusion_threshold_bytes"] = (
+                "every allreduce is a bucket of a size the user fixed (bucket_cap_mb)"
+                if BATCHING_FIXED_BUCKETS in self.batching else "no fusable allreduce")
+        names = len(self._allreduce_names)
+        if "cache_capacity" not in out and 0 < names <= knobs.cache_capacity:
+            out["cache_capacity"] = (f"all {names} allreduce names fit in {knobs.cache_capacity} "
+                                     "entries")
+        if not self.shape.multi_level:
+            why = "needs several hosts with several workers each"
+            out.setdefault("hierarchical_allreduce", why)
+            out.setdefault("hierarchical_allgather", why)
+        elif not self._allgathers:
+            out.setdefault("hierarchical_allgather", "no allgather")
+        return [n for n in Knobs.specs() if n not in out], out
+
+    def _decide(self, scored: list[Sample], now: float) -> None:
+        self.done = True
+        tuning_s = now - (self._tuning_start if self._tuning_start is not None else now)
+        self.cost = TuningCost(tuning_s=tuning_s, tuning_steps=self._tuning_steps,
+                               start_score=statistics.mean(
+                                   s.score for s in scored if s.knobs == scored[0].knobs),
+                               chosen_score=self.best.score)
+        if self.log:
+            knobs_file = self.log.finish(self.best)
+            self.emit(f"raytrain-x autotune: log {self.log.path}, knobs {knobs_file}")
+        if self.best.knobs == scored[0].knobs:
+            verdict = "no setting beat the starting knobs beyond the noise floor"
+        else:
+            verdict = f"{self.cost.gain:.2f}x the start"
+        self.emit(f"raytrain-x autotune: done after {len(scored)} samples; keeping "
+                  f"{describe(self.best.knobs)} ({self._fmt(self.best.score)} mean, {verdict})")
+
+    def _after_steps(self) -> int:
+        return max(2 * self.config.steps_per_sample, 4)
+
+    def _finish_after(self, now: float) -> None:
+        """The chosen knobs measured after tuning: what the tuning phase cost."""
+        self.finished = True
+        per_step = (now - self._window_start) / max(self._steps, 1)
+        self.cost = dataclasses.replace(self.cost, after_step_s=per_step)
+        if self.log:
+            self.log.finish_cost(self.best, self.cost)
+        self.emit(f"raytrain-x autotune: tuning took {self.cost.tuning_s:.1f} s for "
+                  f"{self.cost.tuning_steps} steps; the same steps at the chosen knobs take "
+                  f"{self.cost.tuning_steps * per_step:.1f} s (measured after tuning): cost "
+                  f"{self.cost.ratio:.2f}x; chosen knobs {self.cost.gain:.2f}x the start")
+
+    def _fmt(self, score: float) -> str:
+        if self.unit == "bytes/s":
+            return f"{score / 1e6:.1f} MB/s"
+        return f"{score:.3g} {self.unit}"

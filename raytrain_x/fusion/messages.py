@@ -21,10 +21,13 @@ class Handle:
     completion wins.
     """
 
-    __slots__ = ("name", "_lock", "_done", "_result", "_error")
+    __slots__ = ("name", "cycle", "_lock", "_done", "_result", "_error")
 
     def __init__(self, name: str) -> None:
         self.name = name
+        # The engine cycle the collective ran in: the same number on every rank (cycles
+        # are lockstep), so ranks can agree on "before/after a knob switch" without clocks.
+        self.cycle = -1
         self._lock = threading.Lock()
         self._lock.acquire()
         self._done = False

@@ -16,7 +16,7 @@ from raytrain_x.common.autotune_config import AutotuneConfig
 from raytrain_x.common.autotune_log import load_best_knobs
 from raytrain_x.common.errors import ConfigError
 from raytrain_x.common.knobs import Knobs, load_knobs
-from raytrain_x.fusion.autotune_sampler import Advisor, AutotuneSampler
+from raytrain_x.fusion.autotune_sampler import Advisor, AutotuneSampler, JobShape
 from raytrain_x.fusion.engine import Engine
 
 _lock = threading.RLock()
@@ -26,6 +26,8 @@ _sampler: AutotuneSampler | None = None
 AdvisorFactory = Callable[[AutotuneConfig, Knobs, frozenset], Advisor]
 _advisor_factory: AdvisorFactory | None = None
 _host_update_probe: Callable[[], int] | None = None
+_batch_size: int | None = None
+_batching: set[str] = set()
 
 
 def set_host_update_probe(probe: Callable[[], int] | None) -> None:
@@ -150,7 +152,12 @@ def init(
         _sampler = None
         if config is not None and rdv.rank == 0:
             advisor = (_advisor_factory or _local_advisor)(config, knobs, _fixed_knobs)
-            _sampler = AutotuneSampler(config, advisor, _engine.request_knobs)
+            shape = JobShape(size=rdv.size, multi_level=_engine.multi_level())
+            _sampler = AutotuneSampler(config, advisor, _engine.request_knobs, shape=shape,
+                                       fixed=_fixed_knobs)
+            _sampler.batching.update(_batching)
+            if _batch_size:
+                _sampler.samples_per_step = _batch_size * rdv.size
             _engine.add_cycle_hook(_sampler.on_cycle)
         for ps in process_sets or ():
             add_process_set(ps)
@@ -200,6 +207,37 @@ def rendezvous() -> Rendezvous:
 def autotune_sampler() -> AutotuneSampler | None:
     """Rank 0's autotune sampler while tuning is configured (None elsewhere)."""
     return _sampler
+
+
+def mark_step() -> None:
+    """Marks the end of a training step; autotune scores steps between marks.
+    `DistributedOptimizer.step()` calls it; a loop without one may call it by hand."""
+    sampler = _sampler
+    if sampler is not None:
+        sampler.mark_step()
+
+
+def autotune_batch_size(batch_size: int) -> None:
+    """Tells autotune each rank's batch size, so samples score in samples per second (the
+    world's: batch size x number of workers) instead of steps per second."""
+    global _batch_size
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ConfigError(f"autotune_batch_size needs a positive whole number, got "
+                          f"{batch_size!r}")
+    _batch_size = batch_size
+    sampler = _sampler
+    if sampler is not None:
+        sampler.samples_per_step = batch_size * rendezvous().size
+
+
+def note_batching(kind: str) -> None:
+    """A framework says how its gradients are batched (`BATCHING_BUCKETS` when the fusion
+    threshold sizes its buckets, `BATCHING_FIXED_BUCKETS` when the user fixed the size);
+    autotune leaves out the fusion threshold when nothing it governs is used."""
+    _batching.add(kind)
+    sampler = _sampler
+    if sampler is not None:
+        sampler.batching.add(kind)
 
 
 def fixed_knobs() -> frozenset[str]:

@@ -1,4 +1,10 @@
-"""`DistributedOptimizer`: allreduce gradients from backward hooks, wait in `step()`."""
+"""`DistributedOptimizer`: allreduce gradients from backward hooks, wait in `step()`.
+
+Gradients live in flat buckets whose size is the fusion threshold knob (or a size the user
+fixes with `bucket_cap_mb`). When the knobs change, every rank rebuilds its buckets at the
+same `step()`: the first one whose last collective ran after the cycle of the switch, a
+cycle number every rank shares.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +15,9 @@ from typing import Any
 import torch
 
 from raytrain_x.common.errors import ConfigError
+from raytrain_x.common.knobs import load_knobs
+from raytrain_x.fusion import runtime
+from raytrain_x.fusion.autotune_sampler import BATCHING_BUCKETS, BATCHING_FIXED_BUCKETS
 from raytrain_x.fusion.messages import Handle
 from raytrain_x.fusion.runtime import ProcessSet, global_process_set
 from raytrain_x.torch.compression import Compression, Compressor
@@ -27,13 +36,15 @@ class _Bucket:
         self.views: dict[torch.Tensor, torch.Tensor] = {}
         offset = 0
         for p in params:
-            view = self.flat[offset:offset + p.numel()].view_as(p)
-            if p.grad is not None:
-                view.copy_(p.grad)
-            self.views[p] = view
+            self.views[p] = self.flat[offset:offset + p.numel()].view_as(p)
             offset += p.numel()
-        self.attach()
+        self.attach()  # copies each existing gradient into its view
         self.ready = 0
+
+    def release(self) -> None:
+        """Drops the buffer (its parameters' gradients have moved elsewhere)."""
+        self.views = {}
+        self.flat = self.flat.new_empty(0)
 
     def attach(self) -> None:
         """Points every parameter's `.grad` at its view (autograd then accumulates in place)."""
@@ -44,9 +55,9 @@ class _Bucket:
                 p.grad = view
 
 
-def _buckets(params: list[torch.Tensor], cap_bytes: int) -> list[_Bucket]:
-    """Buckets in reverse registration order (roughly the order backward produces grads),
-    one dtype and device each, up to `cap_bytes`."""
+def bucket_groups(params: list[torch.Tensor], cap_bytes: int) -> list[list[torch.Tensor]]:
+    """Parameters grouped into buckets in reverse registration order (roughly the order
+    backward produces grads), one dtype and device each, up to `cap_bytes`."""
     groups: list[list[torch.Tensor]] = []
     current: list[torch.Tensor] = []
     size = 0
@@ -60,14 +71,14 @@ def _buckets(params: list[torch.Tensor], cap_bytes: int) -> list[_Bucket]:
         size += nbytes
     if current:
         groups.append(current)
-    return [_Bucket(i, g) for i, g in enumerate(groups)]
+    return groups
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
     """Mixed into the wrapped optimizer's class; see `DistributedOptimizer`."""
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
-                 gradient_predivide_factor, process_set, bucket_cap_mb=25.0):
+                 gradient_predivide_factor, process_set, bucket_cap_mb=None):
         super(self.__class__, self).__init__(params)  # type: ignore[misc]
         self._compression = compression
         self._op = op
@@ -98,10 +109,21 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                        for p in self._requires_update]
         # Gradient buckets: grads are views into persistent flat buffers, each bucket is
         # reduced in place the moment its last gradient is ready (no pack/unpack copies).
-        self._buckets = (_buckets(self._requires_update, int(bucket_cap_mb * 2**20))
-                         if bucket_cap_mb > 0 else [])
-        self._bucket_of = {p: b for b in self._buckets for p in b.params}
+        # Their size follows the fusion threshold unless the user fixed it.
+        self._fixed_cap = None if bucket_cap_mb is None else int(bucket_cap_mb * 2**20)
+        if self._fixed_cap is None:
+            runtime.note_batching(BATCHING_BUCKETS)
+        elif self._fixed_cap > 0:
+            runtime.note_batching(BATCHING_FIXED_BUCKETS)
+        self._buckets: list[_Bucket] = []
+        self._bucket_of: dict[torch.Tensor, _Bucket] = {}
         self._bucket_handles: dict[_Bucket, Handle] = {}
+        self._cap = -1
+        self._last_cycle = -1  # engine cycle of the last synchronized step's last collective
+        self.rebuilds: list[tuple[int, int]] = []  # (step, bucket bytes) of every rebuild
+        self._steps = 0
+        self._build_buckets(self._fixed_cap if self._fixed_cap is not None
+                            else _starting_threshold())
 
     def _scales(self) -> tuple[float, float]:
         if self._op == Average and self._predivide != 1.0:
@@ -109,6 +131,42 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             size = self._process_set.size()
             return 1.0 / self._predivide, self._predivide / size
         return 1.0, 1.0
+
+    @property
+    def bucket_cap_bytes(self) -> int:
+        """The bucket size in effect (0: every gradient is reduced on its own)."""
+        return self._cap
+
+    def _build_buckets(self, cap_bytes: int) -> None:
+        """Lays the gradients out in buckets of `cap_bytes`, keeping their values. Old
+        buffers are freed as soon as their last gradient has moved, so the rebuild holds at
+        most about one old and one new bucket beyond the gradients themselves."""
+        old_of = self._bucket_of
+        left = {b: len(b.params) for b in self._buckets}
+        groups = bucket_groups(self._requires_update, cap_bytes) if cap_bytes > 0 else []
+        self._buckets, self._bucket_of = [], {}
+        for i, params in enumerate(groups):
+            bucket = _Bucket(i, params)  # copies each current gradient into its new view
+            self._buckets.append(bucket)
+            for p in params:
+                self._bucket_of[p] = bucket
+                _moved(p, old_of, left)
+        for p in self._requires_update:  # now reduced one by one: own their gradient
+            if p not in self._bucket_of and p in old_of:
+                if p.grad is not None:
+                    p.grad = p.grad.clone()
+                _moved(p, old_of, left)
+        self._cap = cap_bytes
+
+    def _follow_knobs(self) -> None:
+        """Rebuilds the buckets when the knobs agreed before this step's last collective
+        ask for another size (the same decision on every rank)."""
+        if self._fixed_cap is not None or self._last_cycle < 0 or not runtime.is_initialized():
+            return
+        cap = runtime.engine().knobs_before(self._last_cycle).fusion_threshold_bytes
+        if cap != self._cap:
+            self._build_buckets(cap)
+            self.rebuilds.append((self._steps, cap))
 
     def _allreduce_grad(self, p: torch.Tensor) -> Handle:
         if p.grad is None:
@@ -168,8 +226,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for bucket in self._buckets:  # buckets some of whose grads never came
                 if bucket not in self._bucket_handles:
                     self._bucket_handles[bucket] = self._allreduce_bucket(bucket)
-            for handle in [*self._handles.values(), *self._bucket_handles.values()]:
+            handles = [*self._handles.values(), *self._bucket_handles.values()]
+            for handle in handles:
                 synchronize(handle)
+            self._last_cycle = max((h.cycle for h in handles), default=-1)
             self._synchronized = True
         finally:  # on failure too: an elastic reset must find no stale handles
             self._handles.clear()
@@ -193,7 +253,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._should_synchronize and not already_synchronized:
             self.synchronize()
         self._synchronized = False
-        return super(self.__class__, self).step(closure)  # type: ignore[misc]
+        result = super(self.__class__, self).step(closure)  # type: ignore[misc]
+        self._steps += 1
+        self._follow_knobs()
+        runtime.mark_step()
+        return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zeroes gradients. Bucketed gradients stay views of their buffers (zeroed, never
@@ -218,7 +282,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     op: str = Average,
     gradient_predivide_factor: float = 1.0,
     process_set: ProcessSet = global_process_set,
-    bucket_cap_mb: float = 25.0,
+    bucket_cap_mb: float | None = None,
 ) -> Any:
     """Wraps `optimizer` so gradients are allreduced while backward runs.
 
@@ -235,7 +299,9 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         gradient_predivide_factor: divide by this before the sum and by size/factor after.
         process_set: ranks the gradients are reduced over.
         bucket_cap_mb: gradients are views into flat buckets of at most this size, each
-            reduced in place as soon as its last gradient is ready; 0 reduces every
+            reduced in place as soon as its last gradient is ready. By default (None) the
+            size is the fusion threshold knob (`--fusion-threshold-mb`), which autotune
+            moves; a value fixes the size and takes it out of the search; 0 reduces every
             gradient on its own through the engine's fusion (Horovod's way).
     """
     if backward_passes_per_step < 1:
@@ -246,10 +312,28 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         raise ConfigError("gradient_predivide_factor needs op=rx.Average")
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_DistributedOptimizer.__dict__))
-    if bucket_cap_mb < 0:
-        raise ConfigError(f"bucket_cap_mb must be >= 0, got {bucket_cap_mb}")
+    if bucket_cap_mb is not None and not bucket_cap_mb >= 0:
+        raise ConfigError(f"bucket_cap_mb must be >= 0 (or None to follow the fusion "
+                          f"threshold knob), got {bucket_cap_mb}")
     wrapped = cls(optimizer.param_groups, named_parameters, compression,
                   backward_passes_per_step, op, gradient_predivide_factor, process_set,
                   bucket_cap_mb)
     wrapped.load_state_dict(optimizer.state_dict())
     return wrapped
+
+
+def _moved(p: torch.Tensor, old_of: dict, left: dict) -> None:
+    """Counts `p` out of its old bucket; frees that bucket once all its gradients moved."""
+    old = old_of.get(p)
+    if old is not None:
+        left[old] -= 1
+        if left[old] == 0:
+            old.release()
+
+
+def _starting_threshold() -> int:
+    """The fusion threshold the engine started with: the same on every rank (rank 0's
+    knobs are adopted at init), whatever switches a rank has already seen since."""
+    if runtime.is_initialized():
+        return runtime.engine().knobs_before(0).fusion_threshold_bytes
+    return load_knobs()[0].fusion_threshold_bytes

@@ -13,13 +13,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from raytrain_x.common.autotune_config import AutotuneConfig
-from raytrain_x.common.knobs import Knobs
+from raytrain_x.common.knobs import MB, Knobs
 
 log = logging.getLogger("raytrain_x.autotune")
 
 # Continuous dimensions the searcher sees; `to_knobs` rounds them onto knob values.
-FUSION_LOG2 = (10.0, 28.0)  # 1 KiB .. 256 MiB on a log2 scale; below 11 means fusion off
-FUSION_OFF_BELOW = 11.0
+# Bucket/fusion size: 1 MiB .. 256 MiB on a log2 scale, and below 20 "0" (every gradient on
+# its own). Sizes under 1 MiB put nearly every ResNet or transformer gradient in its own
+# bucket anyway, so they only add poor points to explore.
+FUSION_LOG2 = (19.0, 28.0)
+FUSION_OFF_BELOW = 20.0
 CYCLE_LOG10 = (-1.0, math.log10(50.0))  # 0.1 .. 50 ms on a log scale
 CACHE_LOG2 = (-1.0, 12.0)  # below 0 means cache off, else 2^x entries (up to 4096)
 
@@ -36,6 +39,10 @@ class SearchSpace:
     base: Knobs
     fixed: frozenset[str]
 
+    def restricted_to(self, searched: list[str]) -> SearchSpace:
+        """The same space with every knob outside `searched` held at its base value."""
+        return SearchSpace(self.base, self.fixed | (frozenset(Knobs.specs()) - set(searched)))
+
     def dimensions(self) -> dict[str, tuple[float, float]]:
         dims = {
             "fusion_threshold_bytes": FUSION_LOG2,
@@ -50,7 +57,7 @@ class SearchSpace:
         changes: dict[str, Any] = {}
         for name, x in ((n, float(v)) for n, v in point.items()):
             if name == "fusion_threshold_bytes":
-                changes[name] = 0 if x < FUSION_OFF_BELOW else int(round(2 ** x / 1024)) * 1024
+                changes[name] = 0 if x < FUSION_OFF_BELOW else int(round(2 ** x / MB * 4)) * MB // 4
             elif name == "cycle_time_ms":
                 changes[name] = round(10 ** x, 3)
             elif name == "cache_capacity":
@@ -103,6 +110,16 @@ class AutotuneController:
         self._trial = 0
         self._confirming = False
         self._rng = random.Random(config.seed)
+        self._began = False
+
+    def begin(self, searched: list[str] | None = None) -> None:
+        """Starts the search over `searched` (the knobs that can matter in this job, as the
+        sampler observed it; every free knob when None). Fixed knobs stay fixed."""
+        if self._began:
+            return
+        self._began = True
+        if searched is not None:
+            self.space = self.space.restricted_to(searched)
         dims = self.space.dimensions()
         if dims:
             from ray.tune.search.bayesopt import BayesOptSearch
@@ -110,10 +127,10 @@ class AutotuneController:
             self._searcher = BayesOptSearch(
                 space=dict(dims),
                 metric="score", mode="max",
-                random_search_steps=min(4, max(1, config.bayes_opt_max_samples // 4)),
-                random_state=config.seed, skip_duplicate=False,
+                random_search_steps=min(4, max(1, self.config.bayes_opt_max_samples // 4)),
+                random_state=self.config.seed, skip_duplicate=False,
                 patience=10**6)  # repeats are handled in _next_unmeasured
-            self._searcher.optimizer.set_gp_params(alpha=config.gaussian_process_noise)
+            self._searcher.optimizer.set_gp_params(alpha=self.config.gaussian_process_noise)
 
     def _trial_id(self) -> str:
         return f"sample{self._trial}"
@@ -150,6 +167,7 @@ class AutotuneController:
 
     def report(self, score: float) -> dict[str, Any]:
         """Records the score of `self.current`; returns the next knobs and whether done."""
+        self.begin()
         previous_best = max((s for _, s in self.samples), default=0.0)
         self.samples.append((self.current, score))
         if self._reference is None:

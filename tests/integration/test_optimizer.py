@@ -52,8 +52,8 @@ def _distributed(steps: int, batch: int, opt_name: str, compression: str, passes
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def _single(steps: int, batch: int, opt_name: str) -> dict:
-    model = _model()
+def _single(steps: int, batch: int, opt_name: str, make_model=_model) -> dict:
+    model = make_model()
     opt = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if opt_name == "sgd"
            else torch.optim.Adam(model.parameters(), lr=0.01))
     for x, y in _data(steps, batch):
@@ -137,3 +137,84 @@ def test_bucketed_gradients_are_views_and_match_unbucketed():
     for key, value in plain[0]["state"].items():
         assert torch.allclose(bucketed[0]["state"][key], value, atol=1e-6)
         assert torch.equal(bucketed[0]["state"][key], bucketed[1]["state"][key])
+
+
+# Bucket sizes rank 0 switches to mid-training: several buckets, every gradient alone, one.
+SWITCHES = {2: 4096, 5: 0, 8: 64 << 20}
+
+
+def _deep_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(), torch.nn.Linear(64, 32),
+                               torch.nn.Tanh(), torch.nn.Linear(32, 3))
+
+
+def _views_of_buckets(opt, model) -> bool:
+    spans = [(b.flat.data_ptr(), b.flat.data_ptr() + b.flat.numel() * 4) for b in opt._buckets]
+    return all(any(lo <= p.grad.data_ptr() < hi for lo, hi in spans) for p in model.parameters())
+
+
+def _across_switches(steps: int, batch: int) -> dict:
+    import raytrain_x.torch as rx
+    from raytrain_x import Knobs
+
+    rx.init(knobs=Knobs(fusion_threshold_bytes=64 << 20, cycle_time_ms=0.5))
+    model = _deep_model()
+    opt = rx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                  named_parameters=model.named_parameters())
+    n, r = rx.size(), rx.rank()
+    kept, views = True, True
+    for i, (x, y) in enumerate(_data(steps, batch)):
+        if r == 0 and i in SWITCHES:
+            rx.set_knobs(rx.knobs().replace(fusion_threshold_bytes=SWITCHES[i]))
+        shard = slice(r * batch // n, (r + 1) * batch // n)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[shard]), y[shard]).backward()
+        opt.synchronize()
+        grads = [p.grad.clone() for p in model.parameters()]
+        with opt.skip_synchronize():
+            opt.step()  # may rebuild the buckets: the gradients must survive it
+        kept = kept and all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
+        if opt.bucket_cap_bytes:
+            views = views and _views_of_buckets(opt, model)
+    return {"state": {k: v.clone() for k, v in model.state_dict().items()},
+            "rebuilds": opt.rebuilds, "kept": kept, "views": views}
+
+
+def test_knob_switch_rebuilds_buckets_at_the_same_step_on_every_rank():
+    steps, batch = 12, 24
+    results = run_workers(_across_switches, 3, steps, batch)
+    rebuilds = results[0]["rebuilds"]
+    assert [cap for _, cap in rebuilds] == list(SWITCHES.values())
+    assert all(r["rebuilds"] == rebuilds for r in results)  # the same step on every rank
+    for (step, _), asked in zip(rebuilds, SWITCHES):
+        assert asked < step <= asked + 2  # the step after the switch lands
+    assert all(r["kept"] and r["views"] for r in results)
+    reference = _single(steps, batch, "sgd", _deep_model)
+    for key, value in reference.items():
+        assert torch.allclose(results[0]["state"][key], value, atol=1e-5, rtol=1e-5), key
+        assert all(torch.equal(results[0]["state"][key], r["state"][key]) for r in results[1:])
+
+
+def _fixed_bucket() -> dict:
+    import raytrain_x.torch as rx
+    from raytrain_x import Knobs
+
+    rx.init(knobs=Knobs(fusion_threshold_bytes=64 << 20))
+    model = torch.nn.Linear(16, 16)
+    opt = rx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                  named_parameters=model.named_parameters(), bucket_cap_mb=0.001)
+    for i in range(6):
+        if rx.rank() == 0 and i == 1:
+            rx.set_knobs(rx.knobs().replace(fusion_threshold_bytes=0))
+        opt.zero_grad()
+        model(torch.ones(2, 16)).sum().backward()
+        opt.step()
+    return {"cap": opt.bucket_cap_bytes, "rebuilds": opt.rebuilds,
+            "threshold": rx.knobs().fusion_threshold_bytes}
+
+
+def test_a_user_fixed_bucket_size_ignores_the_knob():
+    results = run_workers(_fixed_bucket, 2)
+    assert all(r["threshold"] == 0 for r in results)  # the knob did change ...
+    assert all(r["cap"] == 1048 and r["rebuilds"] == [] for r in results)  # ... buckets not

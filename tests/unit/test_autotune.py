@@ -149,7 +149,7 @@ def test_sampler_scores_steps_and_switches_knobs(tmp_path):
     rows = list(csv.DictReader(log_path.open()))
     assert list(rows[0]) == COLUMNS
     assert [r["kind"] for r in rows] == ["warmup", "sample", "sample", "best"]
-    assert all(float(r["score_bytes_per_s"]) > 0 for r in rows)
+    assert all(float(r["score"]) > 0 and r["unit"] == "bytes/s" for r in rows)
     assert (tmp_path / "tune.knobs.json").exists()
     assert any("warmup sample" in line for line in lines)
     assert any("sample 2/2" in line and "left" in line for line in lines)
@@ -166,7 +166,7 @@ def test_log_schema_and_resume(tmp_path):
     log.append(samples[2], "sample")
     with path.open() as f:
         header = f.readline().strip().split(",")
-    assert header == COLUMNS and "score_bytes_per_s" in header
+    assert header == COLUMNS and {"score", "unit", "searched", "cost"} <= set(header)
     # a log that ended before tuning did still resumes at its best scored row
     assert load_best_knobs(path) == Knobs(cycle_time_ms=0.25)
     knobs_file = log.finish(samples[1])
