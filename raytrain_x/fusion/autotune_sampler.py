@@ -36,7 +36,7 @@ BATCHING_FIXED_BUCKETS = "fixed buckets"  # buckets of a size the user fixed
 class Advisor(Protocol):
     """What the sampler asks for the next knobs (the controller, in-process or an actor)."""
 
-    def begin(self, searched: list[str]) -> None: ...
+    def begin(self, searched: list[str]) -> list[str]: ...
 
     def report(self, score: float) -> dict[str, Any]: ...
 
@@ -64,21 +64,18 @@ class AutotuneSampler:
         request_knobs: asks the engine to switch every rank's knobs.
         emit: prints a progress line (default: print, flushed).
         shape: the world's size and layout (which dimensions can matter).
-        fixed: knob names the user fixed (reported as such, never searched).
         clock: seconds, monotonic (tests pass their own).
     """
 
     def __init__(self, config: AutotuneConfig, advisor: Advisor,
                  request_knobs: Callable[[Knobs], None],
                  emit: Callable[[str], None] | None = None,
-                 shape: JobShape | None = None, fixed: frozenset[str] = frozenset(),
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 shape: JobShape | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.advisor = advisor
         self.request_knobs = request_knobs
         self.emit = emit or (lambda line: print(line, flush=True))
         self.shape = shape or JobShape()
-        self.fixed = fixed
         self.clock = clock
         self.log = AutotuneLog(config.log_file) if config.log_file else None
         self.samples: list[Sample] = []
@@ -164,12 +161,16 @@ class AutotuneSampler:
             self._tuning_steps += n
 
     def _observe(self, responses: list[Response]) -> None:
+        fusable = 0
         for r in responses:
             if r.meta.kind == ALLREDUCE and len(self._allreduce_names) <= 1 << 20:
                 self._allreduce_names.add(r.name)
-                self._fusable = self._fusable or r.meta.fuse
+                fusable += r.meta.fuse and not r.error
             elif r.meta.kind == ALLGATHER:
                 self._allgathers = True
+        # fusion can only matter where a cycle has two requests to fuse (a lone metric
+        # allreduce now and then is not a batch)
+        self._fusable = self._fusable or fusable >= 2
 
     def _reset_window(self) -> None:
         self._seen.clear()
@@ -274,8 +275,11 @@ class AutotuneSampler:
 
     def _begin(self, knobs: Knobs) -> None:
         """Decides which knobs the search moves, from what the job did so far."""
-        self.searched, self.left_out = self.relevant_dimensions(knobs)
-        self.advisor.begin(list(self.searched))
+        relevant, self.left_out = self.relevant_dimensions(knobs)
+        self.searched = self.advisor.begin(relevant)  # the advisor drops fixed knobs
+        for name in relevant:
+            if name not in self.searched:
+                self.left_out[name] = "fixed by the user"
         skipped = "; ".join(f"{n}: {why}" for n, why in self.left_out.items())
         self.emit(f"raytrain-x autotune: searching {', '.join(self.searched) or 'nothing'}"
                   f"{' (left out: ' + skipped + ')' if skipped else ''}; score in {self.unit}")
@@ -283,24 +287,20 @@ class AutotuneSampler:
     def relevant_dimensions(self, knobs: Knobs) -> tuple[list[str], dict[str, str]]:
         """(knobs to search, {knob: why it is left out}) for this job as observed."""
         out: dict[str, str] = {}
-        for name in Knobs.specs():
-            if name in self.fixed:
-                out[name] = "fixed by the user"
-        if "fusion_threshold_bytes" not in out and not self._fusable \
+        if not self._fusable \
                 and BATCHING_BUCKETS not in self.batching:
             out["fusion_threshold_bytes"] = (
                 "every allreduce is a bucket of a size the user fixed (bucket_cap_mb)"
                 if BATCHING_FIXED_BUCKETS in self.batching else "no fusable allreduce")
         names = len(self._allreduce_names)
-        if "cache_capacity" not in out and 0 < names <= knobs.cache_capacity:
+        if 0 < names <= knobs.cache_capacity:
             out["cache_capacity"] = (f"all {names} allreduce names fit in {knobs.cache_capacity} "
                                      "entries")
         if not self.shape.multi_level:
             why = "needs several hosts with several workers each"
-            out.setdefault("hierarchical_allreduce", why)
-            out.setdefault("hierarchical_allgather", why)
+            out["hierarchical_allreduce"] = out["hierarchical_allgather"] = why
         elif not self._allgathers:
-            out.setdefault("hierarchical_allgather", "no allgather")
+            out["hierarchical_allgather"] = "no allgather"
         return [n for n in Knobs.specs() if n not in out], out
 
     def _decide(self, scored: list[Sample], now: float) -> None:

@@ -153,8 +153,7 @@ def init(
         if config is not None and rdv.rank == 0:
             advisor = (_advisor_factory or _local_advisor)(config, knobs, _fixed_knobs)
             shape = JobShape(size=rdv.size, multi_level=_engine.multi_level())
-            _sampler = AutotuneSampler(config, advisor, _engine.request_knobs, shape=shape,
-                                       fixed=_fixed_knobs)
+            _sampler = AutotuneSampler(config, advisor, _engine.request_knobs, shape=shape)
             _sampler.batching.update(_batching)
             if _batch_size:
                 _sampler.samples_per_step = _batch_size * rdv.size

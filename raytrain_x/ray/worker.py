@@ -27,8 +27,8 @@ class ActorAdvisor:
     def __init__(self, actor: Any) -> None:
         self.actor = actor
 
-    def begin(self, searched: list[str]) -> None:
-        ray.get(self.actor.begin.remote(searched))
+    def begin(self, searched: list[str]) -> list[str]:
+        return ray.get(self.actor.begin.remote(searched))
 
     def report(self, score: float) -> dict[str, Any]:
         return ray.get(self.actor.report.remote(score))

@@ -16,9 +16,11 @@ from raytrain_x.fusion import runtime as _runtime
 from raytrain_x.fusion.runtime import (
     ProcessSet,
     add_process_set,
+    autotune_batch_size,
     global_process_set,
     init,
     is_initialized,
+    mark_step,
     remove_process_set,
     shutdown,
 )

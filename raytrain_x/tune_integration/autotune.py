@@ -23,7 +23,7 @@ log = logging.getLogger("raytrain_x.autotune")
 # bucket anyway, so they only add poor points to explore.
 FUSION_LOG2 = (19.0, 28.0)
 FUSION_OFF_BELOW = 20.0
-CYCLE_LOG10 = (-1.0, math.log10(50.0))  # 0.1 .. 50 ms on a log scale
+CYCLE_LOG10 = (-1.0, math.log10(25.0))  # 0.1 .. 25 ms on a log scale
 CACHE_LOG2 = (-1.0, 12.0)  # below 0 means cache off, else 2^x entries (up to 4096)
 
 
@@ -112,11 +112,12 @@ class AutotuneController:
         self._rng = random.Random(config.seed)
         self._began = False
 
-    def begin(self, searched: list[str] | None = None) -> None:
+    def begin(self, searched: list[str] | None = None) -> list[str]:
         """Starts the search over `searched` (the knobs that can matter in this job, as the
-        sampler observed it; every free knob when None). Fixed knobs stay fixed."""
+        sampler observed it; every free knob when None). Fixed knobs stay fixed. Returns
+        the knobs searched."""
         if self._began:
-            return
+            return self.free_knobs
         self._began = True
         if searched is not None:
             self.space = self.space.restricted_to(searched)
@@ -131,6 +132,7 @@ class AutotuneController:
                 random_state=self.config.seed, skip_duplicate=False,
                 patience=10**6)  # repeats are handled in _next_unmeasured
             self._searcher.optimizer.set_gp_params(alpha=self.config.gaussian_process_noise)
+        return self.free_knobs
 
     def _trial_id(self) -> str:
         return f"sample{self._trial}"

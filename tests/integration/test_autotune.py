@@ -16,6 +16,7 @@ from raytrain_x import Knobs
 from raytrain_x.common.autotune_config import AutotuneConfig
 from raytrain_x.ray import RayExecutor
 from tests.conftest import REPO
+from tests.workers import run_workers
 
 # Many small tensors: with fusion off (the start) each is its own collective.
 TENSORS, ELEMENTS = 150, 2048
@@ -74,18 +75,21 @@ def test_autotune_beats_the_starting_knobs(ray_cluster, tmp_path):
     assert results[0]["steps"] < 400  # tuning finished
     rows = list(csv.DictReader(log_path.open()))
     kinds = [r["kind"] for r in rows]
-    # 5 search samples, then the best candidate other than the start measured again
-    assert kinds == ["warmup"] + ["sample"] * 5 + ["confirm", "best"]
+    # 5 search samples, then the best candidate other than the start measured again (an
+    # `after` row follows only if training goes on long enough to measure it)
+    assert kinds[:8] == ["warmup"] + ["sample"] * 5 + ["confirm", "best"]
+    assert {r["unit"] for r in rows[:8]} == {"bytes/s"}  # no step marks: bytes per second
+    assert rows[1]["searched"] == "fusion_threshold_bytes+cycle_time_ms"
     assert int(rows[1]["fusion_threshold_bytes"]) == 0  # the first sample is the start
     assert rows[6]["fusion_threshold_bytes"] != "0"
     means: dict[str, list[float]] = {}
     for r in rows[1:7]:
         means.setdefault(r["fusion_threshold_bytes"] + "/" + r["cycle_time_ms"], []).append(
-            float(r["score_bytes_per_s"]))
+            float(r["score"]))
     means = {k: sum(v) / len(v) for k, v in means.items()}
-    best = rows[-1]
+    best = next(r for r in rows if r["kind"] == "best")
     best_key = best["fusion_threshold_bytes"] + "/" + best["cycle_time_ms"]
-    assert float(best["score_bytes_per_s"]) == pytest.approx(means[best_key])  # mean score
+    assert float(best["score"]) == pytest.approx(means[best_key])  # mean score
     assert means[best_key] == max(means.values())  # the start is far behind here
     assert results[0]["knobs"]["fusion_threshold_bytes"] == int(best["fusion_threshold_bytes"])
     rates = results[0]["rates"]
@@ -96,7 +100,7 @@ def test_autotune_beats_the_starting_knobs(ray_cluster, tmp_path):
                           str(log_path), "--plot", str(plot)], capture_output=True, text=True,
                          cwd=REPO, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "best: fusion" in out.stdout and plot.stat().st_size > 10_000
+    assert "best: bucket/fusion" in out.stdout and plot.stat().st_size > 10_000
 
 
 def _resumed() -> dict:
@@ -118,3 +122,60 @@ def test_resume_starts_at_the_best_knobs_without_tuning(ray_cluster, tmp_path):
                      autotune=config) as executor:
         results = executor.run(_resumed)
     assert all(r["knobs"] == best.to_dict() and not r["tuning"] for r in results)
+
+
+def _optimizer_with_autotune(log: str, bucket_cap_mb) -> dict:
+    import raytrain_x.torch as rx
+    from raytrain_x.common.workloads import shaped_model
+    from raytrain_x.fusion import runtime
+
+    config = AutotuneConfig(log_file=log, warmup_samples=1, steps_per_sample=3,
+                            bayes_opt_max_samples=5, convergence_patience=0)
+    rx.init(autotune=config)
+    rx.autotune_batch_size(16)
+    model = shaped_model([(256, 64)] * 6 + [(64,)] * 6)
+    opt = rx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3),
+                                  named_parameters=model.named_parameters(),
+                                  bucket_cap_mb=bucket_cap_mb)
+    scale = torch.ones(())
+    for step in range(1, 400):
+        opt.zero_grad()
+        model(scale).backward()
+        opt.step()  # marks the step
+        if step % 4 == 0:
+            sampler = runtime.autotune_sampler()
+            done = torch.tensor([1.0 if sampler is None or sampler.finished else 0.0])
+            if rx.allreduce(done, op=rx.Min, name=f"done{step}").item() == 1.0:
+                break
+    return {"knobs": rx.knobs().to_dict(), "cap": opt.bucket_cap_bytes,
+            "rebuilds": opt.rebuilds, "steps": step}
+
+
+@pytest.mark.parametrize("bucket_cap_mb,searched", [(None, "fusion_threshold_bytes+cycle_time_ms"),
+                                                    (1.0, "cycle_time_ms")])
+def test_autotune_on_the_default_optimizer_path(tmp_path, bucket_cap_mb, searched):
+    log_path = tmp_path / "tune.csv"
+    results = run_workers(_optimizer_with_autotune, 2, str(log_path), bucket_cap_mb,
+                          timeout=240)
+    assert results[0]["steps"] < 399  # tuning and its cost measurement finished
+    assert results[0]["knobs"] == results[1]["knobs"]
+    assert results[0]["rebuilds"] == results[1]["rebuilds"]  # the same steps on both ranks
+    rows = list(csv.DictReader(log_path.open()))
+    assert [r["kind"] for r in rows][-2:] == ["best", "after"]
+    scored = [r for r in rows if r["kind"] in ("sample", "confirm", "best")]
+    assert {r["unit"] for r in scored} == {"samples/s"}  # step marks x batch size 16 x 2
+    assert {r["searched"] for r in scored} == {searched}
+    after = rows[-1]
+    assert float(after["cost"]) > 0.5 and int(after["tuning_steps"]) >= 5 * 3
+    if bucket_cap_mb is None:  # the buckets follow the chosen knob
+        assert results[0]["cap"] == results[0]["knobs"]["fusion_threshold_bytes"]
+        switched = {int(r["fusion_threshold_bytes"]) for r in scored}
+        assert len(switched) > 1 and results[0]["rebuilds"]
+    else:  # fixed by the user: out of the search, never rebuilt
+        assert results[0]["cap"] == 1 << 20 and results[0]["rebuilds"] == []
+        assert {r["fusion_threshold_bytes"] for r in scored} == {str(64 << 20)}
+    out = subprocess.run([str(Path(sys.executable).parent / "raytrain-x"), "autotune-report",
+                          str(log_path)], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "samples/s" in out.stdout and f"searched: {searched.replace('+', ', ')}" in out.stdout
+    assert "cost of tuning" in out.stdout

@@ -196,3 +196,121 @@ def test_config_env_round_trip(tmp_path):
     again = AutotuneConfig.from_env(config.to_env())
     assert again == config
     assert AutotuneConfig.from_env({}) is None
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _bucket(name: str) -> Response:
+    return Response(name, Meta("allreduce", "float32", (1024,), "average", fuse=False))
+
+
+def _run_marked(sampler, clock, step_s, cycles=2000, stop=lambda s: s.finished):
+    """Drives `sampler` as an engine would: two bucket cycles per step, a mark per step.
+    `step_s(knobs)` is how long a step takes at those knobs."""
+    knobs, requested = Knobs(), sampler.request_knobs.__self__
+    for i in range(cycles):
+        if requested and knobs != requested[-1]:
+            knobs = requested[-1]
+        clock.now += step_s(knobs) / 2
+        sampler.on_cycle(knobs, i, [_bucket("grad.bucket0")])
+        clock.now += step_s(knobs) / 2
+        sampler.on_cycle(knobs, i, [_bucket("grad.bucket1")])
+        sampler.mark_step()
+        if stop(sampler):
+            return knobs
+    raise AssertionError("the sampler never finished")
+
+
+def _marked_sampler(tmp_path, **config_kwargs):
+    from raytrain_x.fusion.autotune_sampler import BATCHING_BUCKETS
+
+    config = AutotuneConfig(log_file=str(tmp_path / "tune.csv"), warmup_samples=1,
+                            steps_per_sample=3, sub_windows=3, **config_kwargs)
+    clock = _Clock()
+    lines: list[str] = []
+    sampler = AutotuneSampler(config, AutotuneController(config, Knobs(), frozenset()), [].append,
+                              lines.append, clock=clock)
+    sampler.batching.add(BATCHING_BUCKETS)
+    return sampler, clock, lines
+
+
+def test_step_marks_drive_the_score(tmp_path):
+    sampler, clock, lines = _marked_sampler(tmp_path, bayes_opt_max_samples=3,
+                                            convergence_patience=0, early_stop_ratio=0)
+    sampler.samples_per_step = 32  # rx.autotune_batch_size(16) on 2 workers
+    _run_marked(sampler, clock, lambda k: 0.1 if k == Knobs() else 0.08)
+    rows = list(csv.DictReader((tmp_path / "tune.csv").open()))
+    scored = [r for r in rows if r["kind"] == "sample"]
+    assert all(r["unit"] == "samples/s" for r in rows if r["kind"] != "after")
+    # the start: 0.1 s per step, 32 samples per step -> 320 samples/s
+    assert float(scored[0]["score"]) == pytest.approx(320.0)
+    assert float(scored[1]["score"]) == pytest.approx(400.0)  # 0.08 s per step
+    assert any("score in samples/s" in line for line in lines)
+
+
+def test_dimensions_that_cannot_matter_are_not_searched(tmp_path):
+    from raytrain_x.fusion.autotune_sampler import BATCHING_FIXED_BUCKETS, JobShape
+
+    sampler, clock, lines = _marked_sampler(tmp_path, bayes_opt_max_samples=3)
+    _run_marked(sampler, clock, lambda k: 0.1, stop=lambda s: s.searched is not None)
+    # one host: no hierarchy; 2 names fit the cache; buckets follow the fusion threshold
+    assert sampler.searched == ["fusion_threshold_bytes", "cycle_time_ms"]
+    assert set(sampler.advisor.free_knobs) == {"fusion_threshold_bytes", "cycle_time_ms"}
+    assert any("searching fusion_threshold_bytes, cycle_time_ms" in line
+               and "hierarchical_allreduce: needs several hosts" in line for line in lines)
+    rows = list(csv.DictReader((tmp_path / "tune.csv").open()))
+    assert rows[1]["searched"] == "fusion_threshold_bytes+cycle_time_ms"
+
+    config = AutotuneConfig()
+    controller = AutotuneController(config, Knobs(cache_capacity=2),
+                                    frozenset({"cycle_time_ms"}))
+    fixed = AutotuneSampler(config, controller, [].append, [].append, shape=JobShape(4, True))
+    fixed.batching.add(BATCHING_FIXED_BUCKETS)  # bucket_cap_mb given by the user
+    fixed._observe([_bucket(f"grad.bucket{i}") for i in range(3)])
+    fixed._begin(Knobs(cache_capacity=2))
+    assert fixed.searched == ["cache_capacity", "hierarchical_allreduce"]  # 3 names > 2
+    assert controller.free_knobs == fixed.searched
+    assert "bucket_cap_mb" in fixed.left_out["fusion_threshold_bytes"]
+    assert fixed.left_out["cycle_time_ms"] == "fixed by the user"
+    assert fixed.left_out["hierarchical_allgather"] == "no allgather"
+    lone = AutotuneSampler(config, None, [].append)
+    lone._observe([_response("done4")])  # a metric allreduce alone in its cycle
+    assert "fusion_threshold_bytes" not in lone.relevant_dimensions(Knobs())[0]
+    per_tensor = AutotuneSampler(AutotuneConfig(), None, [].append)
+    per_tensor._observe([_response("a"), _response("b")])  # fusable requests
+    assert "fusion_threshold_bytes" in per_tensor.relevant_dimensions(Knobs())[0]
+
+
+def test_a_clearly_worse_sample_stops_after_one_sub_window(tmp_path):
+    sampler, clock, lines = _marked_sampler(tmp_path, bayes_opt_max_samples=6,
+                                            convergence_patience=0)
+    # every setting but the start is 3x slower: each is cut after its first sub-window
+    _run_marked(sampler, clock, lambda k: 0.1 if k == Knobs() else 0.3)
+    rows = list(csv.DictReader((tmp_path / "tune.csv").open()))
+    search = [r for r in rows if r["kind"] == "sample"][1:]
+    assert search and all(float(r["score"]) == pytest.approx(1 / 0.3, rel=1e-3) for r in search)
+    assert sum("stopped early" in line for line in lines) == len(search)
+    steps = [int(r["engine_step"]) for r in rows if r["kind"] == "sample"]
+    # a cut sample takes 1 step and the switch 2, a full one 3 + 2
+    assert all(b - a == 3 for a, b in zip(steps[1:], steps[2:]))
+
+
+def test_the_cost_of_tuning_is_measured_after_it(tmp_path):
+    sampler, clock, lines = _marked_sampler(tmp_path, bayes_opt_max_samples=4,
+                                            convergence_patience=0, early_stop_ratio=0)
+    final = _run_marked(sampler, clock, lambda k: 0.1 if k.cycle_time_ms > 0.5 else 0.05)
+    assert sampler.done and sampler.finished
+    cost = sampler.cost
+    assert cost.after_step_s == pytest.approx(0.05 if final.cycle_time_ms <= 0.5 else 0.1)
+    # every tuning step took 0.05 or 0.1 s, so the cost lies between 1x and 2x
+    assert 1.0 <= cost.ratio <= 2.0 and cost.tuning_steps >= 4 * 3
+    rows = list(csv.DictReader((tmp_path / "tune.csv").open()))
+    assert [r["kind"] for r in rows][-2:] == ["best", "after"]
+    assert float(rows[-1]["cost"]) == pytest.approx(cost.ratio, rel=1e-3)
+    assert any("cost" in line and "the start" in line for line in lines)
