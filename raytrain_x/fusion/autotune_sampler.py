@@ -70,7 +70,8 @@ class AutotuneSampler:
     def __init__(self, config: AutotuneConfig, advisor: Advisor,
                  request_knobs: Callable[[Knobs], None],
                  emit: Callable[[str], None] | None = None,
-                 shape: JobShape | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 shape: JobShape | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.advisor = advisor
         self.request_knobs = request_knobs
