@@ -70,7 +70,7 @@ class AutotuneConfig:
     min_improvement: float = 0.02
     confirm_top: int = 2
     sub_windows: int = 3
-    early_stop_ratio: float = 0.8
+    early_stop_ratio: float = 0.9
     initial_knobs: Knobs | None = None
     resume_from: str | None = None
     seed: int = 0

@@ -26,6 +26,14 @@ def many_small_shapes(count: int = 400, elements: int = 2048) -> list[tuple[int,
     return [(elements,) for _ in range(count)]
 
 
+def many_layers_shapes(count: int = 400) -> list[tuple[int, ...]]:
+    """A transformer-like stack of many small layers: `count` tensors of 16K-128K float32
+    elements (16M in all, 64 MB), where per-request overhead dominates."""
+    block = [(128, 128), (128, 256), (128, 128), (256, 256), (128, 128), (256, 512),
+             (128, 128), (128, 256)]  # 16K, 32K, 16K, 64K, 16K, 128K, 16K, 32K elements
+    return [block[i % len(block)] for i in range(count)]
+
+
 def shaped_model(shapes: list[tuple[int, ...]]):
     """A torch module whose parameters have `shapes` and whose backward produces every
     gradient in reverse registration order, as a real network's would; the gradient of

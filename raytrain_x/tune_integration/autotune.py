@@ -125,10 +125,15 @@ class AutotuneController:
         if dims:
             from ray.tune.search.bayesopt import BayesOptSearch
 
+            # Every result is registered at once (no buffered "random" phase: its
+            # suggestions come from a GP that has not seen the buffered results, so they
+            # repeat one corner). A milder UCB than the default 2.576 spends fewer samples
+            # on corners: every sample is training time.
             self._searcher = BayesOptSearch(
                 space=dict(dims),
                 metric="score", mode="max",
-                random_search_steps=min(4, max(1, self.config.bayes_opt_max_samples // 4)),
+                utility_kwargs={"kind": "ucb", "kappa": 1.5, "xi": 0.0},
+                random_search_steps=0,
                 random_state=self.config.seed, skip_duplicate=False,
                 patience=10**6)  # repeats are handled in _next_unmeasured
             self._searcher.optimizer.set_gp_params(alpha=self.config.gaussian_process_noise)
@@ -155,7 +160,9 @@ class AutotuneController:
 
     def best(self) -> tuple[Knobs, float]:
         """The best setting by mean score, among the confirmed ones (measured twice) and the
-        start once any is confirmed; the start wins ties within the noise floor."""
+        start once any is confirmed. The start wins unless beaten by more than the noise
+        floor: `min_improvement`, or the spread seen between repeated measurements of one
+        setting when that is wider."""
         if not self.samples:
             return self.start, 0.0
         scores = self._scores()
@@ -163,9 +170,16 @@ class AutotuneController:
         confirmed = {k: m for k, m in means.items() if len(scores[k]) > 1 or k == self.start}
         pool = confirmed if len(confirmed) > 1 else means
         knobs, score = max(pool.items(), key=lambda item: item[1])
-        if score <= means[self.start] * (1 + self.config.min_improvement):
+        if score <= means[self.start] * (1 + max(self.config.min_improvement, self.noise())):
             return self.start, means[self.start]
         return knobs, score
+
+    def noise(self) -> float:
+        """Median relative spread, (max - min) / mean, of settings measured more than once:
+        what one setting's score moves by between measurements on this machine."""
+        spreads = [(max(v) - min(v)) / _mean(v) for v in self._scores().values()
+                   if len(v) > 1 and _mean(v) > 0]
+        return sorted(spreads)[(len(spreads) - 1) // 2] if spreads else 0.0  # lower median
 
     def report(self, score: float) -> dict[str, Any]:
         """Records the score of `self.current`; returns the next knobs and whether done."""
@@ -186,7 +200,8 @@ class AutotuneController:
                                         and self._since_best >= self.config.convergence_patience))
             if not self._confirming:
                 if len(self.samples) == 1:  # the start was measured outside the searcher
-                    self._searcher.optimizer.register(self.space.to_point(self.start), 1.0)
+                    self._searcher.optimizer.register(self.space.to_point(self.start),
+                                                      score / self._reference)
                 else:
                     self._searcher.on_trial_complete(self._trial_id(),
                                                      {"score": score / self._reference})
@@ -213,14 +228,17 @@ class AutotuneController:
 
     def _next_confirmation(self) -> Knobs | None:
         """The best-ranked leader still measured only once, or None when the top
-        `confirm_top` are all confirmed. The start needs no second chance to stay, so it is
-        measured again only when it is among several leaders."""
+        `confirm_top` are all confirmed. When another setting leads, the start is measured
+        once more too: its first measurement came right after warmup, and a job that still
+        speeds up over its first minutes would make any later setting look better."""
         scores = self._scores()
         top = sorted(scores, key=lambda k: _mean(scores[k]), reverse=True)
         top = top[: self.config.confirm_top]
         for knobs in top:
             if len(scores[knobs]) < 2 and not (knobs == self.start and len(top) == 1):
                 return knobs
+        if top and top[0] != self.start and len(scores[self.start]) < 2:
+            return self.start
         return None
 
     def _next_unmeasured(self) -> Knobs:

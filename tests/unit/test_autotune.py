@@ -82,8 +82,9 @@ def test_search_improves_a_bad_start_and_stops_at_max_samples():
     # the search stops 3 samples early (2 x confirm_top, at most a quarter of 12) ...
     assert len(set(measured[:9])) == 9  # ... and never spends a sample on a repeat
     ranked = sorted(set(measured[:9]), key=_score, reverse=True)
-    assert measured[9:] == ranked[:2]  # then the top 2 are measured again: confirmed
-    assert len(measured) == 11  # within bayes_opt_max_samples
+    assert measured[9:11] == ranked[:2]  # then the top 2 are measured again: confirmed
+    assert measured[11] == start  # and the start once more, late, as the candidates were
+    assert len(measured) == 12  # within bayes_opt_max_samples
     assert controller.best()[0] == ranked[0]
     assert _score(controller.best()[0]) > 3 * _score(start)
 
