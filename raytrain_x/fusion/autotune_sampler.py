@@ -206,31 +206,35 @@ class AutotuneSampler:
         else:
             per_window = max(1, self.config.steps_per_sample // self.config.sub_windows)
             window_full = self._steps % per_window == 0
+        elapsed = max(now - self._window_start, 1e-9)
+        if self._step_mode:
+            rate = self._window_steps * (self.samples_per_step or 1) / elapsed
+        else:
+            rate = self._window_bytes / elapsed
         if window_full:
-            elapsed = max(now - self._window_start, 1e-9)
-            if self._step_mode:
-                rate = self._window_steps * (self.samples_per_step or 1) / elapsed
-            else:
-                rate = self._window_bytes / elapsed
             self._rates.append(rate)
             self._window_start = now
             self._window_bytes = self._window_steps = 0
-            if self._clearly_worse(rate):
-                self._finish_sample(knobs, step, rate, now, cut=True)
-                return
+        if self._clearly_worse(rate, window_full):
+            self._finish_sample(knobs, step, rate, now, cut=True)
+            return
         if len(self._rates) >= self.config.sub_windows:
             self._finish_sample(knobs, step, statistics.median(self._rates), now)
 
     def _in_warmup_time(self, now: float) -> bool:
         return bool(self.config.warmup_time_s and now - self._started < self.config.warmup_time_s)
 
-    def _clearly_worse(self, rate: float) -> bool:
-        """True when a search sample's first sub-window is far below the best so far: the
-        rest of the sample would only cost training time (leaders are never cut)."""
+    def _clearly_worse(self, rate: float, window_full: bool) -> bool:
+        """True when a search sample is far below the best so far, so the rest of it would
+        only cost training time: below `early_stop_ratio` of the best mean after its first
+        sub-window, or below `early_stop_ratio - 0.3` after any step before that (a setting
+        several times slower is seen in one step). Leaders being confirmed are never cut."""
         ratio = self.config.early_stop_ratio
         if not ratio or self._confirming or self._warmups_left or self.best is None:
             return False
-        return len(self._rates) == 1 and rate < ratio * self.best.score
+        if window_full:
+            return len(self._rates) == 1 and rate < ratio * self.best.score
+        return not self._rates and self._step_mode and rate < (ratio - 0.3) * self.best.score
 
     # ------------------------------------------------------------------ samples
     def _finish_sample(self, knobs: Knobs, step: int, score: float, now: float,

@@ -31,8 +31,11 @@ class _Bucket:
         self.name = f"grad.bucket{index}"
         self.params = params
         first = params[0]
-        self.flat = torch.zeros(sum(p.numel() for p in params), dtype=first.dtype,
-                                device=first.device)
+        numel = sum(p.numel() for p in params)
+        # every view is overwritten by attach() when each parameter has a gradient already
+        # (a rebuild); only a first build needs zeros
+        fill = torch.empty if all(p.grad is not None for p in params) else torch.zeros
+        self.flat = fill(numel, dtype=first.dtype, device=first.device)
         self.views: dict[torch.Tensor, torch.Tensor] = {}
         offset = 0
         for p in params:

@@ -127,12 +127,12 @@ class AutotuneController:
 
             # Every result is registered at once (no buffered "random" phase: its
             # suggestions come from a GP that has not seen the buffered results, so they
-            # repeat one corner). A milder UCB than the default 2.576 spends fewer samples
+            # repeat one corner). A milder UCB (kappa 1) than the default 2.576 spends fewer samples
             # on corners: every sample is training time.
             self._searcher = BayesOptSearch(
                 space=dict(dims),
                 metric="score", mode="max",
-                utility_kwargs={"kind": "ucb", "kappa": 1.5, "xi": 0.0},
+                utility_kwargs={"kind": "ucb", "kappa": 1.0, "xi": 0.0},
                 random_search_steps=0,
                 random_state=self.config.seed, skip_duplicate=False,
                 patience=10**6)  # repeats are handled in _next_unmeasured
