@@ -6,9 +6,12 @@ Same processes, same model, measured back to back:
   ddp25        DistributedDataParallel(bucket_cap_mb=25)
   ddp<N>       DDP with other bucket sizes (--ddp-buckets)
   per_tensor   backward, then one all_reduce per gradient
-  rx           raytrain_x.torch.DistributedOptimizer
-Then peak resident memory: each of `none` (no communication), `ddp25` and `rx` runs alone
-in a fresh pair of processes for the same steps; the peak RSS of the larger rank is kept.
+  rx           raytrain_x.torch.DistributedOptimizer as the README calls it (buckets sized
+               by the fusion threshold knob, 64 MB by default)
+Then peak resident memory: each of `none` (no communication), `ddp25`, `rx` and
+`rx_rebuild` (rx whose bucket size rank 0 switches every 3 steps: 1, 256, 25 MB, 0, 64 MB,
+so every rank rebuilds its buckets five times) runs alone in a fresh pair of processes for
+the same steps; the peak RSS of the larger rank is kept.
 Prints medians and ratios; writes results/optimizer_step.json.
 
 Run: .venv/bin/python benchmarks/optimizer_step.py [--workers 2] [--repeats 10]
@@ -75,14 +78,14 @@ def _worker(rank: int, size: int, port: int, args, queue) -> None:
         rx_model = shaped_model(shapes)
         rx_opt = rx.DistributedOptimizer(torch.optim.SGD(rx_model.parameters(), lr=1e-4),
                                          named_parameters=rx_model.named_parameters(),
-                                         bucket_cap_mb=cap)
+                                         bucket_cap_mb=None if cap < 0 else cap)
 
         def rx_step():
             rx_opt.zero_grad()
             rx_model(scale).backward()
             rx_opt.step()
 
-        key = "rx" if cap == args.rx_buckets[0] else f"rx_bucket{cap:g}"
+        key = "rx" if cap < 0 else f"rx_bucket{cap:g}"
         results[key if cap else "rx_unbucketed"] = median_across_ranks(rx_step, args.repeats,
                                                                        warmup=3)
     rx.shutdown()
@@ -100,19 +103,24 @@ def _memory_worker(rank: int, size: int, port: int, method: str, steps: int, que
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     if method == "ddp25":
         model = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25)
-    elif method == "rx":
+    elif method.startswith("rx"):
         import raytrain_x.torch as rx
 
         rx.init()
         opt = rx.DistributedOptimizer(opt, named_parameters=model.named_parameters())
     scale = torch.ones(())
-    for _ in range(steps):
+    switches = [1, 256, 25, 0, 64] if method == "rx_rebuild" else []
+    for i in range(steps):
+        if switches and i % 3 == 1 and rank == 0:
+            rx.set_knobs(rx.knobs().replace(fusion_threshold_bytes=switches.pop(0) << 20))
         opt.zero_grad()
         model(scale).backward()
         opt.step()
+    if method == "rx_rebuild":
+        assert len(opt.rebuilds) == 5, opt.rebuilds
     peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024])
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    if method == "rx":
+    if method.startswith("rx"):
         rx.shutdown()
     dist.destroy_process_group()
     if rank == 0:
@@ -124,17 +132,18 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--ddp-buckets", type=float, nargs="+", default=[25.0, 4.0, 1.0, 100.0])
-    parser.add_argument("--rx-buckets", type=float, nargs="+", default=[25.0, 4.0, 0.0],
-                        help="DistributedOptimizer bucket_cap_mb values (0 = per-tensor "
-                        "allreduce through the engine's fusion); the first is reported as rx")
+    parser.add_argument("--rx-buckets", type=float, nargs="+", default=[-1.0, 25.0, 4.0, 0.0],
+                        help="DistributedOptimizer bucket_cap_mb values: -1 = not given (the "
+                        "default path: buckets follow the fusion threshold knob; reported as "
+                        "rx), 0 = per-tensor allreduce through the engine's fusion")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if 25.0 not in args.ddp_buckets:
         args.ddp_buckets.insert(0, 25.0)
 
     results = run_ranks(_worker, args.workers, args)
-    memory = {m: run_ranks(_memory_worker, args.workers, m, args.repeats + 3)
-              for m in ("none", "ddp25", "rx")}
+    memory = {m: run_ranks(_memory_worker, args.workers, m, max(args.repeats + 3, 17))
+              for m in ("none", "ddp25", "rx", "rx_rebuild")}
     ddp_keys = [k for k in results if k.startswith("ddp")]
     best_ddp = min(ddp_keys, key=lambda k: results[k])
     rows = [{"method": k, "median ms": results[k] * 1e3,
@@ -146,7 +155,8 @@ def main() -> None:
     ratios = {"rx_over_ddp25": results["rx"] / results["ddp25"],
               "rx_over_best_ddp": results["rx"] / results[best_ddp], "best_ddp": best_ddp,
               "rx_over_flat": results["rx"] / results["flat"],
-              "rx_rss_over_ddp25_rss": memory["rx"] / memory["ddp25"]}
+              "rx_rss_over_ddp25_rss": memory["rx"] / memory["ddp25"],
+              "rx_rebuild_rss_over_ddp25_rss": memory["rx_rebuild"] / memory["ddp25"]}
     print_table([{"job": m, "peak RSS MB": mb, "x ddp25": mb / memory["ddp25"]}
                  for m, mb in memory.items()], ["job", "peak RSS MB", "x ddp25"])
     print(ratios)

@@ -13,6 +13,7 @@ once more to report what tuning cost.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import statistics
@@ -65,13 +66,17 @@ class AutotuneSampler:
         emit: prints a progress line (default: print, flushed).
         shape: the world's size and layout (which dimensions can matter).
         clock: seconds, monotonic (tests pass their own).
+        background: ask the advisor on a helper thread while training goes on at the
+            current knobs (the search's GP fit takes tens of milliseconds, a remote
+            controller a round trip, and the engine thread must not wait for either);
+            False answers in place (deterministic, for tests).
     """
 
     def __init__(self, config: AutotuneConfig, advisor: Advisor,
                  request_knobs: Callable[[Knobs], None],
                  emit: Callable[[str], None] | None = None,
                  shape: JobShape | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, background: bool = True) -> None:
         self.config = config
         self.advisor = advisor
         self.request_knobs = request_knobs
@@ -108,6 +113,9 @@ class AutotuneSampler:
         # the cost of tuning: steps and time from the first scored sample to the decision
         self._tuning_start: float | None = None
         self._tuning_steps = 0
+        self._background = background
+        self._answer: concurrent.futures.Future | None = None  # the advisor's, pending
+        self._answered: tuple[Knobs, int, Sample, bool] | None = None
 
     # ------------------------------------------------------------------ user thread
     def mark_step(self) -> None:
@@ -138,6 +146,13 @@ class AutotuneSampler:
         if marks and not self._step_mode:  # explicit step marks replace inferred steps
             self._step_mode = True
             self._reset_window()
+        if self._answer is not None:  # training goes on at these knobs meanwhile
+            self._count_tuning_steps(len(marks))
+            if not self._answer.done():
+                return
+            answer, self._answer = self._answer.result(), None
+            self._on_answer(answer, self.clock())
+            return
         if self._target is not None:
             self._count_tuning_steps(len(marks))  # steps while the switch lands
             if knobs != self._target:
@@ -146,7 +161,10 @@ class AutotuneSampler:
             self._reset_window()  # the step in flight ran partly under the old knobs
             marks = []
         if self._step_mode:
-            for t in marks:
+            for i, t in enumerate(marks):
+                if self._target is not None or self._answer is not None:  # a sample ended
+                    self._count_tuning_steps(len(marks) - i)
+                    break
                 self._on_step_boundary(knobs, step, t)
         else:
             names = [r.name for r in responses]
@@ -252,10 +270,35 @@ class AutotuneSampler:
             self.emit(f"raytrain-x autotune: warmup sample {sample.index}: {describe(knobs)} -> "
                       f"{self._fmt(score)} (discarded)")
             return
-        if self.searched is None:
-            self._begin(knobs)
-        sample.searched = "+".join(self.searched or []) or "none"
-        answer = self.advisor.report(score)
+        first = self.searched is None
+        if first:
+            self.searched, self.left_out = self.relevant_dimensions(knobs)
+        self._answered = (knobs, step, sample, cut)
+        if self._background:
+            self._answer = _in_background(self._ask, score, first)
+        else:
+            self._on_answer(self._ask(score, first), now)
+
+    def _ask(self, score: float, first: bool) -> dict[str, Any]:
+        """The advisor's answer to a score (on the helper thread when in the background)."""
+        if first:
+            relevant = self.searched
+            searched = self.advisor.begin(list(relevant))  # the advisor drops fixed knobs
+            for name in relevant:
+                if name not in searched:
+                    self.left_out[name] = "fixed by the user"
+            self.searched = searched
+        return self.advisor.report(score)
+
+    def _on_answer(self, answer: dict[str, Any], now: float) -> None:
+        knobs, step, sample, cut = self._answered
+        if sample.index == min(s.index for s in self.samples if not s.warmup):
+            skipped = "; ".join(f"{n}: {why}" for n, why in self.left_out.items())
+            self.emit(f"raytrain-x autotune: searching {', '.join(self.searched) or 'nothing'}"
+                      f"{' (left out: ' + skipped + ')' if skipped else ''}; score in "
+                      f"{self.unit}")
+        sample.searched = "+".join(self.searched) or "none"
+        score = sample.score
         scored = [s for s in self.samples if not s.warmup]
         best_knobs = Knobs(**answer["best"])
         latest = next((s for s in reversed(scored) if s.knobs == best_knobs), scored[0])
@@ -277,17 +320,6 @@ class AutotuneSampler:
             self.request_knobs(nxt)
         else:
             self._reset_window()
-
-    def _begin(self, knobs: Knobs) -> None:
-        """Decides which knobs the search moves, from what the job did so far."""
-        relevant, self.left_out = self.relevant_dimensions(knobs)
-        self.searched = self.advisor.begin(relevant)  # the advisor drops fixed knobs
-        for name in relevant:
-            if name not in self.searched:
-                self.left_out[name] = "fixed by the user"
-        skipped = "; ".join(f"{n}: {why}" for n, why in self.left_out.items())
-        self.emit(f"raytrain-x autotune: searching {', '.join(self.searched) or 'nothing'}"
-                  f"{' (left out: ' + skipped + ')' if skipped else ''}; score in {self.unit}")
 
     def relevant_dimensions(self, knobs: Knobs) -> tuple[list[str], dict[str, str]]:
         """(knobs to search, {knob: why it is left out}) for this job as observed."""
@@ -344,3 +376,17 @@ class AutotuneSampler:
         if self.unit == "bytes/s":
             return f"{score / 1e6:.1f} MB/s"
         return f"{score:.3g} {self.unit}"
+
+
+def _in_background(fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+    """Runs `fn(*args)` on a daemon thread (never holds up interpreter exit)."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 - re-raised by future.result()
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="raytrain-x-autotune", daemon=True).start()
+    return future

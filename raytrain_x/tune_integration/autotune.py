@@ -111,6 +111,8 @@ class AutotuneController:
         self._confirming = False
         self._rng = random.Random(config.seed)
         self._began = False
+        if self.space.dimensions():  # import now (~0.8 s), not inside the tuning phase
+            import ray.tune.search.bayesopt  # noqa: F401
 
     def begin(self, searched: list[str] | None = None) -> list[str]:
         """Starts the search over `searched` (the knobs that can matter in this job, as the

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import time
 
 import pytest
 
@@ -138,11 +139,13 @@ def test_sampler_scores_steps_and_switches_knobs(tmp_path):
                                                                 "hierarchical_allgather"}))
     requested: list[Knobs] = []
     lines: list[str] = []
-    sampler = AutotuneSampler(config, controller, requested.append, lines.append)
+    sampler = AutotuneSampler(config, controller, requested.append, lines.append)  # background
     knobs = Knobs()
     step = 0
-    while not sampler.done and step < 500:
+    while not sampler.done and step < 20000:
         step += 1
+        if sampler._answer is not None:  # asked in the background: training goes on
+            time.sleep(0.001)
         if requested and knobs != requested[-1]:
             knobs = requested[-1]  # the engine applies the request a cycle later
         sampler.on_cycle(knobs, step, [_response("a"), _response("b")])
@@ -236,7 +239,7 @@ def _marked_sampler(tmp_path, **config_kwargs):
     clock = _Clock()
     lines: list[str] = []
     sampler = AutotuneSampler(config, AutotuneController(config, Knobs(), frozenset()), [].append,
-                              lines.append, clock=clock)
+                              lines.append, clock=clock, background=False)
     sampler.batching.add(BATCHING_BUCKETS)
     return sampler, clock, lines
 
@@ -274,7 +277,8 @@ def test_dimensions_that_cannot_matter_are_not_searched(tmp_path):
     fixed = AutotuneSampler(config, controller, [].append, [].append, shape=JobShape(4, True))
     fixed.batching.add(BATCHING_FIXED_BUCKETS)  # bucket_cap_mb given by the user
     fixed._observe([_bucket(f"grad.bucket{i}") for i in range(3)])
-    fixed._begin(Knobs(cache_capacity=2))
+    fixed.searched, fixed.left_out = fixed.relevant_dimensions(Knobs(cache_capacity=2))
+    fixed._ask(1.0, first=True)
     assert fixed.searched == ["cache_capacity", "hierarchical_allreduce"]  # 3 names > 2
     assert controller.free_knobs == fixed.searched
     assert "bucket_cap_mb" in fixed.left_out["fusion_threshold_bytes"]
