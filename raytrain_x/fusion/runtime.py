@@ -56,9 +56,9 @@ def set_autotune_advisor_factory(factory: AdvisorFactory | None) -> None:
 
 
 def _local_advisor(config: AutotuneConfig, start: Knobs, fixed: frozenset) -> Advisor:
-    from raytrain_x.tune_integration.autotune import AutotuneController
+    from raytrain_x.tune_integration.autotune import local_controller
 
-    return AutotuneController(config, start, fixed)
+    return local_controller(config, start, fixed)
 
 
 class ProcessSet:
