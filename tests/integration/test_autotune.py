@@ -138,7 +138,10 @@ def _optimizer_with_autotune(log: str, bucket_cap_mb) -> dict:
                                   named_parameters=model.named_parameters(),
                                   bucket_cap_mb=bucket_cap_mb)
     scale = torch.ones(())
-    for step in range(1, 400):
+    deadline = time.monotonic() + 150  # steps are tiny: the searcher answers a few later
+    step = 0
+    while time.monotonic() < deadline:
+        step += 1
         opt.zero_grad()
         model(scale).backward()
         opt.step()  # marks the step
@@ -147,8 +150,9 @@ def _optimizer_with_autotune(log: str, bucket_cap_mb) -> dict:
             done = torch.tensor([1.0 if sampler is None or sampler.finished else 0.0])
             if rx.allreduce(done, op=rx.Min, name=f"done{step}").item() == 1.0:
                 break
+    sampler = runtime.autotune_sampler()
     return {"knobs": rx.knobs().to_dict(), "cap": opt.bucket_cap_bytes,
-            "rebuilds": opt.rebuilds, "steps": step}
+            "rebuilds": opt.rebuilds, "finished": sampler is None or sampler.finished}
 
 
 @pytest.mark.parametrize("bucket_cap_mb,searched", [(None, "fusion_threshold_bytes+cycle_time_ms"),
@@ -156,8 +160,8 @@ def _optimizer_with_autotune(log: str, bucket_cap_mb) -> dict:
 def test_autotune_on_the_default_optimizer_path(tmp_path, bucket_cap_mb, searched):
     log_path = tmp_path / "tune.csv"
     results = run_workers(_optimizer_with_autotune, 2, str(log_path), bucket_cap_mb,
-                          timeout=240)
-    assert results[0]["steps"] < 399  # tuning and its cost measurement finished
+                          timeout=200)
+    assert results[0]["finished"]  # tuning and its cost measurement finished
     assert results[0]["knobs"] == results[1]["knobs"]
     assert results[0]["rebuilds"] == results[1]["rebuilds"]  # the same steps on both ranks
     rows = list(csv.DictReader(log_path.open()))
