@@ -208,6 +208,14 @@ def autotune_sampler() -> AutotuneSampler | None:
     return _sampler
 
 
+def starting_knobs() -> Knobs | None:
+    """The knobs this world's engine started with (the same on every rank), also after the
+    engine failed (a dead peer must surface inside `elastic.run`, not here); None before
+    init."""
+    eng = _engine
+    return eng.knobs_before(0) if eng is not None else None
+
+
 def mark_step() -> None:
     """Marks the end of a training step; autotune scores steps between marks.
     `DistributedOptimizer.step()` calls it; a loop without one may call it by hand."""

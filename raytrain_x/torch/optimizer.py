@@ -337,6 +337,5 @@ def _moved(p: torch.Tensor, old_of: dict, left: dict) -> None:
 def _starting_threshold() -> int:
     """The fusion threshold the engine started with: the same on every rank (rank 0's
     knobs are adopted at init), whatever switches a rank has already seen since."""
-    if runtime.is_initialized():
-        return runtime.engine().knobs_before(0).fusion_threshold_bytes
-    return load_knobs()[0].fusion_threshold_bytes
+    knobs = runtime.starting_knobs()
+    return (knobs or load_knobs()[0]).fusion_threshold_bytes
