@@ -11,6 +11,8 @@ as between hosts). In each cell, in the same pair of processes:
      cycle time {0.2, 1, 5, 25 ms};
   3. the top 3 grid points, the tuned and the default knobs measured again in interleaved
      rounds (medians: the grid's single best number is the luckiest of 28).
+Each cell also records how noisy the machine was: the spread of one setting's interleaved
+re-measurements, and a fixed CPU workload timed before and after the cell.
 Targets (all cells): tuned >= 0.95x the re-measured grid best within 20 samples; tuned >=
 0.98x the defaults; tuning-phase time / the same steps at the chosen knobs <= 1.15; and in
 any cell where the grid best is >= 10% faster than the defaults, autotune captures >= 2/3
@@ -98,10 +100,14 @@ def _worker(rank: int, size: int, port: int, args, cell, queue) -> None:
                  tuned.replace(fusion_threshold_bytes=int(mb * 2**20), cycle_time_ms=cycle)
                  for mb, cycle, _ in top}
     finalists.update({"tuned": tuned, "default": Knobs()})
-    rounds: dict[str, list[float]] = {name: [] for name in finalists}
+    # One setting is measured once per round however many names it has (the tuned knobs
+    # are often the default, or a grid point): measuring it twice would compare noise.
+    settings = list(dict.fromkeys(finalists.values()))
+    by_setting: dict[Knobs, list[float]] = {k: [] for k in settings}
     for _ in range(args.rounds):
-        for name, knobs in finalists.items():
-            rounds[name].append(measure(knobs, 2 * args.steps))
+        for knobs in settings:
+            by_setting[knobs].append(measure(knobs, 2 * args.steps))
+    rounds = {name: by_setting[knobs] for name, knobs in finalists.items()}
     rx.shutdown()
     if rank == 0:
         cost = sampler.cost
@@ -115,6 +121,20 @@ def _worker(rank: int, size: int, port: int, args, cell, queue) -> None:
 
 def _log_path(cell) -> str:
     return str(RESULTS_DIR / f"autotune_quality_{cell[0]}_{cell[1]}_log.csv")
+
+
+def _steadiness_ms() -> float:
+    """Median time of a fixed single-threaded CPU workload: compared before and after each
+    cell, it says how much the machine's speed moved while the cell ran."""
+    torch.set_num_threads(1)
+    a = torch.randn(384, 384)
+    times = []
+    for _ in range(9):
+        start = time.perf_counter()
+        for _ in range(20):
+            a @ a
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
 
 
 def _cell_result(cell, out) -> dict:
@@ -181,13 +201,18 @@ def main() -> None:
         for transport in args.transports:
             cell = (workload, transport)
             began = time.perf_counter()
+            before = _steadiness_ms()
             out = run_ranks(_worker, 2, args, cell)
             cells.append(_cell_result(cell, out))
+            cells[-1]["steadiness_ms_before_after"] = [before, _steadiness_ms()]
+            spreads = [(max(v) - min(v)) / statistics.median(v)
+                       for v in out["rounds"].values()]
+            cells[-1]["round_spread"] = statistics.median(spreads)
             print(f"[{workload}/{transport}] done in {time.perf_counter() - began:.0f} s",
                   flush=True)
     columns = ["cell", "grid_best", "grid_best_steps_s", "tuned_steps_s", "default_steps_s",
                "tuned_over_grid_best", "tuned_over_default", "grid_best_over_default",
-               "captured_gain", "samples", "cost"]
+               "captured_gain", "samples", "cost", "round_spread"]
     print_table(cells, columns)
     for c in cells:
         print(f"{c['cell']}: tuned {c['tuned_knobs']['fusion_threshold_bytes'] / 2**20:g} MB / "

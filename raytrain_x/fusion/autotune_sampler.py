@@ -276,7 +276,8 @@ class AutotuneSampler:
         self._answered = (knobs, step, sample, cut)
         if self._background:
             self._answer = _in_background(self._ask, score, first)
-            if cut and self.best is not None:  # wait at the best knobs, not at bad ones
+            severe = (self.config.early_stop_ratio - 0.3) * (self.best.score if self.best else 0)
+            if cut and score < severe:  # several times slower: wait at the best knobs
                 self.request_knobs(self.best.knobs)
         else:
             self._on_answer(self._ask(score, first), now)
