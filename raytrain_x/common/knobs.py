@@ -46,7 +46,9 @@ class Knobs:
     """Every tunable communication setting.
 
     Attributes:
-        fusion_threshold_bytes: largest fused batch in bytes; 0 turns fusion off.
+        fusion_threshold_bytes: the largest batch of gradients reduced at once, in bytes:
+            `DistributedOptimizer`'s bucket size (unless `bucket_cap_mb` fixes it) and the
+            largest fused batch of per-tensor requests; 0: every gradient on its own.
         cycle_time_ms: pause between engine cycles in milliseconds while work keeps
             arriving (a request reaching an idle engine starts a cycle at once).
         cache_capacity: response-cache entries; 0 turns the cache off.
@@ -61,7 +63,8 @@ class Knobs:
             flag="--fusion-threshold-mb",
             lo=0,
             hi=4096 * MB,
-            help="largest fused batch (flag in MB, env in bytes); 0 turns fusion off",
+            help="gradient bucket size and largest fused batch (flag in MB, env in bytes); "
+                 "0: every gradient on its own",
             kind=int,
             flag_scale=MB,
             alias="fusion_threshold_mb",
