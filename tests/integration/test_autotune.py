@@ -29,19 +29,24 @@ def _steps_per_second(rx, tensors, steps: int) -> float:
     return steps / (time.perf_counter() - start)
 
 
+def _everyone_done(rx, step: int, attr: str = "done") -> bool:
+    """True on every rank once rank 0's sampler is `attr` (an allreduce: all ranks agree)."""
+    from raytrain_x.fusion import runtime
+
+    sampler = runtime.autotune_sampler()
+    done = torch.tensor([1.0 if sampler is None or getattr(sampler, attr) else 0.0])
+    return rx.allreduce(done, op=rx.Min, name=f"done{step}").item() == 1.0
+
+
 def _train_with_autotune(start_knobs: dict) -> dict:
     import raytrain_x.torch as rx
-    from raytrain_x.fusion import runtime
 
     rx.init()
     tensors = [torch.ones(ELEMENTS) for _ in range(TENSORS)]
     for step in range(400):
         rx.grouped_allreduce_(tensors, name="grads")
-        if step % 5 == 4:
-            sampler = runtime.autotune_sampler()
-            done = torch.tensor([1.0 if sampler is None or sampler.done else 0.0])
-            if rx.allreduce(done, op=rx.Min, name=f"done{step}").item() == 1.0:
-                break
+        if step % 5 == 4 and _everyone_done(rx, step):
+            break
     tuned = rx.knobs()
     # Same run, same workers: the starting knobs against the tuned ones.
     rates = {}
@@ -82,15 +87,19 @@ def test_autotune_beats_the_starting_knobs(ray_cluster, tmp_path):
     assert rows[1]["searched"] == "fusion_threshold_bytes+cycle_time_ms"
     assert int(rows[1]["fusion_threshold_bytes"]) == 0  # the first sample is the start
     assert rows[6]["fusion_threshold_bytes"] != "0"
-    means: dict[str, list[float]] = {}
+    scores: dict[str, list[float]] = {}
     for r in rows[1:7]:
-        means.setdefault(r["fusion_threshold_bytes"] + "/" + r["cycle_time_ms"], []).append(
+        scores.setdefault(r["fusion_threshold_bytes"] + "/" + r["cycle_time_ms"], []).append(
             float(r["score"]))
-    means = {k: sum(v) / len(v) for k, v in means.items()}
+    means = {k: sum(v) / len(v) for k, v in scores.items()}
     best = next(r for r in rows if r["kind"] == "best")
     best_key = best["fusion_threshold_bytes"] + "/" + best["cycle_time_ms"]
     assert float(best["score"]) == pytest.approx(means[best_key])  # mean score
-    assert means[best_key] == max(means.values())  # the start is far behind here
+    # chosen among the confirmed settings (measured twice) and the start, by mean; a
+    # single lucky sample cannot win, and the start is far behind here
+    start_key = rows[1]["fusion_threshold_bytes"] + "/" + rows[1]["cycle_time_ms"]
+    confirmed = {k: m for k, m in means.items() if len(scores[k]) > 1 or k == start_key}
+    assert len(scores[best_key]) == 2 and means[best_key] == max(confirmed.values())
     assert results[0]["knobs"]["fusion_threshold_bytes"] == int(best["fusion_threshold_bytes"])
     rates = results[0]["rates"]
     assert rates["tuned"] > 1.5 * rates["start"], rates
@@ -145,11 +154,8 @@ def _optimizer_with_autotune(log: str, bucket_cap_mb) -> dict:
         opt.zero_grad()
         model(scale).backward()
         opt.step()  # marks the step
-        if step % 4 == 0:
-            sampler = runtime.autotune_sampler()
-            done = torch.tensor([1.0 if sampler is None or sampler.finished else 0.0])
-            if rx.allreduce(done, op=rx.Min, name=f"done{step}").item() == 1.0:
-                break
+        if step % 4 == 0 and _everyone_done(rx, step, "finished"):
+            break
     sampler = runtime.autotune_sampler()
     return {"knobs": rx.knobs().to_dict(), "cap": opt.bucket_cap_bytes,
             "rebuilds": opt.rebuilds, "finished": sampler is None or sampler.finished}
