@@ -73,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     elastic.add_argument("--reset-limit", type=int, help="most resets before the job fails")
     elastic.add_argument("--elastic-timeout", type=float, default=600.0,
                          help="seconds to wait for min-np workers")
+    elastic.add_argument("--start-timeout", type=float, default=300.0,
+                         help="seconds a new worker may take to start before it is given up on")
     _add_knob_flags(run)
     _add_autotune_flags(run)
     run.add_argument("command", nargs=argparse.REMAINDER, help="the command to run")
@@ -210,7 +212,7 @@ def _run_elastic(args, command, settings, knobs, fixed, autotune) -> int:
         reset_limit=args.reset_limit,
         cooldown_range=tuple(args.blacklist_cooldown_range)
         if args.blacklist_cooldown_range else None,
-        elastic_timeout=args.elastic_timeout,
+        elastic_timeout=args.elastic_timeout, start_timeout_s=args.start_timeout,
         host_discovery_script=args.host_discovery_script, autotune=autotune)
     executor.start(extra_env_vars=env)
     try:

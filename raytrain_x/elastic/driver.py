@@ -46,6 +46,17 @@ class _Member:
 
 
 @dataclass
+class _Pending:
+    """A worker actor asked for but not answering yet: its process may still be starting."""
+
+    actor: Any
+    node: str
+    ref: Any  # its first call (node_id): ready once the actor is up
+    asked_at: float
+    unplaced_since: float | None = None  # when it was first seen unplaced on a full node
+
+
+@dataclass
 class ElasticSettings:
     min_workers: int
     max_workers: int
@@ -60,6 +71,10 @@ class ElasticSettings:
     discovery_interval_s: float = 1.0
     env: dict[str, str] | None = None
     autotune_actor: Any = None
+    # How long a worker actor may take to start (its process, imports, runtime_env, an
+    # image pull) before it is given up on. A first start here took up to ~20 s on a busy
+    # 2-core machine (docs/elastic.md); 300 s leaves room for containers and slow nodes.
+    start_timeout_s: float = 300.0
 
 
 class ElasticJob:
@@ -80,6 +95,10 @@ class ElasticJob:
         self.rounds = 0
         self.events: list[tuple[float, str, str]] = []  # (time, what, host) for tests/logs
         self.cooldowns: list[tuple[str, float, float]] = []  # (host, failed at, seconds out)
+        self.pending: dict[Any, _Pending] = {}  # first-call ref -> a worker still starting
+        self.gave_up: list[tuple[float, str, str]] = []  # (time, host, why) per worker
+        self._gave_up_warned = False
+        self._progress_at = 0.0
         self._ids = itertools.count()
         self._ages = itertools.count()
         # The job's own actors live on the head node: worker nodes may vanish at any time.
@@ -100,10 +119,12 @@ class ElasticJob:
                     return self._finish(finished)
                 if not self.members and getattr(self, "last_failure", None) is not None:
                     raise self.last_failure  # every worker failed: the job fails
+                if self._poll_pending() and self.rounds:
+                    ray.get(self.coordinator.bump_hosts.remote())
+                    self.events.append((time.monotonic(), "scale_up", ""))
                 if time.monotonic() >= next_discovery:
-                    if self._scale_up() and self.rounds:
-                        ray.get(self.coordinator.bump_hosts.remote())
-                        self.events.append((time.monotonic(), "scale_up", ""))
+                    self._scale_up()
+                    self._check_pending()
                     next_discovery = time.monotonic() + self.s.discovery_interval_s
                 self._check_minimum()
                 self._maybe_form_round()
@@ -179,37 +200,100 @@ class ElasticJob:
         return {h: n for h, n in reported.items() if n > 0 and not self.blacklist.is_blacklisted(h)}
 
     def _scale_up(self) -> int:
-        """Starts workers on free slots up to max_workers; returns how many started."""
-        room = self.s.max_workers - len(self.members)
+        """Asks for workers on free slots up to max_workers; returns how many were asked for.
+        They join when they answer (`_poll_pending`), however long their start takes."""
+        room = self.s.max_workers - len(self.members) - len(self.pending)
         if room <= 0:
             return 0
         nodes = [node for node, slots in sorted(self._free_slots().items())
                  for _ in range(slots)][:room]
-        for node in nodes:
-            self.events.append((time.monotonic(), "place", node))
         resources = {k: v for k, v in self.per_worker.items() if k not in ("CPU", "GPU")}
-        actors = [Worker.options(
-            num_cpus=self.s.cpus_per_worker, num_gpus=self.s.gpus_per_worker,
-            resources=resources or None,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
-            for node in nodes]
-        placed = {a.node_id.remote(): (a, node) for a, node in zip(actors, nodes)}
-        # a slot that disappeared (taken by another job) must not stall the driver
-        ready, stuck = ray.wait(list(placed), num_returns=len(placed), timeout=15)
-        for ref in stuck:
-            ray.kill(placed[ref][0], no_restart=True)
-        started = [placed[ref] for ref in ready]
-        for actor, node in started:
+        now = time.monotonic()
+        for node in nodes:
+            self.events.append((now, "place", node))
+            actor = Worker.options(
+                num_cpus=self.s.cpus_per_worker, num_gpus=self.s.gpus_per_worker,
+                resources=resources or None,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+            ref = actor.node_id.remote()
+            self.pending[ref] = _Pending(actor, node, ref, now)
+        return len(nodes)
+
+    def _poll_pending(self) -> int:
+        """Turns workers that answered into members; returns how many joined."""
+        if not self.pending:
+            return 0
+        ready, _ = ray.wait(list(self.pending), num_returns=len(self.pending), timeout=0)
+        joined = 0
+        for ref in ready:
+            pending = self.pending.pop(ref)
+            try:
+                ray.get(ref)
+            except (RayActorError, RayTaskError) as exc:
+                self._give_up(pending, f"its actor died while starting: {_first_line(exc)}")
+                continue
             worker_id = f"w{next(self._ids)}"
-            ray.get(actor.setup_elastic.remote(worker_id, self.coordinator, self.store,
-                                               self.s.timeout_s, self.s.env or {},
-                                               self.s.autotune_actor))
-            member = _Member(worker_id, actor, node, next(self._ages))
-            member.ref = actor.execute.remote(self.fn, self.args, self.kwargs, False, 0)
+            ray.get(pending.actor.setup_elastic.remote(worker_id, self.coordinator, self.store,
+                                                      self.s.timeout_s, self.s.env or {},
+                                                      self.s.autotune_actor))
+            member = _Member(worker_id, pending.actor, pending.node, next(self._ages))
+            member.ref = pending.actor.execute.remote(self.fn, self.args, self.kwargs, False, 0)
             self.members[worker_id] = member
             self._needs_round = True
-            self.events.append((time.monotonic(), "start", node))
-        return len(started)
+            self.events.append((time.monotonic(), "start", pending.node))
+            log.info("raytrain-x elastic: a worker on %s started after %.1fs", pending.node[:8],
+                     time.monotonic() - pending.asked_at)
+            joined += 1
+        return joined
+
+    def _check_pending(self) -> None:
+        """Gives up on a pending worker only when it cannot start: its node left, its slot
+        was taken (unplaced on a node with no room for it, for two discovery rounds), or it
+        did not start within `start_timeout_s`. A worker that is merely slow is waited for."""
+        if not self.pending:
+            return
+        now = time.monotonic()
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        free = None
+        for pending in list(self.pending.values()):
+            waited = now - pending.asked_at
+            if pending.node not in alive:
+                self._give_up(pending, "its node left the cluster")
+            elif waited > self.s.start_timeout_s:
+                self._give_up(pending, f"it did not start within start_timeout_s="
+                                       f"{self.s.start_timeout_s:g}s")
+            elif not _placed(pending.actor):
+                free = self._free_slots() if free is None else free
+                if free.get(pending.node, 0) > 0:
+                    pending.unplaced_since = None  # room is there: Ray is still placing it
+                elif pending.unplaced_since is None:
+                    pending.unplaced_since = now
+                elif now - pending.unplaced_since >= 2 * self.s.discovery_interval_s:
+                    self._give_up(pending, "its slot was taken (the node has no room for it)")
+        if self.pending and now - self._progress_at >= 5.0:
+            self._progress_at = now
+            oldest = max(now - p.asked_at for p in self.pending.values())
+            log.warning("raytrain-x elastic: waiting for %d workers to start (%.0f s)",
+                        len(self.pending), oldest)
+            print(f"raytrain-x elastic: waiting for {len(self.pending)} workers to start "
+                  f"({oldest:.0f} s)", flush=True)
+
+    def _give_up(self, pending: _Pending, why: str) -> None:
+        self.pending.pop(pending.ref, None)
+        try:
+            ray.kill(pending.actor, no_restart=True)
+        except Exception:  # noqa: BLE001 - it may be gone already
+            pass
+        now = time.monotonic()
+        self.gave_up.append((now, pending.node, why))
+        self.events.append((now, "gave_up", pending.node))
+        log.warning("raytrain-x elastic: gave up on a worker for %s after %.0f s: %s",
+                    pending.node[:8], now - pending.asked_at, why)
+        if len(self.gave_up) >= 3 and not self._gave_up_warned:
+            self._gave_up_warned = True
+            causes = sorted({w for _, _, w in self.gave_up})
+            log.warning("raytrain-x elastic: this job keeps giving up on starting workers "
+                        "(%d so far): %s", len(self.gave_up), "; ".join(causes))
 
     def _check_minimum(self) -> None:
         if len(self.members) >= self.s.min_workers:
@@ -222,8 +306,10 @@ class ElasticJob:
                         "to %.0fs for capacity", len(self.members), self.s.min_workers,
                         self.s.elastic_timeout)
         elif now - self._below_min_since > self.s.elastic_timeout:
+            starting = f" ({len(self.pending)} still starting)" if self.pending else ""
             raise ElasticTimeout(
-                f"only {len(self.members)} workers for {self.s.elastic_timeout:.0f}s, fewer than "
+                f"only {len(self.members)} workers{starting} for {self.s.elastic_timeout:.0f}s, "
+                "fewer than "
                 f"min_workers={self.s.min_workers}; blacklisted hosts: "
                 f"{[h[:8] for h in self.blacklist.blacklisted()]}. Add capacity, lower "
                 "min_workers or raise elastic_timeout.")
@@ -259,7 +345,7 @@ class ElasticJob:
         log.info("raytrain-x elastic: round %d with %d workers", self.rounds, len(by_age))
 
     def _kill_all(self) -> None:
-        for m in list(self.members.values()):
+        for m in [*self.members.values(), *self.pending.values()]:
             try:
                 ray.kill(m.actor, no_restart=True)
             except Exception:  # noqa: BLE001
@@ -269,3 +355,20 @@ class ElasticJob:
                 ray.kill(actor, no_restart=True)
             except Exception:  # noqa: BLE001
                 pass
+
+
+def _placed(actor: Any) -> bool:
+    """True once Ray has given the actor a worker on a node (it may still be starting)."""
+    from ray._private.state import actors
+
+    try:
+        info = actors(actor._actor_id.hex())
+    except Exception:  # noqa: BLE001 - unknown: treat as placed, the start timeout still holds
+        return True
+    node = (info.get("Address") or {}).get("NodeID", "")
+    return info.get("State") != "PENDING_CREATION" or bool(node.strip("f0"))
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:200] if text else type(exc).__name__

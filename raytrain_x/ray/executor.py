@@ -72,6 +72,9 @@ class RayExecutor:
         use_current_placement_group: run inside the caller's placement group (Tune trials).
         min_workers, max_workers, reset_limit, cooldown_range, elastic_timeout: elastic
             training (validated here).
+        start_timeout_s: elastic: how long a new worker may take to start (process,
+            imports, runtime_env, an image pull) before it is given up on; a worker that is
+            slow but placeable is waited for, one that cannot be placed is given up at once.
         knobs: communication knobs for every worker, all held fixed (defaults: env and
             config file).
         autotune: an `AutotuneConfig` (or True): tune the free knobs while training; the
@@ -110,6 +113,7 @@ class RayExecutor:
         reset_limit: int | None = None,
         cooldown_range: tuple[float, float] | None = None,
         elastic_timeout: float = 600,
+        start_timeout_s: float = 300,
         knobs: Knobs | None = None,
         autotune: Any = None,
         resources_per_worker: dict[str, float] | None = None,
@@ -132,6 +136,8 @@ class RayExecutor:
                                   f"{cooldown_range}")
         if elastic_timeout <= 0:
             raise ConfigError(f"elastic_timeout must be positive, got {elastic_timeout}")
+        if start_timeout_s <= 0:
+            raise ConfigError(f"start_timeout_s must be positive, got {start_timeout_s}")
         if knobs is not None and not isinstance(knobs, Knobs):
             raise ConfigError(f"knobs must be a raytrain_x.Knobs, got {type(knobs).__name__}")
         if autotune is True:
@@ -151,6 +157,7 @@ class RayExecutor:
         self.min_workers, self.max_workers = min_workers, max_workers
         self.reset_limit, self.cooldown_range = reset_limit, cooldown_range
         self.elastic_timeout = elastic_timeout
+        self.start_timeout_s = start_timeout_s
         self.knobs = knobs
         self.autotune = autotune
         self.elastic = elastic
@@ -318,7 +325,8 @@ class RayExecutor:
             resources_per_worker=self.resources_per_worker, reset_limit=self.reset_limit,
             cooldown_range=self.cooldown_range, elastic_timeout=self.elastic_timeout,
             timeout_s=self.settings.timeout_s, discovery_script=self.host_discovery_script,
-            env=self._elastic_env, autotune_actor=self.autotune_controller)
+            env=self._elastic_env, autotune_actor=self.autotune_controller,
+            start_timeout_s=self.start_timeout_s)
         self.last_elastic_job = ElasticJob(settings, fn, tuple(args or ()), dict(kwargs or {}))
         return self.last_elastic_job.run()
 

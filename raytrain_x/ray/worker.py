@@ -34,9 +34,8 @@ class ActorAdvisor:
         return ray.get(self.actor.report.remote(score))
 
 
-@ray.remote
-class Worker:
-    """Runs user functions and commands for one rank."""
+class WorkerActor:
+    """Runs user functions and commands for one rank (the plain class behind `Worker`)."""
 
     def __init__(self) -> None:
         self.executable: Any = None
@@ -132,3 +131,6 @@ class Worker:
             yield line.rstrip("\n")
         code = proc.wait()
         yield {"code": code, "ended": time.time(), "lost_peer": lost_peer}
+
+
+Worker = ray.remote(WorkerActor)

@@ -12,8 +12,10 @@ import ray
 import torch
 
 from raytrain_x import ResetLimitExceeded
+from raytrain_x.elastic import driver
 from raytrain_x.elastic.driver import ElasticTimeout
 from raytrain_x.ray import RayExecutor
+from raytrain_x.ray.worker import WorkerActor
 from tests.conftest import ELASTIC_RESOURCE
 
 STEPS = 40
@@ -197,3 +199,51 @@ def test_below_min_workers_waits_then_fails(elastic_nodes):
     elapsed = time.monotonic() - start
     executor.shutdown()
     assert 4.0 <= elapsed < 20.0
+
+
+START_DELAY_S = 30.0
+
+
+class _SlowStart(WorkerActor):
+    """A worker whose start takes 30 s (a loaded node, a large runtime_env, an image pull)."""
+
+    def __init__(self) -> None:
+        time.sleep(START_DELAY_S)
+        super().__init__()
+
+
+def test_slow_starting_workers_are_waited_for_not_killed(elastic_nodes, monkeypatch, capfd):
+    elastic_nodes(3)
+    monkeypatch.setattr(driver, "Worker", ray.remote(_SlowStart))
+    executor = _executor(2, 3, elastic_timeout=60)
+    start = time.monotonic()
+    results = executor.run(_elastic_train, args=(STEPS, 0.05))
+    job = executor.last_elastic_job
+    executor.shutdown()
+    assert 2 <= len(results) <= 3
+    _check_committed_history(results)
+    assert job.gave_up == []  # no worker was given up on ...
+    assert not [e for e in job.events if e[1] == "gave_up"]  # ... or killed
+    starts = [t - start for t, kind, _ in job.events if kind == "start"]
+    assert len(starts) >= 2 and min(starts) >= START_DELAY_S - 1  # they really were slow
+    assert "waiting for 3 workers to start" in capfd.readouterr().out  # progress lines
+
+
+def test_a_vanished_slot_is_given_up_with_a_reason(cluster, elastic_nodes, monkeypatch):
+    nodes = elastic_nodes(3)
+    monkeypatch.setattr(driver, "Worker", ray.remote(_SlowStart))
+    executor = _executor(2, 3, elastic_timeout=90)
+    job = _Job(executor, STEPS, 0.05)
+    job.wait_until(lambda: executor.last_elastic_job is not None
+                   and len(executor.last_elastic_job.pending) == 3)
+    cluster.remove_node(nodes[0], allow_graceful=False)  # its worker can never start now
+    lost = nodes[0].node_id
+    job.wait_until(lambda: any(host == lost for _, host, _ in
+                               executor.last_elastic_job.gave_up), timeout=15)
+    results = job.join()
+    state = executor.last_elastic_job
+    executor.shutdown()
+    assert [(host, why) for _, host, why in state.gave_up] == [
+        (lost, "its node left the cluster")]
+    assert len(results) == 2  # the other two started (slowly) and trained
+    _check_committed_history(results)
