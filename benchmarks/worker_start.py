@@ -31,6 +31,7 @@ def _start(workers: int) -> float:
     actors = [Worker.options(num_cpus=1).remote() for _ in range(workers)]
     ray.get([a.node_id.remote() for a in actors])
     seconds = time.perf_counter() - began
+    print(f"{workers} worker(s) started in {seconds:.2f} s", flush=True)
     for a in actors:
         ray.kill(a, no_restart=True)
     return seconds

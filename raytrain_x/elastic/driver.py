@@ -22,7 +22,12 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from raytrain_x.comm.store import StoreActor
 from raytrain_x.common.errors import RaytrainXError, ResetLimitExceeded, WorkerError
 from raytrain_x.elastic.blacklist import Blacklist
-from raytrain_x.elastic.discovery import RayDiscovery, ScriptDiscovery, resolve_hosts
+from raytrain_x.elastic.discovery import (
+    RayDiscovery,
+    ScriptDiscovery,
+    resolve_hosts,
+    slots_from_resources,
+)
 from raytrain_x.elastic.rendezvous import ElasticCoordinator
 from raytrain_x.ray.executor import describe_failure
 from raytrain_x.ray.placement import assign_ranks, stable_node_strategy
@@ -53,7 +58,6 @@ class _Pending:
     node: str
     ref: Any  # its first call (node_id): ready once the actor is up
     asked_at: float
-    unplaced_since: float | None = None  # when it was first seen unplaced on a full node
 
 
 @dataclass
@@ -72,8 +76,10 @@ class ElasticSettings:
     env: dict[str, str] | None = None
     autotune_actor: Any = None
     # How long a worker actor may take to start (its process, imports, runtime_env, an
-    # image pull) before it is given up on. A first start here took up to ~20 s on a busy
-    # 2-core machine (docs/elastic.md); 300 s leaves room for containers and slow nodes.
+    # image pull) before it is given up on. Measured on a 2-core machine
+    # (benchmarks/worker_start.py, docs/elastic.md): 2-2.5 s alone, 7.7 s for three at once
+    # with one core busy, and no start within minutes with both cores saturated; 300 s
+    # leaves room for loaded nodes, large runtime_envs and image pulls.
     start_timeout_s: float = 300.0
 
 
@@ -230,7 +236,9 @@ class ElasticJob:
             try:
                 ray.get(ref)
             except (RayActorError, RayTaskError) as exc:
-                self._give_up(pending, f"its actor died while starting: {_first_line(exc)}")
+                alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+                self._give_up(pending, "its node left the cluster" if pending.node not in alive
+                              else f"its actor died while starting: {_first_line(exc)}")
                 continue
             worker_id = f"w{next(self._ids)}"
             ray.get(pending.actor.setup_elastic.remote(worker_id, self.coordinator, self.store,
@@ -247,36 +255,31 @@ class ElasticJob:
         return joined
 
     def _check_pending(self) -> None:
-        """Gives up on a pending worker only when it cannot start: its node left, its slot
-        was taken (unplaced on a node with no room for it, for two discovery rounds), or it
-        did not start within `start_timeout_s`. A worker that is merely slow is waited for."""
+        """Gives up on a pending worker only when it cannot start: its node left, the node
+        can no longer fit a worker even when empty, or it did not start within
+        `start_timeout_s` (its death while starting is seen by `_poll_pending`). A worker
+        that is merely slow is waited for. Ray's actor table cannot tell a slow start from
+        an unplaceable actor: during a `runtime_env` setup the lease already holds the
+        slot while no worker process exists, just as when another job holds it."""
         if not self.pending:
             return
         now = time.monotonic()
-        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-        free = None
+        totals = {n["NodeID"]: n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")}
         for pending in list(self.pending.values()):
-            waited = now - pending.asked_at
-            if pending.node not in alive:
+            if pending.node not in totals:
                 self._give_up(pending, "its node left the cluster")
-            elif waited > self.s.start_timeout_s:
+            elif slots_from_resources(totals[pending.node], self.per_worker) < 1:
+                self._give_up(pending, "its node can no longer fit a worker")
+            elif now - pending.asked_at > self.s.start_timeout_s:
                 self._give_up(pending, f"it did not start within start_timeout_s="
                                        f"{self.s.start_timeout_s:g}s")
-            elif not _placed(pending.actor):
-                free = self._free_slots() if free is None else free
-                if free.get(pending.node, 0) > 0:
-                    pending.unplaced_since = None  # room is there: Ray is still placing it
-                elif pending.unplaced_since is None:
-                    pending.unplaced_since = now
-                elif now - pending.unplaced_since >= 2 * self.s.discovery_interval_s:
-                    self._give_up(pending, "its slot was taken (the node has no room for it)")
         if self.pending and now - self._progress_at >= 5.0:
             self._progress_at = now
             oldest = max(now - p.asked_at for p in self.pending.values())
-            log.warning("raytrain-x elastic: waiting for %d workers to start (%.0f s)",
-                        len(self.pending), oldest)
-            print(f"raytrain-x elastic: waiting for {len(self.pending)} workers to start "
-                  f"({oldest:.0f} s)", flush=True)
+            line = (f"raytrain-x elastic: waiting for {len(self.pending)} workers to start "
+                    f"({oldest:.0f} s)")
+            log.info(line)
+            print(line, flush=True)
 
     def _give_up(self, pending: _Pending, why: str) -> None:
         self.pending.pop(pending.ref, None)
@@ -355,18 +358,6 @@ class ElasticJob:
                 ray.kill(actor, no_restart=True)
             except Exception:  # noqa: BLE001
                 pass
-
-
-def _placed(actor: Any) -> bool:
-    """True once Ray has given the actor a worker on a node (it may still be starting)."""
-    from ray._private.state import actors
-
-    try:
-        info = actors(actor._actor_id.hex())
-    except Exception:  # noqa: BLE001 - unknown: treat as placed, the start timeout still holds
-        return True
-    node = (info.get("Address") or {}).get("NodeID", "")
-    return info.get("State") != "PENDING_CREATION" or bool(node.strip("f0"))
 
 
 def _first_line(exc: BaseException) -> str:
