@@ -19,6 +19,12 @@ def autotune_report(log_path: str | os.PathLike, plot_path: str | None = None) -
     if "unit" not in frame:  # a log written before scores had units
         frame = frame.rename(columns={"score_bytes_per_s": SCORE_COLUMN}).assign(unit="bytes/s")
     samples = frame[frame["kind"].isin(SCORED_KINDS)].copy()
+    if not len(samples):
+        warm = int((frame["kind"] == "warmup").sum())
+        print(f"no scored samples in {log_path} ({warm} warmup samples): the job ended "
+              "before tuning got going; tune a longer run, or lower --autotune-warmup-samples "
+              "and --autotune-steps-per-sample")
+        return
     unit = samples["unit"].iloc[-1] if len(samples) else "bytes/s"
     divisor, shown = _SCALE.get(unit, (1.0, unit))
     samples[shown] = samples[SCORE_COLUMN].astype(float) / divisor
