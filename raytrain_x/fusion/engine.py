@@ -110,7 +110,7 @@ class Engine:
         # multi-host worlds each host's ranks share memory for hierarchical allreduce.
         self._shm = open_host_group(groups, groups.rdv.timeout_s)
         self._local_shm = (open_local_group(groups, groups.rdv.timeout_s)
-                           if self._shm is None and self._multi_level() else None)
+                           if self._shm is None and self.multi_level() else None)
         self._stall_warning_s = stall_warning_s
         self._timeline = Timeline(timeline_path) if timeline_path and self.rank == 0 else None
         self._cond = threading.Condition()
@@ -525,7 +525,7 @@ class Engine:
         if self._shm is not None and pset.process_set_id == 0:
             self._world_allreduce(t, op)
         elif (self.knobs.hierarchical_allreduce and op == "sum" and pset.process_set_id == 0
-                and self._multi_level()):
+                and self.multi_level()):
             self._hierarchical_allreduce(t)
         else:
             pset.group.allreduce(t, op)
@@ -533,9 +533,6 @@ class Engine:
     def multi_level(self) -> bool:
         """True when the world has several hosts with several workers each (the case
         hierarchical collectives are for)."""
-        return self._multi_level()
-
-    def _multi_level(self) -> bool:
         rdv = self.groups.rdv
         return rdv.cross_size > 1 and rdv.local_size > 1 and self.groups.homogeneous()
 
@@ -574,7 +571,7 @@ class Engine:
             padded[: tensor.shape[0]] = tensor
         outs = [padded.new_empty(padded.shape) for _ in dims]
         if (self.knobs.hierarchical_allgather and pset.process_set_id == 0
-                and self._multi_level()):
+                and self.multi_level()):
             self._hierarchical_allgather(outs, padded.contiguous())
         else:
             self._timed(resp.name, "ALLGATHER",
