@@ -115,7 +115,7 @@ class AutotuneSampler:
         self._tuning_steps = 0
         self._background = background
         self._answer: concurrent.futures.Future | None = None  # the advisor's, pending
-        self._answered: tuple[Knobs, int, Sample, bool] | None = None
+        self._answered: tuple[Sample, bool] | None = None  # the sample asked about, cut?
 
     # ------------------------------------------------------------------ user thread
     def mark_step(self) -> None:
@@ -182,8 +182,9 @@ class AutotuneSampler:
     def _observe(self, responses: list[Response]) -> None:
         fusable = 0
         for r in responses:
-            if r.meta.kind == ALLREDUCE and len(self._allreduce_names) <= 1 << 20:
-                self._allreduce_names.add(r.name)
+            if r.meta.kind == ALLREDUCE:
+                if len(self._allreduce_names) <= 1 << 20:  # bounded: names may never repeat
+                    self._allreduce_names.add(r.name)
                 fusable += r.meta.fuse and not r.error
             elif r.meta.kind == ALLGATHER:
                 self._allgathers = True
@@ -252,7 +253,12 @@ class AutotuneSampler:
             return False
         if window_full:
             return len(self._rates) == 1 and rate < ratio * self.best.score
-        return not self._rates and self._step_mode and rate < (ratio - 0.3) * self.best.score
+        return not self._rates and self._step_mode and self._severely_worse(rate)
+
+    def _severely_worse(self, rate: float) -> bool:
+        """Several times slower than the best so far: one step shows it."""
+        ratio = self.config.early_stop_ratio
+        return bool(ratio) and self.best is not None and rate < (ratio - 0.3) * self.best.score
 
     # ------------------------------------------------------------------ samples
     def _finish_sample(self, knobs: Knobs, step: int, score: float, now: float,
@@ -273,11 +279,10 @@ class AutotuneSampler:
         first = self.searched is None
         if first:
             self.searched, self.left_out = self.relevant_dimensions(knobs)
-        self._answered = (knobs, step, sample, cut)
+        self._answered = (sample, cut)
         if self._background:
             self._answer = _in_background(self._ask, score, first)
-            severe = (self.config.early_stop_ratio - 0.3) * (self.best.score if self.best else 0)
-            if cut and score < severe:  # several times slower: wait at the best knobs
+            if cut and self._severely_worse(score):  # wait at the best knobs, not these
                 self.request_knobs(self.best.knobs)
         else:
             self._on_answer(self._ask(score, first), now)
@@ -294,7 +299,8 @@ class AutotuneSampler:
         return self.advisor.report(score)
 
     def _on_answer(self, answer: dict[str, Any], now: float) -> None:
-        knobs, step, sample, cut = self._answered
+        sample, cut = self._answered
+        knobs = sample.knobs
         if sample.index == min(s.index for s in self.samples if not s.warmup):
             skipped = "; ".join(f"{n}: {why}" for n, why in self.left_out.items())
             self.emit(f"raytrain-x autotune: searching {', '.join(self.searched) or 'nothing'}"
@@ -327,8 +333,7 @@ class AutotuneSampler:
     def relevant_dimensions(self, knobs: Knobs) -> tuple[list[str], dict[str, str]]:
         """(knobs to search, {knob: why it is left out}) for this job as observed."""
         out: dict[str, str] = {}
-        if not self._fusable \
-                and BATCHING_BUCKETS not in self.batching:
+        if not self._fusable and BATCHING_BUCKETS not in self.batching:
             out["fusion_threshold_bytes"] = (
                 "every allreduce is a bucket of a size the user fixed (bucket_cap_mb)"
                 if BATCHING_FIXED_BUCKETS in self.batching else "no fusable allreduce")
