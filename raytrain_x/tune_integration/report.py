@@ -25,7 +25,7 @@ def autotune_report(log_path: str | os.PathLike, plot_path: str | None = None) -
               "before tuning got going; tune a longer run, or lower --autotune-warmup-samples "
               "and --autotune-steps-per-sample")
         return
-    unit = samples["unit"].iloc[-1] if len(samples) else "bytes/s"
+    unit = samples["unit"].iloc[-1]
     divisor, shown = _SCALE.get(unit, (1.0, unit))
     samples[shown] = samples[SCORE_COLUMN].astype(float) / divisor
     samples[f"best so far {shown}"] = samples[shown].cummax()
@@ -34,25 +34,24 @@ def autotune_report(log_path: str | os.PathLike, plot_path: str | None = None) -
                f"best so far {shown}"]
     with pd.option_context("display.width", 160, "display.max_columns", 20):
         print(samples[columns].to_string(index=False, float_format=lambda v: f"{v:.3g}"))
-    searched = samples["searched"].iloc[-1] if "searched" in samples and len(samples) else ""
+    searched = samples["searched"].iloc[-1] if "searched" in samples else ""
     if searched:
         print(f"\nsearched: {searched.replace('+', ', ')} (the other knobs cannot matter in "
               "this job or were fixed)")
     best = frame[frame["kind"] == "best"]
-    if len(samples):
-        start = samples.iloc[0][shown]
-        if len(best):
-            row = best.iloc[-1]
-            score = float(row[SCORE_COLUMN]) / divisor
-            print(f"\nbest: bucket/fusion {float(row['fusion_threshold_mb']):g} MB, cycle "
-                  f"{float(row['cycle_time_ms']):g} ms, cache {row['cache_capacity']}, "
-                  f"hierarchical allreduce/allgather {row['hierarchical_allreduce']}/"
-                  f"{row['hierarchical_allgather']}: {score:.4g} {shown}, "
-                  f"{score / start:.2f}x the start ({len(samples)} samples; the best row's "
-                  "score is the mean of its measurements)")
-        else:
-            print(f"\ntuning did not finish: {len(samples)} samples, best so far "
-                  f"{samples[shown].max():.4g} {shown} ({samples[shown].max() / start:.2f}x)")
+    start = samples.iloc[0][shown]
+    if len(best):
+        row = best.iloc[-1]
+        score = float(row[SCORE_COLUMN]) / divisor
+        print(f"\nbest: bucket/fusion {float(row['fusion_threshold_mb']):g} MB, cycle "
+              f"{float(row['cycle_time_ms']):g} ms, cache {row['cache_capacity']}, "
+              f"hierarchical allreduce/allgather {row['hierarchical_allreduce']}/"
+              f"{row['hierarchical_allgather']}: {score:.4g} {shown}, "
+              f"{score / start:.2f}x the start ({len(samples)} samples; the best row's "
+              "score is the mean of its measurements)")
+    else:
+        print(f"\ntuning did not finish: {len(samples)} samples, best so far "
+              f"{samples[shown].max():.4g} {shown} ({samples[shown].max() / start:.2f}x)")
     after = frame[frame["kind"] == "after"]
     if len(after):
         row = after.iloc[-1]
@@ -81,8 +80,7 @@ def _plot(frame, samples, shown: str, divisor: float, plot_path: str) -> None:
                 label="candidate measured again")
     ax.step(samples["sample"].astype(int), samples[f"best so far {shown}"], where="post",
             label="best so far")
-    if len(samples):
-        ax.axhline(samples.iloc[0][shown], color="gray", linestyle=":", label="starting knobs")
+    ax.axhline(samples.iloc[0][shown], color="gray", linestyle=":", label="starting knobs")
     ax.set_xlabel("sample")
     ax.set_ylabel(shown)
     ax.set_title("raytrain-x autotune")
