@@ -67,6 +67,13 @@ def slots_from_resources(available: Mapping[str, float], per_worker: Mapping[str
     return max(0, min(fits)) if fits else 0
 
 
+def alive_nodes() -> dict[str, dict[str, float]]:
+    """Ray's alive nodes: node id -> total resources."""
+    import ray
+
+    return {n["NodeID"]: n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")}
+
+
 class RayDiscovery:
     """Free worker slots on Ray's alive nodes, from their available resources."""
 
@@ -74,10 +81,9 @@ class RayDiscovery:
         self.per_worker = dict(per_worker)
 
     def hosts(self) -> dict[str, int]:
-        import ray
         from ray._private.state import available_resources_per_node
 
-        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        alive = alive_nodes()
         per_node = available_resources_per_node()
         return {node: slots_from_resources(res, self.per_worker)
                 for node, res in per_node.items() if node in alive}

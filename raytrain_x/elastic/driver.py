@@ -25,6 +25,7 @@ from raytrain_x.elastic.blacklist import Blacklist
 from raytrain_x.elastic.discovery import (
     RayDiscovery,
     ScriptDiscovery,
+    alive_nodes,
     resolve_hosts,
     slots_from_resources,
 )
@@ -236,8 +237,8 @@ class ElasticJob:
             try:
                 ray.get(ref)
             except (RayActorError, RayTaskError) as exc:
-                alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-                self._give_up(pending, "its node left the cluster" if pending.node not in alive
+                self._give_up(pending, "its node left the cluster"
+                              if pending.node not in alive_nodes()
                               else f"its actor died while starting: {_first_line(exc)}")
                 continue
             worker_id = f"w{next(self._ids)}"
@@ -264,7 +265,7 @@ class ElasticJob:
         if not self.pending:
             return
         now = time.monotonic()
-        totals = {n["NodeID"]: n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")}
+        totals = alive_nodes()
         for pending in list(self.pending.values()):
             if pending.node not in totals:
                 self._give_up(pending, "its node left the cluster")
