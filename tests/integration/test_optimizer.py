@@ -108,6 +108,13 @@ def test_failed_step_leaves_no_stale_handles():
     assert results[0] == "ok"
 
 
+def _views_of_buckets(opt, model) -> bool:
+    """Every gradient lies inside one of the optimizer's float32 bucket buffers."""
+    spans = [(b.flat.data_ptr(), b.flat.data_ptr() + b.flat.numel() * 4) for b in opt._buckets]
+    return all(p.grad is not None and any(lo <= p.grad.data_ptr() < hi for lo, hi in spans)
+               for p in model.parameters())
+
+
 def _bucketed(cap: float) -> dict:
     import raytrain_x.torch as rx
 
@@ -121,10 +128,7 @@ def _bucketed(cap: float) -> dict:
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x[rx.rank()::2]), y[rx.rank()::2]).backward()
         opt.step()
-        views.append(all(p.grad is not None and p.grad.data_ptr() in
-                         {b.flat.data_ptr() + off for b in opt._buckets
-                          for off in range(0, b.flat.numel() * 4, 4)}
-                         for p in model.parameters()) if cap else True)
+        views.append(_views_of_buckets(opt, model) if cap else True)
     return {"state": {k: v.clone() for k, v in model.state_dict().items()},
             "buckets": len(opt._buckets), "views": all(views)}
 
@@ -147,11 +151,6 @@ def _deep_model() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(), torch.nn.Linear(64, 32),
                                torch.nn.Tanh(), torch.nn.Linear(32, 3))
-
-
-def _views_of_buckets(opt, model) -> bool:
-    spans = [(b.flat.data_ptr(), b.flat.data_ptr() + b.flat.numel() * 4) for b in opt._buckets]
-    return all(any(lo <= p.grad.data_ptr() < hi for lo, hi in spans) for p in model.parameters())
 
 
 def _across_switches(steps: int, batch: int) -> dict:
