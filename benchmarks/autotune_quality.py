@@ -87,17 +87,19 @@ def _worker(rank: int, size: int, port: int, args, cell, queue) -> None:
     tuning_wall_s = time.perf_counter() - began
     tuned = rx.knobs()
     sampler = runtime.autotune_sampler()
+
+    def grid_point(mb: float, cycle: float) -> Knobs:
+        return tuned.replace(fusion_threshold_bytes=int(mb * 2**20), cycle_time_ms=cycle)
+
     grid = []
     for mb in args.sizes_mb:
         for cycle in args.cycles_ms:
-            knobs = tuned.replace(fusion_threshold_bytes=int(mb * 2**20), cycle_time_ms=cycle)
-            grid.append((mb, cycle, measure(knobs, args.steps)))
+            grid.append((mb, cycle, measure(grid_point(mb, cycle), args.steps)))
             if rank == 0:
                 print(f"[{workload}/{transport}] grid {mb} MB, {cycle} ms: "
                       f"{grid[-1][2]:.2f} steps/s", flush=True)
     top = sorted(grid, key=lambda g: g[2], reverse=True)[:3]
-    finalists = {f"grid {mb:g} MB / {cycle:g} ms":
-                 tuned.replace(fusion_threshold_bytes=int(mb * 2**20), cycle_time_ms=cycle)
+    finalists = {f"grid {mb:g} MB / {cycle:g} ms": grid_point(mb, cycle)
                  for mb, cycle, _ in top}
     finalists.update({"tuned": tuned, "default": Knobs()})
     # One setting is measured once per round however many names it has (the tuned knobs
