@@ -46,14 +46,15 @@ def _worker(rank: int, size: int, port: int, args, cell, queue) -> None:
     from raytrain_x import Knobs
     from raytrain_x.common import workloads
     from raytrain_x.common.autotune_config import AutotuneConfig
-    from raytrain_x.fusion import runtime
+    from raytrain_x.core import runtime
+    from raytrain_x.torch.workloads import shaped_model
 
     workload, transport = cell
     join_world(rank, size, port, {"RAYTRAIN_X_SHM": "1" if transport == "shm" else "0"})
     rx.init(autotune=AutotuneConfig(log_file=_log_path(cell)))  # the defaults users get
     shapes = (workloads.resnet50_parameter_shapes() if workload == "resnet50"
               else workloads.many_layers_shapes())
-    model = workloads.shaped_model(shapes)
+    model = shaped_model(shapes)
     opt = rx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-5),
                                   named_parameters=model.named_parameters())
     scale = torch.ones(())

@@ -33,7 +33,8 @@ def _train(progress: str, checkpoint: str | None, elastic: bool) -> int:
     import torch
 
     import raytrain_x.torch as rx
-    from raytrain_x.common.workloads import resnet50_parameter_shapes, shaped_model
+    from raytrain_x.common.workloads import resnet50_parameter_shapes
+    from raytrain_x.torch.workloads import shaped_model
 
     rx.init()
     torch.set_num_threads(1)

@@ -33,7 +33,8 @@ from common import join_world, median_across_ranks, print_table, run_ranks, writ
 
 def _worker(rank: int, size: int, port: int, args, queue) -> None:
     import raytrain_x.torch as rx
-    from raytrain_x.common.workloads import resnet50_parameter_shapes, shaped_model
+    from raytrain_x.common.workloads import resnet50_parameter_shapes
+    from raytrain_x.torch.workloads import shaped_model
 
     join_world(rank, size, port)
     rx.init()
@@ -96,7 +97,8 @@ def _worker(rank: int, size: int, port: int, args, queue) -> None:
 
 def _memory_worker(rank: int, size: int, port: int, method: str, steps: int, queue) -> None:
     """Trains `steps` steps one way only, then reports this job's peak RSS (max of ranks)."""
-    from raytrain_x.common.workloads import resnet50_parameter_shapes, shaped_model
+    from raytrain_x.common.workloads import resnet50_parameter_shapes
+    from raytrain_x.torch.workloads import shaped_model
 
     join_world(rank, size, port)
     model = shaped_model(resnet50_parameter_shapes())

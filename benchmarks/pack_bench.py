@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import median_seconds, print_table, write_json  # noqa: E402
 
 from raytrain_x.common.workloads import resnet50_parameter_shapes  # noqa: E402
-from raytrain_x.fusion import FusionBufferPool, pack, unpack  # noqa: E402
+from raytrain_x.engine import FusionBufferPool, pack, unpack  # noqa: E402
 
 
 def main() -> None:

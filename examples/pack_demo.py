@@ -11,7 +11,7 @@ import time
 import torch
 
 from raytrain_x.common.workloads import resnet50_parameter_shapes
-from raytrain_x.fusion import FusionBufferPool, pack, unpack
+from raytrain_x.engine import FusionBufferPool, pack, unpack
 
 
 def main(steps: int = 20) -> None:

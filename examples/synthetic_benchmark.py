@@ -14,7 +14,8 @@ import time
 import torch
 
 import raytrain_x.torch as rx
-from raytrain_x.common.workloads import many_small_shapes, resnet50_parameter_shapes, shaped_model
+from raytrain_x.common.workloads import many_small_shapes, resnet50_parameter_shapes
+from raytrain_x.torch.workloads import shaped_model
 
 
 def main() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from raytrain_x.common.errors import (
     ConfigError,
+    ElasticTimeout,
     HostsUpdatedInterrupt,
     InternalError,
     RaytrainXError,
@@ -18,6 +19,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ConfigError",
+    "ElasticTimeout",
     "HostsUpdatedInterrupt",
     "InternalError",
     "Knobs",

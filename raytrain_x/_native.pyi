@@ -2,7 +2,7 @@
 
 Arrays are anything that speaks DLPack or the buffer protocol (torch, numpy, TensorFlow,
 cupy host arrays). Errors are ValueError with the offending tensor named; the Python layer
-`raytrain_x.fusion` turns them into ConfigError.
+`raytrain_x.engine` turns them into ConfigError.
 """
 
 from collections.abc import Sequence

@@ -135,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command_name == "tune-experiments":
             return _tune_experiments(args)
         if args.command_name == "autotune-report":
-            from raytrain_x.tune_integration.report import autotune_report
+            from raytrain_x.autotune.report import autotune_report
 
             autotune_report(args.log, args.plot)
             return 0

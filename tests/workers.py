@@ -45,7 +45,7 @@ def _entry(rank: int, size: int, port: int, fn: Callable, args: tuple, env: dict
         queue.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     finally:
         try:
-            import raytrain_x.fusion.runtime as runtime
+            import raytrain_x.core.runtime as runtime
 
             runtime.shutdown()
         except Exception:  # noqa: BLE001

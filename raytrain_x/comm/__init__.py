@@ -1,11 +1,13 @@
-"""The comm layer: process groups over torch.distributed, process sets, rendezvous stores.
-
-Only this layer touches `torch.distributed`.
+"""The comm layer: the `Group` interface and its backends (torch.distributed gloo/nccl,
+shared memory), the groups of a rendezvous round, process-set groups, the rendezvous
+store. Only this layer touches `torch.distributed`, and only inside the torch backend,
+which is imported when a group is first created.
 """
 
 from __future__ import annotations
 
-from raytrain_x.comm.groups import Group, ProcessGroups, ProcessSet, nccl_available
+from raytrain_x.comm.backend import Backend, Group, get_backend, register_backend
+from raytrain_x.comm.groups import ProcessGroups, ProcessSetGroup
 from raytrain_x.comm.rendezvous import (
     Rendezvous,
     next_rendezvous,
@@ -14,12 +16,14 @@ from raytrain_x.comm.rendezvous import (
 )
 
 __all__ = [
+    "Backend",
     "Group",
     "ProcessGroups",
-    "ProcessSet",
+    "ProcessSetGroup",
     "Rendezvous",
-    "nccl_available",
+    "get_backend",
     "next_rendezvous",
+    "register_backend",
     "rendezvous_from_env",
     "set_rendezvous_provider",
 ]

@@ -1,13 +1,12 @@
-"""A torch.distributed Store backed by a Ray actor: rendezvous with no server to start."""
+"""The rendezvous store: a Ray actor holding keys, and its client. No server to start, no
+torch: backends adapt `ActorStore` to their own store type."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from datetime import timedelta
 
 import ray
-import torch.distributed as dist
 
 from raytrain_x.common.errors import RendezvousTimeout
 
@@ -79,8 +78,10 @@ def call_actor(method, *args, attempts: int = 20, pause_s: float = 0.5):
             time.sleep(pause_s)
 
 
-class RayStore(dist.Store):
-    """`torch.distributed.Store` whose data lives in a `StoreActor`.
+class ActorStore:
+    """A client of a `StoreActor`: the rendezvous store of one job, plain Ray (no torch).
+
+    Backends adapt it to their own store type (`raytrain_x.comm.torch_store.RayStore`).
 
     Args:
         actor: handle of a `StoreActor` every worker shares.
@@ -88,49 +89,45 @@ class RayStore(dist.Store):
     """
 
     def __init__(self, actor: ray.actor.ActorHandle, timeout_s: float = 30.0) -> None:
-        super().__init__()
-        self._actor = actor
-        self._timeout_s = timeout_s
+        self.actor = actor
+        self.timeout_s = timeout_s
 
     def __reduce__(self):
-        return (RayStore, (self._actor, self._timeout_s))
-
-    def set_timeout(self, timeout: timedelta) -> None:
-        self._timeout_s = timeout.total_seconds()
+        return (ActorStore, (self.actor, self.timeout_s))
 
     def set(self, key: str, value) -> None:
-        call_actor(self._actor.set, key, _as_bytes(value))
+        call_actor(self.actor.set, key, _as_bytes(value))
 
     def get(self, key: str) -> bytes:
         start = time.monotonic()
-        value = call_actor(self._actor.get, key, self._timeout_s)
+        value = call_actor(self.actor.get, key, self.timeout_s)
         if value is None:
             raise RendezvousTimeout(
-                f"rendezvous key {key!r} did not appear within {self._timeout_s:.0f}s "
+                f"rendezvous key {key!r} did not appear within {self.timeout_s:.0f}s "
                 f"(waited {time.monotonic() - start:.1f}s); a worker did not start or died"
             )
         return value
 
     def add(self, key: str, amount: int) -> int:
-        return call_actor(self._actor.add, key, int(amount))
+        return call_actor(self.actor.add, key, int(amount))
 
     def compare_set(self, key: str, expected, desired) -> bytes:
-        return call_actor(self._actor.compare_set, key, _as_bytes(expected), _as_bytes(desired))
+        return call_actor(self.actor.compare_set, key, _as_bytes(expected), _as_bytes(desired))
 
-    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        timeout_s = timeout.total_seconds() if timeout is not None else self._timeout_s
-        if not call_actor(self._actor.wait, list(keys), timeout_s):
+    def wait(self, keys: list[str], timeout_s: float | None = None) -> None:
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        if not call_actor(self.actor.wait, list(keys), timeout_s):
             raise RendezvousTimeout(f"rendezvous keys {list(keys)} did not all appear within "
                                     f"{timeout_s:.0f}s; a worker did not start or died")
 
     def check(self, keys: list[str]) -> bool:
-        return call_actor(self._actor.check, list(keys))
+        return call_actor(self.actor.check, list(keys))
 
     def delete_key(self, key: str) -> bool:
-        return call_actor(self._actor.delete_key, key)
+        return call_actor(self.actor.delete_key, key)
 
     def num_keys(self) -> int:
-        return call_actor(self._actor.num_keys)
+        return call_actor(self.actor.num_keys)
 
 
 def _as_bytes(value) -> bytes:

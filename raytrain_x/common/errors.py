@@ -25,12 +25,18 @@ class WorkerError(RaytrainXError):
     Args:
         rank: the failing worker's rank.
         detail: the remote traceback or exit description.
+        lost_peer: the worker failed only because a peer did (it raised `InternalError` or
+            `RendezvousTimeout`), so another rank's failure is the root cause.
     """
 
-    def __init__(self, rank: int, detail: str) -> None:
+    def __init__(self, rank: int, detail: str, lost_peer: bool = False) -> None:
         super().__init__(f"rank {rank} failed:\n{detail}")
         self.rank = rank
         self.detail = detail
+        self.lost_peer = lost_peer
+
+    def __reduce__(self):
+        return (WorkerError, (self.rank, self.detail, self.lost_peer))
 
 
 class HostsUpdatedInterrupt(RaytrainXError):
@@ -53,6 +59,17 @@ class ResetLimitExceeded(RaytrainXError):
     """An elastic job reset more often than its reset_limit allows."""
 
 
+class ElasticTimeout(RaytrainXError):
+    """An elastic job had fewer than `min_workers` workers for longer than
+    `elastic_timeout`."""
+
+
+# Errors a worker raises when it only lost a peer (another rank's failure is the cause).
+LOST_PEER_ERRORS = (InternalError, RendezvousTimeout)
+# A process launched by `raytrain-x run` exits with this code when it ends on one of them.
+LOST_PEER_EXIT_CODE = 75
+
+
 __all__ = [
     "RaytrainXError",
     "ConfigError",
@@ -62,4 +79,5 @@ __all__ = [
     "HostsUpdatedInterrupt",
     "RendezvousTimeout",
     "ResetLimitExceeded",
+    "ElasticTimeout",
 ]

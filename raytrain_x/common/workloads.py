@@ -1,4 +1,5 @@
-"""Synthetic workloads shared by benchmarks, examples and tests (no downloads needed)."""
+"""Synthetic workload shapes shared by benchmarks, examples and tests (no downloads needed);
+the torch model built from them is `raytrain_x.torch.workloads.shaped_model`."""
 
 from __future__ import annotations
 
@@ -32,25 +33,3 @@ def many_layers_shapes(count: int = 400) -> list[tuple[int, ...]]:
     block = [(128, 128), (128, 256), (128, 128), (256, 256), (128, 128), (256, 512),
              (128, 128), (128, 256)]  # 16K, 32K, 16K, 64K, 16K, 128K, 16K, 32K elements
     return [block[i % len(block)] for i in range(count)]
-
-
-def shaped_model(shapes: list[tuple[int, ...]]):
-    """A torch module whose parameters have `shapes` and whose backward produces every
-    gradient in reverse registration order, as a real network's would; the gradient of
-    parameter i is `scale * weight_i` (cheap, deterministic)."""
-    import torch
-
-    class ShapedModel(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            g = torch.Generator().manual_seed(0)
-            self.weights = torch.nn.ParameterList(
-                torch.nn.Parameter(torch.randn(s, generator=g) * 0.01) for s in shapes)
-
-        def forward(self, scale: torch.Tensor) -> torch.Tensor:
-            total = scale.new_zeros(())
-            for w in self.weights:  # a chain, so backward visits the last parameter first
-                total = total + (w * w).sum() * scale
-            return total * 0.5
-
-    return ShapedModel()

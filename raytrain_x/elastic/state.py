@@ -13,14 +13,30 @@ from collections.abc import Callable
 from typing import Any
 
 from raytrain_x.common.errors import HostsUpdatedInterrupt, InternalError
+from raytrain_x.core import runtime
+from raytrain_x.core.objects import broadcast_object
 
 log = logging.getLogger("raytrain_x.elastic")
 
 
-class State:
-    """Base of elastic states: what survives a failure is what was last committed."""
+BroadcastObject = Callable[..., Any]  # (obj, root_rank, name=...) -> root's obj
 
-    def __init__(self) -> None:
+
+class State:
+    """Base of elastic states: what survives a failure is what was last committed.
+
+    Args:
+        bcast_object: how to send a Python object from rank 0 to every rank,
+            `bcast_object(obj, root_rank, name=...)`; a framework's state passes its own
+            (Horovod's `common/elastic.py` does the same). Default: the core's, which needs
+            no framework.
+        get_rank: this worker's rank (default: the core's).
+    """
+
+    def __init__(self, *, bcast_object: BroadcastObject | None = None,
+                 get_rank: Callable[[], int] | None = None) -> None:
+        self._bcast_object = bcast_object or broadcast_object
+        self._get_rank = get_rank or runtime.rank
         self._reset_callbacks: list[Callable[[], None]] = []
 
     def register_reset_callbacks(self, callbacks: list[Callable[[], None]]) -> None:
@@ -40,17 +56,12 @@ class State:
     def check_host_updates(self) -> None:
         """Raises `HostsUpdatedInterrupt` when the driver has new hosts for this job. Rank 0
         asks and broadcasts the answer, so every rank raises at the same commit."""
-        from raytrain_x.fusion import runtime
-
         probe = runtime.host_update_probe()
         if probe is None:
             return
-        from raytrain_x.torch.functions import broadcast_object
-
-        rdv = runtime.rendezvous()
-        version = probe() if rdv.rank == 0 else None
-        version = broadcast_object(version, 0, name="elastic.hosts_version")
-        if version != rdv.hosts_version:
+        version = probe() if self._get_rank() == 0 else None
+        version = self._bcast_object(version, 0, name="elastic.hosts_version")
+        if version != runtime.rendezvous().hosts_version:
             raise HostsUpdatedInterrupt(skip_sync=False)
 
     def save(self) -> None:
@@ -69,8 +80,9 @@ class ObjectState(State):
     Example: `state = ObjectState(epoch=0, batch=0)`; `state.epoch += 1`; `state.commit()`.
     """
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__()
+    def __init__(self, *, bcast_object: BroadcastObject | None = None,
+                 get_rank: Callable[[], int] | None = None, **kwargs: Any) -> None:
+        super().__init__(bcast_object=bcast_object, get_rank=get_rank)
         self._names = list(kwargs)
         for name, value in kwargs.items():
             setattr(self, name, value)
@@ -87,9 +99,7 @@ class ObjectState(State):
             setattr(self, name, value)
 
     def sync(self) -> None:
-        from raytrain_x.torch.functions import broadcast_object
-
-        values = broadcast_object(self._values(), 0, name="elastic.object_state")
+        values = self._bcast_object(self._values(), 0, name="elastic.object_state")
         for name, value in values.items():
             setattr(self, name, value)
         self.save()
@@ -107,8 +117,6 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(func)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
-        from raytrain_x.fusion import runtime
-
         reset_required = False
         skip_sync = False
         while True:

@@ -17,6 +17,9 @@ from raytrain_x.comm.store import StoreActor
 from raytrain_x.common.autotune_config import AutotuneConfig
 from raytrain_x.common.errors import ConfigError, WorkerError
 from raytrain_x.common.knobs import Knobs, load_knobs
+from raytrain_x.ray.autotune_actor import start_controller_actor
+from raytrain_x.ray.elastic_driver import ElasticJob, ElasticSettings
+from raytrain_x.ray.failures import root_cause, worker_error
 from raytrain_x.ray.placement import (
     Slot,
     assign_ranks,
@@ -25,7 +28,6 @@ from raytrain_x.ray.placement import (
     validate_shape,
 )
 from raytrain_x.ray.worker import Worker
-from raytrain_x.tune_integration.autotune import remote_controller
 
 log = logging.getLogger("raytrain_x.ray")
 
@@ -271,7 +273,7 @@ class RayExecutor:
             start = config.initial_knobs.replace(**{n: getattr(base, n) for n in fixed})
         if config.resume_from:  # workers read the resume file themselves
             return {**config.to_env(), **(knob_env(self.knobs) if self.knobs else {})}
-        self.autotune_controller = remote_controller(config, start, fixed)
+        self.autotune_controller = start_controller_actor(config, start, fixed)
         return {**config.to_env(), **knob_env(start)}
 
     def _rendezvous_args(self, slot: Slot) -> dict[str, Any]:
@@ -316,8 +318,6 @@ class RayExecutor:
             raise ConfigError("the executor is not started; call start() first")
 
     def _run_elastic(self, fn: Callable, args: Sequence | None, kwargs: dict | None) -> list:
-        from raytrain_x.elastic.driver import ElasticJob, ElasticSettings
-
         settings = ElasticSettings(
             min_workers=self.min_workers, max_workers=self.max_workers,
             cpus_per_worker=self.cpus_per_worker,
@@ -337,7 +337,8 @@ class RayExecutor:
         if not callable(fn):
             raise ConfigError(f"run needs a function, got {type(fn).__name__}")
         self._round += 1
-        return [w.execute.remote(fn, tuple(args or ()), dict(kwargs or {}), False, self._round)
+        return [w.execute.remote(fn, tuple(args or ()), dict(kwargs or {}),
+                                 round_id=self._round)
                 for w in self.workers]
 
     def run(self, fn: Callable, args: Sequence | None = None, kwargs: dict | None = None,
@@ -365,14 +366,16 @@ class RayExecutor:
         """Runs `fn(executable)` on every worker's executable; results in rank order."""
         self._require_started()
         self._round += 1
-        refs = [w.execute.remote(fn, (), {}, True, self._round) for w in self.workers]
+        refs = [w.execute.remote(fn, with_executable=True, round_id=self._round)
+                for w in self.workers]
         return self.collect(refs, callbacks)
 
     def execute_single(self, fn: Callable[[Any], Any]) -> Any:
         """Runs `fn(executable)` on rank 0 only."""
         self._require_started()
         self._round += 1
-        return self.collect([self.workers[0].execute.remote(fn, (), {}, True, self._round)],
+        return self.collect([self.workers[0].execute.remote(fn, with_executable=True,
+                                                            round_id=self._round)],
                              None)[0]
 
     def collect(self, refs: list[ray.ObjectRef],
@@ -396,7 +399,7 @@ class RayExecutor:
                     for cb in callbacks or ():
                         cb((rank, results[rank]))
                 except (RayTaskError, RayActorError) as exc:
-                    errors[rank] = WorkerError(rank, describe_failure(exc))
+                    errors[rank] = worker_error(rank, exc)
                     deadline = min(deadline, time.monotonic() + self.settings.timeout_s)
             if errors and pending and time.monotonic() > deadline:
                 stuck = sorted(pending.values())
@@ -406,30 +409,8 @@ class RayExecutor:
                     ray.kill(self.workers[rank], no_restart=True)
                 break
         if errors:
-            raise _root_cause(errors)
+            raise root_cause(errors)
         return [results[r] for r in range(len(refs))]
-
-
-def _root_cause(errors: dict[int, WorkerError]) -> WorkerError:
-    """The failure that started it: ranks that only lost a peer report InternalError."""
-    causes = [e for e in errors.values() if "InternalError" not in e.detail
-              and "RendezvousTimeout" not in e.detail]
-    chosen = min(causes or errors.values(), key=lambda e: e.rank)
-    others = sorted(r for r in errors if r != chosen.rank)
-    if others:
-        chosen = WorkerError(chosen.rank, chosen.detail.rstrip() +
-                             f"\n(ranks {others} stopped because of this failure)")
-    return chosen
-
-
-def describe_failure(exc: Exception) -> str:
-    if isinstance(exc, RayActorError):
-        return ("the worker process exited (sys.exit, a crash or a killed node); its output "
-                "is in the Ray logs")
-    cause = getattr(exc, "cause", None)
-    if cause is not None and type(cause).__name__ == "_WorkerFailure":
-        return str(cause)
-    return str(exc)
 
 
 def fixed_knob_env(knobs: Knobs, fixed: frozenset[str]) -> dict[str, str]:

@@ -14,11 +14,9 @@ from typing import Any
 import ray
 
 from raytrain_x.comm.rendezvous import Rendezvous, set_rendezvous_provider
-from raytrain_x.comm.store import RayStore, call_actor
-
-
-class _WorkerFailure(Exception):
-    """Carries a remote traceback as plain text (user exceptions may not unpickle)."""
+from raytrain_x.comm.store import ActorStore, call_actor
+from raytrain_x.common.errors import LOST_PEER_EXIT_CODE
+from raytrain_x.ray.failures import WorkerFailure
 
 
 class ActorAdvisor:
@@ -40,7 +38,7 @@ class WorkerActor:
     def __init__(self) -> None:
         self.executable: Any = None
         self.rank = -1
-        self.round = 0
+        self.round_id = 0
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
@@ -63,7 +61,7 @@ class WorkerActor:
         os.environ.update(env)
         self.rank = rdv["rank"]
         if autotune_actor is not None:
-            from raytrain_x.fusion import runtime
+            from raytrain_x.core import runtime
 
             runtime.set_autotune_advisor_factory(
                 lambda config, start, fixed: ActorAdvisor(autotune_actor))
@@ -71,66 +69,68 @@ class WorkerActor:
         def provider() -> Rendezvous:
             # each run()/execute() is a new round, so a world re-formed after a failure
             # never reads the keys of the one before
-            return Rendezvous(store=RayStore(store_actor, rdv["timeout_s"]), round=self.round,
-                              **rdv)
+            return Rendezvous(store=ActorStore(store_actor, rdv["timeout_s"]),
+                              round=self.round_id, **rdv)
 
         set_rendezvous_provider(provider)
 
-    def setup_elastic(self, worker_id: str, coordinator: Any, store_actor: Any,
+    def setup_elastic(self, worker_id: str, rounds_actor: Any, store_actor: Any,
                       timeout_s: float, env: dict[str, str], autotune_actor: Any = None) -> None:
         """Elastic worker: every `rx.init()` joins the next round the driver forms."""
         os.environ.update(env)
         if autotune_actor is not None:  # whoever becomes rank 0 reports to the controller
-            from raytrain_x.fusion import runtime as rt
+            from raytrain_x.core import runtime
 
-            rt.set_autotune_advisor_factory(
+            runtime.set_autotune_advisor_factory(
                 lambda config, start, fixed: ActorAdvisor(autotune_actor))
 
         def provider() -> Rendezvous:
-            place = call_actor(coordinator.join, worker_id)
+            place = call_actor(rounds_actor.join, worker_id)
             self.rank = place["rank"]
-            return Rendezvous(store=RayStore(store_actor, timeout_s), timeout_s=timeout_s,
+            return Rendezvous(store=ActorStore(store_actor, timeout_s), timeout_s=timeout_s,
                               **place)
 
         set_rendezvous_provider(provider)
-        from raytrain_x.fusion import runtime
+        from raytrain_x.core import runtime
 
-        runtime.set_host_update_probe(lambda: call_actor(coordinator.hosts_version))
+        runtime.set_host_update_probe(lambda: call_actor(rounds_actor.hosts_version))
 
     def create_executable(self, cls: type, args: tuple, kwargs: dict) -> None:
         self.executable = cls(*args, **kwargs)
 
-    def execute(self, fn: Callable, args: tuple = (), kwargs: dict | None = None,
-                with_executable: bool = False, round: int = 0) -> Any:
-        """Runs `fn`; on failure shuts this rank's engine down so its peers are released."""
-        self.round = round
+    def execute(self, fn: Callable, args: tuple = (), kwargs: dict | None = None, *,
+                with_executable: bool = False, round_id: int = 0) -> Any:
+        """Runs `fn(*args, **kwargs)`, or `fn(executable)` with `with_executable`, in
+        rendezvous round `round_id`; on failure shuts this rank's engine down so its peers
+        are released."""
+        self.round_id = round_id
         try:
             if with_executable:
                 return fn(self.executable)
             return fn(*args, **(kwargs or {}))
         except BaseException as exc:
-            from raytrain_x.fusion import runtime
+            from raytrain_x.core import runtime
 
             runtime.shutdown()
             if isinstance(exc, SystemExit):
                 raise
-            raise _WorkerFailure(traceback.format_exc()) from None
+            raise WorkerFailure.from_exception(exc, traceback.format_exc()) from None
 
     def run_command(self, command: list[str], env: dict[str, str]) -> Iterator[Any]:
         """Runs a command, yielding its output lines and finally a dict with its exit code,
-        when it ended (this node's clock) and whether it only failed because a peer did."""
+        when it ended (this node's clock) and whether it only failed because a peer did (a
+        raytrain-x process that ends on a lost peer exits with `LOST_PEER_EXIT_CODE`)."""
         if command and command[0] in ("python", "python3"):
             command = [sys.executable, *command[1:]]  # the interpreter Ray runs us with
-        proc = subprocess.Popen(command, env={**os.environ, **env, "PYTHONUNBUFFERED": "1"},
+        proc = subprocess.Popen(command, env={**os.environ, **env, "PYTHONUNBUFFERED": "1",
+                                              "RAYTRAIN_X_LAUNCHED": "1"},
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 bufsize=1)
         assert proc.stdout is not None
-        lost_peer = False
         for line in proc.stdout:
-            lost_peer = lost_peer or "InternalError" in line
             yield line.rstrip("\n")
         code = proc.wait()
-        yield {"code": code, "ended": time.time(), "lost_peer": lost_peer}
+        yield {"code": code, "ended": time.time(), "lost_peer": code == LOST_PEER_EXIT_CODE}
 
 
 Worker = ray.remote(WorkerActor)

@@ -12,17 +12,34 @@ from raytrain_x.common.errors import (
     RaytrainXError,
     TensorMismatchError,
 )
-from raytrain_x.fusion import runtime as _runtime
-from raytrain_x.fusion.runtime import (
+from raytrain_x.core import (
+    Average,
+    Max,
+    Min,
     ProcessSet,
+    Product,
+    Sum,
     add_process_set,
     autotune_batch_size,
+    barrier,
+    cross_rank,
+    cross_size,
     global_process_set,
     init,
     is_initialized,
+    join,
+    knobs,
+    local_rank,
+    local_size,
     mark_step,
+    poll,
+    rank,
     remove_process_set,
+    set_knobs,
     shutdown,
+    size,
+    synchronize,
+    transport,
 )
 from raytrain_x.torch import elastic
 from raytrain_x.torch.compression import Compression
@@ -33,11 +50,6 @@ from raytrain_x.torch.functions import (
     broadcast_parameters,
 )
 from raytrain_x.torch.ops import (
-    Average,
-    Max,
-    Min,
-    Product,
-    Sum,
     allgather,
     allgather_async,
     allreduce,
@@ -46,7 +58,6 @@ from raytrain_x.torch.ops import (
     allreduce_async_,
     alltoall,
     alltoall_async,
-    barrier,
     broadcast,
     broadcast_,
     broadcast_async,
@@ -55,59 +66,9 @@ from raytrain_x.torch.ops import (
     grouped_allreduce_,
     grouped_allreduce_async,
     grouped_allreduce_async_,
-    join,
-    poll,
     reducescatter,
     reducescatter_async,
-    synchronize,
 )
 from raytrain_x.torch.optimizer import DistributedOptimizer
-
-
-def rank() -> int:
-    """Global rank of this worker."""
-    return _runtime.rendezvous().rank
-
-
-def size() -> int:
-    """Number of workers."""
-    return _runtime.rendezvous().size
-
-
-def local_rank() -> int:
-    """Rank among the workers on this host."""
-    return _runtime.rendezvous().local_rank
-
-
-def local_size() -> int:
-    return _runtime.rendezvous().local_size
-
-
-def cross_rank() -> int:
-    """Index of this worker's host."""
-    return _runtime.rendezvous().cross_rank
-
-
-def cross_size() -> int:
-    """Number of hosts."""
-    return _runtime.rendezvous().cross_size
-
-
-def knobs():
-    """The communication knobs in effect now."""
-    return _runtime.engine().knobs
-
-
-def transport() -> str:
-    """How world allreduces travel: 'shm' (shared memory, every rank on one host) or
-    'gloo'. Set `RAYTRAIN_X_SHM=0` to force gloo."""
-    return _runtime.engine().transport
-
-
-def set_knobs(new_knobs) -> None:
-    """Requests new knobs; rank 0's request switches every rank at the same cycle (other
-    ranks' requests are ignored)."""
-    _runtime.engine().request_knobs(new_knobs)
-
 
 __all__ = [name for name in dir() if not name.startswith("_")]

@@ -7,8 +7,13 @@ from typing import Any
 
 import torch
 
+from raytrain_x.core.runtime import rank
 from raytrain_x.elastic.state import ObjectState, State, run
-from raytrain_x.torch.functions import broadcast_optimizer_state, broadcast_parameters
+from raytrain_x.torch.functions import (
+    broadcast_object,
+    broadcast_optimizer_state,
+    broadcast_parameters,
+)
 
 
 class TorchState(ObjectState):
@@ -26,7 +31,7 @@ class TorchState(ObjectState):
         self.optimizer = optimizer
         self._model_state = None
         self._optimizer_state = None
-        super().__init__(**kwargs)
+        super().__init__(bcast_object=broadcast_object, get_rank=rank, **kwargs)
         self._save_tensors()
 
     def _save_tensors(self) -> None:

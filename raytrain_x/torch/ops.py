@@ -6,53 +6,31 @@ Every collective has a blocking form and an `_async` form returning a handle for
 
 from __future__ import annotations
 
-import itertools
-import threading
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from raytrain_x.common.errors import ConfigError
-from raytrain_x.fusion import runtime
-from raytrain_x.fusion.messages import (
+from raytrain_x.core import collectives as _core
+from raytrain_x.core.collectives import Average, Sum, synchronize
+from raytrain_x.core.process_sets import ProcessSet, global_process_set
+from raytrain_x.engine.messages import (
     ALLGATHER,
     ALLREDUCE,
     ALLTOALL,
-    BARRIER,
     BROADCAST,
-    DTYPE_SIZES,
     REDUCESCATTER,
     Handle,
     Meta,
     Request,
 )
-from raytrain_x.fusion.runtime import ProcessSet, global_process_set
+from raytrain_x.torch.arrays import dtype_name  # (importing it registers torch tensors)
 from raytrain_x.torch.compression import Compression, Compressor
-
-Average = "average"
-Sum = "sum"
-Min = "min"
-Max = "max"
-Product = "product"
-_OPS = (Average, Sum, Min, Max, Product)
-
-_counters: dict[str, itertools.count] = {}
-_counter_lock = threading.Lock()
-
-
-def _auto_name(kind: str) -> str:
-    with _counter_lock:
-        counter = _counters.setdefault(kind, itertools.count())
-        return f"{kind}.noname.{next(counter)}"
 
 
 def _dtype_name(tensor: torch.Tensor) -> str:
-    name = str(tensor.dtype).removeprefix("torch.")
-    if name not in DTYPE_SIZES:
-        raise ConfigError(f"dtype {tensor.dtype} is not supported by raytrain-x collectives; "
-                          f"use one of {', '.join(sorted(DTYPE_SIZES))}")
-    return name
+    return _core.check_dtype(dtype_name(tensor.dtype), tensor.dtype)
 
 
 def _check_tensor(tensor: Any, what: str) -> torch.Tensor:
@@ -61,35 +39,11 @@ def _check_tensor(tensor: Any, what: str) -> torch.Tensor:
     return tensor
 
 
-def _resolve_op(op: str | None, average: bool | None, default: str = Average) -> str:
-    if average is not None:
-        if op is not None:
-            raise ConfigError("give either op= or the deprecated average=, not both")
-        return Average if average else Sum
-    op = default if op is None else op
-    if op not in _OPS:
-        raise ConfigError(f"unknown reduce op {op!r}; use rx.Average, rx.Sum, rx.Min, rx.Max "
-                          "or rx.Product")
-    return op
-
-
-def _set_id(process_set: ProcessSet) -> int:
-    if process_set.process_set_id is None:
-        raise ConfigError(f"process set {process_set.ranks} is not registered; call "
-                          "add_process_set on every rank first")
-    return process_set.process_set_id
-
-
-def _request(name: str, meta: Meta, tensor: torch.Tensor | None, output: Any = None) -> Request:
-    if meta.process_set_id:  # each process set has its own name space, as in Horovod
-        name = f"{name}@set{meta.process_set_id}"
-    return Request(name, meta, tensor, Handle(name), output)
-
-
-def _submit(name: str, meta: Meta, tensor: torch.Tensor | None, output: Any = None) -> Handle:
-    request = _request(name, meta, tensor, output)
-    runtime.engine().enqueue(request)
-    return request.handle
+_auto_name = _core.auto_name
+_resolve_op = _core.resolve_op
+_set_id = _core.set_id
+_request = _core.request
+_submit = _core.submit
 
 
 class _Decompressing(Handle):
@@ -176,7 +130,7 @@ def allreduce_async_(
     """
     request, handle = _allreduce_request(tensor, average, name, op, prescale_factor,
                                          postscale_factor, process_set, compression, fuse)
-    runtime.engine().enqueue(request)
+    _core.submit_many([request])
     return handle
 
 
@@ -212,7 +166,7 @@ def grouped_allreduce_async_(
     pairs = [_allreduce_request(t, average, f"{base}.{i}", op, prescale_factor,
                                 postscale_factor, process_set, compression)
              for i, t in enumerate(tensors)]
-    runtime.engine().enqueue_many([request for request, _ in pairs])
+    _core.submit_many([request for request, _ in pairs])
     return [handle for _, handle in pairs]
 
 
@@ -336,28 +290,3 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None, op: str | None 
     return synchronize(reducescatter_async(tensor, name, op, process_set, prescale_factor,
                                            postscale_factor))
 
-
-def barrier(process_set: ProcessSet = global_process_set) -> None:
-    """Returns once every member reached the barrier."""
-    meta = Meta(BARRIER, "uint8", (0,), process_set_id=_set_id(process_set))
-    synchronize(_submit(_auto_name(BARRIER), meta, None))
-
-
-def join(device: int = -1) -> int:
-    """Marks this rank as done: until every rank has joined, it contributes zeros to the
-    others' allreduces. Returns the rank that joined last."""
-    handle = Handle("join")
-    runtime.engine().join(handle)
-    return handle.wait()
-
-
-def poll(handle: Handle) -> bool:
-    """True when the collective behind `handle` finished."""
-    return handle.done()
-
-
-def synchronize(handle: Handle) -> Any:
-    """Waits for `handle` and returns the collective's output."""
-    if not isinstance(handle, Handle):
-        raise ConfigError(f"synchronize needs a handle from an *_async call, got {handle!r}")
-    return handle.wait()

@@ -14,12 +14,12 @@ from typing import Any
 
 import torch
 
+from raytrain_x.autotune.sampler import BATCHING_BUCKETS, BATCHING_FIXED_BUCKETS
 from raytrain_x.common.errors import ConfigError
 from raytrain_x.common.knobs import load_knobs
-from raytrain_x.fusion import runtime
-from raytrain_x.fusion.autotune_sampler import BATCHING_BUCKETS, BATCHING_FIXED_BUCKETS
-from raytrain_x.fusion.messages import Handle
-from raytrain_x.fusion.runtime import ProcessSet, global_process_set
+from raytrain_x.core import runtime
+from raytrain_x.core.process_sets import ProcessSet, global_process_set
+from raytrain_x.engine.messages import Handle
 from raytrain_x.torch.compression import Compression, Compressor
 from raytrain_x.torch.ops import Average, Sum, allreduce_async_, synchronize
 

@@ -1,8 +1,8 @@
-"""Ray Tune integration: the autotune controller, distributed trials, offline experiments."""
+"""Ray Tune integration: distributed trials (`DistributedTrainableCreator`) and offline
+autotune experiments. The in-training autotune search lives in `raytrain_x.autotune`."""
 
 from __future__ import annotations
 
-from raytrain_x.tune_integration.autotune import AutotuneController, SearchSpace
 from raytrain_x.tune_integration.experiments import ExperimentsResult, autotune_experiments
 from raytrain_x.tune_integration.trainable import (
     DistributedTrainableCreator,
@@ -11,10 +11,8 @@ from raytrain_x.tune_integration.trainable import (
 )
 
 __all__ = [
-    "AutotuneController",
     "DistributedTrainableCreator",
     "ExperimentsResult",
-    "SearchSpace",
     "autotune_experiments",
     "get_checkpoint",
     "report",

@@ -142,7 +142,7 @@ def autotune_experiments(
     """Runs short experiments and picks the best configuration.
 
     `train_fn(config)` runs on every worker and calls
-    `raytrain_x.tune_integration.report({metric: value})` once per step; knob names in the
+    `raytrain_x.autotune.report({metric: value})` once per step; knob names in the
     space (e.g. `fusion_threshold_bytes`) are applied as communication knobs.
 
     Returns:

@@ -52,7 +52,7 @@ def report(metrics: dict[str, Any], checkpoint: str | tune.Checkpoint | None = N
         raise ConfigError(f"report needs a dict of metrics, got {type(metrics).__name__}")
     queue = _session.get("queue")
     if queue is None:
-        raise ConfigError("raytrain_x.tune_integration.report is only available inside a "
+        raise ConfigError("raytrain_x.autotune.report is only available inside a "
                           "function run by DistributedTrainableCreator or autotune_experiments")
     if _session.get("rank") != 0:
         return
@@ -112,7 +112,7 @@ def DistributedTrainableCreator(  # noqa: N802 - Horovod's name
 
     Args:
         train_fn: runs on every worker with `raytrain_x.torch` initialised; reports with
-            `raytrain_x.tune_integration.report` and resumes from `get_checkpoint()`.
+            `raytrain_x.autotune.report` and resumes from `get_checkpoint()`.
         num_workers: workers per trial (or `num_hosts` x `num_workers_per_host`).
         cpus_per_worker, use_gpu: resources per worker.
         timeout_s: collective/rendezvous timeout of each trial's job.

@@ -31,7 +31,7 @@ def _steps_per_second(rx, tensors, steps: int) -> float:
 
 def _everyone_done(rx, step: int, attr: str = "done") -> bool:
     """True on every rank once rank 0's sampler is `attr` (an allreduce: all ranks agree)."""
-    from raytrain_x.fusion import runtime
+    from raytrain_x.core import runtime
 
     sampler = runtime.autotune_sampler()
     done = torch.tensor([1.0 if sampler is None or getattr(sampler, attr) else 0.0])
@@ -114,7 +114,7 @@ def test_autotune_beats_the_starting_knobs(ray_cluster, tmp_path):
 
 def _resumed() -> dict:
     import raytrain_x.torch as rx
-    from raytrain_x.fusion import runtime
+    from raytrain_x.core import runtime
 
     rx.init()
     return {"knobs": rx.knobs().to_dict(), "tuning": runtime.autotune_sampler() is not None}
@@ -135,8 +135,8 @@ def test_resume_starts_at_the_best_knobs_without_tuning(ray_cluster, tmp_path):
 
 def _optimizer_with_autotune(log: str, bucket_cap_mb) -> dict:
     import raytrain_x.torch as rx
-    from raytrain_x.common.workloads import shaped_model
-    from raytrain_x.fusion import runtime
+    from raytrain_x.core import runtime
+    from raytrain_x.torch.workloads import shaped_model
 
     config = AutotuneConfig(log_file=log, warmup_samples=1, steps_per_sample=3,
                             bayes_opt_max_samples=5, convergence_patience=0)

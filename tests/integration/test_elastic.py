@@ -12,9 +12,9 @@ import ray
 import torch
 
 from raytrain_x import ResetLimitExceeded
-from raytrain_x.elastic import driver
-from raytrain_x.elastic.driver import ElasticTimeout
+from raytrain_x.common.errors import ElasticTimeout
 from raytrain_x.ray import RayExecutor
+from raytrain_x.ray import elastic_driver as driver
 from raytrain_x.ray.worker import WorkerActor
 from tests.conftest import ELASTIC_RESOURCE
 

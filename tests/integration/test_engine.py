@@ -14,10 +14,11 @@ from tests.workers import run_workers
 
 def _knob_change() -> dict:
     import raytrain_x.torch as rx
+    from raytrain_x.core import runtime
 
     rx.init()
     seen = []
-    eng = rx._runtime.engine()
+    eng = runtime.engine()
     eng.on_knobs_changed(lambda k: seen.append((eng.stats.cycles, k.fusion_threshold_bytes)))
     before = rx.knobs().fusion_threshold_bytes
     if rx.rank() == 0:
@@ -209,7 +210,7 @@ def test_not_initialised_error():
 
 def _same_name_at_once() -> int:
     import raytrain_x.torch as rx
-    from raytrain_x.fusion.messages import Handle
+    from raytrain_x.engine.messages import Handle
 
     completed = Handle.set_result
 

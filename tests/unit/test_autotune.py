@@ -10,12 +10,12 @@ import time
 import pytest
 
 from raytrain_x import ConfigError, Knobs
+from raytrain_x.autotune.controller import AutotuneController, SearchSpace
+from raytrain_x.autotune.sampler import AutotuneSampler
 from raytrain_x.common.autotune_config import AutotuneConfig
 from raytrain_x.common.autotune_log import COLUMNS, AutotuneLog, Sample, load_best_knobs
 from raytrain_x.common.knobs import MB
-from raytrain_x.fusion.autotune_sampler import AutotuneSampler
-from raytrain_x.fusion.messages import Meta, Response
-from raytrain_x.tune_integration.autotune import AutotuneController, SearchSpace
+from raytrain_x.engine.messages import Meta, Response
 
 
 def test_space_is_joint_and_leaves_out_fixed_knobs():
@@ -232,7 +232,7 @@ def _run_marked(sampler, clock, step_s, cycles=2000, stop=lambda s: s.finished):
 
 
 def _marked_sampler(tmp_path, **config_kwargs):
-    from raytrain_x.fusion.autotune_sampler import BATCHING_BUCKETS
+    from raytrain_x.autotune.sampler import BATCHING_BUCKETS
 
     config = AutotuneConfig(log_file=str(tmp_path / "tune.csv"), warmup_samples=1,
                             steps_per_sample=3, sub_windows=3, **config_kwargs)
@@ -259,7 +259,7 @@ def test_step_marks_drive_the_score(tmp_path):
 
 
 def test_dimensions_that_cannot_matter_are_not_searched(tmp_path):
-    from raytrain_x.fusion.autotune_sampler import BATCHING_FIXED_BUCKETS, JobShape
+    from raytrain_x.autotune.sampler import BATCHING_FIXED_BUCKETS, JobShape
 
     sampler, clock, lines = _marked_sampler(tmp_path, bayes_opt_max_samples=3)
     _run_marked(sampler, clock, lambda k: 0.1, stop=lambda s: s.searched is not None)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from raytrain_x import ConfigError, _native
-from raytrain_x.fusion import FusionBuffer, FusionBufferPool, pack, unpack
+from raytrain_x.engine import FusionBuffer, FusionBufferPool, pack, unpack
 
 DTYPES = [
     torch.float32,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from raytrain_x.fusion import ResponseCache
+from raytrain_x.engine import ResponseCache
 
 
 def _fill(cache: ResponseCache, names):

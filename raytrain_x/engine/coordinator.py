@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from raytrain_x.fusion.messages import ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, Meta, Response
+from raytrain_x.engine.messages import ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, Meta, Response
 
 
 @dataclass

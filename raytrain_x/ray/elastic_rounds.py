@@ -1,4 +1,5 @@
-"""The elastic coordinator actor: workers wait in it for the driver to form each round."""
+"""Elastic rounds: the actor workers wait in for the driver to form each round, and how a
+round's ranks are assigned (pure logic)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ from typing import Any
 
 import ray
 
+from raytrain_x.ray.placement import assign_ranks
+
 
 @ray.remote(num_cpus=0)
-class ElasticCoordinator:
+class ElasticRounds:
     """Rendezvous rounds and the host-set version (asyncio: many workers wait at once)."""
 
     def __init__(self) -> None:
@@ -48,3 +51,25 @@ class ElasticCoordinator:
 
     async def hosts_version(self) -> int:
         return self._hosts_version
+
+
+def plan_round(members: dict[str, tuple[str, int]], round_id: int,
+               hosts_version: int) -> dict[str, dict[str, Any]]:
+    """Every member's place in a new round.
+
+    Args:
+        members: worker id -> (node id, age), age being start order.
+        round_id: the round's number (its store keys are its own).
+        hosts_version: the host-set version the round is formed at.
+
+    The oldest member becomes rank 0 (it holds the state every rank syncs from); workers
+    on one node get consecutive ranks, nodes ordered by their oldest worker.
+    """
+    by_age = sorted(members, key=lambda w: members[w][1])
+    slots = assign_ranks([members[w][0] for w in by_age])
+    hosts = [s.node_id for s in sorted(slots, key=lambda s: s.rank)]
+    return {worker_id: {"rank": slot.rank, "size": len(by_age), "local_rank": slot.local_rank,
+                        "local_size": slot.local_size, "cross_rank": slot.cross_rank,
+                        "cross_size": slot.cross_size, "round": round_id, "hosts": hosts,
+                        "hosts_version": hosts_version}
+            for worker_id, slot in zip(by_age, slots)}

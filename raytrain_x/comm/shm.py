@@ -3,9 +3,9 @@
 On one host, gloo moves every byte through loopback TCP (kernel copies, syscalls, one
 thread per pair). The native `ShmGroup` instead maps one segment into every rank: each
 rank copies a chunk into its slot, the ranks meet at a futex barrier, and each rank sums
-the slots in rank order, so every rank holds bit-identical results. On this project's
-2-core machine that is 3x faster than gloo for 64 MB and about 30x for 4 KB
-(docs/performance.md).
+the slots in rank order, so every rank holds bit-identical results (measured speed-ups
+against gloo: docs/performance.md). It takes any host array through DLPack, so it needs
+no framework at all.
 
 In a multi-host world, the ranks of each host open such a group for the local stages of
 hierarchical allreduce. A group is opened collectively at engine start; if any rank cannot
@@ -20,17 +20,16 @@ import logging
 import os
 import uuid
 
-import torch
-
 from raytrain_x import _native
-from raytrain_x.comm.groups import Group, ProcessGroups
+from raytrain_x.comm.backend import Group
+from raytrain_x.comm.groups import ProcessGroups
 
 log = logging.getLogger("raytrain_x.engine")
 
 SHM_ENV = "RAYTRAIN_X_SHM"
 SLOT_BYTES = 256 << 10  # per-rank chunk: fits the L2 cache; measured best of 64 KB..4 MB
-SHM_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16,
-                        torch.int32, torch.int64, torch.int8, torch.uint8})
+SHM_DTYPES = frozenset({"float32", "float64", "float16", "bfloat16", "int32", "int64", "int8",
+                        "uint8"})
 
 
 def shm_enabled() -> bool:
@@ -53,18 +52,18 @@ def open_local_group(groups: ProcessGroups, timeout_s: float) -> _native.ShmGrou
 
 
 def _open_for(comm: Group, timeout_s: float) -> _native.ShmGroup | None:
-    if comm.size < 2 or not _all(comm, shm_enabled()):
+    if comm.size < 2 or not comm.vote_all(shm_enabled()):
         return None
     name = comm.broadcast_object(f"/rtx-{os.getpid()}-{uuid.uuid4().hex[:12]}")
     group, reason = None, ""
     if comm.rank == 0:
         group, reason = _open(name, comm.rank, comm.size, True, timeout_s)
-    if not _all(comm, comm.rank != 0 or group is not None):
+    if not comm.vote_all(comm.rank != 0 or group is not None):
         return _give_up(comm.rank, reason or "rank 0 could not create the segment")
     if comm.rank != 0:
         group, reason = _open(name, comm.rank, comm.size, False, timeout_s)
-    opened = _all(comm, group is not None)
-    visible = opened and _all(comm, group.peers_visible())
+    opened = comm.vote_all(group is not None)
+    visible = opened and comm.vote_all(group.peers_visible())
     if group is not None:
         group.unlink()  # everyone has mapped it (or given up): drop the name now
     if not visible:
@@ -80,12 +79,6 @@ def _open(name: str, rank: int, size: int, create: bool,
         return _native.ShmGroup(name, rank, size, SLOT_BYTES, create, timeout_s), ""
     except (RuntimeError, ValueError) as exc:
         return None, str(exc)
-
-
-def _all(comm: Group, flag: bool) -> bool:
-    vote = torch.tensor([1 if flag else 0], dtype=torch.int64)
-    comm.allreduce(vote, "min")
-    return bool(vote.item())
 
 
 def _give_up(rank: int, reason: str) -> None:

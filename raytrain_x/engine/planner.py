@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from raytrain_x.fusion.messages import ALLREDUCE, Response
+from raytrain_x.engine.messages import ALLREDUCE, Response
 
 
 def fusion_key(response: Response) -> tuple:

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 from raytrain_x.common.autotune_config import AutotuneConfig
 from raytrain_x.common.autotune_log import AutotuneLog, Sample, TuningCost
 from raytrain_x.common.knobs import MB, Knobs
-from raytrain_x.fusion.messages import ALLGATHER, ALLREDUCE, Response
+from raytrain_x.engine.messages import ALLGATHER, ALLREDUCE, Response
 
 log = logging.getLogger("raytrain_x.autotune")
 

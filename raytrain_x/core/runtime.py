@@ -1,23 +1,28 @@
-"""Process-wide state behind `init()`: the rendezvous, the process groups and the engine.
-
-Framework adapters (`raytrain_x.torch`, ...) call into this module; it knows no framework.
-"""
+"""Process-wide state behind `init()`: the rendezvous, the process groups, the engine and
+rank 0's autotune sampler. Framework faces (`raytrain_x.torch`, ...) call into this
+module; it knows no framework."""
 
 from __future__ import annotations
 
 import atexit
 import os
+import sys
 import threading
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
+from raytrain_x.autotune.controller import local_controller
+from raytrain_x.autotune.sampler import Advisor, AutotuneSampler, JobShape
 from raytrain_x.comm.groups import ProcessGroups
 from raytrain_x.comm.rendezvous import Rendezvous, next_rendezvous
 from raytrain_x.common.autotune_config import AutotuneConfig
 from raytrain_x.common.autotune_log import load_best_knobs
-from raytrain_x.common.errors import ConfigError
+from raytrain_x.common.errors import LOST_PEER_ERRORS, LOST_PEER_EXIT_CODE, ConfigError
 from raytrain_x.common.knobs import Knobs, load_knobs
-from raytrain_x.fusion.autotune_sampler import Advisor, AutotuneSampler, JobShape
-from raytrain_x.fusion.engine import Engine
+from raytrain_x.engine.engine import Engine
+
+if TYPE_CHECKING:
+    from raytrain_x.core.process_sets import ProcessSet
 
 _lock = threading.RLock()
 _engine: Engine | None = None
@@ -56,43 +61,7 @@ def set_autotune_advisor_factory(factory: AdvisorFactory | None) -> None:
 
 
 def _local_advisor(config: AutotuneConfig, start: Knobs, fixed: frozenset) -> Advisor:
-    from raytrain_x.tune_integration.autotune import local_controller
-
     return local_controller(config, start, fixed)
-
-
-class ProcessSet:
-    """A subset of ranks for collectives (Horovod's `ProcessSet`).
-
-    Create with the member ranks, register on every rank with `add_process_set` (or pass
-    to `init(process_sets=...)`), then give it to any collective as `process_set=`.
-    """
-
-    def __init__(self, ranks: Sequence[int] | None = None) -> None:
-        self.ranks = sorted(int(r) for r in ranks) if ranks is not None else None
-        self.process_set_id: int | None = 0 if ranks is None else None
-
-    def _resolved(self):
-        if self.process_set_id is None:
-            raise ConfigError(f"process set {self.ranks} is not registered; call "
-                              "add_process_set on every rank first")
-        return engine().groups.process_set(self.process_set_id)
-
-    def size(self) -> int:
-        return self._resolved().size()
-
-    def rank(self) -> int:
-        """This process's rank within the set, -1 when not a member."""
-        return self._resolved().rank()
-
-    def included(self) -> bool:
-        return self._resolved().included()
-
-    def __repr__(self) -> str:
-        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
-
-
-global_process_set = ProcessSet()
 
 
 def init(
@@ -137,6 +106,8 @@ def init(
         elif config is not None and config.initial_knobs is not None:
             knobs = config.initial_knobs.replace(
                 **{n: getattr(knobs, n) for n in _fixed_knobs})
+        if os.environ.get("RAYTRAIN_X_LAUNCHED") == "1":
+            _exit_with_code_on_lost_peer()
         rdv = rendezvous or next_rendezvous()
         groups = ProcessGroups(rdv)
         if rdv.size > 1:
@@ -148,6 +119,8 @@ def init(
             stall_warning_s=_env_float("RAYTRAIN_X_STALL_CHECK_TIME_SECONDS", 60.0),
             stall_shutdown_s=_env_float("RAYTRAIN_X_STALL_SHUTDOWN_TIME_SECONDS", 0.0),
         )
+        from raytrain_x.core.process_sets import add_process_set, global_process_set
+
         global_process_set.ranks = list(range(rdv.size))
         _sampler = None
         if config is not None and rdv.rank == 0:
@@ -160,6 +133,26 @@ def init(
             _engine.add_cycle_hook(_sampler.on_cycle)
         for ps in process_sets or ():
             add_process_set(ps)
+
+
+def _exit_with_code_on_lost_peer() -> None:
+    """In a process launched by `raytrain-x run`: when it ends on a lost peer (an uncaught
+    `InternalError` or `RendezvousTimeout`), exit with `LOST_PEER_EXIT_CODE`, so that the
+    launcher reports the rank whose failure was the cause, not this one."""
+    previous = sys.excepthook
+    if getattr(previous, "raytrain_x", False):
+        return
+
+    def hook(kind, value, tb) -> None:
+        previous(kind, value, tb)
+        if isinstance(value, LOST_PEER_ERRORS):
+            shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(LOST_PEER_EXIT_CODE)
+
+    hook.raytrain_x = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
 
 
 def _env_float(name: str, default: float) -> float:
@@ -252,20 +245,50 @@ def fixed_knobs() -> frozenset[str]:
     return _fixed_knobs
 
 
-def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
-    """Registers a process set; call on every rank in the same order."""
-    ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
-    if ps.ranks is None:
-        raise ConfigError("the global process set is always registered")
-    created = engine().groups.add_process_set(ps.ranks)
-    ps.process_set_id = created.process_set_id
-    return ps
+# ----------------------------------------------------------------- the world
+def rank() -> int:
+    """Global rank of this worker."""
+    return rendezvous().rank
 
 
-def remove_process_set(process_set: ProcessSet) -> bool:
-    """Unregisters a process set on this rank (call on every rank)."""
-    if process_set.process_set_id in (None, 0):
-        return False
-    engine().groups.remove_process_set(process_set.process_set_id)
-    process_set.process_set_id = None
-    return True
+def size() -> int:
+    """Number of workers."""
+    return rendezvous().size
+
+
+def local_rank() -> int:
+    """Rank among the workers on this host."""
+    return rendezvous().local_rank
+
+
+def local_size() -> int:
+    """Number of workers on this host."""
+    return rendezvous().local_size
+
+
+def cross_rank() -> int:
+    """Index of this worker's host."""
+    return rendezvous().cross_rank
+
+
+def cross_size() -> int:
+    """Number of hosts."""
+    return rendezvous().cross_size
+
+
+def knobs() -> Knobs:
+    """The communication knobs in effect now."""
+    return engine().knobs
+
+
+def set_knobs(new_knobs: Knobs) -> None:
+    """Requests new knobs; rank 0's request switches every rank at the same cycle (other
+    ranks' requests are ignored)."""
+    engine().request_knobs(new_knobs)
+
+
+def transport() -> str:
+    """How world allreduces travel: 'shm' (shared memory, every rank on one host),
+    'gloo+shm' (several hosts; shared memory for hierarchical local stages) or 'gloo'.
+    Set `RAYTRAIN_X_SHM=0` to force gloo."""
+    return engine().transport

@@ -1,7 +1,7 @@
 """The autotune search: one joint space over every free knob, Ray Tune's BayesOptSearch.
 
 `AutotuneController` is plain Python so it can run in-process (a launched script's rank 0)
-or as a Ray actor (`RemoteAutotuneController`, started by `RayExecutor`).
+or as a Ray actor (`raytrain_x.ray.autotune_actor`, started by `RayExecutor`).
 """
 
 from __future__ import annotations
@@ -295,22 +295,12 @@ def _yield_cpu_to_training() -> None:
         pass
 
 
-class _QuietController(AutotuneController):
+class BackgroundController(AutotuneController):
     """The controller in a process of its own (a Ray actor or a child process)."""
 
     def __init__(self, config: AutotuneConfig, start: Knobs, fixed: frozenset[str]) -> None:
         _yield_cpu_to_training()
         super().__init__(config, start, fixed)
-
-
-def remote_controller(config: AutotuneConfig, start: Knobs, fixed: frozenset[str]):
-    """Starts the controller as a Ray actor (no CPU reserved)."""
-    import ray
-
-    from raytrain_x.ray.placement import stable_node_strategy
-
-    return ray.remote(num_cpus=0)(_QuietController).options(
-        scheduling_strategy=stable_node_strategy()).remote(config, start, fixed)
 
 
 class ProcessController:
@@ -354,7 +344,7 @@ def _serve(conn, config: AutotuneConfig, start: Knobs, fixed: frozenset[str]) ->
     """The child process of `ProcessController`: answers calls until the parent is gone."""
     for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[var] = "1"
-    controller = _QuietController(config, start, fixed)
+    controller = BackgroundController(config, start, fixed)
     while True:
         try:
             method, args = conn.recv()

@@ -1,7 +1,7 @@
 """The elastic driver: keeps a job running while workers come and go.
 
 Each worker actor runs the user function once; its `rx.init()` (and every reset inside
-`elastic.run`) waits in the `ElasticCoordinator` until the driver forms a round from all
+`elastic.run`) waits in the `ElasticRounds` actor until the driver forms a round from all
 live workers. Dead workers are dropped and their hosts blacklisted; discovered capacity
 starts new workers, and survivors meet them at their next `commit()`.
 """
@@ -20,25 +20,16 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrain_x.comm.store import StoreActor
-from raytrain_x.common.errors import RaytrainXError, ResetLimitExceeded, WorkerError
+from raytrain_x.common.errors import ElasticTimeout, ResetLimitExceeded, WorkerError
 from raytrain_x.elastic.blacklist import Blacklist
-from raytrain_x.elastic.discovery import (
-    RayDiscovery,
-    ScriptDiscovery,
-    alive_nodes,
-    resolve_hosts,
-    slots_from_resources,
-)
-from raytrain_x.elastic.rendezvous import ElasticCoordinator
-from raytrain_x.ray.executor import describe_failure
-from raytrain_x.ray.placement import assign_ranks, stable_node_strategy
+from raytrain_x.elastic.discovery import ScriptDiscovery, slots_from_resources
+from raytrain_x.ray.discovery import RayDiscovery, alive_nodes, resolve_hosts
+from raytrain_x.ray.elastic_rounds import ElasticRounds, plan_round
+from raytrain_x.ray.failures import worker_error
+from raytrain_x.ray.placement import stable_node_strategy
 from raytrain_x.ray.worker import Worker
 
 log = logging.getLogger("raytrain_x.elastic")
-
-
-class ElasticTimeout(RaytrainXError):
-    """Too few workers for longer than `elastic_timeout`."""
 
 
 @dataclass
@@ -88,7 +79,7 @@ class ElasticJob:
     """Runs `fn` elastically and returns the results of the workers that finished it."""
 
     def __init__(self, settings: ElasticSettings, fn: Callable, args: tuple, kwargs: dict):
-        self.s = settings
+        self.settings = settings
         self.fn, self.args, self.kwargs = fn, args, kwargs
         self.blacklist = Blacklist(settings.cooldown_range)
         per_worker = {"CPU": settings.cpus_per_worker, **settings.resources_per_worker}
@@ -110,34 +101,35 @@ class ElasticJob:
         self._ages = itertools.count()
         # The job's own actors live on the head node: worker nodes may vanish at any time.
         here = stable_node_strategy()
-        self.coordinator = ElasticCoordinator.options(scheduling_strategy=here).remote()
+        self.rounds_actor = ElasticRounds.options(scheduling_strategy=here).remote()
         self.store = StoreActor.options(scheduling_strategy=here).remote()
         self._needs_round = True
         self._below_min_since: float | None = None
+        self.last_failure: WorkerError | None = None
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> list[Any]:
         try:
             self._scale_up()
-            next_discovery = time.monotonic() + self.s.discovery_interval_s
+            next_discovery = time.monotonic() + self.settings.discovery_interval_s
             while True:
                 finished = self._poll_workers()
                 if finished:
                     return self._finish(finished)
-                if not self.members and getattr(self, "last_failure", None) is not None:
+                if not self.members and self.last_failure is not None:
                     raise self.last_failure  # every worker failed: the job fails
                 if self._poll_pending() and self.rounds:
-                    ray.get(self.coordinator.bump_hosts.remote())
+                    ray.get(self.rounds_actor.bump_hosts.remote())
                     self.events.append((time.monotonic(), "scale_up", ""))
                 if time.monotonic() >= next_discovery:
                     self._scale_up()
                     self._check_pending()
-                    next_discovery = time.monotonic() + self.s.discovery_interval_s
+                    next_discovery = time.monotonic() + self.settings.discovery_interval_s
                 self._check_minimum()
                 self._maybe_form_round()
         except BaseException as exc:
             try:
-                ray.get(self.coordinator.fail.remote(f"the elastic job stopped: {exc}"),
+                ray.get(self.rounds_actor.fail.remote(f"the elastic job stopped: {exc}"),
                         timeout=5)
             except Exception:  # noqa: BLE001 - the original error matters more
                 pass
@@ -168,7 +160,7 @@ class ElasticJob:
         log.warning("raytrain-x elastic: worker %s (rank %d) on node %s failed; host "
                     "blacklisted for %s", member.worker_id, member.rank, member.node[:8],
                     "good" if wait == float("inf") else f"{wait:.1f}s")
-        self.last_failure = WorkerError(member.rank, describe_failure(exc))
+        self.last_failure = worker_error(member.rank, exc)
         self._needs_round = True
         try:
             ray.kill(member.actor, no_restart=True)
@@ -177,7 +169,7 @@ class ElasticJob:
 
     def _finish(self, finished: dict[str, Any]) -> list[Any]:
         """A worker finished: the job is done. Others get `timeout_s` to finish too."""
-        deadline = time.monotonic() + self.s.timeout_s
+        deadline = time.monotonic() + self.settings.timeout_s
         while time.monotonic() < deadline:
             pending = [m for m in self.members.values()
                        if m.ref is not None and m.worker_id not in finished]
@@ -209,7 +201,7 @@ class ElasticJob:
     def _scale_up(self) -> int:
         """Asks for workers on free slots up to max_workers; returns how many were asked for.
         They join when they answer (`_poll_pending`), however long their start takes."""
-        room = self.s.max_workers - len(self.members) - len(self.pending)
+        room = self.settings.max_workers - len(self.members) - len(self.pending)
         if room <= 0:
             return 0
         nodes = [node for node, slots in sorted(self._free_slots().items())
@@ -219,7 +211,7 @@ class ElasticJob:
         for node in nodes:
             self.events.append((now, "place", node))
             actor = Worker.options(
-                num_cpus=self.s.cpus_per_worker, num_gpus=self.s.gpus_per_worker,
+                num_cpus=self.settings.cpus_per_worker, num_gpus=self.settings.gpus_per_worker,
                 resources=resources or None,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
             ref = actor.node_id.remote()
@@ -242,11 +234,12 @@ class ElasticJob:
                               else f"its actor died while starting: {_first_line(exc)}")
                 continue
             worker_id = f"w{next(self._ids)}"
-            ray.get(pending.actor.setup_elastic.remote(worker_id, self.coordinator, self.store,
-                                                      self.s.timeout_s, self.s.env or {},
-                                                      self.s.autotune_actor))
+            settings = self.settings
+            ray.get(pending.actor.setup_elastic.remote(worker_id, self.rounds_actor, self.store,
+                                                      settings.timeout_s, settings.env or {},
+                                                      settings.autotune_actor))
             member = _Member(worker_id, pending.actor, pending.node, next(self._ages))
-            member.ref = pending.actor.execute.remote(self.fn, self.args, self.kwargs, False, 0)
+            member.ref = pending.actor.execute.remote(self.fn, self.args, self.kwargs)
             self.members[worker_id] = member
             self._needs_round = True
             self.events.append((time.monotonic(), "start", pending.node))
@@ -271,9 +264,9 @@ class ElasticJob:
                 self._give_up(pending, "its node left the cluster")
             elif slots_from_resources(totals[pending.node], self.per_worker) < 1:
                 self._give_up(pending, "its node can no longer fit a worker")
-            elif now - pending.asked_at > self.s.start_timeout_s:
+            elif now - pending.asked_at > self.settings.start_timeout_s:
                 self._give_up(pending, f"it did not start within start_timeout_s="
-                                       f"{self.s.start_timeout_s:g}s")
+                                       f"{self.settings.start_timeout_s:g}s")
         if self.pending and now - self._progress_at >= 5.0:
             self._progress_at = now
             oldest = max(now - p.asked_at for p in self.pending.values())
@@ -300,53 +293,47 @@ class ElasticJob:
                         "(%d so far): %s", len(self.gave_up), "; ".join(causes))
 
     def _check_minimum(self) -> None:
-        if len(self.members) >= self.s.min_workers:
+        if len(self.members) >= self.settings.min_workers:
             self._below_min_since = None
             return
         now = time.monotonic()
         if self._below_min_since is None:
             self._below_min_since = now
             log.warning("raytrain-x elastic: %d workers, fewer than min_workers=%d; waiting up "
-                        "to %.0fs for capacity", len(self.members), self.s.min_workers,
-                        self.s.elastic_timeout)
-        elif now - self._below_min_since > self.s.elastic_timeout:
+                        "to %.0fs for capacity", len(self.members), self.settings.min_workers,
+                        self.settings.elastic_timeout)
+        elif now - self._below_min_since > self.settings.elastic_timeout:
             starting = f" ({len(self.pending)} still starting)" if self.pending else ""
             raise ElasticTimeout(
-                f"only {len(self.members)} workers{starting} for {self.s.elastic_timeout:.0f}s, "
+                f"only {len(self.members)} workers{starting} for "
+                f"{self.settings.elastic_timeout:.0f}s, "
                 "fewer than "
-                f"min_workers={self.s.min_workers}; blacklisted hosts: "
+                f"min_workers={self.settings.min_workers}; blacklisted hosts: "
                 f"{[h[:8] for h in self.blacklist.blacklisted()]}. Add capacity, lower "
                 "min_workers or raise elastic_timeout.")
 
     # ------------------------------------------------------------------ rounds
     def _maybe_form_round(self) -> None:
-        if not self._needs_round or len(self.members) < self.s.min_workers:
+        if not self._needs_round or len(self.members) < self.settings.min_workers:
             return
-        waiting = set(ray.get(self.coordinator.waiting.remote()))
+        waiting = set(ray.get(self.rounds_actor.waiting.remote()))
         if not waiting or waiting != set(self.members):
             return  # survivors are still on their way to the rendezvous
         self.resets += 1
-        if self.s.reset_limit is not None and self.resets > self.s.reset_limit:
+        if self.settings.reset_limit is not None and self.resets > self.settings.reset_limit:
             raise ResetLimitExceeded(
                 f"the job reset {self.resets} times, more than reset_limit="
-                f"{self.s.reset_limit}; the last failure: {getattr(self, 'last_failure', '')}")
-        by_age = sorted(self.members.values(), key=lambda m: m.age)
-        slots = assign_ranks([m.node for m in by_age])
-        version = ray.get(self.coordinator.hosts_version.remote())
+                f"{self.settings.reset_limit}; the last failure: {self.last_failure or ''}")
+        version = ray.get(self.rounds_actor.hosts_version.remote())
         self.rounds += 1
-        assignments = {}
-        for member, slot in zip(by_age, slots):
-            member.rank = slot.rank
-            assignments[member.worker_id] = {
-                "rank": slot.rank, "size": len(by_age), "local_rank": slot.local_rank,
-                "local_size": slot.local_size, "cross_rank": slot.cross_rank,
-                "cross_size": slot.cross_size, "round": self.rounds,
-                "hosts": [s.node_id for s in sorted(slots, key=lambda s: s.rank)],
-                "hosts_version": version}
-        ray.get(self.coordinator.publish.remote(assignments))
+        assignments = plan_round({m.worker_id: (m.node, m.age) for m in self.members.values()},
+                                 self.rounds, version)
+        for worker_id, place in assignments.items():
+            self.members[worker_id].rank = place["rank"]
+        ray.get(self.rounds_actor.publish.remote(assignments))
         self._needs_round = False
-        self.events.append((time.monotonic(), "round", str(len(by_age))))
-        log.info("raytrain-x elastic: round %d with %d workers", self.rounds, len(by_age))
+        self.events.append((time.monotonic(), "round", str(len(assignments))))
+        log.info("raytrain-x elastic: round %d with %d workers", self.rounds, len(assignments))
 
     def _kill_all(self) -> None:
         for m in [*self.members.values(), *self.pending.values()]:
@@ -354,7 +341,7 @@ class ElasticJob:
                 ray.kill(m.actor, no_restart=True)
             except Exception:  # noqa: BLE001
                 pass
-        for actor in (self.coordinator, self.store):
+        for actor in (self.rounds_actor, self.store):
             try:
                 ray.kill(actor, no_restart=True)
             except Exception:  # noqa: BLE001

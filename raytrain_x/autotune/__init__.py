@@ -1,0 +1,10 @@
+"""Autotune: rank 0's sampler (a cycle hook on the engine) and the search controller
+(Ray Tune's BayesOptSearch, imported only when a search starts)."""
+
+from __future__ import annotations
+
+from raytrain_x.autotune.controller import AutotuneController, SearchSpace, local_controller
+from raytrain_x.autotune.sampler import AutotuneSampler, JobShape
+
+__all__ = ["AutotuneController", "AutotuneSampler", "JobShape", "SearchSpace",
+           "local_controller"]

@@ -1,0 +1,141 @@
+"""The interface every collective backend implements, and the registry that picks one.
+
+A `Group` is a communicator over some ranks. Backends move arrays given as numpy arrays or
+as any framework's tensors (zero-copy through DLPack or the buffer protocol); the
+control-plane helpers here (`allgather_bytes`, `broadcast_bytes`, `broadcast_object`) are
+written once, on numpy, for every backend. The built-in backend is torch.distributed's
+gloo (CPU) and nccl (CUDA), as in Ray's own `ray.util.collective`; it is imported only
+when a group is created, so nothing above this layer needs torch to import.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pickle
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from raytrain_x.common.errors import ConfigError
+
+
+class Group:
+    """A communicator over `ranks` (global ranks, sorted); this process is `rank` of `size`.
+
+    Every method is collective over the members and raises `InternalError` when a peer fails
+    (connection closed, timeout), so callers never see a backend's own errors. Arrays are
+    written in place.
+    """
+
+    rank: int
+    size: int
+    ranks: list[int]
+
+    def allreduce(self, array: Any, op: str = "sum") -> None:
+        """In-place allreduce; `op` is sum, min, max, product or band."""
+        raise NotImplementedError
+
+    def broadcast(self, array: Any, root: int) -> None:
+        """In-place broadcast from group rank `root`."""
+        raise NotImplementedError
+
+    def allgather(self, outputs: list[Any], array: Any) -> None:
+        """Gathers equally shaped arrays from every member into `outputs`."""
+        raise NotImplementedError
+
+    def alltoall(self, output: Any, array: Any, output_splits: list[int],
+                 input_splits: list[int]) -> None:
+        """Scatters slices of `array` (dim 0 split by `input_splits`) to every member."""
+        raise NotImplementedError
+
+    def reduce_scatter(self, output: Any, array: Any) -> None:
+        """Sums `array` over members; member i keeps the i-th of `size` equal chunks."""
+        raise NotImplementedError
+
+    def barrier(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Releases the communicator now, while the interpreter is fully alive."""
+
+    # Control plane, the same for every backend.
+    def allgather_bytes(self, payload: bytes) -> list[bytes]:
+        """Every member's payload, in group rank order."""
+        size = np.array([len(payload)], dtype=np.int64)
+        sizes = [np.empty(1, dtype=np.int64) for _ in range(self.size)]
+        self.allgather(sizes, size)
+        longest = max(int(s[0]) for s in sizes)
+        mine = np.zeros(longest, dtype=np.uint8)
+        mine[: len(payload)] = np.frombuffer(payload, dtype=np.uint8)
+        outs = [np.empty(longest, dtype=np.uint8) for _ in range(self.size)]
+        self.allgather(outs, mine)
+        return [o[: int(s[0])].tobytes() for o, s in zip(outs, sizes)]
+
+    def broadcast_bytes(self, payload: bytes | None, root: int = 0) -> bytes:
+        """`payload` from `root` on every member."""
+        size = np.array([len(payload) if self.rank == root and payload else 0], dtype=np.int64)
+        self.broadcast(size, root)
+        buf = np.zeros(int(size[0]), dtype=np.uint8)
+        if self.rank == root and payload:
+            buf[:] = np.frombuffer(payload, dtype=np.uint8)
+        if buf.size:
+            self.broadcast(buf, root)
+        return buf.tobytes()
+
+    def broadcast_object(self, obj: Any, root: int = 0) -> Any:
+        data = pickle.dumps(obj) if self.rank == root else None
+        return pickle.loads(self.broadcast_bytes(data, root))
+
+    def vote_all(self, flag: bool) -> bool:
+        """True on every member when `flag` is True on every member."""
+        vote = np.array([1 if flag else 0], dtype=np.int64)
+        self.allreduce(vote, "min")
+        return bool(vote[0])
+
+
+class Backend:
+    """Creates the groups of one rendezvous round.
+
+    Args (of `create_group`):
+        store: the round's rendezvous store (a `raytrain_x.comm.store.ActorStore`, or a
+            store the backend itself understands; None for a world of one).
+        prefix: key prefix that keeps this group's keys apart from every other group's.
+        rank, size, ranks: this process's rank in the group, the group size, and the
+            members' global ranks.
+        timeout_s: how long a collective may wait for a peer before it fails.
+    """
+
+    name: str
+
+    def create_group(self, store: Any, prefix: str, rank: int, size: int,
+                     ranks: Sequence[int], timeout_s: float) -> Group:
+        raise NotImplementedError
+
+
+# name -> "module:attribute" (imported on first use) or a Backend instance
+_backends: dict[str, str | Backend] = {
+    "torch": "raytrain_x.comm.torch_backend:TorchBackend",
+}
+DEFAULT_BACKEND = "torch"
+
+
+def register_backend(name: str, backend: str | Backend | Callable[[], Backend]) -> None:
+    """Makes a backend available as `name` (an instance, a factory or "module:attr")."""
+    _backends[name] = backend() if callable(backend) and not isinstance(backend, Backend) \
+        else backend
+
+
+def get_backend(name: str = DEFAULT_BACKEND) -> Backend:
+    entry = _backends.get(name)
+    if entry is None:
+        raise ConfigError(f"no collective backend named {name!r}; known: {sorted(_backends)}")
+    if isinstance(entry, str):
+        module, _, attr = entry.partition(":")
+        try:
+            entry = getattr(importlib.import_module(module), attr)()
+        except ImportError as exc:
+            raise ConfigError(f"the {name!r} collective backend needs {exc.name}, which is "
+                              "not installed; install raytrain-x[torch]") from None
+        _backends[name] = entry
+    return entry

@@ -1,0 +1,136 @@
+"""The torch.distributed backend: gloo for host memory, nccl for CUDA tensors.
+
+raytrain-x builds its groups with the c10d constructors directly instead of
+`init_process_group`, so it never owns torch's default group: a user script may still use
+`torch.distributed` (DDP for instance) beside it, and elastic resets simply drop the old
+groups and build new ones. Arrays of any framework arrive here; numpy arrays and DLPack
+tensors are wrapped as torch tensors over the same memory (no copy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from raytrain_x.comm.backend import Backend, Group
+from raytrain_x.comm.torch_store import as_torch_store
+from raytrain_x.common.errors import ConfigError, InternalError
+
+REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "min": dist.ReduceOp.MIN,
+    "max": dist.ReduceOp.MAX,
+    "product": dist.ReduceOp.PRODUCT,
+    "band": dist.ReduceOp.BAND,
+}
+
+
+def nccl_available() -> bool:
+    """True when CUDA tensors can use NCCL in this process."""
+    return torch.cuda.is_available() and dist.is_nccl_available()
+
+
+def as_tensor(array: Any) -> torch.Tensor:
+    """`array` as a torch tensor over the same memory."""
+    if isinstance(array, torch.Tensor):
+        return array
+    if isinstance(array, np.ndarray):
+        return torch.from_numpy(array)
+    return torch.from_dlpack(array)
+
+
+class TorchGroup(Group):
+    """A gloo group and, on first use by a CUDA tensor, an nccl one."""
+
+    def __init__(self, store: Any, rank: int, size: int, timeout_s: float,
+                 ranks: Sequence[int]) -> None:
+        self.rank = rank
+        self.size = size
+        self.ranks = list(ranks)
+        self._timeout = timedelta(seconds=timeout_s)
+        self._store = store
+        self._gloo = self._call("create gloo group", dist.ProcessGroupGloo, store, rank, size,
+                                self._timeout)
+        self._nccl = None
+
+    def _backend(self, tensor: torch.Tensor) -> Any:
+        if tensor.device.type != "cuda":
+            return self._gloo
+        if self._nccl is None:
+            if not nccl_available():
+                raise ConfigError("a CUDA tensor needs NCCL, which this torch build lacks")
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = self._timeout
+            self._nccl = self._call("create nccl group", dist.ProcessGroupNCCL,
+                                    dist.PrefixStore("nccl", self._store), self.rank, self.size,
+                                    opts)
+        return self._nccl
+
+    @staticmethod
+    def _call(what: str, fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except RuntimeError as exc:  # DistBackendError, DistNetworkError, gloo timeouts
+            text = str(exc).strip() or type(exc).__name__
+            first = text.splitlines()[0].split(" This is typically")[0][:300]
+            raise InternalError(
+                f"{what} failed: {first}. A peer process probably died or stalled; elastic "
+                "jobs restore the last commit, others should be restarted."
+            ) from exc
+
+    def allreduce(self, array: Any, op: str = "sum") -> None:
+        tensor = as_tensor(array)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = REDUCE_OPS[op]
+        pg = self._backend(tensor)
+        self._call("allreduce", lambda: pg.allreduce([tensor], opts).wait())
+
+    def broadcast(self, array: Any, root: int) -> None:
+        tensor = as_tensor(array)
+        opts = dist.BroadcastOptions()
+        opts.rootRank = root
+        opts.rootTensor = 0
+        pg = self._backend(tensor)
+        self._call("broadcast", lambda: pg.broadcast([tensor], opts).wait())
+
+    def allgather(self, outputs: list[Any], array: Any) -> None:
+        tensor = as_tensor(array)
+        outs = [as_tensor(o) for o in outputs]
+        pg = self._backend(tensor)
+        self._call("allgather", lambda: pg.allgather([outs], [tensor]).wait())
+
+    def alltoall(self, output: Any, array: Any, output_splits: list[int],
+                 input_splits: list[int]) -> None:
+        tensor, out = as_tensor(array), as_tensor(output)
+        pg = self._backend(tensor)
+        opts = dist.AllToAllOptions()
+        self._call("alltoall", lambda: pg.alltoall_base(out, tensor, output_splits,
+                                                        input_splits, opts).wait())
+
+    def reduce_scatter(self, output: Any, array: Any) -> None:
+        tensor, out = as_tensor(array), as_tensor(output)
+        opts = dist.ReduceScatterOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        pg = self._backend(tensor)
+        self._call("reduce_scatter", lambda: pg._reduce_scatter_base(out, tensor, opts).wait())
+
+    def barrier(self) -> None:
+        self._call("barrier", lambda: self._gloo.barrier().wait())
+
+    def close(self) -> None:
+        self._gloo = None
+        self._nccl = None
+
+
+class TorchBackend(Backend):
+    name = "torch"
+
+    def create_group(self, store: Any, prefix: str, rank: int, size: int,
+                     ranks: Sequence[int], timeout_s: float) -> Group:
+        base = as_torch_store(store) if store is not None else dist.HashStore()
+        return TorchGroup(dist.PrefixStore(prefix, base), rank, size, timeout_s, ranks)

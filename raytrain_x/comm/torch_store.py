@@ -1,0 +1,58 @@
+"""The rendezvous store as a `torch.distributed.Store`, for torch's gloo and nccl groups."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from raytrain_x.comm.store import ActorStore
+
+
+class RayStore(dist.Store):
+    """`torch.distributed.Store` over an `ActorStore` (data in a Ray actor)."""
+
+    def __init__(self, store: ActorStore) -> None:
+        super().__init__()
+        self._store = store
+
+    def __reduce__(self):
+        return (RayStore, (self._store,))
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._store.timeout_s = timeout.total_seconds()
+
+    def set(self, key: str, value) -> None:
+        self._store.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        return self._store.get(key)
+
+    def add(self, key: str, amount: int) -> int:
+        return self._store.add(key, amount)
+
+    def compare_set(self, key: str, expected, desired) -> bytes:
+        return self._store.compare_set(key, expected, desired)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        self._store.wait(keys, timeout.total_seconds() if timeout is not None else None)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._store.check(keys)
+
+    def delete_key(self, key: str) -> bool:
+        return self._store.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self._store.num_keys()
+
+
+def as_torch_store(store: Any) -> dist.Store:
+    """A torch Store for a rendezvous store: torch's own pass through, an `ActorStore` is
+    wrapped."""
+    if isinstance(store, dist.Store):
+        return store
+    if isinstance(store, ActorStore):
+        return RayStore(store)
+    raise TypeError(f"cannot use {type(store).__name__} as a rendezvous store")

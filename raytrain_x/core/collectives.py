@@ -1,0 +1,101 @@
+"""Submitting collectives to the engine, the same for every framework face: reduce-op
+names, automatic collective names, requests and handles, join and barrier. A face checks
+and converts its tensors, builds the `Meta`, and calls `submit`."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Any
+
+from raytrain_x.common.errors import ConfigError
+from raytrain_x.core.process_sets import ProcessSet, global_process_set, registered_id
+from raytrain_x.core.runtime import engine
+from raytrain_x.engine.messages import BARRIER, DTYPE_SIZES, Handle, Meta, Request
+
+Average = "average"
+Sum = "sum"
+Min = "min"
+Max = "max"
+Product = "product"
+REDUCE_OPS = (Average, Sum, Min, Max, Product)
+
+_counters: dict[str, itertools.count] = {}
+_counter_lock = threading.Lock()
+
+
+def auto_name(kind: str) -> str:
+    """A name for an unnamed collective: the same on every rank that submits the same
+    unnamed collectives in the same order (as in Horovod)."""
+    with _counter_lock:
+        counter = _counters.setdefault(kind, itertools.count())
+        return f"{kind}.noname.{next(counter)}"
+
+
+def check_dtype(name: str, shown: Any = None) -> str:
+    """`name` when the engine supports that dtype, else a clear error."""
+    if name not in DTYPE_SIZES:
+        raise ConfigError(f"dtype {shown or name} is not supported by raytrain-x collectives; "
+                          f"use one of {', '.join(sorted(DTYPE_SIZES))}")
+    return name
+
+
+def resolve_op(op: str | None, average: bool | None = None, default: str = Average) -> str:
+    """The reduce op from `op` or Horovod's deprecated `average=` flag."""
+    if average is not None:
+        if op is not None:
+            raise ConfigError("give either op= or the deprecated average=, not both")
+        return Average if average else Sum
+    op = default if op is None else op
+    if op not in REDUCE_OPS:
+        raise ConfigError(f"unknown reduce op {op!r}; use Average, Sum, Min, Max or Product")
+    return op
+
+
+def set_id(process_set: ProcessSet) -> int:
+    return registered_id(process_set)
+
+
+def request(name: str, meta: Meta, array: Any, output: Any = None) -> Request:
+    """A request for the engine; each process set has its own name space, as in Horovod."""
+    if meta.process_set_id:
+        name = f"{name}@set{meta.process_set_id}"
+    return Request(name, meta, array, Handle(name), output)
+
+
+def submit(name: str, meta: Meta, array: Any, output: Any = None) -> Handle:
+    """Queues one collective; returns its handle."""
+    req = request(name, meta, array, output)
+    engine().enqueue(req)
+    return req.handle
+
+
+def submit_many(requests: list[Request]) -> None:
+    """Queues requests atomically, so that they are negotiated in one cycle and fused."""
+    engine().enqueue_many(requests)
+
+
+def synchronize(handle: Handle) -> Any:
+    """Waits for `handle` and returns the collective's output."""
+    if not isinstance(handle, Handle):
+        raise ConfigError(f"synchronize needs a handle from an *_async call, got {handle!r}")
+    return handle.wait()
+
+
+def poll(handle: Handle) -> bool:
+    """True when the collective behind `handle` finished."""
+    return handle.done()
+
+
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Returns once every member reached the barrier."""
+    meta = Meta(BARRIER, "uint8", (0,), process_set_id=set_id(process_set))
+    synchronize(submit(auto_name(BARRIER), meta, None))
+
+
+def join(device: int = -1) -> int:
+    """Marks this rank as done: until every rank has joined, it contributes zeros to the
+    others' allreduces. Returns the rank that joined last."""
+    handle = Handle("join")
+    engine().join(handle)
+    return handle.wait()

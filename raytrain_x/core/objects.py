@@ -1,0 +1,72 @@
+"""Python objects between ranks, as bytes (cloudpickle) in numpy arrays: the same for every
+framework, and what elastic states sync with by default."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import cloudpickle
+import numpy as np
+
+from raytrain_x.core.collectives import auto_name, set_id, submit, synchronize
+from raytrain_x.core.process_sets import ProcessSet, global_process_set
+from raytrain_x.core.runtime import rendezvous
+from raytrain_x.engine.messages import ALLGATHER, BROADCAST, Meta
+
+
+def broadcast_bytes(payload: bytes | None, root_rank: int = 0, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> bytes:
+    """`root_rank`'s bytes on every member (others pass None)."""
+    name = name or auto_name("broadcast_bytes")
+    is_root = rendezvous().rank == root_rank
+    length = np.array([len(payload or b"") if is_root else 0], dtype=np.int64)
+    _broadcast(length, root_rank, f"{name}.length", process_set)
+    data = np.zeros(int(length[0]), dtype=np.uint8)
+    if is_root and payload:
+        data[:] = np.frombuffer(payload, dtype=np.uint8)
+    if data.size:
+        _broadcast(data, root_rank, f"{name}.data", process_set)
+    return payload if is_root else data.tobytes()
+
+
+def allgather_bytes(payload: bytes, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> list[bytes]:
+    """Every member's bytes, in rank order."""
+    name = name or auto_name("allgather_bytes")
+    sizes = _allgather(np.array([len(payload)], dtype=np.int64), f"{name}.sizes", process_set)
+    data = _allgather(np.frombuffer(payload, dtype=np.uint8).copy(), f"{name}.data",
+                      process_set)
+    out, offset = [], 0
+    for size in sizes.tolist():
+        out.append(data[offset:offset + size].tobytes())
+        offset += size
+    return out
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> Any:
+    """`root_rank`'s object on every member (pickled with cloudpickle)."""
+    name = f"broadcast_object.{name or type(obj).__name__}"
+    is_root = rendezvous().rank == root_rank
+    data = broadcast_bytes(cloudpickle.dumps(obj) if is_root else None, root_rank, name,
+                           process_set)
+    return obj if is_root else cloudpickle.loads(data)
+
+
+def allgather_object(obj: Any, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> list[Any]:
+    """Every member's object, in rank order."""
+    name = f"allgather_object.{name or type(obj).__name__}"
+    return [cloudpickle.loads(b) for b in allgather_bytes(cloudpickle.dumps(obj), name,
+                                                          process_set)]
+
+
+def _broadcast(array: np.ndarray, root_rank: int, name: str, process_set: ProcessSet) -> None:
+    meta = Meta(BROADCAST, array.dtype.name, array.shape, root=int(root_rank),
+                process_set_id=set_id(process_set))
+    synchronize(submit(name, meta, array))
+
+
+def _allgather(array: np.ndarray, name: str, process_set: ProcessSet) -> np.ndarray:
+    meta = Meta(ALLGATHER, array.dtype.name, array.shape, process_set_id=set_id(process_set))
+    return synchronize(submit(name, meta, array))

@@ -1,0 +1,351 @@
+"""The background engine: one thread per process that runs every collective in cycles.
+
+A cycle (paced by `cycle_time_ms` while work keeps arriving; the first request after an
+idle spell starts one at once) reads:
+  1. negotiate: which pending requests every member has submitted (`negotiation`);
+  2. plan: fuse same-key allreduces up to the fusion threshold (`planner`);
+  3. execute: run each batch by the best route (`execution`, `transport`);
+  4. knob changes from rank 0's report apply at the end of the cycle on every rank.
+This module owns the thread, the queue and the handles; it knows no framework.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from raytrain_x.comm.groups import ProcessGroups
+from raytrain_x.common.errors import (
+    ConfigError,
+    InternalError,
+    RaytrainXError,
+    TensorMismatchError,
+)
+from raytrain_x.common.knobs import Knobs
+from raytrain_x.engine.execution import CollectiveExecutor
+from raytrain_x.engine.messages import Request, Response
+from raytrain_x.engine.negotiation import (
+    JOIN_NONE,
+    JOIN_REPORTED,
+    JOIN_REQUESTED,
+    Agreement,
+    Negotiator,
+)
+from raytrain_x.engine.planner import plan_batches
+from raytrain_x.engine.timeline import Timeline
+from raytrain_x.engine.transport import Transport
+
+log = logging.getLogger("raytrain_x.engine")
+
+_IDLE_WAKE_S = 0.05  # an idle engine still cycles this often so peers are never held long
+
+
+@dataclass
+class EngineStats:
+    """Counters the autotuner scores samples with (bytes and seconds per collective)."""
+
+    bytes: dict[str, int] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+    steps: int = 0  # cycles that ran at least one collective
+    cycles: int = 0
+    negotiations: int = 0  # cycles that needed the allgather of reports
+
+    def add(self, kind: str, nbytes: int, seconds: float) -> None:
+        self.bytes[kind] = self.bytes.get(kind, 0) + nbytes
+        self.seconds[kind] = self.seconds.get(kind, 0.0) + seconds
+
+
+class Engine:
+    """One per process; owns the background thread and every in-flight request.
+
+    Args:
+        groups: the communicators of this rendezvous round.
+        knobs: starting knobs.
+        timeline_path: write a Chrome trace here (rank 0 only).
+        stall_warning_s: warn when a tensor waits this long for other ranks.
+        stall_shutdown_s: fail such a tensor after this long (0 = only warn).
+    """
+
+    def __init__(
+        self,
+        groups: ProcessGroups,
+        knobs: Knobs,
+        timeline_path: str | None = None,
+        stall_warning_s: float = 60.0,
+        stall_shutdown_s: float = 0.0,
+    ) -> None:
+        self.groups = groups
+        self.rank = groups.rdv.rank
+        self.size = groups.rdv.size
+        self.knobs = knobs
+        self.stats = EngineStats()
+        self._transport = Transport(groups)  # opened collectively, now
+        self._negotiator = Negotiator(groups, self._transport.world_allreduce,
+                                      knobs.cache_capacity, stall_warning_s, stall_shutdown_s)
+        self._timeline = Timeline(timeline_path) if timeline_path and self.rank == 0 else None
+        self._executor = CollectiveExecutor(self._transport, self._timeline)
+        self._cond = threading.Condition()
+        self._queue: list[Request] = []
+        self._inflight: set[str] = set()
+        self._pending: dict[str, Request] = {}
+        self._requested_knobs: Knobs | None = None
+        # (cycle at whose end the knobs took effect, knobs), oldest first; cycle 0 = start.
+        self._knob_history: list[tuple[int, Knobs]] = [(0, knobs)]
+        self._knob_listeners: list[Callable[[Knobs], None]] = []
+        self._cycle_hooks: list[Callable[[Knobs, int, list[Response]], None]] = []
+        self._shutdown_requested = False
+        self._join_handle = None
+        self._join_state = JOIN_NONE
+        self._error: BaseException | None = None
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="raytrain-x-engine", daemon=True)
+        self._thread.start()
+
+    # ----------------------------------------------------------------- user-thread API
+    def enqueue(self, request: Request) -> None:
+        """Queues a request; the engine completes its handle."""
+        self.enqueue_many([request])
+
+    def enqueue_many(self, requests: list[Request]) -> None:
+        """Queues requests atomically: one cycle picks them all up, so a group that is
+        ready everywhere is fused together (grouped allreduce)."""
+        with self._cond:
+            self._raise_if_stopped()
+            names = [r.name for r in requests]
+            for name in names:
+                if name in self._inflight or names.count(name) > 1:
+                    raise ConfigError(f"a collective named {name!r} is already in flight; "
+                                      "names must be unique until their handle completes")
+            self._inflight.update(names)
+            self._queue.extend(requests)
+            self._cond.notify()
+
+    def join(self, handle: Any) -> None:
+        with self._cond:
+            self._raise_if_stopped()
+            self._join_handle = handle
+            self._join_state = JOIN_REQUESTED
+            self._cond.notify()
+
+    def request_knobs(self, knobs: Knobs) -> None:
+        """Asks for new knobs; rank 0's request is applied on all ranks at one cycle."""
+        with self._cond:
+            self._requested_knobs = knobs
+            self._cond.notify()
+
+    def on_knobs_changed(self, listener: Callable[[Knobs], None]) -> None:
+        self._knob_listeners.append(listener)
+
+    def knobs_before(self, cycle: int) -> Knobs:
+        """The knobs in effect for work done after cycle `cycle` began: the latest switch
+        that took effect at the end of an earlier cycle. Every rank gets the same answer for
+        the same cycle number (cycles are lockstep), whatever its own thread has seen since,
+        so a framework can rebuild per-knob structures (gradient buckets) at a step that
+        every rank agrees on."""
+        with self._cond:
+            history = list(self._knob_history)
+        for applied_at, knobs in reversed(history):
+            if applied_at < cycle:
+                return knobs
+        return history[0][1]
+
+    def add_cycle_hook(self, hook: Callable[[Knobs, int, list[Response]], None]) -> None:
+        """Runs `hook(knobs, step, responses)` on the engine thread after each cycle that
+        completed collectives. A hook that raises is logged and removed; training goes on."""
+        self._cycle_hooks.append(hook)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stops this engine and, at the same cycle, every peer's."""
+        with self._cond:
+            self._shutdown_requested = True
+            self._cond.notify()
+        self._thread.join(timeout)
+        if self._timeline is not None:
+            self._timeline.close()
+        if not self._thread.is_alive():
+            # Tear the groups down here, in order, rather than leave them to the garbage
+            # collector at interpreter exit (gloo aborted the process there, now and then).
+            self._transport.close()
+
+    @property
+    def transport(self) -> str:
+        """'shm', 'gloo+shm' or 'gloo': see `Transport.name`."""
+        return self._transport.name
+
+    def multi_level(self) -> bool:
+        """True when the world has several hosts with several workers each."""
+        return self._transport.multi_level()
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    def _raise_if_stopped(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._stopped.is_set():
+            raise InternalError("raytrain-x has been shut down; call init() again first")
+
+    # ----------------------------------------------------------------- engine thread
+    def _has_work(self) -> bool:
+        return bool(self._queue or self._pending or self._shutdown_requested
+                    or self._join_state != JOIN_NONE or self._requested_knobs)
+
+    def _loop(self) -> None:
+        last = 0.0
+        busy = False  # work was waiting when the last cycle ended
+        try:
+            while True:
+                with self._cond:
+                    if not self._has_work():
+                        self._cond.wait(_IDLE_WAKE_S)
+                # The cycle time paces cycles while work keeps coming (so tensors batch);
+                # the first request after an idle spell starts a cycle at once.
+                wait = last + self.knobs.cycle_time_ms / 1000.0 - time.perf_counter()
+                if busy and wait > 0:
+                    time.sleep(wait)
+                last = time.perf_counter()
+                if self._cycle():
+                    break
+                with self._cond:
+                    busy = self._has_work()
+        except BaseException as exc:  # noqa: BLE001 - every failure must reach the handles
+            if not isinstance(exc, RaytrainXError):
+                log.exception("raytrain-x engine failed")
+                exc = InternalError(f"the raytrain-x engine failed: {exc!r}")
+            self._error = exc
+            self._transport.abort()  # peers waiting on this host fail now, not at the timeout
+        finally:
+            self._stop()
+
+    def _stop(self) -> None:
+        with self._cond:
+            self._stopped.set()
+            leftovers = list(self._pending.values()) + self._queue
+            self._pending.clear()
+            self._queue.clear()
+            self._inflight.clear()
+        error = self._error or InternalError(
+            "raytrain-x was shut down (on this or another rank) while this collective was "
+            "pending; make every rank finish its collectives before shutdown()")
+        for req in leftovers:
+            req.handle.set_error(error)
+        if self._join_handle is not None and not self._join_handle.done():
+            self._join_handle.set_error(error)
+
+    def _cycle(self) -> bool:
+        """Runs one cycle (negotiate -> plan -> execute); returns True when the engines
+        should stop."""
+        start = time.perf_counter()
+        with self._cond:
+            new, self._queue = self._queue, []
+            shutting_down = self._shutdown_requested
+            knobs_wanted = self._requested_knobs if self.rank == 0 else None
+            join_state = self._join_state
+        for req in new:
+            self._pending[req.name] = req
+        self.stats.cycles += 1
+
+        agreement = self._negotiator.negotiate(self._pending, shutting_down, knobs_wanted,
+                                               join_state)
+        self.stats.negotiations = self._negotiator.negotiations
+        self._note_reported(agreement, knobs_wanted)
+        negotiated = time.perf_counter()
+        if agreement.all_joined:
+            self._finish_join(agreement.joined_last)
+        responses = agreement.responses
+        if responses and self._timeline is not None:
+            for r in responses:
+                if r.name in self._pending:
+                    self._timeline.record(r.name, "NEGOTIATE", start, negotiated)
+
+        for batch in plan_batches(responses, self.knobs.fusion_threshold_bytes):
+            self._execute(batch)
+
+        if responses:
+            self.stats.steps += 1
+            for hook in list(self._cycle_hooks):
+                try:
+                    hook(self.knobs, self.stats.steps, responses)
+                except Exception:  # noqa: BLE001 - a tuning failure must not stop training
+                    log.exception("raytrain-x: a cycle hook failed and was removed")
+                    self._cycle_hooks.remove(hook)
+        if agreement.knobs is not None:
+            self._apply_knobs(agreement.knobs)
+        return agreement.stop
+
+    def _note_reported(self, agreement: Agreement, knobs_wanted: Knobs | None) -> None:
+        with self._cond:
+            if agreement.join_reported:
+                self._join_state = JOIN_REPORTED
+            if agreement.knobs_sent and self._requested_knobs is knobs_wanted:
+                self._requested_knobs = None
+
+    def _finish_join(self, joined_last: int) -> None:
+        with self._cond:
+            handle, self._join_handle, self._join_state = self._join_handle, None, JOIN_NONE
+        if handle is not None:
+            handle.set_result(joined_last)
+
+    def _apply_knobs(self, knobs: Knobs) -> None:
+        self._negotiator.set_cache_capacity(knobs.cache_capacity)
+        self.knobs = knobs
+        with self._cond:
+            # A step's last collective is at most a few cycles old when it asks, so a short
+            # history suffices; the starting knobs stay first (knobs_before(0)).
+            self._knob_history = [self._knob_history[0], *self._knob_history[1:][-30:],
+                                  (self.stats.cycles, knobs)]
+        for listener in self._knob_listeners:
+            listener(knobs)
+
+    def _execute(self, batch: list[Response]) -> None:
+        """Runs one agreed batch and completes its handles (with the error, if it fails)."""
+        first = batch[0]
+        requests = [self._pending.pop(r.name, None) for r in batch]
+        results: list[Any] = [None] * len(batch)
+        error: BaseException | None = None
+        try:
+            if first.error:
+                error = TensorMismatchError(first.error)
+                return
+            pset = self.groups.process_set(first.meta.process_set_id)
+            if not pset.included():
+                return
+            began = time.perf_counter()
+            results = self._executor.run(batch, requests, pset, self.knobs)
+            self.stats.add(first.meta.kind, sum(r.meta.nbytes_on_wire() for r in batch),
+                           time.perf_counter() - began)
+            if self._timeline is not None:
+                for req in requests:
+                    if req is not None:
+                        self._timeline.record(req.name, "QUEUE", _perf_from_mono(req.enqueued_at),
+                                              began)
+        except BaseException as exc:
+            error = exc if isinstance(exc, RaytrainXError) else InternalError(
+                f"the raytrain-x engine failed: {exc!r}")
+            raise
+        finally:
+            # Names leave the in-flight set before their handles complete: a caller that
+            # wakes up and submits the same name again (every training step does) must
+            # never find it still in flight.
+            with self._cond:
+                for r in batch:
+                    self._inflight.discard(r.name)
+            for req, result in zip(requests, results):
+                if req is not None:
+                    req.handle.cycle = self.stats.cycles
+                    if error is not None:
+                        req.handle.set_error(error)
+                    else:
+                        req.handle.set_result(result)
+
+
+_MONO_TO_PERF = time.perf_counter() - time.monotonic()
+
+
+def _perf_from_mono(t: float) -> float:
+    return t + _MONO_TO_PERF

@@ -1,0 +1,175 @@
+"""Per-collective execution: what runs once every member agreed on a batch.
+
+Allreduce batches are fused (straight through shared memory, or packed by the native core
+into a persistent fusion buffer, or concatenated on the device for CUDA tensors), reduced
+once and scaled; the other collectives run one at a time. Arrays are whatever the caller
+sent (`raytrain_x.engine.arrays`), so this module knows no framework.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from raytrain_x.comm.groups import ProcessSetGroup
+from raytrain_x.common.knobs import Knobs
+from raytrain_x.engine.arrays import ops_for, ops_for_device
+from raytrain_x.engine.buffers import FusionBufferPool, pack, unpack
+from raytrain_x.engine.messages import (
+    ALLGATHER,
+    ALLREDUCE,
+    ALLTOALL,
+    BARRIER,
+    BROADCAST,
+    DTYPE_SIZES,
+    REDUCESCATTER,
+    Meta,
+    Request,
+    Response,
+)
+from raytrain_x.engine.timeline import Timeline
+from raytrain_x.engine.transport import Transport
+
+
+class CollectiveExecutor:
+    """Runs agreed batches on this rank; `run` returns one result per response."""
+
+    def __init__(self, transport: Transport, timeline: Timeline | None) -> None:
+        self.transport = transport
+        self.timeline = timeline
+        self._buffers = FusionBufferPool()
+        self._kinds = {ALLREDUCE: self._allreduce, ALLGATHER: self._allgather,
+                       BROADCAST: self._broadcast, ALLTOALL: self._alltoall,
+                       REDUCESCATTER: self._reducescatter, BARRIER: self._barrier}
+
+    def run(self, batch: list[Response], requests: list[Request | None],
+            pset: ProcessSetGroup, knobs: Knobs) -> list[Any]:
+        """Results of `batch` (None for a response this rank did not submit: it joined)."""
+        return self._kinds[batch[0].meta.kind](batch, requests, pset, knobs)
+
+    def _allreduce(self, batch, requests, pset, knobs):
+        meta = batch[0].meta
+        tensors = [req.tensor if req is not None else _zeros(r.meta)
+                   for r, req in zip(batch, requests)]
+        ops = ops_for(tensors[0])
+        floating = ops.is_floating(tensors[0])
+        reduce_op = "sum" if meta.op in ("sum", "average") else meta.op
+        scaled = meta.op in ("sum", "average")
+        pre = meta.prescale if scaled else 1.0
+        post = meta.postscale if scaled else 1.0
+        if meta.op == "average" and floating:
+            post /= pset.size()
+        wire = meta.wire_dtype or meta.dtype
+        row = batch[0].name if len(batch) == 1 else f"fused[{len(batch)}]"
+        transport = self.transport
+        hierarchical = knobs.hierarchical_allreduce
+        if len(tensors) == 1 and wire == meta.dtype:
+            t = tensors[0]
+            if pre != 1.0:
+                t *= pre
+            self._timed(row, "ALLREDUCE",
+                        lambda: transport.allreduce(t, reduce_op, pset, hierarchical))
+            if post != 1.0:
+                t *= post
+        elif wire == meta.dtype and transport.can_reduce_many(pset, tensors):
+            # Fused straight through the shared slots: no fusion-buffer copies.
+            self._timed(row, "ALLREDUCE",
+                        lambda: transport.allreduce_many(tensors, reduce_op, pre, post))
+        elif ops.device(tensors[0]) == "cpu":
+            total = sum(ops.numel(t) for t in tensors)
+            buf = self._buffers.get(wire, total * DTYPE_SIZES[wire])
+            names = [r.name for r in batch]
+            self._timed(row, "MEMCPY_IN_FUSION_BUFFER", lambda: pack(tensors, buf, pre, 0, names))
+            flat = ops.view_buffer(buf, total)
+            self._timed(row, "ALLREDUCE",
+                        lambda: transport.allreduce(flat, reduce_op, pset, hierarchical))
+            self._timed(row, "MEMCPY_OUT_FUSION_BUFFER",
+                        lambda: unpack(buf, tensors, post, 0, names))
+        else:  # device memory: the native core packs host memory, so fuse on the device
+            flat = ops.cast(ops.concat([t.reshape(-1) for t in tensors]), wire)
+            if pre != 1.0:
+                flat *= pre
+            transport.allreduce(flat, reduce_op, pset, hierarchical)
+            offset = 0
+            for t in tensors:
+                n = ops.numel(t)
+                t[...] = flat[offset:offset + n].reshape(t.shape)
+                offset += n
+            if post != 1.0:
+                for t in tensors:
+                    t *= post
+        if meta.op == "average" and not floating:
+            for t in tensors:
+                t //= pset.size()
+        return [None if req is None else req.output if req.output is not None else req.tensor
+                for req in requests]
+
+    def _allgather(self, batch, requests, pset, knobs):
+        (resp,), (req,) = batch, requests
+        dims = list(resp.rank_dims)
+        tensor = req.tensor
+        ops = ops_for(tensor)
+        dtype, device = ops.dtype(tensor), ops.device(tensor)
+        longest = max(dims)
+        padded = tensor
+        if tensor.shape[0] != longest:
+            padded = ops.zeros((longest, *tensor.shape[1:]), dtype, device)
+            padded[: tensor.shape[0]] = tensor
+        outs = [ops.empty(padded.shape, dtype, device) for _ in dims]
+        self._timed(resp.name, "ALLGATHER", lambda: self.transport.allgather(
+            outs, padded, pset, knobs.hierarchical_allgather))
+        return [ops.concat([o[:d] for o, d in zip(outs, dims)])]
+
+    def _broadcast(self, batch, requests, pset, knobs):
+        (resp,), (req,) = batch, requests
+        root = pset.ranks.index(resp.meta.root)
+        self._timed(resp.name, "BROADCAST", lambda: pset.group.broadcast(req.tensor, root))
+        return [req.output if req.output is not None else req.tensor]
+
+    def _alltoall(self, batch, requests, pset, knobs):
+        (resp,), (req,) = batch, requests
+        ops = ops_for(req.tensor)
+        me = pset.rank()
+        in_splits = list(resp.rank_dims[me])
+        out_splits = [splits[me] for splits in resp.rank_dims]
+        output = ops.empty((sum(out_splits), *req.tensor.shape[1:]), ops.dtype(req.tensor),
+                           ops.device(req.tensor))
+        self._timed(resp.name, "ALLTOALL",
+                    lambda: pset.group.alltoall(output, req.tensor, out_splits, in_splits))
+        return [(output, ops.int32(out_splits))]
+
+    def _reducescatter(self, batch, requests, pset, knobs):
+        (resp,), (req,) = batch, requests
+        meta = resp.meta
+        ops = ops_for(req.tensor)
+        work = ops.clone(req.tensor)
+        if meta.prescale != 1.0:
+            work *= meta.prescale
+        self._timed(resp.name, "REDUCESCATTER", lambda: pset.group.allreduce(work, "sum"))
+        n, dim0 = pset.size(), work.shape[0]
+        sizes = [dim0 // n + (1 if i < dim0 % n else 0) for i in range(n)]
+        me = pset.rank()
+        out = ops.clone(work[sum(sizes[:me]): sum(sizes[: me + 1])])
+        post = meta.postscale / (n if meta.op == "average" else 1)
+        if ops.is_floating(out):
+            out *= post
+        elif meta.op == "average":
+            out //= n
+        return [out]
+
+    def _barrier(self, batch, requests, pset, knobs):
+        return [None]  # negotiation itself was the rendezvous of every member
+
+    def _timed(self, row: str, activity: str, fn: Callable[[], Any]) -> Any:
+        if self.timeline is None:
+            return fn()
+        began = time.perf_counter()
+        out = fn()
+        self.timeline.record(row, activity, began, time.perf_counter())
+        return out
+
+
+def _zeros(meta: Meta) -> Any:
+    """A joined rank's contribution to an allreduce it did not submit."""
+    return ops_for_device(meta.device).zeros(meta.shape, meta.dtype, meta.device)

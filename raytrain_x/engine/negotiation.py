@@ -1,0 +1,177 @@
+"""Negotiation: which pending requests every member has submitted, agreed the same way on
+every rank.
+
+Each cycle starts with one allreduce(BAND) of [status word, response-cache bits]: in steady
+state this alone tells every rank which cached names are ready everywhere (in cache slot
+order, identical on all ranks). Only when some rank has an uncached request, a stall, a
+join or a knob change do the ranks allgather their reports and feed them to the replicated
+`Coordinator`.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from raytrain_x import _native
+from raytrain_x.comm.groups import ProcessGroups
+from raytrain_x.common.knobs import Knobs
+from raytrain_x.engine.coordinator import Coordinator, Report
+from raytrain_x.engine.messages import ALLREDUCE, Meta, Request, Response
+
+log = logging.getLogger("raytrain_x.engine")
+
+# Status word bits, set when all is quiet so that a bitwise AND across ranks tells if any
+# rank needs more than the cache fast path.
+NOTHING_TO_REPORT = 1
+NOT_SHUTTING_DOWN = 2
+NO_MESSAGE = 4
+JOINED = 8
+
+# join states of this rank: none -> requested -> reported (joined)
+JOIN_NONE, JOIN_REQUESTED, JOIN_REPORTED = "none", "requested", "reported"
+
+
+@dataclass
+class Agreement:
+    """What every rank agreed on in one cycle.
+
+    Attributes:
+        responses: collectives to run now, in the same order on every rank.
+        stop: every rank's engine stops after this cycle.
+        all_joined: every rank has joined; the join completes.
+        knobs: rank 0's knob switch, applied at the end of the cycle.
+        joined_last: the rank that joined last (when `all_joined`).
+        join_reported: this rank's join request went out in this cycle's report.
+        knobs_sent: this rank's knob request went out in this cycle's report.
+    """
+
+    responses: list[Response] = field(default_factory=list)
+    stop: bool = False
+    all_joined: bool = False
+    knobs: Knobs | None = None
+    joined_last: int = -1
+    join_reported: bool = False
+    knobs_sent: bool = False
+
+
+class Negotiator:
+    """The response cache, the status word and the coordinator of one engine.
+
+    Args:
+        groups: the round's groups (reports travel over the world group).
+        world_allreduce: the world's fastest in-place allreduce (for the status vector).
+        cache_capacity: response-cache entries (0 = off).
+        stall_warning_s: report a request pending this long (as a stall).
+        stall_shutdown_s: fail a name pending this long on some rank (0 = only warn).
+    """
+
+    def __init__(self, groups: ProcessGroups, world_allreduce: Callable[[Any, str], None],
+                 cache_capacity: int, stall_warning_s: float, stall_shutdown_s: float) -> None:
+        self.rank = groups.rdv.rank
+        self.negotiations = 0  # cycles that needed the allgather of reports
+        self._groups = groups
+        self._world_allreduce = world_allreduce
+        self._cache = _native.ResponseCache(cache_capacity)
+        self._cache_version = 0  # bumped whenever entries may have changed
+        self._stall_warning_s = stall_warning_s
+        self._coordinator = Coordinator(
+            lambda set_id: groups.process_set(set_id).ranks, stall_shutdown_s)
+
+    def set_cache_capacity(self, capacity: int) -> None:
+        if capacity != self._cache.capacity:
+            self._cache = _native.ResponseCache(capacity)
+            self._cache_version += 1
+
+    def negotiate(self, pending: dict[str, Request], shutting_down: bool,
+                  knobs_wanted: Knobs | None, join_state: str) -> Agreement:
+        """One cycle's agreement over `pending` (this rank's requests not yet run)."""
+        stalled = self._stalled(pending)
+        joined = join_state == JOIN_REPORTED
+        cached = [n for n, r in pending.items() if self._cache_matches(r)]
+        to_report = any(not r.reported and n not in cached for n, r in pending.items())
+        has_message = bool(stalled or knobs_wanted or join_state == JOIN_REQUESTED)
+
+        status = NOT_SHUTTING_DOWN if not shutting_down else 0
+        status |= NOTHING_TO_REPORT if not to_report else 0
+        status |= NO_MESSAGE if not has_message else 0
+        status |= JOINED if joined else 0
+        words = self._cache.bits(self._cache.lru_order() if joined else cached)
+        vector = np.empty(1 + len(words), dtype=np.uint64)
+        vector[0] = status
+        vector[1:] = words
+        self._world_allreduce(vector.view(np.int64), "band")
+        agreed = int(vector[0])
+        result = Agreement(stop=not agreed & NOT_SHUTTING_DOWN,
+                           all_joined=bool(agreed & JOINED))
+
+        if not result.all_joined and len(words):
+            for entry in self._cache.entries_for_bits(vector[1:].tolist()):
+                name = entry["name"]
+                self._cache.get(name)  # same LRU touch on every rank
+                req = pending.get(name)  # its meta matched the entry: reuse it
+                result.responses.append(Response(name, req.meta if req is not None
+                                                 else Meta.from_cache(entry)))
+            self._coordinator.forget([r.name for r in result.responses])
+
+        if not (agreed & NOTHING_TO_REPORT and agreed & NO_MESSAGE):
+            self._exchange_reports(result, pending, stalled, knobs_wanted, join_state)
+        if result.all_joined:
+            coordinator = self._coordinator
+            result.joined_last = coordinator.joined[-1] if coordinator.joined else self.rank
+            coordinator.joined = []
+        return result
+
+    def _stalled(self, pending: dict[str, Request]) -> dict[str, float]:
+        now = time.monotonic()
+        stalled = {}
+        for name, req in pending.items():
+            age = now - req.enqueued_at
+            if age > self._stall_warning_s and now - req.stall_reported_at > self._stall_warning_s:
+                stalled[name] = age
+                req.stall_reported_at = now
+        return stalled
+
+    def _cache_matches(self, req: Request) -> bool:
+        if req.meta.kind != ALLREDUCE or self._cache.capacity == 0:
+            return False
+        if req.cache_checked == self._cache_version:  # asked before, cache unchanged since
+            return req.cache_hit
+        entry = self._cache.peek(req.name)
+        req.cache_hit = entry is not None and Meta.from_cache(entry) == req.meta
+        req.cache_checked = self._cache_version
+        return req.cache_hit
+
+    def _exchange_reports(self, result: Agreement, pending: dict[str, Request],
+                          stalled: dict[str, float], knobs_wanted: Knobs | None,
+                          join_state: str) -> None:
+        self.negotiations += 1
+        ready = {r.name for r in result.responses}
+        report = Report(rank=self.rank, stalled=stalled,
+                        knobs=knobs_wanted.to_dict() if knobs_wanted else None,
+                        join=join_state == JOIN_REQUESTED)
+        for name, req in pending.items():
+            if not req.reported and name not in ready:
+                report.requests.append((name, req.meta))
+                req.reported = True
+        blobs = self._groups.world.allgather_bytes(pickle.dumps(report))
+        decision = self._coordinator.process([pickle.loads(b) for b in blobs])
+        for r in decision.responses:
+            if r.error:
+                self._cache.erase(r.name)
+            elif r.meta.kind == ALLREDUCE and self._cache.capacity:
+                self._cache.put(r.name, r.meta.dtype, list(r.meta.shape), r.meta.cache_key())
+        self._cache_version += 1
+        result.responses.extend(decision.responses)
+        if self.rank == 0:
+            for text in decision.warnings:
+                log.warning(text)
+        result.join_reported = report.join
+        result.knobs_sent = knobs_wanted is not None
+        result.knobs = Knobs(**decision.knobs) if decision.knobs else None

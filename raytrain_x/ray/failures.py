@@ -1,0 +1,53 @@
+"""What a failed worker reports, and which failure of several started it.
+
+A worker classifies its own failure by exception type before the traceback becomes text:
+a rank that raised `InternalError` or `RendezvousTimeout` only lost a peer. The driver then
+reports the earliest rank that failed for another reason (the root cause).
+"""
+
+from __future__ import annotations
+
+from ray.exceptions import RayActorError
+
+from raytrain_x.common.errors import LOST_PEER_ERRORS, WorkerError
+
+
+class WorkerFailure(Exception):
+    """A worker's failure as it crosses to the driver: the traceback as plain text (user
+    exceptions may not unpickle) and whether the worker only lost a peer."""
+
+    def __init__(self, traceback_text: str, lost_peer: bool) -> None:
+        super().__init__(traceback_text)
+        self.traceback_text = traceback_text
+        self.lost_peer = lost_peer
+
+    def __reduce__(self):
+        return (WorkerFailure, (self.traceback_text, self.lost_peer))
+
+    @staticmethod
+    def from_exception(exc: BaseException, traceback_text: str) -> WorkerFailure:
+        return WorkerFailure(traceback_text, isinstance(exc, LOST_PEER_ERRORS))
+
+
+def worker_error(rank: int, exc: Exception) -> WorkerError:
+    """The driver's view of a failed remote call (a `RayTaskError` or `RayActorError`)."""
+    if isinstance(exc, RayActorError):
+        return WorkerError(rank, "the worker process exited (sys.exit, a crash or a killed "
+                                 "node); its output is in the Ray logs")
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, WorkerFailure):
+        return WorkerError(rank, cause.traceback_text, cause.lost_peer)
+    return WorkerError(rank, str(exc))
+
+
+def root_cause(errors: dict[int, WorkerError]) -> WorkerError:
+    """The failure that started it: the lowest rank that did not only lose a peer (else
+    the lowest rank), naming the ranks that stopped because of it."""
+    causes = [e for e in errors.values() if not e.lost_peer]
+    chosen = min(causes or errors.values(), key=lambda e: e.rank)
+    others = sorted(r for r in errors if r != chosen.rank)
+    if others:
+        chosen = WorkerError(chosen.rank, chosen.detail.rstrip() +
+                             f"\n(ranks {others} stopped because of this failure)",
+                             chosen.lost_peer)
+    return chosen
