@@ -28,14 +28,16 @@ $(BUILD_STAMP): $(DEPS_STAMP) $(NATIVE_SOURCES)
 demo: setup
 	$(BIN)/raytrain-x run -np 2 python examples/torch_digits.py
 
-test: setup
+test: lint
 	$(BIN)/python -m pytest
 
 bench: setup
 	$(BIN)/python benchmarks/pack_bench.py
 
+# ruff, then the layer contracts of DESIGN.md (import-linter; see [tool.importlinter]).
 lint: setup
 	$(BIN)/ruff check raytrain_x tests benchmarks examples
+	$(BIN)/lint-imports
 
 clean:
 	rm -rf build $(VENV)

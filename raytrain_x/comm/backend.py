@@ -135,6 +135,8 @@ def get_backend(name: str = DEFAULT_BACKEND) -> Backend:
         try:
             entry = getattr(importlib.import_module(module), attr)()
         except ImportError as exc:
+            if (exc.name or "raytrain_x").split(".")[0] == "raytrain_x":
+                raise
             raise ConfigError(f"the {name!r} collective backend needs {exc.name}, which is "
                               "not installed; install raytrain-x[torch]") from None
         _backends[name] = entry

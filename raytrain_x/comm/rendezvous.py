@@ -21,7 +21,8 @@ class Rendezvous:
         rank, size: global rank and world size.
         local_rank, local_size: rank and count of workers on this host.
         cross_rank, cross_size: index of this host and number of hosts.
-        store: a `torch.distributed.Store` all workers share (None for size 1).
+        store: the store all workers meet at (an `ActorStore`, a `TcpStoreAddress` or a
+            backend's own store; None for size 1).
         timeout_s: collective and store timeout; a dead or stuck peer fails within it.
         round: rendezvous round (elastic resets start a new one).
         hosts: optional host id of every rank (rank order), for hierarchical groups.
@@ -52,6 +53,23 @@ class Rendezvous:
         if self.size > 1 and self.store is None:
             raise ConfigError("a world larger than 1 needs a store; start workers with "
                               "RayExecutor or raytrain-x run, or set RAYTRAIN_X_STORE_ADDR/PORT")
+
+
+@dataclass
+class TcpStoreAddress:
+    """A TCP key-value store that rank 0 serves and the others reach (a script launched by
+    `raytrain-x run`). The backend opens it once, on first use, in its own store type.
+
+    Attributes:
+        opened: the backend's open store, shared by every group of this process.
+    """
+
+    host: str
+    port: int
+    world_size: int
+    is_server: bool
+    timeout_s: float
+    opened: Any = field(default=None, repr=False, compare=False)
 
 
 # A provider returns the next round's Rendezvous; the Ray executor installs one in each actor.
@@ -95,11 +113,7 @@ def rendezvous_from_env(env: Any) -> Rendezvous:
         if not addr or not port:
             raise ConfigError(f"{ENV_PREFIX}SIZE={size} but no {ENV_PREFIX}STORE_ADDR/PORT; "
                               "launch with raytrain-x run or RayExecutor")
-        from datetime import timedelta
-
-        from torch.distributed import TCPStore
-
-        store = TCPStore(addr, port, size, rank == 0, timedelta(seconds=timeout_s))
+        store = TcpStoreAddress(addr, port, size, rank == 0, timeout_s)
     return Rendezvous(
         rank=rank,
         size=size,

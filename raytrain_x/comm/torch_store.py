@@ -7,6 +7,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from raytrain_x.comm.rendezvous import TcpStoreAddress
 from raytrain_x.comm.store import ActorStore
 
 
@@ -50,9 +51,14 @@ class RayStore(dist.Store):
 
 def as_torch_store(store: Any) -> dist.Store:
     """A torch Store for a rendezvous store: torch's own pass through, an `ActorStore` is
-    wrapped."""
+    wrapped, a `TcpStoreAddress` is opened (once per process)."""
     if isinstance(store, dist.Store):
         return store
     if isinstance(store, ActorStore):
         return RayStore(store)
+    if isinstance(store, TcpStoreAddress):
+        if store.opened is None:
+            store.opened = dist.TCPStore(store.host, store.port, store.world_size,
+                                         store.is_server, timedelta(seconds=store.timeout_s))
+        return store.opened
     raise TypeError(f"cannot use {type(store).__name__} as a rendezvous store")

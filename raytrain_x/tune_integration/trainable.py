@@ -78,10 +78,10 @@ def get_checkpoint() -> str | None:
 
 def _worker_entry(train_fn: Callable[[dict], Any], config: dict, queue: Any,
                   checkpoint: bytes | None) -> Any:
-    import raytrain_x.torch as rx
+    from raytrain_x import core  # runs inside the worker; no framework needed here
 
-    rx.init()
-    _session.update(queue=queue, rank=rx.rank(), checkpoint=checkpoint)
+    core.init()
+    _session.update(queue=queue, rank=core.rank(), checkpoint=checkpoint)
     try:
         return train_fn(config)
     finally:

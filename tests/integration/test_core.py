@@ -1,0 +1,56 @@
+"""The framework-neutral core on its own: numpy arrays through the engine (over shared
+memory and over gloo), objects as bytes, and a plain ObjectState, with no framework face."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.workers import run_workers
+
+
+def _numpy_world() -> dict:
+    import sys
+
+    import numpy as np
+
+    from raytrain_x import core
+    from raytrain_x.core.collectives import submit, synchronize
+    from raytrain_x.elastic import ObjectState
+    from raytrain_x.engine.messages import ALLGATHER, ALLREDUCE, Meta
+
+    core.init()
+    rank, size = core.rank(), core.size()
+    grads = [np.full(5, rank + 1, dtype=np.float32), np.arange(3, dtype=np.float64) * rank]
+    handles = [submit(f"g{i}", Meta(ALLREDUCE, g.dtype.name, g.shape, "sum"), g)
+               for i, g in enumerate(grads)]
+    results = [synchronize(h) for h in handles]
+    gathered = synchronize(submit("rows", Meta(ALLGATHER, "int64", (rank + 1, 2)),
+                                  np.full((rank + 1, 2), rank, dtype=np.int64)))
+    state = ObjectState(epoch=rank * 10, note=f"from {rank}")
+    state.sync()  # rank 0's attributes everywhere, through the core's broadcast
+    out = {
+        "transport": core.transport(),
+        "in_place": all(r is g for r, g in zip(results, grads)),
+        "sums": [r.tolist() for r in results],
+        "gathered": gathered.tolist(),
+        "objects": core.allgather_object({"rank": rank}),
+        "broadcast": core.broadcast_object(f"hello from {rank}", root_rank=size - 1),
+        "state": (state.epoch, state.note),
+        "torch_face_loaded": "raytrain_x.torch" in sys.modules,
+    }
+    core.shutdown()
+    return out
+
+
+@pytest.mark.parametrize("shm", ["1", "0"])
+def test_numpy_arrays_go_through_the_engine_in_place_without_a_framework_face(shm):
+    results = run_workers(_numpy_world, 2, env={"RAYTRAIN_X_SHM": shm})
+    for rank, out in enumerate(results):
+        assert out["transport"] == ("shm" if shm == "1" else "gloo")
+        assert out["in_place"], "results must be written into the caller's arrays"
+        assert out["sums"] == [[3.0] * 5, [0.0, 1.0, 2.0]]
+        assert out["gathered"] == [[0, 0], [1, 1], [1, 1]]
+        assert out["objects"] == [{"rank": 0}, {"rank": 1}]
+        assert out["broadcast"] == "hello from 1"
+        assert out["state"] == (0, "from 0")
+        assert not out["torch_face_loaded"]

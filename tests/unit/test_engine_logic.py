@@ -1,0 +1,184 @@
+"""Pure logic of negotiation, planning, failure reports and elastic rounds (no processes)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from raytrain_x.common.errors import ConfigError, WorkerError
+from raytrain_x.engine.arrays import NUMPY, ops_for
+from raytrain_x.engine.coordinator import Coordinator, Report
+from raytrain_x.engine.messages import ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, Meta, Response
+from raytrain_x.engine.planner import plan_batches
+from raytrain_x.ray.elastic_rounds import plan_round
+from raytrain_x.ray.failures import root_cause
+
+
+def _coordinator(sets=None, stall_shutdown_s=0.0):
+    sets = sets or {0: [0, 1, 2]}
+
+    def members_of(set_id):
+        if set_id not in sets:
+            raise ConfigError(f"no process set with id {set_id}")
+        return sets[set_id]
+
+    return Coordinator(members_of, stall_shutdown_s)
+
+
+def _allreduce(shape=(4,), dtype="float32", op="sum", set_id=0):
+    return Meta(ALLREDUCE, dtype, shape, op, process_set_id=set_id)
+
+
+# ----------------------------------------------------------------- coordinator
+def test_a_name_completes_once_every_member_reported_it_across_cycles():
+    c = _coordinator()
+    first = c.process([Report(0, [("g", _allreduce())]), Report(1, [("g", _allreduce())]),
+                       Report(2)])
+    assert first.responses == [] and "g" in c.table
+    second = c.process([Report(0), Report(1), Report(2, [("g", _allreduce())])])
+    assert [r.name for r in second.responses] == ["g"] and not second.responses[0].error
+    assert "g" not in c.table
+
+
+def test_disagreeing_ranks_get_an_error_that_names_both_sides():
+    c = _coordinator({0: [0, 1]})
+    out = c.process([Report(0, [("g", _allreduce((4,)))]), Report(1, [("g", _allreduce((5,)))])])
+    (resp,) = out.responses
+    assert "ranks disagree on tensor 'g'" in resp.error
+    assert "ranks [0] have allreduce float32[4]" in resp.error
+    assert "ranks [1] have allreduce float32[5]" in resp.error
+
+
+def test_allgather_may_differ_in_dim0_and_reports_every_rank_s_rows():
+    c = _coordinator({0: [0, 1]})
+    meta = lambda n: Meta(ALLGATHER, "float32", (n, 3))  # noqa: E731
+    (resp,) = c.process([Report(0, [("a", meta(2))]), Report(1, [("a", meta(5))])]).responses
+    assert not resp.error and resp.rank_dims == (2, 5)
+
+
+def test_alltoall_splits_of_the_wrong_length_are_an_error():
+    c = _coordinator({0: [0, 1]})
+    good = Meta(ALLTOALL, "float32", (2,), splits=(1, 1))
+    bad = Meta(ALLTOALL, "float32", (2,), splits=(2,))
+    (resp,) = c.process([Report(0, [("t", good)]), Report(1, [("t", bad)])]).responses
+    assert "ranks [1] gave splits of the wrong length" in resp.error
+
+
+def test_outsiders_and_unknown_process_sets_fail_the_tensor_not_the_engine():
+    c = _coordinator({0: [0, 1, 2], 1: [0, 1]})
+    out = c.process([Report(2, [("p", _allreduce(set_id=1))]),
+                     Report(0, [("q", _allreduce(set_id=7))])])
+    errors = {r.name: r.error for r in out.responses}
+    assert "ranks [2] submitted it but are not in process set 1" in errors["p"]
+    assert "no process set with id 7" in errors["q"]
+
+
+def test_joined_ranks_count_as_present_for_allreduce_only():
+    c = _coordinator({0: [0, 1]})
+    c.process([Report(1, join=True)])
+    assert c.joined == [1]
+    out = c.process([Report(0, [("g", _allreduce()), ("b", Meta(BROADCAST, "float32", (1,)))])])
+    errors = {r.name: r.error for r in out.responses}
+    assert errors["g"] == ""
+    assert "only allreduce can run while ranks are joined" in errors["b"]
+
+
+def test_stalls_warn_with_the_missing_ranks_and_fail_after_the_shutdown_time():
+    c = _coordinator({0: [0, 1]}, stall_shutdown_s=30.0)
+    c.process([Report(0, [("g", _allreduce())])])
+    warned = c.process([Report(0, stalled={"g": 10.0}), Report(1)])
+    assert warned.responses == [] and "ranks [1] did not" in warned.warnings[0]
+    failed = c.process([Report(0, stalled={"g": 31.0}), Report(1)])
+    assert "stalled for 31s" in failed.responses[0].error
+
+
+def test_only_rank_0_s_knobs_are_taken():
+    c = _coordinator({0: [0, 1]})
+    assert c.process([Report(0, knobs={"a": 1}), Report(1, knobs={"a": 2})]).knobs == {"a": 1}
+    assert c.process([Report(0), Report(1, knobs={"a": 2})]).knobs is None
+
+
+# ----------------------------------------------------------------- planner
+def _response(name, nbytes, dtype="float32", fuse=True, kind=ALLREDUCE, op="sum"):
+    return Response(name, Meta(kind, dtype, (nbytes // 4,), op, fuse=fuse))
+
+
+def test_allreduces_fuse_up_to_the_threshold_in_response_order():
+    rs = [_response(f"g{i}", 400) for i in range(5)]
+    assert [[r.name for r in b] for b in plan_batches(rs, 1000)] == [
+        ["g0", "g1"], ["g2", "g3"], ["g4"]]
+
+
+def test_threshold_zero_and_buckets_run_alone():
+    rs = [_response("a", 40), _response("b", 40, fuse=False), _response("c", 40)]
+    assert [len(b) for b in plan_batches(rs, 0)] == [1, 1, 1]
+    assert [[r.name for r in b] for b in plan_batches(rs, 1000)] == [["a", "c"], ["b"]]
+
+
+def test_different_keys_never_share_a_batch_and_non_allreduce_runs_alone():
+    rs = [_response("f", 40), _response("d", 40, dtype="float64"), _response("f2", 40),
+          _response("ag", 40, kind=ALLGATHER, op="")]
+    batches = [[r.name for r in b] for b in plan_batches(rs, 1 << 20)]
+    assert batches == [["f", "f2"], ["d"], ["ag"]]
+
+
+def test_errors_are_planned_alone():
+    bad = Response("x", _allreduce(), error="mismatch")
+    assert plan_batches([_response("a", 40), bad, _response("b", 40)], 1 << 20) == [
+        [_response("a", 40), _response("b", 40)], [bad]]
+
+
+# ----------------------------------------------------------------- arrays
+def test_numpy_ops_describe_allocate_and_view_a_fusion_buffer():
+    from raytrain_x.engine.buffers import FusionBufferPool
+
+    a = np.arange(6, dtype=np.float16).reshape(2, 3)
+    assert ops_for(a) is NUMPY
+    assert (NUMPY.dtype(a), NUMPY.device(a), NUMPY.numel(a)) == ("float16", "cpu", 6)
+    assert NUMPY.is_floating(a) and not NUMPY.is_floating(a.astype(np.int32))
+    assert not NUMPY.is_contiguous(a.T)
+    buf = FusionBufferPool().get("float32", 16)
+    view = NUMPY.view_buffer(buf, 4)
+    view[:] = [1, 2, 3, 4]
+    assert NUMPY.view_buffer(buf, 4).tolist() == [1, 2, 3, 4]  # same memory
+    with pytest.raises(ConfigError, match="no numpy equivalent"):
+        NUMPY.zeros((2,), "bfloat16")
+    with pytest.raises(ConfigError, match="cannot send a list"):
+        ops_for([1, 2])
+
+
+# ----------------------------------------------------------------- failures
+def test_the_root_cause_is_the_lowest_rank_that_did_not_only_lose_a_peer():
+    errors = {0: WorkerError(0, "InternalError: peer gone", lost_peer=True),
+              1: WorkerError(1, "ValueError: bad batch"),
+              2: WorkerError(2, "KeyError: x")}
+    chosen = root_cause(errors)
+    assert chosen.rank == 1 and "ValueError" in chosen.detail
+    assert "(ranks [0, 2] stopped because of this failure)" in chosen.detail
+
+
+def test_the_root_cause_falls_back_to_the_lowest_rank_and_ignores_message_text():
+    # a user error whose text mentions InternalError is still a cause: types decide
+    errors = {3: WorkerError(3, "lost", lost_peer=True),
+              1: WorkerError(1, "RuntimeError: InternalError in my own code")}
+    assert root_cause(errors).rank == 1
+    assert root_cause({2: WorkerError(2, "a", True), 4: WorkerError(4, "b", True)}).rank == 2
+
+
+# ----------------------------------------------------------------- elastic rounds
+def test_the_oldest_worker_becomes_rank_0_and_hosts_get_consecutive_ranks():
+    members = {"w5": ("nodeB", 5), "w1": ("nodeA", 1), "w3": ("nodeB", 3), "w4": ("nodeA", 4)}
+    places = plan_round(members, round_id=7, hosts_version=2)
+    ranks = {w: p["rank"] for w, p in places.items()}
+    assert ranks == {"w1": 0, "w4": 1, "w3": 2, "w5": 3}
+    assert places["w3"]["cross_rank"] == 1 and places["w3"]["local_rank"] == 0
+    assert {p["size"] for p in places.values()} == {4}
+    assert {p["round"] for p in places.values()} == {7}
+    assert places["w1"]["hosts"] == ["nodeA", "nodeA", "nodeB", "nodeB"]
+    assert places["w1"]["hosts_version"] == 2
+
+
+def test_a_round_of_survivors_keeps_the_oldest_as_rank_0():
+    places = plan_round({"w9": ("n2", 9), "w2": ("n1", 2)}, 3, 0)
+    assert places["w2"]["rank"] == 0 and places["w9"]["rank"] == 1
+    assert places["w9"]["cross_size"] == 2 and places["w9"]["local_size"] == 1
