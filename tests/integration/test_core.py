@@ -45,7 +45,7 @@ def _numpy_world() -> dict:
 @pytest.mark.parametrize("shm", ["1", "0"])
 def test_numpy_arrays_go_through_the_engine_in_place_without_a_framework_face(shm):
     results = run_workers(_numpy_world, 2, env={"RAYTRAIN_X_SHM": shm})
-    for rank, out in enumerate(results):
+    for out in results:
         assert out["transport"] == ("shm" if shm == "1" else "gloo")
         assert out["in_place"], "results must be written into the caller's arrays"
         assert out["sums"] == [[3.0] * 5, [0.0, 1.0, 2.0]]
