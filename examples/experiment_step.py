@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from raytrain_x.autotune import report
+from raytrain_x.tune_integration import report
 
 
 def step_fn(config: dict) -> None:
