@@ -1,74 +1,19 @@
-"""The rendezvous store: a Ray actor holding keys, and its client. No server to start, no
-torch: backends adapt `ActorStore` to their own store type."""
+"""The client of the rendezvous store actor (`raytrain_x.comm.store_actor`). No server to
+start and no torch: backends adapt `ActorStore` to their own store type. Ray is imported
+only when the store is used, so a process launched without Ray never loads it."""
 
 from __future__ import annotations
 
-import asyncio
 import time
-
-import ray
+from typing import Any
 
 from raytrain_x.common.errors import RendezvousTimeout
-
-
-@ray.remote(num_cpus=0)
-class StoreActor:
-    """Key-value store with blocking waits, served by asyncio so waiters never block setters."""
-
-    def __init__(self) -> None:
-        self._data: dict[str, bytes] = {}
-        self._changed = asyncio.Condition()
-
-    async def set(self, key: str, value: bytes) -> None:
-        async with self._changed:
-            self._data[key] = value
-            self._changed.notify_all()
-
-    async def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
-        async with self._changed:
-            current = self._data.get(key)
-            if (current is None and expected == b"") or current == expected:
-                self._data[key] = desired
-                self._changed.notify_all()
-                return desired
-            return current if current is not None else expected
-
-    async def add(self, key: str, amount: int) -> int:
-        async with self._changed:
-            value = int(self._data.get(key, b"0")) + amount
-            self._data[key] = str(value).encode()
-            self._changed.notify_all()
-            return value
-
-    async def wait(self, keys: list[str], timeout_s: float) -> bool:
-        async with self._changed:
-            try:
-                await asyncio.wait_for(
-                    self._changed.wait_for(lambda: all(k in self._data for k in keys)), timeout_s
-                )
-                return True
-            except asyncio.TimeoutError:
-                return False
-
-    async def get(self, key: str, timeout_s: float) -> bytes | None:
-        if not await self.wait([key], timeout_s):
-            return None
-        return self._data[key]
-
-    async def check(self, keys: list[str]) -> bool:
-        return all(k in self._data for k in keys)
-
-    async def delete_key(self, key: str) -> bool:
-        async with self._changed:
-            return self._data.pop(key, None) is not None
-
-    async def num_keys(self) -> int:
-        return len(self._data)
 
 
 def call_actor(method, *args, attempts: int = 20, pause_s: float = 0.5):
     """`ray.get(method.remote(*args))`, retried while Ray reports the actor as temporarily
     unavailable (its node was just lost and the cluster is re-checking its members)."""
+    import ray
     for attempt in range(attempts):
         try:
             return ray.get(method.remote(*args))
@@ -84,11 +29,11 @@ class ActorStore:
     Backends adapt it to their own store type (`raytrain_x.comm.torch_store.RayStore`).
 
     Args:
-        actor: handle of a `StoreActor` every worker shares.
+        actor: handle of a `StoreActor` (`raytrain_x.comm.store_actor`) every worker shares.
         timeout_s: how long `get`/`wait` block before raising `RendezvousTimeout`.
     """
 
-    def __init__(self, actor: ray.actor.ActorHandle, timeout_s: float = 30.0) -> None:
+    def __init__(self, actor: Any, timeout_s: float = 30.0) -> None:
         self.actor = actor
         self.timeout_s = timeout_s
 

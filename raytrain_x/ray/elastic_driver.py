@@ -19,7 +19,7 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raytrain_x.comm.store import StoreActor
+from raytrain_x.comm.store_actor import StoreActor
 from raytrain_x.common.errors import ElasticTimeout, ResetLimitExceeded, WorkerError
 from raytrain_x.elastic.blacklist import Blacklist
 from raytrain_x.elastic.discovery import ScriptDiscovery, slots_from_resources

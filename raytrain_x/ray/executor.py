@@ -13,7 +13,7 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from raytrain_x.comm.store import StoreActor
+from raytrain_x.comm.store_actor import StoreActor
 from raytrain_x.common.autotune_config import AutotuneConfig
 from raytrain_x.common.errors import ConfigError, WorkerError
 from raytrain_x.common.knobs import Knobs, load_knobs

@@ -1,0 +1,63 @@
+"""The rendezvous store: a Ray actor holding keys, with blocking waits (plain Ray, no torch).
+Workers reach it through `raytrain_x.comm.store.ActorStore`."""
+
+from __future__ import annotations
+
+import asyncio
+
+import ray
+
+
+@ray.remote(num_cpus=0)
+class StoreActor:
+    """Key-value store with blocking waits, served by asyncio so waiters never block setters."""
+
+    def __init__(self) -> None:
+        self._data: dict[str, bytes] = {}
+        self._changed = asyncio.Condition()
+
+    async def set(self, key: str, value: bytes) -> None:
+        async with self._changed:
+            self._data[key] = value
+            self._changed.notify_all()
+
+    async def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        async with self._changed:
+            current = self._data.get(key)
+            if (current is None and expected == b"") or current == expected:
+                self._data[key] = desired
+                self._changed.notify_all()
+                return desired
+            return current if current is not None else expected
+
+    async def add(self, key: str, amount: int) -> int:
+        async with self._changed:
+            value = int(self._data.get(key, b"0")) + amount
+            self._data[key] = str(value).encode()
+            self._changed.notify_all()
+            return value
+
+    async def wait(self, keys: list[str], timeout_s: float) -> bool:
+        async with self._changed:
+            try:
+                await asyncio.wait_for(
+                    self._changed.wait_for(lambda: all(k in self._data for k in keys)), timeout_s
+                )
+                return True
+            except asyncio.TimeoutError:
+                return False
+
+    async def get(self, key: str, timeout_s: float) -> bytes | None:
+        if not await self.wait([key], timeout_s):
+            return None
+        return self._data[key]
+
+    async def check(self, keys: list[str]) -> bool:
+        return all(k in self._data for k in keys)
+
+    async def delete_key(self, key: str) -> bool:
+        async with self._changed:
+            return self._data.pop(key, None) is not None
+
+    async def num_keys(self) -> int:
+        return len(self._data)
