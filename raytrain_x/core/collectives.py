@@ -52,10 +52,6 @@ def resolve_op(op: str | None, average: bool | None = None, default: str = Avera
     return op
 
 
-def set_id(process_set: ProcessSet) -> int:
-    return registered_id(process_set)
-
-
 def request(name: str, meta: Meta, array: Any, output: Any = None) -> Request:
     """A request for the engine; each process set has its own name space, as in Horovod."""
     if meta.process_set_id:
@@ -89,7 +85,7 @@ def poll(handle: Handle) -> bool:
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Returns once every member reached the barrier."""
-    meta = Meta(BARRIER, "uint8", (0,), process_set_id=set_id(process_set))
+    meta = Meta(BARRIER, "uint8", (0,), process_set_id=registered_id(process_set))
     synchronize(submit(auto_name(BARRIER), meta, None))
 
 

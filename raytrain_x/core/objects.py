@@ -8,8 +8,8 @@ from typing import Any
 import cloudpickle
 import numpy as np
 
-from raytrain_x.core.collectives import auto_name, set_id, submit, synchronize
-from raytrain_x.core.process_sets import ProcessSet, global_process_set
+from raytrain_x.core.collectives import auto_name, submit, synchronize
+from raytrain_x.core.process_sets import ProcessSet, global_process_set, registered_id
 from raytrain_x.core.runtime import rendezvous
 from raytrain_x.engine.messages import ALLGATHER, BROADCAST, Meta
 
@@ -63,10 +63,10 @@ def allgather_object(obj: Any, name: str | None = None,
 
 def _broadcast(array: np.ndarray, root_rank: int, name: str, process_set: ProcessSet) -> None:
     meta = Meta(BROADCAST, array.dtype.name, array.shape, root=int(root_rank),
-                process_set_id=set_id(process_set))
+                process_set_id=registered_id(process_set))
     synchronize(submit(name, meta, array))
 
 
 def _allgather(array: np.ndarray, name: str, process_set: ProcessSet) -> np.ndarray:
-    meta = Meta(ALLGATHER, array.dtype.name, array.shape, process_set_id=set_id(process_set))
+    meta = Meta(ALLGATHER, array.dtype.name, array.shape, process_set_id=registered_id(process_set))
     return synchronize(submit(name, meta, array))

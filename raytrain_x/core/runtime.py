@@ -60,10 +60,6 @@ def set_autotune_advisor_factory(factory: AdvisorFactory | None) -> None:
     _advisor_factory = factory
 
 
-def _local_advisor(config: AutotuneConfig, start: Knobs, fixed: frozenset) -> Advisor:
-    return local_controller(config, start, fixed)
-
-
 def init(
     process_sets: Sequence[ProcessSet] | None = None,
     knobs: Knobs | None = None,
@@ -124,7 +120,7 @@ def init(
         global_process_set.ranks = list(range(rdv.size))
         _sampler = None
         if config is not None and rdv.rank == 0:
-            advisor = (_advisor_factory or _local_advisor)(config, knobs, _fixed_knobs)
+            advisor = (_advisor_factory or local_controller)(config, knobs, _fixed_knobs)
             shape = JobShape(size=rdv.size, multi_level=_engine.multi_level())
             _sampler = AutotuneSampler(config, advisor, _engine.request_knobs, shape=shape)
             _sampler.batching.update(_batching)

@@ -252,7 +252,7 @@ class Engine:
 
         agreement = self._negotiator.negotiate(self._pending, shutting_down, knobs_wanted,
                                                join_state)
-        self.stats.negotiations = self._negotiator.negotiations
+        self.stats.negotiations += agreement.reports_exchanged
         self._note_reported(agreement, knobs_wanted)
         negotiated = time.perf_counter()
         if agreement.all_joined:

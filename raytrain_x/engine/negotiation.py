@@ -48,6 +48,7 @@ class Agreement:
         all_joined: every rank has joined; the join completes.
         knobs: rank 0's knob switch, applied at the end of the cycle.
         joined_last: the rank that joined last (when `all_joined`).
+        reports_exchanged: the ranks allgathered their reports (not only the status word).
         join_reported: this rank's join request went out in this cycle's report.
         knobs_sent: this rank's knob request went out in this cycle's report.
     """
@@ -57,6 +58,7 @@ class Agreement:
     all_joined: bool = False
     knobs: Knobs | None = None
     joined_last: int = -1
+    reports_exchanged: bool = False
     join_reported: bool = False
     knobs_sent: bool = False
 
@@ -75,7 +77,6 @@ class Negotiator:
     def __init__(self, groups: ProcessGroups, world_allreduce: Callable[[Any, str], None],
                  cache_capacity: int, stall_warning_s: float, stall_shutdown_s: float) -> None:
         self.rank = groups.rdv.rank
-        self.negotiations = 0  # cycles that needed the allgather of reports
         self._groups = groups
         self._world_allreduce = world_allreduce
         self._cache = _native.ResponseCache(cache_capacity)
@@ -151,7 +152,7 @@ class Negotiator:
     def _exchange_reports(self, result: Agreement, pending: dict[str, Request],
                           stalled: dict[str, float], knobs_wanted: Knobs | None,
                           join_state: str) -> None:
-        self.negotiations += 1
+        result.reports_exchanged = True
         ready = {r.name for r in result.responses}
         report = Report(rank=self.rank, stalled=stalled,
                         knobs=knobs_wanted.to_dict() if knobs_wanted else None,

@@ -14,7 +14,7 @@ import torch
 from raytrain_x.common.errors import ConfigError
 from raytrain_x.core import collectives as _core
 from raytrain_x.core.collectives import Average, Sum, synchronize
-from raytrain_x.core.process_sets import ProcessSet, global_process_set
+from raytrain_x.core.process_sets import ProcessSet, global_process_set, registered_id
 from raytrain_x.engine.messages import (
     ALLGATHER,
     ALLREDUCE,
@@ -37,13 +37,6 @@ def _check_tensor(tensor: Any, what: str) -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):
         raise ConfigError(f"{what} needs a torch.Tensor, got {type(tensor).__name__}")
     return tensor
-
-
-_auto_name = _core.auto_name
-_resolve_op = _core.resolve_op
-_set_id = _core.set_id
-_request = _core.request
-_submit = _core.submit
 
 
 class _Decompressing(Handle):
@@ -83,8 +76,8 @@ def _allreduce_request(
     if not tensor.is_contiguous():
         raise ConfigError(f"allreduce {name or ''}: tensor is not contiguous; call "
                           ".contiguous() first")
-    op = _resolve_op(op, average)
-    name = name or _auto_name(ALLREDUCE)
+    op = _core.resolve_op(op, average)
+    name = name or _core.auto_name(ALLREDUCE)
     wire = ""
     target = None
     compressor_ctx = None
@@ -96,9 +89,9 @@ def _allreduce_request(
             work, compressor_ctx = compression.compress(work)
             target = tensor
     meta = Meta(ALLREDUCE, _dtype_name(work), tuple(work.shape), op, 0, float(prescale_factor),
-                float(postscale_factor), _set_id(process_set), wire, work.device.type,
+                float(postscale_factor), registered_id(process_set), wire, work.device.type,
                 fuse=fuse)
-    request = _request(name, meta, work, output=tensor if target is None else None)
+    request = _core.request(name, meta, work, output=tensor if target is None else None)
     if target is not None:
         return request, _Decompressing(request.handle, compression, compressor_ctx, target)
     return request, request.handle
@@ -162,7 +155,7 @@ def grouped_allreduce_async_(
 ) -> list[Handle]:
     """Starts in-place allreduces of several tensors, enqueued atomically so that they
     are negotiated in the same cycle and fused together (within the fusion threshold)."""
-    base = name or _auto_name("grouped_allreduce")
+    base = name or _core.auto_name("grouped_allreduce")
     pairs = [_allreduce_request(t, average, f"{base}.{i}", op, prescale_factor,
                                 postscale_factor, process_set, compression)
              for i, t in enumerate(tensors)]
@@ -197,8 +190,8 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
         tensor = tensor.reshape(1)
     tensor = tensor.contiguous()
     meta = Meta(ALLGATHER, _dtype_name(tensor), tuple(tensor.shape),
-                process_set_id=_set_id(process_set), device=tensor.device.type)
-    return _submit(name or _auto_name(ALLGATHER), meta, tensor)
+                process_set_id=registered_id(process_set), device=tensor.device.type)
+    return _core.submit(name or _core.auto_name(ALLGATHER), meta, tensor)
 
 
 def allgather(tensor: torch.Tensor, name: str | None = None,
@@ -217,8 +210,8 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
     if members is not None and root_rank not in members:
         raise ConfigError(f"broadcast root_rank {root_rank} is not in the process set {members}")
     meta = Meta(BROADCAST, _dtype_name(tensor), tuple(tensor.shape), root=int(root_rank),
-                process_set_id=_set_id(process_set), device=tensor.device.type)
-    return _submit(name or _auto_name(BROADCAST), meta, tensor.detach(), output=tensor)
+                process_set_id=registered_id(process_set), device=tensor.device.type)
+    return _core.submit(name or _core.auto_name(BROADCAST), meta, tensor.detach(), output=tensor)
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -256,9 +249,9 @@ def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | 
             raise ConfigError(f"alltoall splits {split_list} must be {n} non-negative numbers "
                               f"summing to dim 0 ({tensor.shape[0] if tensor.dim() else 0})")
     meta = Meta(ALLTOALL, _dtype_name(tensor), tuple(tensor.shape),
-                process_set_id=_set_id(process_set), device=tensor.device.type,
+                process_set_id=registered_id(process_set), device=tensor.device.type,
                 splits=tuple(split_list))
-    return _submit(name or _auto_name(ALLTOALL), meta, tensor)
+    return _core.submit(name or _core.auto_name(ALLTOALL), meta, tensor)
 
 
 def alltoall(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None = None,
@@ -273,15 +266,15 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: str |
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
     """Starts a reduce-scatter along dim 0 (the first `dim0 % size` ranks get a row more)."""
     tensor = _check_tensor(tensor, "reducescatter").detach().contiguous()
-    op = _resolve_op(op, None)
+    op = _core.resolve_op(op, None)
     if op not in (Average, Sum):
         raise ConfigError("reducescatter supports rx.Average and rx.Sum")
     if tensor.dim() == 0:
         raise ConfigError("reducescatter needs a tensor with at least one dimension")
     meta = Meta(REDUCESCATTER, _dtype_name(tensor), tuple(tensor.shape), op, 0,
-                float(prescale_factor), float(postscale_factor), _set_id(process_set),
+                float(prescale_factor), float(postscale_factor), registered_id(process_set),
                 device=tensor.device.type)
-    return _submit(name or _auto_name(REDUCESCATTER), meta, tensor)
+    return _core.submit(name or _core.auto_name(REDUCESCATTER), meta, tensor)
 
 
 def reducescatter(tensor: torch.Tensor, name: str | None = None, op: str | None = None,
