@@ -122,6 +122,8 @@ def _describe(meta: Meta) -> str:
         text += f" scale={meta.prescale:g}/{meta.postscale:g}"
     if meta.wire_dtype:
         text += f" wire={meta.wire_dtype}"
+    if meta.framework:
+        text += f" from {meta.framework}"
     return text
 
 
@@ -129,7 +131,8 @@ def _agreed_part(meta: Meta) -> Meta:
     """The fields that must match: for allgather/alltoall dim 0 and splits may differ."""
     if meta.kind in (ALLGATHER, ALLTOALL):
         return Meta(meta.kind, meta.dtype, meta.shape[1:], meta.op, meta.root, meta.prescale,
-                    meta.postscale, meta.process_set_id, meta.wire_dtype, meta.device)
+                    meta.postscale, meta.process_set_id, meta.wire_dtype, meta.device,
+                    framework=meta.framework)
     if meta.kind == BARRIER:
         return Meta(meta.kind, "", (), process_set_id=meta.process_set_id)
     return meta
@@ -144,6 +147,11 @@ def _agree(name: str, by_rank: dict[int, Meta], members: list[int]) -> Response:
     if len(groups) > 1:
         parts = "; ".join(f"ranks {ranks} have {_describe(by_rank[ranks[0]])}"
                           for ranks in groups.values())
+        if len({m.framework for m in groups}) > 1:
+            return Response(name, reference, error=(
+                f"ranks disagree on tensor {name!r}: {parts}. Every rank of a job must send a "
+                "collective from the same framework (all raytrain_x.torch or all "
+                "raytrain_x.tensorflow)."))
         return Response(name, reference, error=(
             f"ranks disagree on tensor {name!r}: {parts}. Every rank must submit the same "
             "shape, dtype and op for a name (allgather/alltoall: the same trailing dims)."))

@@ -74,19 +74,26 @@ class Meta:
     process_set_id: int = 0
     wire_dtype: str = ""  # compression: dtype on the wire, "" = same as dtype
     device: str = "cpu"
-    splits: tuple[int, ...] = ()  # alltoall: elements of dim 0 sent to each rank
+    # alltoall: elements of dim 0 sent to each rank; a bucketed allreduce: its tensors'
+    # element counts (so that ranks with different tensors disagree)
+    splits: tuple[int, ...] = ()
     fuse: bool = True  # False: already a bucket; reduce it alone, in place (no copies)
+    # The face that submitted it ("torch", "tensorflow"; "" for the core's numpy arrays):
+    # ranks that send one name from different frameworks get a clear mismatch error.
+    framework: str = ""
 
     def cache_key(self) -> str:
         """Everything but name/dtype/shape, as the response cache's op string."""
         return (f"{self.kind}|{self.op}|{self.prescale!r}|{self.postscale!r}|"
-                f"{self.process_set_id}|{self.wire_dtype}|{self.device}|{int(self.fuse)}")
+                f"{self.process_set_id}|{self.wire_dtype}|{self.device}|{int(self.fuse)}|"
+                f"{self.framework}|{','.join(map(str, self.splits))}")
 
     @staticmethod
     def from_cache(entry: dict[str, Any]) -> Meta:
-        kind, op, pre, post, pset, wire, device, fuse = entry["op"].split("|")
+        kind, op, pre, post, pset, wire, device, fuse, framework, splits = entry["op"].split("|")
         return Meta(kind, entry["dtype"], tuple(entry["shape"]), op, 0, float(pre), float(post),
-                    int(pset), wire, device, fuse=fuse == "1")
+                    int(pset), wire, device, tuple(int(s) for s in splits.split(",") if s),
+                    fuse == "1", framework)
 
     def nbytes_on_wire(self) -> int:
         numel = 1

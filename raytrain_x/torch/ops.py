@@ -90,7 +90,7 @@ def _allreduce_request(
             target = tensor
     meta = Meta(ALLREDUCE, _dtype_name(work), tuple(work.shape), op, 0, float(prescale_factor),
                 float(postscale_factor), registered_id(process_set), wire, work.device.type,
-                fuse=fuse)
+                fuse=fuse, framework="torch")
     request = _core.request(name, meta, work, output=tensor if target is None else None)
     if target is not None:
         return request, _Decompressing(request.handle, compression, compressor_ctx, target)
@@ -190,7 +190,8 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
         tensor = tensor.reshape(1)
     tensor = tensor.contiguous()
     meta = Meta(ALLGATHER, _dtype_name(tensor), tuple(tensor.shape),
-                process_set_id=registered_id(process_set), device=tensor.device.type)
+                process_set_id=registered_id(process_set), device=tensor.device.type,
+                framework="torch")
     return _core.submit(name or _core.auto_name(ALLGATHER), meta, tensor)
 
 
@@ -210,7 +211,8 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
     if members is not None and root_rank not in members:
         raise ConfigError(f"broadcast root_rank {root_rank} is not in the process set {members}")
     meta = Meta(BROADCAST, _dtype_name(tensor), tuple(tensor.shape), root=int(root_rank),
-                process_set_id=registered_id(process_set), device=tensor.device.type)
+                process_set_id=registered_id(process_set), device=tensor.device.type,
+                framework="torch")
     return _core.submit(name or _core.auto_name(BROADCAST), meta, tensor.detach(), output=tensor)
 
 
@@ -250,6 +252,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | 
                               f"summing to dim 0 ({tensor.shape[0] if tensor.dim() else 0})")
     meta = Meta(ALLTOALL, _dtype_name(tensor), tuple(tensor.shape),
                 process_set_id=registered_id(process_set), device=tensor.device.type,
+                framework="torch",
                 splits=tuple(split_list))
     return _core.submit(name or _core.auto_name(ALLTOALL), meta, tensor)
 
@@ -273,7 +276,7 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: str |
         raise ConfigError("reducescatter needs a tensor with at least one dimension")
     meta = Meta(REDUCESCATTER, _dtype_name(tensor), tuple(tensor.shape), op, 0,
                 float(prescale_factor), float(postscale_factor), registered_id(process_set),
-                device=tensor.device.type)
+                device=tensor.device.type, framework="torch")
     return _core.submit(name or _core.auto_name(REDUCESCATTER), meta, tensor)
 
 

@@ -1,0 +1,131 @@
+"""TensorFlow tensors in and out of the engine, without copies on CPU.
+
+The engine works on numpy arrays for this face. A CPU `tf.Tensor` is viewed as a numpy
+array through DLPack (no copy, read-only). Results go back to TensorFlow through DLPack
+too (no copy), which TensorFlow accepts only for 64-byte aligned memory: its kernels check
+alignment and abort the process otherwise. The face therefore allocates every buffer it
+hands back with `aligned_empty`, and `to_tensor` copies only what is not aligned.
+
+Inside `tf.function` the same numpy kernels run through `tf.numpy_function`, which passes
+inputs as numpy views of the tensors and adopts aligned outputs without a copy as well.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from raytrain_x.common.errors import ConfigError, RaytrainXError
+from raytrain_x.core import collectives as _core
+
+ALIGN = 64  # bytes; what TensorFlow's CPU kernels require of a tensor's memory
+
+# dtypes the engine reduces and moves natively; bfloat16 is handled by the ops (numpy has
+# no bfloat16 of its own, so DLPack cannot carry it)
+NATIVE = (tf.float16, tf.float32, tf.float64, tf.int8, tf.uint8, tf.int32, tf.int64)
+
+
+def aligned_empty(shape: Sequence[int], dtype: Any) -> np.ndarray:
+    """An uninitialised C-contiguous array whose data starts on an `ALIGN` boundary."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
+    start = (-raw.ctypes.data) % ALIGN
+    return raw[start:start + nbytes].view(dtype).reshape(tuple(shape))
+
+
+def to_numpy(tensor: Any) -> np.ndarray:
+    """A read-only numpy view of an eager CPU tensor (a copy only for other devices)."""
+    if isinstance(tensor, tf.Variable):
+        tensor = tensor.value()
+    try:
+        return np.from_dlpack(tensor)
+    except (RuntimeError, BufferError, TypeError):  # a GPU tensor: numpy needs host memory
+        return tensor.numpy()
+
+
+def to_tensor(array: np.ndarray) -> tf.Tensor:
+    """`array` as a tf.Tensor over the same memory when it is aligned; a copy otherwise."""
+    if array.flags.c_contiguous and array.ctypes.data % ALIGN == 0 and array.size:
+        return tf.experimental.dlpack.from_dlpack(array.__dlpack__())
+    return tf.constant(array)
+
+
+def check_dtype(dtype: tf.DType, what: str) -> tf.DType:
+    if dtype not in NATIVE and dtype != tf.bfloat16:
+        raise ConfigError(f"{what}: dtype {dtype.name} is not supported by raytrain-x "
+                          "collectives; use float16/32/64, bfloat16, int8, uint8, int32 or "
+                          "int64")
+    return dtype
+
+
+def as_tensor(value: Any, what: str) -> tf.Tensor:
+    """A tensor from a tensor, variable, numpy array or nested list, with a clear error."""
+    if isinstance(value, tf.IndexedSlices):
+        raise ConfigError(f"{what} takes dense tensors; for IndexedSlices use "
+                          "DistributedGradientTape or pass tf.convert_to_tensor(slices)")
+    try:
+        tensor = tf.convert_to_tensor(value)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{what} needs a tensor, got {type(value).__name__}: {exc}") from None
+    check_dtype(tensor.dtype, what)
+    return tensor
+
+
+def op_name(kind: str, name: str | None) -> str:
+    """The collective's name. Eagerly: numbered per call, as the core does. Inside
+    `tf.function`: fixed when the function is traced (the graph's name and the collective's
+    place in it), so every call of the function reuses the same names and the engine's
+    response cache serves them."""
+    if name:
+        return name
+    if tf.executing_eagerly():
+        return _core.auto_name(kind)
+    graph = tf.compat.v1.get_default_graph()
+    count = getattr(graph, "_raytrain_x_collectives", 0)
+    graph._raytrain_x_collectives = count + 1
+    return f"{kind}.{graph.name}.{count}"
+
+
+# The raytrain-x error behind the last failed kernel. TensorFlow turns an exception raised
+# inside `tf.numpy_function` into a `tf.errors.OpError`; elastic `run` and `unwrap_error`
+# use this to get the original (InternalError, TensorMismatchError, ...) back.
+_last_error: list[BaseException] = []
+
+
+def run_kernel(kernel: Callable[..., list[np.ndarray]], inputs: Sequence[tf.Tensor],
+               out_dtypes: Sequence[tf.DType],
+               out_shapes: Sequence[Any] | None = None) -> list[tf.Tensor]:
+    """Runs a numpy `kernel(*arrays) -> [arrays]` on `inputs`: directly when eager, as one
+    stateful `tf.numpy_function` inside a graph (stateful ops keep program order, so every
+    rank submits its collectives in the order the code reads)."""
+
+    def guarded(*arrays: np.ndarray) -> list[np.ndarray]:
+        try:
+            return kernel(*arrays)
+        except RaytrainXError as exc:
+            _last_error[:] = [exc]
+            raise
+
+    if tf.executing_eagerly():
+        return [to_tensor(a) for a in guarded(*[to_numpy(t) for t in inputs])]
+    outs = tf.numpy_function(guarded, list(inputs), list(out_dtypes), stateful=True)
+    if not isinstance(outs, (list, tuple)):
+        outs = [outs]
+    for out, shape in zip(outs, out_shapes or [None] * len(outs)):
+        if shape is not None:
+            out.set_shape(shape)
+    return list(outs)
+
+
+def unwrap_error(exc: BaseException) -> BaseException:
+    """The raytrain-x error a `tf.errors.OpError` carries, else `exc` itself."""
+    if isinstance(exc, tf.errors.OpError) and _last_error:
+        original = _last_error.pop()
+        _last_error.clear()
+        if type(original).__name__ in str(exc) or str(original)[:60] in str(exc):
+            return original
+    return exc
