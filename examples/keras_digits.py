@@ -30,6 +30,11 @@ def load_shard(rank: int, size: int):
 
 def train(epochs: int = 20, batch_size: int = 32, lr: float = 0.05) -> float:
     """Trains and returns the test accuracy (the same on every rank)."""
+    return fit(epochs, batch_size, lr)[1]
+
+
+def fit(epochs: int, batch_size: int, lr: float):
+    """The trained model and its test accuracy."""
     from tensorflow import keras
 
     import raytrain_x.tensorflow.keras as rx
@@ -53,7 +58,7 @@ def train(epochs: int = 20, batch_size: int = 32, lr: float = 0.05) -> float:
     _, accuracy = model.evaluate(x_test, y_test, verbose=0)
     if rx.rank() == 0:
         print(f"test accuracy {accuracy:.3f} on {rx.size()} workers", flush=True)
-    return float(accuracy)
+    return model, float(accuracy)
 
 
 def main() -> None:

@@ -60,6 +60,8 @@ class CollectiveExecutor:
         post = meta.postscale if scaled else 1.0
         if meta.op == "average" and floating:
             post /= pset.size()
+        if not floating:  # the faces only let whole factors through for integer tensors
+            pre, post = int(pre), int(post)
         wire = meta.wire_dtype or meta.dtype
         row = batch[0].name if len(batch) == 1 else f"fused[{len(batch)}]"
         transport = self.transport

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from raytrain_x.autotune.sampler import BATCHING_BUCKETS
 from raytrain_x.common.errors import ConfigError
 from raytrain_x.core import collectives as _core
 from raytrain_x.core import runtime
@@ -53,6 +54,7 @@ class _BucketSize:
         engine = runtime.engine()
         if engine is not self.engine:  # a new world (elastic reset): cycles start again
             self.engine, self.last_cycle = engine, -1
+            runtime.note_batching(BATCHING_BUCKETS)  # autotune: the knob sizes buckets
         return engine.knobs_before(max(self.last_cycle, 0)).fusion_threshold_bytes
 
 
@@ -112,7 +114,8 @@ def reduce_arrays(arrays: Sequence[np.ndarray], name: str, op: str, prescale: fl
         meta = Meta(ALLREDUCE, dtype.name, (total,), op, 0, prescale, postscale, pset_id, wire,
                     "cpu", splits=tuple(arrays[i].size for i, _ in bucket), fuse=False,
                     framework=FRAMEWORK)
-        requests.append(_core.request(f"{name}.b{b}", meta, flat, output=flat))
+        bucket_name = name if len(layout) == 1 else f"{name}.b{b}"
+        requests.append(_core.request(bucket_name, meta, flat, output=flat))
     _core.submit_many(requests)
     for req in requests:
         req.handle.wait()
@@ -122,9 +125,16 @@ def reduce_arrays(arrays: Sequence[np.ndarray], name: str, op: str, prescale: fl
     return outs
 
 
-def _reduce_scales(op: str, prescale: float, postscale: float) -> tuple[float, float]:
-    if op not in (Average, Sum) and (prescale != 1.0 or postscale != 1.0):
+def _reduce_scales(op: str, prescale: float, postscale: float,
+                   tensors: Sequence[tf.Tensor]) -> tuple[float, float]:
+    if prescale == 1.0 and postscale == 1.0:
+        return 1.0, 1.0
+    if op not in (Average, Sum):
         raise ConfigError("prescale_factor/postscale_factor apply to Sum and Average only")
+    if any(t.dtype.is_integer for t in tensors) and \
+            not (float(prescale).is_integer() and float(postscale).is_integer()):
+        raise ConfigError("integer tensors take whole prescale/postscale factors only, got "
+                          f"{prescale} and {postscale}; cast to a float dtype first")
     return float(prescale), float(postscale)
 
 
@@ -145,7 +155,8 @@ def grouped_reduce(tensors: Sequence[tf.Tensor], name: str, op: str, prescale: f
         for i, a in enumerate(arrays):
             by_dtype.setdefault(a.dtype, []).append(i)
         for dtype, idx in sorted(by_dtype.items(), key=lambda kv: kv[0].name):
-            results = reduce_arrays([arrays[i] for i in idx], f"{name}.{dtype.name}", op,
+            group = name if len(by_dtype) == 1 else f"{name}.{dtype.name}"
+            results = reduce_arrays([arrays[i] for i in idx], group, op,
                                     prescale, postscale, process_set, compression)
             for i, r in zip(idx, results):
                 outs[i] = r
@@ -177,7 +188,7 @@ def allreduce(tensor: Any, average: bool | None = None, name: str | None = None,
     if isinstance(tensor, tf.IndexedSlices):
         return _allreduce_sparse(tensor, name, op, process_set)
     tensor = as_tensor(tensor, "allreduce")
-    pre, post = _reduce_scales(op, prescale_factor, postscale_factor)
+    pre, post = _reduce_scales(op, prescale_factor, postscale_factor, [tensor])
     return grouped_reduce([tensor], op_name(ALLREDUCE, name), op, pre, post, process_set,
                           compression)[0]
 
@@ -189,8 +200,8 @@ def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None,
                       compression: type[Compressor] = Compression.none) -> list[tf.Tensor]:
     """Allreduces of several tensors, fused into buckets up to the fusion threshold."""
     op = _core.resolve_op(op, average)
-    pre, post = _reduce_scales(op, prescale_factor, postscale_factor)
     dense = [as_tensor(t, "grouped_allreduce") for t in tensors]
+    pre, post = _reduce_scales(op, prescale_factor, postscale_factor, dense)
     return grouped_reduce(dense, op_name("grouped_allreduce", name), op, pre, post,
                           process_set, compression)
 
