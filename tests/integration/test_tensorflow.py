@@ -288,3 +288,179 @@ def test_bad_input_gets_a_clear_error():
         assert errors["intscale"].startswith("ConfigError") and "whole" in errors["intscale"]
         assert errors["tape"].startswith("ConfigError")
         assert errors["graph"].startswith("TensorMismatchError"), errors["graph"]
+
+
+def _tape_with_autotune(log: str, timeline: str) -> dict:
+    import os
+    import time
+
+    import tensorflow as tf
+
+    import raytrain_x.tensorflow as rx
+    from raytrain_x.common.autotune_config import AutotuneConfig
+    from raytrain_x.core import runtime
+
+    os.environ["RAYTRAIN_X_TIMELINE"] = timeline if os.environ["RAYTRAIN_X_RANK"] == "0" \
+        else ""
+    rx.init(autotune=AutotuneConfig(log_file=log, warmup_samples=1, steps_per_sample=3,
+                                    bayes_opt_max_samples=5, convergence_patience=0))
+    variables = [tf.Variable(tf.ones([256, 64])) for _ in range(6)] + \
+        [tf.Variable(tf.ones([64])) for _ in range(6)]
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.add_n([tf.reduce_sum(v) for v in variables])
+        grads = rx.DistributedGradientTape(tape).gradient(loss, variables)
+        return grads[0][0, 0], grads[-1][0]
+
+    deadline, steps, seen = time.monotonic() + 150, 0, set()
+    while time.monotonic() < deadline:
+        steps += 1
+        first, last = step()
+        assert float(first) == 1.0 and float(last) == 1.0  # the average of ones
+        seen.add(rx.knobs().fusion_threshold_bytes)
+        sampler = runtime.autotune_sampler()
+        done = tf.constant(1.0 if sampler is None or sampler.finished else 0.0)
+        if steps % 4 == 0 and float(rx.allreduce(done, op=rx.Min, name="done")) == 1.0:
+            break
+    out = {"knobs": rx.knobs().to_dict(), "thresholds": sorted(seen)}
+    rx.shutdown()
+    return out
+
+
+def test_autotune_and_the_timeline_drive_tensorflow_workers(tmp_path):
+    import csv
+
+    log, timeline = tmp_path / "tune.csv", tmp_path / "timeline.json"
+    results = run_workers(_tape_with_autotune, 2, str(log), str(timeline), env=ENV,
+                          timeout=240)
+    assert results[0]["knobs"] == results[1]["knobs"]
+    rows = list(csv.DictReader(log.open()))
+    assert [r["kind"] for r in rows][-2:] == ["best", "after"]
+    scored = [r for r in rows if r["kind"] in ("sample", "confirm", "best")]
+    # the tape's buckets follow the fusion threshold, so autotune searches it and moves it
+    assert {r["searched"] for r in scored} == {"fusion_threshold_bytes+cycle_time_ms"}
+    assert len({int(r["fusion_threshold_bytes"]) for r in scored}) > 1
+    assert len(results[0]["thresholds"]) > 1
+    assert "DistributedGradientTape" in timeline.read_text()  # rank 0's timeline
+
+
+def _elastic_keras(steps: int, progress: str) -> dict:
+    import os
+    import time
+
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import numpy as np
+    from tensorflow import keras
+
+    import raytrain_x.tensorflow.keras as rx
+
+    rx.init()
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer=rx.DistributedOptimizer(keras.optimizers.SGD(0.01)), loss="mse")
+    state = rx.elastic.TensorFlowKerasState(model, epoch=0, batch=0, done=[], sizes=[])
+
+    class Record(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            state.done.append(state.epoch * steps + state.batch - 1)
+            state.sizes.append(rx.size())
+            time.sleep(0.1)
+            if rx.rank() == 0:
+                with open(progress, "w") as f:
+                    f.write(f"{len(state.done)} {rx.size()}")
+
+    callbacks = [rx.elastic.UpdateBatchStateCallback(state), Record(),
+                 rx.elastic.CommitStateCallback(state),
+                 rx.elastic.UpdateEpochStateCallback(state)]
+    x, y = np.ones((steps, 4), np.float32), np.ones((steps, 1), np.float32)
+
+    @rx.elastic.run
+    def train(state):
+        while state.epoch < 2:
+            model.fit(x[state.batch:], y[state.batch:], batch_size=1, epochs=1, verbose=0,
+                      shuffle=False, callbacks=callbacks)
+        return {"done": list(state.done), "sizes": list(state.sizes), "rank": rx.rank(),
+                "weights": [w.numpy() for w in model.weights]}
+
+    return train(state)
+
+
+def test_elastic_keras_survives_a_killed_worker(elastic_nodes, tmp_path):
+    import threading
+    import time
+
+    import ray
+
+    from raytrain_x.ray import RayExecutor
+    from tests.conftest import ELASTIC_RESOURCE
+
+    steps = 20  # per epoch; 2 epochs
+    elastic_nodes(3)
+    executor = RayExecutor(RayExecutor.create_settings(timeout_s=10), min_workers=2,
+                           max_workers=3, cpus_per_worker=1,
+                           resources_per_worker={ELASTIC_RESOURCE: 1})
+    executor.start(extra_env_vars=ENV)
+    progress = tmp_path / "progress"
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["results"] = executor.run(_elastic_keras, args=(steps, str(progress)))
+        except BaseException as exc:  # noqa: BLE001 - inspected below
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 180
+        while True:  # 8 committed steps on 3 workers, then kill the youngest
+            assert thread.is_alive(), outcome
+            assert time.monotonic() < deadline, "the job never reached 8 steps on 3 workers"
+            try:
+                done, size = map(int, progress.read_text().split())
+            except (OSError, ValueError):
+                done, size = 0, 0
+            if done >= 8 and size == 3:
+                break
+            time.sleep(0.1)
+        youngest = max(executor.last_elastic_job.members.values(), key=lambda m: m.age)
+        ray.kill(youngest.actor, no_restart=True)
+        thread.join(240)
+        assert not thread.is_alive(), "the elastic Keras job did not finish"
+    finally:
+        executor.shutdown()
+    assert "error" not in outcome, outcome.get("error")
+    results = outcome["results"]
+    assert len(results) == 2  # the survivors finished
+    for r in results:
+        assert r["done"] == list(range(2 * steps))  # no committed step lost or repeated
+        assert 3 in r["sizes"] and r["sizes"][-1] == 2
+    for mine, theirs in zip(results[0]["weights"], results[1]["weights"]):
+        np.testing.assert_array_equal(mine, theirs)
+
+
+def test_keras_digits_through_the_cli_and_the_executor(ray_cluster):
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.conftest import REPO
+
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", **ENV}
+    bin_dir = Path(sys.executable).parent
+    cli = subprocess.run([str(bin_dir / "raytrain-x"), "run", "-np", "2", "--address",
+                          ray_cluster, "python", "examples/keras_digits.py", "--epochs", "12"],
+                         capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    assert cli.returncode == 0, cli.stderr[-3000:]
+    match = re.search(r"\[0\]<stdout>:test accuracy ([0-9.]+) on 2 workers", cli.stdout)
+    assert match and float(match.group(1)) >= 0.95, cli.stdout[-3000:]
+    driver = subprocess.run([sys.executable, "examples/keras_digits.py", "--executor",
+                             "--address", ray_cluster, "--epochs", "12"],
+                            capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    assert driver.returncode == 0, driver.stderr[-3000:]
+    match = re.search(r"RayExecutor: test accuracy ([0-9.]+) on 2 workers", driver.stdout)
+    assert match and float(match.group(1)) >= 0.95, driver.stdout[-3000:]
