@@ -6,6 +6,7 @@ BIN := $(VENV)/bin
 CONSTRAINTS := requirements/dev-constraints.txt
 DEPS_STAMP := $(VENV)/.deps-stamp
 BUILD_STAMP := $(VENV)/.build-stamp
+TEST_STAMP := $(VENV)/.test-deps-stamp
 NATIVE_SOURCES := $(wildcard native/*.cpp native/*.h) CMakeLists.txt pyproject.toml
 
 .PHONY: setup demo test bench lint clean
@@ -25,10 +26,17 @@ $(BUILD_STAMP): $(DEPS_STAMP) $(NATIVE_SOURCES)
 	$(BIN)/pip install -q --no-build-isolation --no-deps -e .
 	touch $@
 
+# The tests also cover the TensorFlow face: install the `tensorflow` extra's packages (read
+# from pyproject.toml, so the list lives in one place) without rebuilding the package.
+$(TEST_STAMP): $(BUILD_STAMP) $(CONSTRAINTS) pyproject.toml
+	$(BIN)/python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['tensorflow']))" > $(VENV)/tensorflow-extra.txt
+	$(BIN)/pip install -q -c $(CONSTRAINTS) -r $(VENV)/tensorflow-extra.txt
+	touch $@
+
 demo: setup
 	$(BIN)/raytrain-x run -np 2 python examples/torch_digits.py
 
-test: lint
+test: lint $(TEST_STAMP)
 	$(BIN)/python -m pytest
 
 bench: setup

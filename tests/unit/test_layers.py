@@ -57,6 +57,10 @@ INVERSIONS = {
         ("ray/worker.py", "from raytrain_x.comm.torch_store import RayStore"),
     "the engine imports torch":
         ("engine/execution.py", "import torch"),
+    "the TensorFlow face leans on the torch face":
+        ("tensorflow/ops.py", "from raytrain_x.torch.ops import allreduce"),
+    "the executor imports the TensorFlow face":
+        ("ray/executor.py", "import raytrain_x.tensorflow"),
 }
 
 
@@ -124,3 +128,12 @@ def test_a_worker_launched_without_ray_never_loads_ray():
     statement = ("import raytrain_x.torch as rx; import raytrain_x.comm.torch_backend; "
                  "import raytrain_x.comm.torch_store")
     assert not {m for m in _modules_after(statement) if m.split(".")[0] == "ray"}
+
+
+@pytest.mark.parametrize("statement", ["import raytrain_x.tensorflow",
+                                       "import raytrain_x.tensorflow.keras"])
+def test_the_tensorflow_face_loads_neither_torch_nor_ray(statement):
+    # torch's gloo is loaded by rx.init() (the transport), never by the import
+    loaded = _modules_after(statement)
+    assert "tensorflow" in loaded
+    assert not {m for m in loaded if m.split(".")[0] in ("torch", "ray")}
