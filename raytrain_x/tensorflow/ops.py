@@ -10,6 +10,7 @@ previous bucketed reduction, a cycle number every rank shares.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -61,68 +62,97 @@ class _BucketSize:
 _bucket_size = _BucketSize()
 
 
-def _layout(sizes: Sequence[int], itemsize: int, cap_bytes: int) -> list[list[tuple[int, int]]]:
-    """Buckets of (array index, element offset), each at most `cap_bytes` (a lone larger
-    array gets its own bucket); offsets are aligned so that every view is too."""
-    buckets: list[list[tuple[int, int]]] = []
-    current: list[tuple[int, int]] = []
-    used = 0
-    for i, numel in enumerate(sizes):
-        nbytes = numel * itemsize
-        if current and (cap_bytes <= 0 or used + nbytes > cap_bytes):
-            buckets.append(current)
-            current, used = [], 0
-        current.append((i, used // itemsize))
-        used += -(-nbytes // ALIGN) * ALIGN
-    if current:
-        buckets.append(current)
-    return buckets
+class _BufferPool:
+    """Aligned flat buffers reused across steps. A buffer is handed out again only when
+    nothing but the pool refers to it: TensorFlow keeps a reference to every array it
+    adopted, so a gradient tensor still alive keeps its buffer out of reuse. Reusing saves
+    the page faults of a fresh allocation, which cost as much as a copy."""
+
+    def __init__(self, keep: int = 4) -> None:
+        self._free: dict[tuple[int, str], list[np.ndarray]] = {}
+        self._keep = keep
+
+    def get(self, count: int, dtype: np.dtype) -> np.ndarray:
+        buffers = self._free.setdefault((count, dtype.str), [])
+        for buf in buffers:
+            if sys.getrefcount(buf) <= 3:  # the list, this loop, getrefcount's argument
+                return buf
+        buf = aligned_empty((count,), dtype)
+        buffers.append(buf)
+        del buffers[:-self._keep]
+        return buf
 
 
-def reduce_arrays(arrays: Sequence[np.ndarray], name: str, op: str, prescale: float,
-                  postscale: float, process_set: ProcessSet,
-                  compression: type[Compressor]) -> list[np.ndarray]:
-    """Allreduces same-dtype arrays in buckets; returns aligned arrays of the results."""
-    if not arrays:
-        return []
+_pool = _BufferPool()
+
+
+def _offsets(sizes: Sequence[int], pad: int) -> tuple[list[int], int]:
+    """Element offsets of arrays laid end to end, each starting on a multiple of `pad`."""
+    offsets, total = [], 0
+    for n in sizes:
+        offsets.append(total)
+        total += -(-n // pad) * pad
+    return offsets, total
+
+
+def _buckets(offsets: list[int], total: int, itemsize: int, cap_bytes: int) -> list[tuple]:
+    """Contiguous (start, end, first array, last array + 1) regions of at most `cap_bytes`
+    (a lone larger array is a region of its own; 0: one region per array)."""
+    regions: list[tuple] = []
+    start, first = 0, 0
+    bounds = offsets[1:] + [total]
+    for i, end in enumerate(bounds):
+        if i > first and (cap_bytes <= 0 or (end - start) * itemsize > cap_bytes):
+            regions.append((start, offsets[i], first, i))
+            start, first = offsets[i], i
+    regions.append((start, total, first, len(offsets)))
+    return regions
+
+
+def reduce_flat(arrays: Sequence[np.ndarray], pad: int, name: str, op: str,
+                prescale: float, postscale: float, process_set: ProcessSet,
+                compression: type[Compressor]) -> np.ndarray:
+    """Allreduces same-dtype arrays laid out in one aligned flat buffer (each starting on a
+    multiple of `pad` elements), in buckets of at most the fusion threshold, each reduced
+    in place by one collective. Returns the flat buffer of results."""
     dtype = arrays[0].dtype
-    wire = ""
-    cast_back = None
+    work_dtype, wire = dtype, ""
     if compression.wire_dtype and dtype.kind == "f" and dtype != np.float16:
         if dtype == np.float32:
             wire = compression.wire_dtype  # the native core casts while packing
         else:
-            cast_back, dtype = dtype, np.dtype(compression.wire_dtype)
-    layout = _layout([a.size for a in arrays], dtype.itemsize, _bucket_size.bytes())
+            work_dtype = np.dtype(compression.wire_dtype)
+    sizes = [a.size for a in arrays]
+    offsets, total = _offsets(sizes, pad)
+    flat = _pool.get(total, work_dtype)
+    end = 0
+    for a, offset in zip(arrays, offsets):
+        if offset > end:
+            flat[end:offset] = 0
+        np.copyto(flat[offset:offset + a.size], a.reshape(-1), casting="unsafe")
+        end = offset + a.size
+    flat[end:] = 0
+    regions = _buckets(offsets, total, work_dtype.itemsize, _bucket_size.bytes())
     pset_id = registered_id(process_set)
-    requests, outs = [], [None] * len(arrays)
-    for b, bucket in enumerate(layout):
-        last, offset = bucket[-1]
-        total = offset + arrays[last].size
-        flat = aligned_empty((total,), dtype)
-        end = 0
-        for i, offset in bucket:
-            a = arrays[i]
-            if offset > end:
-                flat[end:offset] = 0
-            view = flat[offset:offset + a.size]
-            np.copyto(view, a.reshape(-1), casting="unsafe")
-            outs[i] = view.reshape(a.shape)
-            end = offset + a.size
+    requests = []
+    for b, (start, stop, first, last) in enumerate(regions):
         # the element counts go with the request, so ranks whose tensors differ get a
         # mismatch error instead of a silently reduced concatenation
-        meta = Meta(ALLREDUCE, dtype.name, (total,), op, 0, prescale, postscale, pset_id, wire,
-                    "cpu", splits=tuple(arrays[i].size for i, _ in bucket), fuse=False,
+        meta = Meta(ALLREDUCE, work_dtype.name, (stop - start,), op, 0, prescale, postscale,
+                    pset_id, wire, "cpu", splits=tuple(sizes[first:last]), fuse=False,
                     framework=FRAMEWORK)
-        bucket_name = name if len(layout) == 1 else f"{name}.b{b}"
-        requests.append(_core.request(bucket_name, meta, flat, output=flat))
+        region = flat[start:stop]
+        requests.append(_core.request(name if len(regions) == 1 else f"{name}.b{b}", meta,
+                                      region, output=region))
     _core.submit_many(requests)
     for req in requests:
         req.handle.wait()
     _bucket_size.last_cycle = max(req.handle.cycle for req in requests)
-    if cast_back is not None:
-        outs = [o.astype(cast_back) for o in outs]
-    return outs
+    if work_dtype != dtype:
+        out = _pool.get(total, dtype)
+        out[...] = flat
+        return out
+    return flat
 
 
 def _reduce_scales(op: str, prescale: float, postscale: float,
@@ -141,31 +171,53 @@ def _reduce_scales(op: str, prescale: float, postscale: float,
 def grouped_reduce(tensors: Sequence[tf.Tensor], name: str, op: str, prescale: float,
                    postscale: float, process_set: ProcessSet, compression: type[Compressor],
                    step: bool = False) -> list[tf.Tensor]:
-    """Allreduce of dense tensors of any dtypes in one kernel call (one graph op)."""
+    """Allreduce of dense tensors of any dtypes in one kernel call (one graph op).
+
+    The kernel returns one flat buffer per dtype, adopted by TensorFlow without a copy;
+    each tensor is then a view of it: split along rows of 64 bytes (TensorFlow shares
+    memory for aligned splits) and reshaped. Only a tensor whose size is not a multiple of
+    a row is sliced, which copies that tensor."""
     if not tensors:
         return []
     dtypes = [t.dtype for t in tensors]
     # bfloat16 has no numpy dtype: it is reduced in float32 and cast back
     work = [tf.cast(t, tf.float32) if t.dtype == tf.bfloat16 else t for t in tensors]
-    work_dtypes = [t.dtype for t in work]
+    groups: dict[tf.DType, list[int]] = {}
+    for i, t in enumerate(work):
+        groups.setdefault(t.dtype, []).append(i)
+    order = sorted(groups, key=lambda d: d.name)
+    pads = {d: ALIGN // d.size for d in order}
 
     def kernel(*arrays: np.ndarray) -> list[np.ndarray]:
-        outs: list[Any] = [None] * len(arrays)
-        by_dtype: dict[np.dtype, list[int]] = {}
-        for i, a in enumerate(arrays):
-            by_dtype.setdefault(a.dtype, []).append(i)
-        for dtype, idx in sorted(by_dtype.items(), key=lambda kv: kv[0].name):
-            group = name if len(by_dtype) == 1 else f"{name}.{dtype.name}"
-            results = reduce_arrays([arrays[i] for i in idx], group, op,
-                                    prescale, postscale, process_set, compression)
-            for i, r in zip(idx, results):
-                outs[i] = r
+        outs, start = [], 0
+        for d in order:
+            count = len(groups[d])
+            group = name if len(order) == 1 else f"{name}.{d.name}"
+            outs.append(reduce_flat(arrays[start:start + count], pads[d], group, op, prescale,
+                                    postscale, process_set, compression))
+            start += count
         if step:  # a gradient reduction: the end of a training step, for autotune
             runtime.mark_step()
         return outs
 
-    outs = run_kernel(kernel, work, work_dtypes, [t.shape for t in work])
-    return [tf.cast(o, d) if d == tf.bfloat16 else o for o, d in zip(outs, dtypes)]
+    inputs = [work[i] for d in order for i in groups[d]]
+    flats = run_kernel(kernel, inputs, order, [tf.TensorShape([None])] * len(order))
+    out: list[Any] = [None] * len(work)
+    for d, flat in zip(order, flats):
+        pad = pads[d]
+        members = [work[i] for i in groups[d]]
+        sizes = [tf.size(t, out_type=tf.int64) for t in members]
+        rows = tf.stack([(n + pad - 1) // pad for n in sizes])
+        parts = tf.split(tf.reshape(flat, [-1, pad]), rows, num=len(members))
+        for i, t, n, part in zip(groups[d], members, sizes, parts):
+            values = tf.reshape(part, [-1])
+            if t.shape.is_fully_defined() and t.shape.num_elements() % pad == 0:
+                result = tf.reshape(values, t.shape)  # a view: no copy
+            else:
+                result = tf.reshape(values[:n], tf.shape(t))
+                result.set_shape(t.shape)
+            out[i] = tf.cast(result, dtypes[i]) if dtypes[i] == tf.bfloat16 else result
+    return out
 
 
 # ------------------------------------------------------------------------- allreduce
