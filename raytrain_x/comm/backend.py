@@ -10,6 +10,7 @@ when a group is created, so nothing above this layer needs torch to import.
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import pickle
 from collections.abc import Callable, Sequence
@@ -141,3 +142,13 @@ def get_backend(name: str = DEFAULT_BACKEND) -> Backend:
                               "not installed; install raytrain-x[torch]") from None
         _backends[name] = entry
     return entry
+
+
+def writable_alias(array: np.ndarray) -> np.ndarray:
+    """A writable array over a read-only array's memory, without a copy (a copy only for
+    a non-contiguous or empty one). For memory the caller may write or that is only read
+    by an API that refuses read-only arrays; the caller keeps `array` alive meanwhile."""
+    if not array.flags.c_contiguous or array.size == 0:
+        return array.copy()
+    raw = (ctypes.c_char * array.nbytes).from_address(array.ctypes.data)
+    return np.frombuffer(raw, dtype=array.dtype).reshape(array.shape)

@@ -9,7 +9,6 @@ tensors are wrapped as torch tensors over the same memory (no copy).
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -18,7 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from raytrain_x.comm.backend import Backend, Group
+from raytrain_x.comm.backend import Backend, Group, writable_alias
 from raytrain_x.comm.torch_store import as_torch_store
 from raytrain_x.common.errors import ConfigError, InternalError
 
@@ -42,20 +41,11 @@ def as_tensor(array: Any) -> torch.Tensor:
         return array
     if isinstance(array, np.ndarray):
         if not array.flags.writeable:
-            array = _writable_alias(array)
+            # only send buffers arrive read-only and gloo only reads those, but torch
+            # warns about any read-only array: alias it instead of copying
+            array = writable_alias(array)
         return torch.from_numpy(array)
     return torch.from_dlpack(array)
-
-
-def _writable_alias(array: np.ndarray) -> np.ndarray:
-    """A writable array over a read-only array's memory (a TensorFlow tensor seen through
-    DLPack, say). Only send buffers arrive read-only and gloo only reads those, but torch
-    warns about any read-only array; the alias avoids a copy. The caller keeps `array`
-    alive for the collective."""
-    if not array.flags.c_contiguous or array.size == 0:
-        return array.copy()
-    raw = (ctypes.c_char * array.nbytes).from_address(array.ctypes.data)
-    return np.frombuffer(raw, dtype=array.dtype).reshape(array.shape)
 
 
 class TorchGroup(Group):

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from raytrain_x.comm.backend import writable_alias
 from raytrain_x.common.errors import ConfigError, RaytrainXError
 from raytrain_x.core import collectives as _core
 
@@ -45,6 +46,12 @@ def to_numpy(tensor: Any) -> np.ndarray:
         return np.from_dlpack(tensor)
     except (RuntimeError, BufferError, TypeError):  # a GPU tensor: numpy needs host memory
         return tensor.numpy()
+
+
+def writable(array: np.ndarray) -> np.ndarray:
+    """`array` itself when writable; else a writable alias of its memory (an eager
+    tensor's, seen through DLPack). Only for buffers the face created and owns."""
+    return array if array.flags.writeable else writable_alias(array)
 
 
 def to_tensor(array: np.ndarray) -> tf.Tensor:

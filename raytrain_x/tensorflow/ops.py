@@ -10,7 +10,6 @@ previous bucketed reduction, a cycle number every rank shares.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,6 +36,7 @@ from raytrain_x.tensorflow.arrays import (
     as_tensor,
     op_name,
     run_kernel,
+    writable,
 )
 from raytrain_x.tensorflow.compression import Compression, Compressor
 
@@ -62,30 +62,6 @@ class _BucketSize:
 _bucket_size = _BucketSize()
 
 
-class _BufferPool:
-    """Aligned flat buffers reused across steps. A buffer is handed out again only when
-    nothing but the pool refers to it: TensorFlow keeps a reference to every array it
-    adopted, so a gradient tensor still alive keeps its buffer out of reuse. Reusing saves
-    the page faults of a fresh allocation, which cost as much as a copy."""
-
-    def __init__(self, keep: int = 4) -> None:
-        self._free: dict[tuple[int, str], list[np.ndarray]] = {}
-        self._keep = keep
-
-    def get(self, count: int, dtype: np.dtype) -> np.ndarray:
-        buffers = self._free.setdefault((count, dtype.str), [])
-        for buf in buffers:
-            if sys.getrefcount(buf) <= 3:  # the list, this loop, getrefcount's argument
-                return buf
-        buf = aligned_empty((count,), dtype)
-        buffers.append(buf)
-        del buffers[:-self._keep]
-        return buf
-
-
-_pool = _BufferPool()
-
-
 def _offsets(sizes: Sequence[int], pad: int) -> tuple[list[int], int]:
     """Element offsets of arrays laid end to end, each starting on a multiple of `pad`."""
     offsets, total = [], 0
@@ -109,50 +85,37 @@ def _buckets(offsets: list[int], total: int, itemsize: int, cap_bytes: int) -> l
     return regions
 
 
-def reduce_flat(arrays: Sequence[np.ndarray], pad: int, name: str, op: str,
+def reduce_flat(flat: np.ndarray, sizes: Sequence[int], pad: int, name: str, op: str,
                 prescale: float, postscale: float, process_set: ProcessSet,
-                compression: type[Compressor]) -> np.ndarray:
-    """Allreduces same-dtype arrays laid out in one aligned flat buffer (each starting on a
-    multiple of `pad` elements), in buckets of at most the fusion threshold, each reduced
-    in place by one collective. Returns the flat buffer of results."""
-    dtype = arrays[0].dtype
-    work_dtype, wire = dtype, ""
+                compression: type[Compressor]) -> None:
+    """Allreduces, in place, arrays laid end to end in `flat` (each starting on a multiple
+    of `pad` elements), in buckets of at most the fusion threshold, one collective each."""
+    dtype = flat.dtype
+    work, wire = flat, ""
     if compression.wire_dtype and dtype.kind == "f" and dtype != np.float16:
         if dtype == np.float32:
             wire = compression.wire_dtype  # the native core casts while packing
         else:
-            work_dtype = np.dtype(compression.wire_dtype)
-    sizes = [a.size for a in arrays]
+            work = flat.astype(compression.wire_dtype)
     offsets, total = _offsets(sizes, pad)
-    flat = _pool.get(total, work_dtype)
-    end = 0
-    for a, offset in zip(arrays, offsets):
-        if offset > end:
-            flat[end:offset] = 0
-        np.copyto(flat[offset:offset + a.size], a.reshape(-1), casting="unsafe")
-        end = offset + a.size
-    flat[end:] = 0
-    regions = _buckets(offsets, total, work_dtype.itemsize, _bucket_size.bytes())
+    regions = _buckets(offsets, total, work.itemsize, _bucket_size.bytes())
     pset_id = registered_id(process_set)
     requests = []
     for b, (start, stop, first, last) in enumerate(regions):
         # the element counts go with the request, so ranks whose tensors differ get a
         # mismatch error instead of a silently reduced concatenation
-        meta = Meta(ALLREDUCE, work_dtype.name, (stop - start,), op, 0, prescale, postscale,
+        meta = Meta(ALLREDUCE, work.dtype.name, (stop - start,), op, 0, prescale, postscale,
                     pset_id, wire, "cpu", splits=tuple(sizes[first:last]), fuse=False,
                     framework=FRAMEWORK)
-        region = flat[start:stop]
+        region = work[start:stop]
         requests.append(_core.request(name if len(regions) == 1 else f"{name}.b{b}", meta,
                                       region, output=region))
     _core.submit_many(requests)
     for req in requests:
         req.handle.wait()
     _bucket_size.last_cycle = max(req.handle.cycle for req in requests)
-    if work_dtype != dtype:
-        out = _pool.get(total, dtype)
-        out[...] = flat
-        return out
-    return flat
+    if work is not flat:
+        flat[...] = work
 
 
 def _reduce_scales(op: str, prescale: float, postscale: float,
@@ -168,15 +131,31 @@ def _reduce_scales(op: str, prescale: float, postscale: float,
     return float(prescale), float(postscale)
 
 
+def _tail_row(pad: int, dtype: tf.DType) -> tf.Tensor:
+    """A row of zeros after the tensors: it keeps the concatenation a fresh buffer even for
+    one tensor (a lone input would be passed through, and the caller's tensor reduced in
+    place). In a graph it comes from a stateful op, which the graph optimizer never merges,
+    so two reductions of the same tensors never share (and both write) one buffer."""
+    if tf.executing_eagerly():
+        return tf.zeros([pad], dtype)
+    row = tf.numpy_function(lambda: np.zeros(pad, dtype.as_numpy_dtype), [], dtype,
+                            stateful=True)
+    row.set_shape([pad])
+    return row
+
+
 def grouped_reduce(tensors: Sequence[tf.Tensor], name: str, op: str, prescale: float,
                    postscale: float, process_set: ProcessSet, compression: type[Compressor],
                    step: bool = False) -> list[tf.Tensor]:
     """Allreduce of dense tensors of any dtypes in one kernel call (one graph op).
 
-    The kernel returns one flat buffer per dtype, adopted by TensorFlow without a copy;
-    each tensor is then a view of it: split along rows of 64 bytes (TensorFlow shares
-    memory for aligned splits) and reshaped. Only a tensor whose size is not a multiple of
-    a row is sliced, which copies that tensor."""
+    Per dtype, TensorFlow concatenates the tensors (each padded to a 64-byte row) into a
+    fresh buffer: the one copy of the path, made by TensorFlow's own multi-threaded kernel.
+    The numpy kernel reduces that buffer in place, so nothing comes back through
+    `tf.numpy_function` but a scalar that orders what follows after it. Each result is a
+    view of the buffer: split along rows (TensorFlow shares memory for aligned splits) and
+    reshaped; only a tensor whose size is not a multiple of a row is sliced, a copy of it.
+    """
     if not tensors:
         return []
     dtypes = [t.dtype for t in tensors]
@@ -187,28 +166,35 @@ def grouped_reduce(tensors: Sequence[tf.Tensor], name: str, op: str, prescale: f
         groups.setdefault(t.dtype, []).append(i)
     order = sorted(groups, key=lambda d: d.name)
     pads = {d: ALIGN // d.size for d in order}
-
-    def kernel(*arrays: np.ndarray) -> list[np.ndarray]:
-        outs, start = [], 0
-        for d in order:
-            count = len(groups[d])
-            group = name if len(order) == 1 else f"{name}.{d.name}"
-            outs.append(reduce_flat(arrays[start:start + count], pads[d], group, op, prescale,
-                                    postscale, process_set, compression))
-            start += count
-        if step:  # a gradient reduction: the end of a training step, for autotune
-            runtime.mark_step()
-        return outs
-
-    inputs = [work[i] for d in order for i in groups[d]]
-    flats = run_kernel(kernel, inputs, order, [tf.TensorShape([None])] * len(order))
-    out: list[Any] = [None] * len(work)
-    for d, flat in zip(order, flats):
-        pad = pads[d]
+    inputs = []
+    for d in order:
         members = [work[i] for i in groups[d]]
         sizes = [tf.size(t, out_type=tf.int64) for t in members]
-        rows = tf.stack([(n + pad - 1) // pad for n in sizes])
-        parts = tf.split(tf.reshape(flat, [-1, pad]), rows, num=len(members))
+        pieces = [tf.pad(tf.reshape(t, [-1]), [[0, (-n) % pads[d]]])
+                  for t, n in zip(members, sizes)]
+        pieces.append(_tail_row(pads[d], d))
+        inputs += [tf.concat(pieces, 0), tf.stack(sizes)]
+
+    def kernel(*arrays: np.ndarray) -> list[np.ndarray]:
+        for k, d in enumerate(order):
+            flat, sizes = writable(arrays[2 * k]), arrays[2 * k + 1].tolist()
+            group = name if len(order) == 1 else f"{name}.{d.name}"
+            reduce_flat(flat, sizes, pads[d], group, op, prescale, postscale, process_set,
+                        compression)
+        if step:  # a gradient reduction: the end of a training step, for autotune
+            runtime.mark_step()
+        return [np.zeros((), np.int32)]
+
+    (done,) = run_kernel(kernel, inputs, [tf.int32], [tf.TensorShape([])])
+    out: list[Any] = [None] * len(work)
+    for k, d in enumerate(order):
+        pad = pads[d]
+        with tf.control_dependencies([done]):  # read the buffer after the kernel wrote it
+            flat = tf.identity(inputs[2 * k])
+        members = [work[i] for i in groups[d]]
+        sizes = tf.unstack(inputs[2 * k + 1], num=len(members))
+        rows = [(n + pad - 1) // pad for n in sizes] + [1]
+        parts = tf.split(tf.reshape(flat, [-1, pad]), tf.stack(rows), num=len(members) + 1)
         for i, t, n, part in zip(groups[d], members, sizes, parts):
             values = tf.reshape(part, [-1])
             if t.shape.is_fully_defined() and t.shape.num_elements() % pad == 0:
