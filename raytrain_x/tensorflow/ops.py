@@ -1,22 +1,20 @@
 """Horovod's TensorFlow collectives on the raytrain-x engine.
 
-Each op works eagerly and inside `tf.function` (see `arrays.run_kernel`). Allreduces lay
-their tensors out in flat, 64-byte aligned buckets of at most the fusion threshold (the
-autotuned knob), reduce each bucket in place with one collective, and hand back views of
-the buckets as tensors: one copy in, none out. Ranks agree on the bucket size as the torch
-face's `DistributedOptimizer` does: from the knobs in effect before the cycle of the
-previous bucketed reduction, a cycle number every rank shares.
+Each op works eagerly and inside `tf.function` (see `arrays.run_kernel`). Allreduces go
+in chunks: TensorFlow concatenates each chunk's tensors into a fresh 64-byte aligned
+buffer (the one copy), the engine reduces it in place, fusing the chunks of a cycle up to
+the fusion threshold (the autotuned knob), and the results are views of the buffers.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
-from raytrain_x.autotune.sampler import BATCHING_BUCKETS
 from raytrain_x.common.errors import ConfigError
 from raytrain_x.core import collectives as _core
 from raytrain_x.core import runtime
@@ -28,6 +26,7 @@ from raytrain_x.engine.messages import (
     ALLTOALL,
     BROADCAST,
     REDUCESCATTER,
+    Handle,
     Meta,
 )
 from raytrain_x.tensorflow.arrays import (
@@ -43,79 +42,76 @@ from raytrain_x.tensorflow.compression import Compression, Compressor
 FRAMEWORK = "tensorflow"
 
 
-# ------------------------------------------------------------------------- buckets
-class _BucketSize:
-    """The bucket size every rank uses for its next bucketed allreduce."""
+# ------------------------------------------------------------------------- chunks
+# Dense allreduces travel in chunks of about this many bytes, fixed when a function is
+# traced. Each chunk is submitted as soon as its tensors exist (inside `tf.function`, while
+# backward still computes the others) and the engine fuses the chunks of a cycle up to the
+# fusion threshold, the knob autotune moves.
+CHUNK_BYTES = 4 << 20
 
-    def __init__(self) -> None:
-        self.engine: Any = None
-        self.last_cycle = -1
-
-    def bytes(self) -> int:
-        engine = runtime.engine()
-        if engine is not self.engine:  # a new world (elastic reset): cycles start again
-            self.engine, self.last_cycle = engine, -1
-            runtime.note_batching(BATCHING_BUCKETS)  # autotune: the knob sizes buckets
-        return engine.knobs_before(max(self.last_cycle, 0)).fusion_threshold_bytes
+_pending: dict[int, tuple[list[Handle], list[tuple[np.ndarray, np.ndarray]]]] = {}
+_tokens = itertools.count()
 
 
-_bucket_size = _BucketSize()
+def _chunks(tensors: Sequence[tf.Tensor]) -> list[list[int]]:
+    """Consecutive same-dtype tensors, last first (backward produces the last layers'
+    gradients first), up to `CHUNK_BYTES` each; a tensor of unknown size is a chunk."""
+    chunks: list[list[int]] = []
+    used = 0
+    for i in reversed(range(len(tensors))):
+        t = tensors[i]
+        known = t.shape.is_fully_defined()
+        nbytes = t.shape.num_elements() * t.dtype.size if known else CHUNK_BYTES
+        if chunks and known and t.dtype == tensors[chunks[-1][0]].dtype \
+                and used + nbytes <= CHUNK_BYTES:
+            chunks[-1].append(i)
+            used += nbytes
+        else:
+            chunks.append([i])
+            used = nbytes
+    return chunks
 
 
-def _offsets(sizes: Sequence[int], pad: int) -> tuple[list[int], int]:
-    """Element offsets of arrays laid end to end, each starting on a multiple of `pad`."""
-    offsets, total = [], 0
-    for n in sizes:
-        offsets.append(total)
-        total += -(-n // pad) * pad
-    return offsets, total
-
-
-def _buckets(offsets: list[int], total: int, itemsize: int, cap_bytes: int) -> list[tuple]:
-    """Contiguous (start, end, first array, last array + 1) regions of at most `cap_bytes`
-    (a lone larger array is a region of its own; 0: one region per array)."""
-    regions: list[tuple] = []
-    start, first = 0, 0
-    bounds = offsets[1:] + [total]
-    for i, end in enumerate(bounds):
-        if i > first and (cap_bytes <= 0 or (end - start) * itemsize > cap_bytes):
-            regions.append((start, offsets[i], first, i))
-            start, first = offsets[i], i
-    regions.append((start, total, first, len(offsets)))
-    return regions
-
-
-def reduce_flat(flat: np.ndarray, sizes: Sequence[int], pad: int, name: str, op: str,
-                prescale: float, postscale: float, process_set: ProcessSet,
-                compression: type[Compressor]) -> None:
-    """Allreduces, in place, arrays laid end to end in `flat` (each starting on a multiple
-    of `pad` elements), in buckets of at most the fusion threshold, one collective each."""
-    dtype = flat.dtype
-    work, wire = flat, ""
-    if compression.wire_dtype and dtype.kind == "f" and dtype != np.float16:
-        if dtype == np.float32:
+def _submit_chunk(flat: np.ndarray, sizes: np.ndarray, name: str, op: str, prescale: float,
+                  postscale: float, process_set: ProcessSet,
+                  compression: type[Compressor]) -> np.ndarray:
+    """Queues the in-place allreduce of a chunk's buffer; returns a token for `_wait`."""
+    flat = writable(flat)
+    work, wire, copy_back = flat, "", []
+    if compression.wire_dtype and flat.dtype.kind == "f" and flat.dtype != np.float16:
+        if flat.dtype == np.float32:
             wire = compression.wire_dtype  # the native core casts while packing
         else:
             work = flat.astype(compression.wire_dtype)
-    offsets, total = _offsets(sizes, pad)
-    regions = _buckets(offsets, total, work.itemsize, _bucket_size.bytes())
-    pset_id = registered_id(process_set)
-    requests = []
-    for b, (start, stop, first, last) in enumerate(regions):
-        # the element counts go with the request, so ranks whose tensors differ get a
-        # mismatch error instead of a silently reduced concatenation
-        meta = Meta(ALLREDUCE, work.dtype.name, (stop - start,), op, 0, prescale, postscale,
-                    pset_id, wire, "cpu", splits=tuple(sizes[first:last]), fuse=False,
-                    framework=FRAMEWORK)
-        region = work[start:stop]
-        requests.append(_core.request(name if len(regions) == 1 else f"{name}.b{b}", meta,
-                                      region, output=region))
-    _core.submit_many(requests)
-    for req in requests:
-        req.handle.wait()
-    _bucket_size.last_cycle = max(req.handle.cycle for req in requests)
-    if work is not flat:
-        flat[...] = work
+            copy_back = [(work, flat)]
+    # the element counts go with the request, so ranks whose tensors differ get a mismatch
+    # error instead of a silently reduced concatenation
+    meta = Meta(ALLREDUCE, work.dtype.name, work.shape, op, 0, prescale, postscale,
+                registered_id(process_set), wire, "cpu", splits=tuple(sizes.tolist()),
+                framework=FRAMEWORK)
+    request = _core.request(name, meta, work, output=work)
+    _core.submit_many([request])
+    token = next(_tokens)
+    _pending[token] = ([request.handle], copy_back)
+    return np.array(token, dtype=np.int64)
+
+
+def _wait(tokens: Sequence[np.ndarray], step: bool) -> None:
+    """Waits for the chunks behind `tokens` (all of them, even after a failure)."""
+    entries = [_pending.pop(int(t), ([], [])) for t in tokens]
+    error = None
+    for handles, copy_back in entries:
+        for handle in handles:
+            try:
+                handle.wait()
+            except BaseException as exc:  # noqa: BLE001 - raised once all are waited for
+                error = error or exc
+        for work, flat in copy_back:
+            flat[...] = work
+    if error is not None:
+        raise error
+    if step:  # a gradient reduction: the end of a training step, for autotune
+        runtime.mark_step()
 
 
 def _reduce_scales(op: str, prescale: float, postscale: float,
@@ -147,56 +143,53 @@ def _tail_row(pad: int, dtype: tf.DType) -> tf.Tensor:
 def grouped_reduce(tensors: Sequence[tf.Tensor], name: str, op: str, prescale: float,
                    postscale: float, process_set: ProcessSet, compression: type[Compressor],
                    step: bool = False) -> list[tf.Tensor]:
-    """Allreduce of dense tensors of any dtypes in one kernel call (one graph op).
+    """Allreduce of dense tensors of any dtypes.
 
-    Per dtype, TensorFlow concatenates the tensors (each padded to a 64-byte row) into a
-    fresh buffer: the one copy of the path, made by TensorFlow's own multi-threaded kernel.
-    The numpy kernel reduces that buffer in place, so nothing comes back through
-    `tf.numpy_function` but a scalar that orders what follows after it. Each result is a
-    view of the buffer: split along rows (TensorFlow shares memory for aligned splits) and
-    reshaped; only a tensor whose size is not a multiple of a row is sliced, a copy of it.
+    Per chunk (see `CHUNK_BYTES`), TensorFlow concatenates the tensors, each padded to a
+    64-byte row, into a fresh buffer: the one copy of the path, made by TensorFlow's own
+    kernel. A numpy kernel queues the in-place reduction of that buffer and returns at
+    once; a last kernel waits for every chunk. Nothing comes back through
+    `tf.numpy_function` but tokens. Each result is a view of its chunk's buffer: split along
+    rows (TensorFlow shares memory for aligned splits) and reshaped; only a tensor whose
+    size is not a multiple of a row is sliced, a copy of it.
     """
     if not tensors:
         return []
     dtypes = [t.dtype for t in tensors]
     # bfloat16 has no numpy dtype: it is reduced in float32 and cast back
     work = [tf.cast(t, tf.float32) if t.dtype == tf.bfloat16 else t for t in tensors]
-    groups: dict[tf.DType, list[int]] = {}
-    for i, t in enumerate(work):
-        groups.setdefault(t.dtype, []).append(i)
-    order = sorted(groups, key=lambda d: d.name)
-    pads = {d: ALIGN // d.size for d in order}
-    inputs = []
-    for d in order:
-        members = [work[i] for i in groups[d]]
-        sizes = [tf.size(t, out_type=tf.int64) for t in members]
-        pieces = [tf.pad(tf.reshape(t, [-1]), [[0, (-n) % pads[d]]])
-                  for t, n in zip(members, sizes)]
-        pieces.append(_tail_row(pads[d], d))
-        inputs += [tf.concat(pieces, 0), tf.stack(sizes)]
+    chunks = _chunks(work)
+    buffers, tokens = [], []
+    for k, members in enumerate(chunks):
+        d = work[members[0]].dtype
+        pad = ALIGN // d.size
+        sizes = [tf.size(work[i], out_type=tf.int64) for i in members]
+        pieces = [tf.pad(tf.reshape(work[i], [-1]), [[0, (-n) % pad]])
+                  for i, n in zip(members, sizes)]
+        flat = tf.concat([*pieces, _tail_row(pad, d)], 0)
+        sizes_t = tf.stack(sizes)
+        chunk_name = name if len(chunks) == 1 else f"{name}.{k}"
 
-    def kernel(*arrays: np.ndarray) -> list[np.ndarray]:
-        for k, d in enumerate(order):
-            flat, sizes = writable(arrays[2 * k]), arrays[2 * k + 1].tolist()
-            group = name if len(order) == 1 else f"{name}.{d.name}"
-            reduce_flat(flat, sizes, pads[d], group, op, prescale, postscale, process_set,
-                        compression)
-        if step:  # a gradient reduction: the end of a training step, for autotune
-            runtime.mark_step()
+        def submit(a, n, chunk_name=chunk_name):
+            return [_submit_chunk(a, n, chunk_name, op, prescale, postscale, process_set,
+                                  compression)]
+
+        tokens += run_kernel(submit, [flat, sizes_t], [tf.int64], [tf.TensorShape([])])
+        buffers.append((flat, sizes, pad))
+
+    def wait(*done: np.ndarray) -> list[np.ndarray]:
+        _wait(done, step)
         return [np.zeros((), np.int32)]
 
-    (done,) = run_kernel(kernel, inputs, [tf.int32], [tf.TensorShape([])])
+    (done,) = run_kernel(wait, tokens, [tf.int32], [tf.TensorShape([])])
     out: list[Any] = [None] * len(work)
-    for k, d in enumerate(order):
-        pad = pads[d]
-        with tf.control_dependencies([done]):  # read the buffer after the kernel wrote it
-            flat = tf.identity(inputs[2 * k])
-        members = [work[i] for i in groups[d]]
-        sizes = tf.unstack(inputs[2 * k + 1], num=len(members))
+    for members, (flat, sizes, pad) in zip(chunks, buffers):
+        with tf.control_dependencies([done]):  # read the buffer after the engine wrote it
+            flat = tf.identity(flat)
         rows = [(n + pad - 1) // pad for n in sizes] + [1]
         parts = tf.split(tf.reshape(flat, [-1, pad]), tf.stack(rows), num=len(members) + 1)
-        for i, t, n, part in zip(groups[d], members, sizes, parts):
-            values = tf.reshape(part, [-1])
+        for i, n, part in zip(members, sizes, parts):
+            t, values = work[i], tf.reshape(part, [-1])
             if t.shape.is_fully_defined() and t.shape.num_elements() % pad == 0:
                 result = tf.reshape(values, t.shape)  # a view: no copy
             else:

@@ -304,7 +304,8 @@ def _tape_with_autotune(log: str, timeline: str) -> dict:
         else ""
     rx.init(autotune=AutotuneConfig(log_file=log, warmup_samples=1, steps_per_sample=3,
                                     bayes_opt_max_samples=5, convergence_patience=0))
-    variables = [tf.Variable(tf.ones([256, 64])) for _ in range(6)] + \
+    # 4 MB each: one chunk per variable (CHUNK_BYTES), so the engine has chunks to fuse
+    variables = [tf.Variable(tf.ones([1024, 1024])) for _ in range(6)] + \
         [tf.Variable(tf.ones([64])) for _ in range(6)]
 
     @tf.function
@@ -339,7 +340,7 @@ def test_autotune_and_the_timeline_drive_tensorflow_workers(tmp_path):
     rows = list(csv.DictReader(log.open()))
     assert [r["kind"] for r in rows][-2:] == ["best", "after"]
     scored = [r for r in rows if r["kind"] in ("sample", "confirm", "best")]
-    # the tape's buckets follow the fusion threshold, so autotune searches it and moves it
+    # the engine fuses the tape's chunks up to the fusion threshold: autotune searches it
     assert {r["searched"] for r in scored} == {"fusion_threshold_bytes+cycle_time_ms"}
     assert len({int(r["fusion_threshold_bytes"]) for r in scored}) > 1
     assert len(results[0]["thresholds"]) > 1
