@@ -127,17 +127,32 @@ def _reduce_scales(op: str, prescale: float, postscale: float,
     return float(prescale), float(postscale)
 
 
-def _tail_row(pad: int, dtype: tf.DType) -> tf.Tensor:
-    """A row of zeros after the tensors: it keeps the concatenation a fresh buffer even for
-    one tensor (a lone input would be passed through, and the caller's tensor reduced in
-    place). In a graph it comes from a stateful op, which the graph optimizer never merges,
-    so two reductions of the same tensors never share (and both write) one buffer."""
+def _tail_rows(pad: int, dtype: tf.DType, count: int) -> list[tf.Tensor]:
+    """A row of zeros for the end of each of `count` chunks: it keeps a concatenation a
+    fresh buffer even for one tensor (a lone input would be passed through, and the
+    caller's tensor reduced in place). In a graph the rows are slices of one stateful op's
+    output, which the graph optimizer never merges, so two reductions of the same tensors
+    never share (and both write) one buffer."""
     if tf.executing_eagerly():
-        return tf.zeros([pad], dtype)
-    row = tf.numpy_function(lambda: np.zeros(pad, dtype.as_numpy_dtype), [], dtype,
-                            stateful=True)
-    row.set_shape([pad])
-    return row
+        return [tf.zeros([pad], dtype)] * count
+    rows = tf.numpy_function(lambda: np.zeros(pad * count, dtype.as_numpy_dtype), [], dtype,
+                             stateful=True)
+    rows.set_shape([pad * count])
+    return [rows[k * pad:(k + 1) * pad] for k in range(count)]
+
+
+def _layout(members: list[tf.Tensor], pad: int) -> tuple[list[Any], Any, Any]:
+    """Each tensor flattened and padded to whole rows, its element count, and the chunk's
+    counts: Python numbers when the shapes are known at trace time (fewer graph ops),
+    tensors otherwise."""
+    if all(t.shape.is_fully_defined() for t in members):
+        sizes = [t.shape.num_elements() for t in members]
+        pieces = [tf.reshape(t, [-1]) if n % pad == 0 else
+                  tf.pad(tf.reshape(t, [-1]), [[0, -n % pad]]) for t, n in zip(members, sizes)]
+        return pieces, sizes, tf.constant(sizes, tf.int64)
+    sizes = [tf.size(t, out_type=tf.int64) for t in members]
+    pieces = [tf.pad(tf.reshape(t, [-1]), [[0, (-n) % pad]]) for t, n in zip(members, sizes)]
+    return pieces, sizes, tf.stack(sizes)
 
 
 def grouped_reduce(tensors: Sequence[tf.Tensor], name: str, op: str, prescale: float,
@@ -159,15 +174,16 @@ def grouped_reduce(tensors: Sequence[tf.Tensor], name: str, op: str, prescale: f
     # bfloat16 has no numpy dtype: it is reduced in float32 and cast back
     work = [tf.cast(t, tf.float32) if t.dtype == tf.bfloat16 else t for t in tensors]
     chunks = _chunks(work)
+    tails: dict[tf.DType, list[tf.Tensor]] = {}
+    for d in {work[m[0]].dtype for m in chunks}:
+        tails[d] = _tail_rows(ALIGN // d.size, d,
+                              sum(1 for m in chunks if work[m[0]].dtype == d))
     buffers, tokens = [], []
     for k, members in enumerate(chunks):
         d = work[members[0]].dtype
         pad = ALIGN // d.size
-        sizes = [tf.size(work[i], out_type=tf.int64) for i in members]
-        pieces = [tf.pad(tf.reshape(work[i], [-1]), [[0, (-n) % pad]])
-                  for i, n in zip(members, sizes)]
-        flat = tf.concat([*pieces, _tail_row(pad, d)], 0)
-        sizes_t = tf.stack(sizes)
+        pieces, sizes, sizes_t = _layout([work[i] for i in members], pad)
+        flat = tf.concat([*pieces, tails[d].pop()], 0)
         chunk_name = name if len(chunks) == 1 else f"{name}.{k}"
 
         def submit(a, n, chunk_name=chunk_name):
@@ -187,13 +203,15 @@ def grouped_reduce(tensors: Sequence[tf.Tensor], name: str, op: str, prescale: f
         with tf.control_dependencies([done]):  # read the buffer after the engine wrote it
             flat = tf.identity(flat)
         rows = [(n + pad - 1) // pad for n in sizes] + [1]
-        parts = tf.split(tf.reshape(flat, [-1, pad]), tf.stack(rows), num=len(members) + 1)
+        if any(isinstance(r, tf.Tensor) for r in rows):
+            rows = tf.stack([tf.cast(r, tf.int64) for r in rows])
+        parts = tf.split(tf.reshape(flat, [-1, pad]), rows, num=len(members) + 1)
         for i, n, part in zip(members, sizes, parts):
-            t, values = work[i], tf.reshape(part, [-1])
+            t = work[i]
             if t.shape.is_fully_defined() and t.shape.num_elements() % pad == 0:
-                result = tf.reshape(values, t.shape)  # a view: no copy
+                result = tf.reshape(part, t.shape)  # a view: no copy
             else:
-                result = tf.reshape(values[:n], tf.shape(t))
+                result = tf.reshape(tf.reshape(part, [-1])[:n], tf.shape(t))
                 result.set_shape(t.shape)
             out[i] = tf.cast(result, dtypes[i]) if dtypes[i] == tf.bfloat16 else result
     return out
