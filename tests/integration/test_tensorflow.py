@@ -442,7 +442,7 @@ def test_elastic_keras_survives_a_killed_worker(elastic_nodes, tmp_path):
         np.testing.assert_array_equal(mine, theirs)
 
 
-def test_keras_digits_through_the_cli_and_the_executor(ray_cluster):
+def test_tensorflow_examples_through_the_cli_and_the_executor(ray_cluster):
     import os
     import re
     import subprocess
@@ -459,9 +459,58 @@ def test_keras_digits_through_the_cli_and_the_executor(ray_cluster):
     assert cli.returncode == 0, cli.stderr[-3000:]
     match = re.search(r"\[0\]<stdout>:test accuracy ([0-9.]+) on 2 workers", cli.stdout)
     assert match and float(match.group(1)) >= 0.95, cli.stdout[-3000:]
+    tape = subprocess.run([str(bin_dir / "raytrain-x"), "run", "-np", "2", "--address",
+                           ray_cluster, "python", "examples/tensorflow_tape_digits.py",
+                           "--epochs", "12"],
+                          capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    assert tape.returncode == 0, tape.stderr[-3000:]
+    match = re.search(r"\[0\]<stdout>:test accuracy ([0-9.]+) on 2 workers", tape.stdout)
+    assert match and float(match.group(1)) >= 0.95, tape.stdout[-3000:]
     driver = subprocess.run([sys.executable, "examples/keras_digits.py", "--executor",
                              "--address", ray_cluster, "--epochs", "12"],
                             capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
     assert driver.returncode == 0, driver.stderr[-3000:]
     match = re.search(r"RayExecutor: test accuracy ([0-9.]+) on 2 workers", driver.stdout)
     assert match and float(match.group(1)) >= 0.95, driver.stdout[-3000:]
+
+
+def _lr_callbacks() -> dict:
+    import numpy as np
+    from tensorflow import keras
+
+    import raytrain_x.tensorflow.keras as rx
+
+    rx.init()
+    seen: dict = {"schedule": [], "warmup": []}
+
+    class Record(keras.callbacks.Callback):
+        def __init__(self, key):
+            super().__init__()
+            self.key = key
+
+        def on_train_batch_begin(self, batch, logs=None):
+            seen[self.key].append(float(self.model.optimizer.learning_rate.numpy()))
+
+    x, y = np.ones((8, 2), np.float32), np.ones((8, 1), np.float32)
+    for key, callback in (
+            ("schedule", rx.callbacks.LearningRateScheduleCallback(
+                0.1, lambda epoch: 0.5 ** epoch, start_epoch=1, end_epoch=3)),
+            ("warmup", rx.callbacks.LearningRateWarmupCallback(0.4, warmup_epochs=2))):
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        model.compile(optimizer=rx.DistributedOptimizer(keras.optimizers.SGD(0.3)),
+                      loss="mse")
+        model.fit(x, y, batch_size=4, epochs=4, verbose=0, callbacks=[callback, Record(key)])
+        seen[key].append(float(model.optimizer.learning_rate.numpy()))
+    rx.shutdown()
+    return seen
+
+
+def test_learning_rate_schedule_and_warmup_callbacks():
+    for seen in run_workers(_lr_callbacks, 2, env=ENV, timeout=120):
+        # 2 batches per epoch; the schedule acts in epochs 1 and 2 only (staircase)
+        assert seen["schedule"] == pytest.approx([0.3, 0.3, 0.05, 0.05, 0.025, 0.025, 0.025,
+                                                  0.025, 0.025], rel=1e-6)
+        # Horovod's warmup on 2 workers: initial_lr / 2 * (epoch * 1 / 2 + 1), per batch
+        # (epoch counts fractions of batches), then initial_lr from the end of warmup on
+        warm = [0.4 / 2 * ((e + b / 2) / 2 + 1) for e in range(2) for b in range(2)]
+        assert seen["warmup"] == pytest.approx([*warm, 0.4, 0.4, 0.4, 0.4, 0.4], rel=1e-6)
