@@ -80,17 +80,19 @@ def test_ray_job_submit():
            "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
     gcs, dash = _free_port(), _free_port()
     temp = Path(tempfile.mkdtemp(prefix="rtxjob", dir="/tmp"))  # unix socket paths stay short
-    start = subprocess.run(
-        [str(BIN / "ray"), "start", "--head", f"--port={gcs}", f"--dashboard-port={dash}",
-         "--dashboard-host=127.0.0.1", "--num-cpus=4", "--include-dashboard=true",
-         # own agent ports: the defaults are taken by the test session's cluster
-         f"--dashboard-agent-listen-port={_free_port()}",
-         f"--dashboard-agent-grpc-port={_free_port()}", f"--metrics-export-port={_free_port()}",
-         f"--runtime-env-agent-port={_free_port()}",
-         f"--temp-dir={temp}", "--disable-usage-stats"],
-        capture_output=True, text=True, env=env, timeout=180)
-    assert start.returncode == 0, start.stderr[-2000:]
-    try:
+    try:  # the start too: a start that fails or times out half-way leaves processes behind
+        # the job API needs the dashboard, which the session's shared cluster runs without
+        start = subprocess.run(
+            [str(BIN / "ray"), "start", "--head", f"--port={gcs}", f"--dashboard-port={dash}",
+             "--dashboard-host=127.0.0.1", "--num-cpus=4", "--include-dashboard=true",
+             # own agent ports: the defaults are taken by the test session's cluster
+             f"--dashboard-agent-listen-port={_free_port()}",
+             f"--dashboard-agent-grpc-port={_free_port()}",
+             f"--metrics-export-port={_free_port()}",
+             f"--runtime-env-agent-port={_free_port()}",
+             f"--temp-dir={temp}", "--disable-usage-stats"],
+            capture_output=True, text=True, env=env, timeout=180)
+        assert start.returncode == 0, start.stderr[-2000:]
         deadline = time.monotonic() + 180  # the job agent starts slowly on a busy machine
         submit = None
         while time.monotonic() < deadline:
