@@ -110,12 +110,13 @@ def test_ray_job_submit():
         assert re.search(r"\[0\]<stdout>:test accuracy 0\.[89]", submit.stdout), submit.stdout
         assert "succeeded" in submit.stdout
     finally:
-        _stop_cluster(temp)
+        _stop_cluster(temp, gcs)
 
 
-def _stop_cluster(temp: Path) -> None:
-    """Stops only the processes of the cluster under `temp` (`ray stop` would also stop the
-    test session's shared cluster)."""
+def _stop_cluster(temp: Path, gcs_port: int) -> None:
+    """Stops only the processes of the cluster under `temp` or with GCS port `gcs_port`
+    (`ray stop` would also stop the test session's shared cluster). The port catches the
+    Ray client server, whose command line does not name the temp dir."""
     import signal
 
     parents: dict[int, int] = {}
@@ -127,7 +128,8 @@ def _stop_cluster(temp: Path) -> None:
                                     .split()[1])
         except (OSError, ValueError, IndexError):
             continue
-        if str(temp) in cmdline and int(pid) != os.getpid():
+        if (str(temp) in cmdline or f":{gcs_port} " in cmdline + " ") \
+                and int(pid) != os.getpid():
             mine.add(int(pid))
     grew = True
     while grew:  # agents rename themselves (ray::DashboardAgent): take descendants too
