@@ -50,3 +50,79 @@ def elastic_nodes(cluster):
     for node in added:
         if node in cluster.worker_nodes:
             cluster.remove_node(node, allow_graceful=False)
+
+
+# ---------------------------------------------------------------- session-end leak check
+# Everything the suite starts must be gone when it ends: Ray processes (found by what they
+# run, since stray ones are re-parented to init), processes descended from pytest,
+# shared-memory segments of the engine and the job-submit test's temp dirs. The run fails
+# otherwise. RAYTRAIN_X_LEAK_CHECK=0 turns it off.
+_RAY_MARKERS = ("raylet", "gcs_server", "ray.util.client.server", "ray/dashboard",
+                "log_monitor.py", "ray/autoscaler", "default_worker.py", "ray::",
+                "runtime_env/agent")
+_at_start: dict = {}
+
+
+def _processes() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, command line) of every process."""
+    out = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, ValueError, IndexError):
+            continue
+        if fields[0] != "Z":  # a zombie is already dead
+            out[int(pid)] = (int(fields[1]), cmd.strip())
+    return out
+
+
+def _leftovers() -> dict[str, list[str]]:
+    procs = _processes()
+    me = os.getpid()
+
+    def descends(pid: int) -> bool:
+        seen = set()
+        while pid not in seen and pid > 1:
+            seen.add(pid)
+            pid = procs.get(pid, (0, ""))[0]
+            if pid == me:
+                return True
+        return False
+
+    # multiprocessing's resource tracker lives as long as pytest itself, by design
+    new = {p: c for p, (_, c) in procs.items() if p not in _at_start["pids"] and p != me
+           and "multiprocessing.resource_tracker" not in c}
+    shm = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    temp = {n for n in os.listdir("/tmp") if n.startswith("rtxjob")}
+    return {
+        "processes": sorted(f"{p}: {c[:160]}" for p, c in new.items()
+                            if descends(p) or any(m in c for m in _RAY_MARKERS)),
+        "shared memory": sorted(n for n in shm - _at_start["shm"] if n.startswith("rtx-")),
+        "temp dirs": sorted(f"/tmp/{n}" for n in temp - _at_start["temp"]),
+    }
+
+
+def pytest_sessionstart(session):
+    _at_start["pids"] = set(_processes())
+    _at_start["shm"] = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    _at_start["temp"] = {n for n in os.listdir("/tmp") if n.startswith("rtxjob")}
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import time
+
+    if os.environ.get("RAYTRAIN_X_LEAK_CHECK") == "0" or not _at_start:
+        return
+    deadline = time.monotonic() + 30  # Ray's processes take a few seconds to exit
+    while True:
+        leaks = {k: v for k, v in _leftovers().items() if v}
+        if not leaks or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    if leaks:
+        lines = [f"  {kind}:\n" + "\n".join(f"    {item}" for item in items)
+                 for kind, items in leaks.items()]
+        print("\nraytrain-x tests left these behind (the run fails):\n" + "\n".join(lines))
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
