@@ -18,13 +18,20 @@ def cluster():
     from ray.cluster_utils import Cluster
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    c = Cluster(initialize_head=True, connect=False,
-                head_node_args={"num_cpus": 8, "include_dashboard": False})
-    ray.init(address=c.address, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": REPO}})
-    yield c
-    ray.shutdown()
-    c.shutdown()
+    # no dashboard UI. The log monitor stays: without it `raytrain-x run --min-np` jobs
+    # found no workers (tests/integration/test_cli.py::test_cli_elastic_job); not yet
+    # understood, see benchmarks/ray_idle_cpu.py for what it costs when idle
+    head = {"num_cpus": 8, "include_dashboard": False}
+    c = None
+    try:  # a start that fails half-way is stopped too
+        c = Cluster(initialize_head=True, connect=False, head_node_args=head)
+        ray.init(address=c.address, log_to_driver=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": REPO}})
+        yield c
+    finally:
+        ray.shutdown()
+        if c is not None:
+            c.shutdown()
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,108 @@
+"""CPU that an idle Ray test cluster takes on its own, per process, for the settings the
+test session's cluster could use (tests/conftest.py).
+
+For each setting: start a `ray.cluster_utils.Cluster` head as the tests do, connect a
+driver, let it settle, then read the CPU time every Ray process spends over a window.
+Prints the share of one core per process and in total; writes results/ray_idle_cpu.json.
+
+Run alone: .venv/bin/python benchmarks/ray_idle_cpu.py [--settle 10] [--window 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import print_table, write_json  # noqa: E402
+
+SETTINGS = {
+    "default head (dashboard on)": {"num_cpus": 8},
+    "include_dashboard=False (the tests before)": {"num_cpus": 8, "include_dashboard": False},
+    "+ include_log_monitor=False": {"num_cpus": 8, "include_dashboard": False,
+                                    "include_log_monitor": False},
+}
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_seconds(pids: set[int]) -> dict[int, tuple[str, float]]:
+    out = {}
+    for pid in pids:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        scripts = [Path(a).name for a in args if a.endswith(".py")]
+        label = scripts[0] if scripts else Path(args[0]).name or stat.split("(")[1].split(")")[0]
+        if label.startswith("python") and "-c" in args:
+            label = "python -c (a worker or helper)"
+        out[pid] = (label, (int(fields[11]) + int(fields[12])) / TICKS)
+    return out
+
+
+def _descendants(root: int) -> set[int]:
+    parents = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            parents[int(pid)] = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1]
+                                    .split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    found, grew = set(), True
+    while grew:
+        new = {p for p, parent in parents.items() if (parent == root or parent in found)}
+        grew = bool(new - found)
+        found |= new
+    return found
+
+
+def measure(head_args: dict, settle: float, window: float) -> dict:
+    import ray
+    from ray.cluster_utils import Cluster
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    cluster = None
+    try:
+        cluster = Cluster(initialize_head=True, connect=False, head_node_args=head_args)
+        ray.init(address=cluster.address, log_to_driver=False)
+        time.sleep(settle)
+        pids = _descendants(os.getpid()) - {os.getpid()}
+        before = _cpu_seconds(pids)
+        time.sleep(window)
+        after = _cpu_seconds(pids)
+        per = {}
+        for pid, (label, seconds) in after.items():
+            if pid in before:
+                per[f"{label} ({pid})"] = (seconds - before[pid][1]) / window
+        return per
+    finally:
+        ray.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--settle", type=float, default=10.0)
+    parser.add_argument("--window", type=float, default=30.0)
+    args = parser.parse_args()
+    results = {}
+    for name, head_args in SETTINGS.items():
+        per = measure(head_args, args.settle, args.window)
+        results[name] = {"total": sum(per.values()), "processes": per}
+        rows = [{"process": k, "% of a core": 100 * v}
+                for k, v in sorted(per.items(), key=lambda kv: -kv[1]) if v > 0.001]
+        print(f"\n{name}: {100 * results[name]['total']:.1f}% of a core in all")
+        print_table(rows, ["process", "% of a core"])
+    path = write_json("ray_idle_cpu", {"settle_s": args.settle, "window_s": args.window,
+                                       "settings": results})
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()
