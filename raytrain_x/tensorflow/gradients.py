@@ -17,7 +17,7 @@ from raytrain_x.core.collectives import Average, Sum
 from raytrain_x.core.process_sets import ProcessSet, global_process_set
 from raytrain_x.tensorflow.arrays import check_dtype
 from raytrain_x.tensorflow.compression import Compression, Compressor
-from raytrain_x.tensorflow.ops import _allreduce_sparse, grouped_reduce
+from raytrain_x.tensorflow.ops import allreduce_sparse, grouped_reduce
 
 
 def reduce_gradients(grads: list[Any], name: str, op: str, gradient_predivide_factor: float,
@@ -41,7 +41,7 @@ def reduce_gradients(grads: list[Any], name: str, op: str, gradient_predivide_fa
             continue
         if isinstance(g, tf.IndexedSlices):
             if not sparse_as_dense:
-                out[i] = _allreduce_sparse(g, f"{name}.sparse{i}", op, process_set)
+                out[i] = allreduce_sparse(g, f"{name}.sparse{i}", op, process_set)
                 continue
             g = tf.convert_to_tensor(g)
         check_dtype(g.dtype, "gradient")

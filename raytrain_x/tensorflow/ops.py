@@ -235,7 +235,7 @@ def allreduce(tensor: Any, average: bool | None = None, name: str | None = None,
     """
     op = _core.resolve_op(op, average)
     if isinstance(tensor, tf.IndexedSlices):
-        return _allreduce_sparse(tensor, name, op, process_set)
+        return allreduce_sparse(tensor, name, op, process_set)
     tensor = as_tensor(tensor, "allreduce")
     pre, post = _reduce_scales(op, prescale_factor, postscale_factor, [tensor])
     return grouped_reduce([tensor], op_name(ALLREDUCE, name), op, pre, post, process_set,
@@ -255,7 +255,7 @@ def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None,
                           process_set, compression)
 
 
-def _allreduce_sparse(slices: tf.IndexedSlices, name: str | None, op: str,
+def allreduce_sparse(slices: tf.IndexedSlices, name: str | None, op: str,
                       process_set: ProcessSet) -> tf.IndexedSlices:
     """Horovod's sparse allreduce: gather every member's rows and indices (duplicates are
     summed by whoever applies them); Average divides the values by the set's size."""
