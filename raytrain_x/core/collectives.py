@@ -52,6 +52,17 @@ def resolve_op(op: str | None, average: bool | None = None, default: str = Avera
     return op
 
 
+def predivided(op: str, factor: float, size: int) -> tuple[str, float, float]:
+    """Horovod's `gradient_predivide_factor` as (reduce op, prescale, postscale): the sum of
+    gradients / factor, then * factor / size, the average with smaller intermediate values.
+    A factor of 1 leaves `op` as it is, unscaled."""
+    if factor == 1.0:
+        return op, 1.0, 1.0
+    if op != Average:
+        raise ConfigError("gradient_predivide_factor needs op=rx.Average")
+    return Sum, 1.0 / factor, factor / size
+
+
 def request(name: str, meta: Meta, array: Any, output: Any = None) -> Request:
     """A request for the engine; each process set has its own name space, as in Horovod."""
     if meta.process_set_id:

@@ -148,13 +148,13 @@ def _agree(name: str, by_rank: dict[int, Meta], members: list[int]) -> Response:
         parts = "; ".join(f"ranks {ranks} have {_describe(by_rank[ranks[0]])}"
                           for ranks in groups.values())
         if len({m.framework for m in groups}) > 1:
-            return Response(name, reference, error=(
-                f"ranks disagree on tensor {name!r}: {parts}. Every rank of a job must send a "
-                "collective from the same framework (all raytrain_x.torch or all "
-                "raytrain_x.tensorflow)."))
-        return Response(name, reference, error=(
-            f"ranks disagree on tensor {name!r}: {parts}. Every rank must submit the same "
-            "shape, dtype and op for a name (allgather/alltoall: the same trailing dims)."))
+            advice = ("Every rank of a job must send a collective from the same framework "
+                      "(all raytrain_x.torch or all raytrain_x.tensorflow).")
+        else:
+            advice = ("Every rank must submit the same shape, dtype and op for a name "
+                      "(allgather/alltoall: the same trailing dims).")
+        return Response(name, reference,
+                        error=f"ranks disagree on tensor {name!r}: {parts}. {advice}")
     if reference.kind == ALLGATHER:
         return Response(name, reference, rank_dims=tuple(by_rank[r].shape[0] for r in members))
     if reference.kind == ALLTOALL:

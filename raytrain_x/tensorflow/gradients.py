@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from raytrain_x.common.errors import ConfigError
 from raytrain_x.core import collectives as _core
-from raytrain_x.core.collectives import Average, Sum
+from raytrain_x.core.collectives import Average
 from raytrain_x.core.process_sets import ProcessSet, global_process_set
 from raytrain_x.tensorflow.arrays import check_dtype
 from raytrain_x.tensorflow.compression import Compression, Compressor
@@ -26,14 +26,7 @@ def reduce_gradients(grads: list[Any], name: str, op: str, gradient_predivide_fa
     """Every rank's gradients combined by `op` (None stays None), and a step marked for
     autotune."""
     op = _core.resolve_op(op)
-    pre, post, reduce_op = 1.0, 1.0, op
-    if gradient_predivide_factor != 1.0:
-        if op != Average:
-            raise ConfigError("gradient_predivide_factor needs op=Average")
-        # Sum of grads / f, then * f / size: the average, with smaller intermediate values
-        pre, post = 1.0 / gradient_predivide_factor, gradient_predivide_factor
-        post /= process_set.size()
-        reduce_op = Sum
+    reduce_op, pre, post = _core.predivided(op, gradient_predivide_factor, process_set.size())
     out: list[Any] = list(grads)
     dense = []
     for i, g in enumerate(grads):

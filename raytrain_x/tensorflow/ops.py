@@ -49,7 +49,9 @@ FRAMEWORK = "tensorflow"
 # fusion threshold, the knob autotune moves.
 CHUNK_BYTES = 4 << 20
 
-_pending: dict[int, tuple[list[Handle], list[tuple[np.ndarray, np.ndarray]]]] = {}
+# token -> (handle, what the engine reduces, the chunk's buffer): the two differ only when
+# compression casts a non-float32 buffer, and the result is then copied back
+_pending: dict[int, tuple[Handle, np.ndarray, np.ndarray]] = {}
 _tokens = itertools.count()
 
 
@@ -77,36 +79,33 @@ def _submit_chunk(flat: np.ndarray, sizes: np.ndarray, name: str, op: str, presc
                   compression: type[Compressor]) -> np.ndarray:
     """Queues the in-place allreduce of a chunk's buffer; returns a token for `_wait`."""
     flat = writable(flat)
-    work, wire, copy_back = flat, "", []
+    work, wire = flat, ""
     if compression.wire_dtype and flat.dtype.kind == "f" and flat.dtype != np.float16:
         if flat.dtype == np.float32:
             wire = compression.wire_dtype  # the native core casts while packing
         else:
             work = flat.astype(compression.wire_dtype)
-            copy_back = [(work, flat)]
     # the element counts go with the request, so ranks whose tensors differ get a mismatch
     # error instead of a silently reduced concatenation
     meta = Meta(ALLREDUCE, work.dtype.name, work.shape, op, 0, prescale, postscale,
                 registered_id(process_set), wire, "cpu", splits=tuple(sizes.tolist()),
                 framework=FRAMEWORK)
-    request = _core.request(name, meta, work, output=work)
-    _core.submit_many([request])
     token = next(_tokens)
-    _pending[token] = ([request.handle], copy_back)
+    _pending[token] = (_core.submit(name, meta, work, output=work), work, flat)
     return np.array(token, dtype=np.int64)
 
 
 def _wait(tokens: Sequence[np.ndarray], step: bool) -> None:
     """Waits for the chunks behind `tokens` (all of them, even after a failure)."""
-    entries = [_pending.pop(int(t), ([], [])) for t in tokens]
+    entries = [_pending.pop(int(t)) for t in tokens if int(t) in _pending]
     error = None
-    for handles, copy_back in entries:
-        for handle in handles:
-            try:
-                handle.wait()
-            except BaseException as exc:  # noqa: BLE001 - raised once all are waited for
-                error = error or exc
-        for work, flat in copy_back:
+    for handle, work, flat in entries:
+        try:
+            handle.wait()
+        except BaseException as exc:  # noqa: BLE001 - raised once all are waited for
+            error = error or exc
+            continue
+        if work is not flat:
             flat[...] = work
     if error is not None:
         raise error

@@ -18,6 +18,7 @@ from raytrain_x.autotune.sampler import BATCHING_BUCKETS, BATCHING_FIXED_BUCKETS
 from raytrain_x.common.errors import ConfigError
 from raytrain_x.common.knobs import load_knobs
 from raytrain_x.core import runtime
+from raytrain_x.core.collectives import predivided
 from raytrain_x.core.process_sets import ProcessSet, global_process_set
 from raytrain_x.engine.messages import Handle
 from raytrain_x.torch.compression import Compression, Compressor
@@ -128,12 +129,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._build_buckets(self._fixed_cap if self._fixed_cap is not None
                             else _starting_threshold())
 
-    def _scales(self) -> tuple[float, float]:
-        if self._op == Average and self._predivide != 1.0:
-            # Sum of grads / f, then * f / size: same result, smaller intermediate values.
-            size = self._process_set.size()
-            return 1.0 / self._predivide, self._predivide / size
-        return 1.0, 1.0
+    def _scales(self) -> tuple[str, float, float]:
+        return predivided(self._op, self._predivide, self._process_set.size())
 
     @property
     def bucket_cap_bytes(self) -> int:
@@ -174,8 +171,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _allreduce_grad(self, p: torch.Tensor) -> Handle:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        pre, post = self._scales()
-        op = Sum if (self._op == Average and self._predivide != 1.0) else self._op
+        op, pre, post = self._scales()
         return allreduce_async_(p.grad, name=f"grad.{self._names[p]}", op=op,
                                 prescale_factor=pre, postscale_factor=post,
                                 process_set=self._process_set, compression=self._compression)
@@ -188,8 +184,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             del self._bucket_handles[b]
 
     def _allreduce_bucket(self, bucket: _Bucket) -> Handle:
-        pre, post = self._scales()
-        op = Sum if (self._op == Average and self._predivide != 1.0) else self._op
+        op, pre, post = self._scales()
         bucket.attach()
         return allreduce_async_(bucket.flat, name=bucket.name, op=op, prescale_factor=pre,
                                 postscale_factor=post, process_set=self._process_set,
