@@ -28,8 +28,8 @@ $(BUILD_STAMP): $(DEPS_STAMP) $(NATIVE_SOURCES)
 
 # The tests also cover the TensorFlow face: install the `tensorflow` extra's packages (read
 # from pyproject.toml, so the list lives in one place) without rebuilding the package.
-$(TEST_STAMP): $(BUILD_STAMP) $(CONSTRAINTS) pyproject.toml
-	$(BIN)/python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['tensorflow']))" > $(VENV)/tensorflow-extra.txt
+$(TEST_STAMP): $(BUILD_STAMP) $(CONSTRAINTS) pyproject.toml requirements/extras.py
+	$(BIN)/python requirements/extras.py tensorflow > $(VENV)/tensorflow-extra.txt
 	$(BIN)/pip install -q -c $(CONSTRAINTS) -r $(VENV)/tensorflow-extra.txt
 	touch $@
 

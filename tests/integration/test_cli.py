@@ -119,21 +119,15 @@ def _stop_cluster(temp: Path, gcs_port: int) -> None:
     Ray client server, whose command line does not name the temp dir."""
     import signal
 
-    parents: dict[int, int] = {}
-    mine: set[int] = set()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-            parents[int(pid)] = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1]
-                                    .split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        if (str(temp) in cmdline or f":{gcs_port} " in cmdline + " ") \
-                and int(pid) != os.getpid():
-            mine.add(int(pid))
+    from tests.conftest import _processes
+
+    procs = _processes()
+    mine = {pid for pid, (_, cmdline) in procs.items()
+            if (str(temp) in cmdline or f":{gcs_port} " in cmdline + " ")
+            and pid != os.getpid()}
     grew = True
     while grew:  # agents rename themselves (ray::DashboardAgent): take descendants too
-        children = {p for p, parent in parents.items() if parent in mine} - mine
+        children = {p for p, (parent, _) in procs.items() if parent in mine} - mine
         grew = bool(children)
         mine |= children
     for sig in (signal.SIGTERM, signal.SIGKILL):
