@@ -4,46 +4,52 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 CONSTRAINTS := requirements/dev-constraints.txt
-DEPS_STAMP := $(VENV)/.deps-stamp
+UV := $(BIN)/uv
+DEMO_STAMP := $(VENV)/.demo-deps-stamp
 BUILD_STAMP := $(VENV)/.build-stamp
 TEST_STAMP := $(VENV)/.test-deps-stamp
 NATIVE_SOURCES := $(wildcard native/*.cpp native/*.h) CMakeLists.txt pyproject.toml
+# uv installs (one resolve, parallel downloads), looking where pip is configured to look.
+INSTALL = $(UV) pip install --python $(BIN)/python -c $(CONSTRAINTS) \
+	$(shell $(PYTHON) requirements/pip_sources.py)
 
 .PHONY: setup demo test bench lint clean
 
 setup: $(BUILD_STAMP)
 
-$(BIN)/python:
+$(UV):
 	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q -c $(CONSTRAINTS) uv
 
-# Build tools first, so the editable build below runs without build isolation (no re-downloads).
-$(DEPS_STAMP): $(BIN)/python $(CONSTRAINTS) pyproject.toml
-	$(BIN)/pip install -q -c $(CONSTRAINTS) scikit-build-core nanobind
-	$(BIN)/pip install -q -c $(CONSTRAINTS) --no-build-isolation -e ".[torch,tune,dev]"
+# What the demo imports (the project's dependencies, torch, scikit-learn for the digits) and the
+# build tools, so the editable build below runs without build isolation. `-r pyproject.toml`
+# installs the project's dependencies, not the project.
+$(DEMO_STAMP): $(UV) $(CONSTRAINTS) pyproject.toml
+	$(INSTALL) scikit-build-core nanobind -r pyproject.toml --extra torch --extra examples
 	touch $@
 
-$(BUILD_STAMP): $(DEPS_STAMP) $(NATIVE_SOURCES)
-	$(BIN)/pip install -q --no-build-isolation --no-deps -e .
+# uv would reuse a cached build of the project, so a changed native source asks for a fresh one.
+$(BUILD_STAMP): $(DEMO_STAMP) $(NATIVE_SOURCES)
+	$(INSTALL) -q --no-build-isolation --no-deps --reinstall-package raytrain-x -e .
 	touch $@
 
-# The tests also cover the TensorFlow face: install the `tensorflow` extra's packages (read
-# from pyproject.toml, so the list lives in one place) without rebuilding the package.
-$(TEST_STAMP): $(BUILD_STAMP) $(CONSTRAINTS) pyproject.toml requirements/extras.py
-	$(BIN)/python requirements/extras.py tensorflow > $(VENV)/tensorflow-extra.txt
-	$(BIN)/pip install -q -c $(CONSTRAINTS) -r $(VENV)/tensorflow-extra.txt
+# The tests add the test tools and every extra they cover: TensorFlow, Tune, `ray job submit`.
+$(TEST_STAMP): $(BUILD_STAMP) $(CONSTRAINTS) pyproject.toml
+	$(INSTALL) -r pyproject.toml --extra dev --extra torch --extra examples --extra tensorflow \
+		--extra tune --extra job
 	touch $@
 
 demo: setup
 	$(BIN)/raytrain-x run -np 2 python examples/torch_digits.py
 
-test: lint $(TEST_STAMP)
+test: lint
 	$(BIN)/python -m pytest
 
 bench: setup
 	$(BIN)/python benchmarks/pack_bench.py
 
 # ruff, then the layer contracts of DESIGN.md (import-linter; see [tool.importlinter]).
-lint: setup
+lint: $(TEST_STAMP)
 	$(BIN)/ruff check raytrain_x tests benchmarks examples
 	$(BIN)/lint-imports
 

@@ -165,7 +165,9 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from raytrain_x.ray.launch import run_command_on_workers
 
     elastic = args.min_np is not None or args.max_np is not None
+    start = time.monotonic()
     ensure_ray(args.address, log_to_driver=args.verbose or elastic)
+    _progress(f"Ray ready in {time.monotonic() - start:.1f}s")
     settings = RayExecutor.create_settings(timeout_s=args.timeout)
     if elastic:
         return _run_elastic(args, command, settings, knobs, fixed, autotune)
@@ -181,9 +183,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     start = time.monotonic()
     executor.start(extra_env_vars=env)
     try:
-        if args.verbose:
-            print(f"raytrain-x: {args.np} workers ready in {time.monotonic() - start:.1f}s",
-                  flush=True)
+        _progress(f"{args.np} workers ready in {time.monotonic() - start:.1f}s")
         codes = run_command_on_workers(executor, command, env, _printer())
     finally:
         executor.shutdown()
@@ -194,6 +194,12 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         sys.stderr.write(f"raytrain-x: rank {rank} exited with code {code}\n")
         return code if 0 < code < 256 else 1
     return 0
+
+
+def _progress(line: str) -> None:
+    """The set-up steps that can take a while on a busy machine, one line each on stderr."""
+    sys.stderr.write(f"raytrain-x: {line}\n")
+    sys.stderr.flush()
 
 
 def _run_elastic(args, command, settings, knobs, fixed, autotune) -> int:
