@@ -19,7 +19,7 @@ segment left fails the run.
 
     python benchmarks/fresh_setup.py                       # make demo
     python benchmarks/fresh_setup.py --test                # make demo, then make test
-    python benchmarks/fresh_setup.py --test --load 1 --json loaded.json
+    python benchmarks/fresh_setup.py --test --load 1 --json loaded.json --logs loaded-logs
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -70,15 +71,20 @@ def _run_step(name: str, target: str, clone: Path, env: dict, logs: Path) -> tup
     return seconds, text
 
 
-def measure(test: bool, workdir: Path) -> dict:
+def measure(test: bool, workdir: Path, keep_logs: str | None) -> dict:
     clone = workdir / "raytrain-x"
     logs = workdir / "logs"
     logs.mkdir()
     subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True)
-    env = {**os.environ, "UV_CACHE_DIR": str(workdir / "uv-cache"), "PIP_NO_CACHE_DIR": "1"}
+    env = {**os.environ, "UV_CACHE_DIR": str(workdir / "uv-cache"), "PIP_NO_CACHE_DIR": "1",
+           "PYTEST_ADDOPTS": "--durations=25"}
     times: dict[str, float] = {}
     for name, target in DEMO + (TEST if test else []):
-        times[name], text = _run_step(name, target, clone, env, logs)
+        try:
+            times[name], text = _run_step(name, target, clone, env, logs)
+        finally:
+            if keep_logs:
+                shutil.copytree(logs, keep_logs, dirs_exist_ok=True)
         if name == "demo":
             ray = re.search(r"Ray ready in ([0-9.]+)s", text)
             times["Ray start"] = float(ray.group(1)) if ray else float("nan")
@@ -101,6 +107,7 @@ def main() -> int:
     parser.add_argument("--test", action="store_true", help="also run make test")
     parser.add_argument("--load", type=int, default=0, help="CPU-bound processes beside it")
     parser.add_argument("--json", help="write the figures to this file")
+    parser.add_argument("--logs", help="copy each step's output into this folder")
     args = parser.parse_args()
     if _ray_processes():
         sys.exit("Ray is already running here; stop it (ray stop) so the run starts alone")
@@ -113,7 +120,7 @@ def main() -> int:
           f"beside it, {os.cpu_count()} cores", flush=True)
     try:
         with tempfile.TemporaryDirectory(prefix="raytrain-x-fresh-") as workdir:
-            times = measure(args.test, Path(workdir))
+            times = measure(args.test, Path(workdir), args.logs)
     finally:
         for burner in burners:
             burner.kill()

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from tests.limits import limit
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -53,9 +55,10 @@ def _entry(rank: int, size: int, port: int, fn: Callable, args: tuple, env: dict
 
 
 def run_workers(fn: Callable, size: int, *args: Any, env: dict | None = None, hosts: int = 1,
-                timeout: float = 120.0, allow_failures: bool = False) -> list[Any]:
+                work_s: float = 30.0, allow_failures: bool = False) -> list[Any]:
     """Runs `fn(*args)` on `size` spawned processes; returns per-rank results in rank order.
 
+    `work_s` is what the whole run takes on an idle runner (tests/limits.py makes the limit).
     With `allow_failures`, a failed rank's entry is the exception text instead of raising.
     """
     ctx = mp.get_context("spawn")
@@ -67,12 +70,16 @@ def run_workers(fn: Callable, size: int, *args: Any, env: dict | None = None, ho
         p.start()
     results: dict[int, Any] = {}
     failures: dict[int, str] = {}
-    deadline = time.monotonic() + timeout
+    seconds = limit(work_s)
+    deadline = time.monotonic() + seconds
     try:
         while len(results) + len(failures) < size:
             if time.monotonic() > deadline:
-                raise AssertionError(f"workers did not finish within {timeout}s; got ranks "
-                                     f"{sorted(results)}, failed {sorted(failures)}")
+                raise AssertionError(
+                    f"gave up after {seconds:.0f}s waiting for ranks "
+                    f"{sorted(set(range(size)) - set(results) - set(failures))} of "
+                    f"{fn.__name__} to finish; done: {sorted(results)}, failed: "
+                    f"{sorted(failures)}")
             try:
                 rank, ok, value = queue.get(timeout=0.2)
                 (results if ok else failures)[rank] = value

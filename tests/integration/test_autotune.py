@@ -4,7 +4,6 @@ chosen knobs beat the starting ones in the same run."""
 from __future__ import annotations
 
 import csv
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -15,6 +14,7 @@ import torch
 from raytrain_x import Knobs
 from raytrain_x.common.autotune_config import AutotuneConfig
 from raytrain_x.ray import RayExecutor
+from tests import limits
 from tests.conftest import REPO
 from tests.workers import run_workers
 
@@ -105,9 +105,9 @@ def test_autotune_beats_the_starting_knobs(ray_cluster, tmp_path):
     assert rates["tuned"] > 1.5 * rates["start"], rates
     # the report and the plot
     plot = tmp_path / "autotune.png"
-    out = subprocess.run([str(Path(sys.executable).parent / "raytrain-x"), "autotune-report",
-                          str(log_path), "--plot", str(plot)], capture_output=True, text=True,
-                         cwd=REPO, timeout=120)
+    out = limits.run([str(Path(sys.executable).parent / "raytrain-x"), "autotune-report",
+                      str(log_path), "--plot", str(plot)], 30, "the autotune report and plot",
+                     cwd=REPO)
     assert out.returncode == 0, out.stderr
     assert "best: bucket/fusion" in out.stdout and plot.stat().st_size > 10_000
 
@@ -166,7 +166,7 @@ def _optimizer_with_autotune(log: str, bucket_cap_mb) -> dict:
 def test_autotune_on_the_default_optimizer_path(tmp_path, bucket_cap_mb, searched):
     log_path = tmp_path / "tune.csv"
     results = run_workers(_optimizer_with_autotune, 2, str(log_path), bucket_cap_mb,
-                          timeout=200)
+                          work_s=50)
     assert results[0]["finished"]  # tuning and its cost measurement finished
     assert results[0]["knobs"] == results[1]["knobs"]
     assert results[0]["rebuilds"] == results[1]["rebuilds"]  # the same steps on both ranks
@@ -189,8 +189,8 @@ def test_autotune_on_the_default_optimizer_path(tmp_path, bucket_cap_mb, searche
     else:  # fixed by the user: out of the search, never rebuilt
         assert results[0]["cap"] == 1 << 20 and results[0]["rebuilds"] == []
         assert {r["fusion_threshold_bytes"] for r in scored} == {str(64 << 20)}
-    out = subprocess.run([str(Path(sys.executable).parent / "raytrain-x"), "autotune-report",
-                          str(log_path)], capture_output=True, text=True, cwd=REPO, timeout=120)
+    out = limits.run([str(Path(sys.executable).parent / "raytrain-x"), "autotune-report",
+                      str(log_path)], 30, "the autotune report", cwd=REPO)
     assert out.returncode == 0, out.stderr
     assert "samples/s" in out.stdout and f"searched: {searched.replace('+', ', ')}" in out.stdout
     assert "cost of tuning" in out.stdout

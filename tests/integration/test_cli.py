@@ -6,7 +6,6 @@ import os
 import re
 import shutil
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -14,15 +13,16 @@ from pathlib import Path
 
 import pytest
 
+from tests import limits
 from tests.conftest import REPO
 
 BIN = Path(sys.executable).parent
 
 
-def _cli(*args: str, timeout: float = 240, env: dict | None = None):
-    return subprocess.run([str(BIN / "raytrain-x"), *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO,
-                          env={**os.environ, "RAY_AUTH_MODE": "disabled", **(env or {})})
+def _cli(*args: str, work_s: float = 30, env: dict | None = None):
+    """`raytrain-x ARGS` whose run takes `work_s` on an idle runner (tests/limits.py)."""
+    return limits.run([str(BIN / "raytrain-x"), *args], work_s, f"raytrain-x {args[0]}",
+                      cwd=REPO, env={**os.environ, "RAY_AUTH_MODE": "disabled", **(env or {})})
 
 
 def test_cli_trains_digits_on_two_workers(ray_cluster):
@@ -60,7 +60,7 @@ def test_cli_reports_the_failing_rank(ray_cluster, tmp_path):
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(args, message):
-    out = _cli(*args, timeout=60)
+    out = _cli(*args, work_s=5)
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], out.stderr
@@ -82,7 +82,7 @@ def test_ray_job_submit():
     temp = Path(tempfile.mkdtemp(prefix="rtxjob", dir="/tmp"))  # unix socket paths stay short
     try:  # the start too: a start that fails or times out half-way leaves processes behind
         # the job API needs the dashboard, which the session's shared cluster runs without
-        start = subprocess.run(
+        start = limits.run(
             [str(BIN / "ray"), "start", "--head", f"--port={gcs}", f"--dashboard-port={dash}",
              "--dashboard-host=127.0.0.1", "--num-cpus=4", "--include-dashboard=true",
              # own agent ports: the defaults are taken by the test session's cluster
@@ -91,16 +91,17 @@ def test_ray_job_submit():
              f"--metrics-export-port={_free_port()}",
              f"--runtime-env-agent-port={_free_port()}",
              f"--temp-dir={temp}", "--disable-usage-stats"],
-            capture_output=True, text=True, env=env, timeout=180)
+            10, "ray start --head with the dashboard", ray_starts=1, env=env)
         assert start.returncode == 0, start.stderr[-2000:]
-        deadline = time.monotonic() + 180  # the job agent starts slowly on a busy machine
+        # the job agent starts after `ray start` returns, slowly on a busy machine
+        deadline = time.monotonic() + limits.limit(15)
         submit = None
         while time.monotonic() < deadline:
-            submit = subprocess.run(
+            submit = limits.run(
                 [str(BIN / "ray"), "job", "submit", f"--address=http://127.0.0.1:{dash}",
                  "--working-dir", ".", "--", "raytrain-x", "run", "-np", "2", "python",
                  "examples/torch_digits.py", "--epochs", "3"],
-                capture_output=True, text=True, env=env, cwd=REPO, timeout=400)
+                40, "ray job submit", env=env, cwd=REPO)
             if not any(transient in submit.stderr + submit.stdout for transient in
                        ("Connection refused", "No available agent")):
                 break
@@ -142,6 +143,6 @@ def _stop_cluster(temp: Path, gcs_port: int) -> None:
 
 def test_cli_elastic_job(ray_cluster):
     out = _cli("run", "-np", "2", "--min-np", "1", "--max-np", "2", "--address", ray_cluster,
-               "python", "examples/elastic_digits.py")
+               "python", "examples/elastic_digits.py", work_s=20)
     assert out.returncode == 0, out.stderr[-3000:]
     assert re.search(r"test accuracy 0\.9", out.stdout + out.stderr), out.stdout[-2000:]

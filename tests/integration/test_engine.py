@@ -105,7 +105,7 @@ def _dead_peer() -> float:
 @pytest.mark.parametrize("transport", ["shm", "gloo"])
 def test_killed_peer_raises_internal_error_quickly(transport):
     env = {"RAYTRAIN_X_SHM": "1" if transport == "shm" else "0"}
-    results = run_workers(_dead_peer, 2, allow_failures=True, timeout=60, env=env)
+    results = run_workers(_dead_peer, 2, allow_failures=True, work_s=15, env=env)
     assert isinstance(results[0], float) and results[0] < 5.0
 
 

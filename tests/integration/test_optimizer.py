@@ -104,7 +104,7 @@ def _peer_dies_mid_step() -> str:
 
 
 def test_failed_step_leaves_no_stale_handles():
-    results = run_workers(_peer_dies_mid_step, 2, allow_failures=True, timeout=60)
+    results = run_workers(_peer_dies_mid_step, 2, allow_failures=True, work_s=15)
     assert results[0] == "ok"
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.limits import limit
 from tests.workers import run_workers
 
 pytestmark = pytest.mark.slow
@@ -68,7 +69,7 @@ def _op_matrix() -> dict:
 
 @pytest.mark.parametrize("size", [2, 3])
 def test_every_collective_over_dtypes_and_odd_shapes_eager_and_in_tf_function(size):
-    results = run_workers(_op_matrix, size, env=ENV, timeout=240)
+    results = run_workers(_op_matrix, size, env=ENV, work_s=60)
     for r, out in enumerate(results):
         assert out.pop("splits") == [2 if r == 0 else 1] * size
         for (mode, op, dtype, shape), values in out.items():
@@ -147,7 +148,7 @@ def _tape_training() -> dict:
 
 
 def test_distributed_gradient_tape_equals_single_process_on_the_combined_batch():
-    results = run_workers(_tape_training, 2, env=ENV, timeout=180)
+    results = run_workers(_tape_training, 2, env=ENV, work_s=45)
     reference = results[0]["reference"]
     for out in results:
         for got, want in zip(out["weights"], reference):
@@ -172,7 +173,7 @@ def _keras_digits() -> dict:
 
 
 def test_keras_fit_converges_on_digits_with_two_workers():
-    results = run_workers(_keras_digits, 2, env=ENV, timeout=240)
+    results = run_workers(_keras_digits, 2, env=ENV, work_s=60)
     assert all(r["accuracy"] >= 0.95 for r in results), results
     for mine, theirs in zip(*results[0]["weights"]):  # the same model on both ranks
         np.testing.assert_array_equal(mine, theirs)
@@ -199,7 +200,7 @@ def _sparse() -> dict:
 
 
 def test_indexed_slices_gradients_allgathered_or_densified():
-    results = run_workers(_sparse, 2, env=ENV, timeout=120)
+    results = run_workers(_sparse, 2, env=ENV, work_s=30)
     expect = np.zeros((10, 4))
     expect[[1, 3]] += 1.0 / 2  # rank 0's rows, weight 1, averaged over 2 ranks
     expect[[3, 7]] += 2.0 / 2  # rank 1's rows, weight 2
@@ -234,7 +235,7 @@ def _mixed_frameworks() -> str:
 
 
 def test_a_tensorflow_rank_and_a_torch_rank_get_a_clear_mismatch_error():
-    results = run_workers(_mixed_frameworks, 2, env=ENV, timeout=120)
+    results = run_workers(_mixed_frameworks, 2, env=ENV, work_s=30)
     for text in results:
         assert text.startswith("TensorMismatchError"), text
         assert "from tensorflow" in text and "from torch" in text
@@ -278,7 +279,7 @@ def _bad_input() -> dict:
 
 
 def test_bad_input_gets_a_clear_error():
-    for errors in run_workers(_bad_input, 2, env=ENV, timeout=120):
+    for errors in run_workers(_bad_input, 2, env=ENV, work_s=30):
         assert errors["string"].startswith("ConfigError") and "float16/32/64" in \
             errors["string"]
         assert errors["object"].startswith("ConfigError")
@@ -335,7 +336,7 @@ def test_autotune_and_the_timeline_drive_tensorflow_workers(tmp_path):
 
     log, timeline = tmp_path / "tune.csv", tmp_path / "timeline.json"
     results = run_workers(_tape_with_autotune, 2, str(log), str(timeline), env=ENV,
-                          timeout=240)
+                          work_s=60)
     assert results[0]["knobs"] == results[1]["knobs"]
     rows = list(csv.DictReader(log.open()))
     assert [r["kind"] for r in rows][-2:] == ["best", "after"]
@@ -415,10 +416,11 @@ def test_elastic_keras_survives_a_killed_worker(elastic_nodes, tmp_path):
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     try:
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + limit(45)
         while True:  # 8 committed steps on 3 workers, then kill the youngest
             assert thread.is_alive(), outcome
-            assert time.monotonic() < deadline, "the job never reached 8 steps on 3 workers"
+            assert time.monotonic() < deadline, \
+                f"gave up after {limit(45):.0f}s waiting for 8 committed steps on 3 workers"
             try:
                 done, size = map(int, progress.read_text().split())
             except (OSError, ValueError):
@@ -445,30 +447,30 @@ def test_elastic_keras_survives_a_killed_worker(elastic_nodes, tmp_path):
 def test_tensorflow_examples_through_the_cli_and_the_executor(ray_cluster):
     import os
     import re
-    import subprocess
     import sys
     from pathlib import Path
 
+    from tests import limits
     from tests.conftest import REPO
 
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", **ENV}
     bin_dir = Path(sys.executable).parent
-    cli = subprocess.run([str(bin_dir / "raytrain-x"), "run", "-np", "2", "--address",
-                          ray_cluster, "python", "examples/keras_digits.py", "--epochs", "12"],
-                         capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    cli = limits.run([str(bin_dir / "raytrain-x"), "run", "-np", "2", "--address",
+                      ray_cluster, "python", "examples/keras_digits.py", "--epochs", "12"],
+                     75, "the Keras example through raytrain-x run", cwd=REPO, env=env)
     assert cli.returncode == 0, cli.stderr[-3000:]
     match = re.search(r"\[0\]<stdout>:test accuracy ([0-9.]+) on 2 workers", cli.stdout)
     assert match and float(match.group(1)) >= 0.95, cli.stdout[-3000:]
-    tape = subprocess.run([str(bin_dir / "raytrain-x"), "run", "-np", "2", "--address",
-                           ray_cluster, "python", "examples/tensorflow_tape_digits.py",
-                           "--epochs", "12"],
-                          capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    tape = limits.run([str(bin_dir / "raytrain-x"), "run", "-np", "2", "--address",
+                       ray_cluster, "python", "examples/tensorflow_tape_digits.py",
+                       "--epochs", "12"],
+                      75, "the GradientTape example through raytrain-x run", cwd=REPO, env=env)
     assert tape.returncode == 0, tape.stderr[-3000:]
     match = re.search(r"\[0\]<stdout>:test accuracy ([0-9.]+) on 2 workers", tape.stdout)
     assert match and float(match.group(1)) >= 0.95, tape.stdout[-3000:]
-    driver = subprocess.run([sys.executable, "examples/keras_digits.py", "--executor",
-                             "--address", ray_cluster, "--epochs", "12"],
-                            capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    driver = limits.run([sys.executable, "examples/keras_digits.py", "--executor",
+                         "--address", ray_cluster, "--epochs", "12"],
+                        75, "the Keras example through RayExecutor", cwd=REPO, env=env)
     assert driver.returncode == 0, driver.stderr[-3000:]
     match = re.search(r"RayExecutor: test accuracy ([0-9.]+) on 2 workers", driver.stdout)
     assert match and float(match.group(1)) >= 0.95, driver.stdout[-3000:]
@@ -506,7 +508,7 @@ def _lr_callbacks() -> dict:
 
 
 def test_learning_rate_schedule_and_warmup_callbacks():
-    for seen in run_workers(_lr_callbacks, 2, env=ENV, timeout=120):
+    for seen in run_workers(_lr_callbacks, 2, env=ENV, work_s=30):
         # 2 batches per epoch; the schedule acts in epochs 1 and 2 only (staircase)
         assert seen["schedule"] == pytest.approx([0.3, 0.3, 0.05, 0.05, 0.025, 0.025, 0.025,
                                                   0.025, 0.025], rel=1e-6)

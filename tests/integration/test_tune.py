@@ -104,18 +104,18 @@ def test_bad_space_definitions(space, search, match):
 
 
 def test_tune_experiments_command(ray_cluster, tmp_path):
-    import subprocess
     import sys
     from pathlib import Path
 
+    from tests import limits
     from tests.conftest import REPO
 
-    out = subprocess.run(
+    out = limits.run(
         [str(Path(sys.executable).parent / "raytrain-x"), "tune-experiments",
          "--fn", "examples.experiment_step:step_fn", "--space", '{"micro_batch_size": [8, 64]}',
          "--search", "grid", "--steps-per-experiment", "4", "--start-step", "1",
          "--address", ray_cluster, "--output-dir", str(tmp_path / "cli")],
-        capture_output=True, text=True, cwd=REPO, timeout=300,
+        40, "the tune-experiments command", cwd=REPO,
         env={**__import__("os").environ, "RAY_AUTH_MODE": "disabled"})
     assert out.returncode == 0, out.stderr[-2000:]
     assert "best samples_per_sec" in out.stdout

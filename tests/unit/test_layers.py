@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import limits
+
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "raytrain_x"
 
@@ -28,8 +30,8 @@ sys.exit(lint_imports())
 
 
 def _lint(tree: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", _LINT, str(tree)], capture_output=True,
-                          text=True, timeout=120)
+    return limits.run([sys.executable, "-c", _LINT, str(tree)], 30,
+                      "import-linter on a copy of the package")
 
 
 def _copy_tree(tmp_path: Path) -> Path:
@@ -96,8 +98,8 @@ def _modules_after(statement: str) -> set[str]:
     code = (f"import sys, json; {statement}; "
             "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
             "('torch', 'tensorflow', 'ray') and m.count('.') < 2)))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, check=True)
+    out = limits.run([sys.executable, "-c", code], 30, f"a fresh interpreter to run {statement!r}")
+    assert out.returncode == 0, out.stderr[-2000:]
     return set(json.loads(out.stdout.strip().splitlines()[-1]))
 
 

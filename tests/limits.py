@@ -1,0 +1,63 @@
+"""Time limits from what a test does, and waits that say what they were waiting for.
+
+A limit is a step's own work, as long as it takes on an idle 2-core runner, times
+WORK_MARGIN, plus Ray's own allowance for each Ray node the step starts; all of it times
+RAYTRAIN_X_TEST_TIME_SCALE (default 1) for runners slower than that. WORK_MARGIN is 4: with
+one of the two cores busy the suite ran 1.5-2x slower (docs/performance.md), and the rest is
+headroom for a busier moment. pytest-timeout's per-test limits (the ini default, the
+`timeout` marks) are scaled the same way by tests/conftest.py.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+
+SCALE = float(os.environ.get("RAYTRAIN_X_TEST_TIME_SCALE", "1"))
+WORK_MARGIN = 4.0
+# What Ray itself allows a node to start: its raylet has 30 s to register with the GCS (fixed
+# in ray._private.node), after the GCS has answered, which Ray waits for up to
+# RAY_gcs_server_request_timeout_seconds.
+RAY_START_S = 30.0 + float(os.environ.get("RAY_gcs_server_request_timeout_seconds", "60"))
+
+
+def limit(work_s: float, ray_starts: int = 0) -> float:
+    """Seconds allowed for a step whose work takes `work_s` on an idle runner and which starts
+    `ray_starts` Ray nodes."""
+    return SCALE * (WORK_MARGIN * work_s + ray_starts * RAY_START_S)
+
+
+def wait_until(condition: Callable[[], bool], work_s: float, what: str,
+               state: Callable[[], object] | None = None, poll_s: float = 0.05) -> None:
+    """Polls `condition` until it holds; past the limit, fails naming `what` it waited for
+    and, with `state`, what it saw last."""
+    seconds = limit(work_s)
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            seen = f"; last seen: {state()}" if state is not None else ""
+            raise AssertionError(f"gave up after {seconds:.0f}s waiting for {what}{seen}")
+        time.sleep(poll_s)
+
+
+def run(cmd: Sequence[str], work_s: float, what: str, ray_starts: int = 0,
+        **kwargs) -> subprocess.CompletedProcess:
+    """`subprocess.run` with text output captured and a limit. Past the limit the command is
+    killed and the test fails naming what the command was doing and its last output."""
+    seconds = limit(work_s, ray_starts)
+    try:
+        return subprocess.run(list(cmd), capture_output=True, text=True, timeout=seconds,
+                              **kwargs)
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(
+            f"gave up after {seconds:.0f}s waiting for {what} ({shlex.join(cmd)}); its last "
+            f"output:\n{_tail(exc.stdout)}\n{_tail(exc.stderr)}") from None
+
+
+def _tail(output: str | bytes | None, lines: int = 30) -> str:
+    if isinstance(output, bytes):
+        output = output.decode(errors="replace")
+    return "\n".join((output or "").splitlines()[-lines:])
