@@ -9,8 +9,11 @@ DEMO_STAMP := $(VENV)/.demo-deps-stamp
 BUILD_STAMP := $(VENV)/.build-stamp
 TEST_STAMP := $(VENV)/.test-deps-stamp
 NATIVE_SOURCES := $(wildcard native/*.cpp native/*.h) CMakeLists.txt pyproject.toml
-# uv installs (one resolve, parallel downloads), looking where pip is configured to look.
-INSTALL = $(UV) pip install --python $(BIN)/python -c $(CONSTRAINTS) \
+# uv installs (one resolve, parallel downloads), looking where pip is configured to look. It
+# compiles bytecode at install, as pip does: uv does not by default, and where
+# PYTHONDONTWRITEBYTECODE is set nothing writes it later, so every import of torch, Ray and
+# TensorFlow would compile from source again (the test run took 1.7x as long).
+INSTALL = $(UV) pip install --python $(BIN)/python -c $(CONSTRAINTS) --compile-bytecode \
 	$(shell $(PYTHON) requirements/pip_sources.py)
 
 .PHONY: setup demo test bench lint clean

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ELASTIC_RESOURCE = "rtx_elastic"
+TEMP_PREFIX = "rtx"  # every temp dir the suite makes in /tmp: Ray's and the job test's
 
 
 @pytest.fixture(scope="session")
@@ -21,7 +24,9 @@ def cluster():
     # No dashboard. The log monitor stays: it carries workers' prints to drivers, and the
     # CLI tests read an elastic job's results from them (without it the job succeeds
     # silently). benchmarks/ray_idle_cpu.py measures what each costs.
-    head = {"num_cpus": 8, "include_dashboard": False}
+    # Its own temp dir (a short path: Ray's unix sockets live there), removed at the end.
+    temp = tempfile.mkdtemp(prefix=TEMP_PREFIX, dir="/tmp")
+    head = {"num_cpus": 8, "include_dashboard": False, "temp_dir": temp}
     c = None
     try:  # a start that fails half-way is stopped too
         c = _start_head(Cluster, head)
@@ -32,6 +37,7 @@ def cluster():
         ray.shutdown()
         if c is not None:
             c.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def _start_head(cluster_class, head: dict):
@@ -126,7 +132,8 @@ def elastic_nodes(cluster):
 # ---------------------------------------------------------------- session-end leak check
 # Everything the suite starts must be gone when it ends: Ray processes (found by what they
 # run, since stray ones are re-parented to init), processes descended from pytest,
-# shared-memory segments of the engine and the job-submit test's temp dirs. The run fails
+# shared-memory segments of the engine and the temp dirs of the session cluster and the
+# job-submit test. The run fails
 # otherwise. RAYTRAIN_X_LEAK_CHECK=0 turns it off.
 _RAY_MARKERS = ("raylet", "gcs_server", "ray.util.client.server", "ray/dashboard",
                 "log_monitor.py", "ray/autoscaler", "default_worker.py", "ray::",
@@ -182,7 +189,7 @@ def _kill(pids) -> None:
 
 def _leftovers() -> dict[str, list[str]]:
     shm = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-    temp = {n for n in os.listdir("/tmp") if n.startswith("rtxjob")}
+    temp = {n for n in os.listdir("/tmp") if n.startswith(TEMP_PREFIX)}
     return {
         "processes": sorted(f"{p}: {c[:160]}"
                             for p, c in _new_ray_processes(_at_start["pids"]).items()),
@@ -194,7 +201,7 @@ def _leftovers() -> dict[str, list[str]]:
 def pytest_sessionstart(session):
     _at_start["pids"] = set(_processes())
     _at_start["shm"] = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-    _at_start["temp"] = {n for n in os.listdir("/tmp") if n.startswith("rtxjob")}
+    _at_start["temp"] = {n for n in os.listdir("/tmp") if n.startswith(TEMP_PREFIX)}
 
 
 def pytest_sessionfinish(session, exitstatus):

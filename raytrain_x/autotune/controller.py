@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from raytrain_x.common.autotune_config import AutotuneConfig
+from raytrain_x.common.extras import import_extra
 from raytrain_x.common.knobs import MB, Knobs
 
 log = logging.getLogger("raytrain_x.autotune")
@@ -115,7 +116,7 @@ class AutotuneController:
         self._rng = random.Random(config.seed)
         self._began = False
         if self.space.dimensions():  # import now (~0.8 s), not inside the tuning phase
-            import ray.tune.search.bayesopt  # noqa: F401
+            import_extra("ray.tune.search.bayesopt", "tune", "autotune")
 
     def begin(self, searched: list[str] | None = None) -> list[str]:
         """Starts the search over `searched` (the knobs that can matter in this job, as the

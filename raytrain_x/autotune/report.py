@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from raytrain_x.common.autotune_log import SCORE_COLUMN, SCORED_KINDS, read_rows
+from raytrain_x.common.extras import import_extra
 
 _SCALE = {"bytes/s": (1e6, "MB/s")}  # unit -> (divisor, shown unit); others shown as is
 
@@ -12,8 +13,7 @@ _SCALE = {"bytes/s": (1e6, "MB/s")}  # unit -> (divisor, shown unit); others sho
 def autotune_report(log_path: str | os.PathLike, plot_path: str | None = None) -> None:
     """Prints the samples, the searched knobs, the chosen knobs and the cost of tuning;
     with `plot_path`, draws score per sample and the best-so-far curve."""
-    import pandas as pd
-
+    pd = import_extra("pandas", "tune", "autotune-report")
     read_rows(log_path)  # validates the schema with a clear error
     frame = pd.read_csv(log_path, keep_default_na=False, na_values={SCORE_COLUMN: [""]})
     if "unit" not in frame:  # a log written before scores had units
@@ -63,9 +63,7 @@ def autotune_report(log_path: str | os.PathLike, plot_path: str | None = None) -
 
 
 def _plot(frame, samples, shown: str, divisor: float, plot_path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
+    import_extra("matplotlib", "tune", "autotune-report --plot").use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5))

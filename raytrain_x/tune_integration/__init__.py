@@ -3,8 +3,15 @@ autotune experiments. The in-training autotune search lives in `raytrain_x.autot
 
 from __future__ import annotations
 
-from raytrain_x.tune_integration.experiments import ExperimentsResult, autotune_experiments
-from raytrain_x.tune_integration.trainable import (
+from raytrain_x.common.extras import import_extra
+
+import_extra("ray.tune", "tune", "raytrain_x.tune_integration")
+
+from raytrain_x.tune_integration.experiments import (  # noqa: E402 - after the check
+    ExperimentsResult,
+    autotune_experiments,
+)
+from raytrain_x.tune_integration.trainable import (  # noqa: E402
     DistributedTrainableCreator,
     get_checkpoint,
     report,

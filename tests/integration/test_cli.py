@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests import limits
-from tests.conftest import REPO
+from tests.conftest import REPO, TEMP_PREFIX
 
 BIN = Path(sys.executable).parent
 
@@ -79,7 +79,7 @@ def test_ray_job_submit():
     env = {**os.environ, "RAY_AUTH_MODE": "disabled",
            "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
     gcs, dash = _free_port(), _free_port()
-    temp = Path(tempfile.mkdtemp(prefix="rtxjob", dir="/tmp"))  # unix socket paths stay short
+    temp = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}job", dir="/tmp"))  # short socket paths
     try:  # the start too: a start that fails or times out half-way leaves processes behind
         # the job API needs the dashboard, which the session's shared cluster runs without
         start = limits.run(

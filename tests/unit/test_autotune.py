@@ -319,3 +319,14 @@ def test_the_cost_of_tuning_is_measured_after_it(tmp_path):
     assert [r["kind"] for r in rows][-2:] == ["best", "after"]
     assert float(rows[-1]["cost"]) == pytest.approx(cost.ratio, rel=1e-3)
     assert any("cost" in line and "the start" in line for line in lines)
+
+
+def test_a_missing_extra_is_a_config_error_naming_it():
+    from raytrain_x.common.errors import ConfigError
+    from raytrain_x.common.extras import import_extra
+
+    assert import_extra("json", "tune", "x").dumps([]) == "[]"
+    with pytest.raises(ConfigError, match=r"autotune-report needs rtx_not_installed, which is "
+                                          r"not installed; .*'tune' extra: pip install "
+                                          r'"raytrain-x\[tune\]"'):
+        import_extra("rtx_not_installed", "tune", "autotune-report")
