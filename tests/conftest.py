@@ -199,15 +199,43 @@ def _leftovers() -> dict[str, list[str]]:
 
 
 def pytest_sessionstart(session):
+    # Every process the suite starts (Ray's, spawned workers, the CLI's subprocesses) makes
+    # its temp files under one folder, removed at the end: Ray's dashboard leaves its
+    # forkserver's `pymp-*` folder behind when its cluster is stopped, and a local cluster
+    # that `raytrain-x run` starts leaves its session folder. pytest's own tmp_path stays in
+    # the system temp dir (read and cached first), so a failed test's files are kept.
+    tempfile.gettempdir()
+    _at_start["tmpdir"] = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = _at_start["children_temp"] = tempfile.mkdtemp(
+        prefix=f"{TEMP_PREFIX}tmp", dir="/tmp")
+    # Ray writes the address of the last cluster started to $TMPDIR/ray without making it
+    os.mkdir(os.path.join(_at_start["children_temp"], "ray"))
     _at_start["pids"] = set(_processes())
     _at_start["shm"] = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     _at_start["temp"] = {n for n in os.listdir("/tmp") if n.startswith(TEMP_PREFIX)}
 
 
 def pytest_sessionfinish(session, exitstatus):
+    if not _at_start:
+        return
+    try:
+        _check_leaks(session)
+    finally:
+        _remove_children_temp()
+
+
+def _remove_children_temp() -> None:
+    if _at_start["tmpdir"] is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = _at_start["tmpdir"]
+    shutil.rmtree(_at_start["children_temp"], ignore_errors=True)
+
+
+def _check_leaks(session) -> None:
     import time
 
-    if os.environ.get("RAYTRAIN_X_LEAK_CHECK") == "0" or not _at_start:
+    if os.environ.get("RAYTRAIN_X_LEAK_CHECK") == "0":
         return
     deadline = time.monotonic() + 30  # Ray's processes take a few seconds to exit
     while True:
