@@ -1,13 +1,24 @@
-"""Time from a worker kill to the first completed training step after recovery.
+"""Time from losing a worker to the first completed training step without it.
 
-Same job, same run, two ways:
+One node (a local Ray cluster), a worker actor killed; same job, same run, two ways:
   elastic      RayExecutor(min_workers=2, max_workers=3): survivors restore the last
                in-memory commit and go on in a new rendezvous round
   checkpoint   RayExecutor(num_workers=3) saving a checkpoint every step; after the kill
                the job is started again and resumes from the checkpoint (Ray Train's way)
+
+Nodes (--nodes, on by default): a local autoscaling cluster (raytrain_x.testing: Ray's fake
+multi-node provider, one 1-CPU raylet per node, the head runs no workers), one worker per
+node, 3 workers; one node is lost three ways:
+  drain        a preemption notice (the GCS drain `ray drain-node` sends, 60 s deadline):
+               the node's worker leaves at the next commit, nothing is restored
+  kill         every process of the node killed (SIGKILL): survivors restore the commit
+  checkpoint   a node killed under RayExecutor(num_workers=3) saving every step; the job
+               restarts on the 2 nodes left from the checkpoint
+and grown: from the job's request to the autoscaler (head only, nothing started) to its
+first step with 3 workers.
 Writes results/elastic_recovery.json.
 
-Run: .venv/bin/python benchmarks/elastic_recovery.py [--repeats 3]
+Run: .venv/bin/python benchmarks/elastic_recovery.py [--repeats 3] [--no-nodes]
 """
 
 from __future__ import annotations
@@ -29,7 +40,8 @@ from common import print_table, write_json  # noqa: E402
 STEPS = 60
 
 
-def _train(progress: str, checkpoint: str | None, elastic: bool) -> int:
+def _train(progress: str, checkpoint: str | None, elastic: bool,
+           until: str | None = None) -> tuple[int, int]:
     import torch
 
     import raytrain_x.torch as rx
@@ -54,39 +66,46 @@ def _train(progress: str, checkpoint: str | None, elastic: bool) -> int:
         opt.step()
         if rx.rank() == 0:
             with open(progress, "a") as f:
-                f.write(f"{time.time()} {step}\n")
+                f.write(f"{time.time()} {step} {rx.size()}\n")
+
+    def stop() -> bool:  # every rank stops at the same step
+        return until is not None and rx.broadcast_object(
+            rx.rank() == 0 and os.path.exists(until), 0, name="until")
 
     if elastic:
         state = rx.elastic.TorchState(model, opt, step=0)
 
         @rx.elastic.run
         def train(state):
-            while state.step < STEPS:
+            while (state.step < STEPS or until) and not stop():
                 one_step(state.step)
                 state.step += 1
                 state.commit()
-            return state.step
+            return state.step, rx.elastic.restore_count()
 
         return train(state)
-    for step in range(step0, STEPS):
+    step = step0
+    while (step < STEPS or until) and not stop():
         one_step(step)
         if rx.rank() == 0:
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
                         "step": step + 1}, checkpoint)
         rx.barrier()
-    return STEPS
+        step += 1
+    return step, 0
 
 
-def _steps(progress: Path) -> list[tuple[float, int]]:
+def _steps(progress: Path) -> list[tuple[float, int, int]]:
+    """(time, step, world size) of every step rank 0 finished."""
     if not progress.exists():
         return []
-    return [(float(t), int(s)) for t, s in
+    return [(float(t), int(s), int(n)) for t, s, n in
             (line.split() for line in progress.read_text().splitlines() if line.strip())]
 
 
 def _kill_when(executor_ref, progress: Path, at_step: int, out: dict) -> threading.Thread:
     def run():
-        while not any(s >= at_step for _, s in _steps(progress)):
+        while not any(s >= at_step for _, s, _ in _steps(progress)):
             time.sleep(0.02)
         executor = executor_ref()
         if executor.elastic:
@@ -112,7 +131,12 @@ def measure_elastic(tmp: Path) -> float:
     _kill_when(lambda: executor, progress, 20, out)
     executor.run(_train, args=(str(progress), None, True))
     executor.shutdown()
-    return min(t for t, _ in _steps(progress) if t > out["killed_at"] + 1e-6) - out["killed_at"]
+    return _first_step_after(progress, out["killed_at"])
+
+
+def _first_step_after(progress: Path, t0: float, size: int | None = None) -> float:
+    return min(t for t, _, n in _steps(progress)
+               if t > t0 + 1e-6 and (size is None or n == size)) - t0
 
 
 def measure_checkpoint(tmp: Path) -> float:
@@ -133,13 +157,165 @@ def measure_checkpoint(tmp: Path) -> float:
     restarted.start()
     restarted.run(_train, args=(str(progress), str(ckpt), False))
     restarted.shutdown()
-    return min(t for t, _ in _steps(progress) if t > out["killed_at"] + 1e-6) - out["killed_at"]
+    return _first_step_after(progress, out["killed_at"])
+
+
+# ---------------------------------------------------------------------- nodes
+def _wait(condition, what: str, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {timeout_s:.0f}s for {what}")
+        time.sleep(0.05)
+
+
+class _ElasticRun:
+    """An elastic job (min 2 or 1, max 3) in a thread, training until told to stop."""
+
+    def __init__(self, tmp: Path, min_workers: int) -> None:
+        from raytrain_x.ray import RayExecutor
+
+        self.progress, self.until = tmp / f"nodes-{time.time()}.txt", tmp / "stop"
+        self.until.unlink(missing_ok=True)
+        self.executor = RayExecutor(RayExecutor.create_settings(timeout_s=20),
+                                    min_workers=min_workers, max_workers=3, cpus_per_worker=1)
+        self.executor.start()
+        self.results = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.started = time.time()
+        self.thread.start()
+
+    def _run(self) -> None:
+        self.results = self.executor.run(
+            _train, args=(str(self.progress), None, True, str(self.until)))
+
+    def steps_at(self, size: int) -> int:
+        return sum(1 for _, _, n in _steps(self.progress) if n == size)
+
+    def finish(self) -> list:
+        self.until.touch()
+        self.thread.join(120)
+        self.executor.shutdown()
+        return self.results or []
+
+
+def measure_grow(cluster, tmp: Path) -> float:
+    """Head only: from the job's request to the autoscaler to its first step with 3."""
+    _wait(lambda: not cluster.worker_nodes(), "idle nodes to be removed")
+    run = _ElasticRun(tmp, min_workers=1)
+    try:
+        _wait(lambda: run.steps_at(3) >= 1, "the job to grow to 3 workers")
+        asked = run.executor.last_elastic_job.capacity.requests[0][0]
+        return _first_step_after(run.progress, asked, size=3)
+    finally:
+        run.finish()
+
+
+def measure_node_loss(cluster, tmp: Path, how: str) -> tuple[float, int]:
+    """3 workers on 3 nodes; the youngest worker's node drained or killed. Returns the
+    seconds to the first step of the 2 left, and the restores the job did."""
+    from raytrain_x.testing import drain_node, kill_node
+
+    run = _ElasticRun(tmp, min_workers=2)
+    try:
+        _wait(lambda: run.steps_at(3) >= 5, "5 steps with 3 workers")
+        job = run.executor.last_elastic_job
+        node = max(job.members.values(), key=lambda m: m.age).node
+        t0 = time.time()
+        if how == "drain":
+            drain_node(cluster.address, node, deadline_s=60)
+        else:
+            kill_node(node)
+        _wait(lambda: any(t > t0 and n == 2 for t, _, n in _steps(run.progress)),
+              f"a step without the {how}ed node")
+        seconds = _first_step_after(run.progress, t0, size=2)
+    finally:
+        results = run.finish()
+    return seconds, sum(r[1] for r in results)
+
+
+def measure_node_checkpoint(cluster, tmp: Path) -> float:
+    """RayExecutor(num_workers=3) on 3 nodes checkpointing every step; a node killed; the
+    job restarts from the checkpoint on the 2 nodes left."""
+    from raytrain_x import WorkerError
+    from raytrain_x.ray import RayExecutor
+    from raytrain_x.testing import kill_node
+
+    progress, ckpt, until = tmp / "nodes-ckpt.txt", tmp / "nodes-ckpt.pt", tmp / "stop-ckpt"
+    until.unlink(missing_ok=True)
+    ckpt.unlink(missing_ok=True)
+    executor = RayExecutor(RayExecutor.create_settings(timeout_s=20), num_workers=3,
+                           cpus_per_worker=1)
+    executor.start()
+    out: dict = {}
+
+    def kill() -> None:
+        _wait(lambda: sum(1 for _, _, n in _steps(progress) if n == 3) >= 5, "5 steps")
+        node = ray.get(executor.workers[-1].node_id.remote())
+        out["killed_at"] = time.time()
+        kill_node(node)
+
+    killer = threading.Thread(target=kill, daemon=True)
+    killer.start()
+    try:
+        executor.run(_train, args=(str(progress), str(ckpt), False, str(until)))
+    except WorkerError:
+        pass
+    executor.shutdown()
+    killer.join(10)
+    restarted = RayExecutor(RayExecutor.create_settings(timeout_s=20), num_workers=2,
+                            cpus_per_worker=1)
+    restarted.start()
+    thread = threading.Thread(target=restarted.run, daemon=True,
+                              args=(_train, (str(progress), str(ckpt), False, str(until))))
+    thread.start()
+    try:
+        _wait(lambda: any(t > out["killed_at"] and n == 2 for t, _, n in _steps(progress)),
+              "the restarted job's first step")
+    finally:
+        until.touch()
+        thread.join(60)
+        restarted.shutdown()
+    return _first_step_after(progress, out["killed_at"], size=2)
+
+
+def measure_nodes(repeats: int) -> dict[str, list[float]]:
+    from raytrain_x.testing import LocalAutoscalingCluster
+
+    results: dict[str, list[float]] = {"grow": [], "drain": [], "drain_restores": [],
+                                       "kill": [], "kill_restores": [], "checkpoint": []}
+    types = {"cpu1": {"resources": {"CPU": 1}, "node_config": {}, "min_workers": 0,
+                      "max_workers": 4}}
+    with LocalAutoscalingCluster(types, {"CPU": 0}, idle_timeout_minutes=0.1,
+                                 max_workers=4) as cluster:
+        ray.init(address=cluster.address, log_to_driver=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parent)}})
+        try:
+            for i in range(repeats):
+                with tempfile.TemporaryDirectory() as tmp:
+                    results["grow"].append(measure_grow(cluster, Path(tmp)))
+                    for how in ("drain", "kill"):
+                        seconds, restores = measure_node_loss(cluster, Path(tmp), how)
+                        results[how].append(seconds)
+                        results[f"{how}_restores"].append(restores)
+                    results["checkpoint"].append(measure_node_checkpoint(cluster, Path(tmp)))
+                print(f"nodes, repeat {i + 1}/{repeats}: grow {results['grow'][-1]:.2f}s, "
+                      f"drain {results['drain'][-1]:.2f}s "
+                      f"({results['drain_restores'][-1]:g} restores), kill "
+                      f"{results['kill'][-1]:.2f}s ({results['kill_restores'][-1]:g} "
+                      f"restores), restart from checkpoint {results['checkpoint'][-1]:.2f}s",
+                      flush=True)
+        finally:
+            ray.shutdown()
+    return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--no-nodes", dest="nodes", action="store_false",
+                        help="skip the node measurements on a local autoscaling cluster")
     args = parser.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False,
@@ -157,6 +333,19 @@ def main() -> None:
     ratio = medians["checkpoint"] / medians["elastic"]
     print(f"restart-from-checkpoint / elastic: {ratio:.1f}x")
     payload = {"runs": results, "medians": medians, "checkpoint_over_elastic": ratio}
+    ray.shutdown()
+    if args.nodes:
+        nodes = measure_nodes(args.repeats)
+        node_medians = {k: statistics.median(v) for k, v in nodes.items()}
+        print_table([{"3 workers on 3 nodes": k, "median s": node_medians[k]}
+                     for k in ("grow", "drain", "kill", "checkpoint")],
+                    ["3 workers on 3 nodes", "median s"])
+        ratios = {"drain_over_kill": node_medians["drain"] / node_medians["kill"],
+                  "kill_over_checkpoint": node_medians["kill"] / node_medians["checkpoint"]}
+        print(f"drain / kill: {ratios['drain_over_kill']:.2f}x (restores: drain "
+              f"{sum(nodes['drain_restores']):g}, kill {sum(nodes['kill_restores']):g}); "
+              f"kill / restart from checkpoint: {ratios['kill_over_checkpoint']:.2f}x")
+        payload["nodes"] = {"runs": nodes, "medians": node_medians, **ratios}
     print(f"wrote {write_json('elastic_recovery', payload, args.json)}")
 
 

@@ -8,6 +8,8 @@ import tempfile
 
 import pytest
 
+from raytrain_x.common.procs import processes
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ELASTIC_RESOURCE = "rtx_elastic"
 TEMP_PREFIX = "rtx"  # every temp dir the suite makes in /tmp: Ray's and the job test's
@@ -139,21 +141,7 @@ _RAY_MARKERS = ("raylet", "gcs_server", "ray.util.client.server", "ray/dashboard
                 "log_monitor.py", "ray/autoscaler", "default_worker.py", "ray::",
                 "runtime_env/agent")
 _at_start: dict = {}
-
-
-def _processes() -> dict[int, tuple[int, str]]:
-    """pid -> (parent pid, command line) of every process."""
-    out = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (OSError, ValueError, IndexError):
-            continue
-        if fields[0] != "Z":  # a zombie is already dead
-            out[int(pid)] = (int(fields[1]), cmd.strip())
-    return out
+_processes = processes  # pid -> (parent pid, command line)
 
 
 def _new_ray_processes(before: set[int]) -> dict[int, str]:

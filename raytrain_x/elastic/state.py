@@ -21,6 +21,15 @@ log = logging.getLogger("raytrain_x.elastic")
 
 BroadcastObject = Callable[..., Any]  # (obj, root_rank, name=...) -> root's obj
 
+_restores = 0  # how many times `run` restored a commit in this process
+
+
+def restore_count() -> int:
+    """How many times `run` restored the last commit in this process (each time a peer
+    or the transport failed). A job whose workers only come and go through commits, as
+    when a draining node's workers leave, restores nothing."""
+    return _restores
+
 
 class State:
     """Base of elastic states: what survives a failure is what was last committed.
@@ -128,7 +137,9 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
                     state.sync()
                 return func(state, *args, **kwargs)
             except InternalError as exc:
+                global _restores
                 log.warning("raytrain-x elastic: %s; restoring the last commit", exc)
+                _restores += 1
                 state.restore()
                 skip_sync = False
             except HostsUpdatedInterrupt as exc:

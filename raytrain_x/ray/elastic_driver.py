@@ -4,6 +4,11 @@ Each worker actor runs the user function once; its `rx.init()` (and every reset 
 `elastic.run`) waits in the `ElasticRounds` actor until the driver forms a round from all
 live workers. Dead workers are dropped and their hosts blacklisted; discovered capacity
 starts new workers, and survivors meet them at their next `commit()`.
+
+On an autoscaling cluster the driver asks the autoscaler for the workers it lacks
+(`raytrain_x.ray.autoscaling`), and a node Ray drains (scale-down, `ray drain-node`, a
+spot preemption notice) has its workers leave at the next commit: nothing is restored or
+redone, and the host is not blacklisted. Every round is recorded in `history`.
 """
 
 from __future__ import annotations
@@ -20,16 +25,18 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrain_x.comm.store_actor import StoreActor
-from raytrain_x.common.errors import ElasticTimeout, ResetLimitExceeded, WorkerError
+from raytrain_x.common.errors import ConfigError, ElasticTimeout, ResetLimitExceeded, WorkerError
 from raytrain_x.elastic.blacklist import Blacklist
 from raytrain_x.elastic.discovery import ScriptDiscovery, slots_from_resources
+from raytrain_x.ray.autoscaling import CapacityRequest, draining_nodes, node_types, request_bundles
 from raytrain_x.ray.discovery import RayDiscovery, alive_nodes, resolve_hosts
 from raytrain_x.ray.elastic_rounds import ElasticRounds, plan_round
 from raytrain_x.ray.failures import worker_error
 from raytrain_x.ray.placement import stable_node_strategy
-from raytrain_x.ray.worker import Worker
+from raytrain_x.ray.worker import Left, Worker
 
 log = logging.getLogger("raytrain_x.elastic")
+DRAIN_POLL_S = 0.2  # how often the driver asks the GCS for draining nodes (one small RPC)
 
 
 @dataclass
@@ -40,6 +47,7 @@ class _Member:
     age: int  # start order: the oldest survivor becomes rank 0
     ref: Any = None
     rank: int = -1
+    leaving: bool = False  # told to leave (its node drains); gone when its call returns
 
 
 @dataclass
@@ -89,7 +97,7 @@ class ElasticJob:
         self.discovery = (ScriptDiscovery(settings.discovery_script)
                           if settings.discovery_script else RayDiscovery(per_worker))
         self.members: dict[str, _Member] = {}
-        self.resets = -1  # the first round is not a reset
+        self.resets = 0  # rounds after the first, drains aside
         self.rounds = 0
         self.events: list[tuple[float, str, str]] = []  # (time, what, host) for tests/logs
         self.cooldowns: list[tuple[str, float, float]] = []  # (host, failed at, seconds out)
@@ -106,12 +114,26 @@ class ElasticJob:
         self._needs_round = True
         self._below_min_since: float | None = None
         self.last_failure: WorkerError | None = None
+        # autoscaling clusters: the standing request, the nodes Ray drains (node -> deadline,
+        # time.time() seconds) and every node ever seen draining
+        self.capacity = CapacityRequest(per_worker)
+        self.draining: dict[str, float] = {}
+        self.drained_nodes: set[str] = set()
+        # one entry per round: why it formed and the cluster's shape (see `_record_round`)
+        self.history: list[dict[str, Any]] = []
+        self._reasons: set[str] = {"start"}
+        self._since_round = {"joined": 0, "failed": 0, "left": 0}
+        self._started = time.monotonic()
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> list[Any]:
         try:
+            self._check_feasible()
+            self._check_drains()
             self._scale_up()
+            self._update_request()
             next_discovery = time.monotonic() + self.settings.discovery_interval_s
+            next_drain_check = time.monotonic() + DRAIN_POLL_S
             while True:
                 finished = self._poll_workers()
                 if finished:
@@ -121,9 +143,13 @@ class ElasticJob:
                 if self._poll_pending() and self.rounds:
                     ray.get(self.rounds_actor.bump_hosts.remote())
                     self.events.append((time.monotonic(), "scale_up", ""))
+                if time.monotonic() >= next_drain_check:  # a notice may give seconds
+                    self._check_drains()
+                    next_drain_check = time.monotonic() + DRAIN_POLL_S
                 if time.monotonic() >= next_discovery:
                     self._scale_up()
                     self._check_pending()
+                    self._update_request()
                     next_discovery = time.monotonic() + self.settings.discovery_interval_s
                 self._check_minimum()
                 self._maybe_form_round()
@@ -135,6 +161,7 @@ class ElasticJob:
                 pass
             raise
         finally:
+            self.capacity.clear()
             self._kill_all()
 
     def _poll_workers(self) -> dict[str, Any]:
@@ -147,21 +174,47 @@ class ElasticJob:
         for ref in ready:
             member = refs[ref]
             try:
-                finished[member.worker_id] = ray.get(ref)
+                result = ray.get(ref)
             except (RayActorError, RayTaskError) as exc:
                 self._on_failure(member, exc)
+                continue
+            if isinstance(result, Left):
+                self._on_left(member, result)
+            else:
+                finished[member.worker_id] = result
         return finished
+
+    def _on_left(self, member: _Member, left: Left) -> None:
+        """A worker left at a commit, as asked: no failure, no blacklist, no reset."""
+        del self.members[member.worker_id]
+        self.events.append((time.monotonic(), "left", member.node))
+        log.info("raytrain-x elastic: worker %s left the job (%s)", member.worker_id,
+                 left.reason)
+        try:
+            ray.kill(member.actor, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
 
     def _on_failure(self, member: _Member, exc: Exception) -> None:
         del self.members[member.worker_id]
-        wait = self.blacklist.record_failure(member.node)
-        self.events.append((time.monotonic(), "failure", member.node))
-        self.cooldowns.append((member.node, time.monotonic(), wait))
-        log.warning("raytrain-x elastic: worker %s (rank %d) on node %s failed; host "
-                    "blacklisted for %s", member.worker_id, member.rank, member.node[:8],
-                    "good" if wait == float("inf") else f"{wait:.1f}s")
+        self._since_round["failed"] += 1
+        self._reasons.add("failure")
         self.last_failure = worker_error(member.rank, exc)
         self._needs_round = True
+        if member.node in self.drained_nodes:
+            # its node was draining and went before the worker reached a commit: the node
+            # is gone for good, nothing to blacklist
+            self.events.append((time.monotonic(), "lost_draining", member.node))
+            log.warning("raytrain-x elastic: worker %s (rank %d) was lost with its draining "
+                        "node %s before its next commit; the others restore the last commit",
+                        member.worker_id, member.rank, member.node[:8])
+        else:
+            wait = self.blacklist.record_failure(member.node)
+            self.events.append((time.monotonic(), "failure", member.node))
+            self.cooldowns.append((member.node, time.monotonic(), wait))
+            log.warning("raytrain-x elastic: worker %s (rank %d) on node %s failed; host "
+                        "blacklisted for %s", member.worker_id, member.rank, member.node[:8],
+                        "good" if wait == float("inf") else f"{wait:.1f}s")
         try:
             ray.kill(member.actor, no_restart=True)
         except Exception:  # noqa: BLE001 - already dead
@@ -171,8 +224,8 @@ class ElasticJob:
         """A worker finished: the job is done. Others get `timeout_s` to finish too."""
         deadline = time.monotonic() + self.settings.timeout_s
         while time.monotonic() < deadline:
-            pending = [m for m in self.members.values()
-                       if m.ref is not None and m.worker_id not in finished]
+            pending = [m for m in self.members.values() if m.ref is not None
+                       and m.worker_id not in finished and not m.leaving]
             if not pending:
                 break
             ready, _ = ray.wait([m.ref for m in pending], num_returns=len(pending),
@@ -180,9 +233,11 @@ class ElasticJob:
             for m in pending:
                 if m.ref in ready:
                     try:
-                        finished[m.worker_id] = ray.get(m.ref)
+                        result = ray.get(m.ref)
                     except (RayActorError, RayTaskError):
-                        pass
+                        continue
+                    if not isinstance(result, Left):
+                        finished[m.worker_id] = result
         order = sorted(finished, key=lambda w: self.members[w].rank
                        if w in self.members else 1 << 30)
         return [finished[w] for w in order]
@@ -196,7 +251,74 @@ class ElasticJob:
             for m in self.members.values():
                 used[m.node] = used.get(m.node, 0) + 1
             reported = {h: n - used.get(h, 0) for h, n in reported.items()}
-        return {h: n for h, n in reported.items() if n > 0 and not self.blacklist.is_blacklisted(h)}
+        return {h: n for h, n in reported.items() if n > 0 and h not in self.draining
+                and not self.blacklist.is_blacklisted(h)}
+
+    def _staying(self) -> list[_Member]:
+        """Members that stay in the job: not leaving, not on a draining node."""
+        return [m for m in self.members.values()
+                if not m.leaving and m.node not in self.draining]
+
+    def _update_request(self) -> None:
+        """Asks the autoscaler for room for `max_workers` while the job has fewer (running
+        or starting); withdraws the request once it has them. Nodes the job cannot use
+        (blacklisted, draining) are asked for on top, since Ray counts their capacity."""
+        if isinstance(self.discovery, ScriptDiscovery):
+            return  # the user's script decides the hosts
+        short = self.settings.max_workers - len(self._staying()) - len(self.pending)
+        if short <= 0:
+            self.capacity.ask(0)
+            return
+        totals = alive_nodes()
+        unusable = sum(slots_from_resources(totals[n], self.per_worker) for n in totals
+                       if n in self.draining or self.blacklist.is_blacklisted(n))
+        self.capacity.ask(request_bundles(self.settings.max_workers, unusable))
+
+    def _check_feasible(self) -> None:
+        """Fails before any worker starts when no node, and no node type the autoscaler
+        publishes, can fit one worker."""
+        if isinstance(self.discovery, ScriptDiscovery):
+            return
+        nodes = alive_nodes()
+        if any(slots_from_resources(res, self.per_worker) >= 1 for res in nodes.values()):
+            return
+        types = node_types()
+        if types is None or any(slots_from_resources(res, self.per_worker) >= 1
+                                for res in types.values()):
+            return  # an autoscaler that publishes no node types may still have one
+        offered = sorted({_shape(res) for res in [*nodes.values(), *types.values()]})
+        raise ConfigError(
+            f"a worker needs {_shape(self.per_worker)}, which no node of this cluster and no "
+            f"node type of its autoscaler offers (they offer: {'; '.join(offered)}). Lower "
+            "cpus_per_worker/gpus_per_worker/resources_per_worker, or add a node type that "
+            "has them to the cluster config.")
+
+    def _check_drains(self) -> None:
+        """Notices nodes Ray is draining: their starting workers are given up, their
+        members leave at the next commit (every rank is interrupted there, as for new
+        hosts), and their capacity is no longer used."""
+        now = time.monotonic()
+        draining = draining_nodes()
+        new = {n: d for n, d in draining.items() if n not in self.draining}
+        self.draining = draining
+        interrupt = False
+        for node, deadline in sorted(new.items()):
+            self.drained_nodes.add(node)
+            self.events.append((now, "drain", node))
+            for pending in [p for p in self.pending.values() if p.node == node]:
+                self._give_up(pending, "its node is draining")
+            ours = [m for m in self.members.values() if m.node == node]
+            if not ours:
+                continue
+            interrupt = True
+            left_s = deadline - time.time()
+            when = "no deadline" if left_s == float("inf") else f"deadline in {left_s:.0f} s"
+            _progress(f"node {node[:8]} is draining ({when}); its {len(ours)} worker(s) leave "
+                      "the job at the next commit")
+        if interrupt:
+            self._reasons.add("drain")
+            self._needs_round = True
+            ray.get(self.rounds_actor.bump_hosts.remote())
 
     def _scale_up(self) -> int:
         """Asks for workers on free slots up to max_workers; returns how many were asked for.
@@ -242,6 +364,9 @@ class ElasticJob:
             member.ref = pending.actor.execute.remote(self.fn, self.args, self.kwargs)
             self.members[worker_id] = member
             self._needs_round = True
+            self._since_round["joined"] += 1
+            if self.rounds:
+                self._reasons.add("scale_up")
             self.events.append((time.monotonic(), "start", pending.node))
             log.info("raytrain-x elastic: a worker on %s started after %.1fs", pending.node[:8],
                      time.monotonic() - pending.asked_at)
@@ -293,47 +418,86 @@ class ElasticJob:
                         "(%d so far): %s", len(self.gave_up), "; ".join(causes))
 
     def _check_minimum(self) -> None:
-        if len(self.members) >= self.settings.min_workers:
+        staying = len(self._staying())
+        if staying >= self.settings.min_workers:
             self._below_min_since = None
             return
         now = time.monotonic()
         if self._below_min_since is None:
             self._below_min_since = now
             log.warning("raytrain-x elastic: %d workers, fewer than min_workers=%d; waiting up "
-                        "to %.0fs for capacity", len(self.members), self.settings.min_workers,
+                        "to %.0fs for capacity", staying, self.settings.min_workers,
                         self.settings.elastic_timeout)
         elif now - self._below_min_since > self.settings.elastic_timeout:
             starting = f" ({len(self.pending)} still starting)" if self.pending else ""
+            asked = (f"; asked the autoscaler for room for {self.capacity.bundles} workers of "
+                     f"{_shape(self.per_worker)} and none came"
+                     if self.capacity.bundles else "")
             raise ElasticTimeout(
-                f"only {len(self.members)} workers{starting} for "
+                f"only {staying} workers{starting} for "
                 f"{self.settings.elastic_timeout:.0f}s, "
                 "fewer than "
-                f"min_workers={self.settings.min_workers}; blacklisted hosts: "
-                f"{[h[:8] for h in self.blacklist.blacklisted()]}. Add capacity, lower "
-                "min_workers or raise elastic_timeout.")
+                f"min_workers={self.settings.min_workers}{asked}; blacklisted hosts: "
+                f"{[h[:8] for h in self.blacklist.blacklisted()]}. Add capacity (or node "
+                "types that fit a worker), lower min_workers or raise elastic_timeout.")
 
     # ------------------------------------------------------------------ rounds
     def _maybe_form_round(self) -> None:
-        if not self._needs_round or len(self.members) < self.settings.min_workers:
+        if not self._needs_round:
             return
         waiting = set(ray.get(self.rounds_actor.waiting.remote()))
-        if not waiting or waiting != set(self.members):
+        leaving = {w: {"leave": True, "reason": f"node {self.members[w].node[:8]} is draining"}
+                   for w in waiting if w in self.members and not self.members[w].leaving
+                   and self.members[w].node in self.draining}
+        if leaving:  # they return from `execute` with `Left`; `_poll_workers` drops them
+            ray.get(self.rounds_actor.publish.remote(leaving))
+            for worker_id in leaving:
+                self.members[worker_id].leaving = True
+            self._since_round["left"] += len(leaving)
+        staying = {m.worker_id: m for m in self._staying()}
+        if len(staying) < self.settings.min_workers:
+            return
+        if not staying or not set(staying) <= waiting:
             return  # survivors are still on their way to the rendezvous
-        self.resets += 1
+        if self.rounds and self._reasons - {"drain"}:  # a drain alone is not a reset
+            self.resets += 1
         if self.settings.reset_limit is not None and self.resets > self.settings.reset_limit:
             raise ResetLimitExceeded(
                 f"the job reset {self.resets} times, more than reset_limit="
                 f"{self.settings.reset_limit}; the last failure: {self.last_failure or ''}")
         version = ray.get(self.rounds_actor.hosts_version.remote())
         self.rounds += 1
-        assignments = plan_round({m.worker_id: (m.node, m.age) for m in self.members.values()},
+        assignments = plan_round({m.worker_id: (m.node, m.age) for m in staying.values()},
                                  self.rounds, version)
         for worker_id, place in assignments.items():
             self.members[worker_id].rank = place["rank"]
         ray.get(self.rounds_actor.publish.remote(assignments))
         self._needs_round = False
         self.events.append((time.monotonic(), "round", str(len(assignments))))
-        log.info("raytrain-x elastic: round %d with %d workers", self.rounds, len(assignments))
+        self._record_round(staying)
+
+    def _record_round(self, staying: dict[str, _Member]) -> None:
+        """Adds the round to `history` and prints its progress line."""
+        hosts = len({m.node for m in staying.values()})
+        entry = {
+            "round": self.rounds,
+            "time_s": round(time.monotonic() - self._started, 3),
+            "size": len(staying),
+            "hosts": hosts,
+            "reason": "+".join(sorted(self._reasons)),
+            **self._since_round,
+            "starting": len(self.pending),
+            "requested": self.capacity.bundles,
+            "draining_nodes": len(self.draining),
+        }
+        self.history.append(entry)
+        asked = (f", asking the autoscaler for room for {entry['requested']}"
+                 if entry["requested"] else "")
+        _progress(f"round {entry['round']} at {entry['time_s']:.1f}s: {entry['size']} "
+                  f"workers on {hosts} host(s) ({entry['reason']}); {entry['starting']} "
+                  f"starting{asked}")
+        self._reasons = set()
+        self._since_round = {"joined": 0, "failed": 0, "left": 0}
 
     def _kill_all(self) -> None:
         for m in [*self.members.values(), *self.pending.values()]:
@@ -346,6 +510,18 @@ class ElasticJob:
                 ray.kill(actor, no_restart=True)
             except Exception:  # noqa: BLE001
                 pass
+
+
+def _progress(line: str) -> None:
+    """A line for the driver's user: logged, and printed (a notebook shows no log)."""
+    log.info("raytrain-x elastic: %s", line)
+    print(f"raytrain-x elastic: {line}", flush=True)
+
+
+def _shape(resources: dict[str, float]) -> str:
+    return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(resources.items())
+                           if v and not k.startswith("node:")
+                           and k not in ("memory", "object_store_memory")) + "}"
 
 
 def _first_line(exc: BaseException) -> str:

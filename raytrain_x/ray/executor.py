@@ -330,6 +330,16 @@ class RayExecutor:
         self.last_elastic_job = ElasticJob(settings, fn, tuple(args or ()), dict(kwargs or {}))
         return self.last_elastic_job.run()
 
+    @property
+    def elastic_history(self) -> list[dict[str, Any]]:
+        """The last elastic run's rounds, one dict each: `round`, `time_s` (since the run
+        began), `size`, `hosts`, `reason` (`start`, `scale_up`, `failure`, `drain`, joined
+        by `+` when one round had several), how many workers `joined`, `failed` and `left`
+        since the round before, how many were still `starting`, how many worker bundles the
+        job was `requested` of the autoscaler and how many nodes were draining."""
+        job = self.last_elastic_job
+        return [dict(entry) for entry in job.history] if job is not None else []
+
     def run_remote(self, fn: Callable, args: Sequence | None = None,
                    kwargs: dict | None = None) -> list[ray.ObjectRef]:
         """Starts `fn(*args, **kwargs)` on every worker; returns ObjectRefs in rank order."""

@@ -9,6 +9,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -17,6 +18,18 @@ from raytrain_x.comm.rendezvous import Rendezvous, set_rendezvous_provider
 from raytrain_x.comm.store import ActorStore, call_actor
 from raytrain_x.common.errors import LOST_PEER_EXIT_CODE
 from raytrain_x.ray.failures import WorkerFailure
+
+
+class LeaveJob(BaseException):  # noqa: N818 - a signal like SystemExit, not an error
+    """Raised in a worker the elastic driver asked to leave: its node is draining. A
+    BaseException, so a user's `except Exception` does not keep the worker in the job."""
+
+
+@dataclass
+class Left:
+    """What `execute` returns for a worker that left the job at a commit."""
+
+    reason: str
 
 
 class ActorAdvisor:
@@ -86,6 +99,8 @@ class WorkerActor:
 
         def provider() -> Rendezvous:
             place = call_actor(rounds_actor.join, worker_id)
+            if place.get("leave"):
+                raise LeaveJob(place["reason"])
             self.rank = place["rank"]
             return Rendezvous(store=ActorStore(store_actor, timeout_s), timeout_s=timeout_s,
                               **place)
@@ -108,6 +123,11 @@ class WorkerActor:
             if with_executable:
                 return fn(self.executable)
             return fn(*args, **(kwargs or {}))
+        except LeaveJob as exc:
+            from raytrain_x.core import runtime
+
+            runtime.shutdown()
+            return Left(str(exc))
         except BaseException as exc:
             from raytrain_x.core import runtime
 

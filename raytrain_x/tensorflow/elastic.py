@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from raytrain_x.core.runtime import rank
-from raytrain_x.elastic.state import ObjectState, State
+from raytrain_x.elastic.state import ObjectState, State, restore_count
 from raytrain_x.elastic.state import run as _run
 from raytrain_x.tensorflow.arrays import unwrap_error
 from raytrain_x.tensorflow.functions import broadcast_object, broadcast_variables
@@ -98,4 +98,4 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
 
 
 __all__ = ["KerasState", "ObjectState", "State", "TensorFlowKerasState", "TensorFlowState",
-           "run"]
+           "restore_count", "run"]

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from raytrain_x.core.runtime import rank
-from raytrain_x.elastic.state import ObjectState, State, run
+from raytrain_x.elastic.state import ObjectState, State, restore_count, run
 from raytrain_x.torch.functions import (
     broadcast_object,
     broadcast_optimizer_state,
@@ -59,4 +59,4 @@ class TorchState(ObjectState):
         super().sync()  # plain attributes, then save() commits everything
 
 
-__all__ = ["ObjectState", "State", "TorchState", "run"]
+__all__ = ["ObjectState", "State", "TorchState", "restore_count", "run"]

@@ -118,26 +118,9 @@ def _stop_cluster(temp: Path, gcs_port: int) -> None:
     """Stops only the processes of the cluster under `temp` or with GCS port `gcs_port`
     (`ray stop` would also stop the test session's shared cluster). The port catches the
     Ray client server, whose command line does not name the temp dir."""
-    import signal
+    from raytrain_x.testing.processes import cluster_processes, stop
 
-    from tests.conftest import _processes
-
-    procs = _processes()
-    mine = {pid for pid, (_, cmdline) in procs.items()
-            if (str(temp) in cmdline or f":{gcs_port} " in cmdline + " ")
-            and pid != os.getpid()}
-    grew = True
-    while grew:  # agents rename themselves (ray::DashboardAgent): take descendants too
-        children = {p for p, (parent, _) in procs.items() if parent in mine} - mine
-        grew = bool(children)
-        mine |= children
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in mine:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        time.sleep(1)
+    stop(cluster_processes([str(temp), f":{gcs_port} "]))
     shutil.rmtree(temp, ignore_errors=True)
 
 
