@@ -11,7 +11,10 @@ session's, a user's):
 - `shutdown()` stops exactly its processes: those naming its temp dir or GCS port, and
   their descendants, found before any is signalled;
 - its base config is built here, as Ray's wheel no longer ships the example YAML that
-  `AutoscalingCluster` reads.
+  `AutoscalingCluster` reads;
+- its provider is Ray's fake one made cloud-like (`raytrain_x.testing.provider`): nodes
+  can take a while to come up, and a node whose raylet exited (killed, or drained) leaves
+  the provider's list, so the autoscaler replaces it.
 
     with LocalAutoscalingCluster({"cpu": {"resources": {"CPU": 1}, "max_workers": 4,
                                           "min_workers": 0, "node_config": {}}},
@@ -81,8 +84,10 @@ class LocalAutoscalingCluster(AutoscalingCluster):
         config_file: a cluster YAML for the fake provider to start from (for example
             `examples/clusters/local-fake.yaml`); the built-in base config when None.
         autoscaler_v2: run Ray's autoscaler v2 instead of v1.
-        node_launch_delay_s: each node comes up this long after the autoscaler launches it
-            (`raytrain_x.testing.provider`), as a cloud instance takes a while to boot.
+        node_launch_delay_s: each node comes up this long after the autoscaler launches it,
+            as a cloud instance takes a while to boot. The cluster runs Ray's fake provider
+            through `raytrain_x.testing.provider.CloudLikeFakeProvider`, which also drops a
+            node whose raylet has exited, as a cloud drops a preempted instance.
         start_timeout_s: how long `ray start --head` may take.
         **config_kwargs: top-level config fields (`idle_timeout_minutes`,
             `upscaling_speed`, `max_workers`).
@@ -117,10 +122,10 @@ class LocalAutoscalingCluster(AutoscalingCluster):
                                      "max_workers": 0}
         config["available_node_types"] = types
         config["head_node_type"] = "ray.head.default"
-        if self._launch_delay_s:
+        if config["provider"].get("type") == "fake_multinode":
             config["provider"].update({
                 "type": "external", "launch_delay_s": self._launch_delay_s,
-                "module": "raytrain_x.testing.provider.SlowStartFakeProvider"})
+                "module": "raytrain_x.testing.provider.CloudLikeFakeProvider"})
         if autoscaler_v2:
             config["provider"]["launch_multiple"] = True
             config["provider"]["head_node_id"] = FAKE_HEAD_NODE_ID

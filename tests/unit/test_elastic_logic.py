@@ -76,3 +76,41 @@ def test_script_must_exist_and_be_executable(tmp_path):
 def test_slots_from_resources():
     assert slots_from_resources({"CPU": 7.0, "rtx": 2.0}, {"CPU": 2, "rtx": 1}) == 2
     assert slots_from_resources({"CPU": 1.0}, {"CPU": 2}) == 0
+
+
+def test_capacity_asked_of_the_autoscaler_counts_unusable_nodes_on_top():
+    from raytrain_x.ray.autoscaling import request_bundles
+
+    assert request_bundles(4, 0) == 4
+    assert request_bundles(4, 2) == 6  # a blacklisted or draining node's slots
+    assert request_bundles(4, -1) == 4
+
+
+def test_the_v1_monitor_config_gives_the_node_types(tmp_path):
+    """The node types are read from the config file of the monitor process of this
+    cluster's GCS: a real process whose command line looks like Ray's monitor."""
+    import subprocess
+    import sys
+    import time
+
+    from raytrain_x.ray.autoscaling import monitor_node_types
+
+    config = tmp_path / "cluster.yaml"
+    config.write_text("head_node_type: head\navailable_node_types:\n"
+                      "  head: {resources: {CPU: 0}, max_workers: 0}\n"
+                      "  cpu1: {resources: {CPU: 1}, max_workers: 4}\n"
+                      "  never: {resources: {GPU: 8}, max_workers: 0}\n")
+    fake = tmp_path / "autoscaler" / "_private"
+    fake.mkdir(parents=True)
+    (fake / "monitor.py").write_text("import time\ntime.sleep(30)\n")
+    proc = subprocess.Popen([sys.executable, str(fake / "monitor.py"),
+                             "--gcs-address=10.0.0.1:6380",
+                             f"--autoscaling-config={config}"])
+    try:
+        time.sleep(0.2)
+        assert monitor_node_types("10.0.0.1:6380") == {"head": {"CPU": 0.0},
+                                                       "cpu1": {"CPU": 1.0}}
+        assert monitor_node_types("10.0.0.1:6381") is None  # another cluster's monitor
+    finally:
+        proc.kill()
+        proc.wait()
