@@ -28,6 +28,7 @@ from raytrain_x.comm.store_actor import StoreActor
 from raytrain_x.common.errors import ConfigError, ElasticTimeout, ResetLimitExceeded, WorkerError
 from raytrain_x.elastic.blacklist import Blacklist
 from raytrain_x.elastic.discovery import ScriptDiscovery, slots_from_resources
+from raytrain_x.elastic.history import RoundHistory, round_line
 from raytrain_x.ray.autoscaling import CapacityRequest, draining_nodes, node_types, request_bundles
 from raytrain_x.ray.discovery import RayDiscovery, alive_nodes, resolve_hosts
 from raytrain_x.ray.elastic_rounds import ElasticRounds, plan_round
@@ -119,11 +120,8 @@ class ElasticJob:
         self.capacity = CapacityRequest(per_worker)
         self.draining: dict[str, float] = {}
         self.drained_nodes: set[str] = set()
-        # one entry per round: why it formed and the cluster's shape (see `_record_round`)
-        self.history: list[dict[str, Any]] = []
-        self._reasons: set[str] = {"start"}
-        self._since_round = {"joined": 0, "failed": 0, "left": 0}
-        self._started = time.monotonic()
+        # one entry per round: why it formed and the cluster's shape
+        self.rounds_history = RoundHistory()
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> list[Any]:
@@ -197,8 +195,7 @@ class ElasticJob:
 
     def _on_failure(self, member: _Member, exc: Exception) -> None:
         del self.members[member.worker_id]
-        self._since_round["failed"] += 1
-        self._reasons.add("failure")
+        self.rounds_history.note("failure", failed=1)
         self.last_failure = worker_error(member.rank, exc)
         self._needs_round = True
         if member.node in self.drained_nodes:
@@ -316,7 +313,7 @@ class ElasticJob:
             _progress(f"node {node[:8]} is draining ({when}); its {len(ours)} worker(s) leave "
                       "the job at the next commit")
         if interrupt:
-            self._reasons.add("drain")
+            self.rounds_history.note("drain")
             self._needs_round = True
             ray.get(self.rounds_actor.bump_hosts.remote())
 
@@ -364,9 +361,7 @@ class ElasticJob:
             member.ref = pending.actor.execute.remote(self.fn, self.args, self.kwargs)
             self.members[worker_id] = member
             self._needs_round = True
-            self._since_round["joined"] += 1
-            if self.rounds:
-                self._reasons.add("scale_up")
+            self.rounds_history.note("scale_up" if self.rounds else "start", joined=1)
             self.events.append((time.monotonic(), "start", pending.node))
             log.info("raytrain-x elastic: a worker on %s started after %.1fs", pending.node[:8],
                      time.monotonic() - pending.asked_at)
@@ -453,13 +448,13 @@ class ElasticJob:
             ray.get(self.rounds_actor.publish.remote(leaving))
             for worker_id in leaving:
                 self.members[worker_id].leaving = True
-            self._since_round["left"] += len(leaving)
+            self.rounds_history.note("drain", left=len(leaving))
         staying = {m.worker_id: m for m in self._staying()}
         if len(staying) < self.settings.min_workers:
             return
         if not staying or not set(staying) <= waiting:
             return  # survivors are still on their way to the rendezvous
-        if self.rounds and self._reasons - {"drain"}:  # a drain alone is not a reset
+        if self.rounds_history.is_reset():
             self.resets += 1
         if self.settings.reset_limit is not None and self.resets > self.settings.reset_limit:
             raise ResetLimitExceeded(
@@ -477,27 +472,15 @@ class ElasticJob:
         self._record_round(staying)
 
     def _record_round(self, staying: dict[str, _Member]) -> None:
-        """Adds the round to `history` and prints its progress line."""
-        hosts = len({m.node for m in staying.values()})
-        entry = {
-            "round": self.rounds,
-            "time_s": round(time.monotonic() - self._started, 3),
-            "size": len(staying),
-            "hosts": hosts,
-            "reason": "+".join(sorted(self._reasons)),
-            **self._since_round,
-            "starting": len(self.pending),
-            "requested": self.capacity.bundles,
-            "draining_nodes": len(self.draining),
-        }
-        self.history.append(entry)
-        asked = (f", asking the autoscaler for room for {entry['requested']}"
-                 if entry["requested"] else "")
-        _progress(f"round {entry['round']} at {entry['time_s']:.1f}s: {entry['size']} "
-                  f"workers on {hosts} host(s) ({entry['reason']}); {entry['starting']} "
-                  f"starting{asked}")
-        self._reasons = set()
-        self._since_round = {"joined": 0, "failed": 0, "left": 0}
+        """Adds the round to the history and prints its progress line."""
+        entry = self.rounds_history.record(
+            self.rounds, len(staying), len({m.node for m in staying.values()}),
+            len(self.pending), self.capacity.bundles, len(self.draining))
+        _progress(round_line(entry))
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        return self.rounds_history.entries
 
     def _kill_all(self) -> None:
         for m in [*self.members.values(), *self.pending.values()]:

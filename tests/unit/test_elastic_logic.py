@@ -114,3 +114,28 @@ def test_the_v1_monitor_config_gives_the_node_types(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_round_history_reasons_counts_and_resets():
+    from raytrain_x.elastic.history import RoundHistory, round_line
+
+    now = [100.0]
+    history = RoundHistory(clock=lambda: now[0])
+    history.note("start", joined=2)
+    assert not history.is_reset()  # the first round
+    now[0] = 103.5
+    first = history.record(1, size=2, hosts=2, starting=1, requested=4, draining_nodes=0)
+    assert first["reason"] == "start" and first["joined"] == 2 and first["time_s"] == 3.5
+    assert round_line(first) == ("round 1 at 3.5s: 2 workers on 2 host(s) (start); 1 "
+                                 "starting, asking the autoscaler for room for 4")
+    history.note("drain", left=1)
+    assert not history.is_reset()  # a drain alone is not a reset
+    drained = history.record(2, size=1, hosts=1, starting=0, requested=0, draining_nodes=1)
+    assert (drained["reason"], drained["left"], drained["failed"]) == ("drain", 1, 0)
+    assert round_line(drained).endswith("(drain); 0 starting")
+    history.note("failure", failed=1)
+    history.note("scale_up", joined=1)
+    assert history.is_reset()
+    both = history.record(3, size=1, hosts=1, starting=0, requested=0, draining_nodes=0)
+    assert both["reason"] == "failure+scale_up" and both["joined"] == 1
+    assert [e["round"] for e in history.entries] == [1, 2, 3]
