@@ -105,6 +105,7 @@ def plot(history: list[dict], path: str) -> None:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:
         print("matplotlib is not installed: no plot (pip install matplotlib)")
         return
@@ -116,6 +117,7 @@ def plot(history: list[dict], path: str) -> None:
         ax.annotate(h["reason"], (h["time_s"], h["size"]), fontsize=7, rotation=30)
     ax.set_xlabel("seconds since the job started")
     ax.set_ylabel("workers")
+    ax.yaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.set_title("elastic job: world size per round")
     fig.tight_layout()
     fig.savefig(path)
@@ -156,8 +158,11 @@ def main() -> int:
     if args.local:
         from raytrain_x.testing import LocalAutoscalingCluster
 
+        # each node up 3 s after its launch, as a cloud instance takes a while to boot:
+        # the job starts small and grows while it trains
         cluster = LocalAutoscalingCluster(
-            config_file=os.path.join(HERE, "clusters", "local-fake.yaml")).start()
+            config_file=os.path.join(HERE, "clusters", "local-fake.yaml"),
+            node_launch_delay_s=3).start()
         args.address = cluster.address
         print(f"local autoscaling cluster at {cluster.address}", flush=True)
     try:
