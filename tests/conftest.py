@@ -8,7 +8,7 @@ import tempfile
 
 import pytest
 
-from raytrain_x.common.procs import processes
+from raytrain_x.common.procs import kill, processes, with_descendants
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ELASTIC_RESOURCE = "rtx_elastic"
@@ -49,7 +49,7 @@ def _start_head(cluster_class, head: dict):
     import warnings
 
     for attempt in (1, 2):
-        before = set(_processes())
+        before = set(processes())
         c = cluster_class(initialize_head=False, connect=False)
         try:
             c.add_node(**head)
@@ -58,7 +58,7 @@ def _start_head(cluster_class, head: dict):
             # a node that failed inside its constructor is not in the cluster's list, so its
             # processes are found as the new Ray processes this one started
             c.shutdown()
-            _kill(_new_ray_processes(before))
+            kill(_new_ray_processes(before))
             if attempt == 2 or "timed out during startup" not in str(exc):
                 raise
             warnings.warn(f"Ray's head node did not start in the time Ray allows ({exc}); "
@@ -141,38 +141,18 @@ _RAY_MARKERS = ("raylet", "gcs_server", "ray.util.client.server", "ray/dashboard
                 "log_monitor.py", "ray/autoscaler", "default_worker.py", "ray::",
                 "runtime_env/agent")
 _at_start: dict = {}
-_processes = processes  # pid -> (parent pid, command line)
 
 
 def _new_ray_processes(before: set[int]) -> dict[int, str]:
     """pid -> command line of the processes not in `before` that descend from this one or
     run Ray."""
-    procs = _processes()
+    procs = processes()
     me = os.getpid()
-
-    def descends(pid: int) -> bool:
-        seen = set()
-        while pid not in seen and pid > 1:
-            seen.add(pid)
-            pid = procs.get(pid, (0, ""))[0]
-            if pid == me:
-                return True
-        return False
-
+    mine = with_descendants({me}, procs)
     # multiprocessing's resource tracker lives as long as pytest itself, by design
     return {p: c for p, (_, c) in procs.items() if p not in before and p != me
             and "multiprocessing.resource_tracker" not in c
-            and (descends(p) or any(m in c for m in _RAY_MARKERS))}
-
-
-def _kill(pids) -> None:
-    import signal
-
-    for pid in list(pids):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+            and (p in mine or any(m in c for m in _RAY_MARKERS))}
 
 
 def _leftovers() -> dict[str, list[str]]:
@@ -198,7 +178,7 @@ def pytest_sessionstart(session):
         prefix=f"{TEMP_PREFIX}tmp", dir="/tmp")
     # Ray writes the address of the last cluster started to $TMPDIR/ray without making it
     os.mkdir(os.path.join(_at_start["children_temp"], "ray"))
-    _at_start["pids"] = set(_processes())
+    _at_start["pids"] = set(processes())
     _at_start["shm"] = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     _at_start["temp"] = {n for n in os.listdir("/tmp") if n.startswith(TEMP_PREFIX)}
 

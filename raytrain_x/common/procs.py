@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import signal
+from collections.abc import Iterable
 
 
 def processes() -> dict[int, tuple[int, str]]:
@@ -19,3 +21,24 @@ def processes() -> dict[int, tuple[int, str]]:
         if fields[0] != "Z":
             out[int(pid)] = (int(fields[1]), cmd.strip())
     return out
+
+
+def with_descendants(roots: Iterable[int], procs: dict[int, tuple[int, str]]) -> set[int]:
+    """`roots` and every process below them in `procs` (Ray's agents rename themselves, so
+    a command line alone does not find them)."""
+    found = set(roots)
+    grew = True
+    while grew:
+        children = {p for p, (parent, _) in procs.items() if parent in found} - found
+        grew = bool(children)
+        found |= children
+    return found
+
+
+def kill(pids: Iterable[int], sig: int = signal.SIGKILL) -> None:
+    """Sends `sig` to each process; one already gone is skipped."""
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass

@@ -20,6 +20,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrain_x.common.procs import processes
+from raytrain_x.ray.placement import head_node_id
 
 log = logging.getLogger("raytrain_x.elastic")
 
@@ -94,9 +95,7 @@ def node_types() -> dict[str, dict[str, float]] | None:
         return {group.name: dict(group.resources) for group in config.node_group_configs
                 if group.max_count != 0}
     context = ray.get_runtime_context()
-    head = next((n["NodeID"] for n in ray.nodes()
-                 if n.get("Alive") and "node:__internal_head__" in n.get("Resources", {})),
-                None)
+    head = head_node_id()
     if head is None:
         return None
     if context.get_node_id() == head:

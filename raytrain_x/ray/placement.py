@@ -85,6 +85,12 @@ def create_placement_group(
     return pg, indexes
 
 
+def head_node_id() -> str | None:
+    """The alive head node's id (None if Ray lists none)."""
+    return next((info["NodeID"] for info in ray.nodes() if info.get("Alive")
+                 and "node:__internal_head__" in info.get("Resources", {})), None)
+
+
 def stable_node_strategy():
     """Scheduling for a job's control actors (store, coordinator, autotune controller): the
     head node, which autoscalers and spot reclaims never take away (else the driver's node).
@@ -92,11 +98,7 @@ def stable_node_strategy():
     resources, so the node always fits them."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    node = ray.get_runtime_context().get_node_id()
-    for info in ray.nodes():
-        if info.get("Alive") and "node:__internal_head__" in info.get("Resources", {}):
-            node = info["NodeID"]
-            break
+    node = head_node_id() or ray.get_runtime_context().get_node_id()
     return NodeAffinitySchedulingStrategy(node, soft=False)
 
 

@@ -41,6 +41,7 @@ from ray.cluster_utils import AutoscalingCluster
 from raytrain_x.testing.processes import (
     cluster_processes,
     environ_has,
+    kill,
     processes,
     stop,
     with_descendants,
@@ -205,26 +206,27 @@ class LocalAutoscalingCluster(AutoscalingCluster):
 
         return ray._raylet.GcsClient(address=self.address)
 
-    def alive_nodes(self) -> dict[str, dict[str, float]]:
-        """Alive node id -> total resources, read from this cluster's GCS (no driver
+    def _alive(self) -> dict[str, Any]:
+        """Alive node id -> its GCS node info, read from this cluster's GCS (no driver
         connection needed)."""
         from ray.core.generated import gcs_pb2
 
         nodes = self.gcs_client().get_all_node_info(timeout=10)
-        return {node_id.hex(): dict(info.resources_total) for node_id, info in nodes.items()
+        return {node_id.hex(): info for node_id, info in nodes.items()
                 if info.state == gcs_pb2.GcsNodeInfo.ALIVE}
+
+    def alive_nodes(self) -> dict[str, dict[str, float]]:
+        """Alive node id -> total resources."""
+        return {node: dict(info.resources_total) for node, info in self._alive().items()}
 
     def worker_nodes(self) -> list[str]:
         """Alive nodes other than the head, oldest first (the provider numbers them)."""
-        return sorted(n for n in self.alive_nodes() if n != self.head_node_id())
+        return sorted(node for node, info in self._alive().items() if not info.is_head_node)
 
     def head_node_id(self) -> str:
-        from ray.core.generated import gcs_pb2
-
-        nodes = self.gcs_client().get_all_node_info(timeout=10)
-        for node_id, info in nodes.items():
-            if info.is_head_node and info.state == gcs_pb2.GcsNodeInfo.ALIVE:
-                return node_id.hex()
+        for node, info in self._alive().items():
+            if info.is_head_node:
+                return node
         raise RuntimeError("the cluster has no alive head node")
 
     def resource_request(self) -> list[dict[str, float]]:
@@ -271,11 +273,5 @@ def kill_node(node_id: str) -> int:
     procs = processes()
     roots = {pid for pid in procs if environ_has(pid, NODE_ID_ENV, node_id)}
     pids = with_descendants(roots, procs) - {os.getpid()}
-    import signal
-
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    kill(pids)
     return len(pids)

@@ -7,9 +7,10 @@ import signal
 import time
 from collections.abc import Iterable
 
-from raytrain_x.common.procs import processes
+from raytrain_x.common.procs import kill, processes, with_descendants
 
-__all__ = ["cluster_processes", "environ_has", "processes", "stop", "with_descendants"]
+__all__ = ["cluster_processes", "environ_has", "kill", "processes", "stop",
+           "with_descendants"]
 
 
 def environ_has(pid: int, name: str, value: str) -> bool:
@@ -19,18 +20,6 @@ def environ_has(pid: int, name: str, value: str) -> bool:
             return f"{name}={value}".encode() in f.read().split(b"\0")
     except OSError:
         return False
-
-
-def with_descendants(roots: Iterable[int], procs: dict[int, tuple[int, str]]) -> set[int]:
-    """`roots` and every process below them (Ray's agents rename themselves, so a
-    command line alone does not find them)."""
-    found = set(roots)
-    grew = True
-    while grew:
-        children = {p for p, (parent, _) in procs.items() if parent in found} - found
-        grew = bool(children)
-        found |= children
-    return found
 
 
 def cluster_processes(markers: Iterable[str]) -> set[int]:
@@ -45,16 +34,11 @@ def cluster_processes(markers: Iterable[str]) -> set[int]:
 def stop(pids: Iterable[int], grace_s: float = 1.0) -> None:
     """SIGTERM, a grace period, then SIGKILL for whatever is still there."""
     pids = set(pids)
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        if sig == signal.SIGTERM:
-            deadline = time.monotonic() + grace_s
-            while time.monotonic() < deadline and any(_alive(p) for p in pids):
-                time.sleep(0.1)
+    kill(pids, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.1)
+    kill(pids)
 
 
 def _alive(pid: int) -> bool:

@@ -160,16 +160,23 @@ def test_grows_to_max_workers_then_scales_down(cluster, tmp_path):
                state=cluster.worker_nodes, poll_s=0.5)
 
 
+def _drain_one_of_three(cluster: LocalAutoscalingCluster, driver: _Driver) -> list[str]:
+    """Once the job has 3 workers, drains the newest worker node with a spot notice (60 s
+    deadline) and waits for the round of the 2 left; returns the worker nodes before."""
+    driver.wait_for_round(3, "", work_s=60)
+    nodes = cluster.worker_nodes()
+    drain_node(cluster.address, nodes[-1], deadline_s=60)
+    driver.wait_for_round(2, "drain", work_s=20)
+    return nodes
+
+
 def test_drained_node_leaves_at_a_commit_without_a_restore(cluster, tmp_path):
     """A spot notice (`ray drain-node`, reason preemption, 60 s deadline) mid-job: the
     node's worker leaves at the next commit, the others go on without restoring anything,
     and the round history says drain, not failure."""
     driver = _Driver(cluster, tmp_path, "--min-workers", "1", "--max-workers", "3")
     try:
-        driver.wait_for_round(3, "", work_s=60)
-        victim = cluster.worker_nodes()[-1]
-        drain_node(cluster.address, victim, deadline_s=60)
-        driver.wait_for_round(2, "drain", work_s=20)
+        _drain_one_of_three(cluster, driver)
         driver.trained_at(2)
         job = driver.stop()
     finally:
@@ -187,10 +194,7 @@ def test_a_killed_node_and_a_drained_node_in_one_job(cluster, tmp_path):
     restoring the last commit, and the job finishes with every step done once."""
     driver = _Driver(cluster, tmp_path, "--min-workers", "1", "--max-workers", "3")
     try:
-        driver.wait_for_round(3, "", work_s=60)
-        nodes = cluster.worker_nodes()
-        drain_node(cluster.address, nodes[-1], deadline_s=60)
-        driver.wait_for_round(2, "drain", work_s=20)
+        nodes = _drain_one_of_three(cluster, driver)
         assert kill_node(nodes[0]) > 0
         wait_until(lambda: any("failure" in r for _, r in driver.rounds()), 30,
                    "a round after the killed node's failure", state=driver.tail, poll_s=0.2)

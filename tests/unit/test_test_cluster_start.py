@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from tests.conftest import _processes, _start_head
+from raytrain_x.common.procs import processes
+from tests.conftest import _start_head
 
 TIMED_OUT = "The current node timed out during startup. This could happen because ..."
 
@@ -48,7 +49,7 @@ def test_a_start_past_rays_limit_is_stopped_and_tried_again(flaky):
     first, second = flaky.starts
     assert second is None  # the second start succeeded
     assert first.wait(timeout=10) != 0  # the half-started one's process was killed
-    assert first.pid not in _processes()
+    assert first.pid not in processes()
 
 
 def test_any_other_start_failure_is_raised_at_once(flaky):
