@@ -105,12 +105,13 @@ class Backend:
         rank, size, ranks: this process's rank in the group, the group size, and the
             members' global ranks.
         timeout_s: how long a collective may wait for a peer before it fails.
+        address: the IP address to listen on for peers ("" = the backend's default).
     """
 
     name: str
 
     def create_group(self, store: Any, prefix: str, rank: int, size: int,
-                     ranks: Sequence[int], timeout_s: float) -> Group:
+                     ranks: Sequence[int], timeout_s: float, address: str = "") -> Group:
         raise NotImplementedError
 
 

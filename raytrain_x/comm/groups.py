@@ -79,7 +79,7 @@ class ProcessGroups:
     def _subgroup(self, name: str, ranks: list[int]) -> Group:
         return self.backend.create_group(self.rdv.store, f"{self._prefix}/{name}",
                                          ranks.index(self.rdv.rank), len(ranks), ranks,
-                                         self.rdv.timeout_s)
+                                         self.rdv.timeout_s, self.rdv.address)
 
     def close(self) -> None:
         """Releases every communicator of this round (the store last)."""

@@ -27,6 +27,9 @@ class Rendezvous:
         round: rendezvous round (elastic resets start a new one).
         hosts: optional host id of every rank (rank order), for hierarchical groups.
         hosts_version: the elastic driver's host-set version this round was formed at.
+        address: the IP address this worker's collectives listen on (its Ray node's
+            address); empty: the backend's default (gloo: `GLOO_SOCKET_IFNAME`, else what
+            the hostname resolves to, which is loopback on many machines).
     """
 
     rank: int = 0
@@ -40,6 +43,7 @@ class Rendezvous:
     round: int = 0
     hosts: list[str] = field(default_factory=list)
     hosts_version: int = 0
+    address: str = ""
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:

@@ -9,6 +9,7 @@ tensors are wrapped as torch tensors over the same memory (no copy).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -48,18 +49,32 @@ def as_tensor(array: Any) -> torch.Tensor:
     return torch.from_dlpack(array)
 
 
+def gloo_options(timeout: timedelta, address: str) -> Any:
+    """Gloo's options: listen on `address` (the Ray node's IP) unless `GLOO_SOCKET_IFNAME`
+    names interfaces or no address is known; then gloo's own default, the address the
+    hostname resolves to. That default is loopback wherever /etc/hosts maps the hostname to
+    127.0.x.1, which peers on other hosts cannot reach."""
+    if not address or os.environ.get("GLOO_SOCKET_IFNAME"):
+        return timeout
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
+    options._threads = 2  # what gloo's own default gives one device
+    return options
+
+
 class TorchGroup(Group):
     """A gloo group and, on first use by a CUDA tensor, an nccl one."""
 
     def __init__(self, store: Any, rank: int, size: int, timeout_s: float,
-                 ranks: Sequence[int]) -> None:
+                 ranks: Sequence[int], address: str = "") -> None:
         self.rank = rank
         self.size = size
         self.ranks = list(ranks)
         self._timeout = timedelta(seconds=timeout_s)
         self._store = store
         self._gloo = self._call("create gloo group", dist.ProcessGroupGloo, store, rank, size,
-                                self._timeout)
+                                gloo_options(self._timeout, address))
         self._nccl = None
 
     def _backend(self, tensor: torch.Tensor) -> Any:
@@ -135,6 +150,7 @@ class TorchBackend(Backend):
     name = "torch"
 
     def create_group(self, store: Any, prefix: str, rank: int, size: int,
-                     ranks: Sequence[int], timeout_s: float) -> Group:
+                     ranks: Sequence[int], timeout_s: float, address: str = "") -> Group:
         base = as_torch_store(store) if store is not None else dist.HashStore()
-        return TorchGroup(dist.PrefixStore(prefix, base), rank, size, timeout_s, ranks)
+        return TorchGroup(dist.PrefixStore(prefix, base), rank, size, timeout_s, ranks,
+                          address)

@@ -83,7 +83,7 @@ class WorkerActor:
             # each run()/execute() is a new round, so a world re-formed after a failure
             # never reads the keys of the one before
             return Rendezvous(store=ActorStore(store_actor, rdv["timeout_s"]),
-                              round=self.round_id, **rdv)
+                              round=self.round_id, address=self.node_ip(), **rdv)
 
         set_rendezvous_provider(provider)
 
@@ -103,7 +103,7 @@ class WorkerActor:
                 raise LeaveJob(place["reason"])
             self.rank = place["rank"]
             return Rendezvous(store=ActorStore(store_actor, timeout_s), timeout_s=timeout_s,
-                              **place)
+                              address=self.node_ip(), **place)
 
         set_rendezvous_provider(provider)
         from raytrain_x.core import runtime
