@@ -27,7 +27,7 @@ from raytrain_x.common.errors import (
 )
 from raytrain_x.common.knobs import Knobs
 from raytrain_x.engine.execution import CollectiveExecutor
-from raytrain_x.engine.messages import Request, Response
+from raytrain_x.engine.messages import ALLREDUCE, Request, Response
 from raytrain_x.engine.negotiation import (
     JOIN_NONE,
     JOIN_REPORTED,
@@ -53,6 +53,8 @@ class EngineStats:
     steps: int = 0  # cycles that ran at least one collective
     cycles: int = 0
     negotiations: int = 0  # cycles that needed the allgather of reports
+    speculated: int = 0  # cycles whose batch went with its readiness count (one round trip)
+    speculation_misses: int = 0  # speculative cycles some rank was not ready for
 
     def add(self, kind: str, nbytes: int, seconds: float) -> None:
         self.bytes[kind] = self.bytes.get(kind, 0) + nbytes
@@ -84,8 +86,11 @@ class Engine:
         self.knobs = knobs
         self.stats = EngineStats()
         self._transport = Transport(groups)  # opened collectively, now
+        # Shared memory answers the status word in microseconds; a network needs a round
+        # trip, which speculative cycles save for small batches that repeat every step.
         self._negotiator = Negotiator(groups, self._transport.world_allreduce,
-                                      knobs.cache_capacity, stall_warning_s, stall_shutdown_s)
+                                      knobs.cache_capacity, stall_warning_s, stall_shutdown_s,
+                                      speculate=self._transport.name != "shm")
         self._timeline = Timeline(timeline_path) if timeline_path and self.rank == 0 else None
         self._executor = CollectiveExecutor(self._transport, self._timeline)
         self._cond = threading.Condition()
@@ -250,6 +255,10 @@ class Engine:
             self._pending[req.name] = req
         self.stats.cycles += 1
 
+        expected = self._negotiator.expected_batch()
+        if expected is not None and self._speculate(expected, self._negotiator.ready_to_speculate(
+                self._pending, shutting_down, knobs_wanted, join_state)):
+            return False
         agreement = self._negotiator.negotiate(self._pending, shutting_down, knobs_wanted,
                                                join_state)
         self.stats.negotiations += agreement.reports_exchanged
@@ -267,16 +276,39 @@ class Engine:
             self._execute(batch)
 
         if responses:
-            self.stats.steps += 1
-            for hook in list(self._cycle_hooks):
-                try:
-                    hook(self.knobs, self.stats.steps, responses)
-                except Exception:  # noqa: BLE001 - a tuning failure must not stop training
-                    log.exception("raytrain-x: a cycle hook failed and was removed")
-                    self._cycle_hooks.remove(hook)
+            self._ran(responses)
         if agreement.knobs is not None:
             self._apply_knobs(agreement.knobs)
         return agreement.stop
+
+    def _ran(self, responses: list[Response]) -> None:
+        self.stats.steps += 1
+        for hook in list(self._cycle_hooks):
+            try:
+                hook(self.knobs, self.stats.steps, responses)
+            except Exception:  # noqa: BLE001 - a tuning failure must not stop training
+                log.exception("raytrain-x: a cycle hook failed and was removed")
+                self._cycle_hooks.remove(hook)
+
+    def _speculate(self, expected: list[Response], ready: bool) -> bool:
+        """Sends the expected batch with this rank's readiness (`speculation`); True when
+        every rank was ready and the batch is done."""
+        requests = [self._pending.get(r.name) for r in expected] if ready else []
+        began = time.perf_counter()
+        results = self._executor.run_speculative(expected, requests,
+                                                 self.groups.process_set(0), self.knobs)
+        self._negotiator.speculation_done(results is not None)
+        if results is None:
+            self.stats.speculation_misses += 1
+            return False
+        self.stats.speculated += 1
+        for r in expected:
+            self._pending.pop(r.name)
+        self.stats.add(ALLREDUCE, sum(r.meta.nbytes_on_wire() for r in expected),
+                       time.perf_counter() - began)
+        self._complete(expected, requests, results, None)
+        self._ran(expected)
+        return True
 
     def _note_reported(self, agreement: Agreement, knobs_wanted: Knobs | None) -> None:
         with self._cond:
@@ -293,6 +325,7 @@ class Engine:
 
     def _apply_knobs(self, knobs: Knobs) -> None:
         self._negotiator.set_cache_capacity(knobs.cache_capacity)
+        self._negotiator.speculator.reset()
         self.knobs = knobs
         with self._cond:
             # A step's last collective is at most a few cycles old when it asks, so a short
@@ -329,19 +362,23 @@ class Engine:
                 f"the raytrain-x engine failed: {exc!r}")
             raise
         finally:
-            # Names leave the in-flight set before their handles complete: a caller that
-            # wakes up and submits the same name again (every training step does) must
-            # never find it still in flight.
-            with self._cond:
-                for r in batch:
-                    self._inflight.discard(r.name)
-            for req, result in zip(requests, results):
-                if req is not None:
-                    req.handle.cycle = self.stats.cycles
-                    if error is not None:
-                        req.handle.set_error(error)
-                    else:
-                        req.handle.set_result(result)
+            self._complete(batch, requests, results, error)
+
+    def _complete(self, batch: list[Response], requests: list[Request | None],
+                  results: list[Any], error: BaseException | None) -> None:
+        # Names leave the in-flight set before their handles complete: a caller that
+        # wakes up and submits the same name again (every training step does) must
+        # never find it still in flight.
+        with self._cond:
+            for r in batch:
+                self._inflight.discard(r.name)
+        for req, result in zip(requests, results):
+            if req is not None:
+                req.handle.cycle = self.stats.cycles
+                if error is not None:
+                    req.handle.set_error(error)
+                else:
+                    req.handle.set_result(result)
 
 
 _MONO_TO_PERF = time.perf_counter() - time.monotonic()

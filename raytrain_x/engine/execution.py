@@ -28,6 +28,7 @@ from raytrain_x.engine.messages import (
     Request,
     Response,
 )
+from raytrain_x.engine.speculation import elements
 from raytrain_x.engine.timeline import Timeline
 from raytrain_x.engine.transport import Transport
 
@@ -48,6 +49,36 @@ class CollectiveExecutor:
         """Results of `batch` (None for a response this rank did not submit: it joined)."""
         return self._kinds[batch[0].meta.kind](batch, requests, pset, knobs)
 
+    def run_speculative(self, batch: list[Response], requests: list[Request],
+                        pset: ProcessSetGroup, knobs: Knobs) -> list[Any] | None:
+        """One allreduce(sum) of [readiness, the batch fused] (`engine.speculation`).
+        `requests` is the batch's requests on a ready rank, empty on one that is not (it
+        sends zeros). Returns the results when every member was ready, else None (the
+        inputs are untouched)."""
+        meta = batch[0].meta
+        counts = elements(batch)
+        buf = self._buffers.get(meta.dtype, (sum(counts) + 1) * DTYPE_SIZES[meta.dtype])
+        flat = ops_for_device("cpu").view_buffer(buf, sum(counts) + 1)
+        ready = bool(requests)
+        floating = meta.dtype.startswith("float")
+        pre, post = _scales(meta, pset.size(), floating)
+        if ready:
+            tensors = [req.tensor for req in requests]
+            pack(tensors, buf, pre, 1, [r.name for r in batch])
+        else:
+            flat[1:] = 0
+        flat[0] = 1 if ready else 0
+        row = batch[0].name if len(batch) == 1 else f"fused[{len(batch)}]"
+        self._timed(row, "ALLREDUCE", lambda: self.transport.allreduce(
+            flat, "sum", pset, knobs.hierarchical_allreduce))
+        if int(flat[0]) != pset.size() or not ready:
+            return None
+        unpack(buf, tensors, post, 1, [r.name for r in batch])
+        if meta.op == "average" and not floating:
+            for t in tensors:
+                t //= pset.size()
+        return [req.output if req.output is not None else req.tensor for req in requests]
+
     def _allreduce(self, batch, requests, pset, knobs):
         meta = batch[0].meta
         tensors = [req.tensor if req is not None else _zeros(r.meta)
@@ -55,13 +86,7 @@ class CollectiveExecutor:
         ops = ops_for(tensors[0])
         floating = ops.is_floating(tensors[0])
         reduce_op = "sum" if meta.op in ("sum", "average") else meta.op
-        scaled = meta.op in ("sum", "average")
-        pre = meta.prescale if scaled else 1.0
-        post = meta.postscale if scaled else 1.0
-        if meta.op == "average" and floating:
-            post /= pset.size()
-        if not floating:  # the faces only let whole factors through for integer tensors
-            pre, post = int(pre), int(post)
+        pre, post = _scales(meta, pset.size(), floating)
         wire = meta.wire_dtype or meta.dtype
         row = batch[0].name if len(batch) == 1 else f"fused[{len(batch)}]"
         transport = self.transport
@@ -170,6 +195,18 @@ class CollectiveExecutor:
         out = fn()
         self.timeline.record(row, activity, began, time.perf_counter())
         return out
+
+
+def _scales(meta: Meta, size: int, floating: bool) -> tuple[float, float]:
+    """The factors applied on the way into and out of a sum (average: 1/size after)."""
+    scaled = meta.op in ("sum", "average")
+    pre = meta.prescale if scaled else 1.0
+    post = meta.postscale if scaled else 1.0
+    if meta.op == "average" and floating:
+        post /= size
+    if not floating:  # the faces only let whole factors through for integer tensors
+        pre, post = int(pre), int(post)
+    return pre, post
 
 
 def _zeros(meta: Meta) -> Any:

@@ -228,3 +228,52 @@ def _same_name_at_once() -> int:
 
 def test_a_name_can_be_submitted_again_as_soon_as_its_handle_completes():
     assert run_workers(_same_name_at_once, 2) == [2**20, 2**20]
+
+
+def _speculative_steps() -> dict:
+    """A loop of small allreduces in turn (as loss and metric averaging do), with a rank
+    that is now and then late, a pattern change and a knob switch half-way."""
+    import raytrain_x.torch as rx
+    from raytrain_x.core import runtime
+
+    rx.init()
+    rank, size = rx.rank(), rx.size()
+    wrong = []
+    for step in range(60):
+        if rank == size - 1 and step % 10 == 5:
+            time.sleep(0.08)  # late: the others' speculative cycle finds it not ready
+        g = torch.full((100,), float(rank + step))
+        rx.allreduce_(g, op=rx.Sum, name="grad")
+        if not torch.all(g == sum(r + step for r in range(size))):
+            wrong.append(("grad", step, g[0].item()))
+        i = torch.full((7,), rank + 1 + step, dtype=torch.int64)
+        rx.allreduce_(i, op=rx.Average, name="count")
+        if not torch.all(i == sum(r + 1 + step for r in range(size)) // size):
+            wrong.append(("count", step, i[0].item()))
+        if step >= 30:  # a third allreduce joins the loop
+            m = rx.allreduce(torch.tensor([float(rank)]), op=rx.Average, name="metric")
+            if m.item() != sum(range(size)) / size:
+                wrong.append(("metric", step, m.item()))
+        if step == 45 and rank == 0:
+            rx.set_knobs(rx.knobs().replace(cycle_time_ms=1.0))
+    stats = runtime.engine().stats
+    return {"wrong": wrong, "speculated": stats.speculated,
+            "misses": stats.speculation_misses, "transport": rx.transport()}
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_repeating_small_allreduces_take_one_round_trip_over_gloo(size):
+    results = run_workers(_speculative_steps, size, env={"RAYTRAIN_X_SHM": "0"})
+    for r in results:
+        assert r["wrong"] == []
+        assert r["transport"] == "gloo"
+        # 60 + 60 + 30 batches: all but the learning cycles, the late steps and those
+        # after the pattern change and the knob switch go speculatively
+        assert r["speculated"] >= 100, r
+    assert len({(r["speculated"], r["misses"]) for r in results}) == 1  # lockstep
+
+
+def test_shared_memory_worlds_do_not_speculate():
+    results = run_workers(_speculative_steps, 2, env={"RAYTRAIN_X_SHM": "1"})
+    assert all(r["wrong"] == [] and r["speculated"] == 0 and r["transport"] == "shm"
+               for r in results)

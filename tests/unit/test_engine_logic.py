@@ -182,3 +182,87 @@ def test_a_round_of_survivors_keeps_the_oldest_as_rank_0():
     places = plan_round({"w9": ("n2", 9), "w2": ("n1", 2)}, 3, 0)
     assert places["w2"]["rank"] == 0 and places["w9"]["rank"] == 1
     assert places["w9"]["cross_size"] == 2 and places["w9"]["local_size"] == 1
+
+
+# ----------------------------------------------------------------- speculation
+def _resp(name, dtype="float32", shape=(10,), op="sum", **meta):
+    return Response(name, Meta(ALLREDUCE, dtype, shape, op, **meta))
+
+
+def _pending(*responses):
+    from raytrain_x.engine.messages import Handle, Request
+
+    return {r.name: Request(r.name, r.meta, None, Handle(r.name)) for r in responses}
+
+
+def test_speculable_batches_are_small_summed_host_allreduces_of_the_global_set():
+    from raytrain_x.engine.speculation import MAX_BYTES, speculable
+
+    assert speculable([_resp("a"), _resp("b", shape=(3, 4))])
+    assert speculable([_resp("a", op="average", dtype="int64")])
+    assert not speculable([])
+    assert not speculable([_resp("a", op="max")])  # the count needs a sum
+    assert not speculable([_resp("a", dtype="bfloat16")])  # cannot count exactly
+    assert not speculable([_resp("a", process_set_id=1)])
+    assert not speculable([_resp("a", device="cuda:0")])
+    assert not speculable([_resp("a", wire_dtype="float16")])
+    assert not speculable([_resp("a"), _resp("b", dtype="float64")])  # not one fusion
+    assert not speculable([_resp("a", shape=(MAX_BYTES // 4 + 1,))])
+    assert not speculable([Response("b", Meta(BROADCAST, "float32", (4,)))])
+
+
+def test_speculator_expects_a_batch_that_followed_the_same_one_twice():
+    from raytrain_x.engine.speculation import Speculator
+
+    s = Speculator()
+    g = [_resp("g")]
+    s.observe(g, cached=True)
+    s.observe(g, cached=True)
+    assert s.expected is None  # g followed g once
+    s.observe(g, cached=True)
+    assert s.expected == g
+    assert s.ready(_pending(*g))
+    assert not s.ready({})
+    assert not s.ready(_pending(*g, _resp("x")))  # more pending than expected
+    assert not s.ready(_pending(_resp("g", shape=(11,))))  # same name, other shape
+    s.succeeded()
+    assert s.expected == g and s.hits == 1
+    s.failed()
+    assert s.expected is None and s.misses == 1
+    s.observe(g, cached=True)  # g -> g seen once again after the miss
+    assert s.expected is None
+    s.observe(g, cached=True)
+    assert s.expected == g
+
+
+def test_speculator_learns_a_cycle_of_batches_and_forgets_on_reset():
+    from raytrain_x.engine.speculation import Speculator
+
+    s = Speculator()
+    loss, acc = [_resp("loss")], [_resp("acc", dtype="int64", op="average")]
+    for _ in range(2):
+        s.observe(loss, cached=True)
+        s.observe(acc, cached=True)
+    s.observe(loss, cached=True)
+    assert s.expected == acc
+    s.succeeded()
+    assert s.expected == loss
+    s.reset()
+    assert s.expected is None
+    s.observe(acc, cached=True)
+    assert s.expected is None
+
+
+def test_speculator_ignores_uncached_and_unfit_batches():
+    from raytrain_x.engine.speculation import Speculator
+
+    s = Speculator()
+    for _ in range(3):
+        s.observe([_resp("g")], cached=False)
+    assert s.expected is None
+    big = [_resp("bucket", shape=(1 << 20,))]
+    for _ in range(3):
+        s.observe(big, cached=True)
+    assert s.expected is None
+    s.observe([], cached=True)  # an idle cycle changes nothing
+    assert s.expected is None
