@@ -8,7 +8,8 @@ against gloo: docs/performance.md). It takes any host array through DLPack, so i
 no framework at all.
 
 In a multi-host world, the ranks of each host open such a group for the local stages of
-hierarchical allreduce. A group is opened collectively at engine start; if any rank cannot
+hierarchical allreduce and allgather; a process set whose members share a host opens one
+of its own. A group is opened collectively at engine start; if any rank cannot
 create, open or see its peers (no /dev/shm, separate PID namespaces, `RAYTRAIN_X_SHM=0` on
 some rank), every rank keeps using gloo. The segment's name is removed as soon as all
 ranks have mapped it, so a crash never leaves it behind in /dev/shm.
@@ -26,6 +27,7 @@ from raytrain_x.comm.groups import ProcessGroups
 
 log = logging.getLogger("raytrain_x.engine")
 
+ShmGroup = _native.ShmGroup
 SHM_ENV = "RAYTRAIN_X_SHM"
 SLOT_BYTES = 256 << 10  # per-rank chunk: fits the L2 cache; measured best of 64 KB..4 MB
 SHM_DTYPES = frozenset({"float32", "float64", "float16", "bfloat16", "int32", "int64", "int8",
@@ -49,6 +51,12 @@ def open_local_group(groups: ProcessGroups, timeout_s: float) -> _native.ShmGrou
     """Collectively (among this host's ranks) opens a shared-memory group for the local
     stages of hierarchical allreduce in a multi-host world, or returns None."""
     return _open_for(groups.local, timeout_s)
+
+
+def open_group(comm: Group, timeout_s: float) -> _native.ShmGroup | None:
+    """Collectively (among `comm`'s members, all on one host) opens a shared-memory group,
+    or returns None on every member (for a process set on one host)."""
+    return _open_for(comm, timeout_s)
 
 
 def _open_for(comm: Group, timeout_s: float) -> _native.ShmGroup | None:

@@ -54,7 +54,7 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
     if ps.ranks is None:
         raise ConfigError("the global process set is always registered")
-    created = engine().groups.add_process_set(ps.ranks)
+    created = engine().add_process_set(ps.ranks)
     ps.process_set_id = created.process_set_id
     return ps
 
@@ -63,6 +63,6 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     """Unregisters a process set on this rank (call on every rank)."""
     if process_set.process_set_id in (None, 0):
         return False
-    engine().groups.remove_process_set(process_set.process_set_id)
+    engine().remove_process_set(process_set.process_set_id)
     process_set.process_set_id = None
     return True

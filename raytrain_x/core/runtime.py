@@ -283,8 +283,13 @@ def set_knobs(new_knobs: Knobs) -> None:
     engine().request_knobs(new_knobs)
 
 
-def transport() -> str:
-    """How world allreduces travel: 'shm' (shared memory, every rank on one host),
-    'gloo+shm' (several hosts; shared memory for hierarchical local stages) or 'gloo'.
+def transport(process_set: ProcessSet | None = None) -> str:
+    """How collectives travel, for the global set or `process_set`: 'shm' (shared memory:
+    every member on one host), 'gloo+shm' (the global set over several hosts, with shared
+    memory for hierarchical local stages), 'gloo', or 'none' (this rank is not a member).
     Set `RAYTRAIN_X_SHM=0` to force gloo."""
-    return engine().transport
+    if process_set is None:
+        return engine().transport
+    from raytrain_x.core.process_sets import registered_id
+
+    return engine().transport_of(registered_id(process_set))

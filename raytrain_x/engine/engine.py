@@ -14,11 +14,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from raytrain_x.comm.groups import ProcessGroups
+from raytrain_x.comm.groups import ProcessGroups, ProcessSetGroup
 from raytrain_x.common.errors import (
     ConfigError,
     InternalError,
@@ -180,6 +180,21 @@ class Engine:
     def transport(self) -> str:
         """'shm', 'gloo+shm' or 'gloo': see `Transport.name`."""
         return self._transport.name
+
+    def transport_of(self, process_set_id: int) -> str:
+        """How a process set's collectives travel: see `Transport.name_of`."""
+        return self._transport.name_of(self.groups.process_set(process_set_id))
+
+    def add_process_set(self, ranks: Sequence[int]) -> ProcessSetGroup:
+        """Registers a process set (collectively, every rank, same order) and, when its
+        members share a host, opens its shared-memory group among them."""
+        pset = self.groups.add_process_set(ranks)
+        self._transport.open_process_set(pset)
+        return pset
+
+    def remove_process_set(self, process_set_id: int) -> None:
+        self.groups.remove_process_set(process_set_id)
+        self._transport.close_process_set(process_set_id)
 
     def multi_level(self) -> bool:
         """True when the world has several hosts with several workers each."""

@@ -102,7 +102,7 @@ class CollectiveExecutor:
         elif wire == meta.dtype and transport.can_reduce_many(pset, tensors):
             # Fused straight through the shared slots: no fusion-buffer copies.
             self._timed(row, "ALLREDUCE",
-                        lambda: transport.allreduce_many(tensors, reduce_op, pre, post))
+                        lambda: transport.allreduce_many(tensors, reduce_op, pre, post, pset))
         elif ops.device(tensors[0]) == "cpu":
             total = sum(ops.numel(t) for t in tensors)
             buf = self._buffers.get(wire, total * DTYPE_SIZES[wire])

@@ -1,9 +1,10 @@
 """Transport choice: how a reduction travels once the engine has agreed to run it.
 
-One host: the shared-memory group (`raytrain_x.comm.shm`) for the world's allreduces. Several
-hosts: the backend's groups, and with `hierarchical_allreduce` on, local stages in the
-host's shared-memory group (or the local group) around a cross-host allreduce of one shard.
-Process sets always use their own backend group.
+One host: the shared-memory group (`raytrain_x.comm.shm`) for the world's allreduces and
+allgathers. Several hosts: the backend's groups, and with `hierarchical_allreduce` /
+`hierarchical_allgather` on, local stages in the host's shared-memory group (or the local
+group) around a cross-host stage. A process set whose members share a host gets a
+shared-memory group of its own; other sets use their backend group.
 """
 
 from __future__ import annotations
@@ -12,7 +13,13 @@ from collections.abc import Callable
 from typing import Any
 
 from raytrain_x.comm.groups import ProcessGroups, ProcessSetGroup
-from raytrain_x.comm.shm import SHM_DTYPES, open_host_group, open_local_group
+from raytrain_x.comm.shm import (
+    SHM_DTYPES,
+    ShmGroup,
+    open_group,
+    open_host_group,
+    open_local_group,
+)
 from raytrain_x.common.errors import InternalError
 from raytrain_x.engine.arrays import ArrayOps, ops_for
 
@@ -28,15 +35,42 @@ class Transport:
         self._shm = open_host_group(groups, timeout_s)
         self._local_shm = (open_local_group(groups, timeout_s)
                            if self._shm is None and self.multi_level() else None)
+        self._set_shm: dict[int, ShmGroup] = {}  # process sets on one host (members only)
 
     @property
     def name(self) -> str:
         """'shm' when allreduces of the world go through shared memory; 'gloo+shm' when the
         world spans hosts (gloo) and each host's ranks share memory for the local stages of
-        hierarchical allreduce (when that knob is on); else 'gloo'."""
+        hierarchical allreduce and allgather (when those knobs are on); else 'gloo'."""
         if self._shm is not None:
             return "shm"
         return "gloo+shm" if self._local_shm is not None else "gloo"
+
+    def name_of(self, pset: ProcessSetGroup) -> str:
+        """How `pset`'s collectives travel: the world's `name` for the global set; 'shm' for
+        a set on one host with shared memory; 'gloo' otherwise; 'none' on a non-member."""
+        if pset.process_set_id == 0:
+            return self.name
+        if not pset.included():
+            return "none"
+        return "shm" if pset.process_set_id in self._set_shm else "gloo"
+
+    def open_process_set(self, pset: ProcessSetGroup) -> None:
+        """Collectively among `pset`'s members: a shared-memory group when they all run on
+        this host (the same test as the world's: every member must be able to use it)."""
+        hosts = {self.groups.layout[r][1] for r in pset.ranks}
+        if pset.included() and len(hosts) == 1 and pset.size() > 1:
+            shm = open_group(pset.group, self.groups.rdv.timeout_s)
+            if shm is not None:
+                self._set_shm[pset.process_set_id] = shm
+
+    def close_process_set(self, process_set_id: int) -> None:
+        self._set_shm.pop(process_set_id, None)
+
+    def _shm_of(self, pset: ProcessSetGroup) -> ShmGroup | None:
+        if pset.process_set_id == 0:
+            return self._shm
+        return self._set_shm.get(pset.process_set_id)
 
     def multi_level(self) -> bool:
         """True when the world has several hosts with several workers each (the case
@@ -46,7 +80,7 @@ class Transport:
 
     def abort(self) -> None:
         """Releases peers waiting in this host's shared memory now (this rank failed)."""
-        for shm in (self._shm, self._local_shm):
+        for shm in (self._shm, self._local_shm, *self._set_shm.values()):
             if shm is not None:
                 shm.abort()
 
@@ -54,6 +88,7 @@ class Transport:
         self.groups.close()
         self.groups.rdv.store = None
         self._shm = self._local_shm = None
+        self._set_shm.clear()
 
     # ----------------------------------------------------------------- allreduce
     def world_allreduce(self, array: Any, op: str) -> None:
@@ -67,8 +102,9 @@ class Transport:
     def allreduce(self, array: Any, op: str, pset: ProcessSetGroup,
                   hierarchical: bool) -> None:
         """In-place allreduce over `pset`'s members by the best route."""
-        if self._shm is not None and pset.process_set_id == 0:
-            self.world_allreduce(array, op)
+        shm = self._shm_of(pset)
+        if shm is not None and fits_shm(array):
+            _shm_call(shm.allreduce, array, op)
         elif hierarchical and op == "sum" and pset.process_set_id == 0 and self.multi_level():
             self._hierarchical_allreduce(array)
         else:
@@ -76,14 +112,13 @@ class Transport:
 
     def can_reduce_many(self, pset: ProcessSetGroup, arrays: list[Any]) -> bool:
         """True when `allreduce_many` can reduce `arrays` straight from their memory."""
-        return (self._shm is not None and pset.process_set_id == 0
-                and all(fits_shm(a) for a in arrays))
+        return self._shm_of(pset) is not None and all(fits_shm(a) for a in arrays)
 
     def allreduce_many(self, arrays: list[Any], op: str, prescale: float,
-                       postscale: float) -> None:
+                       postscale: float, pset: ProcessSetGroup) -> None:
         """Fused allreduce through the shared slots: each chunk is filled from the arrays
         (scaled) and the sums written back (scaled), with no fusion-buffer copies."""
-        _shm_call(self._shm.allreduce_many, arrays, op, prescale, postscale)
+        _shm_call(self._shm_of(pset).allreduce_many, arrays, op, prescale, postscale)
 
     def _hierarchical_allreduce(self, array: Any) -> None:
         """Local reduce-scatter, cross allreduce of the shard, local allgather. With
@@ -115,19 +150,29 @@ class Transport:
     # ----------------------------------------------------------------- allgather
     def allgather(self, outs: list[Any], array: Any, pset: ProcessSetGroup,
                   hierarchical: bool) -> None:
-        if hierarchical and pset.process_set_id == 0 and self.multi_level():
+        """Equally shaped `array`s of every member into `outs`, by the best route."""
+        shm = self._shm_of(pset)
+        if shm is not None and fits_shm(array):
+            block = _shm_allgather(shm, array)
+            for i, out in enumerate(outs):
+                out[...] = block[i]
+        elif hierarchical and pset.process_set_id == 0 and self.multi_level():
             self._hierarchical_allgather(outs, array)
         else:
             pset.group.allgather(outs, array)
 
     def _hierarchical_allgather(self, outs: list[Any], array: Any) -> None:
-        """Allgather within the host, then exchange whole host blocks across hosts."""
+        """Allgather within the host (shared memory when the host has it), then exchange
+        whole host blocks across hosts."""
         ops = ops_for(array)
         local, cross = self.groups.local, self.groups.cross
         dtype, device = ops.dtype(array), ops.device(array)
-        local_outs = [ops.empty(array.shape, dtype, device) for _ in range(local.size)]
-        local.allgather(local_outs, array)
-        block = ops.stack(local_outs)
+        if self._local_shm is not None and fits_shm(array):
+            block = _shm_allgather(self._local_shm, array)
+        else:
+            local_outs = [ops.empty(array.shape, dtype, device) for _ in range(local.size)]
+            local.allgather(local_outs, array)
+            block = ops.stack(local_outs)
         blocks = [ops.empty(block.shape, dtype, device) for _ in range(cross.size)]
         cross.allgather(blocks, block)
         layout = self.groups.layout
@@ -136,6 +181,16 @@ class Transport:
             host_ranks = [r for r, (_, c) in enumerate(layout) if c == host]
             for i, r in enumerate(host_ranks):
                 outs[r][...] = host_block[i]
+
+
+def _shm_allgather(shm: ShmGroup, array: Any) -> Any:
+    """Every member's `array`, stacked in member order, gathered through the segment."""
+    ops = ops_for(array)
+    n = ops.numel(array)
+    work = ops.empty((shm.size * n,), ops.dtype(array), ops.device(array))
+    work[shm.rank * n:(shm.rank + 1) * n] = array.reshape(-1)
+    _shm_call(shm.allgather_shards, work)
+    return work.reshape(shm.size, *array.shape)
 
 
 def fits_shm(array: Any) -> bool:

@@ -188,6 +188,9 @@ def _hierarchical() -> list:
     # larger than a shared-memory slot, and not a multiple of the local size
     big = torch.arange(300_001, dtype=torch.float64) * (rx.rank() + 1)
     big_sum = rx.allreduce(big, op=rx.Sum, name="big")
+    # an allgather larger than a slot, in a dtype of its own
+    wide = rx.allgather(torch.full((70_000,), rx.rank(), dtype=torch.int32), name="wide")
+    assert torch.equal(wide, torch.arange(4, dtype=torch.int32).repeat_interleave(70_000))
     return [flat, g, big_sum, rx.transport()]
 
 
@@ -204,6 +207,63 @@ def test_hierarchical_allreduce_and_allgather_match_flat(transport):
         assert torch.equal(gathered, expected_gather)
         assert torch.equal(big, expected_big)
         assert used == transport
+
+
+def _shm_local_stage() -> dict:
+    """Hierarchical allgather alone: how many barriers this host's segment passed."""
+    import raytrain_x.torch as rx
+    from raytrain_x.core import runtime
+
+    rx.init()
+    local_shm = runtime.engine()._transport._local_shm
+    before = local_shm.barriers
+    g = rx.allgather(torch.full((3, 2), float(rx.rank())), name="g")
+    assert torch.equal(g, torch.arange(4.0).repeat_interleave(3)[:, None].expand(12, 2))
+    return {"barriers": local_shm.barriers - before}
+
+
+def test_hierarchical_allgather_local_stage_goes_through_shared_memory():
+    env = {"RAYTRAIN_X_HIERARCHICAL_ALLGATHER": "1", "RAYTRAIN_X_SHM": "1"}
+    assert all(r["barriers"] > 0 for r in run_workers(_shm_local_stage, 4, env=env, hosts=2))
+
+
+def _sets_on_hosts() -> dict:
+    import raytrain_x.torch as rx
+
+    rx.init()
+    rank = rx.rank()
+    host0 = rx.add_process_set([0, 1])  # one host: shared memory
+    across = rx.add_process_set([0, 2])  # two hosts: gloo
+    out = {"global": rx.transport(), "host0": rx.transport(host0),
+           "across": rx.transport(across)}
+    if host0.included():
+        out["sum"] = rx.allreduce(torch.full((5,), rank + 1.0), op=rx.Sum, name="s",
+                                  process_set=host0).tolist()
+        out["max"] = rx.allreduce(torch.tensor([rank]), op=rx.Max, name="m",
+                                  process_set=host0).item()
+        grouped = rx.grouped_allreduce([torch.ones(3) * rank, torch.ones(100_000) * rank],
+                                       op=rx.Average, name="g", process_set=host0)
+        out["grouped"] = [float(t.mean()) for t in grouped]
+        out["gather"] = rx.allgather(torch.full((2,), rank), name="a",
+                                     process_set=host0).tolist()
+    if across.included():
+        out["across_sum"] = rx.allreduce(torch.ones(2) * rank, op=rx.Sum, name="x",
+                                         process_set=across).tolist()
+    rx.allreduce(torch.ones(1), name="everyone-done")
+    assert rx.remove_process_set(host0)
+    return out
+
+
+def test_process_sets_on_one_host_use_shared_memory():
+    results = run_workers(_sets_on_hosts, 4, hosts=2)
+    for rank, r in enumerate(results):
+        assert r["global"] == "gloo+shm"  # each host keeps a segment for local stages
+        assert r["host0"] == ("shm" if rank in (0, 1) else "none")
+        assert r["across"] == ("gloo" if rank in (0, 2) else "none")
+    for r in results[:2]:
+        assert r["sum"] == [3.0] * 5 and r["max"] == 1
+        assert r["grouped"] == [0.5, 0.5] and r["gather"] == [0, 0, 1, 1]
+    assert results[0]["across_sum"] == results[2]["across_sum"] == [2.0, 2.0]
 
 
 def _process_sets() -> list:
