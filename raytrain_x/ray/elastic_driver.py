@@ -32,12 +32,13 @@ from raytrain_x.elastic.history import RoundHistory, round_line
 from raytrain_x.ray.autoscaling import CapacityRequest, draining_nodes, node_types, request_bundles
 from raytrain_x.ray.discovery import RayDiscovery, alive_nodes, resolve_hosts
 from raytrain_x.ray.elastic_rounds import ElasticRounds, plan_round
-from raytrain_x.ray.failures import worker_error
+from raytrain_x.ray.failures import unreachable, unreachable_error, worker_error
 from raytrain_x.ray.placement import stable_node_strategy
 from raytrain_x.ray.worker import Left, Worker
 
 log = logging.getLogger("raytrain_x.elastic")
 DRAIN_POLL_S = 0.2  # how often the driver asks the GCS for draining nodes (one small RPC)
+STRAGGLER_POLL_S = 1.0  # how often the driver looks for workers missing from a rendezvous
 
 
 @dataclass
@@ -114,6 +115,7 @@ class ElasticJob:
         self.store = StoreActor.options(scheduling_strategy=here).remote()
         self._needs_round = True
         self._below_min_since: float | None = None
+        self._absent_since: float | None = None  # workers missing from a rendezvous since
         self.last_failure: WorkerError | None = None
         # autoscaling clusters: the standing request, the nodes Ray drains (node -> deadline,
         # time.time() seconds) and every node ever seen draining
@@ -132,6 +134,7 @@ class ElasticJob:
             self._update_request()
             next_discovery = time.monotonic() + self.settings.discovery_interval_s
             next_drain_check = time.monotonic() + DRAIN_POLL_S
+            next_straggler_check = time.monotonic() + STRAGGLER_POLL_S
             while True:
                 finished = self._poll_workers()
                 if finished:
@@ -149,6 +152,9 @@ class ElasticJob:
                     self._check_pending()
                     self._update_request()
                     next_discovery = time.monotonic() + self.settings.discovery_interval_s
+                if time.monotonic() >= next_straggler_check:
+                    self._check_stragglers()
+                    next_straggler_check = time.monotonic() + STRAGGLER_POLL_S
                 self._check_minimum()
                 self._maybe_form_round()
         except BaseException as exc:
@@ -181,6 +187,33 @@ class ElasticJob:
             else:
                 finished[member.worker_id] = result
         return finished
+
+    def _check_stragglers(self) -> None:
+        """Workers whose peers wait at the rendezvous without them. A worker on a host cut
+        off by a partition is alive to Ray (until Ray's own health checks give up on the
+        node) but its peers lost it at their last collective; it would hold the next round
+        forever. Absent for a poll, it is pinged; silent, it fails like a dead worker (its
+        host is blacklisted for the cooldown)."""
+        waiting = set(ray.get(self.rounds_actor.waiting.remote()))
+        present = {w: m for w, m in self.members.items() if not m.leaving}
+        absent = [m for w, m in present.items() if w not in waiting]
+        if not absent or not waiting & set(present):
+            self._absent_since = None
+            return
+        self._needs_round = True  # a worker reset by itself: it lost a peer
+        if self._absent_since is None:
+            self._absent_since = time.monotonic()
+            return
+        self._absent_since = None
+        lost = unreachable({m.worker_id: m.actor for m in absent})
+        if not lost:
+            return
+        ranks = sorted(self.members[w].rank for w in lost)
+        errors = unreachable_error(ranks, [self.members[w].node for w in lost],
+                                   "while their peers waited for them at the rendezvous")
+        for worker_id in lost:
+            member = self.members[worker_id]
+            self._on_failure(member, errors[member.rank])
 
     def _on_left(self, member: _Member, left: Left) -> None:
         """A worker left at a commit, as asked: no failure, no blacklist, no reset."""

@@ -19,7 +19,7 @@ from raytrain_x.common.errors import ConfigError, WorkerError
 from raytrain_x.common.knobs import Knobs, load_knobs
 from raytrain_x.ray.autotune_actor import start_controller_actor
 from raytrain_x.ray.elastic_driver import ElasticJob, ElasticSettings
-from raytrain_x.ray.failures import root_cause, worker_error
+from raytrain_x.ray.failures import root_cause, unreachable, unreachable_error, worker_error
 from raytrain_x.ray.placement import (
     Slot,
     assign_ranks,
@@ -400,6 +400,7 @@ class RayExecutor:
         results: dict[int, Any] = {}
         errors: dict[int, WorkerError] = {}
         deadline = float("inf")
+        probed = False
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=0.5)
             for ref in ready:
@@ -411,6 +412,16 @@ class RayExecutor:
                 except (RayTaskError, RayActorError) as exc:
                     errors[rank] = worker_error(rank, exc)
                     deadline = min(deadline, time.monotonic() + self.settings.timeout_s)
+            if errors and pending and not probed:
+                # Ranks whose node is cut off never report: find them now, by name.
+                probed = True
+                lost = unreachable({ref: self.workers[r] for ref, r in pending.items()})
+                ranks = sorted(pending[ref] for ref in lost)
+                errors.update(unreachable_error(
+                    ranks, [self.slots[r].node_id for r in ranks],
+                    f"after rank {min(errors)} failed"))
+                for ref in lost:
+                    ray.kill(self.workers[pending.pop(ref)], no_restart=True)
             if errors and pending and time.monotonic() > deadline:
                 stuck = sorted(pending.values())
                 log.warning("ranks %s did not stop %.0fs after rank %d failed; killing them",

@@ -7,9 +7,18 @@ reports the earliest rank that failed for another reason (the root cause).
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Mapping
+from typing import Any, TypeVar
+
+import ray
 from ray.exceptions import RayActorError
 
 from raytrain_x.common.errors import LOST_PEER_ERRORS, WorkerError
+
+K = TypeVar("K", bound=Hashable)
+# A worker's `ping` runs on a thread of its own, so a reachable worker answers in
+# milliseconds even mid-collective; this much silence means its node is cut off or gone.
+PROBE_TIMEOUT_S = 5.0
 
 
 class WorkerFailure(Exception):
@@ -31,6 +40,8 @@ class WorkerFailure(Exception):
 
 def worker_error(rank: int, exc: Exception) -> WorkerError:
     """The driver's view of a failed remote call (a `RayTaskError` or `RayActorError`)."""
+    if isinstance(exc, WorkerError):
+        return exc
     if isinstance(exc, RayActorError):
         return WorkerError(rank, "the worker process exited (sys.exit, a crash or a killed "
                                  "node); its output is in the Ray logs")
@@ -51,3 +62,28 @@ def root_cause(errors: dict[int, WorkerError]) -> WorkerError:
                              f"\n(ranks {others} stopped because of this failure)",
                              chosen.lost_peer)
     return chosen
+
+
+def unreachable(workers: Mapping[K, Any], timeout_s: float = PROBE_TIMEOUT_S) -> set[K]:
+    """The keys of `workers` (worker actors) that are dead or do not answer a ping within
+    `timeout_s`: their node is partitioned off or lost."""
+    if not workers:
+        return set()
+    refs = {worker.ping.remote(): key for key, worker in workers.items()}
+    ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+    lost = {key for ref, key in refs.items() if ref not in ready}
+    for ref in ready:
+        try:
+            ray.get(ref)
+        except Exception:  # noqa: BLE001 - a dead actor is as lost as a silent one
+            lost.add(refs[ref])
+    return lost
+
+
+def unreachable_error(ranks: list[int], nodes: list[str], after: str) -> dict[int, WorkerError]:
+    """The errors of ranks found unreachable, naming them all and their nodes."""
+    addresses = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    where = ", ".join(f"{addresses.get(n, '?')} (node {n[:8]})" for n in sorted(set(nodes)))
+    detail = (f"ranks {ranks} are unreachable: no answer within {PROBE_TIMEOUT_S:.0f}s "
+              f"{after}; their host {where} is cut off by a network partition or lost")
+    return {rank: WorkerError(rank, detail) for rank in ranks}

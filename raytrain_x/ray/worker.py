@@ -153,4 +153,12 @@ class WorkerActor:
         yield {"code": code, "ended": time.time(), "lost_peer": code == LOST_PEER_EXIT_CODE}
 
 
-Worker = ray.remote(WorkerActor)
+    @ray.method(concurrency_group="probe")
+    def ping(self) -> bool:
+        """Answers at once, even while `execute` runs (its own thread): the driver tells a
+        busy worker from an unreachable one with it."""
+        return True
+
+
+# "probe" has a thread of its own; every other method runs in order on the default one.
+Worker = ray.remote(concurrency_groups={"probe": 1})(WorkerActor)
