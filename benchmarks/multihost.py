@@ -10,8 +10,8 @@ back to back:
   large      64 MB allreduce: engine (flat) / raw gloo                        (<= 1.0x)
   hier       64 MB allreduce: engine hierarchical / engine flat               (<= 0.75x)
   step       ResNet-50-shaped step: DistributedOptimizer / DDP(bucket 25 MB)  (<= 0.8x)
-  autotune   (--autotune) tuned knobs / re-measured best of a grid that includes
-             hierarchical allreduce, DistributedOptimizer steps               (>= 0.95x)
+  autotune   tuned knobs (autotune's defaults) / re-measured best of a grid of fusion
+             threshold x hierarchical allreduce, DistributedOptimizer steps   (>= 0.95x)
 
 Each time is also given against the physical floor: the bytes that must cross a host's
 link in one direction (an allreduce of S bytes over 2 hosts: S) over the link rate. Bytes
@@ -170,6 +170,83 @@ def _measure(args: dict) -> dict:
     return out
 
 
+def _autotune(args: dict) -> dict:
+    """Runs in each worker: autotune with the defaults users get on DistributedOptimizer
+    steps, then a grid (fusion threshold x hierarchical allreduce) and the finalists
+    re-measured in interleaved rounds."""
+    import torch
+
+    import raytrain_x.torch as rx
+    from raytrain_x import Knobs
+    from raytrain_x.common.autotune_config import AutotuneConfig
+    from raytrain_x.common.workloads import resnet50_parameter_shapes
+    from raytrain_x.core import runtime
+    from raytrain_x.torch.workloads import shaped_model
+
+    torch.set_num_threads(1)
+    rx.init(autotune=AutotuneConfig(log_file=args["log"]))
+    rank = rx.rank()
+    model = shaped_model(resnet50_parameter_shapes())
+    opt = rx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-5),
+                                  named_parameters=model.named_parameters())
+    scale = torch.ones(())
+
+    def step() -> None:
+        opt.zero_grad()
+        model(scale).backward()
+        opt.step()
+
+    def measure(knobs: Knobs, steps: int) -> float:
+        """Steps per second at `knobs`, after the switch and the bucket rebuild."""
+        if rank == 0:
+            rx.set_knobs(knobs)
+        for _ in range(2):
+            step()
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        return steps / (time.perf_counter() - start)
+
+    began = time.perf_counter()
+    tuning_steps = 0
+    while True:
+        step()
+        tuning_steps += 1
+        sampler = runtime.autotune_sampler()
+        done = torch.tensor([1.0 if sampler is None or sampler.finished else 0.0])
+        if rx.allreduce(done, op=rx.Min, name="tuning_done").item() == 1.0:
+            break
+    tuning_wall_s = time.perf_counter() - began
+    tuned = rx.knobs()
+    sampler = runtime.autotune_sampler()
+    grid = []
+    for mb in args["sizes_mb"]:
+        for hier in (False, True):
+            knobs = tuned.replace(fusion_threshold_bytes=int(mb * 2**20),
+                                  hierarchical_allreduce=hier)
+            grid.append({"mb": mb, "hierarchical": hier,
+                         "steps_s": measure(knobs, args["grid_steps"]), "knobs": knobs})
+            if rank == 0:
+                print(f"grid {mb} MB, hierarchical {hier}: {grid[-1]['steps_s']:.3f} steps/s",
+                      flush=True)
+    top = sorted(grid, key=lambda g: g["steps_s"], reverse=True)[:3]
+    finalists = {f"grid {g['mb']:g} MB hier={int(g['hierarchical'])}": g["knobs"]
+                 for g in top}
+    finalists.update({"tuned": tuned, "default": Knobs()})
+    settings = list(dict.fromkeys(finalists.values()))
+    by_setting: dict = {k: [] for k in settings}
+    for _ in range(args["rounds"]):
+        for knobs in settings:
+            by_setting[knobs].append(measure(knobs, args["grid_steps"]))
+    rx.shutdown()
+    for g in grid:
+        del g["knobs"]
+    return {"grid": grid, "rounds": {n: by_setting[k] for n, k in finalists.items()},
+            "tuned": tuned.to_dict(), "tuning_steps": tuning_steps,
+            "tuning_wall_s": tuning_wall_s, "searched": sampler.searched,
+            "left_out": sampler.left_out}
+
+
 def _node_ip() -> str:
     import ray
 
@@ -194,13 +271,19 @@ def drive(args: argparse.Namespace) -> dict:
     ex = RayExecutor(num_hosts=HOSTS, num_workers_per_host=PER_HOST)
     ex.start()
     try:
-        results = ex.run(_measure, args=[{
-            "figures": args.figures, "repeats": args.repeats, "small_loop": args.small_loop,
-            "repeats_large": args.repeats_large, "repeats_step": args.repeats_step}])
+        figures = [f for f in args.figures if f != "autotune"]
+        out = ex.run(_measure, args=[{
+            "figures": figures, "repeats": args.repeats, "small_loop": args.small_loop,
+            "repeats_large": args.repeats_large, "repeats_step": args.repeats_step}])[0]
+        if "autotune" in args.figures:
+            out["autotune"] = ex.run(_autotune, args=[{
+                "log": str(RESULTS_DIR / "multihost_autotune_log.csv"),
+                "sizes_mb": [4, 25, 64, 256], "grid_steps": args.repeats_step,
+                "rounds": 3}])[0]
     finally:
         ex.shutdown()
         ray.shutdown()
-    return results[0]
+    return out
 
 
 def report(raw: dict, link_gbit: float) -> dict:
@@ -240,14 +323,55 @@ def report(raw: dict, link_gbit: float) -> dict:
             "DDP(25MB)", "<= 0.8", nbytes, st["rx_hier_tx_bytes"])
     print_table(rows, ["figure", "ms", "baseline", "baseline ms", "ratio", "target",
                        "floor ms", "x floor", "MB crossed"])
-    return {"rows": rows, "ratios": ratios}
+    summary = {"rows": rows, "ratios": ratios}
+    if "autotune" in raw:
+        a = raw["autotune"]
+        final = {name: statistics.median(v) for name, v in a["rounds"].items()}
+        best = max((k for k in final if k.startswith("grid")), key=lambda k: final[k])
+        grid_hier = max(a["grid"], key=lambda g: g["steps_s"])["hierarchical"]
+        summary["autotune"] = {
+            "tuned_knobs": a["tuned"], "grid_best": best,
+            "tuned_over_grid_best": final["tuned"] / final[best],
+            "tuned_over_default": final["tuned"] / final["default"],
+            "grid_says_hierarchical_wins": grid_hier,
+            "tuned_hierarchical": a["tuned"]["hierarchical_allreduce"],
+            "final_steps_s": final, "tuning_steps": a["tuning_steps"],
+            "tuning_wall_s": a["tuning_wall_s"], "searched": a["searched"]}
+        ratios["autotune_over_grid_best"] = final["tuned"] / final[best]
+        print(f"autotune picked {a['tuned']} in {a['tuning_steps']} steps "
+              f"({a['tuning_wall_s']:.0f}s); grid best: {best}")
+        print_table([{"setting": k, "steps/s": v, "x grid best": v / final[best]}
+                     for k, v in final.items()], ["setting", "steps/s", "x grid best"])
+    return summary
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Each figure's time beside its baseline and the physical floor."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if r["figure"] != "small 4KB"]  # microseconds: its own scale
+    fig, ax = plt.subplots(figsize=(9, 4))
+    xs = range(len(rows))
+    ax.bar([x - 0.27 for x in xs], [r["ms"] for r in rows], 0.27, label="measured")
+    ax.bar(list(xs), [r["baseline ms"] for r in rows], 0.27, label="baseline")
+    ax.bar([x + 0.27 for x in xs], [r["floor ms"] for r in rows], 0.27, label="link floor")
+    ax.set_xticks(list(xs), [r["figure"].replace(" step", "\nstep") for r in rows],
+                  fontsize=7)
+    ax.set_ylabel("ms")
+    ax.set_title(f"{HOSTS} hosts x {PER_HOST} workers, emulated link")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--link-gbit", type=float, default=1.0)
-    parser.add_argument("--figures", nargs="+", default=["small", "large", "step"],
-                        choices=["small", "large", "step"])
+    parser.add_argument("--figures", nargs="+", default=["small", "large", "step", "autotune"],
+                        choices=["small", "large", "step", "autotune"])
     parser.add_argument("--repeats", type=int, default=7, help="small-allreduce loops")
     parser.add_argument("--small-loop", type=int, default=200)
     parser.add_argument("--repeats-large", type=int, default=5)
@@ -284,6 +408,10 @@ def main() -> None:
                                     "link_gbit": args.link_gbit, "raw": raw, **summary},
                       args.json)
     print(f"wrote {path}")
+    if len(summary["rows"]) > 1:
+        png = path.with_suffix(".png")
+        plot(summary["rows"], png)
+        print(f"wrote {png}")
 
 
 if __name__ == "__main__":
