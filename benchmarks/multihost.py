@@ -291,38 +291,40 @@ def report(raw: dict, link_gbit: float) -> dict:
     med = statistics.median
     rows, ratios = [], {}
 
-    def row(figure, value_s, baseline_s, baseline, target, floor_bytes, tx=None):
+    def row(figure, samples, baseline_samples, baseline, target, floor_bytes, tx=None):
+        value_s, baseline_s = med(samples), med(baseline_samples)
         floor_s = floor_bytes / rate
         ratio = value_s / baseline_s
         ratios[figure] = ratio
         rows.append({"figure": figure, "ms": value_s * 1e3, "baseline": baseline,
                      "baseline ms": baseline_s * 1e3, "ratio": ratio, "target": target,
                      "floor ms": floor_s * 1e3, "x floor": value_s / floor_s,
-                     "MB crossed": "" if tx is None else tx / 1e6})
+                     "MB crossed": "" if tx is None else tx / 1e6,
+                     # how noisy: the spread of this figure's own samples
+                     "spread %": 100 * (max(samples) - min(samples)) / value_s})
 
     if "small" in raw:
         s = raw["small"]
-        row("small 4KB", med(s["engine_s"]), med(s["raw_s"]), "raw gloo", "<= 1.3",
-            SMALL_BYTES)
+        row("small 4KB", s["engine_s"], s["raw_s"], "raw gloo", "<= 1.3", SMALL_BYTES)
     if "large" in raw:
         g = raw["large"]
-        row("raw gloo 64MB", med(g["raw_s"]), med(g["raw_s"]), "raw gloo", "",
-            LARGE_BYTES, g["raw_tx_bytes"])
-        row("engine flat 64MB", med(g["flat_s"]), med(g["raw_s"]), "raw gloo", "<= 1.0",
-            LARGE_BYTES, g["flat_tx_bytes"])
-        row("engine hier 64MB", med(g["hier_s"]), med(g["flat_s"]), "engine flat", "<= 0.75",
+        row("raw gloo 64MB", g["raw_s"], g["raw_s"], "raw gloo", "", LARGE_BYTES,
+            g["raw_tx_bytes"])
+        row("engine flat 64MB", g["flat_s"], g["raw_s"], "raw gloo", "<= 1.0", LARGE_BYTES,
+            g["flat_tx_bytes"])
+        row("engine hier 64MB", g["hier_s"], g["flat_s"], "engine flat", "<= 0.75",
             LARGE_BYTES, g["hier_tx_bytes"])
     if "step" in raw:
         st = raw["step"]
         nbytes = st["gradient_bytes"]
-        row("DDP(25MB) step", med(st["ddp25_s"]), med(st["ddp25_s"]), "DDP(25MB)", "",
-            nbytes, st["ddp25_tx_bytes"])
-        row("DistributedOptimizer step (flat)", med(st["rx_flat_s"]), med(st["ddp25_s"]),
-            "DDP(25MB)", "<= 0.8", nbytes, st["rx_flat_tx_bytes"])
-        row("DistributedOptimizer step (hier)", med(st["rx_hier_s"]), med(st["ddp25_s"]),
-            "DDP(25MB)", "<= 0.8", nbytes, st["rx_hier_tx_bytes"])
+        row("DDP(25MB) step", st["ddp25_s"], st["ddp25_s"], "DDP(25MB)", "", nbytes,
+            st["ddp25_tx_bytes"])
+        row("DistributedOptimizer step (flat)", st["rx_flat_s"], st["ddp25_s"], "DDP(25MB)",
+            "<= 0.8", nbytes, st["rx_flat_tx_bytes"])
+        row("DistributedOptimizer step (hier)", st["rx_hier_s"], st["ddp25_s"], "DDP(25MB)",
+            "<= 0.8", nbytes, st["rx_hier_tx_bytes"])
     print_table(rows, ["figure", "ms", "baseline", "baseline ms", "ratio", "target",
-                       "floor ms", "x floor", "MB crossed"])
+                       "floor ms", "x floor", "MB crossed", "spread %"])
     summary = {"rows": rows, "ratios": ratios}
     if "autotune" in raw:
         a = raw["autotune"]

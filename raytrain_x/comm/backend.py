@@ -37,6 +37,12 @@ class Group:
         """In-place allreduce; `op` is sum, min, max, product or band."""
         raise NotImplementedError
 
+    def allreduce_async(self, array: Any, op: str = "sum") -> Callable[[], None]:
+        """Starts an in-place allreduce; returns the function that waits for it (and
+        raises as `allreduce` would). Backends that cannot overlap run it now."""
+        self.allreduce(array, op)
+        return lambda: None
+
     def broadcast(self, array: Any, root: int) -> None:
         """In-place broadcast from group rank `root`."""
         raise NotImplementedError

@@ -10,7 +10,7 @@ tensors are wrapped as torch tensors over the same memory (no copy).
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -103,11 +103,15 @@ class TorchGroup(Group):
             ) from exc
 
     def allreduce(self, array: Any, op: str = "sum") -> None:
+        self.allreduce_async(array, op)()
+
+    def allreduce_async(self, array: Any, op: str = "sum") -> Callable[[], None]:
         tensor = as_tensor(array)
         opts = dist.AllreduceOptions()
         opts.reduceOp = REDUCE_OPS[op]
         pg = self._backend(tensor)
-        self._call("allreduce", lambda: pg.allreduce([tensor], opts).wait())
+        work = self._call("allreduce", lambda: pg.allreduce([tensor], opts))
+        return lambda: self._call("allreduce", lambda: (work.wait(), tensor))
 
     def broadcast(self, array: Any, root: int) -> None:
         tensor = as_tensor(array)

@@ -22,6 +22,11 @@ from raytrain_x.comm.shm import (
 )
 from raytrain_x.common.errors import InternalError
 from raytrain_x.engine.arrays import ArrayOps, ops_for
+from raytrain_x.engine.messages import DTYPE_SIZES
+
+# Hierarchical allreduce runs in chunks this size; with shared memory on the host, one
+# chunk's local sum overlaps the previous chunk's network transfer.
+PIPELINE_CHUNK_BYTES = 4 << 20
 
 
 class Transport:
@@ -121,31 +126,45 @@ class Transport:
         _shm_call(self._shm_of(pset).allreduce_many, arrays, op, prescale, postscale)
 
     def _hierarchical_allreduce(self, array: Any) -> None:
-        """Local reduce-scatter, cross allreduce of the shard, local allgather. With
-        shared memory on this host: local allreduce and shard exchange in the segment.
-        Shards are the same on every host either way (the cross allreduce pairs them)."""
+        """Local reduce, cross allreduce of one shard per local rank, local allgather, in
+        chunks of `PIPELINE_CHUNK_BYTES`. With shared memory on this host the chunks are
+        pipelined: while one chunk's shard crosses the network, the next chunk is summed
+        in the segment. Chunks and shards have the same boundaries on every host either
+        way (the cross allreduce pairs them)."""
         ops = ops_for(array)
         local, cross = self.groups.local, self.groups.cross
         flat = array.reshape(-1)
         pad = (-ops.numel(flat)) % local.size
-        padded = _padded(ops, flat, pad)
+        chunks = _chunks(ops.numel(flat) + pad, local.size,
+                         PIPELINE_CHUNK_BYTES // DTYPE_SIZES.get(ops.dtype(array), 4))
         shm = self._local_shm
         if shm is not None and fits_shm(array):
-            work = padded if pad else flat
-            n = ops.numel(work) // local.size
-            _shm_call(shm.allreduce, work, "sum")
-            cross.allreduce(work[local.rank * n:(local.rank + 1) * n], "sum")
-            _shm_call(shm.allgather_shards, work)
+            work = _padded(ops, flat, pad)
+            in_flight: list[tuple[Callable[[], None], Any]] = []
+            for lo, hi in chunks:
+                chunk, n = work[lo:hi], (hi - lo) // local.size
+                _shm_call(shm.allreduce, chunk, "sum")
+                in_flight.append((cross.allreduce_async(
+                    chunk[local.rank * n:(local.rank + 1) * n], "sum"), chunk))
+                if len(in_flight) > 1:
+                    self._finish_chunk(*in_flight.pop(0))
+            for wait, chunk in in_flight:
+                self._finish_chunk(wait, chunk)
             if pad:
                 flat[...] = work[: ops.numel(flat)]
             return
-        work = padded if pad else ops.clone(flat)
-        n = ops.numel(work) // local.size
-        shard = ops.empty((n,), ops.dtype(work), ops.device(work))
-        local.reduce_scatter(shard, work)
-        cross.allreduce(shard, "sum")
-        local.allgather([work[i * n:(i + 1) * n] for i in range(local.size)], shard)
+        work = _padded(ops, flat, pad) if pad else ops.clone(flat)
+        for lo, hi in chunks:
+            chunk, n = work[lo:hi], (hi - lo) // local.size
+            shard = ops.empty((n,), ops.dtype(work), ops.device(work))
+            local.reduce_scatter(shard, chunk)
+            cross.allreduce(shard, "sum")
+            local.allgather([chunk[i * n:(i + 1) * n] for i in range(local.size)], shard)
         flat[...] = work[: ops.numel(flat)]
+
+    def _finish_chunk(self, wait: Callable[[], None], chunk: Any) -> None:
+        wait()
+        _shm_call(self._local_shm.allgather_shards, chunk)
 
     # ----------------------------------------------------------------- allgather
     def allgather(self, outs: list[Any], array: Any, pset: ProcessSetGroup,
@@ -181,6 +200,13 @@ class Transport:
             host_ranks = [r for r, (_, c) in enumerate(layout) if c == host]
             for i, r in enumerate(host_ranks):
                 outs[r][...] = host_block[i]
+
+
+def _chunks(total: int, parts: int, chunk_elements: int) -> list[tuple[int, int]]:
+    """[lo, hi) ranges covering `total` elements (a multiple of `parts`), each a multiple of
+    `parts` long and about `chunk_elements` (at least one element per part)."""
+    step = max(parts, chunk_elements // parts * parts)
+    return [(lo, min(lo + step, total)) for lo in range(0, total, step)] or [(0, 0)]
 
 
 def _shm_allgather(shm: ShmGroup, array: Any) -> Any:

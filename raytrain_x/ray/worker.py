@@ -161,4 +161,6 @@ class WorkerActor:
 
 
 # "probe" has a thread of its own; every other method runs in order on the default one.
-Worker = ray.remote(concurrency_groups={"probe": 1})(WorkerActor)
+# A subclass of WorkerActor becomes an actor class with `ray.remote(**WORKER_OPTIONS)`.
+WORKER_OPTIONS = {"concurrency_groups": {"probe": 1}}
+Worker = ray.remote(**WORKER_OPTIONS)(WorkerActor)

@@ -15,7 +15,7 @@ from raytrain_x import ResetLimitExceeded
 from raytrain_x.common.errors import ElasticTimeout
 from raytrain_x.ray import RayExecutor
 from raytrain_x.ray import elastic_driver as driver
-from raytrain_x.ray.worker import WorkerActor
+from raytrain_x.ray.worker import WORKER_OPTIONS, WorkerActor
 from tests.conftest import ELASTIC_RESOURCE
 from tests.limits import limit, wait_until
 
@@ -227,7 +227,7 @@ class _SlowStart(WorkerActor):
 
 def test_slow_starting_workers_are_waited_for_not_killed(elastic_nodes, monkeypatch, capfd):
     elastic_nodes(3)
-    monkeypatch.setattr(driver, "Worker", ray.remote(_SlowStart))
+    monkeypatch.setattr(driver, "Worker", ray.remote(**WORKER_OPTIONS)(_SlowStart))
     executor = _executor(2, 3, elastic_timeout=60)
     start = time.monotonic()
     results = executor.run(_elastic_train, args=(STEPS, 0.05))
@@ -244,7 +244,7 @@ def test_slow_starting_workers_are_waited_for_not_killed(elastic_nodes, monkeypa
 
 def test_a_vanished_slot_is_given_up_with_a_reason(cluster, elastic_nodes, monkeypatch):
     nodes = elastic_nodes(3)
-    monkeypatch.setattr(driver, "Worker", ray.remote(_SlowStart))
+    monkeypatch.setattr(driver, "Worker", ray.remote(**WORKER_OPTIONS)(_SlowStart))
     executor = _executor(2, 3, elastic_timeout=90)
     job = _Job(executor, STEPS, 0.05)
     job.wait_until(lambda: executor.last_elastic_job is not None
