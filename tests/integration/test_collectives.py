@@ -188,6 +188,10 @@ def _hierarchical() -> list:
     # larger than a shared-memory slot, and not a multiple of the local size
     big = torch.arange(300_001, dtype=torch.float64) * (rx.rank() + 1)
     big_sum = rx.allreduce(big, op=rx.Sum, name="big")
+    # several 4 MB pipeline chunks, the last one short
+    huge = (torch.arange(3_000_001, dtype=torch.float32) % 1000) * (rx.rank() + 1)
+    huge_sum = rx.allreduce(huge, op=rx.Sum, name="huge")
+    assert torch.equal(huge_sum, (torch.arange(3_000_001, dtype=torch.float32) % 1000) * 10)
     # an allgather larger than a slot, in a dtype of its own
     wide = rx.allgather(torch.full((70_000,), rx.rank(), dtype=torch.int32), name="wide")
     assert torch.equal(wide, torch.arange(4, dtype=torch.int32).repeat_interleave(70_000))
