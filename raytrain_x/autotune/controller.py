@@ -57,6 +57,10 @@ class SearchSpace:
         }
         return {name: bounds for name, bounds in dims.items() if name not in self.fixed}
 
+    def switches(self) -> list[str]:
+        """The on/off knobs being searched."""
+        return [name for name in self.dimensions() if name.startswith("hierarchical_")]
+
     def to_knobs(self, point: dict[str, float]) -> Knobs:
         changes: dict[str, Any] = {}
         for name, x in ((n, float(v)) for n, v in point.items()):
@@ -113,6 +117,9 @@ class AutotuneController:
         self._searcher = None
         self._trial = 0
         self._confirming = False
+        # Measured before the searcher proposes anything, and registered with it as the
+        # start is: the start with each searched switch flipped (see `begin`).
+        self._probes: list[Knobs] = []
         self._rng = random.Random(config.seed)
         self._began = False
         if self.space.dimensions():  # import now (~0.8 s), not inside the tuning phase
@@ -143,6 +150,12 @@ class AutotuneController:
                 random_state=self.config.seed, skip_duplicate=False,
                 patience=10**6)  # repeats are handled in _next_unmeasured
             self._searcher.optimizer.set_gp_params(alpha=self.config.gaussian_process_noise)
+            # A switch (hierarchical allreduce) changes the score by a step, not a slope:
+            # the GP cannot tell which side of it the best lies from nearby points, and
+            # the searcher has been seen to explore the other dimensions only on one side.
+            # The start with each switch flipped is measured first, one sample each.
+            self._probes = [self.start.replace(**{name: not getattr(self.start, name)})
+                            for name in self.space.switches()]
         return self.free_knobs
 
     def _trial_id(self) -> str:
@@ -205,14 +218,15 @@ class AutotuneController:
                                 or bool(self.config.convergence_patience
                                         and self._since_best >= self.config.convergence_patience))
             if not self._confirming:
-                if len(self.samples) == 1:  # the start was measured outside the searcher
-                    self._searcher.optimizer.register(self.space.to_point(self.start),
+                if len(self.samples) == 1 or self._probed(self.current):
+                    # the start and the probes were measured outside the searcher
+                    self._searcher.optimizer.register(self.space.to_point(self.current),
                                                       score / self._reference)
                 else:
                     self._searcher.on_trial_complete(self._trial_id(),
                                                      {"score": score / self._reference})
                     self._trial += 1
-                self.current = self._next_unmeasured()
+                self.current = self._probes[0] if self._probes else self._next_unmeasured()
         done = False
         if self._confirming:
             again = (self._next_confirmation()
@@ -226,6 +240,13 @@ class AutotuneController:
         return {"next": self.current.to_dict(), "done": bool(done), "best": best.to_dict(),
                 "best_score": best_score, "confirming": self.confirming,
                 "samples_left": max(0, budget - len(self.samples))}
+
+    def _probed(self, knobs: Knobs) -> bool:
+        """True (once) when `knobs` is the next probe, now measured."""
+        if self._probes and knobs == self._probes[0]:
+            self._probes.pop(0)
+            return True
+        return False
 
     def _reserved(self) -> int:
         """Samples kept for confirming leaders: 2 x `confirm_top`, at most a quarter of the

@@ -330,3 +330,18 @@ def test_a_missing_extra_is_a_config_error_naming_it():
                                           r"not installed; .*'tune' extra: pip install "
                                           r'"raytrain-x\[tune\]"'):
         import_extra("rtx_not_installed", "tune", "autotune-report")
+
+
+def test_switches_are_probed_flipped_right_after_the_start():
+    start = Knobs()
+    config = AutotuneConfig(bayes_opt_max_samples=10, convergence_patience=0)
+    controller = AutotuneController(config, start, frozenset({"cache_capacity"}))
+
+    def score(k: Knobs) -> float:  # hierarchical allreduce is a step up, at any bucket size
+        return _score(k) * (2.0 if k.hierarchical_allreduce else 1.0)
+
+    measured = _drive(controller, score=score)
+    assert measured[:3] == [start, start.replace(hierarchical_allreduce=True),
+                            start.replace(hierarchical_allgather=True)]
+    assert len(set(measured[:3])) == 3
+    assert controller.best()[0].hierarchical_allreduce
