@@ -47,6 +47,10 @@ def cluster():
                          system_config=RAY_SYSTEM_CONFIG,
                          start_timeout_s=limit(5, ray_starts=1)) as emulated:
         yield emulated
+    # torn down: no namespace of it is left, hence nothing runs in one
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert emulated.switch not in names
+    assert not any(emulated.namespace(h) in names for h in range(emulated.hosts))
 
 
 class _Job:

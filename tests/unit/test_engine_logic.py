@@ -266,3 +266,16 @@ def test_speculator_ignores_uncached_and_unfit_batches():
     assert s.expected is None
     s.observe([], cached=True)  # an idle cycle changes nothing
     assert s.expected is None
+
+
+@pytest.mark.parametrize("total, parts, chunk", [(0, 2, 8), (12, 2, 4), (14, 2, 5), (9, 3, 1),
+                                                 (3_000_002, 2, 1 << 20)])
+def test_hierarchical_chunks_cover_the_array_in_multiples_of_the_local_size(total, parts,
+                                                                             chunk):
+    from raytrain_x.engine.transport import _chunks
+
+    ranges = _chunks(total, parts, chunk)
+    assert ranges[0][0] == 0 and ranges[-1][1] == total
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))  # contiguous, in order
+    assert all((hi - lo) % parts == 0 for lo, hi in ranges)  # every part gets a shard
+    assert all(hi - lo <= max(parts, chunk) for lo, hi in ranges)
