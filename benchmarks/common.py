@@ -44,6 +44,25 @@ def median_across_ranks(fn: Callable[[], Any], repeats: int, warmup: int = 1) ->
     return float(t.item())
 
 
+def samples_across_ranks(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> list[float]:
+    """Seconds of each of `repeats` runs of `fn`, each started after a barrier and taken
+    from the slowest rank for that run. Needs torch.distributed's default group."""
+    import torch
+    import torch.distributed as dist
+
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    worst = torch.tensor(samples, dtype=torch.float64)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return worst.tolist()
+
+
 def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
     """Prints rows as an aligned text table."""
     cells = [[_fmt(r.get(c, "")) for c in columns] for r in rows]

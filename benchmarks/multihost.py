@@ -32,6 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS_DIR, print_table, write_json  # noqa: E402
+from common import samples_across_ranks as timed  # noqa: E402
 
 HOSTS, PER_HOST = 2, 2
 SMALL_BYTES = 4 << 10
@@ -67,19 +68,6 @@ def _measure(args: dict) -> dict:
                             world_size=size, timeout=timedelta(seconds=120))
     del os.environ["GLOO_SOCKET_IFNAME"]
     out: dict = {"transport": rx.transport()}
-
-    def timed(fn, repeats: int, warmup: int = 1) -> list[float]:
-        for _ in range(warmup):
-            fn()
-        samples = []
-        for _ in range(repeats):
-            dist.barrier()
-            start = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - start)
-        worst = torch.tensor(samples, dtype=torch.float64)
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # a step is as slow as its slowest
-        return worst.tolist()
 
     def set_knobs(**changes) -> None:
         if rank == 0:

@@ -80,6 +80,17 @@ class _Job:
             return condition(*self.read())
         wait_until(check, work_s, what, state=self.read, poll_s=0.1)
 
+    def trains_with(self, size: int, what: str, work_s: float, steps: int = 10) -> float:
+        """Waits until the job trains with `size` workers and has committed `steps` more
+        steps with them; returns how long it took to get to `size`."""
+        began = time.monotonic()
+        self.wait_for(what, lambda step, now: now == size, work_s=work_s)
+        reached = time.monotonic() - began
+        at = self.read()[0]
+        self.wait_for(f"{steps} steps with {size} workers",
+                      lambda step, now: step >= at + steps, work_s=5)
+        return reached
+
     def finish(self, work_s: float) -> dict:
         self.stop.touch()
         try:
@@ -126,20 +137,12 @@ def test_partitioned_host_leaves_an_elastic_job_and_comes_back_after_its_cooldow
         cluster.link_down(1)
         down = time.monotonic()
         try:
-            job.wait_for("training to go on with host 0's 2 workers",
-                         lambda step, size: size == 2, work_s=NOTICE_S)
-            noticed = time.monotonic() - down
-            at = job.read()[0]
-            job.wait_for("steps after the partition", lambda step, size: step >= at + 10,
-                         work_s=5)
+            noticed = job.trains_with(2, "training to go on with host 0's 2 workers",
+                                      work_s=NOTICE_S)
             time.sleep(max(0.0, down + PARTITION_S - time.monotonic()))
         finally:
             cluster.link_up(1)
-        up = time.monotonic()
-        job.wait_for("host 1 to rejoin", lambda step, size: size == 4, work_s=30)
-        rejoined = time.monotonic() - up
-        at = job.read()[0]
-        job.wait_for("4 workers training again", lambda step, size: step >= at + 5, work_s=5)
+        rejoined = job.trains_with(4, "host 1 to rejoin", work_s=30, steps=5)
         result = job.finish(work_s=10)
     finally:
         job.kill()
@@ -180,10 +183,7 @@ def test_killed_raylet_leaves_the_elastic_job_on_the_other_host(cluster, tmp_pat
         job.wait_for("4 workers training", lambda step, size: size == 4 and step >= 5,
                      work_s=20)
         cluster.kill_raylet(1)
-        job.wait_for("training to go on with host 0's 2 workers",
-                     lambda step, size: size == 2, work_s=NOTICE_S)
-        at = job.read()[0]
-        job.wait_for("steps on host 0 alone", lambda step, size: step >= at + 10, work_s=5)
+        job.trains_with(2, "training to go on with host 0's 2 workers", work_s=NOTICE_S)
         result = job.finish(work_s=10)
     finally:
         job.kill()
