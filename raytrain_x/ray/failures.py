@@ -65,19 +65,15 @@ def root_cause(errors: dict[int, WorkerError]) -> WorkerError:
 
 
 def unreachable(workers: Mapping[K, Any], timeout_s: float = PROBE_TIMEOUT_S) -> set[K]:
-    """The keys of `workers` (worker actors) that are dead or do not answer a ping within
-    `timeout_s`: their node is partitioned off or lost."""
+    """The keys of `workers` (worker actors) that do not answer a ping within `timeout_s`:
+    their node is partitioned off or lost. A worker whose process died answers at once,
+    with an error, and is not counted: its own failure reaches the caller as an actor
+    death, which says more."""
     if not workers:
         return set()
     refs = {worker.ping.remote(): key for key, worker in workers.items()}
     ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
-    lost = {key for ref, key in refs.items() if ref not in ready}
-    for ref in ready:
-        try:
-            ray.get(ref)
-        except Exception:  # noqa: BLE001 - a dead actor is as lost as a silent one
-            lost.add(refs[ref])
-    return lost
+    return {key for ref, key in refs.items() if ref not in ready}
 
 
 def unreachable_error(ranks: list[int], nodes: list[str], after: str) -> dict[int, WorkerError]:
