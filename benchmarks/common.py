@@ -24,11 +24,8 @@ def median_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 2) -> floa
     return statistics.median(samples)
 
 
-def median_across_ranks(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
-    """Median seconds of `fn` after a barrier each time, taken from the slowest rank (a
-    collective step is as slow as its slowest member). Needs torch.distributed's default
-    group."""
-    import torch
+def _timed_runs(fn: Callable[[], Any], repeats: int, warmup: int) -> list[float]:
+    """This rank's seconds for each of `repeats` runs of `fn`, each after a barrier."""
     import torch.distributed as dist
 
     for _ in range(warmup):
@@ -39,28 +36,30 @@ def median_across_ranks(fn: Callable[[], Any], repeats: int, warmup: int = 1) ->
         start = time.perf_counter()
         fn()
         samples.append(time.perf_counter() - start)
-    t = torch.tensor([statistics.median(samples)], dtype=torch.float64)
+    return samples
+
+
+def _slowest(values: list[float]) -> list[float]:
+    """Each value's maximum over the ranks of torch.distributed's default group."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
+    return t.tolist()
+
+
+def median_across_ranks(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
+    """Median seconds of `fn` after a barrier each time, taken from the slowest rank (a
+    collective step is as slow as its slowest member). Needs torch.distributed's default
+    group."""
+    return _slowest([statistics.median(_timed_runs(fn, repeats, warmup))])[0]
 
 
 def samples_across_ranks(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> list[float]:
     """Seconds of each of `repeats` runs of `fn`, each started after a barrier and taken
     from the slowest rank for that run. Needs torch.distributed's default group."""
-    import torch
-    import torch.distributed as dist
-
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        dist.barrier()
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    worst = torch.tensor(samples, dtype=torch.float64)
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    return worst.tolist()
+    return _slowest(_timed_runs(fn, repeats, warmup))
 
 
 def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
