@@ -114,13 +114,17 @@ def free_port() -> int:
 def run_ranks(target: Callable[..., Any], size: int, *args: Any, timeout_s: float = 3600) -> Any:
     """Runs `target(rank, size, port, *args, queue)` in `size` spawned processes and returns
     what rank 0 put on the queue. Fails at once (not at the timeout) if a rank dies."""
+    import os
     import queue as queue_mod
+    import secrets
 
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
+    # raytrain-x's store answers only the world's own ranks: they inherit its secret
+    os.environ["RAYTRAIN_X_STORE_SECRET"] = secrets.token_hex(16)
     procs = [ctx.Process(target=target, args=(r, size, port, *args, results))
              for r in range(size)]
     for p in procs:

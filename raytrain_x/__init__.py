@@ -10,6 +10,7 @@ from raytrain_x.common.errors import (
     RaytrainXError,
     RendezvousTimeout,
     ResetLimitExceeded,
+    StoreAuthError,
     TensorMismatchError,
     WorkerError,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "RaytrainXError",
     "RendezvousTimeout",
     "ResetLimitExceeded",
+    "StoreAuthError",
     "TensorMismatchError",
     "WorkerError",
     "load_knobs",

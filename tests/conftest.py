@@ -112,23 +112,56 @@ def ray_cluster(cluster):
     return cluster.address
 
 
-@pytest.fixture
-def elastic_nodes(cluster):
-    """Adds nodes that each fit one elastic worker (resource `rtx_elastic`); removes what
-    is left of them after the test."""
-    added = []
+# Nodes of elastic tests, kept for the next test that asks for nodes (a Ray node takes
+# seconds to start on 2 cores; the elastic tests once started 20 of them). A test that does
+# not ask for them never sees them: they are removed before it starts.
+_elastic_pool: list = []
+_pool_cluster: list = []  # the session cluster the pool's nodes belong to
 
-    def add(count: int = 1, **resources: float):
-        nodes = [cluster.add_node(num_cpus=1, resources={ELASTIC_RESOURCE: 1, **resources})
-                 for _ in range(count)]
-        cluster.wait_for_nodes()
-        added.extend(nodes)
-        return nodes
 
-    yield add
-    for node in added:
+def _remove_nodes(cluster, nodes) -> None:
+    for node in nodes:
         if node in cluster.worker_nodes:
             cluster.remove_node(node, allow_graceful=False)
+
+
+@pytest.fixture(autouse=True)
+def _no_stray_elastic_nodes(request):
+    """Before a test that does not use `elastic_nodes`: the kept nodes are removed, so
+    placement sees the session's head alone, as the test expects."""
+    if _elastic_pool and "elastic_nodes" not in request.fixturenames:
+        _remove_nodes(_pool_cluster[0], _elastic_pool)
+        _elastic_pool.clear()
+
+
+@pytest.fixture
+def elastic_nodes(cluster):
+    """Adds nodes that each fit one elastic worker (resource `rtx_elastic`). The nodes of the
+    test before are reused for a test's first call (any more are removed, so the test sees
+    exactly what it asked for); nodes still up afterwards are kept for the next test."""
+    _pool_cluster[:] = [cluster]
+    handed: list = []
+    special: list = []  # nodes with resources of their own: not for another test
+
+    def add(count: int = 1, **resources: float):
+        nodes = []
+        if not handed and not special:  # the test's first call
+            alive = [n for n in _elastic_pool if n in cluster.worker_nodes]
+            nodes = [] if resources else alive[:count]
+            _remove_nodes(cluster, alive[len(nodes):])
+            _elastic_pool.clear()
+        added = [cluster.add_node(num_cpus=1, resources={ELASTIC_RESOURCE: 1, **resources})
+                 for _ in range(count - len(nodes))]
+        cluster.wait_for_nodes()
+        (special if resources else handed).extend(added)
+        handed.extend(nodes)
+        return nodes + added
+
+    try:
+        yield add
+    finally:
+        _remove_nodes(cluster, special)
+        _elastic_pool.extend(n for n in handed if n in cluster.worker_nodes)
 
 
 # ---------------------------------------------------------------- session-end leak check

@@ -61,3 +61,20 @@ def _tail(output: str | bytes | None, lines: int = 30) -> str:
     if isinstance(output, bytes):
         output = output.decode(errors="replace")
     return "\n".join((output or "").splitlines()[-lines:])
+
+
+def first_error(output: str, context_lines: int = 15) -> str:
+    """The first traceback in a process's output, whole (up to its exception line), then
+    the output's last lines: a failing test shows the process's own error first, not only
+    the tail of Ray's logs after it."""
+    lines = output.splitlines()
+    start = next((i for i, line in enumerate(lines) if "Traceback (most recent call last)"
+                  in line), None)
+    tail = "\n".join(lines[-context_lines:])
+    if start is None:
+        return f"(no traceback in its output); its last lines:\n{tail}"
+    end = start + 1
+    while end < len(lines) and (lines[end].startswith((" ", "\t")) or not lines[end].strip()):
+        end += 1
+    error = "\n".join(lines[start:end + 1])
+    return f"its first error:\n{error}\n... its last lines:\n{tail}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pickle
 import queue as queue_module
+import secrets
 import socket
 import time
 import traceback
@@ -64,7 +65,9 @@ def run_workers(fn: Callable, size: int, *args: Any, env: dict | None = None, ho
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, size, port, fn, args, env or {}, hosts, queue))
+    # the world's store answers only its own ranks (raytrain_x.comm.job_store)
+    env = {"RAYTRAIN_X_STORE_SECRET": secrets.token_hex(16), **(env or {})}
+    procs = [ctx.Process(target=_entry, args=(r, size, port, fn, args, env, hosts, queue))
              for r in range(size)]
     for p in procs:
         p.start()

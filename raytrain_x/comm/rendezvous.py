@@ -62,9 +62,11 @@ class Rendezvous:
 @dataclass
 class TcpStoreAddress:
     """A TCP key-value store that rank 0 serves and the others reach (a script launched by
-    `raytrain-x run`). The backend opens it once, on first use, in its own store type.
+    `raytrain-x run`): `raytrain_x.comm.job_store`, which answers only processes that prove
+    the job's secret. The backend opens it once, on first use, in its own store type.
 
     Attributes:
+        secret: the job's secret (`RAYTRAIN_X_STORE_SECRET`).
         opened: the backend's open store, shared by every group of this process.
     """
 
@@ -73,6 +75,7 @@ class TcpStoreAddress:
     world_size: int
     is_server: bool
     timeout_s: float
+    secret: str = field(default="", repr=False)
     opened: Any = field(default=None, repr=False, compare=False)
 
 
@@ -117,7 +120,14 @@ def rendezvous_from_env(env: Any) -> Rendezvous:
         if not addr or not port:
             raise ConfigError(f"{ENV_PREFIX}SIZE={size} but no {ENV_PREFIX}STORE_ADDR/PORT; "
                               "launch with raytrain-x run or RayExecutor")
-        store = TcpStoreAddress(addr, port, size, rank == 0, timeout_s)
+        secret = env.get(ENV_PREFIX + "STORE_SECRET") or ""
+        if not secret:
+            raise ConfigError(f"{ENV_PREFIX}SIZE={size} but no {ENV_PREFIX}STORE_SECRET: the "
+                              "job's store answers only processes that know the job's secret; "
+                              "launch with raytrain-x run, or give every process the same "
+                              "random value (python -c 'import secrets; "
+                              "print(secrets.token_hex(32))')")
+        store = TcpStoreAddress(addr, port, size, rank == 0, timeout_s, secret)
     return Rendezvous(
         rank=rank,
         size=size,

@@ -7,14 +7,16 @@ from typing import Any
 
 import torch.distributed as dist
 
+from raytrain_x.comm.job_store import JobStoreClient, open_job_store
 from raytrain_x.comm.rendezvous import TcpStoreAddress
 from raytrain_x.comm.store import ActorStore
 
 
 class RayStore(dist.Store):
-    """`torch.distributed.Store` over an `ActorStore` (data in a Ray actor)."""
+    """`torch.distributed.Store` over a rendezvous store client: an `ActorStore` (data in a
+    Ray actor) or a `JobStoreClient` (a launched job's secret-checking TCP store)."""
 
-    def __init__(self, store: ActorStore) -> None:
+    def __init__(self, store: ActorStore | JobStoreClient) -> None:
         super().__init__()
         self._store = store
 
@@ -51,14 +53,14 @@ class RayStore(dist.Store):
 
 def as_torch_store(store: Any) -> dist.Store:
     """A torch Store for a rendezvous store: torch's own pass through, an `ActorStore` is
-    wrapped, a `TcpStoreAddress` is opened (once per process)."""
+    wrapped, a `TcpStoreAddress` is opened (once per process; rank 0 serves it)."""
     if isinstance(store, dist.Store):
         return store
-    if isinstance(store, ActorStore):
+    if isinstance(store, (ActorStore, JobStoreClient)):
         return RayStore(store)
     if isinstance(store, TcpStoreAddress):
         if store.opened is None:
-            store.opened = dist.TCPStore(store.host, store.port, store.world_size,
-                                         store.is_server, timedelta(seconds=store.timeout_s))
+            store.opened = RayStore(open_job_store(store.host, store.port, store.secret,
+                                                   store.timeout_s, serve=store.is_server))
         return store.opened
     raise TypeError(f"cannot use {type(store).__name__} as a rendezvous store")

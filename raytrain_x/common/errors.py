@@ -55,6 +55,11 @@ class RendezvousTimeout(RaytrainXError):
     """Workers did not all arrive at a rendezvous in time."""
 
 
+class StoreAuthError(RaytrainXError, RuntimeError):
+    """A job's rendezvous store and a process disagree on the job's secret (one of them is
+    not of this job)."""
+
+
 class ResetLimitExceeded(RaytrainXError):
     """An elastic job reset more often than its reset_limit allows."""
 
@@ -78,6 +83,7 @@ __all__ = [
     "WorkerError",
     "HostsUpdatedInterrupt",
     "RendezvousTimeout",
+    "StoreAuthError",
     "ResetLimitExceeded",
     "ElasticTimeout",
 ]

@@ -387,9 +387,13 @@ class ElasticJob:
                 continue
             worker_id = f"w{next(self._ids)}"
             settings = self.settings
-            ray.get(pending.actor.setup_elastic.remote(worker_id, self.rounds_actor, self.store,
-                                                      settings.timeout_s, settings.env or {},
-                                                      settings.autotune_actor))
+            try:  # its node may go between its answer and this call
+                ray.get(pending.actor.setup_elastic.remote(
+                    worker_id, self.rounds_actor, self.store, settings.timeout_s,
+                    settings.env or {}, settings.autotune_actor))
+            except (RayActorError, RayTaskError) as exc:
+                self._give_up(pending, f"its actor died while starting: {_first_line(exc)}")
+                continue
             member = _Member(worker_id, pending.actor, pending.node, next(self._ages))
             member.ref = pending.actor.execute.remote(self.fn, self.args, self.kwargs)
             self.members[worker_id] = member

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -39,7 +40,8 @@ def run_script(command: list[str]) -> int:
     return 0
 
 
-def command_env(executor: RayExecutor, rank: int, store_addr: str, store_port: int) -> dict:
+def command_env(executor: RayExecutor, rank: int, store_addr: str, store_port: int,
+                store_secret: str) -> dict:
     """The RAYTRAIN_X_* variables `rx.init()` reads in a launched process."""
     slot = executor.slots[rank]
     return {
@@ -51,6 +53,7 @@ def command_env(executor: RayExecutor, rank: int, store_addr: str, store_port: i
         "RAYTRAIN_X_CROSS_SIZE": str(slot.cross_size),
         "RAYTRAIN_X_STORE_ADDR": store_addr,
         "RAYTRAIN_X_STORE_PORT": str(store_port),
+        "RAYTRAIN_X_STORE_SECRET": store_secret,
     }
 
 
@@ -58,18 +61,21 @@ def run_command_on_workers(executor: RayExecutor, command: list[str], env: dict[
                            emit: Callable[[int, str], None]) -> list[dict]:
     """Runs `command` on every worker; `emit(rank, line)` gets each output line.
 
-    Rank 0's process hosts the TCP store the others meet at. Returns per rank a dict with
+    Rank 0's process hosts the store the others meet at, on its node's address; it answers
+    only processes that prove this job's secret, a fresh one per call, which reaches the
+    workers through Ray and each process through its environment. Returns per rank a dict with
     `code`, `ended` (time) and `lost_peer` (it failed only because a peer did); a worker
     whose actor died reports code 1.
     """
     rank0 = executor.workers[0]
     addr, port = ray.get([rank0.node_ip.remote(), rank0.free_port.remote()])
+    secret = secrets.token_hex(32)
     results = [{"code": 1, "ended": float("inf"), "lost_peer": False}
                for _ in executor.workers]
 
     def follow(rank: int) -> None:
         gen = executor.workers[rank].run_command.options(num_returns="streaming").remote(
-            command, {**env, **command_env(executor, rank, addr, port)})
+            command, {**env, **command_env(executor, rank, addr, port, secret)})
         try:
             for ref in gen:
                 item = ray.get(ref)

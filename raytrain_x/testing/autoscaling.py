@@ -100,6 +100,9 @@ class LocalAutoscalingCluster(AutoscalingCluster):
                  start_timeout_s: float = 90.0, **config_kwargs: Any) -> None:
         self._config_file = config_file
         self._launch_delay_s = node_launch_delay_s
+        # in /tmp, not the temp dir: the config names it before start() makes that dir
+        self.launch_budget_file = os.path.join(
+            tempfile.gettempdir(), f"rtxas-launches-{os.getpid()}-{id(self):x}")
         self.start_timeout_s = start_timeout_s
         self.address: str | None = None
         self.temp_dir: str | None = None
@@ -126,6 +129,7 @@ class LocalAutoscalingCluster(AutoscalingCluster):
         if config["provider"].get("type") == "fake_multinode":
             config["provider"].update({
                 "type": "external", "launch_delay_s": self._launch_delay_s,
+                "launch_budget_file": self.launch_budget_file,
                 "module": "raytrain_x.testing.provider.CloudLikeFakeProvider"})
         if autoscaler_v2:
             config["provider"]["launch_multiple"] = True
@@ -184,6 +188,14 @@ class LocalAutoscalingCluster(AutoscalingCluster):
                                f"{out.stderr[-2000:]}")
         return self
 
+    def allow_launches(self, count: int | None) -> None:
+        """From now on the autoscaler may bring up `count` more nodes (None: any number);
+        a launch past them waits until more are allowed. Tests make an order of events
+        happen with it: the first round on one node, the next nodes after it."""
+        from raytrain_x.testing.provider import write_launch_budget
+
+        write_launch_budget(self.launch_budget_file, count)
+
     def shutdown(self) -> None:
         """Stops this cluster's processes (the head's and every node the autoscaler
         started) and removes its temp dir; other Ray clusters on the machine keep
@@ -192,6 +204,7 @@ class LocalAutoscalingCluster(AutoscalingCluster):
             return
         stop(cluster_processes([self.temp_dir, f":{self._port} "]))
         shutil.rmtree(self.temp_dir, ignore_errors=True)
+        self.allow_launches(None)
         self.temp_dir = None
 
     def __enter__(self) -> LocalAutoscalingCluster:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from raytrain_x.testing import LocalAutoscalingCluster, drain_node, kill_node
-from tests.limits import RAY_START_S, limit, wait_until
+from tests.limits import RAY_START_S, first_error, limit, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "elastic_autoscaling.py"
@@ -39,11 +39,16 @@ def autoscaling():
 
 @pytest.fixture
 def cluster(autoscaling):
-    """The module's cluster once the nodes of the test before are gone."""
+    """The module's cluster once the nodes of the test before are gone, launching nodes
+    without a limit until the test sets one."""
     wait_until(lambda: not autoscaling.worker_nodes(), 15,
                "the worker nodes of the test before to be removed",
                state=autoscaling.worker_nodes, poll_s=0.5)
-    return autoscaling
+    autoscaling.allow_launches(None)
+    try:
+        yield autoscaling
+    finally:
+        autoscaling.allow_launches(None)
 
 
 class _Driver:
@@ -80,7 +85,7 @@ class _Driver:
 
     def wait_for_round(self, size: int, reason: str, work_s: float) -> None:
         def reached() -> bool:
-            assert self.proc.poll() is None, "the job ended early:\n" + self.tail()
+            assert self.proc.poll() is None, "the job ended early; " + first_error(self.output())
             return any(s == size and reason in r for s, r in self.rounds())
 
         wait_until(reached, work_s, f"a round of {size} workers ({reason})",
@@ -106,6 +111,11 @@ class _Driver:
     def tail(self) -> str:
         return "\n".join(self.lines[-15:])
 
+    def output(self) -> str:
+        if self.proc.poll() is not None:
+            self._reader.join(10)
+        return "\n".join(self.lines)
+
     def stop(self, work_s: float = 20) -> dict:
         """Ends the training; returns the job's JSON (history, results, summary)."""
         self.until.touch()
@@ -116,7 +126,7 @@ class _Driver:
             raise AssertionError(f"the job did not end within {limit(work_s):.0f}s of "
                                  f"being asked to:\n{self.tail()}") from None
         self._reader.join(5)
-        assert self.proc.returncode == 0, self.tail()
+        assert self.proc.returncode == 0, first_error(self.output())
         return json.loads(self.json.read_text())
 
     def kill(self) -> None:
@@ -135,12 +145,16 @@ def _check_committed_history(job: dict) -> None:
 def test_grows_to_max_workers_then_scales_down(cluster, tmp_path):
     """Head only at the start; the job asks the autoscaler for 4 workers' room and grows
     to 4 while training. After it ends its request is withdrawn and the autoscaler removes
-    the idle nodes."""
+    the idle nodes. The first round forms on the one node allowed to come up; the other
+    three come up only after it (on a fast machine they would all be up before it)."""
+    cluster.allow_launches(1)
     driver = _Driver(cluster, tmp_path, "--min-workers", "1", "--max-workers", "4")
     try:
         wait_until(lambda: driver.rounds(), 25 + RAY_START_S / 4, "the first round",
                    state=driver.tail, poll_s=0.2)
+        assert driver.rounds()[0][0] == 1, driver.tail()
         assert cluster.resource_request() == [{"CPU": 1.0}] * 4
+        cluster.allow_launches(None)
         driver.wait_for_round(4, "scale_up", work_s=60)
         driver.trained_at(4)
         job = driver.stop()
@@ -162,8 +176,11 @@ def test_grows_to_max_workers_then_scales_down(cluster, tmp_path):
 
 def _drain_one_of_three(cluster: LocalAutoscalingCluster, driver: _Driver) -> list[str]:
     """Once the job has 3 workers, drains the newest worker node with a spot notice (60 s
-    deadline) and waits for the round of the 2 left; returns the worker nodes before."""
+    deadline) and waits for the round of the 2 left; returns the worker nodes before. No
+    node comes up after the job has its 3, so no replacement joins before the test has seen
+    what it waits for, however fast the autoscaler is."""
     driver.wait_for_round(3, "", work_s=60)
+    cluster.allow_launches(0)
     nodes = cluster.worker_nodes()
     drain_node(cluster.address, nodes[-1], deadline_s=60)
     driver.wait_for_round(2, "drain", work_s=20)
@@ -205,6 +222,7 @@ def test_a_killed_node_and_a_drained_node_in_one_job(cluster, tmp_path):
     _check_committed_history(job)
     reasons = [h["reason"] for h in job["history"]]
     assert any("drain" in r for r in reasons) and any("failure" in r for r in reasons), reasons
+    assert job["history"][-1]["size"] == 1, job["history"]
 
 
 def test_requests_the_autoscaler_cannot_meet_time_out_naming_the_request(cluster, tmp_path):
@@ -212,10 +230,10 @@ def test_requests_the_autoscaler_cannot_meet_time_out_naming_the_request(cluster
     gets 4 nodes, and ends with ElasticTimeout naming what it asked for."""
     out = subprocess.run(
         [sys.executable, str(EXAMPLE), "--address", cluster.address, "--min-workers", "5",
-         "--max-workers", "5", "--elastic-timeout", "20", "--steps", "5"],
+         "--max-workers", "5", "--elastic-timeout", "8", "--steps", "5"],
         capture_output=True, text=True, cwd=REPO, timeout=limit(60))
     assert out.returncode != 0
-    assert "ElasticTimeout" in out.stderr, out.stderr[-3000:]
+    assert "ElasticTimeout" in out.stderr, first_error(out.stderr)
     assert "asked the autoscaler for room for 5 workers of {CPU: 1}" in out.stderr, \
         out.stderr[-3000:]
     assert cluster.resource_request() == []  # withdrawn when the job failed

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -129,3 +131,78 @@ def test_cli_elastic_job(ray_cluster):
                "python", "examples/elastic_digits.py", work_s=20)
     assert out.returncode == 0, out.stderr[-3000:]
     assert re.search(r"test accuracy 0\.9", out.stdout + out.stderr), out.stdout[-2000:]
+
+
+_JOB_WAITS_FOR_OUTSIDER = """\
+import os, sys, time, torch, raytrain_x.torch as rx
+from pathlib import Path
+rx.init()
+here = Path(sys.argv[1])
+if rx.rank() == 0:
+    addr = os.environ["RAYTRAIN_X_STORE_ADDR"] + " " + os.environ["RAYTRAIN_X_STORE_PORT"]
+    (here / "store.tmp").write_text(addr)
+    os.replace(here / "store.tmp", here / "store")
+while not (here / "go").exists():
+    time.sleep(0.05)
+total = rx.allreduce(torch.full((3,), float(rx.rank() + 1)), op=rx.Sum, name="after")
+rx.barrier()
+if rx.rank() == 0:
+    from raytrain_x.comm.job_store import _servers
+    table = _servers[0].table
+    print("refused", _servers[0].refused, "intruder key", table.check(["intruder"]))
+print("sum", total.tolist())
+"""
+
+_OUTSIDER = """\
+import json, sys
+from datetime import timedelta
+import torch.distributed as dist
+from raytrain_x.comm.job_store import JobStoreClient
+host, port = sys.argv[1], int(sys.argv[2])
+seen = {}
+try:
+    s = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=2))
+    s.set("intruder", "x")
+    seen["torch"] = "wrote a key; keys: %d" % s.num_keys()
+except Exception as exc:
+    seen["torch"] = type(exc).__name__
+try:
+    JobStoreClient(host, port, "guessed-" * 4, timeout_s=2).set("intruder", b"x")
+    seen["guess"] = "wrote a key"
+except Exception as exc:
+    seen["guess"] = type(exc).__name__
+print(json.dumps(seen))
+"""
+
+
+def test_launched_jobs_store_refuses_a_process_without_the_jobs_secret(ray_cluster, tmp_path):
+    """A process outside the job, on the network, connects to the running job's store: with
+    torch's TCPStore client and with raytrain-x's own client and a guessed secret. Neither
+    reads or writes a key; the job goes on and ends as if nothing happened."""
+    script = tmp_path / "job.py"
+    script.write_text(_JOB_WAITS_FOR_OUTSIDER)
+    job = subprocess.Popen(
+        [str(BIN / "raytrain-x"), "run", "-np", "2", "--address", ray_cluster, "python",
+         str(script), str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    try:
+        limits.wait_until(lambda: (tmp_path / "store").exists() or job.poll() is not None, 20,
+                          "rank 0 to write its store's address")
+        assert job.poll() is None, job.communicate()[1][-3000:]
+        host, port = (tmp_path / "store").read_text().split()
+        assert host not in ("0.0.0.0", "", "localhost")  # the node's address, named
+        outsider = limits.run([sys.executable, "-c", _OUTSIDER, host, port], 10,
+                              "the outsider's attempts", env=os.environ)
+        (tmp_path / "go").touch()
+        out, err = job.communicate(timeout=limits.limit(20))
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.communicate()
+    assert outsider.returncode == 0, outsider.stderr[-3000:]
+    assert json.loads(outsider.stdout.splitlines()[-1]) == {
+        "torch": "DistNetworkError", "guess": "StoreAuthError"}
+    assert job.returncode == 0, err[-3000:]
+    assert "[0]<stdout>:sum [3.0, 3.0, 3.0]" in out and "[1]<stdout>:sum [3.0, 3.0, 3.0]" in out
+    refused = re.search(r"refused (\d+) intruder key (\w+)", out)
+    assert refused and int(refused.group(1)) >= 2 and refused.group(2) == "False", out

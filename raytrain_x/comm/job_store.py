@@ -1,0 +1,349 @@
+"""The rendezvous store of a job whose workers are plain processes (`raytrain-x run`): a TCP
+key-value store that rank 0 serves and that answers only clients proving the job's secret.
+
+torch's `TCPStore` has no credential: anyone who reaches its port can list, read and write
+the keys the job meets at. This store, bound to rank 0's node address rather than to every
+interface, opens each connection with a mutual challenge (HMAC-SHA256 of fresh nonces under
+the per-job secret): a client that does not prove the secret is disconnected before it can
+send a request, and the client refuses a server that does not prove it back. The secret
+never crosses the connection.
+
+Stdlib only (no torch, no Ray); backends adapt `JobStoreClient` to their own store type, as
+they do `ActorStore`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import socket
+import struct
+import threading
+import time
+from collections.abc import Sequence
+
+from raytrain_x.common.errors import RendezvousTimeout, StoreAuthError
+
+MAGIC = b"RTXS1"
+NONCE_BYTES = 32
+HANDSHAKE_TIMEOUT_S = 10.0  # an outsider that connects and says nothing is dropped after it
+SECRET_MIN_BYTES = 16
+_LEN = struct.Struct("!I")
+_MAX_FRAME = 1 << 30
+_OK, _MISSING = b"\x01", b"\x00"
+
+
+def _proof(secret: bytes, role: bytes, *nonces: bytes) -> bytes:
+    return hmac.new(secret, role + b"".join(nonces), hashlib.sha256).digest()
+
+
+def _check_secret(secret: bytes) -> bytes:
+    if isinstance(secret, str):
+        secret = secret.encode()
+    if len(secret) < SECRET_MIN_BYTES:
+        raise StoreAuthError(f"the store's secret has {len(secret)} bytes, fewer than "
+                             f"{SECRET_MIN_BYTES}; use a random one, e.g. secrets.token_hex(32)")
+    return secret
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    chunks, left = [], n
+    while left:
+        chunk = sock.recv(left)
+        if not chunk:
+            raise ConnectionError("the store connection closed")
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def _send_fields(sock: socket.socket, fields: Sequence[bytes]) -> None:
+    body = b"".join(_LEN.pack(len(f)) + f for f in fields)
+    sock.sendall(_LEN.pack(len(body)) + body)
+
+
+def _recv_fields(sock: socket.socket) -> list[bytes]:
+    (size,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
+    if size > _MAX_FRAME:
+        raise ConnectionError(f"a store frame of {size} bytes is over the limit")
+    body = _recv_exact(sock, size)
+    fields, at = [], 0
+    while at < size:
+        (n,) = _LEN.unpack_from(body, at)
+        fields.append(body[at + _LEN.size:at + _LEN.size + n])
+        at += _LEN.size + n
+    return fields
+
+
+class KeyTable:
+    """Keys and values with blocking waits; the semantics of torch's `Store`."""
+
+    def __init__(self) -> None:
+        self._data: dict[str, bytes] = {}
+        self._changed = threading.Condition()
+
+    def set(self, key: str, value: bytes) -> None:
+        with self._changed:
+            self._data[key] = value
+            self._changed.notify_all()
+
+    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        with self._changed:
+            current = self._data.get(key)
+            if (current is None and expected == b"") or current == expected:
+                self._data[key] = desired
+                self._changed.notify_all()
+                return desired
+            return current if current is not None else expected
+
+    def add(self, key: str, amount: int) -> int:
+        with self._changed:
+            value = int(self._data.get(key, b"0")) + amount
+            self._data[key] = str(value).encode()
+            self._changed.notify_all()
+            return value
+
+    def wait(self, keys: Sequence[str], timeout_s: float) -> bool:
+        with self._changed:
+            return self._changed.wait_for(lambda: all(k in self._data for k in keys),
+                                          timeout_s)
+
+    def get(self, key: str, timeout_s: float) -> bytes | None:
+        with self._changed:
+            if not self._changed.wait_for(lambda: key in self._data, timeout_s):
+                return None
+            return self._data[key]
+
+    def check(self, keys: Sequence[str]) -> bool:
+        with self._changed:
+            return all(k in self._data for k in keys)
+
+    def delete_key(self, key: str) -> bool:
+        with self._changed:
+            return self._data.pop(key, None) is not None
+
+    def num_keys(self) -> int:
+        with self._changed:
+            return len(self._data)
+
+
+class JobStoreServer:
+    """Serves a `KeyTable` on `host:port` to clients that prove `secret`.
+
+    Args:
+        host: the address to listen on (the node's own address, not every interface).
+        secret: the job's secret (at least 16 bytes), shared with every worker.
+        port: the port; 0 picks a free one (`self.port` says which).
+    """
+
+    def __init__(self, host: str, secret: bytes | str, port: int = 0) -> None:
+        self._secret = _check_secret(secret)
+        self.table = KeyTable()
+        self.refused = 0  # connections dropped for a missing or wrong proof
+        self._sock = socket.create_server((host, port), reuse_port=False)
+        self.host, self.port = host, self._sock.getsockname()[1]
+        self._closed = False
+        self._accepter = threading.Thread(target=self._accept, daemon=True,
+                                          name="raytrain-x-store")
+        self._accepter.start()
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                conn.settimeout(HANDSHAKE_TIMEOUT_S)
+                proved = self._handshake(conn)
+            except (ConnectionError, OSError):
+                proved = False
+            if not proved:
+                self.refused += 1
+                return
+            conn.settimeout(None)
+            try:
+                while True:
+                    _send_fields(conn, self._answer(_recv_fields(conn)))
+            except (ConnectionError, OSError, struct.error, ValueError):
+                return
+
+    def _handshake(self, conn: socket.socket) -> bool:
+        server_nonce = os.urandom(NONCE_BYTES)
+        conn.sendall(MAGIC + server_nonce)
+        client_nonce = _recv_exact(conn, NONCE_BYTES)
+        proof = _recv_exact(conn, hashlib.sha256().digest_size)
+        if not hmac.compare_digest(proof, _proof(self._secret, b"client", server_nonce,
+                                                 client_nonce)):
+            return False
+        conn.sendall(_proof(self._secret, b"server", client_nonce, server_nonce))
+        return True
+
+    def _answer(self, request: list[bytes]) -> list[bytes]:
+        op, args = request[0].decode(), request[1:]
+        table = self.table
+        if op == "set":
+            table.set(args[0].decode(), args[1])
+            return [_OK]
+        if op == "get":
+            value = table.get(args[0].decode(), float(args[1]))
+            return [_MISSING] if value is None else [_OK, value]
+        if op == "add":
+            return [str(table.add(args[0].decode(), int(args[1]))).encode()]
+        if op == "compare_set":
+            return [table.compare_set(args[0].decode(), args[1], args[2])]
+        if op == "wait":
+            return [_OK if table.wait([k.decode() for k in args[1:]], float(args[0]))
+                    else _MISSING]
+        if op == "check":
+            return [_OK if table.check([k.decode() for k in args]) else _MISSING]
+        if op == "delete_key":
+            return [_OK if table.delete_key(args[0].decode()) else _MISSING]
+        if op == "num_keys":
+            return [str(table.num_keys()).encode()]
+        raise ValueError(f"unknown store request {op!r}")
+
+
+class JobStoreClient:
+    """A client of a `JobStoreServer`, with the methods of `ActorStore`.
+
+    Each thread has its own connection, so one thread's blocking `get` never holds up
+    another's `set`.
+
+    Args:
+        host, port: where the server listens.
+        secret: the job's secret.
+        timeout_s: how long `get`/`wait` block, and how long connecting is retried while
+            rank 0's server is not up yet, before raising `RendezvousTimeout`.
+    """
+
+    def __init__(self, host: str, port: int, secret: bytes | str,
+                 timeout_s: float = 30.0) -> None:
+        self.host, self.port = host, int(port)
+        self._secret = _check_secret(secret)
+        self.timeout_s = timeout_s
+        self._local = threading.local()
+
+    def __reduce__(self):
+        return (JobStoreClient, (self.host, self.port, self._secret, self.timeout_s))
+
+    def _connect(self) -> socket.socket:
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                sock = socket.create_connection((self.host, self.port), timeout=5.0)
+                break
+            except OSError as exc:  # rank 0 may not listen yet
+                if time.monotonic() > deadline:
+                    raise RendezvousTimeout(
+                        f"could not reach the job's store at {self.host}:{self.port} within "
+                        f"{self.timeout_s:.0f}s ({exc}); rank 0 did not start or died"
+                    ) from None
+                time.sleep(0.1)
+        try:
+            magic = _recv_exact(sock, len(MAGIC))
+            if magic != MAGIC:
+                raise StoreAuthError(f"{self.host}:{self.port} is not a raytrain-x job store")
+            server_nonce = _recv_exact(sock, NONCE_BYTES)
+            client_nonce = os.urandom(NONCE_BYTES)
+            sock.sendall(client_nonce + _proof(self._secret, b"client", server_nonce,
+                                               client_nonce))
+            try:
+                answer = _recv_exact(sock, hashlib.sha256().digest_size)
+            except ConnectionError:
+                raise StoreAuthError(
+                    f"the job's store at {self.host}:{self.port} refused this process's "
+                    "secret; every process of a job needs the same RAYTRAIN_X_STORE_SECRET"
+                ) from None
+            if not hmac.compare_digest(answer, _proof(self._secret, b"server", client_nonce,
+                                                      server_nonce)):
+                raise StoreAuthError(f"the store at {self.host}:{self.port} does not know "
+                                     "this job's secret; it is not this job's store")
+        except BaseException:
+            sock.close()
+            raise
+        sock.settimeout(None)
+        return sock
+
+    def _request(self, *fields: bytes) -> list[bytes]:
+        sock = getattr(self._local, "sock", None)
+        if sock is None:
+            sock = self._local.sock = self._connect()
+        try:
+            _send_fields(sock, fields)
+            return _recv_fields(sock)
+        except OSError as exc:
+            self._local.sock = None
+            sock.close()
+            raise ConnectionError(f"lost the job's store at {self.host}:{self.port} ({exc}); "
+                                  "rank 0 exited or its host is unreachable") from exc
+
+    def close(self) -> None:
+        sock = getattr(self._local, "sock", None)
+        if sock is not None:
+            sock.close()
+            self._local.sock = None
+
+    def set(self, key: str, value: bytes | str) -> None:
+        self._request(b"set", key.encode(), _as_bytes(value))
+
+    def get(self, key: str) -> bytes:
+        reply = self._request(b"get", key.encode(), repr(self.timeout_s).encode())
+        if reply[0] == _MISSING:
+            raise RendezvousTimeout(f"rendezvous key {key!r} did not appear within "
+                                    f"{self.timeout_s:.0f}s; a worker did not start or died")
+        return reply[1]
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self._request(b"add", key.encode(), str(int(amount)).encode())[0])
+
+    def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
+        return self._request(b"compare_set", key.encode(), _as_bytes(expected),
+                             _as_bytes(desired))[0]
+
+    def wait(self, keys: Sequence[str], timeout_s: float | None = None) -> None:
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        reply = self._request(b"wait", repr(timeout_s).encode(), *(k.encode() for k in keys))
+        if reply[0] == _MISSING:
+            raise RendezvousTimeout(f"rendezvous keys {list(keys)} did not all appear within "
+                                    f"{timeout_s:.0f}s; a worker did not start or died")
+
+    def check(self, keys: Sequence[str]) -> bool:
+        return self._request(b"check", *(k.encode() for k in keys))[0] == _OK
+
+    def delete_key(self, key: str) -> bool:
+        return self._request(b"delete_key", key.encode())[0] == _OK
+
+    def num_keys(self) -> int:
+        return int(self._request(b"num_keys")[0])
+
+
+def open_job_store(host: str, port: int, secret: bytes | str, timeout_s: float,
+                   serve: bool) -> JobStoreClient:
+    """The client of a job's store; with `serve`, this process serves it first (rank 0)."""
+    if serve:
+        server = JobStoreServer(host, secret, port)
+        _servers.append(server)
+    return JobStoreClient(host, port, secret, timeout_s)
+
+
+_servers: list[JobStoreServer] = []  # kept for the life of the process, as TCPStore's is
+
+
+def _as_bytes(value: bytes | str) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+

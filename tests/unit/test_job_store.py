@@ -1,0 +1,123 @@
+"""The launched job's rendezvous store over real sockets on loopback: torch's Store semantics
+for the job's processes, nothing for a process without the job's secret."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+from raytrain_x.comm.job_store import MAGIC, JobStoreClient, JobStoreServer
+from raytrain_x.common.errors import RendezvousTimeout, StoreAuthError
+
+SECRET = "s" * 32
+
+
+@pytest.fixture
+def server():
+    s = JobStoreServer("127.0.0.1", SECRET)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def _client(server: JobStoreServer, secret: str = SECRET, timeout_s: float = 2.0):
+    return JobStoreClient(server.host, server.port, secret, timeout_s)
+
+
+def test_store_semantics(server):
+    c = _client(server)
+    c.set("a", b"1")
+    assert c.get("a") == b"1"
+    assert c.add("n", 2) == 2 and c.add("n", 3) == 5
+    assert c.compare_set("k", b"", b"x") == b"x"  # missing key, empty expectation: set
+    assert c.compare_set("k", b"y", b"z") == b"x"  # mismatch: current value, unchanged
+    assert c.compare_set("k", b"x", b"z") == b"z"
+    assert c.check(["a", "n"]) and not c.check(["a", "missing"])
+    assert c.num_keys() == 3
+    assert c.delete_key("a") and not c.delete_key("a")
+    c.set("", b"")
+    assert c.get("") == b""
+
+
+def test_get_and_wait_block_until_another_client_sets(server):
+    waiter, setter = _client(server), _client(server)
+    threading.Timer(0.2, lambda: setter.set("late", b"v")).start()
+    assert waiter.get("late") == b"v"
+    with pytest.raises(RendezvousTimeout, match="did not appear within"):
+        JobStoreClient(server.host, server.port, SECRET, timeout_s=0.2).get("never")
+    with pytest.raises(RendezvousTimeout, match="did not all appear"):
+        waiter.wait(["late", "never"], timeout_s=0.2)
+
+
+def test_threads_of_one_client_do_not_wait_on_each_other(server):
+    c = _client(server, timeout_s=5.0)
+    got = []
+    t = threading.Thread(target=lambda: got.append(c.get("x")))
+    t.start()
+    time.sleep(0.1)
+    c.set("x", b"ok")  # while the other thread's get blocks on its own connection
+    t.join(5)
+    assert got == [b"ok"]
+
+
+def test_a_wrong_secret_is_refused_before_any_request(server):
+    _client(server).set("job-key", b"v")
+    intruder = _client(server, secret="x" * 32)
+    with pytest.raises(StoreAuthError, match="refused this process's secret"):
+        intruder.set("intruder", b"v")
+    with pytest.raises(StoreAuthError):
+        intruder.num_keys()
+    assert server.refused == 2
+    assert _client(server).check(["job-key"]) and not _client(server).check(["intruder"])
+
+
+def test_a_raw_connection_gets_nothing_and_is_dropped(server):
+    with socket.create_connection((server.host, server.port), timeout=5) as raw:
+        greeting = raw.recv(len(MAGIC) + 32)
+        assert greeting.startswith(MAGIC)  # a random nonce, no data
+        raw.sendall(b"\x00" * 64)  # not a proof
+        raw.settimeout(5)
+        assert raw.recv(100) == b""  # closed on us
+    assert server.refused == 1
+    assert server.table.num_keys() == 0
+
+
+def test_a_client_refuses_a_server_that_cannot_prove_the_secret():
+    """An impostor listening on the store's port that lets anyone in: the client sends
+    nothing but its proof, and stops there."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    received = []
+
+    def impostor():
+        conn, _ = listener.accept()
+        with conn:
+            conn.sendall(MAGIC + b"n" * 32)
+            received.append(conn.recv(64))
+            conn.sendall(b"p" * 32)  # not the proof
+            conn.settimeout(2)
+            received.append(conn.recv(100))  # what the client sends next: nothing
+
+    t = threading.Thread(target=impostor)
+    t.start()
+    try:
+        client = JobStoreClient("127.0.0.1", listener.getsockname()[1], SECRET, 2.0)
+        with pytest.raises(StoreAuthError, match="not this job's store"):
+            client.set("key", b"value")
+        t.join(5)
+    finally:
+        listener.close()
+    assert received[1] == b"" and b"value" not in received[0]
+
+
+def test_short_secrets_and_absent_servers_are_clear_errors():
+    with pytest.raises(StoreAuthError, match="fewer than 16"):
+        JobStoreServer("127.0.0.1", "short")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(RendezvousTimeout, match="could not reach the job's store"):
+        JobStoreClient("127.0.0.1", port, SECRET, timeout_s=0.3).num_keys()
