@@ -26,9 +26,9 @@ pytestmark = pytest.mark.timeout(limit(120, ray_starts=5))
 @pytest.fixture(scope="module")
 def autoscaling():
     """One autoscaling cluster for the module: head only (0 CPUs), up to four 1-CPU nodes,
-    each up 3 s after its launch (so a job grows while it trains), idle nodes removed after
-    6 s. Each test starts from the head alone."""
-    cluster = LocalAutoscalingCluster(config_file=str(CLUSTER_YAML), node_launch_delay_s=3,
+    idle nodes removed after 6 s. Each test starts from the head alone. The order in which
+    nodes arrive is set by each test (`allow_launches`), not by a launch delay."""
+    cluster = LocalAutoscalingCluster(config_file=str(CLUSTER_YAML), node_launch_delay_s=0,
                                       start_timeout_s=limit(10, ray_starts=1))
     try:  # a start that fails half-way is stopped by start() itself
         cluster.start()

@@ -73,16 +73,16 @@ def _experiment(config: dict) -> None:
 
 def test_experiments_with_a_failing_config(ray_cluster, tmp_path):
     result = autotune_experiments(
-        _experiment, {"micro_batch_size": [16, 32, 64]}, num_workers=2, search="grid",
+        _experiment, {"micro_batch_size": [32, 64]}, num_workers=2, search="grid",
         steps_per_experiment=4, start_step=1, output_dir=tmp_path / "exp")
-    assert len(result.experiments) == 3
+    assert len(result.experiments) == 2
     failed = [e for e in result.experiments if e.metric is None]
     assert len(failed) == 1 and "out of memory" in failed[0].error
     assert result.best_config == {"micro_batch_size": 32}
     assert result.best.metric == pytest.approx(32 * 10 + 2.0)  # mean of steps 1..3
     out = tmp_path / "exp"
     assert json.loads((out / "best_config.json").read_text())["config"] == {"micro_batch_size": 32}
-    assert (out / "summary.csv").read_text().count("\n") == 4
+    assert (out / "summary.csv").read_text().count("\n") == 3
     assert (out / "metric_per_experiment.png").stat().st_size > 5000
     assert (out / "experiment_000" / "config.json").exists()
 
