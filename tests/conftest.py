@@ -220,9 +220,18 @@ def pytest_sessionfinish(session, exitstatus):
     if not _at_start:
         return
     try:
+        _stop_fork_server()
         _check_leaks(session)
     finally:
         _remove_children_temp()
+
+
+def _stop_fork_server() -> None:
+    """Stops the fork server `tests/workers.py` starts its ranks from (it lives until its
+    parent exits otherwise, and would be counted as left behind)."""
+    from multiprocessing import forkserver
+
+    forkserver._forkserver._stop()  # noqa: SLF001 - the stdlib's own way to stop it
 
 
 def _remove_children_temp() -> None:
