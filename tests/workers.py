@@ -20,7 +20,7 @@ from tests.limits import limit
 # spent about 2 s of CPU importing it, for each of the suite's ~100 worker runs). Each rank
 # still is a new process with the caller's environment as it is at the call.
 _CONTEXT = mp.get_context("forkserver")
-_CONTEXT.set_forkserver_preload(["torch", "numpy"])
+_CONTEXT.set_forkserver_preload(["torch", "numpy", "pytest", "tests.limits"])
 
 
 def free_port() -> int:

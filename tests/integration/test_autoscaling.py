@@ -26,9 +26,10 @@ pytestmark = pytest.mark.timeout(limit(120, ray_starts=5))
 @pytest.fixture(scope="module")
 def autoscaling():
     """One autoscaling cluster for the module: head only (0 CPUs), up to four 1-CPU nodes,
-    idle nodes removed after 6 s. Each test starts from the head alone. The order in which
+    idle nodes removed after 3 s. Each test starts from the head alone. The order in which
     nodes arrive is set by each test (`allow_launches`), not by a launch delay."""
     cluster = LocalAutoscalingCluster(config_file=str(CLUSTER_YAML), node_launch_delay_s=0,
+                                      idle_timeout_minutes=0.05,
                                       start_timeout_s=limit(10, ray_starts=1))
     try:  # a start that fails half-way is stopped by start() itself
         cluster.start()
@@ -170,7 +171,7 @@ def test_grows_to_max_workers_then_scales_down(cluster, tmp_path):
     # scale-down: nothing asked of the autoscaler any more, idle nodes removed
     assert cluster.resource_request() == []
     wait_until(lambda: not cluster.worker_nodes(), 20,
-               "the autoscaler to remove the idle worker nodes (idle_timeout_minutes=0.1)",
+               "the autoscaler to remove the idle worker nodes (idle_timeout_minutes=0.05)",
                state=cluster.worker_nodes, poll_s=0.5)
 
 

@@ -185,7 +185,7 @@ def test_added_node_joins_at_the_next_commit(elastic_nodes, tmp_path):
 def test_failing_host_is_blacklisted_with_cooldown_and_reset_limit_stops_the_job(
         elastic_nodes):
     bad = elastic_nodes(3)[0]
-    executor = _executor(2, 3, cooldown_range=(2.0, 30.0), reset_limit=4)
+    executor = _executor(2, 3, cooldown_range=(1.0, 30.0), reset_limit=4)
     start = time.monotonic()
     with pytest.raises(ResetLimitExceeded, match="reset_limit=4"):
         executor.run(_elastic_train, args=(10_000, 0.05, bad.node_id))
@@ -195,8 +195,8 @@ def test_failing_host_is_blacklisted_with_cooldown_and_reset_limit_stops_the_job
     places = [t for t, kind, host in job.events if kind == "place" and host == bad.node_id]
     assert len(cooldowns) >= 2
     for n, (failed_at, wait) in enumerate(cooldowns[:2], start=1):
-        lo = 2.0 * 2 ** (n - 1)  # the rule: lo * 2^(n-1) plus jitter up to lo (lo = 2)
-        assert lo <= wait <= lo + 2.0, (n, wait)
+        lo = 1.0 * 2 ** (n - 1)  # the rule: lo * 2^(n-1) plus jitter up to lo (lo = 1)
+        assert lo <= wait <= lo + 1.0, (n, wait)
         back = next(t for t in places if t > failed_at)  # rediscovered and placed again
         assert wait <= back - failed_at <= wait + 2.5, (n, back - failed_at, wait)
     assert time.monotonic() - start < limit(30)  # stopped by reset_limit, not by the steps
