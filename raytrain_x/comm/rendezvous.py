@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -98,6 +99,16 @@ def next_rendezvous() -> Rendezvous:
     return rendezvous_from_env(os.environ)
 
 
+LOOPBACK_SECRET = "raytrain-x loopback store, no secret given"
+
+
+def _is_loopback(addr: str) -> bool:
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return addr == "localhost"
+
+
 def rendezvous_from_env(env: Any) -> Rendezvous:
     """Builds a Rendezvous from RAYTRAIN_X_* variables with a TCP store (rank 0 hosts it)."""
 
@@ -121,12 +132,17 @@ def rendezvous_from_env(env: Any) -> Rendezvous:
             raise ConfigError(f"{ENV_PREFIX}SIZE={size} but no {ENV_PREFIX}STORE_ADDR/PORT; "
                               "launch with raytrain-x run or RayExecutor")
         secret = env.get(ENV_PREFIX + "STORE_SECRET") or ""
+        if not secret and _is_loopback(addr):
+            # One machine, a store on loopback only: like torch's env:// rendezvous, any
+            # local process may reach it; nothing off the machine can.
+            secret = LOOPBACK_SECRET
         if not secret:
             raise ConfigError(f"{ENV_PREFIX}SIZE={size} but no {ENV_PREFIX}STORE_SECRET: the "
                               "job's store answers only processes that know the job's secret; "
                               "launch with raytrain-x run, or give every process the same "
                               "random value (python -c 'import secrets; "
-                              "print(secrets.token_hex(32))')")
+                              "print(secrets.token_hex(32))'); a job on one machine may "
+                              f"instead use {ENV_PREFIX}STORE_ADDR=127.0.0.1")
         store = TcpStoreAddress(addr, port, size, rank == 0, timeout_s, secret)
     return Rendezvous(
         rank=rank,

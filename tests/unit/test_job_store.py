@@ -121,3 +121,18 @@ def test_short_secrets_and_absent_servers_are_clear_errors():
         port = s.getsockname()[1]
     with pytest.raises(RendezvousTimeout, match="could not reach the job's store"):
         JobStoreClient("127.0.0.1", port, SECRET, timeout_s=0.3).num_keys()
+
+
+def test_env_rendezvous_needs_a_secret_unless_the_store_is_on_loopback():
+    from raytrain_x.comm.rendezvous import LOOPBACK_SECRET, rendezvous_from_env
+    from raytrain_x.common.errors import ConfigError
+
+    env = {"RAYTRAIN_X_SIZE": "2", "RAYTRAIN_X_RANK": "1", "RAYTRAIN_X_STORE_PORT": "29500"}
+    with pytest.raises(ConfigError, match="RAYTRAIN_X_STORE_SECRET"):
+        rendezvous_from_env({**env, "RAYTRAIN_X_STORE_ADDR": "10.0.0.5"})
+    for local in ("127.0.0.1", "localhost", "::1"):
+        rdv = rendezvous_from_env({**env, "RAYTRAIN_X_STORE_ADDR": local})
+        assert rdv.store.secret == LOOPBACK_SECRET and rdv.rank == 1
+    given = rendezvous_from_env({**env, "RAYTRAIN_X_STORE_ADDR": "10.0.0.5",
+                                 "RAYTRAIN_X_STORE_SECRET": SECRET})
+    assert given.store.secret == SECRET
