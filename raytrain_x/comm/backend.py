@@ -159,3 +159,17 @@ def writable_alias(array: np.ndarray) -> np.ndarray:
         return array.copy()
     raw = (ctypes.c_char * array.nbytes).from_address(array.ctypes.data)
     return np.frombuffer(raw, dtype=array.dtype).reshape(array.shape)
+
+
+def built_libraries() -> dict[str, bool]:
+    """Which collective libraries this installation can use, for Horovod's `*_built()`
+    queries: gloo always (torch's, the default backend); nccl and CUDA when the installed
+    torch has them. Imports torch lazily, as creating a group does."""
+    try:
+        torch = importlib.import_module("torch")
+        dist = importlib.import_module("torch.distributed")
+    except ImportError:
+        return {"gloo": False, "nccl": False, "cuda": False}
+    return {"gloo": bool(dist.is_gloo_available()),
+            "nccl": bool(dist.is_available() and dist.is_nccl_available()),
+            "cuda": torch.version.cuda is not None}

@@ -27,7 +27,7 @@ from raytrain_x.common.errors import RendezvousTimeout, StoreAuthError
 
 MAGIC = b"RTXS1"
 NONCE_BYTES = 32
-HANDSHAKE_TIMEOUT_S = 10.0  # an outsider that connects and says nothing is dropped after it
+HANDSHAKE_TIMEOUT_S = 30.0  # an outsider that connects and says nothing is dropped after it
 SECRET_MIN_BYTES = 16
 _LEN = struct.Struct("!I")
 _MAX_FRAME = 1 << 30
@@ -241,11 +241,13 @@ class JobStoreClient:
         return (JobStoreClient, (self.host, self.port, self._secret, self.timeout_s))
 
     def _connect(self) -> socket.socket:
+        """A connection that passed the mutual proof. Waits for rank 0 to listen, and for a
+        busy rank 0 to answer, until the rendezvous timeout."""
         deadline = time.monotonic() + self.timeout_s
         while True:
+            left = max(deadline - time.monotonic(), 0.5)
             try:
-                sock = socket.create_connection((self.host, self.port), timeout=5.0)
-                break
+                sock = socket.create_connection((self.host, self.port), timeout=min(left, 5.0))
             except OSError as exc:  # rank 0 may not listen yet
                 if time.monotonic() > deadline:
                     raise RendezvousTimeout(
@@ -253,30 +255,42 @@ class JobStoreClient:
                         f"{self.timeout_s:.0f}s ({exc}); rank 0 did not start or died"
                     ) from None
                 time.sleep(0.1)
-        try:
-            magic = _recv_exact(sock, len(MAGIC))
-            if magic != MAGIC:
-                raise StoreAuthError(f"{self.host}:{self.port} is not a raytrain-x job store")
-            server_nonce = _recv_exact(sock, NONCE_BYTES)
-            client_nonce = os.urandom(NONCE_BYTES)
-            sock.sendall(client_nonce + _proof(self._secret, b"client", server_nonce,
-                                               client_nonce))
+                continue
             try:
-                answer = _recv_exact(sock, hashlib.sha256().digest_size)
-            except ConnectionError:
-                raise StoreAuthError(
-                    f"the job's store at {self.host}:{self.port} refused this process's "
-                    "secret; every process of a job needs the same RAYTRAIN_X_STORE_SECRET"
-                ) from None
-            if not hmac.compare_digest(answer, _proof(self._secret, b"server", client_nonce,
-                                                      server_nonce)):
-                raise StoreAuthError(f"the store at {self.host}:{self.port} does not know "
-                                     "this job's secret; it is not this job's store")
-        except BaseException:
-            sock.close()
-            raise
-        sock.settimeout(None)
-        return sock
+                sock.settimeout(left)  # a loaded rank 0 may take a while to answer
+                self._prove(sock)
+            except TimeoutError:
+                sock.close()
+                if time.monotonic() > deadline:
+                    raise RendezvousTimeout(
+                        f"the job's store at {self.host}:{self.port} accepted but did not "
+                        f"answer within {self.timeout_s:.0f}s; rank 0 is stalled") from None
+                continue
+            except BaseException:
+                sock.close()
+                raise
+            sock.settimeout(None)
+            return sock
+
+    def _prove(self, sock: socket.socket) -> None:
+        magic = _recv_exact(sock, len(MAGIC))
+        if magic != MAGIC:
+            raise StoreAuthError(f"{self.host}:{self.port} is not a raytrain-x job store")
+        server_nonce = _recv_exact(sock, NONCE_BYTES)
+        client_nonce = os.urandom(NONCE_BYTES)
+        sock.sendall(client_nonce + _proof(self._secret, b"client", server_nonce,
+                                           client_nonce))
+        try:
+            answer = _recv_exact(sock, hashlib.sha256().digest_size)
+        except ConnectionError:
+            raise StoreAuthError(
+                f"the job's store at {self.host}:{self.port} refused this process's "
+                "secret; every process of a job needs the same RAYTRAIN_X_STORE_SECRET"
+            ) from None
+        if not hmac.compare_digest(answer, _proof(self._secret, b"server", client_nonce,
+                                                  server_nonce)):
+            raise StoreAuthError(f"the store at {self.host}:{self.port} does not know "
+                                 "this job's secret; it is not this job's store")
 
     def _request(self, *fields: bytes) -> list[bytes]:
         sock = getattr(self._local, "sock", None)

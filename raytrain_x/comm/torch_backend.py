@@ -49,6 +49,25 @@ def as_tensor(array: Any) -> torch.Tensor:
     return torch.from_dlpack(array)
 
 
+# dtypes gloo has no kernels for: moved as bytes, reduced in a wider type
+GLOO_WIDENED = {torch.int16: torch.int32}
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A uint8 view of `tensor`'s memory with the same first dimension (rows stay rows, so
+    alltoall's row splits still hold); writes through it land in `tensor`."""
+    rows = tensor.shape[0] if tensor.dim() else 1
+    rest = tensor.numel() // rows if rows else 0
+    return tensor.reshape(rows, rest).view(torch.uint8)
+
+
+def _moved(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` as gloo can move it: itself, or its bytes for a dtype gloo lacks."""
+    if tensor.dtype in GLOO_WIDENED and tensor.device.type == "cpu":
+        return as_bytes(tensor)
+    return tensor
+
+
 def gloo_options(timeout: timedelta, address: str) -> Any:
     """Gloo's options: listen on `address` (the Ray node's IP) unless `GLOO_SOCKET_IFNAME`
     names interfaces or no address is known; then gloo's own default, the address the
@@ -110,6 +129,15 @@ class TorchGroup(Group):
         opts = dist.AllreduceOptions()
         opts.reduceOp = REDUCE_OPS[op]
         pg = self._backend(tensor)
+        wide = GLOO_WIDENED.get(tensor.dtype) if tensor.device.type == "cpu" else None
+        if wide is not None:
+            work_tensor = tensor.to(wide)
+            work = self._call("allreduce", lambda: pg.allreduce([work_tensor], opts))
+
+            def finish() -> None:
+                self._call("allreduce", work.wait)
+                tensor.copy_(work_tensor)
+            return finish
         work = self._call("allreduce", lambda: pg.allreduce([tensor], opts))
         return lambda: self._call("allreduce", lambda: (work.wait(), tensor))
 
@@ -119,18 +147,21 @@ class TorchGroup(Group):
         opts.rootRank = root
         opts.rootTensor = 0
         pg = self._backend(tensor)
-        self._call("broadcast", lambda: pg.broadcast([tensor], opts).wait())
+        moved = _moved(tensor)
+        self._call("broadcast", lambda: pg.broadcast([moved], opts).wait())
 
     def allgather(self, outputs: list[Any], array: Any) -> None:
         tensor = as_tensor(array)
-        outs = [as_tensor(o) for o in outputs]
         pg = self._backend(tensor)
-        self._call("allgather", lambda: pg.allgather([outs], [tensor]).wait())
+        outs = [_moved(as_tensor(o)) for o in outputs]
+        moved = _moved(tensor)
+        self._call("allgather", lambda: pg.allgather([outs], [moved]).wait())
 
     def alltoall(self, output: Any, array: Any, output_splits: list[int],
                  input_splits: list[int]) -> None:
         tensor, out = as_tensor(array), as_tensor(output)
         pg = self._backend(tensor)
+        tensor, out = _moved(tensor), _moved(out)
         opts = dist.AllToAllOptions()
         self._call("alltoall", lambda: pg.alltoall_base(out, tensor, output_splits,
                                                         input_splits, opts).wait())

@@ -11,11 +11,11 @@ class ConfigError(RaytrainXError, ValueError):
     """A flag, knob, file or argument has a bad value; the message names it and the fix."""
 
 
-class TensorMismatchError(RaytrainXError):
+class TensorMismatchError(RaytrainXError, RuntimeError):
     """Ranks disagree on a tensor's shape, dtype or op (found during negotiation)."""
 
 
-class InternalError(RaytrainXError):
+class InternalError(RaytrainXError, RuntimeError):
     """A peer or the transport failed; elastic training restores the last commit."""
 
 

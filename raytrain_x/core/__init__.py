@@ -6,7 +6,23 @@ process sets, transport, collectives' submission, and objects as bytes.
 
 from __future__ import annotations
 
+from raytrain_x.core.basics import (
+    ccl_built,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    is_homogeneous,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rocm_built,
+    start_timeline,
+    stop_timeline,
+)
 from raytrain_x.core.collectives import (
+    Adasum,
     Average,
     Max,
     Min,
@@ -47,7 +63,21 @@ from raytrain_x.core.runtime import (
 )
 
 __all__ = [
+    "Adasum",
     "Average",
+    "ccl_built",
+    "cuda_built",
+    "ddl_built",
+    "gloo_built",
+    "gloo_enabled",
+    "is_homogeneous",
+    "mpi_built",
+    "mpi_enabled",
+    "mpi_threads_supported",
+    "nccl_built",
+    "rocm_built",
+    "start_timeline",
+    "stop_timeline",
     "Max",
     "Min",
     "ProcessSet",

@@ -18,7 +18,8 @@ Sum = "sum"
 Min = "min"
 Max = "max"
 Product = "product"
-REDUCE_OPS = (Average, Sum, Min, Max, Product)
+Adasum = "adasum"
+REDUCE_OPS = (Average, Sum, Adasum, Min, Max, Product)
 
 _counters: dict[str, itertools.count] = {}
 _counter_lock = threading.Lock()
@@ -48,7 +49,8 @@ def resolve_op(op: str | None, average: bool | None = None, default: str = Avera
         return Average if average else Sum
     op = default if op is None else op
     if op not in REDUCE_OPS:
-        raise ConfigError(f"unknown reduce op {op!r}; use Average, Sum, Min, Max or Product")
+        raise ConfigError(f"unknown reduce op {op!r}; use Average, Sum, Adasum, Min, Max or "
+                          "Product")
     return op
 
 

@@ -12,6 +12,7 @@ This module owns the thread, the queue and the handles; it knows no framework.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -176,6 +177,25 @@ class Engine:
             # collector at interpreter exit (gloo aborted the process there, now and then).
             self._transport.close()
 
+    def start_timeline(self, path: str, mark_cycles: bool = False) -> None:
+        """Starts (or moves) rank 0's Chrome trace; other ranks write none."""
+        if self.rank != 0:
+            return
+        current = self._timeline
+        if current is not None and current.path == os.fspath(path):
+            current.mark_cycles = mark_cycles
+            return
+        self._timeline = self._executor.timeline = Timeline(path, mark_cycles)
+        if current is not None:
+            current.close()
+
+    def stop_timeline(self) -> None:
+        """Closes rank 0's trace (a complete JSON file); a no-op when none is open."""
+        current, self._timeline = self._timeline, None
+        self._executor.timeline = None
+        if current is not None:
+            current.close()
+
     @property
     def transport(self) -> str:
         """'shm', 'gloo+shm' or 'gloo': see `Transport.name`."""
@@ -282,10 +302,13 @@ class Engine:
         if agreement.all_joined:
             self._finish_join(agreement.joined_last)
         responses = agreement.responses
-        if responses and self._timeline is not None:
+        timeline = self._timeline
+        if responses and timeline is not None:
+            timeline.cycle_start(start)
             for r in responses:
                 if r.name in self._pending:
-                    self._timeline.record(r.name, "NEGOTIATE", start, negotiated)
+                    timeline.record(r.name, f"NEGOTIATE_{r.meta.kind.upper()}", start,
+                                          negotiated)
 
         for batch in plan_batches(responses, self.knobs.fusion_threshold_bytes):
             self._execute(batch)
@@ -367,11 +390,12 @@ class Engine:
             results = self._executor.run(batch, requests, pset, self.knobs)
             self.stats.add(first.meta.kind, sum(r.meta.nbytes_on_wire() for r in batch),
                            time.perf_counter() - began)
-            if self._timeline is not None:
+            timeline = self._timeline
+            if timeline is not None:
                 for req in requests:
                     if req is not None:
-                        self._timeline.record(req.name, "QUEUE", _perf_from_mono(req.enqueued_at),
-                                              began)
+                        timeline.record(req.name, "QUEUE", _perf_from_mono(req.enqueued_at),
+                                        began)
         except BaseException as exc:
             error = exc if isinstance(exc, RaytrainXError) else InternalError(
                 f"the raytrain-x engine failed: {exc!r}")

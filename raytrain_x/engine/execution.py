@@ -60,11 +60,18 @@ class CollectiveExecutor:
         buf = self._buffers.get(meta.dtype, (sum(counts) + 1) * DTYPE_SIZES[meta.dtype])
         flat = ops_for_device("cpu").view_buffer(buf, sum(counts) + 1)
         ready = bool(requests)
-        floating = meta.dtype.startswith("float")
-        pre, post = _scales(meta, pset.size(), floating)
+        floating = meta.dtype.startswith("float") or meta.dtype == "bfloat16"
+        pre, post = _scales(meta, pset.size())
+        int_pre, int_post = (1.0, 1.0) if floating else (pre, post)
+        if not floating:
+            pre = post = 1
         if ready:
             tensors = [req.tensor for req in requests]
-            pack(tensors, buf, pre, 1, [r.name for r in batch])
+            packed = tensors
+            if int_pre != 1.0:  # scaled copies: the inputs stay untouched until all are ready
+                packed = [ops_for(t).clone(t) for t in tensors]
+                _scale_integers(packed, int_pre)
+            pack(packed, buf, pre, 1, [r.name for r in batch])
         else:
             flat[1:] = 0
         flat[0] = 1 if ready else 0
@@ -74,9 +81,7 @@ class CollectiveExecutor:
         if int(flat[0]) != pset.size() or not ready:
             return None
         unpack(buf, tensors, post, 1, [r.name for r in batch])
-        if meta.op == "average" and not floating:
-            for t in tensors:
-                t //= pset.size()
+        _scale_integers(tensors, int_post)
         return [req.output if req.output is not None else req.tensor for req in requests]
 
     def _allreduce(self, batch, requests, pset, knobs):
@@ -86,7 +91,10 @@ class CollectiveExecutor:
         ops = ops_for(tensors[0])
         floating = ops.is_floating(tensors[0])
         reduce_op = "sum" if meta.op in ("sum", "average") else meta.op
-        pre, post = _scales(meta, pset.size(), floating)
+        pre, post = _scales(meta, pset.size())
+        if not floating:  # Horovod's rule: integers are scaled in float64, outside the sum
+            _scale_integers(tensors, pre)
+            int_post, pre, post = post, 1, 1
         wire = meta.wire_dtype or meta.dtype
         row = batch[0].name if len(batch) == 1 else f"fused[{len(batch)}]"
         transport = self.transport
@@ -126,9 +134,8 @@ class CollectiveExecutor:
             if post != 1.0:
                 for t in tensors:
                     t *= post
-        if meta.op == "average" and not floating:
-            for t in tensors:
-                t //= pset.size()
+        if not floating:
+            _scale_integers(tensors, int_post)
         return [None if req is None else req.output if req.output is not None else req.tensor
                 for req in requests]
 
@@ -171,18 +178,22 @@ class CollectiveExecutor:
         meta = resp.meta
         ops = ops_for(req.tensor)
         work = ops.clone(req.tensor)
-        if meta.prescale != 1.0:
+        floating = ops.is_floating(work)
+        if floating and meta.prescale != 1.0:
             work *= meta.prescale
+        elif not floating:
+            _scale_integers([work], meta.prescale)
         self._timed(resp.name, "REDUCESCATTER", lambda: pset.group.allreduce(work, "sum"))
         n, dim0 = pset.size(), work.shape[0]
         sizes = [dim0 // n + (1 if i < dim0 % n else 0) for i in range(n)]
         me = pset.rank()
         out = ops.clone(work[sum(sizes[:me]): sum(sizes[: me + 1])])
         post = meta.postscale / (n if meta.op == "average" else 1)
-        if ops.is_floating(out):
-            out *= post
-        elif meta.op == "average":
-            out //= n
+        if floating:
+            if post != 1.0:
+                out *= post
+        else:
+            _scale_integers([out], post)
         return [out]
 
     def _barrier(self, batch, requests, pset, knobs):
@@ -197,16 +208,24 @@ class CollectiveExecutor:
         return out
 
 
-def _scales(meta: Meta, size: int, floating: bool) -> tuple[float, float]:
+def _scales(meta: Meta, size: int) -> tuple[float, float]:
     """The factors applied on the way into and out of a sum (average: 1/size after)."""
     scaled = meta.op in ("sum", "average")
     pre = meta.prescale if scaled else 1.0
     post = meta.postscale if scaled else 1.0
-    if meta.op == "average" and floating:
+    if meta.op == "average":
         post /= size
-    if not floating:  # the faces only let whole factors through for integer tensors
-        pre, post = int(pre), int(post)
     return pre, post
+
+
+def _scale_integers(tensors: list[Any], factor: float) -> None:
+    """Scales integer tensors as Horovod does: in float64, cast back toward zero (so a
+    factor below 1 does not turn every value into 0, and an average truncates)."""
+    if factor == 1.0:
+        return
+    for t in tensors:
+        ops = ops_for(t)
+        t[...] = ops.cast(ops.cast(t, "float64") * factor, ops.dtype(t))
 
 
 def _zeros(meta: Meta) -> Any:

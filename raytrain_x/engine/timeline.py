@@ -11,12 +11,17 @@ import time
 class Timeline:
     """Streams complete ('X') events, one row per tensor name, to a JSON array file."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, mark_cycles: bool = False) -> None:
+        self.path = os.fspath(path)
+        self.mark_cycles = mark_cycles
         self._file = open(path, "w")  # noqa: SIM115 - closed in close()
-        self._file.write("[\n")
         self._rows: dict[str, int] = {}
         self._lock = threading.Lock()
         self._origin = time.perf_counter()
+        start = {"name": "process_name", "ph": "M", "pid": 0,
+                 "args": {"name": "raytrain-x rank 0",
+                          "start_time_since_epoch_in_micros": int(time.time() * 1e6)}}
+        self._file.write("[\n" + json.dumps(start) + ",\n")
 
     def now(self) -> float:
         return time.perf_counter()
@@ -38,6 +43,16 @@ class Timeline:
             if args:
                 event["args"] = args
             self._file.write(json.dumps(event) + ",\n")
+
+    def cycle_start(self, at: float) -> None:
+        """An instant 'CYCLE_START' mark (only when the timeline marks cycles)."""
+        if not self.mark_cycles:
+            return
+        with self._lock:
+            if not self._file.closed:
+                event = {"name": "CYCLE_START", "ph": "i", "s": "g", "pid": 0, "tid": 0,
+                         "ts": round((at - self._origin) * 1e6, 1)}
+                self._file.write(json.dumps(event) + ",\n")
 
     def close(self) -> None:
         with self._lock:

@@ -1,7 +1,10 @@
-"""Horovod's PyTorch collectives on the raytrain-x engine.
+"""Horovod's PyTorch collectives on the raytrain-x engine, in Horovod's positional order.
 
 Every collective has a blocking form and an `_async` form returning a handle for
-`synchronize`/`poll`; trailing underscore forms work in place.
+`synchronize`/`poll`; trailing underscore forms work in place. The blocking out-of-place
+forms are autograd functions with Horovod's gradients (see `raytrain_x.torch.autograd`);
+the in-place forms stay outside autograd, as in Horovod. Names get Horovod's kind prefix
+(`name="x"` is `allreduce.x` in the timeline and in errors).
 """
 
 from __future__ import annotations
@@ -29,6 +32,14 @@ from raytrain_x.torch.arrays import dtype_name  # (importing it registers torch 
 from raytrain_x.torch.compression import Compression, Compressor
 
 
+def _op_name(kind: str, name: str | None) -> str:
+    """Horovod's naming: `<kind>.<name>`, or `<kind>.noname.<n>` for an unnamed one."""
+    if name is None:
+        return _core.auto_name(kind)
+    name = str(name)
+    return name if name.startswith(kind + ".") else f"{kind}.{name}"
+
+
 def _dtype_name(tensor: torch.Tensor) -> str:
     return _core.check_dtype(dtype_name(tensor.dtype), tensor.dtype)
 
@@ -37,6 +48,32 @@ def _check_tensor(tensor: Any, what: str) -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):
         raise ConfigError(f"{what} needs a torch.Tensor, got {type(tensor).__name__}")
     return tensor
+
+
+class _Composite(Handle):
+    """One handle over several collectives; `wait()` returns `finish(their results)`.
+    Callable, as Horovod's `sparse_allreduce_async` handle is."""
+
+    __slots__ = ("_inners", "_finish", "_value", "_finished")
+
+    def __init__(self, name: str, inners: Sequence[Handle],
+                 finish: Any = None) -> None:
+        super().__init__(name)
+        self._inners = list(inners)
+        self._finish = finish or list
+        self._finished = False
+        self._value: Any = None
+
+    def done(self) -> bool:
+        return all(h.done() for h in self._inners)
+
+    def wait(self, timeout: float | None = None) -> Any:
+        if not self._finished:
+            self._value = self._finish([h.wait(timeout) for h in self._inners])
+            self._finished = True
+        return self._value
+
+    __call__ = wait
 
 
 class _Decompressing(Handle):
@@ -73,11 +110,14 @@ def _allreduce_request(
 ) -> tuple[Request, Handle]:
     """The request for an in-place allreduce and the handle the caller should wait on."""
     tensor = _check_tensor(tensor, "allreduce")
+    if tensor.is_sparse:
+        raise ConfigError("allreduce of a sparse tensor: use rx.sparse_allreduce_async, or "
+                          "DistributedOptimizer(sparse_as_dense=True)")
     if not tensor.is_contiguous():
         raise ConfigError(f"allreduce {name or ''}: tensor is not contiguous; call "
                           ".contiguous() first")
     op = _core.resolve_op(op, average)
-    name = name or _core.auto_name(ALLREDUCE)
+    name = _op_name(ALLREDUCE, name)
     wire = ""
     target = None
     compressor_ctx = None
@@ -114,11 +154,12 @@ def allreduce_async_(
         tensor: contiguous tensor, reduced in place.
         average: deprecated Horovod flag; use `op`.
         name: unique name of this collective (same on every rank); auto-numbered if None.
-        op: Average (default), Sum, Min, Max or Product.
+        op: Average (default), Sum, Adasum, Min, Max or Product.
         prescale_factor, postscale_factor: multiply before / after the reduction (Sum and
-            Average only).
+            Average; integers are scaled in float64 and cast back, as in Horovod).
         process_set: ranks that take part.
-        compression: `Compression.fp16` sends float16 over the wire.
+        compression: `Compression.fp16` sends float16 over the wire (keyword only: not in
+            Horovod's `*_async` signatures).
         fuse: False for a tensor that is already a bucket: it is reduced alone, in place.
     """
     request, handle = _allreduce_request(tensor, average, name, op, prescale_factor,
@@ -127,20 +168,54 @@ def allreduce_async_(
     return handle
 
 
-def allreduce_async(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Handle:
+def _copy(tensor: torch.Tensor, what: str) -> torch.Tensor:
+    return _check_tensor(tensor, what).detach().clone(memory_format=torch.contiguous_format)
+
+
+def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+                    op: str | None = None, prescale_factor: float = 1.0,
+                    postscale_factor: float = 1.0,
+                    process_set: ProcessSet = global_process_set, **kwargs: Any) -> Handle:
     """Like `allreduce_async_` on a copy: the input is left unchanged."""
-    return allreduce_async_(_check_tensor(tensor, "allreduce").detach().clone(
-        memory_format=torch.contiguous_format), *args, **kwargs)
+    tensor = _check_tensor(tensor, "allreduce")
+    if tensor.is_sparse:
+        raise ConfigError("allreduce of a sparse tensor: use rx.sparse_allreduce_async")
+    return allreduce_async_(_copy(tensor, "allreduce"), average, name, op, prescale_factor,
+                            postscale_factor, process_set, **kwargs)
 
 
-def allreduce_(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    """In-place allreduce; returns `tensor`."""
-    return synchronize(allreduce_async_(tensor, *args, **kwargs))
+def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+               op: str | None = None, prescale_factor: float = 1.0,
+               postscale_factor: float = 1.0,
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """In-place allreduce; returns `tensor` (outside autograd, as in Horovod)."""
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
+                                        postscale_factor, process_set))
 
 
-def allreduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    """Allreduce returning a new tensor (default op: Average)."""
-    return synchronize(allreduce_async(tensor, *args, **kwargs))
+def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+              compression: type[Compressor] = Compression.none, op: str | None = None,
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Allreduce returning a new tensor (default op: Average). Differentiable: the gradient
+    is the allreduce of the gradient with the same op and factors."""
+    from raytrain_x.torch import autograd
+
+    op = _core.resolve_op(op, average)
+    return autograd.allreduce(_check_tensor(tensor, "allreduce"), name, compression, op,
+                              prescale_factor, postscale_factor, process_set)
+
+
+def _grouped_allreduce_handles(tensors, average, name, op, prescale_factor, postscale_factor,
+                               process_set, compression) -> list[Handle]:
+    if not isinstance(tensors, (list, tuple)) or not tensors:
+        raise ConfigError("grouped collectives need a non-empty list of tensors")
+    base = _op_name("grouped_allreduce", name)
+    pairs = [_allreduce_request(t, average, f"{base}.{i}", op, prescale_factor,
+                                postscale_factor, process_set, compression)
+             for i, t in enumerate(tensors)]
+    _core.submit_many([request for request, _ in pairs])
+    return [handle for _, handle in pairs]
 
 
 def grouped_allreduce_async_(
@@ -152,39 +227,78 @@ def grouped_allreduce_async_(
     postscale_factor: float = 1.0,
     process_set: ProcessSet = global_process_set,
     compression: type[Compressor] = Compression.none,
-) -> list[Handle]:
-    """Starts in-place allreduces of several tensors, enqueued atomically so that they
-    are negotiated in the same cycle and fused together (within the fusion threshold)."""
-    base = name or _core.auto_name("grouped_allreduce")
-    pairs = [_allreduce_request(t, average, f"{base}.{i}", op, prescale_factor,
-                                postscale_factor, process_set, compression)
-             for i, t in enumerate(tensors)]
-    _core.submit_many([request for request, _ in pairs])
-    return [handle for _, handle in pairs]
+) -> Handle:
+    """Starts in-place allreduces of several tensors, enqueued atomically so that they are
+    negotiated in the same cycle and fused together (within the fusion threshold). Returns
+    one handle; `synchronize` gives the list of tensors."""
+    handles = _grouped_allreduce_handles(tensors, average, name, op, prescale_factor,
+                                         postscale_factor, process_set, compression)
+    return _Composite(handles[0].name, handles)
 
 
-def grouped_allreduce_async(tensors: Sequence[torch.Tensor], *args: Any,
-                            **kwargs: Any) -> list[Handle]:
+def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None,
+                            name: str | None = None, op: str | None = None,
+                            prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                            process_set: ProcessSet = global_process_set,
+                            **kwargs: Any) -> Handle:
     """Like `grouped_allreduce_async_` on copies: the inputs are left unchanged."""
-    copies = [_check_tensor(t, "allreduce").detach().clone(memory_format=torch.contiguous_format)
-              for t in tensors]
-    return grouped_allreduce_async_(copies, *args, **kwargs)
+    copies = [_copy(t, "allreduce") for t in tensors]
+    return grouped_allreduce_async_(copies, average, name, op, prescale_factor,
+                                    postscale_factor, process_set, **kwargs)
 
 
-def grouped_allreduce_(tensors: Sequence[torch.Tensor], *args: Any,
-                       **kwargs: Any) -> list[torch.Tensor]:
-    return [synchronize(h) for h in grouped_allreduce_async_(tensors, *args, **kwargs)]
+def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None,
+                       name: str | None = None, op: str | None = None,
+                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
+                                                postscale_factor, process_set))
 
 
-def grouped_allreduce(tensors: Sequence[torch.Tensor], *args: Any,
-                      **kwargs: Any) -> list[torch.Tensor]:
-    return [synchronize(h) for h in grouped_allreduce_async(tensors, *args, **kwargs)]
+def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None,
+                      name: str | None = None,
+                      compression: type[Compressor] = Compression.none,
+                      op: str | None = None, prescale_factor: float = 1.0,
+                      postscale_factor: float = 1.0,
+                      process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
+    """Allreduces of several tensors, fused; differentiable like `allreduce`."""
+    from raytrain_x.torch import autograd
+
+    op = _core.resolve_op(op, average)
+    return autograd.grouped_allreduce(list(tensors), name, compression, op, prescale_factor,
+                                      postscale_factor, process_set)
 
 
-# ------------------------------------------------------------------------- others
-def allgather_async(tensor: torch.Tensor, name: str | None = None,
-                    process_set: ProcessSet = global_process_set) -> Handle:
-    """Starts an allgather along dim 0; ranks may differ in dim 0, not in the others."""
+def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None,
+                           op: str | None = None,
+                           process_set: ProcessSet = global_process_set) -> Handle:
+    """Allreduce of a sparse tensor as Horovod does it: an allgather of its indices and of
+    its values. The handle is callable (or pass it to `synchronize`); it gives a sparse
+    tensor whose duplicate indices sum up (divided by the set's size for Average)."""
+    tensor = _check_tensor(tensor, "sparse_allreduce_async")
+    if not tensor.is_sparse:
+        raise ConfigError("sparse_allreduce_async needs a sparse tensor (tensor.to_sparse())")
+    op = _core.resolve_op(op, None)
+    if op not in (Average, Sum):
+        raise ConfigError("sparse_allreduce_async supports rx.Average and rx.Sum")
+    base = _op_name("sparse_allreduce", name)
+    tensor = tensor.coalesce()
+    indices = allgather_async(tensor.indices().t().contiguous(), f"{base}.indices", process_set)
+    values = allgather_async(tensor.values().contiguous(), f"{base}.values", process_set)
+    n = process_set.size()
+
+    def finish(results: list[torch.Tensor]) -> torch.Tensor:
+        gathered_indices, gathered_values = results
+        if op == Average:
+            gathered_values = gathered_values / n
+        return torch.sparse_coo_tensor(gathered_indices.t(), gathered_values, tensor.shape)
+
+    return _Composite(base, [indices, values], finish)
+
+
+# ------------------------------------------------------------------------- allgather
+def _allgather_request(tensor: torch.Tensor, name: str,
+                       process_set: ProcessSet) -> Request:
     tensor = _check_tensor(tensor, "allgather").detach()
     if tensor.dim() == 0:
         tensor = tensor.reshape(1)
@@ -192,15 +306,47 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
     meta = Meta(ALLGATHER, _dtype_name(tensor), tuple(tensor.shape),
                 process_set_id=registered_id(process_set), device=tensor.device.type,
                 framework="torch")
-    return _core.submit(name or _core.auto_name(ALLGATHER), meta, tensor)
+    return _core.request(name, meta, tensor)
+
+
+def allgather_async(tensor: torch.Tensor, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> Handle:
+    """Starts an allgather along dim 0; ranks may differ in dim 0, not in the others."""
+    request = _allgather_request(tensor, _op_name(ALLGATHER, name), process_set)
+    _core.submit_many([request])
+    return request.handle
 
 
 def allgather(tensor: torch.Tensor, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
-    """Concatenation of every member's tensor along dim 0, in rank order."""
-    return synchronize(allgather_async(tensor, name, process_set))
+    """Concatenation of every member's tensor along dim 0, in rank order. Differentiable:
+    a rank's gradient is its own rows of the members' averaged gradient (Horovod's rule)."""
+    from raytrain_x.torch import autograd
+
+    return autograd.allgather(_check_tensor(tensor, "allgather"), name, process_set)
 
 
+def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
+                            process_set: ProcessSet = global_process_set) -> Handle:
+    """Starts allgathers of several tensors in one cycle; one handle gives the list."""
+    if not isinstance(tensors, (list, tuple)) or not tensors:
+        raise ConfigError("grouped collectives need a non-empty list of tensors")
+    base = _op_name("grouped_allgather", name)
+    requests = [_allgather_request(t, f"{base}.{i}", process_set)
+                for i, t in enumerate(tensors)]
+    _core.submit_many(requests)
+    return _Composite(base, [r.handle for r in requests])
+
+
+def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
+                      process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
+    """Allgathers of several tensors; differentiable like `allgather`."""
+    from raytrain_x.torch import autograd
+
+    return autograd.grouped_allgather(list(tensors), name, process_set)
+
+
+# ------------------------------------------------------------------------- broadcast
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> Handle:
     """Starts an in-place broadcast from global rank `root_rank`."""
@@ -213,13 +359,12 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
     meta = Meta(BROADCAST, _dtype_name(tensor), tuple(tensor.shape), root=int(root_rank),
                 process_set_id=registered_id(process_set), device=tensor.device.type,
                 framework="torch")
-    return _core.submit(name or _core.auto_name(BROADCAST), meta, tensor.detach(), output=tensor)
+    return _core.submit(_op_name(BROADCAST, name), meta, tensor.detach(), output=tensor)
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> Handle:
-    return broadcast_async_(_check_tensor(tensor, "broadcast").detach().clone(
-        memory_format=torch.contiguous_format), root_rank, name, process_set)
+    return broadcast_async_(_copy(tensor, "broadcast"), root_rank, name, process_set)
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -229,14 +374,19 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
-    """`root_rank`'s tensor on every member (a new tensor)."""
-    return synchronize(broadcast_async(tensor, root_rank, name, process_set))
+    """`root_rank`'s tensor on every member (a new tensor). Differentiable: the root gets
+    the members' averaged gradient, the others zeros (Horovod's rule)."""
+    from raytrain_x.torch import autograd
+
+    return autograd.broadcast(_check_tensor(tensor, "broadcast"), root_rank, name, process_set)
 
 
+# ------------------------------------------------------------------------- alltoall
 def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None = None,
                    name: str | None = None,
                    process_set: ProcessSet = global_process_set) -> Handle:
-    """Starts an alltoall: rows `splits[i]` of dim 0 go to member i (equal split if None)."""
+    """Starts an alltoall: rows `splits[i]` of dim 0 go to member i (equal split if None).
+    The handle gives `(output, received_splits)`."""
     tensor = _check_tensor(tensor, "alltoall").detach().contiguous()
     n = process_set.size()
     if splits is None:
@@ -245,44 +395,94 @@ def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | 
                               f"divisible by the {n} members; pass splits=")
         split_list = [tensor.shape[0] // n] * n
     else:
+        if torch.is_tensor(splits) and splits.dtype not in (torch.int32, torch.int64):
+            raise ConfigError(f"alltoall splits must be integers, got {splits.dtype}")
         split_list = [int(s) for s in (splits.tolist() if torch.is_tensor(splits) else splits)]
         if len(split_list) != n or any(s < 0 for s in split_list) \
-                or sum(split_list) != tensor.shape[0]:
+                or sum(split_list) != (tensor.shape[0] if tensor.dim() else 0):
             raise ConfigError(f"alltoall splits {split_list} must be {n} non-negative numbers "
                               f"summing to dim 0 ({tensor.shape[0] if tensor.dim() else 0})")
     meta = Meta(ALLTOALL, _dtype_name(tensor), tuple(tensor.shape),
                 process_set_id=registered_id(process_set), device=tensor.device.type,
                 framework="torch",
                 splits=tuple(split_list))
-    return _core.submit(name or _core.auto_name(ALLTOALL), meta, tensor)
+    return _core.submit(_op_name(ALLTOALL, name), meta, tensor)
 
 
 def alltoall(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None = None,
              name: str | None = None, process_set: ProcessSet = global_process_set):
-    """Returns the received rows; with `splits`, returns `(output, received_splits)`."""
-    output, received = synchronize(alltoall_async(tensor, splits, name, process_set))
+    """Returns the received rows; with `splits`, returns `(output, received_splits)`.
+    Differentiable: the gradient goes back to the senders with the received splits."""
+    from raytrain_x.torch import autograd
+
+    output, received = autograd.alltoall(_check_tensor(tensor, "alltoall"), splits, name,
+                                         process_set)
     return (output, received) if splits is not None else output
 
 
-def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: str | None = None,
-                        process_set: ProcessSet = global_process_set,
-                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
-    """Starts a reduce-scatter along dim 0 (the first `dim0 % size` ranks get a row more)."""
+# ------------------------------------------------------------------------- reducescatter
+def _reducescatter_request(tensor: torch.Tensor, name: str, op: str | None,
+                           process_set: ProcessSet, prescale_factor: float,
+                           postscale_factor: float) -> Request:
     tensor = _check_tensor(tensor, "reducescatter").detach().contiguous()
     op = _core.resolve_op(op, None)
     if op not in (Average, Sum):
-        raise ConfigError("reducescatter supports rx.Average and rx.Sum")
+        raise ConfigError(f"reducescatter supports rx.Average and rx.Sum, not {op!r}")
     if tensor.dim() == 0:
         raise ConfigError("reducescatter needs a tensor with at least one dimension")
     meta = Meta(REDUCESCATTER, _dtype_name(tensor), tuple(tensor.shape), op, 0,
                 float(prescale_factor), float(postscale_factor), registered_id(process_set),
                 device=tensor.device.type, framework="torch")
-    return _core.submit(name or _core.auto_name(REDUCESCATTER), meta, tensor)
+    return _core.request(name, meta, tensor)
 
 
-def reducescatter(tensor: torch.Tensor, name: str | None = None, op: str | None = None,
+def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: str | None = Average,
+                        process_set: ProcessSet = global_process_set,
+                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+    """Starts a reduce-scatter along dim 0 (the first `dim0 % size` ranks get a row more)."""
+    request = _reducescatter_request(tensor, _op_name(REDUCESCATTER, name), op, process_set,
+                                     prescale_factor, postscale_factor)
+    _core.submit_many([request])
+    return request.handle
+
+
+def reducescatter(tensor: torch.Tensor, name: str | None = None,
+                  compression: type[Compressor] = Compression.none, op: str | None = Average,
                   process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                   postscale_factor: float = 1.0) -> torch.Tensor:
-    return synchronize(reducescatter_async(tensor, name, op, process_set, prescale_factor,
-                                           postscale_factor))
+    """This rank's rows of the members' reduced tensor. Differentiable: the gradient is the
+    allgather of the gradient (times the set's size for Sum, Horovod's rule)."""
+    from raytrain_x.torch import autograd
 
+    return autograd.reducescatter(_check_tensor(tensor, "reducescatter"), name, compression,
+                                  _core.resolve_op(op, None), process_set, prescale_factor,
+                                  postscale_factor)
+
+
+def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None,
+                                op: str | None = Average,
+                                process_set: ProcessSet = global_process_set,
+                                prescale_factor: float = 1.0,
+                                postscale_factor: float = 1.0) -> Handle:
+    """Starts reduce-scatters of several tensors in one cycle; one handle gives the list."""
+    if not isinstance(tensors, (list, tuple)) or not tensors:
+        raise ConfigError("grouped collectives need a non-empty list of tensors")
+    base = _op_name("grouped_reducescatter", name)
+    requests = [_reducescatter_request(t, f"{base}.{i}", op, process_set, prescale_factor,
+                                       postscale_factor) for i, t in enumerate(tensors)]
+    _core.submit_many(requests)
+    return _Composite(base, [r.handle for r in requests])
+
+
+def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = None,
+                          compression: type[Compressor] = Compression.none,
+                          op: str | None = Average,
+                          process_set: ProcessSet = global_process_set,
+                          prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> list[torch.Tensor]:
+    """Reduce-scatters of several tensors; differentiable like `reducescatter`."""
+    from raytrain_x.torch import autograd
+
+    return autograd.grouped_reducescatter(list(tensors), name, compression,
+                                          _core.resolve_op(op, None), process_set,
+                                          prescale_factor, postscale_factor)

@@ -82,7 +82,7 @@ def _cached_then_changed() -> str:
 
 def test_mismatch_detected_for_a_cached_name():
     for text in run_workers(_cached_then_changed, 2):
-        assert "ranks disagree on tensor 'w'" in text
+        assert "ranks disagree on tensor 'allreduce.w'" in text
 
 
 def _dead_peer() -> float:
@@ -133,7 +133,7 @@ def test_stalled_tensor_warns_and_then_fails_naming_the_missing_rank():
     env = {"RAYTRAIN_X_STALL_CHECK_TIME_SECONDS": "1",
            "RAYTRAIN_X_STALL_SHUTDOWN_TIME_SECONDS": "2.5"}
     text = run_workers(_stall, 2, env=env)[0]
-    assert "'only-rank-0' has waited" in text and "ranks [1] did not" in text
+    assert "'allreduce.only-rank-0' has waited" in text and "ranks [1] did not" in text
     assert "stalled" in text
 
 
@@ -153,7 +153,7 @@ def test_timeline_is_written_on_rank_0(tmp_path, transport):
     run_workers(_timeline, 2, str(path), env=env)
     events = json.loads(path.read_text())
     names = {e.get("name") for e in events}
-    assert {"NEGOTIATE", "QUEUE", "ALLREDUCE"} <= names
+    assert {"NEGOTIATE_ALLREDUCE", "QUEUE", "ALLREDUCE"} <= names
     copies = {"MEMCPY_IN_FUSION_BUFFER", "MEMCPY_OUT_FUSION_BUFFER"}
     if transport == "gloo":
         assert copies <= names

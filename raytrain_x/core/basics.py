@@ -1,0 +1,73 @@
+"""Horovod's build and runtime queries (`gloo_built`, `nccl_built`, `mpi_enabled`, ...) and
+the timeline switches, answered for raytrain-x: gloo (torch's) is always the transport,
+NCCL where torch has it, never MPI, oneCCL or DDL."""
+
+from __future__ import annotations
+
+import functools
+
+from raytrain_x.comm.backend import built_libraries
+from raytrain_x.core.runtime import engine
+
+
+@functools.cache
+def _built() -> dict[str, bool]:
+    return built_libraries()
+
+
+def gloo_built() -> bool:
+    return _built()["gloo"]
+
+
+def gloo_enabled() -> bool:
+    """True: every raytrain-x job runs on gloo (and NCCL for CUDA tensors)."""
+    return _built()["gloo"]
+
+
+def nccl_built() -> bool:
+    return _built()["nccl"]
+
+
+def cuda_built() -> bool:
+    return _built()["cuda"]
+
+
+def mpi_built() -> bool:
+    """False: raytrain-x never uses MPI (Ray starts the processes, gloo connects them)."""
+    return False
+
+
+def mpi_enabled() -> bool:
+    return False
+
+
+def mpi_threads_supported() -> bool:
+    return False
+
+
+def ccl_built() -> bool:
+    return False
+
+
+def ddl_built() -> bool:
+    return False
+
+
+def rocm_built() -> bool:
+    return False
+
+
+def is_homogeneous() -> bool:
+    """True when every host runs the same number of workers."""
+    return engine().groups.homogeneous()
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Starts writing rank 0's Chrome trace to `file_path` (or moves it there) while the job
+    runs; `mark_cycles` adds a CYCLE_START mark per engine cycle that ran a collective."""
+    engine().start_timeline(file_path, mark_cycles)
+
+
+def stop_timeline() -> None:
+    """Closes the trace started by `start_timeline` (or `RAYTRAIN_X_TIMELINE`)."""
+    engine().stop_timeline()
