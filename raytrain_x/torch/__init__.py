@@ -89,6 +89,7 @@ from raytrain_x.torch.ops import (
     sparse_allreduce_async,
 )
 from raytrain_x.torch.optimizer import DistributedOptimizer
+from raytrain_x.torch.sync_batch_norm import SyncBatchNorm
 
 HorovodInternalError = InternalError  # Horovod's name for a failed peer or transport
 
