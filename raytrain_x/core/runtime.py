@@ -189,7 +189,12 @@ def engine() -> Engine:
 
 
 def rendezvous() -> Rendezvous:
-    return engine().groups.rdv
+    """This round's rendezvous; still answers after a collective failed (as Horovod's
+    `rank()`/`size()` do), so an elastic state can restore itself before the reset."""
+    eng = _engine
+    if eng is None:
+        return engine().groups.rdv  # the clear "call init() first" error
+    return eng.groups.rdv
 
 
 def autotune_sampler() -> AutotuneSampler | None:

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import copy
+import math
+import random
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from raytrain_x.core.runtime import rank
+from raytrain_x.core.objects import allgather_object
+from raytrain_x.core.runtime import rank, size
 from raytrain_x.elastic.state import ObjectState, State, restore_count, run
 from raytrain_x.torch.functions import (
     broadcast_object,
@@ -16,47 +20,157 @@ from raytrain_x.torch.functions import (
 )
 
 
+class ElasticSampler(torch.utils.data.Sampler):
+    """Shards a dataset over the current workers and remembers what was processed in this
+    epoch, so that an elastic reset re-shards only what is left (Horovod's sampler).
+
+    Put it in a `TorchState` (any keyword) and record each batch with `record_batch`; a
+    commit then keeps the epoch's progress, a restore goes back to the committed progress,
+    and after a reset the remaining samples are re-shared among the new set of workers.
+
+    As with `DistributedSampler`, each rank's shard is padded (with samples from the start
+    of what remains) to an equal length, so that every rank runs the same number of steps.
+
+    Args:
+        dataset: anything with `len()`.
+        shuffle: shuffle the remaining indices with `seed + epoch` (the same on every rank).
+        seed: base of the shuffle's seed.
+    """
+
+    def __init__(self, dataset: Any, shuffle: bool = True, seed: int = 0) -> None:
+        self.dataset = dataset
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+        self.processed_indices: set[int] = set()
+        self.num_replicas = 1
+        self.rank = 0
+        self.remaining_indices: list[int] = []
+        self.num_samples = 0
+        self.total_size = 0
+        self._padded: list[int] = []
+        self.indices: list[int] = []
+        self.reset()
+
+    def set_epoch(self, epoch: int) -> None:
+        """Starts epoch `epoch`: nothing processed yet, a new shuffle."""
+        self.epoch = epoch
+        self.processed_indices = set()
+        self.reset()
+
+    def record_batch(self, batch_idx: int, batch_size: int) -> None:
+        """Records batch `batch_idx` (counted from the start of this iteration) as done on
+        every rank: data-parallel ranks step together, so each rank records the others'
+        rows of the same batch too, and a commit holds the whole world's progress with no
+        communication (a failed rank's committed batches are not done again)."""
+        start = batch_idx * batch_size
+        for replica in range(self.num_replicas):
+            shard = self._padded[replica:self.total_size:self.num_replicas]
+            self.processed_indices.update(shard[start:start + batch_size])
+
+    def record_indices(self, indices: Any) -> None:
+        """Records dataset indices processed by this rank only; after a reset the survivors'
+        records are combined (a failed rank's are lost, as in Horovod)."""
+        self.processed_indices.update(int(i) for i in indices)
+
+    def get_indices(self, batch_idx: int, batch_size: int) -> list[int]:
+        """This rank's dataset indices of batch `batch_idx`."""
+        start = batch_idx * batch_size
+        return self.indices[start:min(start + batch_size, len(self.indices))]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "processed_indices": set(self.processed_indices)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.epoch = state_dict["epoch"]
+        self.processed_indices = set(state_dict["processed_indices"])
+        self.reset()
+
+    def reset(self) -> None:
+        """Re-shards what is left of the epoch over the current world."""
+        self.num_replicas, self.rank = size(), rank()
+        remaining = [i for i in range(len(self.dataset)) if i not in self.processed_indices]
+        if self.shuffle:
+            random.Random(self.seed + self.epoch).shuffle(remaining)
+        self.remaining_indices = remaining
+        self.num_samples = math.ceil(len(remaining) / self.num_replicas)
+        self.total_size = self.num_samples * self.num_replicas
+        padded = list(remaining)
+        while remaining and len(padded) < self.total_size:
+            padded += remaining[:self.total_size - len(padded)]
+        self._padded = padded
+        self.indices = padded[self.rank:self.total_size:self.num_replicas]
+
+    def __iter__(self) -> Iterator[int]:
+        self.indices = self._padded[self.rank:self.total_size:self.num_replicas]
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, torch.nn.Module):
+        return "model"
+    if isinstance(value, torch.optim.Optimizer):
+        return "optimizer"
+    if isinstance(value, ElasticSampler):
+        return "sampler"
+    return ""
+
+
 class TorchState(ObjectState):
-    """A model, an optimizer and any plain attributes, committed by deep copy.
+    """Models, optimizers, `ElasticSampler`s and plain attributes, committed by deep copy.
 
     Args:
         model: the module whose `state_dict` is committed and synced.
         optimizer: the optimizer whose state is committed and synced.
-        **kwargs: plain attributes (epoch, batch, ...), as in `ObjectState`.
+        **kwargs: more modules, optimizers or samplers (by any name: a GAN's two models),
+            and plain attributes (epoch, batch, ...), as in `ObjectState`.
     """
 
     def __init__(self, model: torch.nn.Module | None = None,
                  optimizer: torch.optim.Optimizer | None = None, **kwargs: Any) -> None:
         self.model = model
         self.optimizer = optimizer
-        self._model_state = None
-        self._optimizer_state = None
-        super().__init__(bcast_object=broadcast_object, get_rank=rank, **kwargs)
-        self._save_tensors()
+        handled = {"model": model, "optimizer": optimizer,
+                   **{k: v for k, v in kwargs.items() if _kind(v)}}
+        self._handled = {k: v for k, v in handled.items() if v is not None}
+        for name, value in self._handled.items():
+            setattr(self, name, value)
+        self._handled_state: dict[str, Any] = {}
+        super().__init__(bcast_object=broadcast_object, get_rank=rank,
+                         **{k: v for k, v in kwargs.items() if k not in self._handled})
+        self._save_handled()
 
-    def _save_tensors(self) -> None:
-        if self.model is not None:
-            self._model_state = copy.deepcopy(self.model.state_dict())
-        if self.optimizer is not None:
-            self._optimizer_state = copy.deepcopy(self.optimizer.state_dict())
+    def _save_handled(self) -> None:
+        self._handled_state = {name: copy.deepcopy(value.state_dict())
+                               for name, value in self._handled.items()}
 
     def save(self) -> None:
-        self._save_tensors()
+        self._save_handled()
         super().save()
 
     def restore(self) -> None:
-        if self.model is not None and self._model_state is not None:
-            self.model.load_state_dict(self._model_state)
-        if self.optimizer is not None and self._optimizer_state is not None:
-            self.optimizer.load_state_dict(self._optimizer_state)
+        for name, value in self._handled.items():
+            saved = self._handled_state.get(name)
+            if saved is not None:
+                value.load_state_dict(copy.deepcopy(saved))
         super().restore()
 
     def sync(self) -> None:
-        if self.model is not None:
-            broadcast_parameters(self.model.state_dict(), root_rank=0)
-        if self.optimizer is not None:
-            broadcast_optimizer_state(self.optimizer, root_rank=0)
+        for name, value in self._handled.items():
+            kind = _kind(value)
+            if kind == "model":
+                broadcast_parameters(value.state_dict(), root_rank=0)
+            elif kind == "optimizer":
+                broadcast_optimizer_state(value, root_rank=0)
+            else:  # a sampler: what any survivor processed, then rank 0's epoch
+                seen = allgather_object(value.processed_indices, name=f"elastic.{name}")
+                state = value.state_dict()
+                state["processed_indices"] = set().union(*seen)
+                value.load_state_dict(broadcast_object(state, 0, name=f"elastic.{name}"))
         super().sync()  # plain attributes, then save() commits everything
 
 
-__all__ = ["ObjectState", "State", "TorchState", "restore_count", "run"]
+__all__ = ["ElasticSampler", "ObjectState", "State", "TorchState", "restore_count", "run"]

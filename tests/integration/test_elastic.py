@@ -20,6 +20,7 @@ from tests.conftest import ELASTIC_RESOURCE
 from tests.limits import limit, wait_until
 
 STEPS = 40
+SAMPLES = 50  # the sampler's dataset: 40 steps of 2 or 3 workers run one to three epochs
 
 
 def _elastic_train(steps: int, pause: float, bad_node: str | None = None,
@@ -36,14 +37,31 @@ def _elastic_train(steps: int, pause: float, bad_node: str | None = None,
     model = torch.nn.Linear(4, 1)
     opt = rx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                   named_parameters=model.named_parameters())
-    state = rx.elastic.TorchState(model, opt, step=0, done_steps=[], sizes=[])
+    # one sample per rank and step, from a sampler that re-shards what is left at a reset
+    sampler = rx.elastic.ElasticSampler(range(SAMPLES), seed=1)
+    state = rx.elastic.TorchState(model, opt, sampler=sampler, step=0, done_steps=[],
+                                  sizes=[], epoch=0, seen={0: []})
 
     @rx.elastic.run
     def train(state):
+        batches = enumerate(state.sampler)
         while state.step < steps:
+            batch = next(batches, None)
+            if batch is None:  # the epoch is done: the next one
+                state.epoch += 1
+                state.sampler.set_epoch(state.epoch)
+                state.seen[state.epoch] = []
+                batches = enumerate(state.sampler)
+                batch = next(batches)
+            batch_idx, index = batch
+            position = batch_idx * state.sampler.num_replicas + state.sampler.rank
+            padding = position >= len(state.sampler.remaining_indices)  # equal shards
             opt.zero_grad()
             model(torch.ones(8, 4)).sum().backward()
             opt.step()
+            everyone = rx.allgather_object([] if padding else [index])
+            state.seen[state.epoch].extend(i for part in everyone for i in part)
+            state.sampler.record_batch(batch_idx, 1)
             state.done_steps.append(state.step)
             state.sizes.append(rx.size())
             state.step += 1
@@ -53,7 +71,7 @@ def _elastic_train(steps: int, pause: float, bad_node: str | None = None,
                 with open(progress, "w") as f:
                     f.write(f"{state.step} {rx.size()}")
         return {"step": state.step, "done_steps": list(state.done_steps),
-                "sizes": list(state.sizes), "rank": rx.rank(),
+                "sizes": list(state.sizes), "rank": rx.rank(), "seen": dict(state.seen),
                 "weight": model.weight.detach().clone()}
 
     return train(state)
@@ -122,8 +140,15 @@ def _youngest(executor: RayExecutor):
 
 def _check_committed_history(results: list[dict], steps: int = STEPS) -> None:
     for r in results:
-        assert r["step"] == STEPS  # the planned step count
-        assert r["done_steps"] == list(range(STEPS))  # none lost, none repeated
+        assert r["step"] == steps  # the planned step count
+        assert r["done_steps"] == list(range(steps))  # none lost, none repeated
+        # the ElasticSampler across the resets: each sample once per finished epoch, and
+        # none twice in the epoch under way
+        *finished, current = [r["seen"][e] for e in sorted(r["seen"])]
+        assert finished, "the test should finish at least one epoch"
+        for seen in finished:
+            assert sorted(seen) == list(range(SAMPLES))
+        assert len(set(current)) == len(current)
     assert all(torch.equal(results[0]["weight"], r["weight"]) for r in results)
 
 
@@ -175,8 +200,7 @@ def test_added_node_joins_at_the_next_commit(elastic_nodes, tmp_path):
     events = executor.last_elastic_job.events
     executor.shutdown()
     assert len(results) == 3  # the new worker finished with the others
-    for r in results:  # it received the committed state from rank 0
-        assert r["step"] == 2 * STEPS and r["done_steps"] == list(range(2 * STEPS))
+    _check_committed_history(results, 2 * STEPS)  # it received the committed state
     sizes = results[0]["sizes"]
     assert 2 in sizes and sizes[-1] == 3
     assert any(kind == "scale_up" for _, kind, _ in events)
