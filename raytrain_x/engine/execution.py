@@ -14,6 +14,7 @@ from typing import Any
 
 from raytrain_x.comm.groups import ProcessSetGroup
 from raytrain_x.common.knobs import Knobs
+from raytrain_x.engine import adasum
 from raytrain_x.engine.arrays import ops_for, ops_for_device
 from raytrain_x.engine.buffers import FusionBufferPool, pack, unpack
 from raytrain_x.engine.messages import (
@@ -89,6 +90,8 @@ class CollectiveExecutor:
         tensors = [req.tensor if req is not None else _zeros(r.meta)
                    for r, req in zip(batch, requests)]
         ops = ops_for(tensors[0])
+        if meta.op == "adasum":
+            return self._adasum(batch, requests, tensors, ops, pset)
         floating = ops.is_floating(tensors[0])
         reduce_op = "sum" if meta.op in ("sum", "average") else meta.op
         pre, post = _scales(meta, pset.size())
@@ -136,6 +139,25 @@ class CollectiveExecutor:
                     t *= post
         if not floating:
             _scale_integers(tensors, int_post)
+        return [None if req is None else req.output if req.output is not None else req.tensor
+                for req in requests]
+
+    def _adasum(self, batch, requests, tensors, ops, pset):
+        """The batch's tensors, each combined by Adasum across the set (engine.adasum)."""
+        meta = batch[0].meta
+        flat = ops.concat([ops.cast(t.reshape(-1), "float64") for t in tensors])
+        if meta.prescale != 1.0:
+            flat *= meta.prescale
+        row = batch[0].name if len(batch) == 1 else f"fused[{len(batch)}]"
+        self._timed(row, "ADASUM", lambda: adasum.allreduce(
+            flat, [ops.numel(t) for t in tensors], pset.group, pset.rank(), pset.size(), ops))
+        if meta.postscale != 1.0:
+            flat *= meta.postscale
+        offset = 0
+        for t in tensors:
+            n = ops.numel(t)
+            t[...] = ops.cast(flat[offset:offset + n].reshape(t.shape), ops.dtype(t))
+            offset += n
         return [None if req is None else req.output if req.output is not None else req.tensor
                 for req in requests]
 

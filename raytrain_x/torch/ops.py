@@ -16,8 +16,9 @@ import torch
 
 from raytrain_x.common.errors import ConfigError
 from raytrain_x.core import collectives as _core
-from raytrain_x.core.collectives import Average, Sum, synchronize
+from raytrain_x.core.collectives import Adasum, Average, Sum, synchronize
 from raytrain_x.core.process_sets import ProcessSet, global_process_set, registered_id
+from raytrain_x.engine import adasum
 from raytrain_x.engine.messages import (
     ALLGATHER,
     ALLREDUCE,
@@ -117,6 +118,10 @@ def _allreduce_request(
         raise ConfigError(f"allreduce {name or ''}: tensor is not contiguous; call "
                           ".contiguous() first")
     op = _core.resolve_op(op, average)
+    if op == Adasum:
+        adasum.check_size(process_set.size())
+        if not tensor.is_floating_point():
+            raise ConfigError(f"op=Adasum needs floating point tensors, got {tensor.dtype}")
     name = _op_name(ALLREDUCE, name)
     wire = ""
     target = None
