@@ -9,7 +9,7 @@ cycle number every rank shares.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -20,9 +20,18 @@ from raytrain_x.common.knobs import load_knobs
 from raytrain_x.core import runtime
 from raytrain_x.core.collectives import predivided
 from raytrain_x.core.process_sets import ProcessSet, global_process_set
+from raytrain_x.engine.adasum import check_size
 from raytrain_x.engine.messages import Handle
 from raytrain_x.torch.compression import Compression, Compressor
-from raytrain_x.torch.ops import Average, Sum, allreduce_async_, synchronize
+from raytrain_x.torch.ops import (
+    Adasum,
+    Average,
+    Sum,
+    _Composite,
+    allreduce_async_,
+    sparse_allreduce_async,
+    synchronize,
+)
 
 
 class _Bucket:
@@ -82,9 +91,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     """Mixed into the wrapped optimizer's class; see `DistributedOptimizer`."""
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
-                 gradient_predivide_factor, process_set, bucket_cap_mb=None):
+                 gradient_predivide_factor, process_set, bucket_cap_mb=None, groups=None,
+                 sparse_as_dense=False):
         super(self.__class__, self).__init__(params)  # type: ignore[misc]
         self._compression = compression
+        self._sparse_as_dense = sparse_as_dense
+        self._sparse: set[torch.Tensor] = set()  # parameters whose gradients come sparse
         self._op = op
         self._process_set = process_set
         self._predivide = gradient_predivide_factor
@@ -111,11 +123,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._should_synchronize = True
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
                        for p in self._requires_update]
+        # A gradient's first arrival tells whether it is sparse (nn.Embedding(sparse=True)):
+        # such a parameter leaves its bucket before its sparse gradient would be summed
+        # into the bucket's dense view; each probe removes itself after that first look.
+        self._probes = {p: p.register_hook(self._probe(p)) for p in self._requires_update}
         # Gradient buckets: grads are views into persistent flat buffers, each bucket is
         # reduced in place the moment its last gradient is ready (no pack/unpack copies).
         # Their size follows the fusion threshold unless the user fixed it.
         self._fixed_cap = None if bucket_cap_mb is None else int(bucket_cap_mb * 2**20)
-        if self._fixed_cap is None:
+        self._groups = _explicit_groups(groups, self._requires_update)
+        if self._groups is not None:
+            self._fixed_cap = 1  # Horovod's groups: fixed, explicit buckets
+            runtime.note_batching(BATCHING_FIXED_BUCKETS)
+        elif self._fixed_cap is None:
             runtime.note_batching(BATCHING_BUCKETS)
         elif self._fixed_cap > 0:
             runtime.note_batching(BATCHING_FIXED_BUCKETS)
@@ -143,7 +163,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         most about one old and one new bucket beyond the gradients themselves."""
         old_of = self._bucket_of
         left = {b: len(b.params) for b in self._buckets}
-        groups = bucket_groups(self._requires_update, cap_bytes) if cap_bytes > 0 else []
+        dense = [p for p in self._requires_update if p not in self._sparse]
+        if self._groups is not None:
+            groups = [g for group in self._groups
+                      for g in bucket_groups([p for p in group if p not in self._sparse],
+                                             2**62)]
+        else:
+            groups = bucket_groups(dense, cap_bytes) if cap_bytes > 0 else []
         self._buckets, self._bucket_of = [], {}
         for i, params in enumerate(groups):
             bucket = _Bucket(i, params)  # copies each current gradient into its new view
@@ -168,13 +194,52 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._build_buckets(cap)
             self.rebuilds.append((self._steps, cap))
 
+    def _probe(self, p: torch.Tensor):
+        def look(grad: torch.Tensor) -> None:
+            self._probes.pop(p).remove()
+            if grad.is_sparse:
+                self._sparse.add(p)
+                if p in self._bucket_of:  # out of its bucket, and its view off .grad
+                    self._build_buckets(self._cap)
+                    p.grad = None
+        return look
+
     def _allreduce_grad(self, p: torch.Tensor) -> Handle:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
+        if p.grad.is_sparse:
+            return self._allreduce_sparse(p)
         op, pre, post = self._scales()
         return allreduce_async_(p.grad, name=f"grad.{self._names[p]}", op=op,
                                 prescale_factor=pre, postscale_factor=post,
                                 process_set=self._process_set, compression=self._compression)
+
+    def _allreduce_sparse(self, p: torch.Tensor) -> Handle:
+        """A sparse gradient: densified and reduced like any other (sparse_as_dense), then
+        made sparse again for the optimizer; or, as Horovod, an allgather of its indices
+        and values whose duplicates sum up."""
+        name = f"grad.{self._names[p]}"
+        if self._sparse_as_dense:
+            dense = p.grad.to_dense()
+            op, pre, post = self._scales()
+            inner = allreduce_async_(dense, name=name, op=op, prescale_factor=pre,
+                                     postscale_factor=post, process_set=self._process_set,
+                                     compression=self._compression)
+            handle = _Composite(name, [inner], lambda out: out[0].to_sparse())
+        else:
+            handle = sparse_allreduce_async(p.grad, name, self._op, self._process_set)
+        return _Replacing(handle, p)
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Changes how many backward passes are accumulated per allreduce (Horovod's
+        method); counts start again."""
+        if passes < 1:
+            raise ConfigError(f"backward_passes_per_step must be >= 1, got {passes}")
+        self.backward_passes_per_step = passes
+        for p in self._passes:
+            self._passes[p] = 0
+        for bucket in self._buckets:
+            bucket.ready = 0
 
     def _drop_finished(self) -> None:
         """Forgets handles that already ended (a failed world's, after an elastic reset)."""
@@ -279,6 +344,9 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     backward_passes_per_step: int = 1,
     op: str = Average,
     gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups: int | Sequence[Sequence[torch.Tensor]] | None = None,
+    sparse_as_dense: bool = False,
     process_set: ProcessSet = global_process_set,
     bucket_cap_mb: float | None = None,
 ) -> Any:
@@ -293,8 +361,16 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         named_parameters: `model.named_parameters()`, used to name the collectives.
         compression: `Compression.fp16` halves the bytes on the wire.
         backward_passes_per_step: backward passes accumulated locally per allreduce.
-        op: `Average` (default) or `Sum`.
+        op: `Average` (default), `Sum`, or `Adasum` (Horovod's delta optimizer: each rank
+            steps locally and the steps' deltas are combined by Adasum).
         gradient_predivide_factor: divide by this before the sum and by size/factor after.
+        num_groups: deprecated Horovod spelling of `groups=<int>`.
+        groups: an int k splits the gradients into k fixed buckets of about equal count;
+            lists of parameters make one bucket each (parameters in no list are reduced on
+            their own). Either way the buckets stay fixed (out of autotune's search).
+        sparse_as_dense: reduce sparse gradients (`nn.Embedding(sparse=True)`) as dense
+            tensors (given back sparse); by default they go as Horovod sends them, an
+            allgather of indices and values.
         process_set: ranks the gradients are reduced over.
         bucket_cap_mb: gradients are views into flat buckets of at most this size, each
             reduced in place as soon as its last gradient is ready. By default (None) the
@@ -304,10 +380,22 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     """
     if backward_passes_per_step < 1:
         raise ConfigError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
-    if op not in (Average, Sum):
-        raise ConfigError(f"DistributedOptimizer op must be rx.Average or rx.Sum, got {op!r}")
+    if op not in (Average, Sum, Adasum):
+        raise ConfigError(f"DistributedOptimizer op must be rx.Average, rx.Sum or rx.Adasum, "
+                          f"got {op!r}")
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ConfigError("gradient_predivide_factor needs op=rx.Average")
+    if num_groups and groups is not None:
+        raise ConfigError("give groups= (num_groups is its deprecated spelling), not both")
+    groups = groups if groups is not None else (num_groups or None)
+    if op == Adasum:
+        check_size(process_set.size())
+        cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
+                   dict(_DistributedAdasumOptimizer.__dict__))
+        wrapped = cls(optimizer.param_groups, named_parameters, compression,
+                      backward_passes_per_step, process_set)
+        wrapped.load_state_dict(optimizer.state_dict())
+        return wrapped
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_DistributedOptimizer.__dict__))
     if bucket_cap_mb is not None and not bucket_cap_mb >= 0:
@@ -315,9 +403,144 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
                           f"threshold knob), got {bucket_cap_mb}")
     wrapped = cls(optimizer.param_groups, named_parameters, compression,
                   backward_passes_per_step, op, gradient_predivide_factor, process_set,
-                  bucket_cap_mb)
+                  bucket_cap_mb, groups, sparse_as_dense)
     wrapped.load_state_dict(optimizer.state_dict())
     return wrapped
+
+
+class _Replacing(Handle):
+    """Waits for a gradient's reduction and puts the result in `p.grad` (sparse paths,
+    whose result is a new tensor rather than the gradient reduced in place)."""
+
+    __slots__ = ("_inner", "_param")
+
+    def __init__(self, inner: Handle, param: torch.Tensor) -> None:
+        super().__init__(inner.name)
+        self._inner, self._param = inner, param
+
+    def done(self) -> bool:
+        return self._inner.done()
+
+    @property
+    def cycle(self) -> int:  # type: ignore[override]
+        return getattr(self._inner, "cycle", -1)
+
+    @cycle.setter
+    def cycle(self, value: int) -> None:
+        pass
+
+    def wait(self, timeout: float | None = None) -> Any:
+        result = self._inner.wait(timeout)
+        self._param.grad = result
+        return result
+
+
+def _explicit_groups(groups: Any, params: list[torch.Tensor]) -> list[list[torch.Tensor]] | None:
+    """Horovod's `groups=`: an int k (k buckets of about equal parameter count, in reverse
+    registration order) or lists of parameters (one bucket each; the others alone)."""
+    if groups is None or groups == 0:
+        return None
+    ordered = list(reversed(params))
+    if isinstance(groups, int):
+        if groups < 0:
+            raise ConfigError(f"groups must be >= 0, got {groups}")
+        k = min(groups, len(ordered)) or 1
+        per = -(-len(ordered) // k)
+        return [ordered[i:i + per] for i in range(0, len(ordered), per)]
+    chosen: list[list[torch.Tensor]] = []
+    seen: set[int] = set()
+    wanted = {id(p) for p in params}
+    for group in groups:
+        group = list(group)
+        if not all(isinstance(p, torch.Tensor) and id(p) in wanted for p in group):
+            raise ConfigError("groups= lists must hold the optimizer's parameters "
+                              "(that require gradients)")
+        if any(id(p) in seen for p in group):
+            raise ConfigError("a parameter appears in two groups= lists")
+        seen.update(id(p) for p in group)
+        chosen.append(group)
+    return chosen + [[p] for p in ordered if id(p) not in seen]
+
+
+class _DistributedAdasumOptimizer(torch.optim.Optimizer):
+    """`DistributedOptimizer(op=Adasum)`: Horovod's delta optimizer. When a parameter's
+    gradient is ready, the local optimizer steps that parameter alone; the change it made
+    (the delta) is combined across the set by Adasum while backward goes on, and `step()`
+    sets every parameter to its value before the local step plus the combined delta."""
+
+    def __init__(self, params, named_parameters, compression, backward_passes_per_step,
+                 process_set):
+        super(self.__class__, self).__init__(params)  # type: ignore[misc]
+        self._compression = compression
+        self._process_set = process_set
+        self.backward_passes_per_step = backward_passes_per_step
+        all_params = [p for group in self.param_groups for p in group["params"]]
+        names = dict((id(p), n) for n, p in named_parameters) if named_parameters else {}
+        self._names = {p: names.get(id(p), f"adasum.noname.{i}")
+                       for i, p in enumerate(all_params)}
+        self._requires_update = [p for p in all_params if p.requires_grad]
+        self._starts = {p: torch.zeros_like(p, requires_grad=False)
+                        for p in self._requires_update}
+        self._passes = {p: 0 for p in self._requires_update}
+        self._handles: dict[torch.Tensor, Handle] = {}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                       for p in self._requires_update]
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        if passes < 1:
+            raise ConfigError(f"backward_passes_per_step must be >= 1, got {passes}")
+        self.backward_passes_per_step = passes
+        for p in self._passes:
+            self._passes[p] = 0
+
+    def _on_grad_ready(self, p: torch.Tensor) -> None:
+        if p in self._handles:
+            raise ConfigError(f"gradient of {self._names[p]!r} computed twice before step(); "
+                              "with gradient accumulation pass backward_passes_per_step")
+        self._passes[p] += 1
+        if self._passes[p] >= self.backward_passes_per_step:
+            self._passes[p] = 0
+            self._handles[p] = self._step_and_reduce(p)
+
+    @torch.no_grad()
+    def _step_and_reduce(self, p: torch.Tensor) -> Handle:
+        stashed = [group["params"] for group in self.param_groups]
+        for group in self.param_groups:  # the local step, for p only
+            group["params"] = [p] if any(p is q for q in group["params"]) else []
+        try:
+            self._starts[p].copy_(p)
+            super(self.__class__, self).step()  # type: ignore[misc]
+        finally:
+            for group, params in zip(self.param_groups, stashed):
+                group["params"] = params
+        p.sub_(self._starts[p])  # p now holds this rank's delta
+        return allreduce_async_(p.data, name=f"adasum.{self._names[p]}", op=Adasum,
+                                process_set=self._process_set, compression=self._compression)
+
+    @torch.no_grad()
+    def synchronize(self) -> None:
+        try:
+            for p in self._requires_update:
+                if p not in self._handles:
+                    self._handles[p] = self._step_and_reduce(p)
+            for p, handle in self._handles.items():
+                synchronize(handle)
+                self._starts[p].add_(p)  # start + combined delta
+                p.copy_(self._starts[p])
+        finally:
+            self._handles.clear()
+
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        self.synchronize()
+        runtime.mark_step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._handles:
+            raise ConfigError("zero_grad() called while Adasum reductions are in flight; "
+                              "call step() first")
+        return super(self.__class__, self).zero_grad(set_to_none)  # type: ignore[misc]
 
 
 def _moved(p: torch.Tensor, old_of: dict, left: dict) -> None:
