@@ -12,6 +12,7 @@ from raytrain_x.common.errors import (
     ResetLimitExceeded,
     StoreAuthError,
     TensorMismatchError,
+    UnsupportedOperationError,
     WorkerError,
 )
 from raytrain_x.common.knobs import Knobs, load_knobs
@@ -29,6 +30,7 @@ __all__ = [
     "ResetLimitExceeded",
     "StoreAuthError",
     "TensorMismatchError",
+    "UnsupportedOperationError",
     "WorkerError",
     "load_knobs",
 ]

@@ -348,7 +348,8 @@ class JobStoreClient:
 def open_job_store(host: str, port: int, secret: bytes | str, timeout_s: float,
                    serve: bool) -> JobStoreClient:
     """The client of a job's store; with `serve`, this process serves it first (rank 0)."""
-    if serve:
+    if serve and not any(s.host == host and s.port == port and not s._closed
+                         for s in _servers):  # init() again after shutdown(): same store
         server = JobStoreServer(host, secret, port)
         _servers.append(server)
     return JobStoreClient(host, port, secret, timeout_s)

@@ -100,6 +100,7 @@ def next_rendezvous() -> Rendezvous:
 
 
 LOOPBACK_SECRET = "raytrain-x loopback store, no secret given"
+_env_rounds = 0  # rendezvous made from the environment by this process
 
 
 def _is_loopback(addr: str) -> bool:
@@ -144,9 +145,12 @@ def rendezvous_from_env(env: Any) -> Rendezvous:
                               "print(secrets.token_hex(32))'); a job on one machine may "
                               f"instead use {ENV_PREFIX}STORE_ADDR=127.0.0.1")
         store = TcpStoreAddress(addr, port, size, rank == 0, timeout_s, secret)
+    global _env_rounds
+    _env_rounds += 1  # init() after shutdown(): a fresh key space in the same store
     return Rendezvous(
         rank=rank,
         size=size,
+        round=_env_rounds,
         local_rank=int(num("LOCAL_RANK", rank)),
         local_size=int(num("LOCAL_SIZE", size)),
         cross_rank=int(num("CROSS_RANK", 0)),

@@ -11,6 +11,11 @@ class ConfigError(RaytrainXError, ValueError):
     """A flag, knob, file or argument has a bad value; the message names it and the fix."""
 
 
+class UnsupportedOperationError(ConfigError, RuntimeError):
+    """A collective asked for an op it does not have (reducescatter with Adasum, ...): a
+    bad argument, and a RuntimeError, as Horovod raises it."""
+
+
 class TensorMismatchError(RaytrainXError, RuntimeError):
     """Ranks disagree on a tensor's shape, dtype or op (found during negotiation)."""
 
@@ -79,6 +84,7 @@ __all__ = [
     "RaytrainXError",
     "ConfigError",
     "TensorMismatchError",
+    "UnsupportedOperationError",
     "InternalError",
     "WorkerError",
     "HostsUpdatedInterrupt",

@@ -11,6 +11,7 @@ from raytrain_x.common.errors import (
     InternalError,
     RaytrainXError,
     TensorMismatchError,
+    UnsupportedOperationError,
 )
 from raytrain_x.core import (
     Adasum,

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from raytrain_x.common.errors import ConfigError
+from raytrain_x.common.errors import ConfigError, UnsupportedOperationError
 from raytrain_x.core import collectives as _core
 from raytrain_x.core.collectives import Adasum, Average, Sum, synchronize
 from raytrain_x.core.process_sets import ProcessSet, global_process_set, registered_id
@@ -432,7 +432,8 @@ def _reducescatter_request(tensor: torch.Tensor, name: str, op: str | None,
     tensor = _check_tensor(tensor, "reducescatter").detach().contiguous()
     op = _core.resolve_op(op, None)
     if op not in (Average, Sum):
-        raise ConfigError(f"reducescatter supports rx.Average and rx.Sum, not {op!r}")
+        raise UnsupportedOperationError(f"reducescatter supports rx.Average and rx.Sum, not "
+                                        f"{op!r}")
     if tensor.dim() == 0:
         raise ConfigError("reducescatter needs a tensor with at least one dimension")
     meta = Meta(REDUCESCATTER, _dtype_name(tensor), tuple(tensor.shape), op, 0,

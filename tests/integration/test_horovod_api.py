@@ -1,0 +1,86 @@
+"""Horovod's torch API details between real processes: init after shutdown, error types a
+Horovod script catches, every dtype through the data-moving collectives, integer scaling,
+build queries and the timeline switches."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from tests.workers import run_workers
+
+DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+          torch.bfloat16, torch.float32, torch.float64, torch.bool]
+
+
+def _api(timeline: str) -> dict:
+    import raytrain_x.torch as rx
+
+    out: dict = {}
+    rx.init()
+    r, n = rx.rank(), rx.size()
+    first = rx.allreduce(torch.ones(2), op=rx.Sum)
+    rx.shutdown()
+    out["initialized_after_shutdown"] = rx.is_initialized()
+    rx.init()  # again, in the same process (Horovod re-initialises)
+    out["again"] = (rx.rank(), rx.size()) == (r, n) and torch.equal(
+        rx.allreduce(torch.ones(2), op=rx.Sum, name="again"), first)
+    # every dtype Horovod supports through allgather, broadcast and alltoall
+    for dtype in DTYPES:
+        mine = (torch.arange(2 * n) % 2 + r).to(dtype)
+        out[f"allgather.{dtype}"] = rx.allgather(mine)
+        out[f"broadcast.{dtype}"] = rx.broadcast(mine, 0)
+        out[f"alltoall.{dtype}"] = rx.alltoall(mine)
+    # integers scaled in float64 and cast back, as Horovod does
+    out["int_prescale"] = rx.allreduce(torch.tensor([10, -7, 3]), op=rx.Sum,
+                                       prescale_factor=0.5)
+    out["int_postscale"] = rx.reducescatter(torch.tensor([10, -7, 3, 9] * n), op=rx.Sum,
+                                            postscale_factor=0.25)
+    out["int16_sum"] = rx.allreduce(torch.tensor([300, -2], dtype=torch.int16), op=rx.Sum)
+    # Horovod's error types
+    errors = {}
+    try:
+        rx.reducescatter(torch.ones(4), op=rx.Adasum)
+    except RuntimeError as exc:
+        errors["reducescatter_adasum"] = type(exc).__name__
+    try:
+        rx.allreduce(torch.ones(3 + r))  # ranks disagree on the shape
+    except RuntimeError as exc:
+        errors["mismatch"] = isinstance(exc, rx.HorovodInternalError) or type(exc).__name__
+    out["errors"] = errors
+    out["queries"] = (rx.gloo_built(), rx.gloo_enabled(), rx.mpi_built(), rx.mpi_enabled(),
+                      rx.ccl_built(), rx.is_homogeneous())
+    rx.start_timeline(timeline, mark_cycles=True)
+    rx.allreduce(torch.ones(3), name="traced")
+    rx.start_timeline(timeline, mark_cycles=True)  # the same file again: kept as it is
+    rx.stop_timeline()
+    rx.shutdown()
+    return out
+
+
+def test_horovod_details(tmp_path):
+    timeline = tmp_path / "timeline.json"
+    results = run_workers(_api, 2, str(timeline), work_s=15)
+    n = 2
+    for r, got in enumerate(results):
+        assert got["initialized_after_shutdown"] is False and got["again"]
+        for dtype in DTYPES:
+            everyone = [(torch.arange(2 * n) % 2 + k).to(dtype) for k in range(n)]
+            assert torch.equal(got[f"allgather.{dtype}"], torch.cat(everyone)), dtype
+            assert torch.equal(got[f"broadcast.{dtype}"], everyone[0]), dtype
+            want = torch.cat([e[2 * r:2 * r + 2] for e in everyone])
+            assert torch.equal(got[f"alltoall.{dtype}"], want), dtype
+        # each rank's (10 * 0.5, -7 * 0.5 -> -3, 3 * 0.5 -> 1), summed
+        assert got["int_prescale"].tolist() == [10, -6, 2]
+        assert got["int_postscale"].tolist() == [5, -3, 1, 4]  # (20, -14, 6, 18) / 4
+        assert got["int16_sum"].dtype == torch.int16 and got["int16_sum"].tolist() == [600, -4]
+        assert got["errors"] == {"reducescatter_adasum": "UnsupportedOperationError",
+                                 "mismatch": "TensorMismatchError"}
+        assert got["queries"] == (True, True, False, False, False, True)
+    events = json.loads(timeline.read_text())
+    assert "start_time_since_epoch_in_micros" in json.dumps(events[0])
+    names = {e.get("name") for e in events}
+    assert {"NEGOTIATE_ALLREDUCE", "ALLREDUCE", "CYCLE_START"} <= names
+    rows = {e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+    assert "allreduce.traced" in rows
