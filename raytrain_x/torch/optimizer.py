@@ -9,6 +9,7 @@ cycle number every rank shares.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -116,6 +117,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         else:
             by_id = {id(p): f"allreduce.noname.{i}" for i, p in enumerate(all_params)}
         self._names = {p: by_id[id(p)] for p in all_params}
+        self._parameter_names = self._names  # Horovod's attribute name
+        # A rank outside the process set trains locally: no collectives (as in Horovod).
+        self._member = process_set.included()
         self._requires_update = [p for p in all_params if p.requires_grad]
         self._handles: dict[torch.Tensor, Handle] = {}
         self._passes: dict[torch.Tensor, int] = {p: 0 for p in self._requires_update}
@@ -256,6 +260,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                 compression=self._compression, fuse=False)
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
+        if not self._member:
+            return
         bucket = self._bucket_of.get(p)
         if bucket is not None:
             if bucket in self._bucket_handles:
@@ -282,6 +288,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def synchronize(self) -> None:
         """Waits for every gradient allreduce (starting those whose hook did not fire)."""
+        if not self._member:
+            self._synchronized = True
+            return
         try:
             for p in self._requires_update:
                 if p not in self._handles and p not in self._bucket_of:
@@ -313,6 +322,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure=None):
         already_synchronized = self._synchronized and not self._handles  # done by hand
+        if self._should_synchronize and already_synchronized and self._member:
+            warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
+                          "context after optimizer.synchronize(); the gradients were "
+                          "reduced already and are used as they are. Wrap step() in "
+                          "`with optimizer.skip_synchronize():` to say so.", stacklevel=2)
         if self._should_synchronize and not already_synchronized:
             self.synchronize()
         self._synchronized = False
