@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from raytrain_x.common.errors import ConfigError
+from raytrain_x.common.horovod_env import with_horovod_aliases
 from raytrain_x.common.knobs import Knobs
 
 # field -> (env variable, CLI flag)
@@ -114,7 +115,7 @@ class AutotuneConfig:
     @staticmethod
     def from_env(env: Mapping[str, str] | None = None) -> AutotuneConfig | None:
         """The config the environment asks for, or None when autotune is off."""
-        env = os.environ if env is None else env
+        env = with_horovod_aliases(os.environ if env is None else env)
         if env.get("RAYTRAIN_X_AUTOTUNE", "").lower() not in ("1", "true", "yes", "on") \
                 and not env.get("RAYTRAIN_X_AUTOTUNE_RESUME_FROM"):
             return None

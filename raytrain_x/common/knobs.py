@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from raytrain_x.common.errors import ConfigError
+from raytrain_x.common.horovod_env import with_horovod_aliases
 
 MB = 1024 * 1024
 
@@ -170,6 +171,7 @@ def parse_knob_value(name: str, raw: Any, source: str) -> Any:
 
 
 def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    env = with_horovod_aliases(env)
     out: dict[str, Any] = {}
     for name, spec in Knobs.specs().items():
         if spec.env in env and env[spec.env] != "":

@@ -18,6 +18,7 @@ from raytrain_x.comm.rendezvous import Rendezvous, next_rendezvous
 from raytrain_x.common.autotune_config import AutotuneConfig
 from raytrain_x.common.autotune_log import load_best_knobs
 from raytrain_x.common.errors import LOST_PEER_ERRORS, LOST_PEER_EXIT_CODE, ConfigError
+from raytrain_x.common.horovod_env import with_horovod_aliases
 from raytrain_x.common.knobs import Knobs, load_knobs
 from raytrain_x.engine.engine import Engine
 
@@ -69,7 +70,8 @@ def init(
     """Joins the world and starts the engine; a no-op when already initialised.
 
     Args:
-        process_sets: process sets to register on every rank.
+        process_sets: process sets to register on every rank; "dynamic" (Horovod's flag)
+            is accepted: sets can always be added and removed after init.
         knobs: communication knobs (all held fixed); by default read from `RAYTRAIN_X_*`
             env and `RAYTRAIN_X_CONFIG_FILE`.
         rendezvous: where to meet; by default from the Ray executor or the environment.
@@ -80,6 +82,11 @@ def init(
     the knobs the job has (tuned ones included).
     """
     global _engine, _fixed_knobs, _sampler
+    if isinstance(process_sets, str):
+        if process_sets != "dynamic":
+            raise ConfigError(f"init(process_sets={process_sets!r}): give a list of process "
+                              "sets or 'dynamic'")
+        process_sets = None  # sets can always be added and removed after init
     with _lock:
         if _engine is not None and _engine.error is None:
             return
@@ -108,12 +115,15 @@ def init(
         groups = ProcessGroups(rdv)
         if rdv.size > 1:
             knobs = groups.world.broadcast_object(knobs, 0)
+        env = with_horovod_aliases(os.environ)
         _engine = Engine(
             groups,
             knobs,
-            timeline_path=os.environ.get("RAYTRAIN_X_TIMELINE") or None,
-            stall_warning_s=_env_float("RAYTRAIN_X_STALL_CHECK_TIME_SECONDS", 60.0),
-            stall_shutdown_s=_env_float("RAYTRAIN_X_STALL_SHUTDOWN_TIME_SECONDS", 0.0),
+            timeline_path=env.get("RAYTRAIN_X_TIMELINE") or None,
+            stall_warning_s=_env_float(env, "RAYTRAIN_X_STALL_CHECK_TIME_SECONDS", 60.0),
+            stall_shutdown_s=_env_float(env, "RAYTRAIN_X_STALL_SHUTDOWN_TIME_SECONDS", 0.0),
+            timeline_mark_cycles=env.get("RAYTRAIN_X_TIMELINE_MARK_CYCLES", "").lower()
+            in ("1", "true", "yes", "on"),
         )
         from raytrain_x.core.process_sets import add_process_set, global_process_set
 
@@ -151,8 +161,8 @@ def _exit_with_code_on_lost_peer() -> None:
     sys.excepthook = hook
 
 
-def _env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name)
+def _env_float(env: dict, name: str, default: float) -> float:
+    raw = env.get(name)
     if not raw:
         return default
     try:

@@ -71,6 +71,7 @@ class Engine:
         timeline_path: write a Chrome trace here (rank 0 only).
         stall_warning_s: warn when a tensor waits this long for other ranks.
         stall_shutdown_s: fail such a tensor after this long (0 = only warn).
+        timeline_mark_cycles: mark each engine cycle that ran a collective in the trace.
     """
 
     def __init__(
@@ -80,6 +81,7 @@ class Engine:
         timeline_path: str | None = None,
         stall_warning_s: float = 60.0,
         stall_shutdown_s: float = 0.0,
+        timeline_mark_cycles: bool = False,
     ) -> None:
         self.groups = groups
         self.rank = groups.rdv.rank
@@ -92,7 +94,8 @@ class Engine:
         self._negotiator = Negotiator(groups, self._transport.world_allreduce,
                                       knobs.cache_capacity, stall_warning_s, stall_shutdown_s,
                                       speculate=self._transport.name != "shm")
-        self._timeline = Timeline(timeline_path) if timeline_path and self.rank == 0 else None
+        self._timeline = (Timeline(timeline_path, timeline_mark_cycles)
+                          if timeline_path and self.rank == 0 else None)
         self._executor = CollectiveExecutor(self._transport, self._timeline)
         self._cond = threading.Condition()
         self._queue: list[Request] = []

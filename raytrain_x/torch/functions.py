@@ -22,12 +22,18 @@ def broadcast_parameters(params: Any, root_rank: int,
     """Overwrites every parameter with `root_rank`'s value, in place.
 
     Args:
-        params: `model.state_dict()`, `model.named_parameters()` or a list of (name, tensor).
+        params: `model.state_dict()`, `model.named_parameters()`, a list of (name, tensor)
+            or a list of tensors (`model.parameters()`), as Horovod takes.
         root_rank: rank whose values win.
     """
-    items = sorted(params.items()) if isinstance(params, dict) else list(params)
-    if items and not isinstance(items[0], tuple):
-        raise ConfigError("broadcast_parameters needs a state_dict or (name, tensor) pairs")
+    if isinstance(params, dict):
+        items = sorted(params.items())
+    else:
+        items = [p if isinstance(p, tuple) else (f"noname.{i}", p)
+                 for i, p in enumerate(params)]
+    if any(len(item) != 2 for item in items):
+        raise ConfigError("broadcast_parameters needs a state_dict, (name, tensor) pairs or "
+                          "a list of tensors")
     handles = []
     for name, p in items:
         if p is None:
@@ -42,7 +48,14 @@ def broadcast_parameters(params: Any, root_rank: int,
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
+                              model: torch.nn.Module | None = None,
                               process_set: ProcessSet = global_process_set) -> None:
-    """Gives every member `root_rank`'s optimizer state (and hyper-parameters)."""
+    """Gives every member `root_rank`'s optimizer state (and hyper-parameters).
+
+    `model` is accepted in Horovod's position and not needed: the whole `state_dict` goes
+    as one object, so an optimizer that has not stepped yet needs no dummy step."""
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"broadcast_optimizer_state's model= must be a torch.nn.Module, "
+                          f"got {type(model).__name__}")
     state = broadcast_object(optimizer.state_dict(), root_rank, "optimizer_state", process_set)
     optimizer.load_state_dict(state)

@@ -18,7 +18,7 @@ def _api(timeline: str) -> dict:
     import raytrain_x.torch as rx
 
     out: dict = {}
-    rx.init()
+    rx.init(process_sets="dynamic")
     r, n = rx.rank(), rx.size()
     first = rx.allreduce(torch.ones(2), op=rx.Sum)
     rx.shutdown()
@@ -49,6 +49,25 @@ def _api(timeline: str) -> dict:
     except RuntimeError as exc:
         errors["mismatch"] = isinstance(exc, rx.HorovodInternalError) or type(exc).__name__
     out["errors"] = errors
+    # join: rank 0 is done; rank 1 still reduces (rank 0 adds zeros) and its allgather
+    # fails as Horovod's does; both learn that rank 1 joined last
+    if r == 0:
+        out["joined_last"] = rx.join()
+    else:
+        out["joined_sum"] = rx.allreduce(torch.full((3,), 4.0), op=rx.Sum, name="after_join")
+        try:
+            rx.allgather(torch.ones(2), name="gather_after_join")
+        except RuntimeError as exc:
+            errors["allgather_after_join"] = type(exc).__name__
+        out["joined_last"] = rx.join()
+    # Horovod's argument forms
+    model = torch.nn.Linear(2, 2)
+    with torch.no_grad():
+        model.weight.fill_(r)
+    rx.broadcast_parameters(list(model.parameters()), root_rank=1)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1 * (r + 1))
+    rx.broadcast_optimizer_state(opt, 1, model)  # Horovod's positional model=
+    out["forms"] = (float(model.weight[0, 0]), opt.param_groups[0]["lr"])
     out["queries"] = (rx.gloo_built(), rx.gloo_enabled(), rx.mpi_built(), rx.mpi_enabled(),
                       rx.ccl_built(), rx.is_homogeneous())
     rx.start_timeline(timeline, mark_cycles=True)
@@ -75,8 +94,14 @@ def test_horovod_details(tmp_path):
         assert got["int_prescale"].tolist() == [10, -6, 2]
         assert got["int_postscale"].tolist() == [5, -3, 1, 4]  # (20, -14, 6, 18) / 4
         assert got["int16_sum"].dtype == torch.int16 and got["int16_sum"].tolist() == [600, -4]
-        assert got["errors"] == {"reducescatter_adasum": "UnsupportedOperationError",
-                                 "mismatch": "TensorMismatchError"}
+        want_errors = {"reducescatter_adasum": "UnsupportedOperationError",
+                       "mismatch": "TensorMismatchError"}
+        if r == 1:
+            want_errors["allgather_after_join"] = "TensorMismatchError"
+            assert got["joined_sum"].tolist() == [4.0, 4.0, 4.0]
+        assert got["errors"] == want_errors
+        assert got["joined_last"] == 1
+        assert got["forms"] == (1.0, 0.2)
         assert got["queries"] == (True, True, False, False, False, True)
     events = json.loads(timeline.read_text())
     assert "start_time_since_epoch_in_micros" in json.dumps(events[0])
