@@ -458,12 +458,8 @@ def test_tensorflow_examples_through_the_cli_and_the_executor(ray_cluster):
 
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", **ENV}
     bin_dir = Path(sys.executable).parent
-    cli = limits.run([str(bin_dir / "raytrain-x"), "run", "-np", "2", "--address",
-                      ray_cluster, "python", "examples/keras_digits.py", "--epochs", "12"],
-                     75, "the Keras example through raytrain-x run", cwd=REPO, env=env)
-    assert cli.returncode == 0, cli.stderr[-3000:]
-    match = re.search(r"\[0\]<stdout>:test accuracy ([0-9.]+) on 2 workers", cli.stdout)
-    assert match and float(match.group(1)) >= 0.95, cli.stdout[-3000:]
+    # a TensorFlow script through `raytrain-x run` (the tape example), and Keras' fit
+    # through RayExecutor (the Keras example): each launch path once, about 20 s each
     tape = limits.run([str(bin_dir / "raytrain-x"), "run", "-np", "2", "--address",
                        ray_cluster, "python", "examples/tensorflow_tape_digits.py",
                        "--epochs", "12"],
