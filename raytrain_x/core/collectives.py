@@ -33,6 +33,12 @@ def auto_name(kind: str) -> str:
         return f"{kind}.noname.{next(counter)}"
 
 
+def named(kind: str, name: str) -> str:
+    """Horovod's naming of a named collective: `<kind>.<name>` (kept when already so)."""
+    name = str(name)
+    return name if name.startswith(kind + ".") else f"{kind}.{name}"
+
+
 def check_dtype(name: str, shown: Any = None) -> str:
     """`name` when the engine supports that dtype, else a clear error."""
     if name not in DTYPE_SIZES:

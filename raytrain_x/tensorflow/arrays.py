@@ -88,7 +88,7 @@ def op_name(kind: str, name: str | None) -> str:
     place in it), so every call of the function reuses the same names and the engine's
     response cache serves them."""
     if name:
-        return name
+        return _core.named(kind, name)  # as the torch face names it
     if tf.executing_eagerly():
         return _core.auto_name(kind)
     graph = tf.compat.v1.get_default_graph()

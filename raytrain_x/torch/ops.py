@@ -35,10 +35,7 @@ from raytrain_x.torch.compression import Compression, Compressor
 
 def _op_name(kind: str, name: str | None) -> str:
     """Horovod's naming: `<kind>.<name>`, or `<kind>.noname.<n>` for an unnamed one."""
-    if name is None:
-        return _core.auto_name(kind)
-    name = str(name)
-    return name if name.startswith(kind + ".") else f"{kind}.{name}"
+    return _core.auto_name(kind) if name is None else _core.named(kind, name)
 
 
 def _dtype_name(tensor: torch.Tensor) -> str:

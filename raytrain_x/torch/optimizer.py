@@ -119,7 +119,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._names = {p: by_id[id(p)] for p in all_params}
         self._parameter_names = self._names  # Horovod's attribute name
         # A rank outside the process set trains locally: no collectives (as in Horovod).
-        self._member = process_set.included()
+        self._member = process_set.ranks is None or runtime.rank() in process_set.ranks
         self._requires_update = [p for p in all_params if p.requires_grad]
         self._handles: dict[torch.Tensor, Handle] = {}
         self._passes: dict[torch.Tensor, int] = {p: 0 for p in self._requires_update}
