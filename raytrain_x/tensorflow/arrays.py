@@ -12,6 +12,7 @@ inputs as numpy views of the tensors and adopts aligned outputs without a copy a
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,9 +25,15 @@ from raytrain_x.core import collectives as _core
 
 ALIGN = 64  # bytes; what TensorFlow's CPU kernels require of a tensor's memory
 
-# dtypes the engine reduces and moves natively; bfloat16 is handled by the ops (numpy has
-# no bfloat16 of its own, so DLPack cannot carry it)
+# dtypes the engine reduces and moves natively
 NATIVE = (tf.float16, tf.float32, tf.float64, tf.int8, tf.uint8, tf.int32, tf.int64)
+# the others Horovod supports travel as a carrier: reductions in a wider dtype (cast back
+# after; bool as 0/1), data-moving collectives as the bits of one the engine moves
+REDUCED_AS = {tf.bfloat16: tf.float32, tf.int16: tf.int32, tf.uint16: tf.int32,
+              tf.bool: tf.int32}
+MOVED_AS = {tf.bfloat16: tf.float16, tf.int16: tf.float16, tf.uint16: tf.float16,
+            tf.bool: tf.uint8}
+SUPPORTED = (*NATIVE, *REDUCED_AS)
 
 
 def aligned_empty(shape: Sequence[int], dtype: Any) -> np.ndarray:
@@ -62,10 +69,10 @@ def to_tensor(array: np.ndarray) -> tf.Tensor:
 
 
 def check_dtype(dtype: tf.DType, what: str) -> tf.DType:
-    if dtype not in NATIVE and dtype != tf.bfloat16:
+    if dtype not in SUPPORTED:
         raise ConfigError(f"{what}: dtype {dtype.name} is not supported by raytrain-x "
-                          "collectives; use float16/32/64, bfloat16, int8, uint8, int32 or "
-                          "int64")
+                          "collectives; use float16/32/64, bfloat16, int8/16/32/64, uint8/16 "
+                          "or bool")
     return dtype
 
 
@@ -86,15 +93,24 @@ def op_name(kind: str, name: str | None) -> str:
     """The collective's name. Eagerly: numbered per call, as the core does. Inside
     `tf.function`: fixed when the function is traced (the graph's name and the collective's
     place in it), so every call of the function reuses the same names and the engine's
-    response cache serves them."""
+    response cache serves them. In a `tf.compat.v1` graph the same, with the graph's
+    number in this process in place of a function's name."""
     if name:
         return _core.named(kind, name)  # as the torch face names it
     if tf.executing_eagerly():
         return _core.auto_name(kind)
     graph = tf.compat.v1.get_default_graph()
+    label = getattr(graph, "name", None)
+    if label is None:  # a tf.Graph, which has no name
+        label = getattr(graph, "_raytrain_x_label", None)
+        if label is None:
+            label = graph._raytrain_x_label = f"graph{next(_graph_numbers)}"
     count = getattr(graph, "_raytrain_x_collectives", 0)
     graph._raytrain_x_collectives = count + 1
-    return f"{kind}.{graph.name}.{count}"
+    return f"{kind}.{label}.{count}"
+
+
+_graph_numbers = itertools.count()
 
 
 # The raytrain-x error behind the last failed kernel. TensorFlow turns an exception raised

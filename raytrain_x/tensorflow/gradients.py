@@ -1,18 +1,25 @@
-"""Averaging gradients: `DistributedGradientTape` and what the Keras optimizer shares.
+"""Averaging gradients: `DistributedGradientTape`, `PartialDistributedGradientTape` and what
+the optimizers share.
 
 All dense gradients of a step go to the engine in one kernel call (one graph op inside
-`tf.function`), bucketed by the fusion threshold. `tf.IndexedSlices` gradients (embedding
+`tf.function` or a session), bucketed by the fusion threshold, or one call per group when
+`groups=` fixes which gradients travel together. `tf.IndexedSlices` gradients (embedding
 lookups) are allgathered, or densified and reduced with the rest when `sparse_as_dense`.
+Gradients of registered local sources are not reduced: they stay this rank's own, divided
+by the set's size when `scale_local_gradients` (Horovod's rule).
 """
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import tensorflow as tf
 
 from raytrain_x.common.errors import ConfigError
 from raytrain_x.core import collectives as _core
+from raytrain_x.core import runtime
 from raytrain_x.core.collectives import Average
 from raytrain_x.core.process_sets import ProcessSet, global_process_set
 from raytrain_x.tensorflow.arrays import check_dtype
@@ -20,30 +27,132 @@ from raytrain_x.tensorflow.compression import Compression, Compressor
 from raytrain_x.tensorflow.ops import allreduce_sparse, grouped_reduce
 
 
-def reduce_gradients(grads: list[Any], name: str, op: str, gradient_predivide_factor: float,
-                     sparse_as_dense: bool, process_set: ProcessSet,
-                     compression: type[Compressor]) -> list[Any]:
-    """Every rank's gradients combined by `op` (None stays None), and a step marked for
-    autotune."""
-    op = _core.resolve_op(op)
-    reduce_op, pre, post = _core.predivided(op, gradient_predivide_factor, process_set.size())
-    out: list[Any] = list(grads)
-    dense = []
-    for i, g in enumerate(grads):
-        if g is None:
-            continue
-        if isinstance(g, tf.IndexedSlices):
-            if not sparse_as_dense:
-                out[i] = allreduce_sparse(g, f"{name}.sparse{i}", op, process_set)
+class GradientReducer:
+    """How a tape or optimizer combines its gradients: the settings Horovod's
+    `DistributedGradientTape` and `DistributedOptimizer` share."""
+
+    def __init__(self, name: str, op: str = Average, gradient_predivide_factor: float = 1.0,
+                 sparse_as_dense: bool = False,
+                 compression: type[Compressor] = Compression.none,
+                 groups: int | Sequence[Sequence[Any]] | None = None, num_groups: int = 0,
+                 process_set: ProcessSet = global_process_set,
+                 scale_local_gradients: bool = True) -> None:
+        self.name = name
+        self.op = _core.resolve_op(op)
+        self.predivide = float(gradient_predivide_factor)
+        _core.predivided(self.op, self.predivide, 1)  # the clear error for a bad pair
+        self.sparse_as_dense = sparse_as_dense
+        self.compression = compression
+        self.groups = _check_groups(groups, num_groups)
+        self.process_set = process_set
+        self.scale_local_gradients = scale_local_gradients
+        self.local_sources: set[Any] = set()
+
+    def register_local_source(self, source: Any) -> None:
+        """The gradient of `source` stays this rank's (not reduced)."""
+        self.local_sources.add(_ref(source))
+
+    def reduce(self, grads: Sequence[Any], sources: Sequence[Any] | None = None,
+               step: bool = True) -> list[Any]:
+        """Every rank's gradients combined by the op (None stays None); `step` marks the
+        end of a training step for autotune."""
+        grads = list(grads)
+        local = [sources is not None and _ref(s) in self.local_sources
+                 for s in (sources or [None] * len(grads))]
+        out: list[Any] = list(grads)
+        size = self.process_set.size()
+        dense: list[tuple[int, tf.Tensor]] = []
+        for i, g in enumerate(grads):
+            if g is None:
                 continue
-            g = tf.convert_to_tensor(g)
-        check_dtype(g.dtype, "gradient")
-        dense.append((i, g))
-    reduced = grouped_reduce([g for _, g in dense], name, reduce_op, pre, post, process_set,
-                             compression, step=True)
-    for (i, _), r in zip(dense, reduced):
-        out[i] = r
-    return out
+            if local[i]:
+                out[i] = _divided(g, size) if self.scale_local_gradients else g
+                continue
+            if isinstance(g, tf.IndexedSlices):
+                if not self.sparse_as_dense:
+                    out[i] = allreduce_sparse(g, f"{self.name}.sparse{i}", self.op,
+                                              self.process_set)
+                    continue
+                g = tf.convert_to_tensor(g)
+            check_dtype(g.dtype, "gradient")
+            dense.append((i, g))
+        reduce_op, pre, post = _core.predivided(self.op, self.predivide, size)
+        buckets = self._buckets(dense, sources)
+        for k, bucket in enumerate(buckets):
+            name = self.name if len(buckets) == 1 else f"{self.name}.group{k}"
+            reduced = grouped_reduce([g for _, g in bucket], name, reduce_op, pre, post,
+                                     self.process_set, self.compression,
+                                     step=step and k == len(buckets) - 1)
+            for (i, _), r in zip(bucket, reduced):
+                out[i] = r
+        if step and not buckets:
+            runtime.mark_step()
+        return out
+
+    def _buckets(self, dense: list[tuple[int, tf.Tensor]],
+                 sources: Sequence[Any] | None) -> list[list[tuple[int, tf.Tensor]]]:
+        """The gradients that travel together: all of them, or Horovod's groups (an int k:
+        k runs of about equal count in order; lists of variables: each list, then every
+        other gradient alone)."""
+        if not dense:
+            return []
+        if self.groups is None:
+            return [dense]
+        if isinstance(self.groups, int):
+            k = min(self.groups, len(dense))
+            per, extra = divmod(len(dense), k)
+            out, start = [], 0
+            for j in range(k):
+                end = start + per + (1 if j < extra else 0)
+                out.append(dense[start:end])
+                start = end
+            return out
+        if sources is None:
+            raise ConfigError("groups= lists of variables need the gradients' variables; "
+                              "use an int for groups here")
+        position = {_ref(s): i for i, s in enumerate(sources)}
+        by_index = dict(dense)
+        out, taken = [], set()
+        for group in self.groups:
+            members = [position[_ref(v)] for v in group if _ref(v) in position]
+            members = [i for i in members if i in by_index and i not in taken]
+            taken.update(members)
+            if members:
+                out.append([(i, by_index[i]) for i in sorted(members)])
+        out += [[(i, g)] for i, g in dense if i not in taken]
+        return out
+
+
+def _ref(source: Any) -> Any:
+    """A hashable key for a variable or tensor (TensorFlow's `.ref()`)."""
+    return source.ref() if hasattr(source, "ref") else id(source)
+
+
+def _divided(grad: Any, size: int) -> Any:
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(grad.values / tf.cast(size, grad.values.dtype), grad.indices,
+                                grad.dense_shape)
+    return grad / tf.cast(size, grad.dtype)
+
+
+def _check_groups(groups: Any, num_groups: int) -> Any:
+    """Horovod's `groups=` (an int > 0 or lists of variables) and its deprecated
+    `num_groups=`."""
+    if num_groups:
+        warnings.warn("num_groups is deprecated; use groups=", DeprecationWarning,
+                      stacklevel=3)
+        if groups is None:
+            groups = num_groups
+    if groups is None or groups == 0:
+        return None
+    if isinstance(groups, bool) or not (isinstance(groups, int) or
+                                        isinstance(groups, (list, tuple))):
+        raise ConfigError("groups must be an int > 0 or a list of lists of variables, got "
+                          f"{groups!r}")
+    if isinstance(groups, int) and groups < 0:
+        raise ConfigError(f"groups must be an int > 0 or a list of lists of variables, got "
+                          f"{groups}")
+    return groups
 
 
 class DistributedGradientTape:
@@ -56,29 +165,40 @@ class DistributedGradientTape:
 
     Args:
         gradtape: the tape to wrap.
+        device_dense, device_sparse: where TensorFlow places the surrounding ops.
         compression: `Compression.fp16` sends floating point gradients as float16.
         sparse_as_dense: densify `tf.IndexedSlices` gradients and reduce them with the rest
             (better when most rows are touched); otherwise they are allgathered.
         op: Average (default) or Sum, Min, Max, Product.
         gradient_predivide_factor: divide by this before the sum and by size/factor after.
+        num_groups: deprecated spelling of `groups=<int>`.
+        groups: an int k sends the gradients in k fixed groups of about equal count; lists
+            of variables send each list's gradients together (the rest each alone).
         process_set: ranks that take part.
+        scale_local_gradients: divide the gradients of local sources
+            (`register_local_source`) by the set's size.
     """
 
     def __init__(self, gradtape: tf.GradientTape, device_dense: str = "",
-                 device_sparse: str = "",
-                 compression: type[Compressor] = Compression.none,
+                 device_sparse: str = "", compression: type[Compressor] = Compression.none,
                  sparse_as_dense: bool = False, op: str = Average,
-                 gradient_predivide_factor: float = 1.0,
-                 process_set: ProcessSet = global_process_set) -> None:
+                 gradient_predivide_factor: float = 1.0, num_groups: int = 0,
+                 groups: int | Sequence[Sequence[Any]] | None = None,
+                 process_set: ProcessSet = global_process_set,
+                 scale_local_gradients: bool = True) -> None:
         if not isinstance(gradtape, tf.GradientTape):
             raise ConfigError("DistributedGradientTape wraps a tf.GradientTape, got "
                               f"{type(gradtape).__name__}")
         self._tape = gradtape
-        self._compression = compression
-        self._sparse_as_dense = sparse_as_dense
-        self._op = _core.resolve_op(op)
-        self._predivide = float(gradient_predivide_factor)
-        self._process_set = process_set
+        self._device_dense = device_dense
+        self._reducer = GradientReducer("DistributedGradientTape", op,
+                                        gradient_predivide_factor, sparse_as_dense,
+                                        compression, groups, num_groups, process_set,
+                                        scale_local_gradients)
+
+    def register_local_source(self, source: Any) -> None:
+        """Keeps the gradient of `source` (a variable) local: not reduced across ranks."""
+        self._reducer.register_local_source(source)
 
     def __enter__(self) -> DistributedGradientTape:
         self._tape.__enter__()
@@ -94,6 +214,36 @@ class DistributedGradientTape:
                  unconnected_gradients: Any = tf.UnconnectedGradients.NONE) -> Any:
         grads = self._tape.gradient(target, sources, output_gradients, unconnected_gradients)
         flat = tf.nest.flatten(grads, expand_composites=False)
-        reduced = reduce_gradients(flat, "DistributedGradientTape", self._op, self._predivide,
-                                   self._sparse_as_dense, self._process_set, self._compression)
+        flat_sources = tf.nest.flatten(sources, expand_composites=False)
+        with tf.device(self._device_dense):
+            reduced = self._reducer.reduce(flat, flat_sources)
         return tf.nest.pack_sequence_as(grads, reduced)
+
+
+def PartialDistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "",
+                                   device_sparse: str = "",
+                                   compression: type[Compressor] = Compression.none,
+                                   sparse_as_dense: bool = False, op: str = Average,
+                                   gradient_predivide_factor: float = 1.0,
+                                   num_groups: int = 0,
+                                   groups: int | Sequence[Sequence[Any]] | None = None,
+                                   process_set: ProcessSet = global_process_set,
+                                   local_layers: Any = None,
+                                   scale_local_gradients: bool = True) -> DistributedGradientTape:
+    """A `DistributedGradientTape` that keeps the gradients of `local_layers` (Keras layers
+    each rank trains on its own) local."""
+    from tensorflow import keras
+
+    if local_layers is None:
+        local_layers = []
+    elif isinstance(local_layers, keras.layers.Layer):
+        local_layers = [local_layers]
+    elif not all(isinstance(layer, keras.layers.Layer) for layer in local_layers):
+        raise ConfigError("local_layers must be Keras layers (keras.layers.Layer)")
+    tape = DistributedGradientTape(gradtape, device_dense, device_sparse, compression,
+                                   sparse_as_dense, op, gradient_predivide_factor, num_groups,
+                                   groups, process_set, scale_local_gradients)
+    for layer in local_layers:
+        for var in layer.trainable_weights:
+            tape.register_local_source(var)
+    return tape

@@ -1,6 +1,8 @@
-"""Horovod's TensorFlow collectives on the raytrain-x engine.
+"""Horovod's TensorFlow collectives on the raytrain-x engine, without gradients (the
+differentiable public ops are in `raytrain_x.tensorflow.collectives`).
 
-Each op works eagerly and inside `tf.function` (see `arrays.run_kernel`). Allreduces go
+Each op works eagerly, inside `tf.function` and in a `tf.compat.v1` graph run by a session
+(see `arrays.run_kernel`). Allreduces go
 in chunks: TensorFlow concatenates each chunk's tensors into a fresh 64-byte aligned
 buffer (the one copy), the engine reduces it in place, fusing the chunks of a cycle up to
 the fusion threshold (the autotuned knob), and the results are views of the buffers.
@@ -19,7 +21,7 @@ from raytrain_x.common.errors import ConfigError
 from raytrain_x.core import collectives as _core
 from raytrain_x.core import runtime
 from raytrain_x.core.collectives import Average, Sum
-from raytrain_x.core.process_sets import ProcessSet, global_process_set, registered_id
+from raytrain_x.core.process_sets import ProcessSet, registered_id
 from raytrain_x.engine.messages import (
     ALLGATHER,
     ALLREDUCE,
@@ -31,13 +33,14 @@ from raytrain_x.engine.messages import (
 )
 from raytrain_x.tensorflow.arrays import (
     ALIGN,
+    MOVED_AS,
+    REDUCED_AS,
     aligned_empty,
-    as_tensor,
     op_name,
     run_kernel,
     writable,
 )
-from raytrain_x.tensorflow.compression import Compression, Compressor
+from raytrain_x.tensorflow.compression import Compressor
 
 FRAMEWORK = "tensorflow"
 
@@ -170,8 +173,7 @@ def grouped_reduce(tensors: Sequence[tf.Tensor], name: str, op: str, prescale: f
     if not tensors:
         return []
     dtypes = [t.dtype for t in tensors]
-    # bfloat16 has no numpy dtype: it is reduced in float32 and cast back
-    work = [tf.cast(t, tf.float32) if t.dtype == tf.bfloat16 else t for t in tensors]
+    work = [tf.cast(t, REDUCED_AS[t.dtype]) if t.dtype in REDUCED_AS else t for t in tensors]
     chunks = _chunks(work)
     tails: dict[tf.DType, list[tf.Tensor]] = {}
     for d in {work[m[0]].dtype for m in chunks}:
@@ -212,123 +214,122 @@ def grouped_reduce(tensors: Sequence[tf.Tensor], name: str, op: str, prescale: f
             else:
                 result = tf.reshape(tf.reshape(part, [-1])[:n], tf.shape(t))
                 result.set_shape(t.shape)
-            out[i] = tf.cast(result, dtypes[i]) if dtypes[i] == tf.bfloat16 else result
+            out[i] = tf.cast(result, dtypes[i]) if dtypes[i] in REDUCED_AS else result
     return out
 
 
-# ------------------------------------------------------------------------- allreduce
-def allreduce(tensor: Any, average: bool | None = None, name: str | None = None,
-              op: str | None = None, prescale_factor: float = 1.0,
-              postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set,
-              compression: type[Compressor] = Compression.none) -> tf.Tensor:
-    """Allreduce of `tensor` across the process set (default op: Average).
-
-    Args:
-        tensor: a dense tensor (or a tf.IndexedSlices, reduced by allgather as in Horovod).
-        average: deprecated Horovod flag; use `op`.
-        name: unique name of this collective, the same on every rank; automatic if None.
-        op: Average, Sum, Min, Max or Product.
-        prescale_factor, postscale_factor: multiply before / after the reduction.
-        process_set: ranks that take part.
-        compression: `Compression.fp16` sends floating point tensors as float16.
-    """
-    op = _core.resolve_op(op, average)
-    if isinstance(tensor, tf.IndexedSlices):
-        return allreduce_sparse(tensor, name, op, process_set)
-    tensor = as_tensor(tensor, "allreduce")
-    pre, post = _reduce_scales(op, prescale_factor, postscale_factor, [tensor])
-    return grouped_reduce([tensor], op_name(ALLREDUCE, name), op, pre, post, process_set,
-                          compression)[0]
+# ------------------------------------------------------------------------- checks
+def reduce_scales(op: str, prescale: float, postscale: float,
+                  tensors: Sequence[tf.Tensor]) -> tuple[float, float]:
+    """The factors of a reduction, checked against its op and dtypes."""
+    if any(t.dtype == tf.bool for t in tensors):
+        if op == Average or prescale != 1.0 or postscale != 1.0:
+            raise ConfigError("a bool allreduce takes Sum or Max (logical or), Min or Product "
+                              "(logical and), without scale factors; cast to a number dtype "
+                              "to average")
+        return 1.0, 1.0
+    if prescale == 1.0 and postscale == 1.0:
+        return 1.0, 1.0
+    if op not in (Average, Sum):
+        raise ConfigError("prescale_factor/postscale_factor apply to Sum and Average only")
+    if any(t.dtype.is_integer for t in tensors) and \
+            not (float(prescale).is_integer() and float(postscale).is_integer()):
+        raise ConfigError("integer tensors take whole prescale/postscale factors only, got "
+                          f"{prescale} and {postscale}; cast to a float dtype first")
+    return float(prescale), float(postscale)
 
 
-def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None,
-                      name: str | None = None, op: str | None = None,
-                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                      process_set: ProcessSet = global_process_set,
-                      compression: type[Compressor] = Compression.none) -> list[tf.Tensor]:
-    """Allreduces of several tensors, fused into buckets up to the fusion threshold."""
-    op = _core.resolve_op(op, average)
-    dense = [as_tensor(t, "grouped_allreduce") for t in tensors]
-    pre, post = _reduce_scales(op, prescale_factor, postscale_factor, dense)
-    return grouped_reduce(dense, op_name("grouped_allreduce", name), op, pre, post,
-                          process_set, compression)
+def _to_wire(tensor: tf.Tensor) -> tf.Tensor:
+    """What a data-moving collective sends for `tensor`: dtypes without a numpy twin the
+    engine moves (bfloat16, int16, uint16: their bits as float16; bool: as uint8)."""
+    carrier = MOVED_AS.get(tensor.dtype)
+    if carrier is None:
+        return tensor
+    return tf.cast(tensor, carrier) if tensor.dtype == tf.bool else tf.bitcast(tensor, carrier)
 
 
+def _from_wire(tensor: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
+    if dtype not in MOVED_AS:
+        return tensor
+    return tf.cast(tensor, dtype) if dtype == tf.bool else tf.bitcast(tensor, dtype)
+
+
+def _leading_unknown(shape: tf.TensorShape) -> tf.TensorShape | None:
+    """`shape` with dim 0 unknown (a scalar becomes a vector), None for an unknown rank."""
+    if shape.rank is None:
+        return None
+    return tf.TensorShape([None]).concatenate(shape[1:])
+
+
+# ------------------------------------------------------------------------- data movers
 def allreduce_sparse(slices: tf.IndexedSlices, name: str | None, op: str,
-                      process_set: ProcessSet) -> tf.IndexedSlices:
+                     process_set: ProcessSet) -> tf.IndexedSlices:
     """Horovod's sparse allreduce: gather every member's rows and indices (duplicates are
     summed by whoever applies them); Average divides the values by the set's size."""
     if op not in (Average, Sum):
         raise ConfigError("an IndexedSlices allreduce supports Average and Sum only; use "
                           "sparse_as_dense=True for other ops")
     base = op_name("sparse_allreduce", name)
-    values = allgather(slices.values, f"{base}.values", process_set)
-    indices = allgather(slices.indices, f"{base}.indices", process_set)
+    values, indices = grouped_allgather([slices.values, slices.indices], base, process_set)
     if op == Average:
         values = values / tf.cast(process_set.size(), values.dtype)
     return tf.IndexedSlices(values, indices, slices.dense_shape)
 
 
-# ------------------------------------------------------------------------- others
-def _bits(tensor: tf.Tensor) -> tf.Tensor:
-    """Data-moving collectives send bfloat16 as its bits (float16 has the same width)."""
-    return tf.bitcast(tensor, tf.float16) if tensor.dtype == tf.bfloat16 else tensor
-
-
-def _unbits(tensor: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
-    return tf.bitcast(tensor, tf.bfloat16) if dtype == tf.bfloat16 else tensor
-
-
-def allgather(tensor: Any, name: str | None = None,
-              process_set: ProcessSet = global_process_set) -> tf.Tensor:
-    """Every member's tensor concatenated along dim 0, in rank order; members may differ
-    in dim 0, not in the other dims. A scalar is gathered as a 1-element vector."""
-    tensor = as_tensor(tensor, "allgather")
-    dtype, sent = tensor.dtype, _bits(tensor)
-    name = op_name(ALLGATHER, name)
+def grouped_allgather(tensors: Sequence[tf.Tensor], name: str,
+                      process_set: ProcessSet) -> list[tf.Tensor]:
+    """Each tensor's members' rows concatenated along dim 0 in rank order, in one kernel
+    (negotiated together). A scalar is gathered as a 1-element vector."""
+    dtypes = [t.dtype for t in tensors]
+    sent = [_to_wire(t) for t in tensors]
     pset_id = registered_id(process_set)
 
-    def kernel(a: np.ndarray) -> list[np.ndarray]:
-        a = a.reshape(1) if a.ndim == 0 else a
-        meta = Meta(ALLGATHER, a.dtype.name, a.shape, process_set_id=pset_id,
-                    framework=FRAMEWORK)
-        return [_core.synchronize(_core.submit(name, meta, a))]
+    def kernel(*arrays: np.ndarray) -> list[np.ndarray]:
+        requests = []
+        for i, a in enumerate(arrays):
+            a = a.reshape(1) if a.ndim == 0 else a
+            meta = Meta(ALLGATHER, a.dtype.name, a.shape, process_set_id=pset_id,
+                        framework=FRAMEWORK)
+            requests.append(_core.request(_member(name, i, len(arrays)), meta, a))
+        _core.submit_many(requests)
+        return _wait_all(requests)
 
-    rest = sent.shape[1:] if sent.shape.rank else []
-    out = run_kernel(kernel, [sent], [sent.dtype], [tf.TensorShape([None]).concatenate(rest)
-                                                    if sent.shape.rank is not None else None])
-    return _unbits(out[0], dtype)
+    outs = run_kernel(kernel, sent, [t.dtype for t in sent],
+                      [_leading_unknown(t.shape) for t in sent])
+    return [_from_wire(o, d) for o, d in zip(outs, dtypes)]
 
 
-def broadcast(tensor: Any, root_rank: int, name: str | None = None,
-              process_set: ProcessSet = global_process_set) -> tf.Tensor:
-    """`root_rank`'s tensor on every member (global rank)."""
-    tensor = as_tensor(tensor, "broadcast")
+def grouped_broadcast(tensors: Sequence[tf.Tensor], root_rank: int, name: str,
+                      process_set: ProcessSet) -> list[tf.Tensor]:
+    """`root_rank`'s tensors on every member, in one kernel."""
     members = process_set.ranks
     if members is not None and root_rank not in members:
         raise ConfigError(f"broadcast root_rank {root_rank} is not in the process set {members}")
-    dtype, sent = tensor.dtype, _bits(tensor)
-    name = op_name(BROADCAST, name)
+    dtypes = [t.dtype for t in tensors]
+    sent = [_to_wire(t) for t in tensors]
     pset_id = registered_id(process_set)
 
-    def kernel(a: np.ndarray) -> list[np.ndarray]:
-        work = aligned_empty(a.shape, a.dtype)
-        work[...] = a
-        meta = Meta(BROADCAST, a.dtype.name, a.shape, root=int(root_rank),
-                    process_set_id=pset_id, framework=FRAMEWORK)
-        return [_core.synchronize(_core.submit(name, meta, work, output=work))]
+    def kernel(*arrays: np.ndarray) -> list[np.ndarray]:
+        requests = []
+        for i, a in enumerate(arrays):
+            work = aligned_empty(a.shape, a.dtype)
+            work[...] = a
+            meta = Meta(BROADCAST, a.dtype.name, a.shape, root=int(root_rank),
+                        process_set_id=pset_id, framework=FRAMEWORK)
+            requests.append(_core.request(_member(name, i, len(arrays)), meta, work, work))
+        _core.submit_many(requests)
+        return _wait_all(requests)
 
-    return _unbits(run_kernel(kernel, [sent], [sent.dtype], [sent.shape])[0], dtype)
+    outs = run_kernel(kernel, sent, [t.dtype for t in sent], [t.shape for t in sent])
+    return [_from_wire(o, d) for o, d in zip(outs, dtypes)]
 
 
-def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
-             process_set: ProcessSet = global_process_set) -> Any:
+def alltoall(tensor: tf.Tensor, splits: Any, name: str,
+             process_set: ProcessSet) -> tuple[tf.Tensor, tf.Tensor]:
     """Rows `splits[i]` of dim 0 go to member i (an equal split if None). Returns the
-    received rows; with `splits`, `(received, received_splits)` as Horovod does."""
-    tensor = as_tensor(tensor, "alltoall")
+    received rows and how many came from each member."""
     n = process_set.size()
-    dtype, sent = tensor.dtype, _bits(tensor)
-    name = op_name(ALLTOALL, name)
+    dtype, sent = tensor.dtype, _to_wire(tensor)
     pset_id = registered_id(process_set)
     if splits is None:
         dim0 = tensor.shape[0] if tensor.shape.rank else 0
@@ -352,36 +353,56 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
         out, received = _core.synchronize(_core.submit(name, meta, np.ascontiguousarray(a)))
         return [out, received.astype(np.int32)]
 
-    shape = tf.TensorShape([None]).concatenate(sent.shape[1:]) \
-        if sent.shape.rank is not None else None
     out, received = run_kernel(kernel, [sent, split_tensor], [sent.dtype, tf.int32],
-                               [shape, tf.TensorShape([n])])
-    out = _unbits(out, dtype)
-    return (out, received) if splits is not None else out
+                               [_leading_unknown(sent.shape), tf.TensorShape([n])])
+    return _from_wire(out, dtype), received
 
 
-def reducescatter(tensor: Any, name: str | None = None, op: str | None = None,
-                  process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
-                  postscale_factor: float = 1.0) -> tf.Tensor:
-    """Reduce-scatter along dim 0: member i gets its share of the reduced rows (the first
-    `dim0 % size` members a row more). Ops: Average and Sum."""
-    tensor = as_tensor(tensor, "reducescatter")
-    op = _core.resolve_op(op, None)
+def grouped_reducescatter(tensors: Sequence[tf.Tensor], name: str, op: str,
+                          process_set: ProcessSet, prescale: float,
+                          postscale: float) -> list[tf.Tensor]:
+    """Reduce-scatter of each tensor along dim 0, in one kernel: member i gets its share of
+    the reduced rows (the first `dim0 % size` members a row more)."""
     if op not in (Average, Sum):
         raise ConfigError("reducescatter supports rx.Average and rx.Sum")
-    if tensor.shape.rank == 0:
-        raise ConfigError("reducescatter needs a tensor with at least one dimension")
-    dtype = tensor.dtype
-    work = tf.cast(tensor, tf.float32) if dtype == tf.bfloat16 else tensor
-    name = op_name(REDUCESCATTER, name)
+    for t in tensors:
+        if t.shape.rank == 0:
+            raise ConfigError("reducescatter needs tensors with at least one dimension")
+        if t.dtype == tf.bool:
+            raise ConfigError("reducescatter of bool tensors is not defined; cast to a "
+                              "number dtype")
+    pre, post = reduce_scales(op, prescale, postscale, tensors)
+    dtypes = [t.dtype for t in tensors]
+    work = [tf.cast(t, REDUCED_AS[t.dtype]) if t.dtype in REDUCED_AS else t for t in tensors]
     pset_id = registered_id(process_set)
 
-    def kernel(a: np.ndarray) -> list[np.ndarray]:
-        meta = Meta(REDUCESCATTER, a.dtype.name, a.shape, op, 0, float(prescale_factor),
-                    float(postscale_factor), pset_id, framework=FRAMEWORK)
-        return [_core.synchronize(_core.submit(name, meta, np.ascontiguousarray(a)))]
+    def kernel(*arrays: np.ndarray) -> list[np.ndarray]:
+        requests = []
+        for i, a in enumerate(arrays):
+            meta = Meta(REDUCESCATTER, a.dtype.name, a.shape, op, 0, pre, post, pset_id,
+                        framework=FRAMEWORK)
+            requests.append(_core.request(_member(name, i, len(arrays)), meta,
+                                          np.ascontiguousarray(a)))
+        _core.submit_many(requests)
+        return _wait_all(requests)
 
-    shape = tf.TensorShape([None]).concatenate(work.shape[1:]) \
-        if work.shape.rank is not None else None
-    out = run_kernel(kernel, [work], [work.dtype], [shape])[0]
-    return tf.cast(out, dtype) if dtype == tf.bfloat16 else out
+    outs = run_kernel(kernel, work, [w.dtype for w in work],
+                      [_leading_unknown(w.shape) for w in work])
+    return [tf.cast(o, d) if d in REDUCED_AS else o for o, d in zip(outs, dtypes)]
+
+
+def _member(name: str, i: int, count: int) -> str:
+    return name if count == 1 else f"{name}.{i}"
+
+
+def _wait_all(requests: list[Any]) -> list[np.ndarray]:
+    """Every request's result once all finished; the first error after all are waited."""
+    results, error = [], None
+    for req in requests:
+        try:
+            results.append(req.handle.wait())
+        except BaseException as exc:  # noqa: BLE001 - raised once all are waited for
+            error = error or exc
+    if error is not None:
+        raise error
+    return results

@@ -13,8 +13,8 @@ from tensorflow import keras
 from raytrain_x.common.errors import ConfigError
 from raytrain_x.core import runtime
 from raytrain_x.core.collectives import Average
+from raytrain_x.tensorflow.collectives import allreduce
 from raytrain_x.tensorflow.functions import broadcast_variables
-from raytrain_x.tensorflow.ops import allreduce
 
 log = logging.getLogger("raytrain_x.tensorflow")
 
@@ -31,16 +31,28 @@ def _model_variables(model: Any) -> list[Any]:
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     """Gives every rank `root_rank`'s model and optimizer variables when training begins,
-    so that all start from the same weights (random or restored from a checkpoint)."""
+    so that all start from the same weights (random or restored from a checkpoint).
 
-    def __init__(self, root_rank: int = 0) -> None:
+    Args:
+        root_rank: the rank whose values every rank takes.
+        device: accepted for Horovod's signature (the broadcast runs on host memory).
+        local_variables: variables each rank keeps its own (not broadcast).
+    """
+
+    def __init__(self, root_rank: int = 0, device: str = "",
+                 local_variables: Any = None) -> None:
         super().__init__()
         self.root_rank = root_rank
+        self.device = device
+        local = local_variables if isinstance(local_variables, (list, tuple, set)) else \
+            ([] if local_variables is None else [local_variables])
+        self._local = {id(v) for v in local}
         self.broadcast_done = False
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         if not self.broadcast_done and self.model.variables:
-            broadcast_variables(_model_variables(self.model), self.root_rank)
+            shared = [v for v in _model_variables(self.model) if id(v) not in self._local]
+            broadcast_variables(shared, self.root_rank)
             self.broadcast_done = True
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
@@ -52,7 +64,11 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 class MetricAverageCallback(keras.callbacks.Callback):
     """Replaces each epoch's metrics with their average over every rank (one allreduce),
     so that rank 0 logs and checkpoints on the whole job's figures. Put it before the
-    callbacks that read the metrics."""
+    callbacks that read the metrics. `device` is accepted for Horovod's signature."""
+
+    def __init__(self, device: str = "") -> None:
+        super().__init__()
+        self.device = device
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         if not logs:
@@ -147,3 +163,24 @@ class LearningRateWarmupCallback(_LearningRateCallback):
             if self.verbose and runtime.rank() == 0:
                 print(f"Epoch {epoch + 1}: finished gradual learning rate warmup to "
                       f"{self.initial_lr:g}.")
+
+
+_UNSET = "<set BestModelCheckpoint.filepath>.keras"
+
+
+class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
+    """Horovod's `BestModelCheckpoint`: a `ModelCheckpoint` that keeps only the best model
+    by `monitor`. Horovod's estimators set `filepath` later; here pass it, or set the
+    attribute before `fit`. Save from one rank (add it to rank 0's callbacks)."""
+
+    def __init__(self, monitor: str = "val_loss", verbose: int = 0, mode: str = "auto",
+                 save_freq: str | int = "epoch", filepath: str | None = None) -> None:
+        super().__init__(filepath=filepath or _UNSET, monitor=monitor, verbose=verbose,
+                         save_best_only=True, save_weights_only=False, mode=mode,
+                         save_freq=save_freq)
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        if self.filepath == _UNSET:
+            raise ConfigError("BestModelCheckpoint needs a filepath: pass filepath= or set "
+                              "callback.filepath before fit (a path ending in .keras)")
+        super().on_train_begin(logs)

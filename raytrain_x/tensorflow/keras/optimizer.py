@@ -1,61 +1,128 @@
-"""`DistributedOptimizer` for Keras 3 optimizers: gradients are averaged in `apply`."""
+"""`DistributedOptimizer` for Keras 3 optimizers: gradients are combined across ranks before
+the optimizer uses them.
+
+With `backward_passes_per_step=1` the gradients are reduced in `apply`, before clipping and
+the update, as Horovod does. With `backward_passes_per_step=k > 1` the optimizer is built
+with Keras's own `gradient_accumulation_steps=k`: each step adds its local gradients to the
+accumulators, and only every k-th step reduces their sum (or mean, with
+`average_aggregated_gradients`) across ranks and updates the variables, so k-1 of k steps
+send nothing. `iterations` counts every step, as in Horovod.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from raytrain_x.common.errors import ConfigError
-from raytrain_x.core import collectives as _core
-from raytrain_x.core.collectives import Average
+from raytrain_x.core.collectives import Adasum, Average
 from raytrain_x.core.process_sets import ProcessSet, global_process_set
 from raytrain_x.tensorflow.compression import Compression, Compressor
-from raytrain_x.tensorflow.gradients import reduce_gradients
+from raytrain_x.tensorflow.gradients import GradientReducer
 
 
 class _DistributedOptimizer:
     """Mixed in before the wrapped optimizer's class; see `DistributedOptimizer`."""
 
-    _rx_settings: dict[str, Any] = {}
+    _rx_reducer: GradientReducer
+    _rx_passes: int = 1
+    _rx_average_aggregated: bool = False
+
+    def register_local_var(self, var: Any) -> None:
+        """Keeps the gradient of `var` local: not reduced across ranks (Horovod's name)."""
+        self._rx_reducer.register_local_source(var)
 
     def apply(self, grads: Any, trainable_variables: Any = None) -> Any:
-        settings = self._rx_settings
-        grads = reduce_gradients(list(grads), settings["name"], settings["op"],
-                                 settings["gradient_predivide_factor"],
-                                 settings["sparse_as_dense"], settings["process_set"],
-                                 settings["compression"])
+        if self._rx_passes == 1:
+            variables = list(trainable_variables) if trainable_variables is not None else \
+                getattr(self, "_trainable_variables", None)
+            grads = self._rx_reducer.reduce(list(grads), variables)
         return super().apply(grads, trainable_variables)
 
+    def _clip_gradients(self, grads: Any) -> Any:
+        # with accumulation, Keras calls this on the update step only, with the mean of
+        # the accumulated gradients: the one place they are combined across ranks
+        if self._rx_passes > 1:
+            grads = list(grads)
+            if not self._rx_average_aggregated:
+                grads = [g if g is None else g * self._rx_passes for g in grads]
+            grads = self._rx_reducer.reduce(grads, getattr(self, "_trainable_variables", None))
+        return super()._clip_gradients(grads)
 
-def DistributedOptimizer(optimizer: Any, name: str | None = None,
+
+def DistributedOptimizer(optimizer: Any, name: str | None = None, device_dense: str = "",
+                         device_sparse: str = "",
                          compression: type[Compressor] = Compression.none,
-                         sparse_as_dense: bool = False, op: str = Average,
-                         gradient_predivide_factor: float = 1.0,
-                         process_set: ProcessSet = global_process_set) -> Any:
-    """A copy of the Keras `optimizer` whose `apply`/`apply_gradients` first average the
-    gradients over every rank (Horovod's `hvd.DistributedOptimizer`). `model.fit` uses it
-    unchanged. The copy has the same class name and configuration.
+                         sparse_as_dense: bool = False, gradient_predivide_factor: float = 1.0,
+                         op: str = Average, backward_passes_per_step: int = 1,
+                         average_aggregated_gradients: bool = False, num_groups: int = 0,
+                         groups: int | Sequence[Sequence[Any]] | None = None,
+                         process_set: ProcessSet = global_process_set,
+                         scale_local_gradients: bool = True) -> Any:
+    """A copy of the Keras `optimizer` that combines the gradients over every rank before
+    using them (Horovod's `hvd.DistributedOptimizer`, with its arguments in its order).
+    `model.fit` uses it unchanged; the copy has the same class name and configuration.
 
     Args:
         optimizer: a Keras 3 optimizer (`tf.keras.optimizers.*`).
         name: prefix of the gradient collectives' names.
+        device_dense, device_sparse: accepted for Horovod's signature (CPU tensors).
         compression: `Compression.fp16` sends floating point gradients as float16.
         sparse_as_dense: densify `tf.IndexedSlices` gradients (embeddings) instead of
             allgathering them.
-        op: Average (default), Sum, Min, Max or Product.
         gradient_predivide_factor: divide by this before the sum and by size/factor after.
+        op: Average (default), Sum, Min, Max or Product.
+        backward_passes_per_step: accumulate this many steps' gradients locally and
+            communicate once.
+        average_aggregated_gradients: divide the accumulated gradients by
+            `backward_passes_per_step` (the default sums them, as Horovod).
+        num_groups: deprecated spelling of `groups=<int>`.
+        groups: an int k sends the gradients in k fixed groups; lists of variables send
+            each list's gradients together.
         process_set: ranks that take part.
+        scale_local_gradients: divide the gradients of `register_local_var` variables by
+            the set's size.
     """
     if not (hasattr(optimizer, "apply") and hasattr(optimizer, "get_config")):
         raise ConfigError("DistributedOptimizer wraps a Keras optimizer (keras.optimizers.*), "
                           f"got {type(optimizer).__name__}")
     if isinstance(optimizer, _DistributedOptimizer):
         raise ConfigError("this optimizer is already a DistributedOptimizer")
-    base = type(optimizer)
-    cls = type(base.__name__, (_DistributedOptimizer, base), {})
-    wrapped = cls.from_config(optimizer.get_config())
-    wrapped._rx_settings = {
-        "name": name or "DistributedOptimizer", "op": _core.resolve_op(op),
-        "gradient_predivide_factor": float(gradient_predivide_factor),
-        "sparse_as_dense": sparse_as_dense, "process_set": process_set,
-        "compression": compression}
-    return wrapped
+    if op == Adasum:
+        raise ConfigError("op=Adasum is not supported with Keras (as in Horovod); use "
+                          "rx.Average")
+    passes = int(backward_passes_per_step)
+    if passes < 1:
+        raise ConfigError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+    config = optimizer.get_config()
+    if passes > 1:
+        if config.get("gradient_accumulation_steps"):
+            raise ConfigError("give backward_passes_per_step or the optimizer's own "
+                              "gradient_accumulation_steps, not both")
+        if isinstance(groups, (list, tuple)):
+            raise ConfigError("groups= lists of variables do not combine with "
+                              "backward_passes_per_step > 1; use an int for groups")
+        config["gradient_accumulation_steps"] = passes
+    cls = distributed_class(type(optimizer), name, compression, sparse_as_dense,
+                            gradient_predivide_factor, op, passes, average_aggregated_gradients,
+                            num_groups, groups, process_set, scale_local_gradients)
+    return cls.from_config(config)
+
+
+def distributed_class(base: type, name: str | None = None,
+                      compression: type[Compressor] = Compression.none,
+                      sparse_as_dense: bool = False, gradient_predivide_factor: float = 1.0,
+                      op: str = Average, backward_passes_per_step: int = 1,
+                      average_aggregated_gradients: bool = False, num_groups: int = 0,
+                      groups: Any = None, process_set: ProcessSet = global_process_set,
+                      scale_local_gradients: bool = True) -> type:
+    """The class of `base` optimizers that combine gradients across ranks, with the same
+    name as `base` (so a saved model loads without raytrain-x). Its instances share these
+    settings; `from_config` builds one (what `load_model` relies on)."""
+    settings = {
+        "_rx_reducer": GradientReducer(name or "DistributedOptimizer", op,
+                                       gradient_predivide_factor, sparse_as_dense, compression,
+                                       groups, num_groups, process_set, scale_local_gradients),
+        "_rx_passes": int(backward_passes_per_step),
+        "_rx_average_aggregated": bool(average_aggregated_gradients)}
+    return type(base.__name__, (_DistributedOptimizer, base), settings)

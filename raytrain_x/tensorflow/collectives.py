@@ -1,0 +1,352 @@
+"""Horovod's TensorFlow collectives, differentiable, with Horovod's signatures.
+
+Each works eagerly, inside `tf.function` and in a `tf.compat.v1` graph run by a session.
+The forward values come from the zero-copy kernels of `raytrain_x.tensorflow.ops`; the
+gradients follow Horovod's rules (the same as the PyTorch face's, `raytrain_x.torch.autograd`):
+
+- allreduce: the allreduce of the gradient, with the same op and factors;
+- allgather: this rank's rows of the members' averaged gradient;
+- broadcast: the members' averaged gradient on the root, zeros elsewhere;
+- alltoall: the gradient goes back to the senders, split as it was received;
+- reducescatter: the allgather of the gradient, times the set's size for Sum (and the
+  pre- and postscale factors).
+
+Only floating point inputs get a gradient; integer and bool collectives are plain ops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from raytrain_x.common.errors import ConfigError
+from raytrain_x.core import collectives as _core
+from raytrain_x.core import runtime
+from raytrain_x.core.collectives import Adasum, Average, Sum
+from raytrain_x.core.process_sets import ProcessSet, global_process_set
+from raytrain_x.engine.messages import ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, REDUCESCATTER
+from raytrain_x.tensorflow import ops
+from raytrain_x.tensorflow.arrays import as_tensor, op_name
+from raytrain_x.tensorflow.compression import Compression, Compressor
+
+
+def _differentiable(forward: Callable[..., list[tf.Tensor]],
+                    backward: Callable[[list[tf.Tensor]], list[tf.Tensor]],
+                    inputs: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+    """`forward(*inputs)`, with `backward(output grads) -> input grads` as its gradient
+    when every input is floating point."""
+    if not inputs or not all(t.dtype.is_floating for t in inputs):
+        return forward(*inputs)
+
+    @tf.custom_gradient
+    def fn(*xs):
+        outs = forward(*xs)
+
+        def grad(*dys):
+            dys = [tf.zeros_like(o) if d is None else d for d, o in zip(dys, outs)]
+            return backward(dys)
+
+        return outs, grad
+
+    return list(fn(*inputs))
+
+
+def _engine_compressed(compression: Any) -> bool:
+    """Compressors of this face compress inside the engine's buffers; any other object
+    with Horovod's `compress`/`decompress` runs around the collective."""
+    return isinstance(compression, type) and issubclass(compression, Compressor)
+
+
+# ------------------------------------------------------------------------- allreduce
+def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "",
+              device_sparse: str = "", compression: Any = Compression.none,
+              op: str | None = None, prescale_factor: float = 1.0,
+              postscale_factor: float = 1.0, name: str | None = None,
+              process_set: ProcessSet = global_process_set,
+              ignore_name_scope: bool = False) -> Any:
+    """Allreduce of `tensor` across the process set (default op: Average).
+
+    Args:
+        tensor: a tensor, variable or tf.IndexedSlices (reduced by allgather, as in
+            Horovod).
+        average: deprecated Horovod flag; use `op`.
+        device_dense, device_sparse: where TensorFlow places the surrounding ops.
+        compression: `Compression.fp16` sends floating point tensors as float16; any
+            object with Horovod's `compress(t) -> (t, ctx)` / `decompress(t, ctx)` works.
+        op: Average, Sum, Min, Max or Product (Adasum: see docs/porting.md).
+        prescale_factor, postscale_factor: multiply before / after the reduction.
+        name: the collective's name, the same on every rank; automatic if None.
+        process_set: ranks that take part.
+        ignore_name_scope: accepted for Horovod's signature; names never include scopes.
+    """
+    op = _core.resolve_op(op, average)
+    return _grouped_allreduce([tensor], op_name(ALLREDUCE, name), device_dense,
+                              device_sparse, compression, op, prescale_factor,
+                              postscale_factor, process_set)[0]
+
+
+def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None,
+                      device_dense: str = "", device_sparse: str = "",
+                      compression: Any = Compression.none, op: str | None = None,
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                      process_set: ProcessSet = global_process_set,
+                      ignore_name_scope: bool = False,
+                      name: str | None = None) -> list[Any]:
+    """Allreduces of several tensors, negotiated together and fused up to the fusion
+    threshold; IndexedSlices among them are allgathered."""
+    if not tensors:
+        return []
+    return _grouped_allreduce(tensors, op_name("grouped_allreduce", name), device_dense,
+                              device_sparse, compression, _core.resolve_op(op, average),
+                              prescale_factor, postscale_factor, process_set)
+
+
+def _grouped_allreduce(tensors: Sequence[Any], name: str, device_dense: str,
+                       device_sparse: str, compression: Any, op: str, prescale_factor: float,
+                       postscale_factor: float, process_set: ProcessSet) -> list[Any]:
+    if op == Adasum:
+        raise ConfigError("Adasum allreduce is in the PyTorch face only; use op=rx.Average "
+                          "with TensorFlow")
+    out: list[Any] = [None] * len(tensors)
+    dense = []
+    for i, t in enumerate(tensors):
+        if isinstance(t, tf.IndexedSlices):
+            if prescale_factor != 1.0 or postscale_factor != 1.0:
+                raise ConfigError("prescale_factor/postscale_factor do not apply to "
+                                  "tf.IndexedSlices; densify with tf.convert_to_tensor first")
+            with tf.device(device_sparse):
+                out[i] = ops.allreduce_sparse(t, f"{name}.sparse{i}", op, process_set)
+        else:
+            dense.append((i, as_tensor(t, "allreduce")))
+    pre, post = ops.reduce_scales(op, prescale_factor, postscale_factor, [t for _, t in dense])
+    with tf.device(device_dense):
+        reduced = _reduce([t for _, t in dense], name, op, pre, post, process_set, compression)
+    for (i, _), r in zip(dense, reduced):
+        out[i] = r
+    return out
+
+
+def _reduce(tensors: list[tf.Tensor], name: str, op: str, pre: float, post: float,
+            process_set: ProcessSet, compression: Any) -> list[tf.Tensor]:
+    def forward(*xs: tf.Tensor) -> list[tf.Tensor]:
+        if _engine_compressed(compression):
+            return ops.grouped_reduce(list(xs), name, op, pre, post, process_set, compression)
+        pairs = [compression.compress(x) for x in xs]
+        reduced = ops.grouped_reduce([c for c, _ in pairs], name, op, pre, post, process_set,
+                                     Compression.none)
+        return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, pairs)]
+
+    def backward(dys: list[tf.Tensor]) -> list[tf.Tensor]:
+        return _reduce(dys, op_name("grouped_allreduce", None), op, pre, post, process_set,
+                       compression)
+
+    return _differentiable(forward, backward, tensors)
+
+
+# ------------------------------------------------------------------------- allgather
+def allgather(tensor: Any, name: str | None = None, ignore_name_scope: bool = False,
+              process_set: ProcessSet = global_process_set) -> tf.Tensor:
+    """Every member's tensor concatenated along dim 0, in rank order; members may differ
+    in dim 0, not in the other dims. A scalar is gathered as a 1-element vector."""
+    tensor = as_tensor(tensor, "allgather")
+    return _allgather([tensor], op_name(ALLGATHER, name), process_set)[0]
+
+
+def grouped_allgather(tensors: Sequence[Any], name: str | None = None,
+                      ignore_name_scope: bool = False,
+                      process_set: ProcessSet = global_process_set) -> list[tf.Tensor]:
+    """Allgathers of several tensors, negotiated together."""
+    if not tensors:
+        return []
+    tensors = [as_tensor(t, "grouped_allgather") for t in tensors]
+    return _allgather(tensors, op_name("grouped_allgather", name), process_set)
+
+
+def _allgather(tensors: list[tf.Tensor], name: str,
+               process_set: ProcessSet) -> list[tf.Tensor]:
+    def forward(*xs: tf.Tensor) -> list[tf.Tensor]:
+        return ops.grouped_allgather(list(xs), name, process_set)
+
+    def backward(dys: list[tf.Tensor]) -> list[tf.Tensor]:
+        reduced = grouped_allreduce(dys, op=Average, process_set=process_set)
+        return _own_rows(reduced, tensors, process_set)
+
+    return _differentiable(forward, backward, tensors)
+
+
+def _own_rows(grads: list[tf.Tensor], inputs: list[tf.Tensor],
+              process_set: ProcessSet) -> list[tf.Tensor]:
+    """This rank's rows of each gathered gradient, given what each member contributed."""
+    n, me = process_set.size(), process_set.rank()
+    dims = tf.stack([tf.shape(x, out_type=tf.int32)[0] if x.shape.rank != 0 else 1
+                     for x in inputs])
+    every = tf.reshape(grouped_allgather([dims], process_set=process_set)[0], [n, len(inputs)])
+    out = []
+    for k, (g, x) in enumerate(zip(grads, inputs)):
+        mine = tf.split(g, every[:, k], num=n, axis=0)[me]
+        out.append(tf.reshape(mine, tf.shape(x)))
+    return out
+
+
+# ------------------------------------------------------------------------- broadcast
+def broadcast(tensor: Any, root_rank: int, name: str | None = None,
+              ignore_name_scope: bool = False,
+              process_set: ProcessSet = global_process_set) -> tf.Tensor:
+    """`root_rank`'s tensor on every member (`root_rank` is a global rank)."""
+    tensor = as_tensor(tensor, "broadcast")
+    base = op_name(BROADCAST, name)
+
+    def forward(x: tf.Tensor) -> list[tf.Tensor]:
+        return ops.grouped_broadcast([x], root_rank, base, process_set)
+
+    def backward(dys: list[tf.Tensor]) -> list[tf.Tensor]:
+        reduced = allreduce(dys[0], op=Average, process_set=process_set)
+        return [reduced if runtime.rank() == root_rank else tf.zeros_like(reduced)]
+
+    return _differentiable(forward, backward, [tensor])[0]
+
+
+def broadcast_(variables: Sequence[Any], root_rank: int, name: str | None = None,
+               process_set: ProcessSet = global_process_set) -> list[tf.Tensor]:
+    """Assigns `root_rank`'s values to `variables` in place, in one collective, and
+    returns their new values."""
+    variables = list(variables)
+    values = ops.grouped_broadcast([tf.convert_to_tensor(v) for v in variables], root_rank,
+                                   op_name("broadcast_", name), process_set)
+    updates = [_assign(v, x) for v, x in zip(variables, values)]
+    with tf.control_dependencies([u for u in updates if u is not None]):
+        return [tf.identity(tf.convert_to_tensor(v)) for v in variables]
+
+
+def _assign(variable: Any, value: tf.Tensor) -> Any:
+    """`variable.assign(value)`: the op in a graph, None eagerly (already done)."""
+    if isinstance(variable, tf.Variable):
+        op = variable.assign(value, read_value=False)
+    else:  # a Keras variable
+        op = variable.assign(value)
+    return None if tf.executing_eagerly() else op
+
+
+# ------------------------------------------------------------------------- alltoall
+def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
+             ignore_name_scope: bool = False,
+             process_set: ProcessSet = global_process_set) -> Any:
+    """Rows `splits[i]` of dim 0 go to member i (an equal split if None). Returns the
+    received rows; with `splits`, `(received, received_splits)` as Horovod does."""
+    tensor = as_tensor(tensor, "alltoall")
+    base = op_name(ALLTOALL, name)
+    received: list[tf.Tensor] = []
+
+    def forward(x: tf.Tensor) -> list[tf.Tensor]:
+        out, got = ops.alltoall(x, splits, base, process_set)
+        received.append(got)
+        return [out]
+
+    def backward(dys: list[tf.Tensor]) -> list[tf.Tensor]:
+        back, _ = alltoall(dys[0], received[0], process_set=process_set)
+        return [back]
+
+    (out,) = _differentiable(forward, backward, [tensor])
+    return (out, received[0]) if splits is not None else out
+
+
+# ------------------------------------------------------------------------- reducescatter
+def reducescatter(tensor: Any, device_dense: str = "", compression: Any = Compression.none,
+                  op: str = Average, name: str | None = None,
+                  process_set: ProcessSet = global_process_set,
+                  ignore_name_scope: bool = False, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0) -> tf.Tensor:
+    """Reduce-scatter along dim 0: member i gets its share of the reduced rows (the first
+    `dim0 % size` members a row more). Ops: Average (default) and Sum."""
+    tensor = as_tensor(tensor, "reducescatter")
+    with tf.device(device_dense):
+        return _reducescatter([tensor], op_name(REDUCESCATTER, name), op, process_set,
+                              prescale_factor, postscale_factor, compression)[0]
+
+
+def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "",
+                          compression: Any = Compression.none, op: str = Average,
+                          process_set: ProcessSet = global_process_set,
+                          prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                          name: str | None = None) -> list[tf.Tensor]:
+    """Reduce-scatters of several tensors, negotiated together."""
+    if not tensors:
+        return []
+    tensors = [as_tensor(t, "grouped_reducescatter") for t in tensors]
+    with tf.device(device_dense):
+        return _reducescatter(tensors, op_name("grouped_reducescatter", name), op,
+                              process_set, prescale_factor, postscale_factor, compression)
+
+
+def _reducescatter(tensors: list[tf.Tensor], name: str, op: str | None,
+                   process_set: ProcessSet, pre: float, post: float,
+                   compression: Any) -> list[tf.Tensor]:
+    op = _core.resolve_op(op)
+
+    def forward(*xs: tf.Tensor) -> list[tf.Tensor]:
+        pairs = [compression.compress(x) for x in xs]
+        outs = ops.grouped_reducescatter([c for c, _ in pairs], name, op, process_set,
+                                         pre, post)
+        return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, pairs)]
+
+    def backward(dys: list[tf.Tensor]) -> list[tf.Tensor]:
+        scale = (process_set.size() if op == Sum else 1.0) * pre * post
+        gathered = grouped_allgather(dys, process_set=process_set)
+        return [g * tf.cast(scale, g.dtype) if scale != 1.0 else g for g in gathered]
+
+    return _differentiable(forward, backward, tensors)
+
+
+# ------------------------------------------------------------------------- runtime ops
+def _scalar_op(value: Callable[[], int], name: str | None) -> tf.Tensor:
+    """An int32 scalar op that reads `value()` when the graph runs, not when it is built
+    (Horovod's `rank_op` and friends): a graph built before `init` still works."""
+    if tf.executing_eagerly():
+        return tf.constant(value(), tf.int32)
+    out = tf.numpy_function(lambda: np.int32(value()), [], tf.int32, stateful=True,
+                            name=name)
+    out.set_shape([])
+    return out
+
+
+def rank_op(name: str | None = None) -> tf.Tensor:
+    """This process's rank, read when the op runs."""
+    return _scalar_op(runtime.rank, name)
+
+
+def local_rank_op(name: str | None = None) -> tf.Tensor:
+    """This process's rank on its host, read when the op runs."""
+    return _scalar_op(runtime.local_rank, name)
+
+
+def size_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
+    """The number of processes of a process set (default: all), read when the op runs."""
+    return _scalar_op(lambda: runtime.engine().groups.process_set(process_set_id).size(),
+                      name)
+
+
+def local_size_op(name: str | None = None) -> tf.Tensor:
+    """The number of processes on this host, read when the op runs."""
+    return _scalar_op(runtime.local_size, name)
+
+
+PROCESS_SET_ERROR_INIT = -1
+PROCESS_SET_ERROR_UNKNOWN_SET = -2
+
+
+def process_set_included_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
+    """1 when this process belongs to the process set, 0 when not; -1 before `init`, -2
+    for a set that is not registered (Horovod's codes)."""
+    def included() -> int:
+        if not runtime.is_initialized():
+            return PROCESS_SET_ERROR_INIT
+        try:
+            group = runtime.engine().groups.process_set(process_set_id)
+        except (KeyError, ConfigError):
+            return PROCESS_SET_ERROR_UNKNOWN_SET
+        return int(group.included())
+
+    return _scalar_op(included, name)
