@@ -37,7 +37,13 @@ def _differentiable(forward: Callable[..., list[tf.Tensor]],
                     backward: Callable[[list[tf.Tensor]], list[tf.Tensor]],
                     inputs: Sequence[tf.Tensor]) -> list[tf.Tensor]:
     """`forward(*inputs)`, with `backward(output grads) -> input grads` as its gradient
-    when every input is floating point."""
+    when every input is floating point.
+
+    A `tf.compat.v1` session runs the ops of one `run` that do not depend on each other in
+    whatever order its threads pick, and each collective kernel waits in one thread until
+    every rank submitted it: two ranks each waiting in a different collective would wait
+    forever. So a backward collective runs after its forward one, and a backward of two
+    collectives runs them one after the other (`tf.function` orders them by itself)."""
     if not inputs or not all(t.dtype.is_floating for t in inputs):
         return forward(*inputs)
 
@@ -47,7 +53,10 @@ def _differentiable(forward: Callable[..., list[tf.Tensor]],
 
         def grad(*dys):
             dys = [tf.zeros_like(o) if d is None else d for d, o in zip(dys, outs)]
-            return backward(dys)
+            # after the forward collective: a session runs independent ops in any order,
+            # and two ranks must not each wait in a different collective (see _chained)
+            with tf.control_dependencies(outs):
+                return backward(dys)
 
         return outs, grad
 
@@ -181,8 +190,9 @@ def _own_rows(grads: list[tf.Tensor], inputs: list[tf.Tensor],
               process_set: ProcessSet) -> list[tf.Tensor]:
     """This rank's rows of each gathered gradient, given what each member contributed."""
     n, me = process_set.size(), process_set.rank()
-    dims = tf.stack([tf.shape(x, out_type=tf.int32)[0] if x.shape.rank != 0 else 1
-                     for x in inputs])
+    with tf.control_dependencies(grads):  # one collective after the other (a session)
+        dims = tf.stack([tf.shape(x, out_type=tf.int32)[0] if x.shape.rank != 0 else 1
+                         for x in inputs])
     every = tf.reshape(grouped_allgather([dims], process_set=process_set)[0], [n, len(inputs)])
     out = []
     for k, (g, x) in enumerate(zip(grads, inputs)):
@@ -204,7 +214,10 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None,
 
     def backward(dys: list[tf.Tensor]) -> list[tf.Tensor]:
         reduced = allreduce(dys[0], op=Average, process_set=process_set)
-        return [reduced if runtime.rank() == root_rank else tf.zeros_like(reduced)]
+        if runtime.rank() == root_rank:
+            return [reduced]
+        with tf.control_dependencies([reduced]):  # a graph must not prune the allreduce
+            return [tf.zeros_like(reduced)]
 
     return _differentiable(forward, backward, [tensor])[0]
 

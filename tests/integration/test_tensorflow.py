@@ -1,5 +1,6 @@
 """The TensorFlow/Keras face on real processes with real TensorFlow: every collective over
-dtypes and odd shapes, eagerly and in tf.function, on 2 and 3 ranks; gradient tapes against
+every dtype and odd shapes, eagerly, in tf.function and in a tf.compat.v1 graph run by a
+session, on 2 and 3 ranks; gradient tapes against
 single-process training; Keras fit; IndexedSlices; a mixed TF/torch job; bad input."""
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from tests.workers import run_workers
 
 pytestmark = pytest.mark.slow
 
-DTYPES = ["float16", "float32", "float64", "bfloat16", "int32", "int64"]
+DTYPES = ["float16", "float32", "float64", "bfloat16", "int8", "uint8", "int16", "uint16",
+          "int32", "int64", "bool"]
 SHAPES = [(), (0,), (1,), (5, 3), (1031,)]  # scalar, empty, one element, 2-D, odd length
 ENV = {"TF_CPP_MIN_LOG_LEVEL": "3", "TF_NUM_INTRAOP_THREADS": "1",
        "TF_NUM_INTEROP_THREADS": "2"}
@@ -35,32 +37,52 @@ def _op_matrix(dtypes: list[str]) -> dict:
     def run_all(dtype: str, shape: tuple, x, rows, a2a, rs) -> dict:
         res = {"sum": rx.allreduce(x, op=rx.Sum), "min": rx.allreduce(x, op=rx.Min),
                "max": rx.allreduce(x, op=rx.Max),
-               "grouped": rx.grouped_allreduce([x, x * 2], op=rx.Sum),
+               "grouped": rx.grouped_allreduce([x, x] if dtype == "bool" else [x, x * 2],
+                                               op=rx.Sum),
                "gather": rx.allgather(rows), "bcast": rx.broadcast(x, n - 1),
-               "alltoall": rx.alltoall(a2a), "rscatter": rx.reducescatter(rs, op=rx.Sum),
-               "scaled": rx.allreduce(x, op=rx.Sum, prescale_factor=3.0, postscale_factor=2.0)}
+               "alltoall": rx.alltoall(a2a)}
+        if dtype != "bool":
+            res["rscatter"] = rx.reducescatter(rs, op=rx.Sum)
+            res["scaled"] = rx.allreduce(x, op=rx.Sum, prescale_factor=3.0,
+                                         postscale_factor=2.0)
         if dtype.startswith(("float", "bfloat")):
             res["avg"] = rx.allreduce(x)
             res["halved"] = rx.allreduce(x, op=rx.Sum, prescale_factor=0.5)
         return res
 
+    def inputs(tf_dtype, shape):
+        x = tf.cast(_base(shape, r) % (2 if tf_dtype == tf.bool else 1000), tf_dtype)
+        rows = tf.cast(tf.fill([r + 1, *shape[1:]], r), tf_dtype) if shape else \
+            tf.cast(tf.constant(r), tf_dtype)
+        a2a = tf.cast(tf.reshape(tf.range(2 * n * 3) + 100 * r, [2 * n, 3]), tf_dtype)
+        rs = tf.cast(tf.fill([2 * n + 1, 2], r + 1), tf_dtype)
+        return x, rows, a2a, rs
+
+    def record(mode, dtype, shape, op, values):
+        out[(mode, op, dtype, shape)] = [
+            (str(v.dtype), tuple(v.shape), np.asarray(v, dtype=np.float64).tolist())
+            for v in values]
+
     for dtype in dtypes:
         tf_dtype = getattr(tf, dtype)
         for shape in SHAPES:
-            x = tf.cast(_base(shape, r), tf_dtype)
-            rows = tf.cast(tf.fill([r + 1, *shape[1:]], r), tf_dtype) if shape else \
-                tf.cast(tf.constant(r), tf_dtype)
-            a2a = tf.cast(tf.reshape(tf.range(2 * n * 3) + 100 * r, [2 * n, 3]), tf_dtype)
-            rs = tf.cast(tf.fill([2 * n + 1, 2], r + 1), tf_dtype)
-            eager = run_all(dtype, shape, x, rows, a2a, rs)
-            graph = tf.function(lambda *a, d=dtype, s=shape: run_all(d, s, *a))(x, rows, a2a,
-                                                                              rs)
+            args = inputs(tf_dtype, shape)
+            eager = run_all(dtype, shape, *args)
+            graph = tf.function(lambda *a, d=dtype, s=shape: run_all(d, s, *a))(*args)
             for mode, res in (("eager", eager), ("function", graph)):
                 for op, value in res.items():
                     values = value if isinstance(value, list) else [value]
-                    out[(mode, op, dtype, shape)] = [
-                        (v.dtype.name, tuple(v.shape), tf.cast(v, tf.float64).numpy().tolist())
-                        for v in values]
+                    record(mode, dtype, shape, op,
+                           [tf.cast(v, tf.float64).numpy() if dtype == "bfloat16"
+                            else v.numpy() for v in values])
+            # a TensorFlow 1 graph run by a session, one collective per run
+            with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
+                res = run_all(dtype, shape, *inputs(tf_dtype, shape))
+                for op, value in res.items():
+                    values = value if isinstance(value, list) else [value]
+                    fetched = sess.run([tf.cast(v, tf.float64) if dtype == "bfloat16" else v
+                                        for v in values])
+                    record("session", dtype, shape, op, fetched)
     _, received = rx.alltoall(tf.range(n + 1) + 10 * r, splits=[2] + [1] * (n - 1))
     out["splits"] = received.numpy().tolist()
     rx.shutdown()
@@ -69,15 +91,17 @@ def _op_matrix(dtypes: list[str]) -> dict:
 
 # every dtype on 2 ranks; on 3 (odd splits, a middle rank) one of each family, since what
 # depends on the dtype does not depend on the number of ranks
-@pytest.mark.parametrize("size, dtypes", [(2, DTYPES), (3, ["float16", "bfloat16", "int64"])],
+@pytest.mark.parametrize("size, dtypes", [(2, DTYPES),
+                                          (3, ["float16", "bfloat16", "uint16", "int64",
+                                               "bool"])],
                          ids=["2", "3"])
-def test_every_collective_over_dtypes_and_odd_shapes_eager_and_in_tf_function(size, dtypes):
+def test_every_collective_over_dtypes_and_odd_shapes_eager_function_and_session(size, dtypes):
     results = run_workers(_op_matrix, size, dtypes, env=ENV, work_s=60)
     for r, out in enumerate(results):
         assert out.pop("splits") == [2 if r == 0 else 1] * size
         for (mode, op, dtype, shape), values in out.items():
             where = f"rank {r} {mode} {op} {dtype} {shape}"
-            xs = [_base(shape, q) for q in range(size)]
+            xs = [_base(shape, q) % (2 if dtype == "bool" else 1000) for q in range(size)]
             if op in ("sum", "grouped", "avg", "scaled", "halved"):
                 total = sum(xs)
                 expect = {"sum": [total], "grouped": [total, 2 * total],
@@ -99,9 +123,14 @@ def test_every_collective_over_dtypes_and_odd_shapes_eager_and_in_tf_function(si
             else:  # reducescatter of (2n+1, 2) rows: rank 0 gets 3 rows, the others 2
                 rows = 3 if r == 0 else 2
                 expect = [np.full((rows, 2), sum(q + 1 for q in range(size)))]
+            if dtype == "bool":  # Sum and Max: logical or, Min: logical and
+                expect = [np.logical_and.reduce([x != 0 for x in xs])] if op == "min" else \
+                    [np.logical_or.reduce([x != 0 for x in xs])] * len(expect) \
+                    if op in ("sum", "max", "grouped") else [e != 0 for e in expect]
+                expect = [np.asarray(e, dtype=np.float64) for e in expect]
             assert len(values) == len(expect), where
             for (got_dtype, got_shape, got), want in zip(values, expect):
-                assert got_dtype == dtype, where
+                assert got_dtype in (dtype, "float64" if dtype == "bfloat16" else dtype), where
                 assert got_shape == want.shape, where
                 np.testing.assert_allclose(np.asarray(got, dtype=np.float64).reshape(want.shape),
                                            want, rtol=1e-2, err_msg=where)

@@ -6,7 +6,8 @@ the update, as Horovod does. With `backward_passes_per_step=k > 1` the optimizer
 with Keras's own `gradient_accumulation_steps=k`: each step adds its local gradients to the
 accumulators, and only every k-th step reduces their sum (or mean, with
 `average_aggregated_gradients`) across ranks and updates the variables, so k-1 of k steps
-send nothing. `iterations` counts every step, as in Horovod.
+send nothing. `iterations` counts updates, as Keras 3's accumulation does (Horovod's
+counted every pass).
 """
 
 from __future__ import annotations
