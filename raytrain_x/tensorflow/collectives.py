@@ -27,6 +27,7 @@ from raytrain_x.core import collectives as _core
 from raytrain_x.core import runtime
 from raytrain_x.core.collectives import Adasum, Average, Sum
 from raytrain_x.core.process_sets import ProcessSet, global_process_set
+from raytrain_x.engine import adasum
 from raytrain_x.engine.messages import ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, REDUCESCATTER
 from raytrain_x.tensorflow import ops
 from raytrain_x.tensorflow.arrays import as_tensor, op_name
@@ -85,7 +86,7 @@ def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "",
         device_dense, device_sparse: where TensorFlow places the surrounding ops.
         compression: `Compression.fp16` sends floating point tensors as float16; any
             object with Horovod's `compress(t) -> (t, ctx)` / `decompress(t, ctx)` works.
-        op: Average, Sum, Min, Max or Product (Adasum: see docs/porting.md).
+        op: Average, Sum, Adasum (a power-of-two number of ranks), Min, Max or Product.
         prescale_factor, postscale_factor: multiply before / after the reduction.
         name: the collective's name, the same on every rank; automatic if None.
         process_set: ranks that take part.
@@ -117,8 +118,12 @@ def _grouped_allreduce(tensors: Sequence[Any], name: str, device_dense: str,
                        device_sparse: str, compression: Any, op: str, prescale_factor: float,
                        postscale_factor: float, process_set: ProcessSet) -> list[Any]:
     if op == Adasum:
-        raise ConfigError("Adasum allreduce is in the PyTorch face only; use op=rx.Average "
-                          "with TensorFlow")
+        adasum.check_size(process_set.size())
+        if any(isinstance(t, tf.IndexedSlices) for t in tensors):
+            raise ConfigError("op=Adasum does not take tf.IndexedSlices (as in Horovod); "
+                              "densify them (sparse_as_dense=True)")
+        if not all(tf.as_dtype(getattr(t, "dtype", tf.float32)).is_floating for t in tensors):
+            raise ConfigError("op=Adasum needs floating point tensors")
     out: list[Any] = [None] * len(tensors)
     dense = []
     for i, t in enumerate(tensors):

@@ -20,7 +20,7 @@ import tensorflow as tf
 from raytrain_x.common.errors import ConfigError
 from raytrain_x.core import collectives as _core
 from raytrain_x.core import runtime
-from raytrain_x.core.collectives import Average, Sum
+from raytrain_x.core.collectives import Adasum, Average, Sum
 from raytrain_x.core.process_sets import ProcessSet, registered_id
 from raytrain_x.engine.messages import (
     ALLGATHER,
@@ -174,7 +174,8 @@ def grouped_reduce(tensors: Sequence[tf.Tensor], name: str, op: str, prescale: f
         return []
     dtypes = [t.dtype for t in tensors]
     work = [tf.cast(t, REDUCED_AS[t.dtype]) if t.dtype in REDUCED_AS else t for t in tensors]
-    chunks = _chunks(work)
+    # Adasum combines each tensor on its own (its coefficients are per tensor)
+    chunks = _chunks(work) if op != Adasum else [[i] for i in reversed(range(len(work)))]
     tails: dict[tf.DType, list[tf.Tensor]] = {}
     for d in {work[m[0]].dtype for m in chunks}:
         tails[d] = _tail_rows(ALIGN // d.size, d,

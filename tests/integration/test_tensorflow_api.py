@@ -250,6 +250,43 @@ def _training() -> dict:
     for s in range(3):
         wn = wn - lr * sum(grad_of(wn, *data(q, s)) for q in range(n)) / n
     out["v1_expected"] = wn.ravel().tolist()
+    # the v1 optimizer accumulating 2 passes (a plain session), averaged
+    with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
+        gw = tf.compat.v1.get_variable("w", initializer=tf.ones([3, 1]))
+        xp = tf.compat.v1.placeholder(tf.float32, [None, 3])
+        yp = tf.compat.v1.placeholder(tf.float32, [None, 1])
+        step = tf.compat.v1.train.get_or_create_global_step()
+        loss = tf.reduce_mean((tf.matmul(xp, gw) - yp) ** 2)
+        opt = rx.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(lr),
+                                      backward_passes_per_step=2,
+                                      average_aggregated_gradients=True)
+        train = opt.minimize(loss, global_step=step)
+        sess.run(tf.compat.v1.global_variables_initializer())
+        for s in range(4):
+            x, y = data(r, s)
+            sess.run(train, {xp: x, yp: y})
+        out["v1_bpps"] = [sess.run(gw).ravel().tolist(), int(sess.run(step))]
+    wn = np.ones((3, 1))
+    for start in (0, 2):
+        total = sum(grad_of(wn, *data(q, s)) for q in range(n) for s in (start, start + 1))
+        wn = wn - lr * total / n / 2
+    out["v1_bpps_expected"] = wn.ravel().tolist()
+    # the v1 optimizer with Adasum: each rank's step, then the deltas combined by Adasum
+    with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
+        gw = tf.compat.v1.get_variable("w", initializer=tf.ones([3, 1]))
+        xp = tf.compat.v1.placeholder(tf.float32, [None, 3])
+        yp = tf.compat.v1.placeholder(tf.float32, [None, 1])
+        loss = tf.reduce_mean((tf.matmul(xp, gw) - yp) ** 2)
+        opt = rx.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(lr),
+                                      op=rx.Adasum)
+        train = opt.minimize(loss)
+        sess.run(tf.compat.v1.global_variables_initializer())
+        sess.run(train, dict(zip((xp, yp), data(r, 0))))
+        out["v1_adasum"] = sess.run(gw).ravel().tolist()
+    a, b = (-lr * grad_of(np.ones((3, 1)), *data(q, 0)) for q in range(2))
+    dot = float((a * b).sum())
+    combined = (1 - dot / (2 * (a * a).sum())) * a + (1 - dot / (2 * (b * b).sum())) * b
+    out["v1_adasum_expected"] = (1 + combined).ravel().tolist()
     rx.shutdown()
     return out
 
@@ -276,6 +313,9 @@ def test_sync_batch_norm_accumulation_groups_and_a_tf1_session_train_as_horovod(
             assert "DistributedGradientTape.group1" in out["timeline"]
         assert out["v1_start"] == [1.0, 1.0, 1.0]  # rank 0's, broadcast by the hook
         np.testing.assert_allclose(out["v1_end"], out["v1_expected"], **close)
+        np.testing.assert_allclose(out["v1_bpps"][0], out["v1_bpps_expected"], **close)
+        assert out["v1_bpps"][1] == 4  # the global step counts every pass
+        np.testing.assert_allclose(out["v1_adasum"], out["v1_adasum_expected"], **close)
     # the ranks agree after accumulation
     np.testing.assert_allclose(results[0][("bpps", 4, False, "function")],
                                results[1][("bpps", 4, False, "function")])
@@ -328,6 +368,9 @@ def _names(tmp: str) -> dict:
 
     out["custom_compression"] = rx.allreduce(x, op=rx.Sum,
                                              compression=Scaled).numpy().tolist()
+    # Adasum: orthogonal vectors add up, parallel ones average
+    out["adasum"] = [rx.allreduce(tf.constant([1.0 - r, float(r)]), op=rx.Adasum).numpy().tolist(),
+                     rx.grouped_allreduce([tf.constant([2.0, 2.0])], op=rx.Adasum)[0].numpy().tolist()]
     # Keras-level collectives take values
     out["k_allreduce"] = np.asarray(rxk.allreduce([1.0 * r, 2.0], "value", False)).tolist()
     out["k_allgather"] = np.asarray(hk.allgather([r])).tolist()
@@ -377,6 +420,7 @@ def test_every_added_name_and_argument(tmp_path):
         assert out["scoped"] == [3.0, 6.0]
         assert out["rs_args"] == [[4.0, 4.0], [4.0, 4.0]]
         assert out["custom_compression"] == [3.0, 6.0]
+        assert out["adasum"] == [[1.0, 1.0], [2.0, 2.0]]
         assert out["k_allreduce"] == [1.0, 4.0]
         assert out["k_allgather"] == [0, 1]
         assert out["k_broadcast"] == [1, 1]
