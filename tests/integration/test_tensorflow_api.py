@@ -369,8 +369,9 @@ def _names(tmp: str) -> dict:
     out["custom_compression"] = rx.allreduce(x, op=rx.Sum,
                                              compression=Scaled).numpy().tolist()
     # Adasum: orthogonal vectors add up, parallel ones average
-    out["adasum"] = [rx.allreduce(tf.constant([1.0 - r, float(r)]), op=rx.Adasum).numpy().tolist(),
-                     rx.grouped_allreduce([tf.constant([2.0, 2.0])], op=rx.Adasum)[0].numpy().tolist()]
+    orthogonal = rx.allreduce(tf.constant([1.0 - r, float(r)]), op=rx.Adasum)
+    parallel = rx.grouped_allreduce([tf.constant([2.0, 2.0])], op=rx.Adasum)[0]
+    out["adasum"] = [orthogonal.numpy().tolist(), parallel.numpy().tolist()]
     # Keras-level collectives take values
     out["k_allreduce"] = np.asarray(rxk.allreduce([1.0 * r, 2.0], "value", False)).tolist()
     out["k_allgather"] = np.asarray(hk.allgather([r])).tolist()
