@@ -381,6 +381,8 @@ def test_autotune_and_the_timeline_drive_tensorflow_workers(tmp_path):
 
 
 def _elastic_keras(steps: int, progress: str) -> dict:
+    """Written as Horovod's elastic Keras example, with the import swapped: accumulation over
+    2 passes with averaging, its metric-average and warmup callbacks, the elastic ones."""
     import os
     import time
 
@@ -388,34 +390,38 @@ def _elastic_keras(steps: int, progress: str) -> dict:
     import numpy as np
     from tensorflow import keras
 
-    import raytrain_x.tensorflow.keras as rx
+    import raytrain_x.tensorflow.keras as hvd
 
-    rx.init()
+    hvd.init()
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
-    model.compile(optimizer=rx.DistributedOptimizer(keras.optimizers.SGD(0.01)), loss="mse")
-    state = rx.elastic.TensorFlowKerasState(model, epoch=0, batch=0, done=[], sizes=[])
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.01), backward_passes_per_step=2,
+                                   average_aggregated_gradients=True)
+    model.compile(optimizer=opt, loss="mse")
+    state = hvd.elastic.TensorFlowKerasState(model, epoch=0, batch=0, done=[], sizes=[])
 
     class Record(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
             state.done.append(state.epoch * steps + state.batch - 1)
-            state.sizes.append(rx.size())
+            state.sizes.append(hvd.size())
             time.sleep(0.1)
-            if rx.rank() == 0:
+            if hvd.rank() == 0:
                 with open(progress, "w") as f:
-                    f.write(f"{len(state.done)} {rx.size()}")
+                    f.write(f"{len(state.done)} {hvd.size()}")
 
-    callbacks = [rx.elastic.UpdateBatchStateCallback(state), Record(),
-                 rx.elastic.CommitStateCallback(state),
-                 rx.elastic.UpdateEpochStateCallback(state)]
+    callbacks = [hvd.callbacks.MetricAverageCallback(),
+                 hvd.callbacks.LearningRateWarmupCallback(initial_lr=0.01, warmup_epochs=1),
+                 hvd.elastic.UpdateBatchStateCallback(state), Record(),
+                 hvd.elastic.CommitStateCallback(state),
+                 hvd.elastic.UpdateEpochStateCallback(state)]
     x, y = np.ones((steps, 4), np.float32), np.ones((steps, 1), np.float32)
 
-    @rx.elastic.run
+    @hvd.elastic.run
     def train(state):
         while state.epoch < 2:
             model.fit(x[state.batch:], y[state.batch:], batch_size=1, epochs=1, verbose=0,
                       shuffle=False, callbacks=callbacks)
-        return {"done": list(state.done), "sizes": list(state.sizes), "rank": rx.rank(),
+        return {"done": list(state.done), "sizes": list(state.sizes), "rank": hvd.rank(),
                 "weights": [w.numpy() for w in model.weights]}
 
     return train(state)
