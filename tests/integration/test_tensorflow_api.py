@@ -322,6 +322,29 @@ def test_sync_batch_norm_accumulation_groups_and_a_tf1_session_train_as_horovod(
 
 
 # ----------------------------------------------------------------------------- names
+# every public name of horovod.tensorflow and horovod.tensorflow.keras (Horovod 0.28)
+HOROVOD_TF = """init shutdown is_initialized start_timeline stop_timeline size local_size
+cross_size rank local_rank cross_rank is_homogeneous rank_op local_rank_op size_op
+local_size_op process_set_included_op mpi_threads_supported mpi_enabled mpi_built
+gloo_enabled gloo_built nccl_built ddl_built ccl_built cuda_built rocm_built ProcessSet
+global_process_set add_process_set remove_process_set Average Sum Adasum Min Max Product join
+allreduce grouped_allreduce allgather grouped_allgather broadcast broadcast_ alltoall
+reducescatter grouped_reducescatter broadcast_variables broadcast_global_variables
+BroadcastGlobalVariablesHook allgather_object broadcast_object broadcast_object_fn
+DistributedOptimizer DistributedGradientTape PartialDistributedGradientTape
+SyncBatchNormalization Compression elastic HorovodInternalError HostsUpdatedInterrupt""".split()
+HOROVOD_KERAS = """init shutdown is_initialized start_timeline stop_timeline size local_size
+cross_size rank local_rank cross_rank mpi_threads_supported mpi_enabled mpi_built gloo_enabled
+gloo_built nccl_built ddl_built ccl_built cuda_built rocm_built ProcessSet global_process_set
+add_process_set remove_process_set Average Sum Compression DistributedOptimizer
+broadcast_global_variables allreduce allgather broadcast reducescatter load_model callbacks
+elastic""".split()
+HOROVOD_KERAS_CALLBACKS = """BroadcastGlobalVariablesCallback MetricAverageCallback
+LearningRateScheduleCallback LearningRateWarmupCallback BestModelCheckpoint""".split()
+HOROVOD_KERAS_ELASTIC = """KerasState CommitStateCallback UpdateBatchStateCallback
+UpdateEpochStateCallback run""".split()
+
+
 def _names(tmp: str) -> dict:
     import os
 
@@ -334,7 +357,10 @@ def _names(tmp: str) -> dict:
 
     rx.init(process_sets=[rx.ProcessSet([0])])
     r, n = rx.rank(), rx.size()
-    out: dict = {}
+    out: dict = {"missing": [name for module, names in (
+        (rx, HOROVOD_TF), (rxk, HOROVOD_KERAS), (hk, HOROVOD_KERAS),
+        (rxk.callbacks, HOROVOD_KERAS_CALLBACKS), (hk.callbacks, HOROVOD_KERAS_CALLBACKS),
+        (rxk.elastic, HOROVOD_KERAS_ELASTIC)) for name in names if not hasattr(module, name)]}
     # ops read at run time, eagerly and in a graph built before they run
     with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
         ops = [rx.rank_op(), rx.local_rank_op(), rx.size_op(), rx.local_size_op(),
@@ -412,6 +438,7 @@ def _names(tmp: str) -> dict:
 def test_every_added_name_and_argument(tmp_path):
     results = run_workers(_names, 2, str(tmp_path), env=ENV, work_s=40)
     for r, out in enumerate(results):
+        assert out["missing"] == []
         assert out["graph_ops"] == [r, r, 2, 2, int(r == 0), -2]
         assert out["eager_ops"] == [r, 2, int(r == 0)]
         assert out["global_variables"] == [1.0]
