@@ -368,3 +368,10 @@ def process_set_included_op(process_set_id: int = 0, name: str | None = None) ->
         return int(group.included())
 
     return _scalar_op(included, name)
+
+
+def join() -> tf.Tensor:
+    """Marks this rank as done (it contributes zeros to the others' allreduces until every
+    rank joined) and gives the rank that joined last: at once eagerly, when the op runs in
+    a graph."""
+    return _scalar_op(_core.join, None)

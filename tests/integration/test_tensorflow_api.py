@@ -370,6 +370,8 @@ def _names(tmp: str) -> dict:
         sess.run(tf.compat.v1.global_variables_initializer())
         sess.run(rx.broadcast_global_variables(1))
         out["global_variables"] = sess.run(v).tolist()
+        joined = rx.join()  # an op: nothing happens until it runs
+        out["join"] = int(sess.run(joined))
     out["eager_ops"] = [int(rx.rank_op()), int(rx.size_op()), int(rx.process_set_included_op(1))]
     # broadcast_ in place, broadcast_object_fn, the positional orders
     a, b = tf.Variable([float(r)] * 2), tf.Variable(float(r) + 10)
@@ -442,6 +444,8 @@ def test_every_added_name_and_argument(tmp_path):
         assert out["graph_ops"] == [r, r, 2, 2, int(r == 0), -2]
         assert out["eager_ops"] == [r, 2, int(r == 0)]
         assert out["global_variables"] == [1.0]
+        assert out["join"] in (0, 1)
+        assert out["join"] == results[0]["join"]
         assert out["broadcast_"] == [[1.0, 1.0], 11.0, [1.0, 1.0]]
         assert out["object_fn"] == {"from": 1}
         assert out["positional"] == [3.0, 6.0]  # average=False: the sum of [1, 2] and [2, 4]
