@@ -15,6 +15,7 @@ from typing import Any
 from raytrain_x.common.autotune_config import AutotuneConfig
 from raytrain_x.common.errors import ConfigError, RaytrainXError
 from raytrain_x.common.knobs import Knobs, load_knobs
+from raytrain_x.common.settings import START_TIMEOUT_S, TIMEOUT_S
 
 
 class _Parser(argparse.ArgumentParser):
@@ -60,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "a local one)")
     run.add_argument("--cpus-per-worker", type=float, default=1.0)
     run.add_argument("--use-gpu", action="store_true")
-    run.add_argument("--timeout", type=float, default=30.0,
+    run.add_argument("--timeout", type=float, default=TIMEOUT_S.default,
                      help="rendezvous/collective timeout in seconds")
     run.add_argument("--verbose", action="store_true")
     elastic = run.add_argument_group("elastic (any of these makes the job elastic)")
@@ -73,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     elastic.add_argument("--reset-limit", type=int, help="most resets before the job fails")
     elastic.add_argument("--elastic-timeout", type=float, default=600.0,
                          help="seconds to wait for min-np workers")
-    elastic.add_argument("--start-timeout", type=float, default=300.0,
+    elastic.add_argument("--start-timeout", type=float, default=START_TIMEOUT_S.read(),
                          help="seconds a new worker may take to start before it is given up on")
     _add_knob_flags(run)
     _add_autotune_flags(run)
@@ -187,10 +188,13 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         codes = run_command_on_workers(executor, command, env, _printer())
     finally:
         executor.shutdown()
-    failed = [(r["lost_peer"], r["ended"], rank, r["code"]) for rank, r in enumerate(codes)
-              if r["code"] != 0]
-    if failed:  # report the root cause: not a rank that only lost its peer, the earliest
-        _, _, rank, code = min(failed)
+    failed = {rank: r for rank, r in enumerate(codes) if r["code"] != 0}
+    if failed:  # report the root cause (the executor's rule: failures.root_cause_order)
+        from raytrain_x.ray.failures import root_cause_order
+
+        rank = min(failed, key=lambda k: root_cause_order(failed[k]["lost_peer"], k,
+                                                          failed[k]["ended"]))
+        code = failed[rank]["code"]
         sys.stderr.write(f"raytrain-x: rank {rank} exited with code {code}\n")
         return code if 0 < code < 256 else 1
     return 0

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from raytrain_x.common.autotune_config import AutotuneConfig
+from raytrain_x.common.errors import AutotuneError
 from raytrain_x.common.extras import import_extra
 from raytrain_x.common.knobs import MB, Knobs
 
@@ -350,9 +351,10 @@ class ProcessController:
                 self._conn.send((method, args))
                 ok, value = self._conn.recv()
             except (EOFError, OSError) as exc:
-                raise RuntimeError(f"the autotune controller process ended: {exc!r}") from None
+                raise AutotuneError(f"the autotune controller process ended: {exc!r}") \
+                    from None
         if not ok:
-            raise RuntimeError(f"the autotune controller failed: {value}")
+            raise AutotuneError(f"the autotune controller failed: {value}")
         return value
 
     def begin(self, searched: list[str] | None = None) -> list[str]:

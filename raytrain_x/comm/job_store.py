@@ -24,6 +24,7 @@ import time
 from collections.abc import Sequence
 
 from raytrain_x.common.errors import RendezvousTimeout, StoreAuthError
+from raytrain_x.common.settings import TIMEOUT_S
 
 MAGIC = b"RTXS1"
 NONCE_BYTES = 32
@@ -231,7 +232,7 @@ class JobStoreClient:
     """
 
     def __init__(self, host: str, port: int, secret: bytes | str,
-                 timeout_s: float = 30.0) -> None:
+                 timeout_s: float = TIMEOUT_S.default) -> None:
         self.host, self.port = host, int(port)
         self._secret = _check_secret(secret)
         self.timeout_s = timeout_s

@@ -8,9 +8,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from raytrain_x.common import settings
 from raytrain_x.common.errors import ConfigError
 
-DEFAULT_TIMEOUT_S = 30.0
+DEFAULT_TIMEOUT_S = settings.TIMEOUT_S.default
 ENV_PREFIX = "RAYTRAIN_X_"
 
 
@@ -124,7 +125,7 @@ def rendezvous_from_env(env: Any) -> Rendezvous:
 
     size = int(num("SIZE", 1))
     rank = int(num("RANK", 0))
-    timeout_s = num("TIMEOUT", DEFAULT_TIMEOUT_S)
+    timeout_s = settings.TIMEOUT_S.read(env)
     store = None
     if size > 1:
         addr = env.get(ENV_PREFIX + "STORE_ADDR")

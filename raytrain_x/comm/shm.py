@@ -24,11 +24,12 @@ import uuid
 from raytrain_x import _native
 from raytrain_x.comm.backend import Group
 from raytrain_x.comm.groups import ProcessGroups
+from raytrain_x.common import settings
 
 log = logging.getLogger("raytrain_x.engine")
 
 ShmGroup = _native.ShmGroup
-SHM_ENV = "RAYTRAIN_X_SHM"
+SHM_ENV = settings.SHM.env
 SLOT_BYTES = 256 << 10  # per-rank chunk: fits the L2 cache; measured best of 64 KB..4 MB
 SHM_DTYPES = frozenset({"float32", "float64", "float16", "bfloat16", "int32", "int64", "int8",
                         "uint8"})
@@ -36,7 +37,7 @@ SHM_DTYPES = frozenset({"float32", "float64", "float16", "bfloat16", "int32", "i
 
 def shm_enabled() -> bool:
     """False when `RAYTRAIN_X_SHM` is 0/false/off on this rank."""
-    return os.environ.get(SHM_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+    return settings.SHM.read()
 
 
 def open_host_group(groups: ProcessGroups, timeout_s: float) -> _native.ShmGroup | None:

@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from raytrain_x.common.errors import RendezvousTimeout
+from raytrain_x.common.settings import TIMEOUT_S
 
 
 def call_actor(method, *args, attempts: int = 20, pause_s: float = 0.5):
@@ -33,7 +34,7 @@ class ActorStore:
         timeout_s: how long `get`/`wait` block before raising `RendezvousTimeout`.
     """
 
-    def __init__(self, actor: Any, timeout_s: float = 30.0) -> None:
+    def __init__(self, actor: Any, timeout_s: float = TIMEOUT_S.default) -> None:
         self.actor = actor
         self.timeout_s = timeout_s
 

@@ -74,6 +74,16 @@ class ElasticTimeout(RaytrainXError):
     `elastic_timeout`."""
 
 
+class ElasticJobStopped(RaytrainXError, RuntimeError):
+    """The elastic job's controller stopped (it failed or was shut down) while a worker
+    waited for its next round."""
+
+
+class AutotuneError(RaytrainXError, RuntimeError):
+    """The autotune search's process ended or failed; training goes on with the knobs it
+    has."""
+
+
 # Errors a worker raises when it only lost a peer (another rank's failure is the cause).
 LOST_PEER_ERRORS = (InternalError, RendezvousTimeout)
 # A process launched by `raytrain-x run` exits with this code when it ends on one of them.

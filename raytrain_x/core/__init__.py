@@ -49,7 +49,6 @@ from raytrain_x.core.runtime import (
     autotune_batch_size,
     cross_rank,
     cross_size,
-    init,
     is_initialized,
     knobs,
     local_rank,
@@ -59,8 +58,8 @@ from raytrain_x.core.runtime import (
     set_knobs,
     shutdown,
     size,
-    transport,
 )
+from raytrain_x.core.world import init, transport
 
 __all__ = [
     "Adasum",

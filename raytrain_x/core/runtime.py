@@ -8,22 +8,19 @@ import atexit
 import os
 import sys
 import threading
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from raytrain_x.autotune.controller import local_controller
 from raytrain_x.autotune.sampler import Advisor, AutotuneSampler, JobShape
 from raytrain_x.comm.groups import ProcessGroups
 from raytrain_x.comm.rendezvous import Rendezvous, next_rendezvous
+from raytrain_x.common import settings
 from raytrain_x.common.autotune_config import AutotuneConfig
 from raytrain_x.common.autotune_log import load_best_knobs
 from raytrain_x.common.errors import LOST_PEER_ERRORS, LOST_PEER_EXIT_CODE, ConfigError
 from raytrain_x.common.horovod_env import with_horovod_aliases
 from raytrain_x.common.knobs import Knobs, load_knobs
 from raytrain_x.engine.engine import Engine
-
-if TYPE_CHECKING:
-    from raytrain_x.core.process_sets import ProcessSet
 
 _lock = threading.RLock()
 _engine: Engine | None = None
@@ -46,14 +43,6 @@ def host_update_probe() -> Callable[[], int] | None:
     return _host_update_probe
 
 
-def reset() -> None:
-    """Leaves this world and joins the next rendezvous round (elastic). The knobs in effect
-    carry over; tuning does not restart."""
-    knobs = _engine.knobs if _engine is not None else None
-    shutdown()
-    init(knobs=knobs, autotune=False)
-
-
 def set_autotune_advisor_factory(factory: AdvisorFactory | None) -> None:
     """Installs how rank 0 reaches the autotune controller (the Ray executor installs a
     client of its controller actor); without one, rank 0 runs the controller in-process."""
@@ -61,40 +50,21 @@ def set_autotune_advisor_factory(factory: AdvisorFactory | None) -> None:
     _advisor_factory = factory
 
 
-def init(
-    process_sets: Sequence[ProcessSet] | None = None,
+def start(
     knobs: Knobs | None = None,
     rendezvous: Rendezvous | None = None,
     autotune: AutotuneConfig | None | bool = None,
-) -> None:
-    """Joins the world and starts the engine; a no-op when already initialised.
-
-    Args:
-        process_sets: process sets to register on every rank; "dynamic" (Horovod's flag)
-            is accepted: sets can always be added and removed after init.
-        knobs: communication knobs (all held fixed); by default read from `RAYTRAIN_X_*`
-            env and `RAYTRAIN_X_CONFIG_FILE`.
-        rendezvous: where to meet; by default from the Ray executor or the environment.
-        autotune: tune the free knobs while training (default: `RAYTRAIN_X_AUTOTUNE*` env;
-            False: never).
-
-    Every rank adopts rank 0's knobs, so a worker that joins a running elastic job uses
-    the knobs the job has (tuned ones included).
-    """
+) -> bool:
+    """Joins the world and starts the engine (`raytrain_x.core.world.init` is the public
+    form); returns False when it was running already."""
     global _engine, _fixed_knobs, _sampler
-    if isinstance(process_sets, str):
-        if process_sets != "dynamic":
-            raise ConfigError(f"init(process_sets={process_sets!r}): give a list of process "
-                              "sets or 'dynamic'")
-        process_sets = None  # sets can always be added and removed after init
     with _lock:
         if _engine is not None and _engine.error is None:
-            return
+            return False
         if _engine is not None:
             shutdown()
         if knobs is None:
-            knobs, _fixed_knobs = load_knobs(
-                config_file=os.environ.get("RAYTRAIN_X_CONFIG_FILE") or None)
+            knobs, _fixed_knobs = load_knobs(config_file=settings.CONFIG_FILE.read() or None)
         else:
             _fixed_knobs = frozenset(Knobs.specs())
         if autotune is False:
@@ -119,15 +89,11 @@ def init(
         _engine = Engine(
             groups,
             knobs,
-            timeline_path=env.get("RAYTRAIN_X_TIMELINE") or None,
-            stall_warning_s=_env_float(env, "RAYTRAIN_X_STALL_CHECK_TIME_SECONDS", 60.0),
-            stall_shutdown_s=_env_float(env, "RAYTRAIN_X_STALL_SHUTDOWN_TIME_SECONDS", 0.0),
-            timeline_mark_cycles=env.get("RAYTRAIN_X_TIMELINE_MARK_CYCLES", "").lower()
-            in ("1", "true", "yes", "on"),
+            timeline_path=settings.TIMELINE.read(env) or None,
+            stall_warning_s=settings.STALL_WARNING_S.read(env),
+            stall_shutdown_s=settings.STALL_SHUTDOWN_S.read(env),
+            timeline_mark_cycles=settings.TIMELINE_MARK_CYCLES.read(env),
         )
-        from raytrain_x.core.process_sets import add_process_set, global_process_set
-
-        global_process_set.ranks = list(range(rdv.size))
         _sampler = None
         if config is not None and rdv.rank == 0:
             advisor = (_advisor_factory or local_controller)(config, knobs, _fixed_knobs)
@@ -137,8 +103,7 @@ def init(
             if _batch_size:
                 _sampler.samples_per_step = _batch_size * rdv.size
             _engine.add_cycle_hook(_sampler.on_cycle)
-        for ps in process_sets or ():
-            add_process_set(ps)
+        return True
 
 
 def _exit_with_code_on_lost_peer() -> None:
@@ -159,16 +124,6 @@ def _exit_with_code_on_lost_peer() -> None:
 
     hook.raytrain_x = True  # type: ignore[attr-defined]
     sys.excepthook = hook
-
-
-def _env_float(env: dict, name: str, default: float) -> float:
-    raw = env.get(name)
-    if not raw:
-        return default
-    try:
-        return float(raw)
-    except ValueError:
-        raise ConfigError(f"environment {name}={raw!r} is not a number of seconds") from None
 
 
 def shutdown() -> None:
@@ -292,19 +247,15 @@ def knobs() -> Knobs:
     return engine().knobs
 
 
+def last_knobs() -> Knobs | None:
+    """The knobs of the engine, even one that failed (None before `init`): what an
+    elastic reset carries into the next round."""
+    return _engine.knobs if _engine is not None else None
+
+
 def set_knobs(new_knobs: Knobs) -> None:
     """Requests new knobs; rank 0's request switches every rank at the same cycle (other
     ranks' requests are ignored)."""
     engine().request_knobs(new_knobs)
 
 
-def transport(process_set: ProcessSet | None = None) -> str:
-    """How collectives travel, for the global set or `process_set`: 'shm' (shared memory:
-    every member on one host), 'gloo+shm' (the global set over several hosts, with shared
-    memory for hierarchical local stages), 'gloo', or 'none' (this rank is not a member).
-    Set `RAYTRAIN_X_SHM=0` to force gloo."""
-    if process_set is None:
-        return engine().transport
-    from raytrain_x.core.process_sets import registered_id
-
-    return engine().transport_of(registered_id(process_set))

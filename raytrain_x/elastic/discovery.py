@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from raytrain_x.common.errors import ConfigError
+from raytrain_x.common.settings import TIMEOUT_S
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ class ScriptDiscovery:
     """Runs an executable that prints `host:slots` lines; hosts are matched to Ray nodes by
     IP address, hostname or node id."""
 
-    def __init__(self, script: str, timeout_s: float = 30.0) -> None:
+    def __init__(self, script: str, timeout_s: float = TIMEOUT_S.default) -> None:
         if not os.path.isfile(script):
             raise ConfigError(f"host discovery script {script!r} does not exist")
         if not os.access(script, os.X_OK):

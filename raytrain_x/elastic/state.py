@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from raytrain_x.common.errors import HostsUpdatedInterrupt, InternalError
-from raytrain_x.core import runtime
+from raytrain_x.core import runtime, world
 from raytrain_x.core.objects import broadcast_object
 
 log = logging.getLogger("raytrain_x.elastic")
@@ -131,7 +131,7 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
         while True:
             try:  # a peer may die during the reset and the sync too: same recovery
                 if reset_required:
-                    runtime.reset()
+                    world.reset()
                     state.on_reset()
                 if not skip_sync:
                     state.sync()

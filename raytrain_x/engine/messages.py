@@ -10,7 +10,6 @@ from typing import Any
 # Collectives the engine runs; only allreduce goes through the response cache and fusion.
 ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER, BARRIER = (
     "allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "barrier")
-REDUCE_OPS = ("average", "sum", "adasum", "min", "max", "product")
 
 
 class Handle:

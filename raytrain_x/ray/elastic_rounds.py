@@ -8,6 +8,7 @@ from typing import Any
 
 import ray
 
+from raytrain_x.common.errors import ElasticJobStopped
 from raytrain_x.ray.placement import assign_ranks
 
 
@@ -23,7 +24,7 @@ class ElasticRounds:
     async def join(self, worker_id: str) -> dict[str, Any]:
         """Blocks until the driver puts this worker in a round; returns its place."""
         if self._error:
-            raise RuntimeError(self._error)
+            raise ElasticJobStopped(self._error)
         future = asyncio.get_running_loop().create_future()
         self._waiting[worker_id] = future
         return await future
@@ -42,7 +43,7 @@ class ElasticRounds:
         self._error = message
         for future in self._waiting.values():
             if not future.done():
-                future.set_exception(RuntimeError(message))
+                future.set_exception(ElasticJobStopped(message))
         self._waiting.clear()
 
     async def bump_hosts(self) -> int:

@@ -17,8 +17,9 @@ from raytrain_x.comm.store_actor import StoreActor
 from raytrain_x.common.autotune_config import AutotuneConfig
 from raytrain_x.common.errors import ConfigError, WorkerError
 from raytrain_x.common.knobs import Knobs, load_knobs
+from raytrain_x.common.settings import START_TIMEOUT_S, TIMEOUT_S
 from raytrain_x.ray.autotune_actor import start_controller_actor
-from raytrain_x.ray.elastic_driver import ElasticJob, ElasticSettings
+from raytrain_x.ray.elastic import ElasticJob, ElasticSettings
 from raytrain_x.ray.failures import root_cause, unreachable, unreachable_error, worker_error
 from raytrain_x.ray.placement import (
     Slot,
@@ -42,7 +43,7 @@ class Settings:
         placement_group_timeout_s: how long to wait for the cluster to fit the workers.
     """
 
-    timeout_s: float = 30.0
+    timeout_s: float = TIMEOUT_S.default
     placement_group_timeout_s: float = 100.0
 
 
@@ -90,7 +91,8 @@ class RayExecutor:
     """
 
     @staticmethod
-    def create_settings(timeout_s: float = 30.0, placement_group_timeout_s: float = 100.0,
+    def create_settings(timeout_s: float = TIMEOUT_S.default,
+                        placement_group_timeout_s: float = 100.0,
                         **unsupported: Any) -> Settings:
         """Executor settings; Horovod's ssh/nics arguments do not apply on Ray."""
         if unsupported:
@@ -115,7 +117,7 @@ class RayExecutor:
         reset_limit: int | None = None,
         cooldown_range: tuple[float, float] | None = None,
         elastic_timeout: float = 600,
-        start_timeout_s: float = 300,
+        start_timeout_s: float | None = None,
         knobs: Knobs | None = None,
         autotune: Any = None,
         resources_per_worker: dict[str, float] | None = None,
@@ -138,6 +140,8 @@ class RayExecutor:
                                   f"{cooldown_range}")
         if elastic_timeout <= 0:
             raise ConfigError(f"elastic_timeout must be positive, got {elastic_timeout}")
+        if start_timeout_s is None:
+            start_timeout_s = START_TIMEOUT_S.read()
         if start_timeout_s <= 0:
             raise ConfigError(f"start_timeout_s must be positive, got {start_timeout_s}")
         if knobs is not None and not isinstance(knobs, Knobs):

@@ -51,11 +51,17 @@ def worker_error(rank: int, exc: Exception) -> WorkerError:
     return WorkerError(rank, str(exc))
 
 
+def root_cause_order(lost_peer: bool, rank: int, ended: float = 0.0) -> tuple:
+    """The one rule that picks, among failed ranks, the one whose failure started it (for
+    the executor and for `raytrain-x run` alike): a rank that did not only lose a peer
+    before one that did, then the earliest to end (where known), then the lowest rank."""
+    return (lost_peer, ended, rank)
+
+
 def root_cause(errors: dict[int, WorkerError]) -> WorkerError:
-    """The failure that started it: the lowest rank that did not only lose a peer (else
-    the lowest rank), naming the ranks that stopped because of it."""
-    causes = [e for e in errors.values() if not e.lost_peer]
-    chosen = min(causes or errors.values(), key=lambda e: e.rank)
+    """The failure that started it (`root_cause_order`), naming the ranks that stopped
+    because of it."""
+    chosen = min(errors.values(), key=lambda e: root_cause_order(e.lost_peer, e.rank))
     others = sorted(r for r in errors if r != chosen.rank)
     if others:
         chosen = WorkerError(chosen.rank, chosen.detail.rstrip() +

@@ -250,18 +250,6 @@ class LocalAutoscalingCluster(AutoscalingCluster):
                                                 timeout=10)
         return json.loads(raw) if raw else []
 
-    def wait_for_workers(self, count: int, timeout_s: float) -> list[str]:
-        """Waits until exactly `count` worker nodes are alive; returns them."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            nodes = self.worker_nodes()
-            if len(nodes) == count:
-                return nodes
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{len(nodes)} worker nodes after {timeout_s:.0f}s, "
-                                   f"waiting for {count}")
-            time.sleep(0.5)
-
 
 def drain_node(address: str, node_id: str, deadline_s: float | None = None,
                reason: str = "DRAIN_NODE_REASON_PREEMPTION",

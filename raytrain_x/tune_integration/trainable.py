@@ -20,6 +20,7 @@ from ray import tune
 
 from raytrain_x.common.errors import ConfigError
 from raytrain_x.common.knobs import Knobs
+from raytrain_x.common.settings import TIMEOUT_S
 
 _session: dict[str, Any] = {}
 
@@ -106,7 +107,7 @@ def DistributedTrainableCreator(  # noqa: N802 - Horovod's name
     num_workers_per_host: int | None = None,
     cpus_per_worker: float = 1,
     use_gpu: bool = False,
-    timeout_s: float = 30,
+    timeout_s: float = TIMEOUT_S.default,
 ) -> Any:
     """A Ray Tune trainable that runs `train_fn(config)` on a distributed raytrain-x job.
 

@@ -14,7 +14,7 @@ import torch
 from raytrain_x import ResetLimitExceeded
 from raytrain_x.common.errors import ElasticTimeout
 from raytrain_x.ray import RayExecutor
-from raytrain_x.ray import elastic_driver as driver
+from raytrain_x.ray.elastic import pool as worker_pool
 from raytrain_x.ray.worker import WORKER_OPTIONS, WorkerActor
 from tests.conftest import ELASTIC_RESOURCE
 from tests.limits import limit, wait_until
@@ -262,7 +262,7 @@ def test_slow_starting_workers_are_waited_for_not_killed(elastic_nodes, monkeypa
     `start_timeout_s` rule, tested below with a start that never ends.)"""
     elastic_nodes(3)
     gate = tmp_path / "gate"
-    monkeypatch.setattr(driver, "Worker", _held_start_worker(gate))
+    monkeypatch.setattr(worker_pool, "Worker", _held_start_worker(gate))
     executor = _executor(2, 3, elastic_timeout=60)
     job = _Job(executor, STEPS, 0.05)
     job.wait_until(lambda: executor.last_elastic_job is not None
@@ -285,7 +285,7 @@ def test_a_start_past_start_timeout_is_given_up_and_the_job_times_out(elastic_no
     """Starts that never end: each is given up on at `start_timeout_s`, naming it, and a job
     that never reaches `min_workers` ends at `elastic_timeout`."""
     elastic_nodes(2)
-    monkeypatch.setattr(driver, "Worker", _held_start_worker(tmp_path / "never"))
+    monkeypatch.setattr(worker_pool, "Worker", _held_start_worker(tmp_path / "never"))
     executor = _executor(2, 2, elastic_timeout=6, start_timeout_s=2)
     with pytest.raises(ElasticTimeout, match="fewer than min_workers=2"):
         executor.run(_elastic_train, args=(STEPS, 0.05))
@@ -301,7 +301,7 @@ def test_a_vanished_slot_is_given_up_with_a_reason(cluster, elastic_nodes, monke
     that worker is given up on naming why, and the other two train."""
     nodes = elastic_nodes(3)
     gate = tmp_path / "gate"
-    monkeypatch.setattr(driver, "Worker", _held_start_worker(gate))
+    monkeypatch.setattr(worker_pool, "Worker", _held_start_worker(gate))
     executor = _executor(2, 3, elastic_timeout=90)
     job = _Job(executor, STEPS, 0.05)
     job.wait_until(lambda: executor.last_elastic_job is not None

@@ -98,3 +98,31 @@ def test_missing_or_malformed_config_file(tmp_path):
 def test_unknown_flag_rejected():
     with pytest.raises(ConfigError, match="unknown knob 'fusion'"):
         load_knobs(flags={"fusion": 1}, env={})
+
+
+def test_every_setting_that_is_not_a_knob_is_documented_with_its_default():
+    from pathlib import Path
+
+    from raytrain_x.common import settings
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text()
+    for setting in settings.ALL:
+        rows = [line for line in doc.splitlines() if line.startswith(f"| `{setting.env}` |")]
+        assert rows, f"{setting.env} is not in docs/api.md"
+        shown = rows[0].split("|")[2].strip()
+        default = setting.default
+        expected = ("1" if default else "0") if isinstance(default, bool) else \
+            (f"{default:g}" if isinstance(default, float) else (default or "none"))
+        assert shown == expected, f"{setting.env}: docs say {shown}, the code {expected}"
+
+
+def test_a_setting_reads_its_variable_or_its_default_and_rejects_bad_numbers():
+    import pytest
+
+    from raytrain_x.common.errors import ConfigError
+    from raytrain_x.common.settings import SHM, TIMEOUT_S
+
+    assert TIMEOUT_S.read({}) == 30.0 and TIMEOUT_S.read({"RAYTRAIN_X_TIMEOUT": "7"}) == 7.0
+    assert SHM.read({"RAYTRAIN_X_SHM": "off"}) is False and SHM.read({}) is True
+    with pytest.raises(ConfigError, match="RAYTRAIN_X_TIMEOUT='soon' is not a number"):
+        TIMEOUT_S.read({"RAYTRAIN_X_TIMEOUT": "soon"})

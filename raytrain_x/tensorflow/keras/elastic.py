@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from tensorflow import keras
 
+from raytrain_x.common.errors import ConfigError
 from raytrain_x.tensorflow.elastic import (
     KerasState,
     ObjectState,
@@ -27,7 +28,7 @@ class CommitStateCallback(keras.callbacks.Callback):
     def __init__(self, state: State, batches_per_commit: int = 1) -> None:
         super().__init__()
         if batches_per_commit < 1:
-            raise ValueError(f"batches_per_commit must be >= 1, got {batches_per_commit}")
+            raise ConfigError(f"batches_per_commit must be >= 1, got {batches_per_commit}")
         self.state = state
         self.batches_per_commit = batches_per_commit
         self._uncommitted = 0

@@ -1,0 +1,71 @@
+"""Settings that are not knobs: each with its environment variable and its default, once.
+
+Knobs (`raytrain_x.common.knobs`) are what autotune moves. These are fixed for a job: how
+long to wait for peers, whether ranks on one host share memory, when a stall is reported,
+where the timeline goes. A module that needs one reads it here (`TIMEOUT_S.read()`), and a
+function that takes one as an argument uses its `default`, so no default is written twice.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from raytrain_x.common.errors import ConfigError
+
+_FALSE = ("0", "false", "off", "no")
+
+
+@dataclass(frozen=True)
+class Setting:
+    env: str  # the environment variable
+    default: Any
+    kind: type  # float, bool or str
+    doc: str
+
+    def read(self, env: Mapping[str, str] | None = None) -> Any:
+        """The value in `env` (default: the process's environment), else the default."""
+        raw = (os.environ if env is None else env).get(self.env)
+        if raw is None or raw.strip() == "":
+            return self.default
+        if self.kind is bool:
+            return raw.strip().lower() not in _FALSE
+        if self.kind is float:
+            try:
+                return float(raw)
+            except ValueError:
+                raise ConfigError(f"environment {self.env}={raw!r} is not a number") from None
+        return raw
+
+
+TIMEOUT_S = Setting(
+    "RAYTRAIN_X_TIMEOUT", 30.0, float,
+    "seconds a rank waits for its peers at a rendezvous or in a collective before it "
+    "reports them lost")
+START_TIMEOUT_S = Setting(
+    "RAYTRAIN_X_START_TIMEOUT", 300.0, float,
+    "seconds an elastic worker may take to start (process, imports, runtime_env, image "
+    "pull) before it is given up on; measured in docs/elastic.md")
+SHM = Setting(
+    "RAYTRAIN_X_SHM", True, bool,
+    "ranks on one host reduce through shared memory; 0 forces gloo")
+STALL_WARNING_S = Setting(
+    "RAYTRAIN_X_STALL_CHECK_TIME_SECONDS", 60.0, float,
+    "seconds a collective may wait for a rank before a warning names it")
+STALL_SHUTDOWN_S = Setting(
+    "RAYTRAIN_X_STALL_SHUTDOWN_TIME_SECONDS", 0.0, float,
+    "seconds of such a stall before the job stops (0: never)")
+TIMELINE = Setting(
+    "RAYTRAIN_X_TIMELINE", "", str,
+    "a path: rank 0 writes a Chrome trace of every collective there")
+TIMELINE_MARK_CYCLES = Setting(
+    "RAYTRAIN_X_TIMELINE_MARK_CYCLES", False, bool,
+    "mark each engine cycle in the timeline")
+CONFIG_FILE = Setting(
+    "RAYTRAIN_X_CONFIG_FILE", "", str,
+    "a YAML file of knobs (see docs/knobs.md)")
+
+ALL = (TIMEOUT_S, START_TIMEOUT_S, SHM, STALL_WARNING_S, STALL_SHUTDOWN_S, TIMELINE,
+       TIMELINE_MARK_CYCLES, CONFIG_FILE)

@@ -1,0 +1,47 @@
+"""The elastic job's view of the cluster: alive nodes and their resources, free worker
+slots, draining nodes, the autoscaler's node types and the standing capacity request. The
+controller reads the cluster only through it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from raytrain_x.elastic.discovery import ScriptDiscovery, slots_from_resources
+from raytrain_x.ray.autoscaling import CapacityRequest, draining_nodes, node_types
+from raytrain_x.ray.discovery import RayDiscovery, alive_nodes, resolve_hosts
+from raytrain_x.ray.elastic.settings import ElasticSettings
+
+
+class ClusterView:
+    def __init__(self, settings: ElasticSettings) -> None:
+        self.per_worker = settings.per_worker
+        self.scripted = settings.discovery_script is not None
+        self.discovery: Any = (ScriptDiscovery(settings.discovery_script) if self.scripted
+                               else RayDiscovery(self.per_worker))
+        self.capacity = CapacityRequest(self.per_worker)
+
+    def nodes(self) -> dict[str, dict[str, float]]:
+        """Alive node id -> total resources."""
+        return alive_nodes()
+
+    def free_slots(self, used: dict[str, int]) -> dict[str, int]:
+        """Node id -> worker slots free now. A discovery script reports host names and
+        total slots: they are resolved to nodes and the job's own `used` slots deducted."""
+        reported = self.discovery.hosts()
+        if self.scripted:
+            reported = resolve_hosts(reported)
+            reported = {h: n - used.get(h, 0) for h, n in reported.items()}
+        return reported
+
+    def draining(self) -> dict[str, float]:
+        """Draining node id -> deadline (time.time() seconds, inf without one)."""
+        return draining_nodes()
+
+    def node_types(self) -> dict[str, dict[str, float]] | None:
+        return node_types()
+
+    def unusable_slots(self, unusable: set[str]) -> int:
+        """The worker slots of the `unusable` alive nodes (blacklisted, draining)."""
+        totals = self.nodes()
+        return sum(slots_from_resources(totals[n], self.per_worker) for n in totals
+                   if n in unusable)

@@ -1,0 +1,381 @@
+"""The elastic controller: keeps a job running while workers come and go.
+
+Each worker actor runs the user function once; its `rx.init()` (and every reset inside
+`elastic.run`) waits in the `ElasticRounds` actor until the controller forms a round from
+all live workers. Dead workers are dropped and their hosts blacklisted; discovered capacity
+starts new workers, and survivors meet them at their next `commit()`. On an autoscaling
+cluster the controller asks the autoscaler for the workers it lacks, and a node Ray drains
+has its workers leave at the next commit: nothing is restored or redone, and the host is
+not blacklisted.
+
+The loop only carries out decisions: the policies (`policies.py`, pure, unit-tested with a
+fake clock) decide, the worker pool (`pool.py`) and the cluster view (`cluster.py`) talk to
+Ray, and everything that happens goes to one event log (`events.py`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ray
+
+from raytrain_x.comm.store_actor import StoreActor
+from raytrain_x.common.errors import WorkerError
+from raytrain_x.elastic.blacklist import Blacklist
+from raytrain_x.elastic.history import round_line
+from raytrain_x.ray.elastic.cluster import ClusterView
+from raytrain_x.ray.elastic.events import EventLog
+from raytrain_x.ray.elastic.policies import (
+    FailurePolicy,
+    MinimumWatch,
+    ScalingPolicy,
+    StragglerRule,
+    decide_round,
+    drain_line,
+    elastic_timeout_error,
+    notice_drains,
+)
+from raytrain_x.ray.elastic.pool import Member, Pending, WorkerPool
+from raytrain_x.ray.elastic.settings import (
+    DRAIN_POLL_S,
+    GAVE_UP_WARNING_AT,
+    PROGRESS_EVERY_S,
+    STRAGGLER_POLL_S,
+    ElasticSettings,
+)
+from raytrain_x.ray.elastic_rounds import ElasticRounds, plan_round
+from raytrain_x.ray.failures import unreachable_error
+from raytrain_x.ray.placement import stable_node_strategy
+
+log = logging.getLogger("raytrain_x.elastic")
+
+
+class ElasticJob:
+    """Runs `fn` elastically and returns the results of the workers that finished it."""
+
+    def __init__(self, settings: ElasticSettings, fn: Callable, args: tuple, kwargs: dict,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.settings = settings
+        self.fn, self.args, self.kwargs = fn, args, kwargs
+        self.clock = clock
+        self.log = EventLog(clock)
+        self.blacklist = Blacklist(settings.cooldown_range, clock)
+        self.scaling = ScalingPolicy(settings)
+        self.failures = FailurePolicy(settings, self.blacklist)
+        self.minimum = MinimumWatch(settings)
+        self.stragglers = StragglerRule()
+        self.cluster = ClusterView(settings)
+        self.pool = WorkerPool(settings, clock)
+        self.rounds = 0
+        self.draining: dict[str, float] = {}  # node -> drain deadline (time.time())
+        self.last_failure: WorkerError | None = None
+        self._needs_round = True
+        self._progress_at = 0.0
+        self._gave_up_warned = False
+        # The job's own actors live on the head node: worker nodes may vanish at any time.
+        here = stable_node_strategy()
+        self.rounds_actor = ElasticRounds.options(scheduling_strategy=here).remote()
+        self.store = StoreActor.options(scheduling_strategy=here).remote()
+
+    # ------------------------------------------------------------------ views
+    @property
+    def members(self) -> dict[str, Member]:
+        return self.pool.members
+
+    @property
+    def pending(self) -> dict[Any, Pending]:
+        return self.pool.pending
+
+    @property
+    def events(self) -> list:
+        """Every event, in order (each reads as a (time, kind, host) tuple)."""
+        return self.log.events
+
+    @property
+    def cooldowns(self) -> list[tuple[str, float, float]]:
+        return self.log.cooldowns
+
+    @property
+    def gave_up(self) -> list[tuple[float, str, str]]:
+        return self.log.gave_up
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        return self.log.history
+
+    @property
+    def capacity(self) -> Any:
+        return self.cluster.capacity
+
+    @property
+    def resets(self) -> int:
+        return self.failures.resets
+
+    # ------------------------------------------------------------------ main loop
+    def run(self) -> list[Any]:
+        try:
+            if not self.cluster.scripted:
+                self.scaling.check_feasible(self.cluster.nodes(), self.cluster.node_types())
+            self._check_drains()
+            self._scale_up()
+            self._update_request()
+            now = self.clock()
+            next_discovery = now + self.settings.discovery_interval_s
+            next_drain_check = now + DRAIN_POLL_S
+            next_straggler_check = now + STRAGGLER_POLL_S
+            while True:
+                finished = self._poll_members()
+                if finished:
+                    return self._finish(finished)
+                if not self.members and self.last_failure is not None:
+                    raise self.last_failure  # every worker failed: the job fails
+                if self._poll_pending() and self.rounds:
+                    ray.get(self.rounds_actor.bump_hosts.remote())
+                    self.log.add("scale_up")
+                if self.clock() >= next_drain_check:
+                    self._check_drains()
+                    next_drain_check = self.clock() + DRAIN_POLL_S
+                if self.clock() >= next_discovery:
+                    self._scale_up()
+                    self._check_pending()
+                    self._update_request()
+                    next_discovery = self.clock() + self.settings.discovery_interval_s
+                if self.clock() >= next_straggler_check:
+                    self._check_stragglers()
+                    next_straggler_check = self.clock() + STRAGGLER_POLL_S
+                self._check_minimum()
+                self._maybe_form_round()
+        except BaseException as exc:
+            try:
+                ray.get(self.rounds_actor.fail.remote(f"the elastic job stopped: {exc}"),
+                        timeout=5)
+            except Exception:  # noqa: BLE001 - the original error matters more
+                pass
+            raise
+        finally:
+            self.cluster.capacity.clear()
+            self._kill_all()
+
+    # ------------------------------------------------------------------ members
+    def _poll_members(self) -> dict[str, Any]:
+        if not any(m.ref is not None for m in self.members.values()):
+            time.sleep(0.1)
+            return {}
+        outcomes = self.pool.poll(timeout_s=0.1)
+        for member, error in outcomes.failed:
+            self._on_failure(member, error)
+        for member, left in outcomes.left:
+            self.pool.remove(member)
+            self.log.add("left", member.node)
+            log.info("raytrain-x elastic: worker %s left the job (%s)", member.worker_id,
+                     left.reason)
+        return outcomes.finished
+
+    def _on_failure(self, member: Member, error: WorkerError) -> None:
+        self.pool.remove(member)
+        self.log.note("failure", failed=1)
+        self.last_failure = error
+        self._needs_round = True
+        verdict = self.failures.on_failure(member.node)
+        if verdict.kind == "lost_draining":
+            self.log.add("lost_draining", member.node)
+            log.warning("raytrain-x elastic: worker %s (rank %d) was lost with its draining "
+                        "node %s before its next commit; the others restore the last commit",
+                        member.worker_id, member.rank, member.node[:8])
+        else:
+            self.log.add("failure", member.node, cooldown_s=verdict.cooldown_s)
+            log.warning("raytrain-x elastic: worker %s (rank %d) on node %s failed; host "
+                        "blacklisted for %s", member.worker_id, member.rank, member.node[:8],
+                        "good" if verdict.cooldown_s == float("inf")
+                        else f"{verdict.cooldown_s:.1f}s")
+
+    def _check_stragglers(self) -> None:
+        waiting = ray.get(self.rounds_actor.waiting.remote())
+        present = [w for w, m in self.members.items() if not m.leaving]
+        needs_round, probe = self.stragglers.observe(waiting, present, self.clock())
+        if needs_round:
+            self._needs_round = True
+        lost = self.pool.unreachable(probe) if probe else set()
+        if not lost:
+            return
+        ranks = sorted(self.members[w].rank for w in lost)
+        errors = unreachable_error(ranks, [self.members[w].node for w in lost],
+                                   "while their peers waited for them at the rendezvous")
+        for worker_id in lost:
+            member = self.members[worker_id]
+            self._on_failure(member, errors[member.rank])
+
+    def _finish(self, finished: dict[str, Any]) -> list[Any]:
+        """A worker finished: the job is done. Others get `timeout_s` to finish too."""
+        finished = self.pool.collect(finished, self.settings.timeout_s)
+        order = sorted(finished, key=lambda w: self.members[w].rank
+                       if w in self.members else 1 << 30)
+        return [finished[w] for w in order]
+
+    # ------------------------------------------------------------------ capacity
+    def _staying(self) -> list[Member]:
+        return self.pool.staying(set(self.draining))
+
+    def _used_slots(self) -> dict[str, int]:
+        used: dict[str, int] = {}
+        for m in self.members.values():
+            used[m.node] = used.get(m.node, 0) + 1
+        return used
+
+    def _scale_up(self) -> None:
+        """Asks for workers on free slots up to max_workers. They join when they answer
+        (`_poll_pending`), however long their start takes."""
+        usable = self.scaling.usable_slots(self.cluster.free_slots(self._used_slots()),
+                                           self.draining, self.blacklist)
+        for node in self.scaling.starts(usable, len(self.members), len(self.pending)):
+            self.log.add("place", node)
+            self.pool.start(node)
+
+    def _update_request(self) -> None:
+        """The standing autoscaler request (none with a discovery script: it decides)."""
+        if self.cluster.scripted:
+            return
+        staying, starting = len(self._staying()), len(self.pending)
+        unusable = 0
+        if self.settings.max_workers - staying - starting > 0:
+            unusable = self.cluster.unusable_slots(
+                set(self.draining) | set(self.blacklist.blacklisted()))
+        self.cluster.capacity.ask(self.scaling.bundles(staying, starting, unusable))
+
+    def _poll_pending(self) -> int:
+        """Turns workers that answered into members; returns how many joined."""
+        settings = self.settings
+
+        def setup(actor: Any, worker_id: str) -> Any:
+            return actor.setup_elastic.remote(worker_id, self.rounds_actor, self.store,
+                                              settings.timeout_s, settings.env or {},
+                                              settings.autotune_actor)
+
+        joined, died = self.pool.poll_pending(setup, self.fn, self.args, self.kwargs)
+        for pending, exc in died:
+            gone = pending.node not in self.cluster.nodes()
+            self._give_up(pending.ref, "its node left the cluster" if gone
+                          else f"its actor died while starting: {_first_line(exc)}")
+        for member in joined:
+            self._needs_round = True
+            self.log.note("scale_up" if self.rounds else "start", joined=1)
+            self.log.add("start", member.node)
+        return len(joined)
+
+    def _check_pending(self) -> None:
+        """Gives up on starting workers that cannot start (`ScalingPolicy.give_ups`) and
+        prints progress on the others every few seconds."""
+        if not self.pending:
+            return
+        now = self.clock()
+        verdicts = self.scaling.give_ups([p.view() for p in self.pending.values()],
+                                         self.cluster.nodes(), now)
+        for key, why in verdicts:
+            self._give_up(key, why)
+        if self.pending and now - self._progress_at >= PROGRESS_EVERY_S:
+            self._progress_at = now
+            oldest = max(now - p.asked_at for p in self.pending.values())
+            line = (f"raytrain-x elastic: waiting for {len(self.pending)} workers to start "
+                    f"({oldest:.0f} s)")
+            log.info(line)
+            print(line, flush=True)
+
+    def _give_up(self, key: Any, why: str) -> None:
+        pending = self.pool.give_up(key)
+        if pending is None:
+            return
+        self.log.add("gave_up", pending.node, why=why)
+        log.warning("raytrain-x elastic: gave up on a worker for %s after %.0f s: %s",
+                    pending.node[:8], self.clock() - pending.asked_at, why)
+        gave_up = self.log.gave_up
+        if len(gave_up) >= GAVE_UP_WARNING_AT and not self._gave_up_warned:
+            self._gave_up_warned = True
+            causes = sorted({w for _, _, w in gave_up})
+            log.warning("raytrain-x elastic: this job keeps giving up on starting workers "
+                        "(%d so far): %s", len(gave_up), "; ".join(causes))
+
+    def _check_drains(self) -> None:
+        """Nodes Ray started draining: their starting workers are given up, their members
+        leave at the next commit, their capacity is no longer used."""
+        draining = self.cluster.draining()
+        notice = notice_drains(draining, self.draining,
+                               [p.view() for p in self.pending.values()],
+                               [m.node for m in self.members.values()])
+        self.draining = draining
+        for node in notice.new:
+            self.failures.drained_nodes.add(node)
+            self.log.add("drain", node)
+        for key in notice.give_up:
+            self._give_up(key, "its node is draining")
+        for node, workers in notice.leaving.items():
+            _progress(drain_line(node, notice.new[node], time.time(), workers))
+        if notice.interrupt:
+            self.log.note("drain")
+            self._needs_round = True
+            ray.get(self.rounds_actor.bump_hosts.remote())
+
+    def _check_minimum(self) -> None:
+        staying = len(self._staying())
+        verdict = self.minimum.observe(staying, self.clock())
+        if verdict == "below":
+            log.warning("raytrain-x elastic: %d workers, fewer than min_workers=%d; waiting up "
+                        "to %.0fs for capacity", staying, self.settings.min_workers,
+                        self.settings.elastic_timeout)
+        elif verdict == "timeout":
+            raise elastic_timeout_error(self.settings, staying, len(self.pending),
+                                        self.cluster.capacity.bundles,
+                                        self.blacklist.blacklisted())
+
+    # ------------------------------------------------------------------ rounds
+    def _maybe_form_round(self) -> None:
+        if not self._needs_round:
+            return
+        waiting = ray.get(self.rounds_actor.waiting.remote())
+        decision = decide_round(waiting, [m.view() for m in self.members.values()],
+                                self.draining, self.settings.min_workers)
+        if decision.leave:  # they return from `execute` with `Left`; the poll drops them
+            ray.get(self.rounds_actor.publish.remote(
+                {w: {"leave": True, "reason": f"node {self.members[w].node[:8]} is draining"}
+                 for w in decision.leave}))
+            for worker_id in decision.leave:
+                self.members[worker_id].leaving = True
+            self.log.note("drain", left=len(decision.leave))
+        if not decision.form:
+            return  # survivors are still on their way to the rendezvous
+        self.failures.count_round(self.log.is_reset(), self.last_failure)
+        staying = {m.worker_id: m for m in self._staying()}
+        version = ray.get(self.rounds_actor.hosts_version.remote())
+        self.rounds += 1
+        assignments = plan_round({m.worker_id: (m.node, m.age) for m in staying.values()},
+                                 self.rounds, version)
+        for worker_id, place in assignments.items():
+            self.members[worker_id].rank = place["rank"]
+        ray.get(self.rounds_actor.publish.remote(assignments))
+        self._needs_round = False
+        entry = self.log.record_round(
+            self.rounds, len(staying), len({m.node for m in staying.values()}),
+            len(self.pending), self.cluster.capacity.bundles, len(self.draining))
+        _progress(round_line(entry))
+
+    def _kill_all(self) -> None:
+        self.pool.kill_all()
+        for actor in (self.rounds_actor, self.store):
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def _progress(line: str) -> None:
+    """A line for the driver's user: logged, and printed (a notebook shows no log)."""
+    log.info("raytrain-x elastic: %s", line)
+    print(f"raytrain-x elastic: {line}", flush=True)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+

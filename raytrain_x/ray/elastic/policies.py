@@ -1,0 +1,263 @@
+"""The elastic job's decisions, as pure policies (no Ray: an import-linter contract says
+so). Each takes a snapshot of what the controller saw and, where time matters, the clock's
+reading, and returns what to do; the controller (`controller.py`) carries it out.
+`tests/unit/test_elastic_policies.py` checks every decision with a fake clock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from raytrain_x.common.errors import ConfigError, ElasticTimeout, ResetLimitExceeded
+from raytrain_x.elastic.blacklist import Blacklist
+from raytrain_x.elastic.discovery import slots_from_resources
+from raytrain_x.ray.elastic.settings import ElasticSettings
+
+
+def shape(resources: Mapping[str, float]) -> str:
+    """Resources as a user reads them: `{CPU: 1, GPU: 1}`."""
+    return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(resources.items())
+                           if v and not k.startswith("node:")
+                           and k not in ("memory", "object_store_memory")) + "}"
+
+
+# ----------------------------------------------------------------------------- scaling
+@dataclass(frozen=True)
+class PendingView:
+    """A worker asked for and not answering yet."""
+
+    key: object
+    node: str
+    asked_at: float
+
+
+class ScalingPolicy:
+    """How many workers to start and where, what to ask the autoscaler for, and when a
+    worker that is starting is given up on."""
+
+    def __init__(self, settings: ElasticSettings) -> None:
+        self.settings = settings
+        self.per_worker = settings.per_worker
+
+    def usable_slots(self, free: Mapping[str, int], draining: Iterable[str],
+                     blacklist: Blacklist) -> dict[str, int]:
+        """The free worker slots the job may use: not on a draining or blacklisted host."""
+        draining = set(draining)
+        return {h: n for h, n in free.items() if n > 0 and h not in draining
+                and not blacklist.is_blacklisted(h)}
+
+    def starts(self, usable: Mapping[str, int], members: int, pending: int) -> list[str]:
+        """The nodes to start workers on (one entry per worker), up to `max_workers`
+        counting those running and starting; nodes in id order, each filled in turn."""
+        room = self.settings.max_workers - members - pending
+        if room <= 0:
+            return []
+        return [node for node, slots in sorted(usable.items()) for _ in range(slots)][:room]
+
+    def bundles(self, staying: int, pending: int, unusable_slots: int) -> int:
+        """How many worker bundles to ask the autoscaler for: room for `max_workers` while
+        the job has fewer (running or starting), 0 once it has them. Ray counts the
+        capacity of blacklisted and draining nodes too, so their slots are asked for on
+        top, or the autoscaler would add nothing in their place."""
+        if self.settings.max_workers - staying - pending <= 0:
+            return 0
+        return self.settings.max_workers + max(0, unusable_slots)
+
+    def give_ups(self, pending: Iterable[PendingView],
+                 node_totals: Mapping[str, Mapping[str, float]],
+                 now: float) -> list[tuple[object, str]]:
+        """The starting workers to give up on, with why: their node left, it can no longer
+        fit a worker even when empty, or they did not start within `start_timeout_s`. A
+        worker that is merely slow is waited for: Ray cannot tell a slow start (a
+        runtime_env being set up holds the slot with no process yet) from an unplaceable
+        one."""
+        out = []
+        for p in pending:
+            if p.node not in node_totals:
+                out.append((p.key, "its node left the cluster"))
+            elif slots_from_resources(node_totals[p.node], self.per_worker) < 1:
+                out.append((p.key, "its node can no longer fit a worker"))
+            elif now - p.asked_at > self.settings.start_timeout_s:
+                out.append((p.key, f"it did not start within start_timeout_s="
+                                   f"{self.settings.start_timeout_s:g}s"))
+        return out
+
+    def check_feasible(self, nodes: Mapping[str, Mapping[str, float]],
+                       node_types: Mapping[str, Mapping[str, float]] | None) -> None:
+        """A `ConfigError` when no node, and no node type the autoscaler publishes, can fit
+        one worker (an autoscaler that publishes none may still have one)."""
+        if any(slots_from_resources(res, self.per_worker) >= 1 for res in nodes.values()):
+            return
+        if node_types is None or any(slots_from_resources(res, self.per_worker) >= 1
+                                     for res in node_types.values()):
+            return
+        offered = sorted({shape(res) for res in [*nodes.values(), *node_types.values()]})
+        raise ConfigError(
+            f"a worker needs {shape(self.per_worker)}, which no node of this cluster and no "
+            f"node type of its autoscaler offers (they offer: {'; '.join(offered)}). Lower "
+            "cpus_per_worker/gpus_per_worker/resources_per_worker, or add a node type that "
+            "has them to the cluster config.")
+
+
+# ----------------------------------------------------------------------------- drains
+@dataclass
+class DrainNotice:
+    """What a change in the draining nodes asks for."""
+
+    new: dict[str, float] = field(default_factory=dict)  # node -> deadline (time.time())
+    give_up: list[object] = field(default_factory=list)  # starting workers on them
+    leaving: dict[str, int] = field(default_factory=dict)  # node -> members that leave
+
+    @property
+    def interrupt(self) -> bool:
+        """Whether members must leave (every rank is interrupted at its next commit)."""
+        return bool(self.leaving)
+
+
+def notice_drains(draining: Mapping[str, float], known: Iterable[str],
+                  pending: Iterable[PendingView], member_nodes: Iterable[str]) -> DrainNotice:
+    """The nodes that started draining since `known`, the starting workers on them (given
+    up) and how many members each has (they leave at the next commit, without a restore or
+    a blacklist)."""
+    known = set(known)
+    notice = DrainNotice(new={n: d for n, d in sorted(draining.items()) if n not in known})
+    members = list(member_nodes)
+    for node in notice.new:
+        notice.give_up += [p.key for p in pending if p.node == node]
+        count = members.count(node)
+        if count:
+            notice.leaving[node] = count
+    return notice
+
+
+def drain_line(node: str, deadline: float, now: float, workers: int) -> str:
+    """The progress line of a node that started draining."""
+    left_s = deadline - now
+    when = "no deadline" if math.isinf(left_s) else f"deadline in {left_s:.0f} s"
+    return (f"node {node[:8]} is draining ({when}); its {workers} worker(s) leave the job at "
+            "the next commit")
+
+
+# ----------------------------------------------------------------------------- minimum
+class MinimumWatch:
+    """`min_workers` over time: fewer staying workers than that are waited for up to
+    `elastic_timeout`, then the job fails (`elastic_timeout_error`)."""
+
+    def __init__(self, settings: ElasticSettings) -> None:
+        self.settings = settings
+        self.below_since: float | None = None
+
+    def observe(self, staying: int, now: float) -> str:
+        """'ok'; 'below' at the first poll below the minimum (warn once); 'waiting' after;
+        'timeout' once below for longer than `elastic_timeout`."""
+        if staying >= self.settings.min_workers:
+            self.below_since = None
+            return "ok"
+        if self.below_since is None:
+            self.below_since = now
+            return "below"
+        return "timeout" if now - self.below_since > self.settings.elastic_timeout \
+            else "waiting"
+
+
+def elastic_timeout_error(settings: ElasticSettings, staying: int, starting: int,
+                          bundles: int, blacklisted: list[str]) -> ElasticTimeout:
+    """The error of a job that stayed below `min_workers` past `elastic_timeout`, with
+    what it was waiting for and what to change."""
+    waiting = f" ({starting} still starting)" if starting else ""
+    asked = (f"; asked the autoscaler for room for {bundles} workers of "
+             f"{shape(settings.per_worker)} and none came") if bundles else ""
+    return ElasticTimeout(
+        f"only {staying} workers{waiting} for {settings.elastic_timeout:.0f}s, fewer than "
+        f"min_workers={settings.min_workers}{asked}; blacklisted hosts: "
+        f"{[h[:8] for h in blacklisted]}. Add capacity (or node types that fit a worker), "
+        "lower min_workers or raise elastic_timeout.")
+
+
+# ----------------------------------------------------------------------------- failures
+@dataclass(frozen=True)
+class FailureVerdict:
+    kind: str  # "failure" (host blacklisted) or "lost_draining" (its node went while draining)
+    cooldown_s: float = 0.0  # how long the host stays out (inf: for good)
+
+
+class FailurePolicy:
+    """What a failed worker means for its host, and when resets are too many."""
+
+    def __init__(self, settings: ElasticSettings, blacklist: Blacklist) -> None:
+        self.settings = settings
+        self.blacklist = blacklist
+        self.drained_nodes: set[str] = set()  # every node ever seen draining
+        self.resets = 0  # rounds after the first, drains aside
+
+    def on_failure(self, node: str) -> FailureVerdict:
+        """A worker on `node` failed: its host is blacklisted for a cooldown, unless the
+        node was draining (it went before the worker's next commit; nothing to blacklist)."""
+        if node in self.drained_nodes:
+            return FailureVerdict("lost_draining")
+        return FailureVerdict("failure", self.blacklist.record_failure(node))
+
+    def count_round(self, is_reset: bool, last_failure: object = None) -> None:
+        """A round forms: a reset counts against `reset_limit`; past it the job fails."""
+        if not is_reset:
+            return
+        self.resets += 1
+        limit = self.settings.reset_limit
+        if limit is not None and self.resets > limit:
+            raise ResetLimitExceeded(
+                f"the job reset {self.resets} times, more than reset_limit={limit}; the last "
+                f"failure: {last_failure or ''}")
+
+
+class StragglerRule:
+    """Workers whose peers wait at the rendezvous without them. A worker on a host cut off
+    by a partition is alive to Ray (until Ray's health checks give up on the node) while
+    its peers lost it at their last collective, and would hold the next round forever.
+    Absent at one poll, it is probed at the next; one that does not answer fails like a
+    dead worker."""
+
+    def __init__(self) -> None:
+        self.absent_since: float | None = None
+
+    def observe(self, waiting: Iterable[str], present: Iterable[str],
+                now: float) -> tuple[bool, list[str]]:
+        """(whether a round is needed, the absent workers to probe now)."""
+        waiting, present = set(waiting), set(present)
+        absent = sorted(present - waiting)
+        if not absent or not waiting & present:
+            self.absent_since = None
+            return False, []
+        if self.absent_since is None:  # a worker reset by itself: it lost a peer
+            self.absent_since = now
+            return True, []
+        self.absent_since = None
+        return True, absent
+
+
+# ----------------------------------------------------------------------------- rounds
+@dataclass(frozen=True)
+class MemberView:
+    worker_id: str
+    node: str
+    leaving: bool = False
+
+
+@dataclass(frozen=True)
+class RoundDecision:
+    leave: list[str]  # members at the rendezvous to send away (their node drains)
+    form: bool  # whether every staying member is waiting: form the round now
+
+
+def decide_round(waiting: Iterable[str], members: Iterable[MemberView],
+                 draining: Iterable[str], min_workers: int) -> RoundDecision:
+    """Members waiting on a draining node leave; the round forms once every staying member
+    (not leaving, not draining) waits and there are at least `min_workers` of them."""
+    waiting, draining = set(waiting), set(draining)
+    members = list(members)
+    leave = sorted(m.worker_id for m in members
+                   if m.worker_id in waiting and not m.leaving and m.node in draining)
+    staying = {m.worker_id for m in members if not m.leaving and m.node not in draining}
+    form = len(staying) >= max(1, min_workers) and staying <= waiting
+    return RoundDecision(leave, form)

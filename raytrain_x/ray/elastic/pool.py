@@ -1,0 +1,182 @@
+"""The elastic job's worker actors: starting ones (pending) and members, and every Ray call
+made on them (start, poll, give up, kill, probe). Decisions are the policies'."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from raytrain_x.common.errors import WorkerError
+from raytrain_x.ray.elastic.policies import MemberView, PendingView
+from raytrain_x.ray.elastic.settings import ElasticSettings
+from raytrain_x.ray.failures import unreachable, worker_error
+from raytrain_x.ray.worker import Left, Worker
+
+log = logging.getLogger("raytrain_x.elastic")
+
+
+@dataclass
+class Member:
+    worker_id: str
+    actor: Any
+    node: str
+    age: int  # start order: the oldest survivor becomes rank 0
+    ref: Any = None  # its `execute` call
+    rank: int = -1
+    leaving: bool = False  # told to leave (its node drains); gone when its call returns
+
+    def view(self) -> MemberView:
+        return MemberView(self.worker_id, self.node, self.leaving)
+
+
+@dataclass
+class Pending:
+    """A worker actor asked for but not answering yet: its process may still be starting."""
+
+    actor: Any
+    node: str
+    ref: Any  # its first call (node_id): ready once the actor is up
+    asked_at: float
+
+    def view(self) -> PendingView:
+        return PendingView(self.ref, self.node, self.asked_at)
+
+
+@dataclass
+class Outcomes:
+    """What the members' `execute` calls returned at one poll."""
+
+    finished: dict[str, Any]
+    failed: list[tuple[Member, WorkerError]]
+    left: list[tuple[Member, Left]]
+
+
+class WorkerPool:
+    """Worker actors of one elastic job."""
+
+    def __init__(self, settings: ElasticSettings, clock: Callable[[], float]) -> None:
+        self.settings = settings
+        self.clock = clock
+        self.members: dict[str, Member] = {}
+        self.pending: dict[Any, Pending] = {}  # first-call ref -> a worker still starting
+        self._ids = itertools.count()
+        self._ages = itertools.count()
+
+    # ------------------------------------------------------------------ starting
+    def start(self, node: str) -> None:
+        """Asks for a worker on `node`; it joins when it answers (`poll_pending`)."""
+        settings = self.settings
+        resources = {k: v for k, v in settings.per_worker.items() if k not in ("CPU", "GPU")}
+        actor = Worker.options(
+            num_cpus=settings.cpus_per_worker, num_gpus=settings.gpus_per_worker,
+            resources=resources or None,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+        ref = actor.node_id.remote()
+        self.pending[ref] = Pending(actor, node, ref, self.clock())
+
+    def poll_pending(self, setup: Callable[[Any, str], Any], fn: Callable, args: tuple,
+                     kwargs: dict) -> tuple[list[Member], list[tuple[Pending, Exception]]]:
+        """Workers that answered become members (set up, then running `fn`); returns those
+        and the ones that died while starting."""
+        if not self.pending:
+            return [], []
+        ready, _ = ray.wait(list(self.pending), num_returns=len(self.pending), timeout=0)
+        joined, died = [], []
+        for ref in ready:
+            pending = self.pending[ref]
+            worker_id = f"w{next(self._ids)}"
+            try:
+                ray.get(ref)
+                ray.get(setup(pending.actor, worker_id))  # its node may go meanwhile
+            except (RayActorError, RayTaskError) as exc:
+                died.append((pending, exc))  # still pending: the caller gives it up
+                continue
+            del self.pending[ref]
+            member = Member(worker_id, pending.actor, pending.node, next(self._ages))
+            member.ref = pending.actor.execute.remote(fn, args, kwargs)
+            self.members[worker_id] = member
+            joined.append(member)
+            log.info("raytrain-x elastic: a worker on %s started after %.1fs",
+                     pending.node[:8], self.clock() - pending.asked_at)
+        return joined, died
+
+    def give_up(self, key: Any) -> Pending | None:
+        """Stops waiting for a starting worker and kills it."""
+        pending = self.pending.pop(key, None)
+        if pending is not None:
+            _kill(pending.actor)
+        return pending
+
+    # ------------------------------------------------------------------ members
+    def poll(self, timeout_s: float) -> Outcomes:
+        """The members whose `execute` returned within `timeout_s`."""
+        out = Outcomes({}, [], [])
+        refs = {m.ref: m for m in self.members.values() if m.ref is not None}
+        if not refs:
+            return out
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+        for ref in ready:
+            member = refs[ref]
+            try:
+                result = ray.get(ref)
+            except (RayActorError, RayTaskError) as exc:
+                out.failed.append((member, worker_error(member.rank, exc)))
+                continue
+            if isinstance(result, Left):
+                out.left.append((member, result))
+            else:
+                out.finished[member.worker_id] = result
+        return out
+
+    def collect(self, finished: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        """Once one worker finished, the others' results as they finish within
+        `timeout_s` (failures and departures are not waited for)."""
+        deadline = self.clock() + timeout_s
+        while self.clock() < deadline:
+            waiting = [m for m in self.members.values() if m.ref is not None
+                       and m.worker_id not in finished and not m.leaving]
+            if not waiting:
+                break
+            ready, _ = ray.wait([m.ref for m in waiting], num_returns=len(waiting),
+                                timeout=0.2)
+            for m in waiting:
+                if m.ref in ready:
+                    try:
+                        result = ray.get(m.ref)
+                    except (RayActorError, RayTaskError):
+                        continue
+                    if not isinstance(result, Left):
+                        finished[m.worker_id] = result
+        return finished
+
+    def remove(self, member: Member) -> None:
+        """Drops a member that failed or left, and kills its actor."""
+        self.members.pop(member.worker_id, None)
+        _kill(member.actor)
+
+    def unreachable(self, worker_ids: list[str]) -> set[str]:
+        """The members among `worker_ids` that do not answer a probe."""
+        return unreachable({w: self.members[w].actor for w in worker_ids if w in self.members})
+
+    def staying(self, draining: set[str]) -> list[Member]:
+        """Members that stay in the job: not leaving, not on a draining node."""
+        return [m for m in self.members.values() if not m.leaving and m.node not in draining]
+
+    def kill_all(self) -> None:
+        for actor in [m.actor for m in self.members.values()] + \
+                [p.actor for p in self.pending.values()]:
+            _kill(actor)
+
+
+def _kill(actor: Any) -> None:
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception:  # noqa: BLE001 - it may be gone already
+        pass

@@ -1,0 +1,47 @@
+"""What an elastic job is asked to do (pure data, no Ray)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from raytrain_x.common.settings import START_TIMEOUT_S
+
+# How often the controller asks the GCS for draining nodes (one small RPC): a preemption
+# notice may give only seconds.
+DRAIN_POLL_S = 0.2
+# How often the controller looks for workers missing from a rendezvous.
+STRAGGLER_POLL_S = 1.0
+PROGRESS_EVERY_S = 5.0  # how often "waiting for N workers to start" is printed
+GAVE_UP_WARNING_AT = 3  # give-ups after which the job warns once that it keeps giving up
+
+
+@dataclass
+class ElasticSettings:
+    min_workers: int
+    max_workers: int
+    cpus_per_worker: float
+    gpus_per_worker: float
+    resources_per_worker: dict[str, float]
+    reset_limit: int | None
+    cooldown_range: tuple[float, float] | None
+    elastic_timeout: float
+    timeout_s: float
+    discovery_script: str | None = None
+    discovery_interval_s: float = 1.0
+    env: dict[str, str] | None = None
+    autotune_actor: Any = None
+    # How long a worker actor may take to start (its process, imports, runtime_env, an
+    # image pull) before it is given up on. Measured on a 2-core machine
+    # (benchmarks/worker_start.py, docs/elastic.md): 2-2.5 s alone, 7.7 s for three at once
+    # with one core busy, and no start within minutes with both cores saturated; 300 s
+    # leaves room for loaded nodes, large runtime_envs and image pulls.
+    start_timeout_s: float = START_TIMEOUT_S.default
+
+    @property
+    def per_worker(self) -> dict[str, float]:
+        """The resources one worker takes, as Ray names them."""
+        out = {"CPU": self.cpus_per_worker, **self.resources_per_worker}
+        if self.gpus_per_worker:
+            out["GPU"] = self.gpus_per_worker
+        return out

@@ -1,0 +1,223 @@
+"""Every decision of the elastic controller, as pure policies with a fake clock: where to
+start workers, what to ask the autoscaler for, when to give up on a starting worker, what a
+drain and a failure mean, min_workers over time, the straggler rule, when a round forms, and
+the event log they write to."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from raytrain_x.common.errors import ConfigError, ElasticTimeout, ResetLimitExceeded
+from raytrain_x.elastic.blacklist import Blacklist
+from raytrain_x.ray.elastic.events import EventLog
+from raytrain_x.ray.elastic.policies import (
+    FailurePolicy,
+    MemberView,
+    MinimumWatch,
+    PendingView,
+    ScalingPolicy,
+    StragglerRule,
+    decide_round,
+    drain_line,
+    elastic_timeout_error,
+    notice_drains,
+)
+from raytrain_x.ray.elastic.settings import ElasticSettings
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def settings(**overrides) -> ElasticSettings:
+    base = dict(min_workers=2, max_workers=4, cpus_per_worker=1.0, gpus_per_worker=0.0,
+                resources_per_worker={}, reset_limit=None, cooldown_range=(1.0, 8.0),
+                elastic_timeout=30.0, timeout_s=10.0, start_timeout_s=300.0)
+    base.update(overrides)
+    return ElasticSettings(**base)
+
+
+def blacklist(clock: Clock, cooldown=(1.0, 8.0)) -> Blacklist:
+    return Blacklist(cooldown, clock, random.Random(0))
+
+
+# ----------------------------------------------------------------------------- scaling
+def test_workers_start_on_usable_slots_up_to_max_workers_in_node_order():
+    clock = Clock()
+    policy = ScalingPolicy(settings(max_workers=4))
+    bl = blacklist(clock)
+    bl.record_failure("n3")
+    usable = policy.usable_slots({"n2": 2, "n1": 1, "n3": 5, "n4": 0, "n5": 2},
+                                 draining={"n5"}, blacklist=bl)
+    assert usable == {"n1": 1, "n2": 2}  # blacklisted, draining and full nodes left out
+    assert policy.starts(usable, members=0, pending=0) == ["n1", "n2", "n2"]
+    assert policy.starts(usable, members=2, pending=1) == ["n1"]
+    assert policy.starts(usable, members=3, pending=1) == []
+    clock.now += 60  # the cooldown is over: the host is usable again
+    assert "n3" in policy.usable_slots({"n3": 1}, (), bl)
+
+
+def test_the_autoscaler_is_asked_for_max_workers_plus_unusable_slots_until_full():
+    policy = ScalingPolicy(settings(max_workers=4))
+    assert policy.bundles(staying=1, pending=1, unusable_slots=0) == 4
+    assert policy.bundles(staying=1, pending=0, unusable_slots=3) == 7
+    assert policy.bundles(staying=3, pending=1, unusable_slots=3) == 0  # full: withdrawn
+    assert policy.bundles(staying=5, pending=0, unusable_slots=0) == 0
+
+
+def test_a_starting_worker_is_given_up_only_when_it_cannot_start():
+    clock = Clock()
+    policy = ScalingPolicy(settings(start_timeout_s=300.0, cpus_per_worker=2.0))
+    pending = [PendingView("gone", "n9", clock()), PendingView("small", "n2", clock()),
+               PendingView("slow", "n1", clock() - 299.0),
+               PendingView("late", "n1", clock() - 301.0)]
+    nodes = {"n1": {"CPU": 4.0}, "n2": {"CPU": 1.0}}
+    assert policy.give_ups(pending, nodes, clock()) == [
+        ("gone", "its node left the cluster"),
+        ("small", "its node can no longer fit a worker"),
+        ("late", "it did not start within start_timeout_s=300s")]
+
+
+def test_a_job_no_node_or_node_type_can_fit_fails_before_starting():
+    policy = ScalingPolicy(settings(gpus_per_worker=1.0))
+    cpu_only = {"n1": {"CPU": 8.0}}
+    with pytest.raises(ConfigError, match=r"a worker needs \{CPU: 1, GPU: 1\}.*CPU: 8"):
+        policy.check_feasible(cpu_only, {"cpu_type": {"CPU": 4.0}})
+    policy.check_feasible(cpu_only, {"gpu_type": {"CPU": 4.0, "GPU": 1.0}})  # may come
+    policy.check_feasible(cpu_only, None)  # an autoscaler that does not say
+    policy.check_feasible({"n1": {"CPU": 2.0, "GPU": 1.0}}, {})
+
+
+# ----------------------------------------------------------------------------- drains
+def test_a_new_drain_gives_up_its_starting_workers_and_sends_its_members_away():
+    pending = [PendingView("p1", "n2", 0.0), PendingView("p2", "n3", 0.0)]
+    notice = notice_drains({"n1": math.inf, "n2": 5000.0}, known={"n1"}, pending=pending,
+                           member_nodes=["n1", "n2", "n2", "n3"])
+    assert notice.new == {"n2": 5000.0}  # n1 was known
+    assert notice.give_up == ["p1"]
+    assert notice.leaving == {"n2": 2} and notice.interrupt
+    quiet = notice_drains({"n4": 1.0}, known=(), pending=[], member_nodes=["n1"])
+    assert quiet.new == {"n4": 1.0} and not quiet.interrupt  # none of ours there
+    assert "no deadline" in drain_line("abcdef0123", math.inf, 0.0, 2)
+    assert "deadline in 30 s" in drain_line("abcdef0123", 130.0, 100.0, 1)
+
+
+# ----------------------------------------------------------------------------- minimum
+def test_fewer_than_min_workers_is_waited_for_up_to_elastic_timeout():
+    clock = Clock()
+    watch = MinimumWatch(settings(min_workers=2, elastic_timeout=30.0))
+    assert watch.observe(2, clock()) == "ok"
+    assert watch.observe(1, clock()) == "below"  # warned once
+    clock.now += 30.0
+    assert watch.observe(1, clock()) == "waiting"
+    assert watch.observe(3, clock()) == "ok"  # recovered: the wait starts over
+    assert watch.observe(1, clock()) == "below"
+    clock.now += 30.5
+    assert watch.observe(1, clock()) == "timeout"
+    error = elastic_timeout_error(settings(), 1, starting=2, bundles=4,
+                                  blacklisted=["abcdef0123456"])
+    assert isinstance(error, ElasticTimeout)
+    assert "only 1 workers (2 still starting) for 30s" in str(error)
+    assert "room for 4 workers of {CPU: 1}" in str(error) and "abcdef01" in str(error)
+
+
+# ----------------------------------------------------------------------------- failures
+def test_a_failure_blacklists_its_host_with_a_growing_cooldown():
+    clock = Clock()
+    bl = blacklist(clock, (1.0, 8.0))
+    policy = FailurePolicy(settings(), bl)
+    first = policy.on_failure("n1")
+    assert first.kind == "failure" and 1.0 <= first.cooldown_s <= 2.0
+    second = policy.on_failure("n1")
+    assert 2.0 <= second.cooldown_s <= 3.0  # lo * 2^(n-1) plus jitter
+    assert bl.is_blacklisted("n1")
+    clock.now += second.cooldown_s + 0.01
+    assert not bl.is_blacklisted("n1")
+    for _ in range(5):
+        last = policy.on_failure("n1")
+    assert last.cooldown_s == 8.0  # capped
+    forever = FailurePolicy(settings(cooldown_range=None), Blacklist(None, clock))
+    assert forever.on_failure("n2").cooldown_s == float("inf")
+
+
+def test_a_worker_lost_with_its_draining_node_does_not_blacklist_it():
+    clock = Clock()
+    policy = FailurePolicy(settings(), blacklist(clock))
+    policy.drained_nodes.add("n1")
+    assert policy.on_failure("n1").kind == "lost_draining"
+    assert not policy.blacklist.is_blacklisted("n1")
+
+
+def test_resets_past_reset_limit_fail_the_job_and_drain_rounds_do_not_count():
+    policy = FailurePolicy(settings(reset_limit=2), blacklist(Clock()))
+    policy.count_round(is_reset=False)
+    policy.count_round(is_reset=True)
+    policy.count_round(is_reset=True)
+    assert policy.resets == 2
+    with pytest.raises(ResetLimitExceeded, match="reset 3 times.*reset_limit=2.*boom"):
+        policy.count_round(is_reset=True, last_failure="boom")
+    unlimited = FailurePolicy(settings(reset_limit=None), blacklist(Clock()))
+    for _ in range(100):
+        unlimited.count_round(is_reset=True)
+
+
+def test_a_worker_missing_from_the_rendezvous_is_probed_at_the_next_poll():
+    clock = Clock()
+    rule = StragglerRule()
+    assert rule.observe(waiting=[], present=["a", "b"], now=clock()) == (False, [])  # none yet
+    assert rule.observe(["a", "b"], ["a", "b"], clock()) == (False, [])  # all there
+    assert rule.observe(["a"], ["a", "b"], clock()) == (True, [])  # b absent: note it
+    clock.now += 1.0
+    assert rule.observe(["a"], ["a", "b"], clock()) == (True, ["b"])  # still absent: probe
+    assert rule.observe(["a"], ["a", "b"], clock()) == (True, [])  # the count starts over
+    assert rule.observe(["a", "b"], ["a", "b"], clock()) == (False, [])
+    assert rule.absent_since is None
+
+
+# ----------------------------------------------------------------------------- rounds
+def test_a_round_forms_once_every_staying_member_waits_and_drained_ones_leave():
+    members = [MemberView("a", "n1"), MemberView("b", "n1"), MemberView("c", "n2"),
+               MemberView("d", "n3", leaving=True)]
+    assert decide_round(["a"], members, draining=(), min_workers=2) == \
+        decide_round(["a"], members, (), 2)
+    waiting_some = decide_round(["a", "b"], members, (), 2)
+    assert waiting_some.leave == [] and not waiting_some.form  # c is on its way
+    all_there = decide_round(["a", "b", "c"], members, (), 2)
+    assert all_there.form
+    drained = decide_round(["a", "b", "c"], members, draining={"n2"}, min_workers=2)
+    assert drained.leave == ["c"] and drained.form  # c leaves; a and b form the round
+    too_few = decide_round(["a", "b", "c"], members, draining={"n1"}, min_workers=2)
+    assert too_few.leave == ["a", "b"] and not too_few.form  # below min_workers
+
+
+# ----------------------------------------------------------------------------- the log
+def test_one_event_log_gives_the_history_cooldowns_and_give_ups():
+    clock = Clock()
+    log = EventLog(clock)
+    log.add("place", "n1")
+    clock.now += 1
+    log.add("failure", "n1", cooldown_s=2.5)
+    log.add("gave_up", "n2", why="its node left the cluster")
+    log.note("failure", failed=1)
+    entry = log.record_round(1, size=2, hosts=1, starting=0, requested=0, draining_nodes=0)
+    assert entry["round"] == 1 and entry["reason"] == "failure+start" and entry["failed"] == 1
+    assert [e.kind for e in log.events] == ["place", "failure", "gave_up", "round"]
+    assert log.cooldowns == [("n1", 1001.0, 2.5)]
+    assert log.gave_up == [(1001.0, "n2", "its node left the cluster")]
+    assert log.history == [entry] and log.of("round")[0].detail == entry
+    t, kind, host = log.events[0]  # events read as the (time, kind, host) tuples they were
+    assert (t, kind, host) == (1000.0, "place", "n1") and log.events[0][1] == "place"
+    assert not log.is_reset()  # nothing since the round
+    log.note("drain")
+    assert not log.is_reset()  # a drain alone is no reset
+    log.note("failure")
+    assert log.is_reset()
+    with pytest.raises(ValueError, match="unknown event kind"):
+        log.add("exploded")
