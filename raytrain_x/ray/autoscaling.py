@@ -20,6 +20,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrain_x.common.procs import processes
+from raytrain_x.ray import internals
 from raytrain_x.ray.placement import head_node_id
 
 log = logging.getLogger("raytrain_x.elastic")
@@ -65,10 +66,8 @@ class CapacityRequest:
 def draining_nodes() -> dict[str, float]:
     """Node id -> drain deadline (seconds since the epoch, inf without one) of the nodes
     Ray is draining."""
-    from ray._private.state import state
-
     try:
-        raw = state.get_draining_nodes()
+        raw = internals.draining_nodes_ms()
     except Exception as exc:  # noqa: BLE001 - a GCS hiccup must not stop training
         log.debug("raytrain-x elastic: could not read draining nodes: %s", exc)
         return {}
@@ -85,10 +84,8 @@ def node_types() -> dict[str, dict[str, float]] | None:
     reads a config file, which is read here the same way (on the head, by a task there
     when this driver runs elsewhere).
     """
-    from ray._private.state import state
-
     try:
-        config = state.get_cluster_config()
+        config = internals.cluster_config()
     except Exception:  # noqa: BLE001 - an older GCS
         config = None
     if config is not None and config.node_group_configs:

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 import ray
 
 from raytrain_x.elastic.discovery import slots_from_resources
+from raytrain_x.ray import internals
 
 
 def alive_nodes() -> dict[str, dict[str, float]]:
@@ -21,10 +22,8 @@ class RayDiscovery:
         self.per_worker = dict(per_worker)
 
     def hosts(self) -> dict[str, int]:
-        from ray._private.state import available_resources_per_node
-
         alive = alive_nodes()
-        per_node = available_resources_per_node()
+        per_node = internals.available_resources_per_node()
         return {node: slots_from_resources(res, self.per_worker)
                 for node, res in per_node.items() if node in alive}
 

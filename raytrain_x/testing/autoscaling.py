@@ -38,6 +38,7 @@ from typing import Any
 
 from ray.cluster_utils import AutoscalingCluster
 
+from raytrain_x.ray import internals
 from raytrain_x.testing.processes import (
     cluster_processes,
     environ_has,
@@ -215,9 +216,8 @@ class LocalAutoscalingCluster(AutoscalingCluster):
 
     # ------------------------------------------------------------------ what it runs
     def gcs_client(self):
-        import ray
 
-        return ray._raylet.GcsClient(address=self.address)
+        return internals.gcs_client(self.address)
 
     def _alive(self) -> dict[str, Any]:
         """Alive node id -> its GCS node info, read from this cluster's GCS (no driver
@@ -244,9 +244,7 @@ class LocalAutoscalingCluster(AutoscalingCluster):
 
     def resource_request(self) -> list[dict[str, float]]:
         """What `ray.autoscaler.sdk.request_resources` asks of this cluster now (v1)."""
-        from ray._private.ray_constants import AUTOSCALER_RESOURCE_REQUEST_CHANNEL
-
-        raw = self.gcs_client().internal_kv_get(AUTOSCALER_RESOURCE_REQUEST_CHANNEL, None,
+        raw = self.gcs_client().internal_kv_get(internals.autoscaler_request_channel(), None,
                                                 timeout=10)
         return json.loads(raw) if raw else []
 
@@ -258,11 +256,10 @@ def drain_node(address: str, node_id: str, deadline_s: float | None = None,
     GCS call `ray drain-node` makes: Ray stops placing work there and announces the
     deadline by which the node will be gone. Like Ray, this does not kill the node at the
     deadline. Raises when the GCS rejects the drain."""
-    import ray
     from ray.core.generated import autoscaler_pb2
 
     deadline_ms = 0 if deadline_s is None else int(time.time() * 1000 + deadline_s * 1000)
-    accepted, why = ray._raylet.GcsClient(address=address).drain_node(
+    accepted, why = internals.gcs_client(address).drain_node(
         node_id, autoscaler_pb2.DrainNodeReason.Value(reason), message, deadline_ms)
     if not accepted:
         raise RuntimeError(f"the GCS rejected draining node {node_id[:8]}: {why}")

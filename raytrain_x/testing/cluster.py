@@ -293,9 +293,10 @@ class EmulatedCluster:
 
     def alive_hosts(self) -> list[int]:
         """Hosts whose Ray node the GCS lists as alive (asked from the head)."""
-        code = ("import json, ray\n"
+        code = ("import json\n"
                 "from ray.core.generated import gcs_pb2\n"
-                f"nodes = ray._raylet.GcsClient(address={self.address!r})"
+                "from raytrain_x.ray import internals\n"
+                f"nodes = internals.gcs_client({self.address!r})"
                 ".get_all_node_info(timeout=10)\n"
                 "print(json.dumps(sorted(i.node_manager_address for i in nodes.values() "
                 "if i.state == gcs_pb2.GcsNodeInfo.ALIVE)))")

@@ -27,8 +27,9 @@ import os
 import threading
 import time
 
-from ray._private import ray_constants
-from ray.autoscaler._private.fake_multi_node.node_provider import FakeMultiNodeProvider
+from raytrain_x.ray import internals
+
+FakeMultiNodeProvider = internals.fake_multi_node_provider()
 
 BUDGET_POLL_S = 0.1
 _budget_lock = threading.Lock()  # the autoscaler launches from several threads
@@ -83,5 +84,5 @@ class CloudLikeFakeProvider(FakeMultiNodeProvider):
 
 
 def _raylet_exited(node) -> bool:
-    raylets = node.all_processes.get(ray_constants.PROCESS_TYPE_RAYLET) or []
+    raylets = node.all_processes.get(internals.RAYLET_PROCESS_TYPE) or []
     return bool(raylets) and all(info.process.poll() is not None for info in raylets)

@@ -139,3 +139,21 @@ def test_the_tensorflow_face_loads_neither_torch_nor_ray(statement):
     loaded = _modules_after(statement)
     assert "tensorflow" in loaded
     assert not {m for m in loaded if m.split(".")[0] in ("torch", "ray")}
+
+
+def test_only_the_internals_module_calls_private_ray_apis():
+    import re
+
+    private = re.compile(r"\bray\._\w+|ray\.autoscaler\._private|from ray\._private")
+    users = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
+                   if p.name != "internals.py" and private.search(p.read_text()))
+    assert users == [], f"private Ray APIs outside raytrain_x/ray/internals.py: {users}"
+
+
+def test_ray_versions_outside_the_tested_range_are_named():
+    from raytrain_x.common.errors import ConfigError
+    from raytrain_x.ray import internals
+
+    internals.check_version("2.60.0")
+    with pytest.raises(ConfigError, match="needs Ray >= 2.60, found 2.9.3"):
+        internals.check_version("2.9.3")

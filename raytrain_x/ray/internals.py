@@ -1,0 +1,93 @@
+"""Every private Ray API raytrain-x calls, in one place, checked against the Ray versions
+it was tested with.
+
+Ray's public API has no way to read the draining nodes, the autoscaler's node types, the
+free resources per node or the standing autoscaler request, or to drain a node from a test;
+its GCS client and state API do. Those move between Ray releases, so they are called here
+only, and importing this module checks Ray's version: below `SUPPORTED_FROM` raytrain-x
+stops with a clear error, above `TESTED_UP_TO` it warns once. CI tests `TESTED_UP_TO`
+(`requirements/dev-constraints.txt`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import ray
+
+from raytrain_x.common.errors import ConfigError
+
+SUPPORTED_FROM = (2, 60)  # the oldest Ray these calls were tested with
+TESTED_UP_TO = (2, 60)  # the newest; later ones may move an API (a warning says so)
+log = logging.getLogger("raytrain_x.ray")
+
+
+def _version(text: str) -> tuple[int, int]:
+    parts = [int(p) for p in text.split(".")[:2] if p.isdigit()]
+    return (parts + [0, 0])[0], (parts + [0, 0])[1]
+
+
+def check_version(version: str = ray.__version__) -> None:
+    """Raises for a Ray older than the supported one; warns for one newer than tested."""
+    found = _version(version)
+    if found < SUPPORTED_FROM:
+        raise ConfigError(
+            f"raytrain-x needs Ray >= {'.'.join(map(str, SUPPORTED_FROM))}, found {version}; "
+            f"pip install 'ray>={'.'.join(map(str, SUPPORTED_FROM))}'")
+    if found > TESTED_UP_TO:
+        log.warning("raytrain-x was tested with Ray %s; Ray %s may have moved a private API "
+                    "it uses (raytrain_x/ray/internals.py)",
+                    ".".join(map(str, TESTED_UP_TO)), version)
+
+
+check_version()
+
+
+def available_resources_per_node() -> dict[str, dict[str, float]]:
+    """Node id -> available resources (the GCS's view)."""
+    from ray._private.state import available_resources_per_node as read
+
+    return read()
+
+
+def draining_nodes_ms() -> dict[str, int]:
+    """Node id -> drain deadline in ms since the epoch (0: none)."""
+    from ray._private.state import state
+
+    return state.get_draining_nodes()
+
+
+def cluster_config() -> Any:
+    """The autoscaler v2 cluster config the GCS holds (None without one)."""
+    from ray._private.state import state
+
+    return state.get_cluster_config()
+
+
+def gcs_client(address: str) -> Any:
+    """A client of the GCS at `address` (tests: node lists, drains, the KV store)."""
+    return ray._raylet.GcsClient(address=address)
+
+
+def autoscaler_request_channel() -> bytes:
+    """The GCS KV key where `request_resources` leaves its request (autoscaler v1)."""
+    from ray._private.ray_constants import AUTOSCALER_RESOURCE_REQUEST_CHANNEL
+
+    return AUTOSCALER_RESOURCE_REQUEST_CHANNEL
+
+
+def fake_multi_node_provider() -> type:
+    """Ray's fake multi-node autoscaler provider (`raytrain_x.testing.provider` extends it)."""
+    from ray.autoscaler._private.fake_multi_node.node_provider import FakeMultiNodeProvider
+
+    return FakeMultiNodeProvider
+
+
+def _raylet_process_type() -> str:
+    from ray._private import ray_constants
+
+    return ray_constants.PROCESS_TYPE_RAYLET
+
+
+RAYLET_PROCESS_TYPE = _raylet_process_type()  # a node's raylet, in its process table
