@@ -2,35 +2,20 @@
 
 from __future__ import annotations
 
-import logging
-import os
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from raytrain_x.comm.store_actor import StoreActor
 from raytrain_x.common.autotune_config import AutotuneConfig
-from raytrain_x.common.errors import ConfigError, WorkerError
+from raytrain_x.common.errors import ConfigError
 from raytrain_x.common.knobs import Knobs, load_knobs
-from raytrain_x.common.settings import START_TIMEOUT_S, TIMEOUT_S
+from raytrain_x.common.settings import CONFIG_FILE, START_TIMEOUT_S, TIMEOUT_S
 from raytrain_x.ray.autotune_actor import start_controller_actor
 from raytrain_x.ray.elastic import ElasticJob, ElasticSettings
-from raytrain_x.ray.failures import root_cause, unreachable, unreachable_error, worker_error
-from raytrain_x.ray.placement import (
-    Slot,
-    assign_ranks,
-    create_placement_group,
-    stable_node_strategy,
-    validate_shape,
-)
-from raytrain_x.ray.worker import Worker
-
-log = logging.getLogger("raytrain_x.ray")
+from raytrain_x.ray.placement import Slot, validate_shape
+from raytrain_x.ray.static_job import StaticJob, StaticShape
 
 
 @dataclass
@@ -62,6 +47,10 @@ def ensure_ray(address: str | None = None, **init_kwargs: Any) -> None:
 
 class RayExecutor:
     """Starts one Ray actor per worker and runs functions on all of them.
+
+    A facade, as Horovod's: the arguments are checked here, once; a fixed world runs as a
+    `StaticJob` (`raytrain_x/ray/static_job.py`), an elastic one as an `ElasticJob`
+    (`raytrain_x/ray/elastic/`).
 
     Args:
         settings: from `RayExecutor.create_settings`.
@@ -182,12 +171,7 @@ class RayExecutor:
             ScriptDiscovery(host_discovery_script)  # validates it now, not mid-job
         self.last_elastic_job = None
         self._elastic_env: dict[str, str] | None = None
-        self.workers: list[Any] = []
-        self.slots: list[Slot] = []
-        self._pg = None
-        self._owns_pg = False
-        self._store = None
-        self._round = 0
+        self._static: StaticJob | None = None
         self.autotune_controller = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -197,72 +181,44 @@ class RayExecutor:
             return self.num_hosts * self.num_workers_per_host
         return int(self.num_workers)
 
+    @property
+    def workers(self) -> list[Any]:
+        """A fixed world's worker actors, in rank order (empty before `start`)."""
+        return self._static.workers if self._static is not None else []
+
+    @property
+    def slots(self) -> list[Slot]:
+        """Each rank's node and local/cross ranks, in rank order."""
+        return self._static.slots if self._static is not None else []
+
     def start(self, executable_cls: type | None = None, executable_args: Sequence | None = None,
               executable_kwargs: dict | None = None,
               extra_env_vars: dict[str, str] | None = None) -> None:
         """Places the workers, forms the world's rendezvous and builds the executables."""
-        if self.workers or self._elastic_env is not None:
+        if self._static is not None or self._elastic_env is not None:
             raise ConfigError("this executor is already started; call shutdown() first")
         ensure_ray()
+        env = {**(extra_env_vars or {}), "RAYTRAIN_X_TIMEOUT": str(self.settings.timeout_s),
+               **(knob_env(self.knobs) if self.knobs else {})}
         if self.elastic:  # workers are started by each run(), as capacity allows
             if executable_cls is not None:
                 raise ConfigError("elastic executors run functions; executable_cls needs a "
                                   "fixed set of workers (drop min_workers/max_workers)")
-            self._elastic_env = {**(extra_env_vars or {}),
-                                 "RAYTRAIN_X_TIMEOUT": str(self.settings.timeout_s),
-                                 **(knob_env(self.knobs) if self.knobs else {})}
             if self.autotune is not None:
-                self._elastic_env.update(self._start_autotune())
+                env.update(self._start_autotune())
+            self._elastic_env = env
             return
-        self._start_workers(extra_env_vars or {})
-        if executable_cls is not None:
-            ray.get([w.create_executable.remote(executable_cls, tuple(executable_args or ()),
-                                                dict(executable_kwargs or {}))
-                     for w in self.workers])
-
-    def _start_workers(self, extra_env: dict[str, str]) -> None:
-        current = ray.util.get_current_placement_group()
-        gpus = self.gpus_per_worker if self.use_gpu else 0
-        if self.use_current_placement_group and current is not None:
-            self._pg, self._owns_pg = current, False
-            offset = 1 if len(current.bundle_specs) > self.world_size else 0
-            indexes = [i + offset for i in range(self.world_size)]
-        else:
-            self._pg, indexes = create_placement_group(
-                self.num_workers if self.num_hosts is None else None, self.num_hosts,
-                self.num_workers_per_host, self.cpus_per_worker, gpus,
-                self.settings.placement_group_timeout_s, self.resources_per_worker)
-            self._owns_pg = True
-        workers = [
-            Worker.options(
-                num_cpus=self.cpus_per_worker, num_gpus=gpus,
-                resources=self.resources_per_worker or None,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, index),
-            ).remote()
-            for index in indexes
-        ]
-        node_ids = ray.get([w.node_id.remote() for w in workers])
-        slots = assign_ranks(node_ids)
-        order = sorted(range(len(workers)), key=lambda i: slots[i].rank)
-        self.workers = [workers[i] for i in order]
-        self.slots = [slots[i] for i in order]
-        self._store = StoreActor.options(scheduling_strategy=stable_node_strategy()).remote()
-        env = dict(extra_env)
-        env["RAYTRAIN_X_TIMEOUT"] = str(self.settings.timeout_s)
-        if self.knobs is not None:
-            env.update(knob_env(self.knobs))
         if self.autotune is not None and self.autotune_controller is None:
             env.update(self._start_autotune())
-        if self.use_gpu:
-            env_per_node = self._cuda_visible_devices()
-        else:
-            env_per_node = {}
-        ray.get([
-            w.setup.remote(self._rendezvous_args(slot), self._store,
-                           {**env, **env_per_node.get(slot.node_id, {})},
-                           self.autotune_controller if slot.rank == 0 else None)
-            for w, slot in zip(self.workers, self.slots)
-        ])
+        shape = StaticShape(self.num_workers, self.num_hosts, self.num_workers_per_host,
+                            self.cpus_per_worker, self.gpus_per_worker if self.use_gpu else 0,
+                            self.resources_per_worker, self.use_current_placement_group,
+                            self.settings.placement_group_timeout_s)
+        self._static = StaticJob(shape, self.settings.timeout_s)
+        self._static.start(env, self.autotune_controller)
+        if executable_cls is not None:
+            self._static.create_executables(executable_cls, executable_args or (),
+                                            executable_kwargs or {})
 
     def _start_autotune(self) -> dict[str, str]:
         """Starts the controller actor; returns the env that gives every worker the same
@@ -271,7 +227,7 @@ class RayExecutor:
         if self.knobs is not None:
             base, fixed = self.knobs, frozenset(Knobs.specs())
         else:
-            base, fixed = load_knobs(config_file=os.environ.get("RAYTRAIN_X_CONFIG_FILE"))
+            base, fixed = load_knobs(config_file=CONFIG_FILE.read() or None)
         start = base
         if config.initial_knobs is not None:
             start = config.initial_knobs.replace(**{n: getattr(base, n) for n in fixed})
@@ -280,36 +236,18 @@ class RayExecutor:
         self.autotune_controller = start_controller_actor(config, start, fixed)
         return {**config.to_env(), **knob_env(start)}
 
-    def _rendezvous_args(self, slot: Slot) -> dict[str, Any]:
-        return {"rank": slot.rank, "size": len(self.slots), "local_rank": slot.local_rank,
-                "local_size": slot.local_size, "cross_rank": slot.cross_rank,
-                "cross_size": slot.cross_size, "timeout_s": self.settings.timeout_s,
-                "hosts": [s.node_id for s in self.slots]}
-
-    def _cuda_visible_devices(self) -> dict[str, dict[str, str]]:
-        ids = ray.get([w.gpu_ids.remote() for w in self.workers])
-        per_node: dict[str, set[str]] = {}
-        for slot, gpu_ids in zip(self.slots, ids):
-            per_node.setdefault(slot.node_id, set()).update(gpu_ids)
-        return {node: {"CUDA_VISIBLE_DEVICES": ",".join(sorted(g, key=int))}
-                for node, g in per_node.items()}
-
     def shutdown(self) -> None:
         """Kills the workers and frees their placement group."""
         self._elastic_env = None
-        for w in self.workers:
-            ray.kill(w, no_restart=True)
-        if self._store is not None:
-            ray.kill(self._store, no_restart=True)
+        if self._static is not None:
+            self._static.shutdown()
+            self._static = None
         if self.autotune_controller is not None:
             ray.kill(self.autotune_controller, no_restart=True)
             self.autotune_controller = None
-        if self._pg is not None and self._owns_pg:
-            ray.util.remove_placement_group(self._pg)
-        self.workers, self.slots, self._store, self._pg = [], [], None, None
 
     def __enter__(self) -> RayExecutor:
-        if not self.workers:
+        if self._static is None and self._elastic_env is None:
             self.start()
         return self
 
@@ -317,11 +255,14 @@ class RayExecutor:
         self.shutdown()
 
     # ------------------------------------------------------------------ running
-    def _require_started(self) -> None:
-        if not self.workers and self._elastic_env is None:
+    def _started(self) -> StaticJob:
+        if self._static is None:
             raise ConfigError("the executor is not started; call start() first")
+        return self._static
 
     def _run_elastic(self, fn: Callable, args: Sequence | None, kwargs: dict | None) -> list:
+        if self._elastic_env is None:
+            raise ConfigError("the executor is not started; call start() first")
         settings = ElasticSettings(
             min_workers=self.min_workers, max_workers=self.max_workers,
             cpus_per_worker=self.cpus_per_worker,
@@ -347,13 +288,10 @@ class RayExecutor:
     def run_remote(self, fn: Callable, args: Sequence | None = None,
                    kwargs: dict | None = None) -> list[ray.ObjectRef]:
         """Starts `fn(*args, **kwargs)` on every worker; returns ObjectRefs in rank order."""
-        self._require_started()
+        job = self._started()
         if not callable(fn):
             raise ConfigError(f"run needs a function, got {type(fn).__name__}")
-        self._round += 1
-        return [w.execute.remote(fn, tuple(args or ()), dict(kwargs or {}),
-                                 round_id=self._round)
-                for w in self.workers]
+        return job.run_remote(fn, args, kwargs)
 
     def run(self, fn: Callable, args: Sequence | None = None, kwargs: dict | None = None,
             callbacks: Sequence[Callable[[Any], None]] | None = None) -> list[Any]:
@@ -367,7 +305,6 @@ class RayExecutor:
                 other ranks are released (their engines stop) within `timeout_s`.
         """
         if self.elastic:
-            self._require_started()
             results = self._run_elastic(fn, args, kwargs)
             for rank, result in enumerate(results):
                 for cb in callbacks or ():
@@ -378,64 +315,23 @@ class RayExecutor:
     def execute(self, fn: Callable[[Any], Any],
                 callbacks: Sequence[Callable[[Any], None]] | None = None) -> list[Any]:
         """Runs `fn(executable)` on every worker's executable; results in rank order."""
-        self._require_started()
-        self._round += 1
-        refs = [w.execute.remote(fn, with_executable=True, round_id=self._round)
-                for w in self.workers]
-        return self.collect(refs, callbacks)
+        job = self._started()
+        return job.collect(job.execute_remote(fn, range(len(job.workers))), callbacks)
 
     def execute_single(self, fn: Callable[[Any], Any]) -> Any:
         """Runs `fn(executable)` on rank 0 only."""
-        self._require_started()
-        self._round += 1
-        return self.collect([self.workers[0].execute.remote(fn, with_executable=True,
-                                                            round_id=self._round)],
-                             None)[0]
+        job = self._started()
+        return job.collect(job.execute_remote(fn, [0]), None)[0]
 
     def collect(self, refs: list[ray.ObjectRef],
-                 callbacks: Sequence[Callable[[Any], None]] | None) -> list[Any]:
+                callbacks: Sequence[Callable[[Any], None]] | None) -> list[Any]:
         """Waits for per-rank ObjectRefs from `run_remote`; returns results in rank order.
 
         Raises:
             WorkerError: the root-cause failure; ranks still running `timeout_s` after it
                 are killed.
         """
-        pending = {ref: rank for rank, ref in enumerate(refs)}
-        results: dict[int, Any] = {}
-        errors: dict[int, WorkerError] = {}
-        deadline = float("inf")
-        probed = False
-        while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=0.5)
-            for ref in ready:
-                rank = pending.pop(ref)
-                try:
-                    results[rank] = ray.get(ref)
-                    for cb in callbacks or ():
-                        cb((rank, results[rank]))
-                except (RayTaskError, RayActorError) as exc:
-                    errors[rank] = worker_error(rank, exc)
-                    deadline = min(deadline, time.monotonic() + self.settings.timeout_s)
-            if errors and pending and not probed:
-                # Ranks whose node is cut off never report: find them now, by name.
-                probed = True
-                lost = unreachable({ref: self.workers[r] for ref, r in pending.items()})
-                ranks = sorted(pending[ref] for ref in lost)
-                errors.update(unreachable_error(
-                    ranks, [self.slots[r].node_id for r in ranks],
-                    f"after rank {min(errors)} failed"))
-                for ref in lost:
-                    ray.kill(self.workers[pending.pop(ref)], no_restart=True)
-            if errors and pending and time.monotonic() > deadline:
-                stuck = sorted(pending.values())
-                log.warning("ranks %s did not stop %.0fs after rank %d failed; killing them",
-                            stuck, self.settings.timeout_s, min(errors))
-                for rank in stuck:
-                    ray.kill(self.workers[rank], no_restart=True)
-                break
-        if errors:
-            raise root_cause(errors)
-        return [results[r] for r in range(len(refs))]
+        return self._started().collect(refs, callbacks)
 
 
 def fixed_knob_env(knobs: Knobs, fixed: frozenset[str]) -> dict[str, str]:
