@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from raytrain_x.autotune.controller import AutotuneController, SearchSpace, local_controller
+from raytrain_x.autotune.controller import AutotuneController, SearchSpace
+from raytrain_x.autotune.host import local_controller
 from raytrain_x.autotune.sampler import AutotuneSampler, JobShape
 
 __all__ = ["AutotuneController", "AutotuneSampler", "JobShape", "SearchSpace",

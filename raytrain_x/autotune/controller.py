@@ -7,30 +7,15 @@ or as a Ray actor (`raytrain_x.ray.autotune_actor`, started by `RayExecutor`).
 from __future__ import annotations
 
 import logging
-import math
-import multiprocessing
-import os
 import random
-import threading
 from dataclasses import dataclass
 from typing import Any
 
 from raytrain_x.common.autotune_config import AutotuneConfig
-from raytrain_x.common.errors import AutotuneError
 from raytrain_x.common.extras import import_extra
-from raytrain_x.common.knobs import MB, Knobs
+from raytrain_x.common.knobs import Knobs
 
 log = logging.getLogger("raytrain_x.autotune")
-
-# Continuous dimensions the searcher sees; `to_knobs` rounds them onto knob values.
-# Bucket/fusion size: 1 MiB .. 256 MiB on a log2 scale, and below 20 "0" (every gradient on
-# its own). Sizes under 1 MiB put nearly every ResNet or transformer gradient in its own
-# bucket anyway, so they only add poor points to explore.
-FUSION_LOG2 = (19.0, 28.0)
-FUSION_OFF_BELOW = 20.0
-CYCLE_LOG10 = (-1.0, math.log10(25.0))  # 0.1 .. 25 ms on a log scale
-CACHE_LOG2 = (-1.0, 12.0)  # below 0 means cache off, else 2^x entries (up to 4096)
-
 
 @dataclass
 class SearchSpace:
@@ -49,50 +34,25 @@ class SearchSpace:
         return SearchSpace(self.base, self.fixed | (frozenset(Knobs.specs()) - set(searched)))
 
     def dimensions(self) -> dict[str, tuple[float, float]]:
-        dims = {
-            "fusion_threshold_bytes": FUSION_LOG2,
-            "cycle_time_ms": CYCLE_LOG10,
-            "cache_capacity": CACHE_LOG2,
-            "hierarchical_allreduce": (0.0, 1.0),
-            "hierarchical_allgather": (0.0, 1.0),
-        }
-        return {name: bounds for name, bounds in dims.items() if name not in self.fixed}
+        """Each searched knob's coordinate bounds (its `KnobSpec.search` scale)."""
+        return {name: (spec.search.lo, spec.search.hi) for name, spec in Knobs.specs().items()
+                if spec.search is not None and name not in self.fixed}
 
     def switches(self) -> list[str]:
         """The on/off knobs being searched."""
-        return [name for name in self.dimensions() if name.startswith("hierarchical_")]
+        specs = Knobs.specs()
+        return [name for name in self.dimensions() if not specs[name].search.base]
 
     def to_knobs(self, point: dict[str, float]) -> Knobs:
-        changes: dict[str, Any] = {}
-        for name, x in ((n, float(v)) for n, v in point.items()):
-            if name == "fusion_threshold_bytes":
-                changes[name] = 0 if x < FUSION_OFF_BELOW else int(round(2 ** x / MB * 4)) * MB // 4
-            elif name == "cycle_time_ms":
-                changes[name] = round(10 ** x, 3)
-            elif name == "cache_capacity":
-                changes[name] = 0 if x < 0 else int(round(2 ** x))
-            else:
-                changes[name] = x >= 0.5
-        return self.base.replace(**changes)
+        specs = Knobs.specs()
+        return self.base.replace(**{name: specs[name].search.value(float(x))
+                                    for name, x in point.items()})
 
     def to_point(self, knobs: Knobs) -> dict[str, float]:
         """The searcher's coordinates of `knobs` (clipped into the space)."""
-        def clip(x: float, bounds: tuple[float, float]) -> float:
-            return min(max(x, bounds[0]), bounds[1])
-
-        point = {}
-        for name, bounds in self.dimensions().items():
-            value = getattr(knobs, name)
-            if name == "fusion_threshold_bytes":
-                x = math.log2(value) if value > 0 else FUSION_LOG2[0]
-            elif name == "cycle_time_ms":
-                x = math.log10(value) if value > 0 else CYCLE_LOG10[0]
-            elif name == "cache_capacity":
-                x = math.log2(value) if value > 0 else CACHE_LOG2[0]
-            else:
-                x = 1.0 if value else 0.0
-            point[name] = clip(x, bounds)
-        return point
+        specs = Knobs.specs()
+        return {name: specs[name].search.coordinate(getattr(knobs, name))
+                for name in self.dimensions()}
 
 
 class AutotuneController:
@@ -301,91 +261,3 @@ class AutotuneController:
 
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
-
-
-def _yield_cpu_to_training() -> None:
-    """Runs the search's numerics on one thread at low priority: on a small machine every
-    training rank is busy, and a BLAS pool spinning on every core would slow them all."""
-    try:
-        os.nice(10)
-    except OSError:
-        pass
-    try:
-        from threadpoolctl import threadpool_limits
-
-        threadpool_limits(1)
-    except ImportError:  # threadpoolctl comes with scikit-learn, which bayes_opt needs
-        pass
-
-
-class BackgroundController(AutotuneController):
-    """The controller in a process of its own (a Ray actor or a child process)."""
-
-    def __init__(self, config: AutotuneConfig, start: Knobs, fixed: frozenset[str]) -> None:
-        _yield_cpu_to_training()
-        super().__init__(config, start, fixed)
-
-
-class ProcessController:
-    """The controller in a child process, for rank 0 of a job without a controller actor
-    (a script launched by `raytrain-x run`, or any plain multi-process job).
-
-    Each search step fits a Gaussian process (tens of milliseconds of CPU); inside the
-    training process it would hold the GIL that rank 0's training and engine threads need,
-    and every rank would wait for rank 0 (measured: 150-400 ms lost per knob switch on 2
-    cores, against 30-40 ms with the search out of the process).
-    """
-
-    def __init__(self, config: AutotuneConfig, start: Knobs, fixed: frozenset[str]) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self._process = ctx.Process(target=_serve, args=(child, config, start, fixed),
-                                    name="raytrain-x-autotune", daemon=True)
-        self._process.start()
-        child.close()
-        self._lock = threading.Lock()
-
-    def _call(self, method: str, *args: Any) -> Any:
-        with self._lock:
-            try:
-                self._conn.send((method, args))
-                ok, value = self._conn.recv()
-            except (EOFError, OSError) as exc:
-                raise AutotuneError(f"the autotune controller process ended: {exc!r}") \
-                    from None
-        if not ok:
-            raise AutotuneError(f"the autotune controller failed: {value}")
-        return value
-
-    def begin(self, searched: list[str] | None = None) -> list[str]:
-        return self._call("begin", searched)
-
-    def report(self, score: float) -> dict[str, Any]:
-        return self._call("report", score)
-
-
-def _serve(conn, config: AutotuneConfig, start: Knobs, fixed: frozenset[str]) -> None:
-    """The child process of `ProcessController`: answers calls until the parent is gone."""
-    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        os.environ[var] = "1"
-    controller = BackgroundController(config, start, fixed)
-    while True:
-        try:
-            method, args = conn.recv()
-        except (EOFError, OSError):
-            return
-        try:
-            conn.send((True, getattr(controller, method)(*args)))
-        except Exception as exc:  # noqa: BLE001 - reported to the caller
-            conn.send((False, f"{type(exc).__name__}: {exc}"))
-
-
-def local_controller(config: AutotuneConfig, start: Knobs, fixed: frozenset[str]):
-    """The controller for a rank 0 without a controller actor: in a child process, or in
-    this process where none can be started (a daemonic process may have no children)."""
-    try:
-        return ProcessController(config, start, fixed)
-    except (AssertionError, OSError) as exc:
-        log.warning("raytrain-x autotune: searching in the training process (%s); the "
-                    "search's numerics will slow rank 0 a little", exc)
-        return AutotuneController(config, start, fixed)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import enum
 import logging
 import statistics
 import threading
@@ -56,6 +57,81 @@ class JobShape:
     multi_level: bool = False  # more than one host and more than one worker per host
 
 
+class Phase(str, enum.Enum):
+    """Where the sampler is; `AutotuneSampler.phase` names it."""
+
+    WARMUP = "warmup"  # samples measured and discarded (caches, allocators settle)
+    SCORING = "scoring"  # measuring a search sample
+    CONFIRMING = "confirming"  # measuring a leading candidate again
+    ADVISING = "waiting for the advisor"  # a score is with the search; training goes on
+    SWITCHING = "switching knobs"  # the next knobs are requested, not yet in effect
+    COST = "measuring the cost"  # the knobs are chosen; measuring them for the report
+    DONE = "done"
+
+
+class JobObserver:
+    """Which knobs can matter in this job, from what it sends before the search starts."""
+
+    def __init__(self) -> None:
+        self.allreduce_names: set[str] = set()
+        self.fusable = False  # a cycle had two fusable requests
+        self.allgathers = False
+        self.batching: set[str] = set()  # what frameworks say the fusion threshold governs
+
+    def observe(self, responses: list[Response]) -> None:
+        fusable = 0
+        for r in responses:
+            if r.meta.kind == ALLREDUCE:
+                if len(self.allreduce_names) <= 1 << 20:  # bounded: names may never repeat
+                    self.allreduce_names.add(r.name)
+                fusable += r.meta.fuse and not r.error
+            elif r.meta.kind == ALLGATHER:
+                self.allgathers = True
+        # fusion can only matter where a cycle has two requests to fuse (a lone metric
+        # allreduce now and then is not a batch)
+        self.fusable = self.fusable or fusable >= 2
+
+    def relevant(self, knobs: Knobs, shape: JobShape) -> tuple[list[str], dict[str, str]]:
+        """(knobs to search, {knob: why it is left out})."""
+        out: dict[str, str] = {}
+        if not self.fusable and BATCHING_BUCKETS not in self.batching:
+            out["fusion_threshold_bytes"] = (
+                "every allreduce is a bucket of a size the user fixed (bucket_cap_mb)"
+                if BATCHING_FIXED_BUCKETS in self.batching else "no fusable allreduce")
+        names = len(self.allreduce_names)
+        if 0 < names <= knobs.cache_capacity:
+            out["cache_capacity"] = (f"all {names} allreduce names fit in {knobs.cache_capacity} "
+                                     "entries")
+        if not shape.multi_level:
+            why = "needs several hosts with several workers each"
+            out["hierarchical_allreduce"] = out["hierarchical_allgather"] = why
+        elif not self.allgathers:
+            out["hierarchical_allgather"] = "no allgather"
+        return [n for n in Knobs.specs() if n not in out], out
+
+
+@dataclasses.dataclass
+class ScoreWindow:
+    """The sample being measured: its sub-windows' rates and the current sub-window."""
+
+    start: float | None = None  # None until the first step boundary opens a window
+    steps: int = 0  # steps in the sample so far
+    window_steps: int = 0
+    window_bytes: int = 0
+    rates: list[float] = dataclasses.field(default_factory=list)
+    seen: set[str] = dataclasses.field(default_factory=set)  # names this inferred step
+
+    def reset(self) -> None:
+        self.seen.clear()
+        self.window_bytes = self.window_steps = self.steps = 0
+        self.start = None
+        self.rates = []
+
+    def next_window(self, now: float) -> None:
+        self.start = now
+        self.window_bytes = self.window_steps = 0
+
+
 class AutotuneSampler:
     """Rank 0's side of autotuning.
 
@@ -92,30 +168,42 @@ class AutotuneSampler:
         self.left_out: dict[str, str] = {}
         self.cost: TuningCost | None = None
         self.samples_per_step: int | None = None  # batch size x world size, when known
-        self.batching: set[str] = set()
+        self.observer = JobObserver()
+        self.window = ScoreWindow()
         self._started = clock()
         self._target: Knobs | None = None  # knobs we wait to see in effect
         self._marks: list[float] = []
         self._marks_lock = threading.Lock()
         self._step_mode = False
-        self._seen: set[str] = set()
-        self._steps = 0
-        self._window_steps = 0
-        self._window_bytes = 0
-        self._window_start: float | None = None
-        self._rates: list[float] = []
         self._warmups_left = config.warmup_samples if config.warmup_time_s is None else 0
         self._confirming = False  # the sample being measured re-measures a candidate
-        # what the job does, for deciding the dimensions
-        self._allreduce_names: set[str] = set()
-        self._fusable = False
-        self._allgathers = False
         # the cost of tuning: steps and time from the first scored sample to the decision
         self._tuning_start: float | None = None
         self._tuning_steps = 0
         self._background = background
         self._answer: concurrent.futures.Future | None = None  # the advisor's, pending
         self._answered: tuple[Sample, bool] | None = None  # the sample asked about, cut?
+
+    @property
+    def phase(self) -> Phase:
+        """The sampler's state: warmup, scoring, confirming, waiting for the advisor,
+        switching knobs, measuring the cost, done."""
+        if self.finished:
+            return Phase.DONE
+        if self.done:
+            return Phase.COST
+        if self._answer is not None:
+            return Phase.ADVISING
+        if self._target is not None:
+            return Phase.SWITCHING
+        if self._warmups_left or self._in_warmup_time(self.clock()):
+            return Phase.WARMUP
+        return Phase.CONFIRMING if self._confirming else Phase.SCORING
+
+    @property
+    def batching(self) -> set[str]:
+        """What the fusion threshold governs on this job's path, as frameworks report it."""
+        return self.observer.batching
 
     # ------------------------------------------------------------------ user thread
     def mark_step(self) -> None:
@@ -138,27 +226,27 @@ class AutotuneSampler:
     # ------------------------------------------------------------------ engine hook
     def on_cycle(self, knobs: Knobs, step: int, responses: list[Response]) -> None:
         """Called by the engine after every cycle that completed collectives."""
-        if self.finished:
+        if self.finished:  # Phase.DONE
             return
         if self.searched is None:
-            self._observe(responses)
+            self.observer.observe(responses)
         marks = self._take_marks()
         if marks and not self._step_mode:  # explicit step marks replace inferred steps
             self._step_mode = True
-            self._reset_window()
-        if self._answer is not None:  # training goes on at these knobs meanwhile
+            self.window.reset()
+        if self._answer is not None:  # Phase.ADVISING: training goes on at these knobs
             self._count_tuning_steps(len(marks))
             if not self._answer.done():
                 return
             answer, self._answer = self._answer.result(), None
             self._on_answer(answer, self.clock())
             return
-        if self._target is not None:
+        if self._target is not None:  # Phase.SWITCHING
             self._count_tuning_steps(len(marks))  # steps while the switch lands
             if knobs != self._target:
                 return
             self._target = None
-            self._reset_window()  # the step in flight ran partly under the old knobs
+            self.window.reset()  # the step in flight ran partly under the old knobs
             marks = []
         if self._step_mode:
             for i, t in enumerate(marks):
@@ -168,77 +256,59 @@ class AutotuneSampler:
                 self._on_step_boundary(knobs, step, t)
         else:
             names = [r.name for r in responses]
-            if any(n in self._seen for n in names):
+            if any(n in self.window.seen for n in names):
                 self._on_step_boundary(knobs, step, self.clock())
-                self._seen.clear()
-            self._seen.update(names)
-            self._window_bytes += sum(r.meta.nbytes_on_wire() for r in responses
-                                      if r.meta.kind in (ALLREDUCE, ALLGATHER) and not r.error)
+                self.window.seen.clear()
+            self.window.seen.update(names)
+            self.window.window_bytes += sum(
+                r.meta.nbytes_on_wire() for r in responses
+                if r.meta.kind in (ALLREDUCE, ALLGATHER) and not r.error)
 
     def _count_tuning_steps(self, n: int) -> None:
         if self._tuning_start is not None and not self.done:
             self._tuning_steps += n
 
     def _observe(self, responses: list[Response]) -> None:
-        fusable = 0
-        for r in responses:
-            if r.meta.kind == ALLREDUCE:
-                if len(self._allreduce_names) <= 1 << 20:  # bounded: names may never repeat
-                    self._allreduce_names.add(r.name)
-                fusable += r.meta.fuse and not r.error
-            elif r.meta.kind == ALLGATHER:
-                self._allgathers = True
-        # fusion can only matter where a cycle has two requests to fuse (a lone metric
-        # allreduce now and then is not a batch)
-        self._fusable = self._fusable or fusable >= 2
-
-    def _reset_window(self) -> None:
-        self._seen.clear()
-        self._window_bytes = 0
-        self._window_steps = 0
-        self._window_start = None
-        self._steps = 0
-        self._rates = []
+        self.observer.observe(responses)
 
     def _on_step_boundary(self, knobs: Knobs, step: int, now: float) -> None:
-        if self._window_start is None:  # the first boundary opens the first window
+        w = self.window
+        if w.start is None:  # the first boundary opens the first window
             self._count_tuning_steps(1)
-            self._window_start = now
-            self._window_bytes = self._window_steps = 0
+            w.next_window(now)
             return
         if self._in_warmup_time(now):
-            self._window_start = now
-            self._window_bytes = 0
+            w.start = now
+            w.window_bytes = 0
             return
         if self._tuning_start is None and not self._warmups_left and not self.done:
-            self._tuning_start = self._window_start  # the first scored sample starts here
+            self._tuning_start = w.start  # the first scored sample starts here
         self._count_tuning_steps(1)
-        self._steps += 1
-        self._window_steps += 1
-        if self.done:  # measuring the chosen knobs for the cost report
-            if self._steps >= self._after_steps():
+        w.steps += 1
+        w.window_steps += 1
+        if self.done:  # Phase.COST: measuring the chosen knobs for the cost report
+            if w.steps >= self._after_steps():
                 self._finish_after(now)
             return
         if self.config.sampling_time_s:
             per_window = self.config.sampling_time_s / self.config.sub_windows
-            window_full = now - self._window_start >= per_window
+            window_full = now - w.start >= per_window
         else:
             per_window = max(1, self.config.steps_per_sample // self.config.sub_windows)
-            window_full = self._steps % per_window == 0
-        elapsed = max(now - self._window_start, 1e-9)
+            window_full = w.steps % per_window == 0
+        elapsed = max(now - w.start, 1e-9)
         if self._step_mode:
-            rate = self._window_steps * (self.samples_per_step or 1) / elapsed
+            rate = w.window_steps * (self.samples_per_step or 1) / elapsed
         else:
-            rate = self._window_bytes / elapsed
+            rate = w.window_bytes / elapsed
         if window_full:
-            self._rates.append(rate)
-            self._window_start = now
-            self._window_bytes = self._window_steps = 0
+            w.rates.append(rate)
+            w.next_window(now)
         if self._clearly_worse(rate, window_full):
             self._finish_sample(knobs, step, rate, now, cut=True)
             return
-        if len(self._rates) >= self.config.sub_windows:
-            self._finish_sample(knobs, step, statistics.median(self._rates), now)
+        if len(w.rates) >= self.config.sub_windows:
+            self._finish_sample(knobs, step, statistics.median(w.rates), now)
 
     def _in_warmup_time(self, now: float) -> bool:
         return bool(self.config.warmup_time_s and now - self._started < self.config.warmup_time_s)
@@ -252,8 +322,8 @@ class AutotuneSampler:
         if not ratio or self._confirming or self._warmups_left or self.best is None:
             return False
         if window_full:
-            return len(self._rates) == 1 and rate < ratio * self.best.score
-        return not self._rates and self._step_mode and self._severely_worse(rate)
+            return len(self.window.rates) == 1 and rate < ratio * self.best.score
+        return not self.window.rates and self._step_mode and self._severely_worse(rate)
 
     def _severely_worse(self, rate: float) -> bool:
         """Several times slower than the best so far: one step shows it."""
@@ -267,8 +337,8 @@ class AutotuneSampler:
         sample = Sample(len(self.samples), knobs, score, step, now - self._started, warmup,
                         unit=self.unit)
         self.samples.append(sample)
-        self._rates = []
-        self._steps = 0
+        self.window.rates = []
+        self.window.steps = 0
         if warmup:
             self._warmups_left -= 1
             if self.log:
@@ -328,25 +398,11 @@ class AutotuneSampler:
             self._target = nxt
             self.request_knobs(nxt)
         else:
-            self._reset_window()
+            self.window.reset()
 
     def relevant_dimensions(self, knobs: Knobs) -> tuple[list[str], dict[str, str]]:
         """(knobs to search, {knob: why it is left out}) for this job as observed."""
-        out: dict[str, str] = {}
-        if not self._fusable and BATCHING_BUCKETS not in self.batching:
-            out["fusion_threshold_bytes"] = (
-                "every allreduce is a bucket of a size the user fixed (bucket_cap_mb)"
-                if BATCHING_FIXED_BUCKETS in self.batching else "no fusable allreduce")
-        names = len(self._allreduce_names)
-        if 0 < names <= knobs.cache_capacity:
-            out["cache_capacity"] = (f"all {names} allreduce names fit in {knobs.cache_capacity} "
-                                     "entries")
-        if not self.shape.multi_level:
-            why = "needs several hosts with several workers each"
-            out["hierarchical_allreduce"] = out["hierarchical_allgather"] = why
-        elif not self._allgathers:
-            out["hierarchical_allgather"] = "no allgather"
-        return [n for n in Knobs.specs() if n not in out], out
+        return self.observer.relevant(knobs, self.shape)
 
     def _decide(self, scored: list[Sample], now: float) -> None:
         self.done = True
@@ -371,7 +427,7 @@ class AutotuneSampler:
     def _finish_after(self, now: float) -> None:
         """The chosen knobs measured after tuning: what the tuning phase cost."""
         self.finished = True
-        per_step = (now - self._window_start) / max(self._steps, 1)
+        per_step = (now - self.window.start) / max(self.window.steps, 1)
         self.cost = dataclasses.replace(self.cost, after_step_s=per_step)
         if self.log:
             self.log.finish_cost(self.best, self.cost)

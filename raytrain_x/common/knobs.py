@@ -24,8 +24,45 @@ MB = 1024 * 1024
 
 
 @dataclass(frozen=True)
+class SearchScale:
+    """How the autotune search sees a knob: a continuous coordinate `x` in [lo, hi].
+
+    A numeric knob is `base ** x` (rounded to a multiple of `quantum`, or to `digits`
+    decimals), and 0 (off) for `x < off_below`; a switch (`base` 0) is on for `x >= 0.5`.
+    """
+
+    base: float  # 2 or 10: a log scale; 0: an on/off switch
+    lo: float
+    hi: float
+    off_below: float | None = None
+    quantum: float | None = None
+    digits: int | None = None
+
+    def value(self, x: float) -> Any:
+        """The knob's value at coordinate `x`."""
+        if not self.base:
+            return x >= 0.5
+        if self.off_below is not None and x < self.off_below:
+            return 0
+        v = self.base ** x
+        if self.quantum is not None:
+            return int(round(v / self.quantum) * self.quantum)
+        return round(v, self.digits) if self.digits is not None else v
+
+    def coordinate(self, value: Any) -> float:
+        """`value`'s coordinate, clipped into [lo, hi] (off is `lo`)."""
+        if not self.base:
+            x = 1.0 if value else 0.0
+        else:
+            log = {2: math.log2, 10: math.log10}.get(self.base) or \
+                (lambda v: math.log(v, self.base))
+            x = log(value) if value > 0 else self.lo
+        return min(max(x, self.lo), self.hi)
+
+
+@dataclass(frozen=True)
 class KnobSpec:
-    """How one knob is named, bounded and parsed."""
+    """How one knob is named, bounded, parsed and searched."""
 
     env: str
     flag: str
@@ -36,6 +73,7 @@ class KnobSpec:
     # The CLI flag and config alias may use another unit (MB for the fusion threshold).
     flag_scale: int = 1
     alias: str | None = None
+    search: SearchScale | None = None
 
 
 def _knob(default: Any, spec: KnobSpec) -> Any:
@@ -69,6 +107,10 @@ class Knobs:
             kind=int,
             flag_scale=MB,
             alias="fusion_threshold_mb",
+            # 1 MiB .. 256 MiB, in quarter MiBs; below 2^20 "0" (every gradient on its own).
+            # Sizes under 1 MiB put nearly every ResNet or transformer gradient in its own
+            # bucket anyway, so they only add poor points to explore.
+            search=SearchScale(2, 19.0, 28.0, off_below=20.0, quantum=MB / 4),
         ),
     )
     cycle_time_ms: float = _knob(
@@ -80,6 +122,7 @@ class Knobs:
             hi=1000.0,
             help="pause between engine cycles in milliseconds while work keeps arriving",
             kind=float,
+            search=SearchScale(10, -1.0, math.log10(25.0), digits=3),  # 0.1 .. 25 ms
         ),
     )
     cache_capacity: int = _knob(
@@ -91,6 +134,7 @@ class Knobs:
             hi=1 << 20,
             help="response-cache entries; 0 turns the cache off",
             kind=int,
+            search=SearchScale(2, -1.0, 12.0, off_below=0.0, quantum=1),  # off, 1 .. 4096
         ),
     )
     hierarchical_allreduce: bool = _knob(
@@ -102,6 +146,7 @@ class Knobs:
             hi=1,
             help="local reduce-scatter, cross allreduce, local allgather",
             kind=bool,
+            search=SearchScale(0, 0.0, 1.0),
         ),
     )
     hierarchical_allgather: bool = _knob(
@@ -113,6 +158,7 @@ class Knobs:
             hi=1,
             help="two-level allgather: local, then across hosts",
             kind=bool,
+            search=SearchScale(0, 0.0, 1.0),
         ),
     )
 

@@ -10,7 +10,7 @@ import sys
 import threading
 from collections.abc import Callable
 
-from raytrain_x.autotune.controller import local_controller
+from raytrain_x.autotune.host import local_controller
 from raytrain_x.autotune.sampler import Advisor, AutotuneSampler, JobShape
 from raytrain_x.comm.groups import ProcessGroups
 from raytrain_x.comm.rendezvous import Rendezvous, next_rendezvous

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ray
 
-from raytrain_x.autotune.controller import BackgroundController
+from raytrain_x.autotune.host import BackgroundController
 from raytrain_x.common.autotune_config import AutotuneConfig
 from raytrain_x.common.knobs import Knobs
 from raytrain_x.ray.placement import stable_node_strategy

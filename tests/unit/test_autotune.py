@@ -345,3 +345,24 @@ def test_switches_are_probed_flipped_right_after_the_start():
                             start.replace(hierarchical_allgather=True)]
     assert len(set(measured[:3])) == 3
     assert controller.best()[0].hierarchical_allreduce
+
+
+def test_the_sampler_goes_through_its_named_phases(tmp_path):
+    from raytrain_x.autotune.sampler import Phase
+
+    sampler, clock, _ = _marked_sampler(tmp_path, bayes_opt_max_samples=4,
+                                        convergence_patience=0, early_stop_ratio=0)
+    phases: list = []
+
+    def stop(s) -> bool:
+        if not phases or phases[-1] is not s.phase:
+            phases.append(s.phase)
+        return s.finished
+
+    _run_marked(sampler, clock, lambda k: 0.1 if k == Knobs() else 0.12, stop=stop)
+    assert phases[0] is Phase.WARMUP and phases[-1] is Phase.DONE
+    order = [p for p in (Phase.WARMUP, Phase.SCORING, Phase.SWITCHING, Phase.COST,
+                         Phase.DONE) if p in phases]
+    assert order == [Phase.WARMUP, Phase.SCORING, Phase.SWITCHING, Phase.COST, Phase.DONE]
+    assert phases.index(Phase.COST) > max(i for i, p in enumerate(phases)
+                                          if p is Phase.SCORING)
