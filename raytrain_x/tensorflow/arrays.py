@@ -13,6 +13,7 @@ inputs as numpy views of the tensors and adopts aligned outputs without a copy a
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -113,10 +114,27 @@ def op_name(kind: str, name: str | None) -> str:
 _graph_numbers = itertools.count()
 
 
-# The raytrain-x error behind the last failed kernel. TensorFlow turns an exception raised
-# inside `tf.numpy_function` into a `tf.errors.OpError`; elastic `run` and `unwrap_error`
-# use this to get the original (InternalError, TensorMismatchError, ...) back.
-_last_error: list[BaseException] = []
+# Errors of kernels that ran inside a graph, by number. TensorFlow turns an exception
+# raised inside `tf.numpy_function` into a `tf.errors.OpError` carrying only text, so such a
+# kernel raises `GraphKernelError`, whose text holds the number; `unwrap_error` (and elastic
+# `run`) look the original (InternalError, TensorMismatchError, ...) up by it. Eagerly the
+# original is raised as it is.
+_errors: dict[int, BaseException] = {}
+_error_numbers = itertools.count()
+_KEPT_ERRORS = 64  # older ones are dropped: nobody unwrapped them
+_ERROR_TAG = re.compile(r"\[raytrain-x error (\d+)\]")
+
+
+class GraphKernelError(RaytrainXError):
+    """What a graph kernel raises for a raytrain-x error (its text names the original)."""
+
+
+def _graph_error(exc: RaytrainXError) -> GraphKernelError:
+    number = next(_error_numbers)
+    _errors[number] = exc
+    for old in [n for n in _errors if n <= number - _KEPT_ERRORS]:
+        del _errors[old]
+    return GraphKernelError(f"[raytrain-x error {number}] {type(exc).__name__}: {exc}")
 
 
 def run_kernel(kernel: Callable[..., list[np.ndarray]], inputs: Sequence[tf.Tensor],
@@ -125,17 +143,16 @@ def run_kernel(kernel: Callable[..., list[np.ndarray]], inputs: Sequence[tf.Tens
     """Runs a numpy `kernel(*arrays) -> [arrays]` on `inputs`: directly when eager, as one
     stateful `tf.numpy_function` inside a graph (stateful ops keep program order, so every
     rank submits its collectives in the order the code reads)."""
+    if tf.executing_eagerly():
+        return [to_tensor(a) for a in kernel(*[to_numpy(t) for t in inputs])]
 
-    def guarded(*arrays: np.ndarray) -> list[np.ndarray]:
+    def in_graph(*arrays: np.ndarray) -> list[np.ndarray]:
         try:
             return kernel(*arrays)
         except RaytrainXError as exc:
-            _last_error[:] = [exc]
-            raise
+            raise _graph_error(exc) from exc
 
-    if tf.executing_eagerly():
-        return [to_tensor(a) for a in guarded(*[to_numpy(t) for t in inputs])]
-    outs = tf.numpy_function(guarded, list(inputs), list(out_dtypes), stateful=True)
+    outs = tf.numpy_function(in_graph, list(inputs), list(out_dtypes), stateful=True)
     if not isinstance(outs, (list, tuple)):
         outs = [outs]
     for out, shape in zip(outs, out_shapes or [None] * len(outs)):
@@ -146,9 +163,8 @@ def run_kernel(kernel: Callable[..., list[np.ndarray]], inputs: Sequence[tf.Tens
 
 def unwrap_error(exc: BaseException) -> BaseException:
     """The raytrain-x error a `tf.errors.OpError` carries, else `exc` itself."""
-    if isinstance(exc, tf.errors.OpError) and _last_error:
-        original = _last_error.pop()
-        _last_error.clear()
-        if type(original).__name__ in str(exc) or str(original)[:60] in str(exc):
-            return original
+    if isinstance(exc, tf.errors.OpError):
+        found = _ERROR_TAG.search(str(exc))
+        if found and int(found.group(1)) in _errors:
+            return _errors.pop(int(found.group(1)))
     return exc
