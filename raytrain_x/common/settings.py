@@ -67,5 +67,20 @@ CONFIG_FILE = Setting(
     "RAYTRAIN_X_CONFIG_FILE", "", str,
     "a YAML file of knobs (see docs/knobs.md)")
 
+DRAIN_POLL_S = Setting(
+    "RAYTRAIN_X_DRAIN_POLL_S", 0.2, float,
+    "how often an elastic job asks the GCS for draining nodes (a preemption notice may give "
+    "only seconds)")
+STRAGGLER_POLL_S = Setting(
+    "RAYTRAIN_X_STRAGGLER_POLL_S", 1.0, float,
+    "how often an elastic job looks for workers missing from a rendezvous")
+
 ALL = (TIMEOUT_S, START_TIMEOUT_S, SHM, STALL_WARNING_S, STALL_SHUTDOWN_S, TIMELINE,
-       TIMELINE_MARK_CYCLES, CONFIG_FILE)
+       TIMELINE_MARK_CYCLES, CONFIG_FILE, DRAIN_POLL_S, STRAGGLER_POLL_S)
+
+NODE_ID_SHOWN = 8  # characters of a Ray node id in messages (as `ray status` shows them)
+
+
+def short_node(node_id: str) -> str:
+    """A node id as messages show it."""
+    return node_id[:NODE_ID_SHOWN]

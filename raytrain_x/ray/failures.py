@@ -14,6 +14,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from raytrain_x.common.errors import LOST_PEER_ERRORS, WorkerError
+from raytrain_x.common.settings import short_node
 
 K = TypeVar("K", bound=Hashable)
 # A worker's `ping` runs on a thread of its own, so a reachable worker answers in
@@ -85,7 +86,8 @@ def unreachable(workers: Mapping[K, Any], timeout_s: float = PROBE_TIMEOUT_S) ->
 def unreachable_error(ranks: list[int], nodes: list[str], after: str) -> dict[int, WorkerError]:
     """The errors of ranks found unreachable, naming them all and their nodes."""
     addresses = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
-    where = ", ".join(f"{addresses.get(n, '?')} (node {n[:8]})" for n in sorted(set(nodes)))
+    where = ", ".join(f"{addresses.get(n, '?')} (node {short_node(n)})"
+                      for n in sorted(set(nodes)))
     detail = (f"ranks {ranks} are unreachable: no answer within {PROBE_TIMEOUT_S:.0f}s "
               f"{after}; their host {where} is cut off by a network partition or lost")
     return {rank: WorkerError(rank, detail) for rank in ranks}

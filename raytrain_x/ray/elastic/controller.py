@@ -24,6 +24,7 @@ import ray
 
 from raytrain_x.comm.store_actor import StoreActor
 from raytrain_x.common.errors import WorkerError
+from raytrain_x.common.settings import short_node
 from raytrain_x.elastic.blacklist import Blacklist
 from raytrain_x.elastic.history import round_line
 from raytrain_x.ray.elastic.cluster import ClusterView
@@ -184,11 +185,12 @@ class ElasticJob:
             self.log.add("lost_draining", member.node)
             log.warning("raytrain-x elastic: worker %s (rank %d) was lost with its draining "
                         "node %s before its next commit; the others restore the last commit",
-                        member.worker_id, member.rank, member.node[:8])
+                        member.worker_id, member.rank, short_node(member.node))
         else:
             self.log.add("failure", member.node, cooldown_s=verdict.cooldown_s)
             log.warning("raytrain-x elastic: worker %s (rank %d) on node %s failed; host "
-                        "blacklisted for %s", member.worker_id, member.rank, member.node[:8],
+                        "blacklisted for %s", member.worker_id, member.rank,
+                        short_node(member.node),
                         "good" if verdict.cooldown_s == float("inf")
                         else f"{verdict.cooldown_s:.1f}s")
 
@@ -289,7 +291,7 @@ class ElasticJob:
             return
         self.log.add("gave_up", pending.node, why=why)
         log.warning("raytrain-x elastic: gave up on a worker for %s after %.0f s: %s",
-                    pending.node[:8], self.clock() - pending.asked_at, why)
+                    short_node(pending.node), self.clock() - pending.asked_at, why)
         gave_up = self.log.gave_up
         if len(gave_up) >= GAVE_UP_WARNING_AT and not self._gave_up_warned:
             self._gave_up_warned = True
@@ -338,7 +340,8 @@ class ElasticJob:
                                 self.draining, self.settings.min_workers)
         if decision.leave:  # they return from `execute` with `Left`; the poll drops them
             ray.get(self.rounds_actor.publish.remote(
-                {w: {"leave": True, "reason": f"node {self.members[w].node[:8]} is draining"}
+                {w: {"leave": True,
+                     "reason": f"node {short_node(self.members[w].node)} is draining"}
                  for w in decision.leave}))
             for worker_id in decision.leave:
                 self.members[worker_id].leaving = True

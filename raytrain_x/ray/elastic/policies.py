@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from raytrain_x.common.errors import ConfigError, ElasticTimeout, ResetLimitExceeded
+from raytrain_x.common.settings import short_node
 from raytrain_x.elastic.blacklist import Blacklist
 from raytrain_x.elastic.discovery import slots_from_resources
 from raytrain_x.ray.elastic.settings import ElasticSettings
@@ -136,8 +137,8 @@ def drain_line(node: str, deadline: float, now: float, workers: int) -> str:
     """The progress line of a node that started draining."""
     left_s = deadline - now
     when = "no deadline" if math.isinf(left_s) else f"deadline in {left_s:.0f} s"
-    return (f"node {node[:8]} is draining ({when}); its {workers} worker(s) leave the job at "
-            "the next commit")
+    return (f"node {short_node(node)} is draining ({when}); its {workers} worker(s) leave the "
+            "job at the next commit")
 
 
 # ----------------------------------------------------------------------------- minimum
@@ -172,7 +173,8 @@ def elastic_timeout_error(settings: ElasticSettings, staying: int, starting: int
     return ElasticTimeout(
         f"only {staying} workers{waiting} for {settings.elastic_timeout:.0f}s, fewer than "
         f"min_workers={settings.min_workers}{asked}; blacklisted hosts: "
-        f"{[h[:8] for h in blacklisted]}. Add capacity (or node types that fit a worker), "
+        f"{[short_node(h) for h in blacklisted]}. Add capacity (or node types that fit a "
+        "worker), "
         "lower min_workers or raise elastic_timeout.")
 
 

@@ -14,6 +14,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrain_x.common.errors import WorkerError
+from raytrain_x.common.settings import short_node
 from raytrain_x.ray.elastic.policies import MemberView, PendingView
 from raytrain_x.ray.elastic.settings import ElasticSettings
 from raytrain_x.ray.failures import unreachable, worker_error
@@ -104,7 +105,7 @@ class WorkerPool:
             self.members[worker_id] = member
             joined.append(member)
             log.info("raytrain-x elastic: a worker on %s started after %.1fs",
-                     pending.node[:8], self.clock() - pending.asked_at)
+                     short_node(pending.node), self.clock() - pending.asked_at)
         return joined, died
 
     def give_up(self, key: Any) -> Pending | None:

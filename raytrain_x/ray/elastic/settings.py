@@ -5,13 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from raytrain_x.common import settings
 from raytrain_x.common.settings import START_TIMEOUT_S
 
-# How often the controller asks the GCS for draining nodes (one small RPC): a preemption
-# notice may give only seconds.
-DRAIN_POLL_S = 0.2
-# How often the controller looks for workers missing from a rendezvous.
-STRAGGLER_POLL_S = 1.0
+DRAIN_POLL_S = settings.DRAIN_POLL_S.read()  # one small RPC to the GCS each time
+STRAGGLER_POLL_S = settings.STRAGGLER_POLL_S.read()
 PROGRESS_EVERY_S = 5.0  # how often "waiting for N workers to start" is printed
 GAVE_UP_WARNING_AT = 3  # give-ups after which the job warns once that it keeps giving up
 
