@@ -132,6 +132,59 @@ class ScoreWindow:
         self.window_bytes = self.window_steps = 0
 
 
+class SamplerReport:
+    """What the sampler tells its user: a progress line per event, and a row per sample in
+    the log file (when the config names one)."""
+
+    def __init__(self, config: AutotuneConfig, emit: Callable[[str], None] | None) -> None:
+        self.config = config
+        self.emit = emit or (lambda line: print(line, flush=True))
+        self.log = AutotuneLog(config.log_file) if config.log_file else None
+
+    @staticmethod
+    def fmt(score: float, unit: str) -> str:
+        if unit == "bytes/s":
+            return f"{score / 1e6:.1f} MB/s"
+        return f"{score:.3g} {unit}"
+
+    def warmup(self, sample: Sample) -> None:
+        if self.log:
+            self.log.append(sample, "warmup")
+        self.emit(f"raytrain-x autotune: warmup sample {sample.index}: {describe(sample.knobs)} "
+                  f"-> {self.fmt(sample.score, sample.unit)} (discarded)")
+
+    def searching(self, searched: list[str], left_out: dict[str, str], unit: str) -> None:
+        skipped = "; ".join(f"{n}: {why}" for n, why in left_out.items())
+        self.emit(f"raytrain-x autotune: searching {', '.join(searched) or 'nothing'}"
+                  f"{' (left out: ' + skipped + ')' if skipped else ''}; score in {unit}")
+
+    def sample(self, sample: Sample, kind: str, scored: int, best: float, left: int,
+               cut: bool) -> None:
+        if self.log:
+            self.log.append(sample, kind)
+        again = " (a candidate measured again)" if kind == "confirm" else ""
+        stopped = " (stopped early: far below the best)" if cut else ""
+        unit = sample.unit
+        self.emit(f"raytrain-x autotune: sample {scored}/{self.config.bayes_opt_max_samples}"
+                  f"{again}: {describe(sample.knobs)} -> {self.fmt(sample.score, unit)}"
+                  f"{stopped} (best {self.fmt(best, unit)}, {left} left)")
+
+    def decided(self, best: Sample, samples: int, verdict: str) -> None:
+        if self.log:
+            knobs_file = self.log.finish(best)
+            self.emit(f"raytrain-x autotune: log {self.log.path}, knobs {knobs_file}")
+        self.emit(f"raytrain-x autotune: done after {samples} samples; keeping "
+                  f"{describe(best.knobs)} ({self.fmt(best.score, best.unit)} mean, {verdict})")
+
+    def cost(self, best: Sample, cost: TuningCost, per_step: float) -> None:
+        if self.log:
+            self.log.finish_cost(best, cost)
+        self.emit(f"raytrain-x autotune: tuning took {cost.tuning_s:.1f} s for "
+                  f"{cost.tuning_steps} steps; the same steps at the chosen knobs take "
+                  f"{cost.tuning_steps * per_step:.1f} s (measured after tuning): cost "
+                  f"{cost.ratio:.2f}x; chosen knobs {cost.gain:.2f}x the start")
+
+
 class AutotuneSampler:
     """Rank 0's side of autotuning.
 
@@ -156,10 +209,9 @@ class AutotuneSampler:
         self.config = config
         self.advisor = advisor
         self.request_knobs = request_knobs
-        self.emit = emit or (lambda line: print(line, flush=True))
+        self.report = SamplerReport(config, emit)
         self.shape = shape or JobShape()
         self.clock = clock
-        self.log = AutotuneLog(config.log_file) if config.log_file else None
         self.samples: list[Sample] = []
         self.done = False  # the knobs are chosen
         self.finished = False  # ... and measured again for the cost report
@@ -341,10 +393,7 @@ class AutotuneSampler:
         self.window.steps = 0
         if warmup:
             self._warmups_left -= 1
-            if self.log:
-                self.log.append(sample, "warmup")
-            self.emit(f"raytrain-x autotune: warmup sample {sample.index}: {describe(knobs)} -> "
-                      f"{self._fmt(score)} (discarded)")
+            self.report.warmup(sample)
             return
         first = self.searched is None
         if first:
@@ -372,25 +421,16 @@ class AutotuneSampler:
         sample, cut = self._answered
         knobs = sample.knobs
         if sample.index == min(s.index for s in self.samples if not s.warmup):
-            skipped = "; ".join(f"{n}: {why}" for n, why in self.left_out.items())
-            self.emit(f"raytrain-x autotune: searching {', '.join(self.searched) or 'nothing'}"
-                      f"{' (left out: ' + skipped + ')' if skipped else ''}; score in "
-                      f"{self.unit}")
+            self.report.searching(self.searched, self.left_out, self.unit)
         sample.searched = "+".join(self.searched) or "none"
-        score = sample.score
         scored = [s for s in self.samples if not s.warmup]
         best_knobs = Knobs(**answer["best"])
         latest = next((s for s in reversed(scored) if s.knobs == best_knobs), scored[0])
         self.best = dataclasses.replace(latest, score=answer["best_score"])  # mean score
         kind = "confirm" if self._confirming else "sample"
         self._confirming = bool(answer.get("confirming")) and not answer["done"]
-        if self.log:
-            self.log.append(sample, kind)
-        again = " (a candidate measured again)" if kind == "confirm" else ""
-        stopped = " (stopped early: far below the best)" if cut else ""
-        self.emit(f"raytrain-x autotune: sample {len(scored)}/{self.config.bayes_opt_max_samples}"
-                  f"{again}: {describe(knobs)} -> {self._fmt(score)}{stopped} (best "
-                  f"{self._fmt(self.best.score)}, {answer['samples_left']} left)")
+        self.report.sample(sample, kind, len(scored), self.best.score, answer["samples_left"],
+                           cut)
         nxt = Knobs(**answer["next"])
         if answer["done"]:
             self._decide(scored, now)
@@ -411,15 +451,11 @@ class AutotuneSampler:
                                start_score=statistics.mean(
                                    s.score for s in scored if s.knobs == scored[0].knobs),
                                chosen_score=self.best.score)
-        if self.log:
-            knobs_file = self.log.finish(self.best)
-            self.emit(f"raytrain-x autotune: log {self.log.path}, knobs {knobs_file}")
         if self.best.knobs == scored[0].knobs:
             verdict = "no setting beat the starting knobs beyond the noise floor"
         else:
             verdict = f"{self.cost.gain:.2f}x the start"
-        self.emit(f"raytrain-x autotune: done after {len(scored)} samples; keeping "
-                  f"{describe(self.best.knobs)} ({self._fmt(self.best.score)} mean, {verdict})")
+        self.report.decided(self.best, len(scored), verdict)
 
     def _after_steps(self) -> int:
         return max(2 * self.config.steps_per_sample, 4)
@@ -429,17 +465,7 @@ class AutotuneSampler:
         self.finished = True
         per_step = (now - self.window.start) / max(self.window.steps, 1)
         self.cost = dataclasses.replace(self.cost, after_step_s=per_step)
-        if self.log:
-            self.log.finish_cost(self.best, self.cost)
-        self.emit(f"raytrain-x autotune: tuning took {self.cost.tuning_s:.1f} s for "
-                  f"{self.cost.tuning_steps} steps; the same steps at the chosen knobs take "
-                  f"{self.cost.tuning_steps * per_step:.1f} s (measured after tuning): cost "
-                  f"{self.cost.ratio:.2f}x; chosen knobs {self.cost.gain:.2f}x the start")
-
-    def _fmt(self, score: float) -> str:
-        if self.unit == "bytes/s":
-            return f"{score / 1e6:.1f} MB/s"
-        return f"{score:.3g} {self.unit}"
+        self.report.cost(self.best, self.cost, per_step)
 
 
 def _in_background(fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
