@@ -1,4 +1,6 @@
-"""A synthetic torch model of any parameter shapes (see `raytrain_x.common.workloads`)."""
+"""Torch workloads for benchmarks and tests: a synthetic model of any parameter shapes (see
+`raytrain_x.common.workloads`), and networks whose backward computes (ResNet-18, a GPT-style
+decoder) with deterministic synthetic data."""
 
 from __future__ import annotations
 
@@ -23,3 +25,82 @@ def shaped_model(shapes: list[tuple[int, ...]]):
             return total * 0.5
 
     return ShapedModel()
+
+
+# ----------------------------------------------------------------------------- networks
+# Models whose backward computes (the benchmarks of docs/performance.md, issue 30): plain
+# torch, no torchvision. Synthetic data is deterministic per (rank, step).
+
+class _BasicBlock(torch.nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.down = None
+        if stride != 1 or cin != cout:
+            self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False),
+                                      nn.BatchNorm2d(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return torch.relu(out + (x if self.down is None else self.down(x)))
+
+
+def resnet18(num_classes: int = 100) -> torch.nn.Module:
+    """ResNet-18 (He et al.; torchvision's layout: 7x7 stride-2 stem, max pool, four stages
+    of two basic blocks, 64-512 channels): 11.2M parameters, 62 tensors."""
+    nn = torch.nn
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64),
+                               nn.ReLU(), nn.MaxPool2d(3, 2, 1)]
+    cin = 64
+    for i, cout in enumerate((64, 128, 256, 512)):
+        layers += [_BasicBlock(cin, cout, 1 if i == 0 else 2), _BasicBlock(cout, cout, 1)]
+        cin = cout
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, num_classes)]
+    return nn.Sequential(*layers)
+
+
+class GPTDecoder(torch.nn.Module):
+    """A GPT-style decoder language model: token and position embeddings, pre-norm causal
+    self-attention blocks (GELU MLP of 4x width), a final norm and a head tied to the token
+    embedding."""
+
+    def __init__(self, vocab: int = 8192, layers: int = 6, width: int = 512, heads: int = 8,
+                 seq: int = 128) -> None:
+        super().__init__()
+        nn = torch.nn
+        torch.manual_seed(0)
+        self.tokens = nn.Embedding(vocab, width)
+        self.positions = nn.Embedding(seq, width)
+        block = nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0,
+                                           activation="gelu", batch_first=True,
+                                           norm_first=True)
+        self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(width)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq),
+                             persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        n = ids.shape[1]
+        x = self.tokens(ids) + self.positions(torch.arange(n, device=ids.device))
+        x = self.blocks(x, mask=self.mask[:n, :n], is_causal=True)
+        return self.norm(x) @ self.tokens.weight.t()
+
+
+def synthetic_images(batch: int, size: int = 64, classes: int = 100, seed: int = 0):
+    """(images [batch, 3, size, size], labels [batch]), the same for the same seed."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(batch, 3, size, size, generator=g),
+            torch.randint(0, classes, (batch,), generator=g))
+
+
+def synthetic_tokens(batch: int, seq: int = 128, vocab: int = 8192, seed: int = 0):
+    """(input ids [batch, seq], next-token targets [batch, seq]), the same for the seed."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, seq + 1), generator=g)
+    return ids[:, :-1], ids[:, 1:]
