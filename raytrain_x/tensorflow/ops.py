@@ -116,19 +116,6 @@ def _wait(tokens: Sequence[np.ndarray], step: bool) -> None:
         runtime.mark_step()
 
 
-def _reduce_scales(op: str, prescale: float, postscale: float,
-                   tensors: Sequence[tf.Tensor]) -> tuple[float, float]:
-    if prescale == 1.0 and postscale == 1.0:
-        return 1.0, 1.0
-    if op not in (Average, Sum):
-        raise ConfigError("prescale_factor/postscale_factor apply to Sum and Average only")
-    if any(t.dtype.is_integer for t in tensors) and \
-            not (float(prescale).is_integer() and float(postscale).is_integer()):
-        raise ConfigError("integer tensors take whole prescale/postscale factors only, got "
-                          f"{prescale} and {postscale}; cast to a float dtype first")
-    return float(prescale), float(postscale)
-
-
 def _tail_rows(pad: int, dtype: tf.DType, count: int) -> list[tf.Tensor]:
     """A row of zeros for the end of each of `count` chunks: it keeps a concatenation a
     fresh buffer even for one tensor (a lone input would be passed through, and the
