@@ -22,7 +22,23 @@ from raytrain_x.tensorflow.gradients import GradientReducer
 _LegacyOptimizer = tf.compat.v1.train.Optimizer
 
 
-class _LegacyDistributedOptimizer(_LegacyOptimizer):
+class _Wrapping(_LegacyOptimizer):
+    """A v1 optimizer around `self._optimizer`, whose slots and variables are the wrapped
+    one's."""
+
+    _optimizer: Any
+
+    def get_slot(self, *args: Any, **kwargs: Any) -> Any:
+        return self._optimizer.get_slot(*args, **kwargs)
+
+    def get_slot_names(self, *args: Any, **kwargs: Any) -> Any:
+        return self._optimizer.get_slot_names(*args, **kwargs)
+
+    def variables(self, *args: Any, **kwargs: Any) -> Any:
+        return self._optimizer.variables(*args, **kwargs)
+
+
+class _LegacyDistributedOptimizer(_Wrapping):
     """Wraps a `tf.compat.v1.train.Optimizer`: `compute_gradients` combines the gradients
     across ranks; everything else is the wrapped optimizer's. With
     `backward_passes_per_step=k` (graphs only, as in Horovod) the gradients accumulate in
@@ -107,17 +123,8 @@ class _LegacyDistributedOptimizer(_LegacyOptimizer):
 
         return tf.cond(self._is_update, update, count_only)
 
-    def get_slot(self, *args: Any, **kwargs: Any) -> Any:
-        return self._optimizer.get_slot(*args, **kwargs)
 
-    def get_slot_names(self, *args: Any, **kwargs: Any) -> Any:
-        return self._optimizer.get_slot_names(*args, **kwargs)
-
-    def variables(self, *args: Any, **kwargs: Any) -> Any:
-        return self._optimizer.variables(*args, **kwargs)
-
-
-class _LegacyAdasumOptimizer(_LegacyOptimizer):
+class _LegacyAdasumOptimizer(_Wrapping):
     """Horovod's Adasum for a `tf.compat.v1.train.Optimizer`: each rank applies its own
     gradients, then every `passes`-th pass the ranks combine the change of each variable
     since the last combination with Adasum and all continue from the combined value (a
@@ -166,15 +173,6 @@ class _LegacyAdasumOptimizer(_LegacyOptimizer):
             return tf.group(*updates)
 
         return tf.cond(tf.equal(count % self._passes, 0), combine, tf.no_op)
-
-    def get_slot(self, *args: Any, **kwargs: Any) -> Any:
-        return self._optimizer.get_slot(*args, **kwargs)
-
-    def get_slot_names(self, *args: Any, **kwargs: Any) -> Any:
-        return self._optimizer.get_slot_names(*args, **kwargs)
-
-    def variables(self, *args: Any, **kwargs: Any) -> Any:
-        return self._optimizer.variables(*args, **kwargs)
 
 
 def DistributedOptimizer(optimizer: Any, name: str | None = None, use_locking: bool = False,
