@@ -1,23 +1,41 @@
-"""Throughput of networks whose backward computes, 2 workers on one host (issue 30's
-first figures: the baseline before any overlap work).
+"""Throughput of networks whose backward computes: one host, and an emulated cluster.
 
 Workloads (`raytrain_x.torch.workloads`, plain torch, synthetic deterministic data):
-  resnet18   ResNet-18 (11.2M parameters) on 64x64 images, SGD with momentum
-  gpt        a GPT-style decoder (6 layers, width 512, sequence 128, 23.2M parameters),
-             AdamW
+  resnet18   ResNet-18 (11.2M parameters, 45 MB of gradients) on 64x64 images, SGD
+             with momentum
+  gpt        a GPT-style decoder (6 layers, width 512, sequence 128, 23.2M parameters,
+             93 MB of gradients), AdamW
 Ways, in the same processes, interleaved round by round (--repeats rounds):
-  floor      each worker trains on its own (no communication): the compute floor
+  solo       rank 0 trains alone while the others wait (one worker's throughput)
+  floor      every worker trains on its own at once (no communication): the compute floor
   ddp<N>     DistributedDataParallel with bucket_cap_mb=N (25 is DDP's default)
   rx         raytrain_x.torch.DistributedOptimizer as the README calls it
-Reports samples/s per way (median over rounds, with min-max), the overhead over the floor
-and the ratio to DDP's default and to DDP's best bucket. Writes results/real_networks.json.
+  rx-hier    the same with hierarchical allreduce on (worlds of several hosts with
+             several workers each)
+  rx-b<N>    the same with bucket_cap_mb=N fixed (0: every gradient goes on its own and the
+             engine fuses what is ready in each cycle, Horovod's way); --rx-buckets
+  rx-t<M>c<C>  the default path at fusion threshold M MB and cycle time C ms (--grid-mb
+             and --grid-ms: the landscape autotune searches)
+  rx-serial  one bucket for every gradient, reduced after backward ends: nothing overlaps
+             (the reference the hidden share is measured against)
+Reports, per way: samples/s (median over rounds, min-max), against the floor, DDP's
+default and DDP's best bucket; scaling efficiency (samples/s over workers x solo); and the
+share of communication hidden behind backward, 1 - (t - t_floor) / (t_serial - t_floor)
+with t the seconds per step. Writes results/real_networks[_<where>].json and a plot.
 
-Run alone: .venv/bin/python benchmarks/real_networks.py [--repeats 5] [--steps 6]
+Where:
+  --hosts 1 (default)   --workers ranks as processes on this machine
+  --hosts 2             an emulated cluster (network namespaces, one Ray node per host,
+                        `tc tbf` links of --link-gbit): RayExecutor with 1 and 2 workers
+                        per host (--per-host). Needs root.
+
+Run alone: .venv/bin/python benchmarks/real_networks.py [--hosts 2] [--repeats 5]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -26,9 +44,18 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import join_world, median_across_ranks, print_table, run_ranks, write_json  # noqa: E402
+from common import (  # noqa: E402
+    RESULTS_DIR,
+    join_world,
+    median_across_ranks,
+    print_table,
+    run_ranks,
+    write_json,
+)
 
 BATCH = {"resnet18": 32, "gpt": 4}  # per worker: a step of 0.2-2 s on this machine
+DEFAULT_FUSION = {"fusion_threshold_bytes": 64 << 20, "cycle_time_ms": 1.0}  # Knobs()
+SERIAL_MB = 4096.0  # a bucket larger than any workload: one collective after backward
 
 
 def _workload(name: str):
@@ -48,7 +75,7 @@ def _workload(name: str):
                 data, torch.nn.functional.cross_entropy)
 
     def tokens(rank: int, step: int):
-        return synthetic_tokens(batch, seed=1000 * rank + step)
+        return synthetic_tokens(batch, seq=128, seed=1000 * rank + step)
 
     def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
@@ -56,14 +83,46 @@ def _workload(name: str):
     return (GPTDecoder, lambda m: torch.optim.AdamW(m.parameters(), 3e-4), tokens, lm_loss)
 
 
-def _worker(rank: int, size: int, port: int, args, queue) -> None:
+def agree_knobs(**changes) -> None:
+    """Rank 0 sets knobs; every rank returns once it runs with them (the same number of
+    collectives on every rank)."""
+    import raytrain_x.torch as rx
+
+    if rx.rank() == 0:
+        rx.set_knobs(rx.knobs().replace(**changes))
+    flag = torch.zeros(1)
+    while True:
+        current = rx.knobs()
+        flag[0] = float(all(getattr(current, k) == v for k, v in changes.items()))
+        rx.allreduce_(flag, op=rx.Min, name="knob_switch")
+        if flag[0] == 1:
+            return
+
+
+def ways_of(args, hierarchical: bool) -> list[str]:
+    ways = ["solo", "floor", *(f"ddp{b:g}" for b in args.ddp_buckets), "rx",
+            *(f"rx-b{b:g}" for b in args.rx_buckets),
+            *(f"rx-t{mb:g}c{ms:g}" for mb in args.grid_mb for ms in args.grid_ms)]
+    if hierarchical:
+        ways.append("rx-hier")
+    return ways + ["rx-serial"]
+
+
+def _say(message: str) -> None:
+    sys.stdout.write(message + "\n")
+    sys.stdout.flush()
+
+
+def measure(args, hierarchical: bool) -> dict:
+    """Runs in every rank of a world that has joined both torch.distributed's default
+    group and raytrain-x; returns {workload: {way: [samples/s per round]}}."""
+    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import raytrain_x.torch as rx
 
-    join_world(rank, size, port)
-    rx.init()
-    ways = ["floor", *(f"ddp{b:g}" for b in args.ddp_buckets), "rx"]
+    rank, size = dist.get_rank(), dist.get_world_size()
+    ways = ways_of(args, hierarchical)
     out: dict[str, dict[str, list[float]]] = {}
     for name in args.workloads:
         make_model, make_opt, data, loss_fn = _workload(name)
@@ -75,25 +134,177 @@ def _worker(rank: int, size: int, port: int, args, queue) -> None:
                 if way.startswith("ddp"):
                     model = DDP(model, bucket_cap_mb=float(way[3:]))
                     opt = make_opt(model)
-                elif way == "rx":
-                    opt = rx.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+                elif way.startswith("rx"):
+                    cap = (SERIAL_MB if way == "rx-serial" else
+                           float(way[4:]) if way.startswith("rx-b") else None)
+                    opt = rx.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                                  bucket_cap_mb=cap)
+                    knobs = {"hierarchical_allreduce": way == "rx-hier",
+                             **DEFAULT_FUSION}
+                    if way.startswith("rx-t"):
+                        mb, ms = way[4:].split("c")
+                        knobs.update(fusion_threshold_bytes=int(float(mb) * 2**20),
+                                     cycle_time_ms=float(ms))
+                    agree_knobs(**knobs)
                 counter = iter(range(1 << 30))
+                trains = way != "solo" or rank == 0
 
-                def step(model=model, opt=opt, counter=counter) -> None:
-                    x, y = data(rank, next(counter))
-                    opt.zero_grad()
-                    loss_fn(model(x), y).backward()
-                    opt.step()
+                def step(model=model, opt=opt, counter=counter, trains=trains) -> None:
+                    if trains:
+                        x, y = data(rank, next(counter))
+                        opt.zero_grad()
+                        loss_fn(model(x), y).backward()
+                        opt.step()
 
                 seconds = median_across_ranks(step, args.steps, warmup=2)
-                out[name][way].append(BATCH[name] * size / seconds)
+                workers = 1 if way == "solo" else size
+                out[name][way].append(BATCH[name] * workers / seconds)
                 if rank == 0:
-                    print(f"{name} round {r + 1}/{args.repeats} {way}: "
-                          f"{BATCH[name] * size / seconds:.1f} samples/s "
-                          f"({seconds:.3f} s/step)", flush=True)
+                    _say(f"{name} round {r + 1}/{args.repeats} {way}: "
+                        f"{BATCH[name] * workers / seconds:.1f} samples/s "
+                        f"({seconds:.3f} s/step)")
+                del model, opt
+    return out
+
+
+# ----------------------------------------------------------------------------- one host
+def _local_worker(rank: int, size: int, port: int, args, queue) -> None:
+    import raytrain_x.torch as rx
+
+    join_world(rank, size, port)
+    rx.init()
+    out = measure(args, hierarchical=False)
     if rank == 0:
-        queue.put(out)
+        queue.put({"transport": rx.transport(), "results": out})
     rx.shutdown()
+
+
+# ----------------------------------------------------------------------------- emulated
+def _ray_worker(args) -> dict:
+    """Runs in each RayExecutor worker of the emulated cluster."""
+    import os
+    import socket
+    from datetime import timedelta
+
+    import ray
+    import torch.distributed as dist
+
+    import raytrain_x.torch as rx
+
+    torch.set_num_threads(1)
+    rx.init()
+    rank, size = rx.rank(), rx.size()
+    ip = ray.util.get_node_ip_address()
+    with socket.socket() as s:
+        s.bind((ip, 0))
+        port = s.getsockname()[1]
+    master, port = rx.broadcast_object((ip, port) if rank == 0 else None, root_rank=0,
+                                       name="baseline_store")
+    os.environ["GLOO_SOCKET_IFNAME"] = "eth0"  # gloo's default is the hostname: loopback
+    dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=rank,
+                            world_size=size, timeout=timedelta(seconds=300))
+    del os.environ["GLOO_SOCKET_IFNAME"]
+    out = measure(args, hierarchical=rx.local_size() > 1 and rx.cross_size() > 1)
+    transport = rx.transport()
+    dist.destroy_process_group()
+    rx.shutdown()
+    return {"transport": transport, "results": out}
+
+
+def _drive(args) -> None:
+    """The driver, on host 0 of the emulated cluster: one world per --per-host value."""
+    import ray
+
+    from raytrain_x.ray import RayExecutor
+
+    ray.init(log_to_driver=True)
+    done: dict = {}
+    try:
+        for per_host in args.per_host:
+            ex = RayExecutor(num_hosts=args.hosts, num_workers_per_host=per_host)
+            ex.start()
+            try:
+                done[str(per_host)] = ex.run(_ray_worker, args=[args])[0]
+            finally:
+                ex.shutdown()
+            Path(args.inside).write_text(json.dumps(done))
+    finally:
+        ray.shutdown()
+
+
+def _emulated(args) -> dict:
+    from raytrain_x.testing import EmulatedCluster
+
+    inner = RESULTS_DIR / "real_networks.raw.json"
+    RESULTS_DIR.mkdir(exist_ok=True)
+    inner.unlink(missing_ok=True)
+    began = time.monotonic()
+    with EmulatedCluster(hosts=args.hosts, workers_per_host=max(args.per_host),
+                         link_gbit=args.link_gbit) as cluster:
+        print(f"emulated cluster up in {time.monotonic() - began:.1f}s: {args.hosts} hosts, "
+              f"{args.link_gbit:g} Gbit/s links", flush=True)
+        cmd = [sys.executable, __file__, "--inside", str(inner), *sys.argv[1:]]
+        finished = cluster.run(cmd, capture_output=False, timeout_s=6 * 3600)
+    if not inner.exists():
+        raise SystemExit(f"the driver on host 0 failed (exit {finished.returncode})")
+    raw = json.loads(inner.read_text())
+    inner.unlink()
+    if finished.returncode != 0:
+        print(f"the driver failed (exit {finished.returncode}); reporting what it finished")
+    return raw
+
+
+# ----------------------------------------------------------------------------- report
+def summarise(results: dict[str, dict[str, list[float]]], workers: int) -> tuple[list, dict]:
+    rows, summary = [], {}
+    for name, ways in results.items():
+        med = {w: statistics.median(v) for w, v in ways.items()}
+        ddps = {w: m for w, m in med.items() if w.startswith("ddp")}
+        best_ddp = max(ddps, key=ddps.get)
+        per_step = {w: BATCH[name] * (1 if w == "solo" else workers) / m
+                    for w, m in med.items()}
+        exposed = per_step["rx-serial"] - per_step["floor"]
+        for way, values in ways.items():
+            hidden = (1 - (per_step[way] - per_step["floor"]) / exposed
+                      if way not in ("solo", "floor") and exposed > 0 else None)
+            rows.append({"workload": name, "way": way, "samples/s": med[way],
+                         "min": min(values), "max": max(values),
+                         "spread %": 100 * (max(values) - min(values)) / med[way],
+                         "vs floor": med[way] / med["floor"],
+                         "vs ddp25": med[way] / med["ddp25"],
+                         "vs best ddp": med[way] / med[best_ddp],
+                         "scaling": (med[way] / (workers * med["solo"])
+                                     if way != "solo" else 1.0),
+                         "hidden": "" if hidden is None else hidden})
+        summary[name] = {"median": med, "best_ddp": best_ddp, "seconds_per_step": per_step}
+    return rows, summary
+
+
+def plot(sections: dict[str, list[dict]], path: Path) -> None:
+    """Samples/s of every way as a share of the floor, one panel per world."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(sections), figsize=(5.5 * len(sections), 4),
+                             squeeze=False)
+    for ax, (title, rows) in zip(axes[0], sections.items()):
+        names = list(dict.fromkeys(r["workload"] for r in rows))
+        ways = [w for w in dict.fromkeys(r["way"] for r in rows) if w != "solo"]
+        width = 0.8 / len(ways)
+        for i, way in enumerate(ways):
+            values = [next((r["vs floor"] for r in rows
+                            if r["workload"] == n and r["way"] == way), 0) for n in names]
+            ax.bar([j + i * width for j in range(len(names))], values, width, label=way)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(names))], names)
+        ax.set_ylim(0, 1.1)
+        ax.axhline(1.0, color="black", lw=0.6)
+        ax.set_ylabel("samples/s / compute floor")
+        ax.set_title(title, fontsize=9)
+    axes[0][-1].legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def main() -> None:
@@ -103,28 +314,48 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=6, help="timed steps per way and round")
     parser.add_argument("--ddp-buckets", type=float, nargs="+", default=[25.0, 5.0, 100.0])
-    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--rx-buckets", type=float, nargs="*", default=[],
+                        help="raytrain-x with these fixed bucket sizes (MB) as well")
+    parser.add_argument("--grid-mb", type=float, nargs="*", default=[],
+                        help="fusion thresholds (MB) of the knob grid")
+    parser.add_argument("--grid-ms", type=float, nargs="*", default=[1.0],
+                        help="cycle times (ms) of the knob grid")
+    parser.add_argument("--workers", type=int, default=2, help="one host: how many ranks")
+    parser.add_argument("--hosts", type=int, default=1)
+    parser.add_argument("--per-host", type=int, nargs="+", default=[1, 2],
+                        help="emulated hosts: workers per host, one world each")
+    parser.add_argument("--link-gbit", type=float, default=1.0)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--inside", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.inside:
+        _drive(args)
+        return
     started = time.monotonic()
-    out = run_ranks(_worker, args.workers, args)
-    rows, payload = [], {"workers": args.workers, "repeats": args.repeats,
-                         "steps": args.steps, "batch_per_worker": BATCH, "results": {}}
-    for name, ways in out.items():
-        med = {w: statistics.median(v) for w, v in ways.items()}
-        ddps = {w: m for w, m in med.items() if w.startswith("ddp")}
-        best_ddp = max(ddps, key=ddps.get)
-        for way, values in ways.items():
-            rows.append({"workload": name, "way": way, "samples/s": med[way],
-                         "min": min(values), "max": max(values),
-                         "vs floor": med[way] / med["floor"],
-                         "vs ddp25": med[way] / med["ddp25"],
-                         "vs best ddp": med[way] / med[best_ddp]})
-        payload["results"][name] = {"samples_per_s": ways, "median": med,
-                                    "best_ddp": best_ddp}
-    print_table(rows, ["workload", "way", "samples/s", "min", "max", "vs floor", "vs ddp25",
-                       "vs best ddp"])
+    if args.hosts == 1:
+        worlds = {f"1 host x {args.workers}": (args.workers,
+                                               run_ranks(_local_worker, args.workers, args))}
+        where = "real_networks"
+    else:
+        raw = _emulated(args)
+        worlds = {f"{args.hosts} hosts x {k} ({args.link_gbit:g} Gbit/s)":
+                  (args.hosts * int(k), v) for k, v in raw.items()}
+        where = "real_networks_emulated"
+    payload: dict = {"repeats": args.repeats, "steps": args.steps, "batch_per_worker": BATCH,
+                     "link_gbit": args.link_gbit if args.hosts > 1 else None, "worlds": {}}
+    sections = {}
+    for title, (workers, got) in worlds.items():
+        rows, summary = summarise(got["results"], workers)
+        print(f"\n{title}, transport {got['transport']}")
+        print_table(rows, ["workload", "way", "samples/s", "min", "max", "spread %",
+                           "vs floor", "vs ddp25", "vs best ddp", "scaling", "hidden"])
+        payload["worlds"][title] = {"workers": workers, "transport": got["transport"],
+                                    "samples_per_s": got["results"], "rows": rows, **summary}
+        sections[title] = rows
     payload["seconds"] = round(time.monotonic() - started, 1)
-    print(f"wrote {write_json('real_networks', payload)}")
+    path = write_json(where, payload, args.json)
+    plot(sections, path.with_suffix(".png"))
+    print(f"wrote {path} and {path.with_suffix('.png')}")
 
 
 if __name__ == "__main__":

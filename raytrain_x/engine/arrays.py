@@ -72,6 +72,12 @@ class ArrayOps:
     def is_floating(self, a: Any) -> bool:
         return self.dtype(a).startswith(("float", "bfloat"))
 
+    def span(self, arrays: Sequence[Any]) -> Any | None:
+        """One flat array over the memory of `arrays` when they lie back to back in one
+        buffer, in this order (gradients that are views of one flat buffer): a fused batch
+        of them is reduced in place, without packing. None otherwise."""
+        return None
+
 
 class NumpyOps(ArrayOps):
     family = "numpy"

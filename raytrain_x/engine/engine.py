@@ -56,6 +56,8 @@ class EngineStats:
     negotiations: int = 0  # cycles that needed the allgather of reports
     speculated: int = 0  # cycles whose batch went with its readiness count (one round trip)
     speculation_misses: int = 0  # speculative cycles some rank was not ready for
+    fused: int = 0  # allreduce batches of several tensors
+    fused_in_place: int = 0  # ... of which were reduced where they lie, with no packing
 
     def add(self, kind: str, nbytes: int, seconds: float) -> None:
         self.bytes[kind] = self.bytes.get(kind, 0) + nbytes
@@ -96,7 +98,7 @@ class Engine:
                                       speculate=self._transport.name != "shm")
         self._timeline = (Timeline(timeline_path, timeline_mark_cycles)
                           if timeline_path and self.rank == 0 else None)
-        self._executor = CollectiveExecutor(self._transport, self._timeline)
+        self._executor = CollectiveExecutor(self._transport, self._timeline, self.stats)
         self._cond = threading.Condition()
         self._queue: list[Request] = []
         self._inflight: set[str] = set()

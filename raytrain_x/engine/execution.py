@@ -37,9 +37,10 @@ from raytrain_x.engine.transport import Transport
 class CollectiveExecutor:
     """Runs agreed batches on this rank; `run` returns one result per response."""
 
-    def __init__(self, transport: Transport, timeline: Timeline | None) -> None:
+    def __init__(self, transport: Transport, timeline: Timeline | None, stats: Any) -> None:
         self.transport = transport
         self.timeline = timeline
+        self.stats = stats  # the engine's EngineStats: counts fused and in-place batches
         self._buffers = FusionBufferPool()
         self._kinds = {ALLREDUCE: self._allreduce, ALLGATHER: self._allgather,
                        BROADCAST: self._broadcast, ALLTOALL: self._alltoall,
@@ -100,6 +101,7 @@ class CollectiveExecutor:
             int_post, pre, post = post, 1, 1
         wire = meta.wire_dtype or meta.dtype
         row = batch[0].name if len(batch) == 1 else f"fused[{len(batch)}]"
+        self.stats.fused += len(batch) > 1
         transport = self.transport
         hierarchical = knobs.hierarchical_allreduce
         if len(tensors) == 1 and wire == meta.dtype:
@@ -110,6 +112,17 @@ class CollectiveExecutor:
                         lambda: transport.allreduce(t, reduce_op, pset, hierarchical))
             if post != 1.0:
                 t *= post
+        elif wire == meta.dtype and (span := ops.span(tensors)) is not None:
+            # Views of one flat buffer, back to back in batch order (DistributedOptimizer's
+            # gradients): the batch is reduced where it lies, no copies. The elements are in
+            # the same order as a packed batch, so ranks that pack agree with this one.
+            self.stats.fused_in_place += 1
+            if pre != 1.0:
+                span *= pre
+            self._timed(row, "ALLREDUCE",
+                        lambda: transport.allreduce(span, reduce_op, pset, hierarchical))
+            if post != 1.0:
+                span *= post
         elif wire == meta.dtype and transport.can_reduce_many(pset, tensors):
             # Fused straight through the shared slots: no fusion-buffer copies.
             self._timed(row, "ALLREDUCE",

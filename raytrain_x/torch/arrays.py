@@ -56,6 +56,24 @@ class TorchOps(ArrayOps):
     def is_floating(self, a):
         return a.is_floating_point()
 
+    def span(self, arrays):
+        first = arrays[0]
+        if first.device.type != "cpu":
+            return None
+        storage = first.untyped_storage()
+        base = storage.data_ptr()
+        end = first.data_ptr()
+        size = first.element_size()
+        for t in arrays:
+            if (t.data_ptr() != end or t.dtype != first.dtype or not t.is_contiguous()
+                    or t.untyped_storage().data_ptr() != base):
+                return None
+            end += t.numel() * size
+        if end > base + storage.nbytes():
+            return None
+        count = (end - first.data_ptr()) // size
+        return first.new_empty(0).set_(storage, first.storage_offset(), (count,))
+
 
 TORCH = TorchOps()
 register(TORCH, torch.Tensor)

@@ -1,23 +1,27 @@
 """`DistributedOptimizer`: allreduce gradients from backward hooks, wait in `step()`.
 
-Gradients live in flat buckets whose size is the fusion threshold knob (or a size the user
-fixes with `bucket_cap_mb`). When the knobs change, every rank rebuilds its buckets at the
-same `step()`: the first one whose last collective ran after the cycle of the switch, a
-cycle number every rank shares.
+By default every gradient is a view into one flat buffer per dtype and device (an arena),
+laid out in the order backward produces the gradients, and goes to the engine on its own
+the moment it is ready. The engine fuses whatever is ready in a cycle up to the fusion
+threshold (Horovod's dynamic fusion, so communication starts with the first gradient and
+keeps pace with backward) and, a batch lying back to back in the arena, reduces it where it
+lies: no fusion-buffer copies. The first step shows the order backward really produces the
+gradients; the arena is laid out again in that order once. `bucket_cap_mb` or `groups` fix
+buckets instead (DDP's way): each bucket is one collective when its last gradient is ready.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
-from raytrain_x.autotune.sampler import BATCHING_BUCKETS, BATCHING_FIXED_BUCKETS
+from raytrain_x.autotune.sampler import BATCHING_FIXED_BUCKETS
 from raytrain_x.common.errors import ConfigError
-from raytrain_x.common.knobs import load_knobs
 from raytrain_x.core import runtime
 from raytrain_x.core.collectives import predivided
 from raytrain_x.core.process_sets import ProcessSet, global_process_set
@@ -35,8 +39,12 @@ from raytrain_x.torch.ops import (
 )
 
 
+_UNNAMED = itertools.count()  # DistributedOptimizers built without named_parameters
+
+
 class _Bucket:
-    """Parameters whose gradients are views into one persistent flat buffer."""
+    """Parameters whose gradients are views into one persistent flat buffer (a bucket,
+    reduced as one collective, or an arena, whose gradients go one by one)."""
 
     def __init__(self, index: int, params: list[torch.Tensor]) -> None:
         self.name = f"grad.bucket{index}"
@@ -62,11 +70,17 @@ class _Bucket:
 
     def attach(self) -> None:
         """Points every parameter's `.grad` at its view (autograd then accumulates in place)."""
-        for p, view in self.views.items():
-            if p.grad is not view:
-                if p.grad is not None:
-                    view.copy_(p.grad)
-                p.grad = view
+        for p in self.views:
+            self.attach_one(p)
+
+    def attach_one(self, p: torch.Tensor) -> None:
+        """Points `p.grad` back at its view (after a `model.zero_grad()` set it to None
+        and backward made a new tensor), keeping the gradient's value."""
+        view = self.views[p]
+        if p.grad is not view:
+            if p.grad is not None:
+                view.copy_(p.grad)
+            p.grad = view
 
 
 def bucket_groups(params: list[torch.Tensor], cap_bytes: int) -> list[list[torch.Tensor]]:
@@ -115,7 +129,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 raise ConfigError(f"named_parameters misses {len(missing)} of the optimizer's "
                                   "parameters; pass model.named_parameters() of the same model")
         else:
-            by_id = {id(p): f"allreduce.noname.{i}" for i, p in enumerate(all_params)}
+            # Horovod's names; a second unnamed optimizer (built in the same order on
+            # every rank) gets its own, so both can reduce in the same backward
+            unnamed = next(_UNNAMED)
+            prefix = "allreduce" if unnamed == 0 else f"allreduce.opt{unnamed}"
+            by_id = {id(p): f"{prefix}.noname.{i}" for i, p in enumerate(all_params)}
         self._names = {p: by_id[id(p)] for p in all_params}
         self._parameter_names = self._names  # Horovod's attribute name
         # A rank outside the process set trains locally: no collectives (as in Horovod).
@@ -131,86 +149,105 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # such a parameter leaves its bucket before its sparse gradient would be summed
         # into the bucket's dense view; each probe removes itself after that first look.
         self._probes = {p: p.register_hook(self._probe(p)) for p in self._requires_update}
-        # Gradient buckets: grads are views into persistent flat buffers, each bucket is
-        # reduced in place the moment its last gradient is ready (no pack/unpack copies).
-        # Their size follows the fusion threshold unless the user fixed it.
-        self._fixed_cap = None if bucket_cap_mb is None else int(bucket_cap_mb * 2**20)
+        # Gradient layout (see the module's docstring): arenas by default, fixed buckets
+        # when the user sizes them (bucket_cap_mb > 0) or lists them (groups).
+        cap = int(bucket_cap_mb * 2**20) if bucket_cap_mb else 0
         self._groups = _explicit_groups(groups, self._requires_update)
-        if self._groups is not None:
-            self._fixed_cap = 1  # Horovod's groups: fixed, explicit buckets
-            runtime.note_batching(BATCHING_FIXED_BUCKETS)
-        elif self._fixed_cap is None:
-            runtime.note_batching(BATCHING_BUCKETS)
-        elif self._fixed_cap > 0:
+        if self._groups is not None or cap > 0:
             runtime.note_batching(BATCHING_FIXED_BUCKETS)
         self._buckets: list[_Bucket] = []
         self._bucket_of: dict[torch.Tensor, _Bucket] = {}
         self._bucket_handles: dict[_Bucket, Handle] = {}
+        self._arenas: list[_Bucket] = []
+        self._arena_of: dict[torch.Tensor, _Bucket] = {}
+        self._order: list[torch.Tensor] = []  # gradients in the order their hooks ran
+        self._relaid = False  # the arenas follow the order backward produced them in
         self._cap = -1
-        self._last_cycle = -1  # engine cycle of the last synchronized step's last collective
-        self.rebuilds: list[tuple[int, int]] = []  # (step, bucket bytes) of every rebuild
         self._steps = 0
-        self._build_buckets(self._fixed_cap if self._fixed_cap is not None
-                            else _starting_threshold())
+        self._build_buckets(cap)
 
     def _scales(self) -> tuple[str, float, float]:
         return predivided(self._op, self._predivide, self._process_set.size())
 
     @property
     def bucket_cap_bytes(self) -> int:
-        """The bucket size in effect (0: every gradient is reduced on its own)."""
+        """The fixed bucket size in effect (0: no buckets; every gradient goes on its own
+        and the engine fuses them up to the fusion threshold)."""
         return self._cap
 
-    def _build_buckets(self, cap_bytes: int) -> None:
-        """Lays the gradients out in buckets of `cap_bytes`, keeping their values. Old
-        buffers are freed as soon as their last gradient has moved, so the rebuild holds at
-        most about one old and one new bucket beyond the gradients themselves."""
-        old_of = self._bucket_of
-        left = {b: len(b.params) for b in self._buckets}
+    def _build_buckets(self, cap_bytes: int, order: list[torch.Tensor] | None = None) -> None:
+        """Lays the gradients out in buckets of `cap_bytes` (0: in arenas, in `order` or
+        in reverse registration order), keeping their values. Old buffers are freed as soon
+        as their last gradient has moved, so a rebuild holds at most about one old and one
+        new buffer beyond the gradients themselves."""
+        old_of = {**self._bucket_of, **self._arena_of}
+        left = {b: len(b.params) for b in (*self._buckets, *self._arenas)}
         dense = [p for p in self._requires_update if p not in self._sparse]
+        arenas: list[list[torch.Tensor]] = []
         if self._groups is not None:
             groups = [g for group in self._groups
                       for g in bucket_groups([p for p in group if p not in self._sparse],
                                              2**62)]
+        elif cap_bytes > 0:
+            groups = bucket_groups(dense, cap_bytes)
         else:
-            groups = bucket_groups(dense, cap_bytes) if cap_bytes > 0 else []
+            groups = []
+            if order is not None:  # the observed order first, anything it missed after
+                seen = set(order)
+                kept = set(dense)
+                dense = [*(p for p in reversed(dense) if p not in seen),
+                         *reversed([p for p in order if p in kept])]
+            arenas = bucket_groups(dense, 2**62)  # one per dtype and device run
         self._buckets, self._bucket_of = [], {}
-        for i, params in enumerate(groups):
-            bucket = _Bucket(i, params)  # copies each current gradient into its new view
-            self._buckets.append(bucket)
-            for p in params:
-                self._bucket_of[p] = bucket
-                _moved(p, old_of, left)
-        for p in self._requires_update:  # now reduced one by one: own their gradient
-            if p not in self._bucket_of and p in old_of:
+        self._arenas, self._arena_of = [], {}
+        for layout, of, params_lists in ((self._buckets, self._bucket_of, groups),
+                                         (self._arenas, self._arena_of, arenas)):
+            for params in params_lists:
+                buffer = _Bucket(len(layout), params)  # copies each gradient into its view
+                layout.append(buffer)
+                for p in params:
+                    of[p] = buffer
+                    _moved(p, old_of, left)
+        for p in self._requires_update:  # out of every buffer (sparse): owns its gradient
+            if p not in self._bucket_of and p not in self._arena_of and p in old_of:
                 if p.grad is not None:
                     p.grad = p.grad.clone()
                 _moved(p, old_of, left)
         self._cap = cap_bytes
 
-    def _follow_knobs(self) -> None:
-        """Rebuilds the buckets when the knobs agreed before this step's last collective
-        ask for another size (the same decision on every rank)."""
-        if self._fixed_cap is not None or self._last_cycle < 0 or not runtime.is_initialized():
+    def _relay_arenas(self) -> None:
+        """After the first step whose gradients all came from backward: lays the arenas out
+        in the order the hooks ran, so the batches the engine fuses lie back to back."""
+        order, self._order = self._order, []
+        if self._relaid or not self._arenas or len(order) < len(self._arena_of):
             return
-        cap = runtime.engine().knobs_before(self._last_cycle).fusion_threshold_bytes
-        if cap != self._cap:
-            self._build_buckets(cap)
-            self.rebuilds.append((self._steps, cap))
+        self._relaid = True
+        laid = [id(p) for arena in self._arenas for p in arena.params]
+        if [id(p) for p in order if p in self._arena_of] != laid:
+            self._build_buckets(0, order)
 
     def _probe(self, p: torch.Tensor):
         def look(grad: torch.Tensor) -> None:
             self._probes.pop(p).remove()
             if grad.is_sparse:
                 self._sparse.add(p)
-                if p in self._bucket_of:  # out of its bucket, and its view off .grad
-                    self._build_buckets(self._cap)
+                # out of its buffer, where its slot stays as a hole of zeros: the other
+                # gradients keep their views (some may be in flight already)
+                holder = self._bucket_of.pop(p, None) or self._arena_of.pop(p, None)
+                if holder is not None:
+                    holder.params.remove(p)
+                    del holder.views[p]
                     p.grad = None
         return look
 
     def _allreduce_grad(self, p: torch.Tensor) -> Handle:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
+        if p.grad is None:  # no gradient this step: zeros, as Horovod sends
+            arena = self._arena_of.get(p)
+            if arena is not None:
+                arena.views[p].zero_()
+                arena.attach_one(p)
+            else:
+                p.grad = torch.zeros_like(p)
         if p.grad.is_sparse:
             return self._allreduce_sparse(p)
         op, pre, post = self._scales()
@@ -281,6 +318,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise ConfigError(
                 f"gradient of {self._names[p]!r} computed twice before step(); with gradient "
                 "accumulation pass backward_passes_per_step, or call synchronize() first")
+        arena = self._arena_of.get(p)
+        if arena is not None:
+            arena.attach_one(p)
+            if not self._relaid and self._passes[p] == 0:
+                self._order.append(p)
         self._passes[p] += 1
         if self._passes[p] >= self.backward_passes_per_step:
             self._passes[p] = 0
@@ -301,7 +343,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             handles = [*self._handles.values(), *self._bucket_handles.values()]
             for handle in handles:
                 synchronize(handle)
-            self._last_cycle = max((h.cycle for h in handles), default=-1)
             self._synchronized = True
         finally:  # on failure too: an elastic reset must find no stale handles
             self._handles.clear()
@@ -332,7 +373,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         result = super(self.__class__, self).step(closure)  # type: ignore[misc]
         self._steps += 1
-        self._follow_knobs()
+        self._relay_arenas()
         runtime.mark_step()
         return result
 
@@ -343,10 +384,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._handles or self._bucket_handles:
             raise ConfigError("zero_grad() called while gradient allreduces are in flight; "
                               "call step() or synchronize() first")
-        for bucket in self._buckets:
+        for bucket in (*self._buckets, *self._arenas):
             bucket.flat.zero_()
             bucket.attach()
-        if len(self._bucket_of) == len(self._requires_update):
+        if len(self._bucket_of) + len(self._arena_of) == len(self._requires_update):
             return None
         return super(self.__class__, self).zero_grad(set_to_none)  # type: ignore[misc]
 
@@ -386,11 +427,13 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
             tensors (given back sparse); by default they go as Horovod sends them, an
             allgather of indices and values.
         process_set: ranks the gradients are reduced over.
-        bucket_cap_mb: gradients are views into flat buckets of at most this size, each
-            reduced in place as soon as its last gradient is ready. By default (None) the
-            size is the fusion threshold knob (`--fusion-threshold-mb`), which autotune
-            moves; a value fixes the size and takes it out of the search; 0 reduces every
-            gradient on its own through the engine's fusion (Horovod's way).
+        bucket_cap_mb: by default (None, or 0) every gradient goes to the engine the
+            moment it is ready and the engine fuses what is ready in each cycle up to the
+            fusion threshold knob (`--fusion-threshold-mb`, which autotune moves), as
+            Horovod does; gradients are views of one flat buffer in the order backward
+            makes them, so fused batches are reduced where they lie. A size in MB makes
+            DDP-style fixed buckets instead, each reduced as one collective when its last
+            gradient is ready; the fusion threshold then leaves autotune's search.
     """
     if backward_passes_per_step < 1:
         raise ConfigError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
@@ -565,9 +608,3 @@ def _moved(p: torch.Tensor, old_of: dict, left: dict) -> None:
         if left[old] == 0:
             old.release()
 
-
-def _starting_threshold() -> int:
-    """The fusion threshold the engine started with: the same on every rank (rank 0's
-    knobs are adopted at init), whatever switches a rank has already seen since."""
-    knobs = runtime.starting_knobs()
-    return (knobs or load_knobs()[0]).fusion_threshold_bytes

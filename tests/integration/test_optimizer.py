@@ -153,42 +153,62 @@ def _deep_model() -> torch.nn.Module:
                                torch.nn.Tanh(), torch.nn.Linear(32, 3))
 
 
+def _views_of_arenas(opt, model) -> bool:
+    """Every gradient lies inside one of the optimizer's arenas, in the order the hooks
+    ran (so a fused batch of them is back to back)."""
+    laid = [p for arena in opt._arenas for p in arena.params]
+    spans = [(a.flat.data_ptr(), a.flat.data_ptr() + a.flat.numel() * 4) for a in opt._arenas]
+    return (sorted(map(id, laid)) == sorted(id(p) for p in model.parameters())
+            and all(any(lo <= p.grad.data_ptr() < hi for lo, hi in spans)
+                    for p in model.parameters()))
+
+
 def _across_switches(steps: int, batch: int) -> dict:
     import raytrain_x.torch as rx
     from raytrain_x import Knobs
+    from raytrain_x.core import runtime
 
     rx.init(knobs=Knobs(fusion_threshold_bytes=64 << 20, cycle_time_ms=0.5))
+    stats = runtime.engine().stats
     model = _deep_model()
     opt = rx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                   named_parameters=model.named_parameters())
     n, r = rx.size(), rx.rank()
-    kept, views = True, True
+    kept, views, fused = True, True, []
     for i, (x, y) in enumerate(_data(steps, batch)):
         if r == 0 and i in SWITCHES:
             rx.set_knobs(rx.knobs().replace(fusion_threshold_bytes=SWITCHES[i]))
         shard = slice(r * batch // n, (r + 1) * batch // n)
-        opt.zero_grad()
+        if i % 2:
+            model.zero_grad()  # gradients set to None: they must find their arena again
+        else:
+            opt.zero_grad()
+        before = (stats.fused, stats.fused_in_place, rx.knobs().fusion_threshold_bytes)
         torch.nn.functional.cross_entropy(model(x[shard]), y[shard]).backward()
         opt.synchronize()
         grads = [p.grad.clone() for p in model.parameters()]
         with opt.skip_synchronize():
-            opt.step()  # may rebuild the buckets: the gradients must survive it
+            opt.step()  # the first one lays the arena out again: gradients must survive it
+        threshold = rx.knobs().fusion_threshold_bytes  # -1: it changed during the step
+        fused.append((threshold if threshold == before[2] else -1, stats.fused - before[0],
+                      stats.fused_in_place - before[1]))
         kept = kept and all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
-        if opt.bucket_cap_bytes:
-            views = views and _views_of_buckets(opt, model)
+        views = views and _views_of_arenas(opt, model)
     return {"state": {k: v.clone() for k, v in model.state_dict().items()},
-            "rebuilds": opt.rebuilds, "kept": kept, "views": views}
+            "fused": fused, "kept": kept, "views": views}
 
 
-def test_knob_switch_rebuilds_buckets_at_the_same_step_on_every_rank():
+def test_gradients_fuse_in_place_and_follow_knob_switches():
     steps, batch = 12, 24
     results = run_workers(_across_switches, 3, steps, batch)
-    rebuilds = results[0]["rebuilds"]
-    assert [cap for _, cap in rebuilds] == list(SWITCHES.values())
-    assert all(r["rebuilds"] == rebuilds for r in results)  # the same step on every rank
-    for (step, _), asked in zip(rebuilds, SWITCHES):
-        assert asked < step <= asked + 2  # the step after the switch lands
     assert all(r["kept"] and r["views"] for r in results)
+    fused = results[0]["fused"]
+    # with no fusion (threshold 0) nothing is fused; where batches are fused after the
+    # first step (the arena laid out in backward's order), every one is in place
+    assert any(threshold == 0 for threshold, _, _ in fused)
+    assert all(count == 0 for threshold, count, _ in fused if threshold == 0)
+    assert sum(count for _, count, _ in fused[1:]) > 0
+    assert all(in_place == count for _, count, in_place in fused[1:])
     reference = _single(steps, batch, "sgd", _deep_model)
     for key, value in reference.items():
         assert torch.allclose(results[0]["state"][key], value, atol=1e-5, rtol=1e-5), key
@@ -209,11 +229,10 @@ def _fixed_bucket() -> dict:
         opt.zero_grad()
         model(torch.ones(2, 16)).sum().backward()
         opt.step()
-    return {"cap": opt.bucket_cap_bytes, "rebuilds": opt.rebuilds,
-            "threshold": rx.knobs().fusion_threshold_bytes}
+    return {"cap": opt.bucket_cap_bytes, "threshold": rx.knobs().fusion_threshold_bytes}
 
 
 def test_a_user_fixed_bucket_size_ignores_the_knob():
     results = run_workers(_fixed_bucket, 2)
     assert all(r["threshold"] == 0 for r in results)  # the knob did change ...
-    assert all(r["cap"] == 1048 and r["rebuilds"] == [] for r in results)  # ... buckets not
+    assert all(r["cap"] == 1048 for r in results)  # ... the buckets did not
