@@ -31,7 +31,6 @@ from raytrain_x.engine.messages import ALLGATHER, ALLREDUCE, Response
 log = logging.getLogger("raytrain_x.autotune")
 
 # What the fusion threshold governs on this job's path, as frameworks report it.
-BATCHING_BUCKETS = "buckets"  # gradient buckets sized by the knob
 BATCHING_FIXED_BUCKETS = "fixed buckets"  # buckets of a size the user fixed
 
 
@@ -94,7 +93,7 @@ class JobObserver:
     def relevant(self, knobs: Knobs, shape: JobShape) -> tuple[list[str], dict[str, str]]:
         """(knobs to search, {knob: why it is left out})."""
         out: dict[str, str] = {}
-        if not self.fusable and BATCHING_BUCKETS not in self.batching:
+        if not self.fusable:
             out["fusion_threshold_bytes"] = (
                 "every allreduce is a bucket of a size the user fixed (bucket_cap_mb)"
                 if BATCHING_FIXED_BUCKETS in self.batching else "no fusable allreduce")

@@ -167,14 +167,6 @@ def autotune_sampler() -> AutotuneSampler | None:
     return _sampler
 
 
-def starting_knobs() -> Knobs | None:
-    """The knobs this world's engine started with (the same on every rank), also after the
-    engine failed (a dead peer must surface inside `elastic.run`, not here); None before
-    init."""
-    eng = _engine
-    return eng.knobs_before(0) if eng is not None else None
-
-
 def mark_step() -> None:
     """Marks the end of a training step; autotune scores steps between marks.
     `DistributedOptimizer.step()` calls it; a loop without one may call it by hand."""
@@ -197,9 +189,9 @@ def autotune_batch_size(batch_size: int) -> None:
 
 
 def note_batching(kind: str) -> None:
-    """A framework says how its gradients are batched (`BATCHING_BUCKETS` when the fusion
-    threshold sizes its buckets, `BATCHING_FIXED_BUCKETS` when the user fixed the size);
-    autotune leaves out the fusion threshold when nothing it governs is used."""
+    """A framework says how its gradients are batched (`BATCHING_FIXED_BUCKETS` when the
+    user fixed bucket sizes); autotune leaves out the fusion threshold when nothing it
+    governs is used."""
     _batching.add(kind)
     sampler = _sampler
     if sampler is not None:

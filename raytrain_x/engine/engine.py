@@ -105,7 +105,6 @@ class Engine:
         self._pending: dict[str, Request] = {}
         self._requested_knobs: Knobs | None = None
         # (cycle at whose end the knobs took effect, knobs), oldest first; cycle 0 = start.
-        self._knob_history: list[tuple[int, Knobs]] = [(0, knobs)]
         self._knob_listeners: list[Callable[[Knobs], None]] = []
         self._cycle_hooks: list[Callable[[Knobs, int, list[Response]], None]] = []
         self._shutdown_requested = False
@@ -150,19 +149,6 @@ class Engine:
 
     def on_knobs_changed(self, listener: Callable[[Knobs], None]) -> None:
         self._knob_listeners.append(listener)
-
-    def knobs_before(self, cycle: int) -> Knobs:
-        """The knobs in effect for work done after cycle `cycle` began: the latest switch
-        that took effect at the end of an earlier cycle. Every rank gets the same answer for
-        the same cycle number (cycles are lockstep), whatever its own thread has seen since,
-        so a framework can rebuild per-knob structures (gradient buckets) at a step that
-        every rank agrees on."""
-        with self._cond:
-            history = list(self._knob_history)
-        for applied_at, knobs in reversed(history):
-            if applied_at < cycle:
-                return knobs
-        return history[0][1]
 
     def add_cycle_hook(self, hook: Callable[[Knobs, int, list[Response]], None]) -> None:
         """Runs `hook(knobs, step, responses)` on the engine thread after each cycle that
@@ -370,11 +356,6 @@ class Engine:
         self._negotiator.set_cache_capacity(knobs.cache_capacity)
         self._negotiator.speculator.reset()
         self.knobs = knobs
-        with self._cond:
-            # A step's last collective is at most a few cycles old when it asks, so a short
-            # history suffices; the starting knobs stay first (knobs_before(0)).
-            self._knob_history = [self._knob_history[0], *self._knob_history[1:][-30:],
-                                  (self.stats.cycles, knobs)]
         for listener in self._knob_listeners:
             listener(knobs)
 

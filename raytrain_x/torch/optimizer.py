@@ -38,7 +38,6 @@ from raytrain_x.torch.ops import (
     synchronize,
 )
 
-
 _UNNAMED = itertools.count()  # DistributedOptimizers built without named_parameters
 
 

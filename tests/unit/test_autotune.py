@@ -232,15 +232,13 @@ def _run_marked(sampler, clock, step_s, cycles=2000, stop=lambda s: s.finished):
 
 
 def _marked_sampler(tmp_path, **config_kwargs):
-    from raytrain_x.autotune.sampler import BATCHING_BUCKETS
-
     config = AutotuneConfig(log_file=str(tmp_path / "tune.csv"), warmup_samples=1,
                             steps_per_sample=3, sub_windows=3, **config_kwargs)
     clock = _Clock()
     lines: list[str] = []
     sampler = AutotuneSampler(config, AutotuneController(config, Knobs(), frozenset()), [].append,
                               lines.append, clock=clock, background=False)
-    sampler.batching.add(BATCHING_BUCKETS)
+    sampler.observer.fusable = True  # gradients that fuse: the fusion threshold is searched
     return sampler, clock, lines
 
 
@@ -263,7 +261,7 @@ def test_dimensions_that_cannot_matter_are_not_searched(tmp_path):
 
     sampler, clock, lines = _marked_sampler(tmp_path, bayes_opt_max_samples=3)
     _run_marked(sampler, clock, lambda k: 0.1, stop=lambda s: s.searched is not None)
-    # one host: no hierarchy; 2 names fit the cache; buckets follow the fusion threshold
+    # one host: no hierarchy; 2 names fit the cache; gradients fuse up to the threshold
     assert sampler.searched == ["fusion_threshold_bytes", "cycle_time_ms"]
     assert set(sampler.advisor.free_knobs) == {"fusion_threshold_bytes", "cycle_time_ms"}
     assert any("searching fusion_threshold_bytes, cycle_time_ms" in line
