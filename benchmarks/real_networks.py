@@ -16,6 +16,8 @@ Ways, in the same processes, interleaved round by round (--repeats rounds):
              engine fuses what is ready in each cycle, Horovod's way); --rx-buckets
   rx-t<M>c<C>  the default path at fusion threshold M MB and cycle time C ms (--grid-mb
              and --grid-ms: the landscape autotune searches)
+  rx-tuned   the default path at the knobs autotune chose for this workload in this world
+             (--autotune: tuned first, with the settings users get; the log is kept)
   rx-serial  one bucket for every gradient, reduced after backward ends: nothing overlaps
              (the reference the hidden share is measured against)
 Reports, per way: samples/s (median over rounds, min-max), against the floor, DDP's
@@ -36,6 +38,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import statistics
 import sys
 import time
@@ -99,6 +103,47 @@ def agree_knobs(**changes) -> None:
             return
 
 
+def tune(name: str, args, tag: str) -> dict:
+    """Autotune with the settings users get, on `name`, in this world; returns the chosen
+    knobs. The world is made again without autotune afterwards."""
+    import torch.distributed as dist
+
+    import raytrain_x.torch as rx
+    from raytrain_x.common.autotune_config import AutotuneConfig
+    from raytrain_x.core import runtime
+
+    rank = dist.get_rank()
+    log = RESULTS_DIR / f"{tag}_{name}_autotune.csv"
+    rx.shutdown()
+    rx.init(autotune=AutotuneConfig(log_file=str(log)))
+    rx.autotune_batch_size(BATCH[name])
+    make_model, make_opt, data, loss_fn = _workload(name)
+    model = make_model()
+    opt = rx.DistributedOptimizer(make_opt(model), named_parameters=model.named_parameters())
+    began, steps = time.perf_counter(), 0
+    while True:
+        x, y = data(rank, steps)
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+        steps += 1
+        if steps % 5 == 0:
+            sampler = runtime.autotune_sampler()  # rank 0's; None elsewhere
+            done = torch.tensor([1.0 if sampler is None or sampler.finished else 0.0])
+            if rx.allreduce(done, op=rx.Min, name="tuning_done").item() == 1.0:
+                break
+            if rank == 0 and steps % 50 == 0:
+                _say(f"{name} autotune: {steps} steps, {time.perf_counter() - began:.0f}s")
+    tuned = rx.knobs().to_dict()
+    rx.shutdown()
+    rx.init()
+    if rank == 0:
+        _say(f"{name} autotune chose {tuned} in {steps} steps "
+             f"({time.perf_counter() - began:.0f}s); log {log}")
+    return {"knobs": tuned, "steps": steps, "seconds": time.perf_counter() - began,
+            "log": str(log)}
+
+
 def ways_of(args, hierarchical: bool) -> list[str]:
     ways = ["solo", "floor", *(f"ddp{b:g}" for b in args.ddp_buckets), "rx",
             *(f"rx-b{b:g}" for b in args.rx_buckets),
@@ -108,23 +153,31 @@ def ways_of(args, hierarchical: bool) -> list[str]:
     return ways + ["rx-serial"]
 
 
+def _ways_for(name: str, args, hierarchical: bool) -> list[str]:
+    ways = ways_of(args, hierarchical)
+    return ways + ["rx-tuned"] if name in args.autotune else ways
+
+
 def _say(message: str) -> None:
     sys.stdout.write(message + "\n")
     sys.stdout.flush()
 
 
-def measure(args, hierarchical: bool) -> dict:
+def measure(args, hierarchical: bool, tag: str) -> dict:
     """Runs in every rank of a world that has joined both torch.distributed's default
-    group and raytrain-x; returns {workload: {way: [samples/s per round]}}."""
+    group and raytrain-x; returns {workload: {way: [samples/s per round]}} and, under
+    "autotune", what tuning chose for each tuned workload."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import raytrain_x.torch as rx
 
     rank, size = dist.get_rank(), dist.get_world_size()
-    ways = ways_of(args, hierarchical)
-    out: dict[str, dict[str, list[float]]] = {}
+    out: dict[str, dict] = {"autotune": {}}
     for name in args.workloads:
+        ways = _ways_for(name, args, hierarchical)
+        if name in args.autotune:
+            out["autotune"][name] = tune(name, args, tag)
         make_model, make_opt, data, loss_fn = _workload(name)
         out[name] = {w: [] for w in ways}
         for r in range(args.repeats):
@@ -141,7 +194,9 @@ def measure(args, hierarchical: bool) -> dict:
                                                   bucket_cap_mb=cap)
                     knobs = {"hierarchical_allreduce": way == "rx-hier",
                              **DEFAULT_FUSION}
-                    if way.startswith("rx-t"):
+                    if way == "rx-tuned":
+                        knobs = dict(out["autotune"][name]["knobs"])
+                    elif way.startswith("rx-t"):
                         mb, ms = way[4:].split("c")
                         knobs.update(fusion_threshold_bytes=int(float(mb) * 2**20),
                                      cycle_time_ms=float(ms))
@@ -173,10 +228,66 @@ def _local_worker(rank: int, size: int, port: int, args, queue) -> None:
 
     join_world(rank, size, port)
     rx.init()
-    out = measure(args, hierarchical=False)
+    out = measure(args, hierarchical=False, tag="real_networks")
     if rank == 0:
         queue.put({"transport": rx.transport(), "results": out})
     rx.shutdown()
+
+
+# ----------------------------------------------------------------------------- memory
+def _memory_worker(rank: int, size: int, port: int, args, way: str, queue) -> None:
+    """One way in a fresh world: peak resident memory of a few training steps."""
+    import resource
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import raytrain_x.torch as rx
+
+    join_world(rank, size, port)
+    rx.init()
+    name = args.workloads[0]
+    make_model, make_opt, data, loss_fn = _workload(name)
+    before = _rss_mb()
+    model = make_model()
+    opt = make_opt(model)
+    if way.startswith("ddp"):
+        model = DDP(model, bucket_cap_mb=float(way[3:]))
+        opt = make_opt(model)
+    elif way == "rx":
+        opt = rx.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    for step in range(4):
+        x, y = data(rank, step)
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    got = torch.tensor([peak, peak - before], dtype=torch.float64)
+    torch.distributed.all_reduce(got, op=torch.distributed.ReduceOp.MAX)
+    if rank == 0:
+        queue.put({"peak_mb": got[0].item(), "training_mb": got[1].item()})
+    rx.shutdown()
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def memory(args) -> dict:
+    """Peak memory per way, each in fresh processes (a process's peak never goes down)."""
+    out = {}
+    for name in args.workloads:
+        one = argparse.Namespace(**{**vars(args), "workloads": [name]})
+        out[name] = {way: run_ranks(_memory_worker, args.workers, one, way)
+                     for way in ["floor", *(f"ddp{b:g}" for b in args.ddp_buckets), "rx"]}
+    rows = [{"workload": name, "way": way, "peak MB": m["peak_mb"],
+             "training MB": m["training_mb"],
+             "peak vs ddp25": m["peak_mb"] / ways["ddp25"]["peak_mb"],
+             "training vs ddp25": m["training_mb"] / ways["ddp25"]["training_mb"]}
+            for name, ways in out.items() for way, m in ways.items()]
+    print_table(rows, ["workload", "way", "peak MB", "training MB", "peak vs ddp25",
+                       "training vs ddp25"])
+    return {"memory": out, "rows": rows}
 
 
 # ----------------------------------------------------------------------------- emulated
@@ -204,7 +315,8 @@ def _ray_worker(args) -> dict:
     dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=rank,
                             world_size=size, timeout=timedelta(seconds=300))
     del os.environ["GLOO_SOCKET_IFNAME"]
-    out = measure(args, hierarchical=rx.local_size() > 1 and rx.cross_size() > 1)
+    out = measure(args, hierarchical=rx.local_size() > 1 and rx.cross_size() > 1,
+                  tag=f"real_networks_{args.hosts}x{rx.local_size()}")
     transport = rx.transport()
     dist.destroy_process_group()
     rx.shutdown()
@@ -258,6 +370,8 @@ def _emulated(args) -> dict:
 def summarise(results: dict[str, dict[str, list[float]]], workers: int) -> tuple[list, dict]:
     rows, summary = [], {}
     for name, ways in results.items():
+        if name == "autotune":
+            continue
         med = {w: statistics.median(v) for w, v in ways.items()}
         ddps = {w: m for w, m in med.items() if w.startswith("ddp")}
         best_ddp = max(ddps, key=ddps.get)
@@ -277,6 +391,17 @@ def summarise(results: dict[str, dict[str, list[float]]], workers: int) -> tuple
                                      if way != "solo" else 1.0),
                          "hidden": "" if hidden is None else hidden})
         summary[name] = {"median": med, "best_ddp": best_ddp, "seconds_per_step": per_step}
+        grid = {w: m for w, m in med.items() if re.fullmatch(r"rx-t[\d.]+c[\d.]+", w)}
+        if "rx-tuned" in med:
+            grid["rx"] = med["rx"]  # the default knobs are a point of the landscape too
+            best = max(grid, key=grid.get)
+            summary[name]["autotune"] = {
+                **results["autotune"][name], "grid_best": best,
+                "tuned_over_grid_best": med["rx-tuned"] / grid[best],
+                "tuned_over_default": med["rx-tuned"] / med["rx"]}
+            print(f"{name}: autotune chose {results['autotune'][name]['knobs']}; tuned "
+                  f"{med['rx-tuned'] / grid[best]:.3f}x the grid best ({best}), "
+                  f"{med['rx-tuned'] / med['rx']:.3f}x the default")
     return rows, summary
 
 
@@ -325,6 +450,10 @@ def main() -> None:
     parser.add_argument("--per-host", type=int, nargs="+", default=[1, 2],
                         help="emulated hosts: workers per host, one world each")
     parser.add_argument("--link-gbit", type=float, default=1.0)
+    parser.add_argument("--autotune", nargs="*", default=[], choices=sorted(BATCH),
+                        help="workloads to autotune first (then measured as rx-tuned)")
+    parser.add_argument("--memory", action="store_true",
+                        help="peak memory per way instead (one host, fresh processes each)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--inside", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -332,6 +461,9 @@ def main() -> None:
         _drive(args)
         return
     started = time.monotonic()
+    if args.memory:
+        print(f"wrote {write_json('real_networks_memory', memory(args), args.json)}")
+        return
     if args.hosts == 1:
         worlds = {f"1 host x {args.workers}": (args.workers,
                                                run_ranks(_local_worker, args.workers, args))}

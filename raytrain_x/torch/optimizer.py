@@ -215,10 +215,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._cap = cap_bytes
 
     def _relay_arenas(self) -> None:
-        """After the first step whose gradients all came from backward: lays the arenas out
-        in the order the hooks ran, so the batches the engine fuses lie back to back."""
+        """After the first step whose gradients all came from backward (or the third step,
+        if some parameter never gets one): lays the arenas out in the order the hooks ran,
+        so the batches the engine fuses lie back to back."""
         order, self._order = self._order, []
-        if self._relaid or not self._arenas or len(order) < len(self._arena_of):
+        if (self._relaid or not self._arenas or not order
+                or (len(order) < len(self._arena_of) and self._steps < 3)):
             return
         self._relaid = True
         laid = [id(p) for arena in self._arenas for p in arena.params]

@@ -177,3 +177,20 @@ def test_unpack_into_read_only_array_is_a_clear_error():
 def test_unsupported_buffer_dtype():
     with pytest.raises(ConfigError, match="unsupported dtype 'complex64'"):
         FusionBufferPool().get("complex64", 16)
+
+
+def test_a_batch_back_to_back_in_one_buffer_is_one_span_and_anything_else_is_none():
+    from raytrain_x.torch.arrays import TORCH
+
+    flat = torch.arange(12.0)
+    a, b, c = flat[0:3], flat[3:9].view(2, 3), flat[9:12]
+    span = TORCH.span([a, b, c])
+    assert span.data_ptr() == flat.data_ptr() and span.numel() == 12
+    span *= 2  # the span is the gradients' own memory: no copy
+    assert torch.equal(flat, torch.arange(12.0) * 2)
+    assert torch.equal(TORCH.span([b, c]), flat[3:])
+    assert TORCH.span([b, a]) is None  # not in batch order: a packed batch's order differs
+    assert TORCH.span([a, c]) is None  # a gap
+    assert TORCH.span([torch.ones(3), torch.ones(3)]) is None  # two buffers
+    assert TORCH.span([flat[0:6].view(3, 2).t(), flat[6:]]) is None  # not contiguous
+    assert TORCH.span([flat[0:2], flat.to(torch.float64)[2:]]) is None

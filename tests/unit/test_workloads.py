@@ -34,3 +34,23 @@ def test_the_gpt_decoder_is_causal_and_trains_on_synthetic_tokens():
     torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
     assert model.tokens.weight.grad is not None
     assert sum(p.numel() for p in GPTDecoder().parameters()) == 23_175_168
+
+
+def test_the_keras_twins_match_the_torch_networks():
+    pytest = __import__("pytest")
+    pytest.importorskip("tensorflow")
+    from raytrain_x.tensorflow import workloads as kw
+
+    resnet = kw.resnet18()
+    assert len(resnet.trainable_weights) == 62
+    assert sum(int(w.numpy().size) for w in resnet.trainable_weights) == 11_227_812
+    x, y = kw.synthetic_images(2, seed=3)
+    assert (x == kw.synthetic_images(2, seed=3)[0]).all() and x.shape == (2, 64, 64, 3)
+    assert resnet(x).shape == (2, 100)
+    gpt = kw.gpt_decoder(vocab=64, layers_=2, width=32, heads=4, seq=16)
+    ids, targets = kw.synthetic_tokens(2, seq=16, vocab=64, seed=1)
+    assert (ids[:, 1:] == targets[:, :-1]).all()
+    logits = gpt(ids).numpy()
+    changed = ids.copy()
+    changed[:, -1] = (changed[:, -1] + 1) % 64  # the last token cannot change earlier outputs
+    assert abs(gpt(changed).numpy()[:, :-1] - logits[:, :-1]).max() < 1e-5

@@ -1,0 +1,166 @@
+"""The TensorFlow face on networks that compute: Keras `model.fit` with raytrain-x's
+`DistributedOptimizer` against TensorFlow's own `MultiWorkerMirroredStrategy`.
+
+Workloads (`raytrain_x.tensorflow.workloads`, the Keras twins of the torch benchmark's):
+  resnet18   ResNet-18 on 64x64 images, SGD with momentum
+  gpt        the GPT-style decoder (6 layers, width 512, sequence 128), AdamW
+Ways, in the same processes (MultiWorkerMirroredStrategy is made first, as TensorFlow
+requires; the other models are built outside its scope), interleaved round by round:
+  floor      every worker fits on its own (no communication): the compute floor
+  rx         `rx.DistributedOptimizer(optimizer)` in `model.compile`, as the README shows
+  mwms       `MultiWorkerMirroredStrategy` (ring collectives over gRPC), model built and
+             compiled in its scope, each worker feeding its own per-replica batches
+Each way fits the same steps per round (`model.fit(..., steps_per_epoch=--steps)` after an
+untimed warm-up fit); samples/s counts every worker's samples; the time is the slowest
+worker's. Writes results/keras_networks.json and a plot.
+
+Run alone: .venv/bin/python benchmarks/keras_networks.py [--repeats 5] [--steps 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import free_port, print_table, run_ranks, write_json  # noqa: E402
+
+BATCH = {"resnet18": 32, "gpt": 4}  # per worker, as in real_networks.py
+WAYS = ("floor", "rx", "mwms")
+
+
+def _worker(rank: int, size: int, port: int, args, ports: list[int], queue) -> None:
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    os.environ["TF_CONFIG"] = json.dumps({
+        "cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
+        "task": {"type": "worker", "index": rank}})
+    os.environ.update({"RAYTRAIN_X_RANK": str(rank), "RAYTRAIN_X_SIZE": str(size),
+                       "RAYTRAIN_X_STORE_ADDR": "127.0.0.1",
+                       "RAYTRAIN_X_STORE_PORT": str(port)})
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()  # before any other TF work
+    import keras
+
+    import raytrain_x.tensorflow as tfrx
+    import raytrain_x.tensorflow.keras as rx
+    from raytrain_x.tensorflow import workloads
+
+    rx.init()
+
+    def slowest(seconds: float) -> float:
+        return float(tfrx.allreduce(tf.constant([seconds], tf.float64), op=tfrx.Max,
+                                    name="slowest")[0])
+
+    def dataset(name: str, batch: int, seed: int):
+        if name == "resnet18":
+            x, y = workloads.synthetic_images(batch, seed=seed)
+        else:
+            x, y = workloads.synthetic_tokens(batch, seed=seed)
+        data = tf.data.Dataset.from_tensors((x, y)).repeat()
+        options = tf.data.Options()
+        options.experimental_distribute.auto_shard_policy = (
+            tf.data.experimental.AutoShardPolicy.OFF)
+        return data.with_options(options)
+
+    def build(name: str, way: str):
+        model = workloads.resnet18() if name == "resnet18" else workloads.gpt_decoder()
+        opt = (keras.optimizers.SGD(0.05, momentum=0.9) if name == "resnet18"
+               else keras.optimizers.AdamW(3e-4))
+        if way == "rx":
+            opt = rx.DistributedOptimizer(opt)
+        model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True))
+        return model
+
+    out: dict[str, dict[str, list[float]]] = {}
+    for name in args.workloads:
+        batch = BATCH[name]
+        out[name] = {w: [] for w in WAYS}
+        for r in range(args.repeats):
+            for way in WAYS:
+                if way == "mwms":
+                    with strategy.scope():
+                        model = build(name, way)
+                    # the strategy splits each global batch across the replicas
+                    data = dataset(name, batch * size, seed=r)
+                else:
+                    model = build(name, way)
+                    data = dataset(name, batch, seed=1000 * rank + r)
+                model.fit(data, epochs=1, steps_per_epoch=2, verbose=0)  # builds, warms up
+                slowest(0.0)  # a barrier
+                began = time.perf_counter()
+                model.fit(data, epochs=1, steps_per_epoch=args.steps, verbose=0)
+                seconds = slowest((time.perf_counter() - began) / args.steps)
+                out[name][way].append(batch * size / seconds)
+                if rank == 0:
+                    print(f"{name} round {r + 1}/{args.repeats} {way}: "
+                          f"{batch * size / seconds:.1f} samples/s ({seconds:.3f} s/step)",
+                          flush=True)
+                del model
+                keras.backend.clear_session()
+    if rank == 0:
+        queue.put(out)
+    rx.shutdown()
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(dict.fromkeys(r["workload"] for r in rows))
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for i, way in enumerate(WAYS):
+        values = [next(r["vs floor"] for r in rows if r["workload"] == n and r["way"] == way)
+                  for n in names]
+        ax.bar([j + i * 0.27 for j in range(len(names))], values, 0.27, label=way)
+    ax.set_xticks([j + 0.27 for j in range(len(names))], names)
+    ax.set_ylabel("samples/s / compute floor")
+    ax.set_title("Keras model.fit, 2 workers on one host", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", nargs="+", default=["resnet18", "gpt"],
+                        choices=sorted(BATCH))
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per way and round")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    started = time.monotonic()
+    ports = [free_port() for _ in range(args.workers)]
+    got = run_ranks(_worker, args.workers, args, ports)
+    rows = []
+    for name, ways in got.items():
+        med = {w: statistics.median(v) for w, v in ways.items()}
+        for way, values in ways.items():
+            rows.append({"workload": name, "way": way, "samples/s": med[way],
+                         "min": min(values), "max": max(values),
+                         "spread %": 100 * (max(values) - min(values)) / med[way],
+                         "vs floor": med[way] / med["floor"],
+                         "vs mwms": med[way] / med["mwms"]})
+    print_table(rows, ["workload", "way", "samples/s", "min", "max", "spread %", "vs floor",
+                       "vs mwms"])
+    path = write_json("keras_networks", {
+        "workers": args.workers, "repeats": args.repeats, "steps": args.steps,
+        "batch_per_worker": BATCH, "samples_per_s": got, "rows": rows,
+        "seconds": round(time.monotonic() - started, 1)}, args.json)
+    plot(rows, path.with_suffix(".png"))
+    print(f"wrote {path} and {path.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
