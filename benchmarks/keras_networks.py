@@ -8,8 +8,12 @@ Ways, in the same processes (MultiWorkerMirroredStrategy is made first, as Tenso
 requires; the other models are built outside its scope), interleaved round by round:
   floor      every worker fits on its own (no communication): the compute floor
   rx         `rx.DistributedOptimizer(optimizer)` in `model.compile`, as the README shows
-  mwms       `MultiWorkerMirroredStrategy` (ring collectives over gRPC), model built and
-             compiled in its scope, each worker feeding its own per-replica batches
+  mwms       `MultiWorkerMirroredStrategy` (ring collectives over gRPC): model and optimizer
+             made in its scope, TensorFlow's custom-loop recipe (`strategy.run` of a
+             tape step in a `tf.function`, the dataset distributed by the strategy).
+             Keras 3's `model.fit` does not run under this strategy (keras-team/keras#20585:
+             "Attempt to convert a value (PerReplica...)"), so the loop is the fastest
+             way TensorFlow itself offers a Keras 3 user across workers.
 Each way fits the same steps per round (`model.fit(..., steps_per_epoch=--steps)` after an
 untimed warm-up fit); samples/s counts every worker's samples; the time is the slowest
 worker's. Writes results/keras_networks.json and a plot.
@@ -31,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import free_port, print_table, run_ranks, write_json  # noqa: E402
 
 BATCH = {"resnet18": 32, "gpt": 4}  # per worker, as in real_networks.py
-WAYS = ("floor", "rx", "mwms")
+WAYS = ("floor", "rx", "rx-dense", "mwms")
 
 
 def _worker(rank: int, size: int, port: int, args, ports: list[int], queue) -> None:
@@ -74,11 +78,40 @@ def _worker(rank: int, size: int, port: int, args, ports: list[int], queue) -> N
         model = workloads.resnet18() if name == "resnet18" else workloads.gpt_decoder()
         opt = (keras.optimizers.SGD(0.05, momentum=0.9) if name == "resnet18"
                else keras.optimizers.AdamW(3e-4))
-        if way == "rx":
-            opt = rx.DistributedOptimizer(opt)
+        if way.startswith("rx"):
+            opt = rx.DistributedOptimizer(opt, sparse_as_dense=way == "rx-dense")
         model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(
             from_logits=True))
         return model
+
+    def mirrored_loop(name: str, batch: int, seed: int):
+        with strategy.scope():
+            model = workloads.resnet18() if name == "resnet18" else workloads.gpt_decoder()
+            opt = (keras.optimizers.SGD(0.05, momentum=0.9) if name == "resnet18"
+                   else keras.optimizers.AdamW(3e-4))
+        # each global batch is split across the replicas: `batch` samples per worker
+        data = iter(strategy.experimental_distribute_dataset(
+            dataset(name, batch * size, seed=seed)))
+
+        def replica_step(x, y):
+            with tf.GradientTape() as tape:
+                per_sample = keras.losses.sparse_categorical_crossentropy(
+                    y, model(x, training=True), from_logits=True)
+                loss = tf.reduce_sum(per_sample) / (batch * size * (1 if name == "resnet18"
+                                                                   else per_sample.shape[-1]))
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+
+        @tf.function
+        def train_step():
+            x, y = next(data)
+            return strategy.run(replica_step, args=(x, y))
+
+        def run(steps: int) -> None:
+            for _ in range(steps):
+                train_step()
+        return run
 
     out: dict[str, dict[str, list[float]]] = {}
     for name in args.workloads:
@@ -87,24 +120,24 @@ def _worker(rank: int, size: int, port: int, args, ports: list[int], queue) -> N
         for r in range(args.repeats):
             for way in WAYS:
                 if way == "mwms":
-                    with strategy.scope():
-                        model = build(name, way)
-                    # the strategy splits each global batch across the replicas
-                    data = dataset(name, batch * size, seed=r)
+                    run = mirrored_loop(name, batch, r)
                 else:
                     model = build(name, way)
                     data = dataset(name, batch, seed=1000 * rank + r)
-                model.fit(data, epochs=1, steps_per_epoch=2, verbose=0)  # builds, warms up
+
+                    def run(steps: int, model=model, data=data) -> None:
+                        model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0)
+                run(2)  # builds, warms up
                 slowest(0.0)  # a barrier
                 began = time.perf_counter()
-                model.fit(data, epochs=1, steps_per_epoch=args.steps, verbose=0)
+                run(args.steps)
                 seconds = slowest((time.perf_counter() - began) / args.steps)
                 out[name][way].append(batch * size / seconds)
                 if rank == 0:
                     print(f"{name} round {r + 1}/{args.repeats} {way}: "
                           f"{batch * size / seconds:.1f} samples/s ({seconds:.3f} s/step)",
                           flush=True)
-                del model
+                del run
                 keras.backend.clear_session()
     if rank == 0:
         queue.put(out)

@@ -147,7 +147,9 @@ def tune(name: str, args, tag: str) -> dict:
 def ways_of(args, hierarchical: bool) -> list[str]:
     ways = ["solo", "floor", *(f"ddp{b:g}" for b in args.ddp_buckets), "rx",
             *(f"rx-b{b:g}" for b in args.rx_buckets),
-            *(f"rx-t{mb:g}c{ms:g}" for mb in args.grid_mb for ms in args.grid_ms)]
+            *(f"rx-t{mb:g}c{ms:g}" for mb in args.grid_mb for ms in args.grid_ms
+              if (mb * 2**20, ms) != (DEFAULT_FUSION["fusion_threshold_bytes"],
+                                      DEFAULT_FUSION["cycle_time_ms"]))]  # that one is rx
     if hierarchical:
         ways.append("rx-hier")
     return ways + ["rx-serial"]
