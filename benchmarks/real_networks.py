@@ -37,6 +37,7 @@ Run alone: .venv/bin/python benchmarks/real_networks.py [--hosts 2] [--repeats 5
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import re
@@ -220,7 +221,8 @@ def measure(args, hierarchical: bool, tag: str) -> dict:
                     _say(f"{name} round {r + 1}/{args.repeats} {way}: "
                         f"{BATCH[name] * workers / seconds:.1f} samples/s "
                         f"({seconds:.3f} s/step)")
-                del model, opt
+                del model, opt, step
+                gc.collect()  # DDP's reducer and autograd hooks can form cycles
     return out
 
 

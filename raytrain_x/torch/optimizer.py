@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import warnings
+import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -37,6 +38,29 @@ from raytrain_x.torch.ops import (
     sparse_allreduce_async,
     synchronize,
 )
+
+
+def _hooks(optimizer, params: list[torch.Tensor]) -> list:
+    """Post-accumulate-grad hooks that call `optimizer._on_grad_ready(p)` through a weak
+    reference: parameters outlive a dropped optimizer, and a strong reference from their
+    hooks would keep it (its flat buffers, its optimizer state) until the cycle collector
+    runs, which counts objects, not bytes."""
+    me = weakref.ref(optimizer)
+
+    def ready(p: torch.Tensor) -> None:
+        opt = me()
+        if opt is not None:
+            opt._on_grad_ready(p)
+    return [p.register_post_accumulate_grad_hook(ready) for p in params]
+
+
+def _probe(me: weakref.ref, p: torch.Tensor):
+    def look(grad: torch.Tensor) -> None:
+        opt = me()
+        if opt is not None:
+            opt._look(p, grad)
+    return look
+
 
 _UNNAMED = itertools.count()  # DistributedOptimizers built without named_parameters
 
@@ -142,12 +166,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._passes: dict[torch.Tensor, int] = {p: 0 for p in self._requires_update}
         self._synchronized = False
         self._should_synchronize = True
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
-                       for p in self._requires_update]
+        self._hooks = _hooks(self, self._requires_update)
         # A gradient's first arrival tells whether it is sparse (nn.Embedding(sparse=True)):
         # such a parameter leaves its bucket before its sparse gradient would be summed
         # into the bucket's dense view; each probe removes itself after that first look.
-        self._probes = {p: p.register_hook(self._probe(p)) for p in self._requires_update}
+        me = weakref.ref(self)
+        self._probes = {p: p.register_hook(_probe(me, p)) for p in self._requires_update}
         # Gradient layout (see the module's docstring): arenas by default, fixed buckets
         # when the user sizes them (bucket_cap_mb > 0) or lists them (groups).
         cap = int(bucket_cap_mb * 2**20) if bucket_cap_mb else 0
@@ -227,19 +251,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if [id(p) for p in order if p in self._arena_of] != laid:
             self._build_buckets(0, order)
 
-    def _probe(self, p: torch.Tensor):
-        def look(grad: torch.Tensor) -> None:
-            self._probes.pop(p).remove()
-            if grad.is_sparse:
-                self._sparse.add(p)
-                # out of its buffer, where its slot stays as a hole of zeros: the other
-                # gradients keep their views (some may be in flight already)
-                holder = self._bucket_of.pop(p, None) or self._arena_of.pop(p, None)
-                if holder is not None:
-                    holder.params.remove(p)
-                    del holder.views[p]
-                    p.grad = None
-        return look
+    def _look(self, p: torch.Tensor, grad: torch.Tensor) -> None:
+        """A parameter's first gradient: out of the flat buffers if it is sparse."""
+        self._probes.pop(p).remove()
+        if grad.is_sparse:
+            self._sparse.add(p)
+            # out of its buffer, where its slot stays as a hole of zeros: the other
+            # gradients keep their views (some may be in flight already)
+            holder = self._bucket_of.pop(p, None) or self._arena_of.pop(p, None)
+            if holder is not None:
+                holder.params.remove(p)
+                del holder.views[p]
+                p.grad = None
 
     def _allreduce_grad(self, p: torch.Tensor) -> Handle:
         if p.grad is None:  # no gradient this step: zeros, as Horovod sends
@@ -541,8 +564,7 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
                         for p in self._requires_update}
         self._passes = {p: 0 for p in self._requires_update}
         self._handles: dict[torch.Tensor, Handle] = {}
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
-                       for p in self._requires_update]
+        self._hooks = _hooks(self, self._requires_update)
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         if passes < 1:
