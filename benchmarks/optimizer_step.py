@@ -6,11 +6,11 @@ Same processes, same model, measured back to back:
   ddp25        DistributedDataParallel(bucket_cap_mb=25)
   ddp<N>       DDP with other bucket sizes (--ddp-buckets)
   per_tensor   backward, then one all_reduce per gradient
-  rx           raytrain_x.torch.DistributedOptimizer as the README calls it (buckets sized
-               by the fusion threshold knob, 64 MB by default)
+  rx           raytrain_x.torch.DistributedOptimizer as the README calls it (each gradient
+               sent when ready, fused in place up to the fusion threshold, 64 MB by default)
 Then peak resident memory: each of `none` (no communication), `ddp25`, `rx` and
-`rx_rebuild` (rx whose bucket size rank 0 switches every 3 steps: 1, 256, 25 MB, 0, 64 MB,
-so every rank rebuilds its buckets five times) runs alone in a fresh pair of processes for
+`rx_switch` (rx whose fusion threshold rank 0 switches every 3 steps: 1, 256, 25 MB, 0,
+64 MB) runs alone in a fresh pair of processes for
 the same steps; the peak RSS of the larger rank is kept.
 Prints medians and ratios; writes results/optimizer_step.json.
 
@@ -86,9 +86,8 @@ def _worker(rank: int, size: int, port: int, args, queue) -> None:
             rx_model(scale).backward()
             rx_opt.step()
 
-        key = "rx" if cap < 0 else f"rx_bucket{cap:g}"
-        results[key if cap else "rx_unbucketed"] = median_across_ranks(rx_step, args.repeats,
-                                                                       warmup=3)
+        key = "rx" if cap <= 0 else f"rx_bucket{cap:g}"
+        results[key] = median_across_ranks(rx_step, args.repeats, warmup=3)
     rx.shutdown()
     dist.destroy_process_group()
     if rank == 0:
@@ -111,15 +110,13 @@ def _memory_worker(rank: int, size: int, port: int, method: str, steps: int, que
         rx.init()
         opt = rx.DistributedOptimizer(opt, named_parameters=model.named_parameters())
     scale = torch.ones(())
-    switches = [1, 256, 25, 0, 64] if method == "rx_rebuild" else []
+    switches = [1, 256, 25, 0, 64] if method == "rx_switch" else []
     for i in range(steps):
         if switches and i % 3 == 1 and rank == 0:
             rx.set_knobs(rx.knobs().replace(fusion_threshold_bytes=switches.pop(0) << 20))
         opt.zero_grad()
         model(scale).backward()
         opt.step()
-    if method == "rx_rebuild":
-        assert len(opt.rebuilds) == 5, opt.rebuilds
     peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024])
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if method.startswith("rx"):
@@ -134,10 +131,10 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--ddp-buckets", type=float, nargs="+", default=[25.0, 4.0, 1.0, 100.0])
-    parser.add_argument("--rx-buckets", type=float, nargs="+", default=[-1.0, 25.0, 4.0, 0.0],
+    parser.add_argument("--rx-buckets", type=float, nargs="+", default=[-1.0, 25.0, 4.0],
                         help="DistributedOptimizer bucket_cap_mb values: -1 = not given (the "
-                        "default path: buckets follow the fusion threshold knob; reported as "
-                        "rx), 0 = per-tensor allreduce through the engine's fusion")
+                        "default path: gradients fused in place up to the fusion threshold; "
+                        "reported as rx), N > 0 = fixed buckets of N MB")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if 25.0 not in args.ddp_buckets:
@@ -145,7 +142,7 @@ def main() -> None:
 
     results = run_ranks(_worker, args.workers, args)
     memory = {m: run_ranks(_memory_worker, args.workers, m, max(args.repeats + 3, 17))
-              for m in ("none", "ddp25", "rx", "rx_rebuild")}
+              for m in ("none", "ddp25", "rx", "rx_switch")}
     ddp_keys = [k for k in results if k.startswith("ddp")]
     best_ddp = min(ddp_keys, key=lambda k: results[k])
     rows = [{"method": k, "median ms": results[k] * 1e3,
@@ -158,7 +155,7 @@ def main() -> None:
               "rx_over_best_ddp": results["rx"] / results[best_ddp], "best_ddp": best_ddp,
               "rx_over_flat": results["rx"] / results["flat"],
               "rx_rss_over_ddp25_rss": memory["rx"] / memory["ddp25"],
-              "rx_rebuild_rss_over_ddp25_rss": memory["rx_rebuild"] / memory["ddp25"]}
+              "rx_switch_rss_over_ddp25_rss": memory["rx_switch"] / memory["ddp25"]}
     print_table([{"job": m, "peak RSS MB": mb, "x ddp25": mb / memory["ddp25"]}
                  for m, mb in memory.items()], ["job", "peak RSS MB", "x ddp25"])
     print(ratios)
