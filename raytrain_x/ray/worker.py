@@ -19,6 +19,8 @@ from raytrain_x.comm.store import ActorStore, call_actor
 from raytrain_x.common.errors import LOST_PEER_EXIT_CODE
 from raytrain_x.ray.failures import WorkerFailure
 
+_INITS_PER_ROUND = 1_000_000  # a static round's key spaces: round * this + its nth init()
+
 
 class LeaveJob(BaseException):  # noqa: N818 - a signal like SystemExit, not an error
     """Raised in a worker the elastic driver asked to leave: its node is draining. A
@@ -52,6 +54,7 @@ class WorkerActor:
         self.executable: Any = None
         self.rank = -1
         self.round_id = 0
+        self.inits = 0  # rx.init() calls in the current round
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
@@ -81,9 +84,12 @@ class WorkerActor:
 
         def provider() -> Rendezvous:
             # each run()/execute() is a new round, so a world re-formed after a failure
-            # never reads the keys of the one before
+            # never reads the keys of the one before; and each init() within one (after a
+            # shutdown()) gets its own key space too: every rank counts its inits alike
+            self.inits += 1
             return Rendezvous(store=ActorStore(store_actor, rdv["timeout_s"]),
-                              round=self.round_id, address=self.node_ip(), **rdv)
+                              round=self.round_id * _INITS_PER_ROUND + self.inits,
+                              address=self.node_ip(), **rdv)
 
         set_rendezvous_provider(provider)
 
@@ -119,6 +125,7 @@ class WorkerActor:
         rendezvous round `round_id`; on failure shuts this rank's engine down so its peers
         are released."""
         self.round_id = round_id
+        self.inits = 0
         try:
             if with_executable:
                 return fn(self.executable)

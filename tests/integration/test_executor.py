@@ -138,3 +138,24 @@ def test_num_hosts_spreads_over_nodes_with_cross_ranks(elastic_nodes):
     assert all(r["cross_size"] == 2 and r["local_size"] == 1 and r["local_rank"] == 0
                for r in results)
     assert all(r["sum"] == 1.0 for r in results)
+
+
+def _init_twice() -> list[int]:
+    import raytrain_x.torch as rx
+
+    sums, rank = [], None
+    for _ in range(2):  # shutdown() then init() again, inside one run()
+        if rank == 1:
+            time.sleep(1.0)  # rank 0 meets first: it must not find rank 1's old address
+        rx.init()
+        rank = rx.rank()
+        sums.append(int(rx.allreduce(torch.tensor(rank + 1), op=rx.Sum).item()))
+        rx.shutdown()
+    return sums
+
+
+def test_init_after_shutdown_in_one_run_meets_in_a_fresh_key_space(ray_cluster):
+    # the second init() used to read the first one's gloo addresses: "Connection refused"
+    with RayExecutor(RayExecutor.create_settings(timeout_s=20), num_workers=2) as executor:
+        assert executor.run(_init_twice) == [[3, 3], [3, 3]]
+        assert executor.run(_init_twice) == [[3, 3], [3, 3]]  # and in the next round
