@@ -36,10 +36,11 @@ $(BUILD_STAMP): $(DEMO_STAMP) $(NATIVE_SOURCES)
 	$(INSTALL) -q --no-build-isolation --no-deps --reinstall-package raytrain-x -e .
 	touch $@
 
-# The tests add the test tools and every extra they cover: TensorFlow, Tune, `ray job submit`.
+# The tests add the test tools and every extra they cover: TensorFlow, Tune, Ray Train and Data,
+# `ray job submit`.
 $(TEST_STAMP): $(BUILD_STAMP) $(CONSTRAINTS) pyproject.toml
 	$(INSTALL) -r pyproject.toml --extra dev --extra torch --extra examples --extra tensorflow \
-		--extra tune --extra job
+		--extra tune --extra train --extra job
 	touch $@
 
 demo: setup

@@ -147,3 +147,33 @@ def run_ranks(target: Callable[..., Any], size: int, *args: Any, timeout_s: floa
         for p in procs:
             if p.is_alive():
                 p.kill()
+
+
+def run_emulated(script: str, argv: list[str], hosts: int, workers_per_host: int,
+                 link_gbit: float) -> dict:
+    """Runs `script --inside RAW argv` as the driver on host 0 of an emulated cluster
+    (network namespaces, one Ray node per host, `link_gbit` links); the driver writes its
+    results as JSON to RAW, which is returned (what it finished, if it failed later)."""
+    import subprocess
+    import sys
+
+    from raytrain_x.testing import EmulatedCluster
+
+    inner = RESULTS_DIR / f"{Path(script).stem}.raw.json"
+    RESULTS_DIR.mkdir(exist_ok=True)
+    inner.unlink(missing_ok=True)
+    began = time.monotonic()
+    with EmulatedCluster(hosts=hosts, workers_per_host=workers_per_host,
+                         link_gbit=link_gbit) as cluster:
+        print(f"emulated cluster up in {time.monotonic() - began:.1f}s: {hosts} hosts, "
+              f"{link_gbit:g} Gbit/s links", flush=True)
+        cmd = [sys.executable, script, "--inside", str(inner), *argv]
+        finished: subprocess.CompletedProcess = cluster.run(cmd, capture_output=False,
+                                                            timeout_s=6 * 3600)
+    if not inner.exists():
+        raise SystemExit(f"the driver on host 0 failed (exit {finished.returncode})")
+    raw = json.loads(inner.read_text())
+    inner.unlink()
+    if finished.returncode != 0:
+        print(f"the driver failed (exit {finished.returncode}); reporting what it finished")
+    return raw

@@ -16,9 +16,16 @@ requires; the other models are built outside its scope), interleaved round by ro
              way TensorFlow itself offers a Keras 3 user across workers.
 Each way fits the same steps per round (`model.fit(..., steps_per_epoch=--steps)` after an
 untimed warm-up fit); samples/s counts every worker's samples; the time is the slowest
-worker's. Writes results/keras_networks.json and a plot.
+worker's. Writes results/keras_networks[_emulated].json and a plot.
 
-Run alone: .venv/bin/python benchmarks/keras_networks.py [--repeats 5] [--steps 6]
+Where:
+  --hosts 1 (default)   --workers ranks as processes on this machine (TensorFlow's cluster
+                        and raytrain-x's store on loopback)
+  --hosts 2             an emulated cluster (network namespaces, one Ray node per host,
+                        --link-gbit links): RayExecutor workers, TF_CONFIG on the hosts'
+                        addresses; one world per --per-host value
+
+Run alone: .venv/bin/python benchmarks/keras_networks.py [--hosts 2] [--repeats 5] [--steps 6]
 """
 
 from __future__ import annotations
@@ -32,20 +39,34 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import free_port, print_table, run_ranks, write_json  # noqa: E402
+from common import (  # noqa: E402
+    free_port,
+    print_table,
+    run_emulated,
+    run_ranks,
+    write_json,
+)
 
 BATCH = {"resnet18": 32, "gpt": 4}  # per worker, as in real_networks.py
 WAYS = ("floor", "rx", "rx-dense", "mwms")
 
 
 def _worker(rank: int, size: int, port: int, args, ports: list[int], queue) -> None:
-    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
-    os.environ["TF_CONFIG"] = json.dumps({
-        "cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
-        "task": {"type": "worker", "index": rank}})
+    """One rank on this machine: TensorFlow's cluster on loopback, raytrain-x's TCP store."""
     os.environ.update({"RAYTRAIN_X_RANK": str(rank), "RAYTRAIN_X_SIZE": str(size),
                        "RAYTRAIN_X_STORE_ADDR": "127.0.0.1",
                        "RAYTRAIN_X_STORE_PORT": str(port)})
+    out = _fit(args, [f"127.0.0.1:{p}" for p in ports], rank)
+    if rank == 0:
+        queue.put(out)
+
+
+def _fit(args, cluster: list[str], index: int) -> dict:
+    """Every way, interleaved round by round, in this process; `cluster` is TensorFlow's
+    worker addresses and `index` this worker's place among them (its raytrain-x rank)."""
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": cluster},
+                                          "task": {"type": "worker", "index": index}})
     import tensorflow as tf
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
@@ -58,6 +79,8 @@ def _worker(rank: int, size: int, port: int, args, ports: list[int], queue) -> N
     from raytrain_x.tensorflow import workloads
 
     rx.init()
+    rank, size = rx.rank(), rx.size()
+    assert rank == index, (rank, index)
 
     def slowest(seconds: float) -> float:
         return float(tfrx.allreduce(tf.constant([seconds], tf.float64), op=tfrx.Max,
@@ -139,43 +162,74 @@ def _worker(rank: int, size: int, port: int, args, ports: list[int], queue) -> N
                           flush=True)
                 del run
                 keras.backend.clear_session()
-    if rank == 0:
-        queue.put(out)
     rx.shutdown()
+    return out
 
 
-def plot(rows: list[dict], path: Path) -> None:
+# ----------------------------------------------------------------------------- emulated
+def _address() -> dict:
+    """In each RayExecutor worker: where its TensorFlow server will listen."""
+    import socket
+
+    import ray
+
+    ip = ray.util.get_node_ip_address()
+    with socket.socket() as s:
+        s.bind((ip, 0))
+        return {"address": f"{ip}:{s.getsockname()[1]}", "pid": os.getpid()}
+
+
+def _ray_worker(args, places: list[dict]) -> dict:
+    index = [p["pid"] for p in places].index(os.getpid())  # ranks stay with their actors
+    return _fit(args, [p["address"] for p in places], index)
+
+
+def _drive(args) -> None:
+    """The driver, on host 0 of the emulated cluster: one world per --per-host value."""
+    import ray
+
+    from raytrain_x.ray import RayExecutor
+
+    ray.init(log_to_driver=True)
+    done: dict = {}
+    try:
+        for per_host in args.per_host:
+            ex = RayExecutor(num_hosts=args.hosts, num_workers_per_host=per_host)
+            ex.start()
+            try:
+                places = ex.run(_address)
+                done[str(per_host)] = ex.run(_ray_worker, args=[args, places])[0]
+            finally:
+                ex.shutdown()
+            Path(args.inside).write_text(json.dumps(done))
+    finally:
+        ray.shutdown()
+
+
+def plot(sections: dict[str, list[dict]], path: Path) -> None:
+    """Samples/s of every way as a share of the floor, one panel per world."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = list(dict.fromkeys(r["workload"] for r in rows))
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for i, way in enumerate(WAYS):
-        values = [next(r["vs floor"] for r in rows if r["workload"] == n and r["way"] == way)
-                  for n in names]
-        ax.bar([j + i * 0.27 for j in range(len(names))], values, 0.27, label=way)
-    ax.set_xticks([j + 0.27 for j in range(len(names))], names)
-    ax.set_ylabel("samples/s / compute floor")
-    ax.set_title("Keras model.fit, 2 workers on one host", fontsize=9)
-    ax.legend(fontsize=8)
+    fig, axes = plt.subplots(1, len(sections), figsize=(5.5 * len(sections), 3.5),
+                             squeeze=False)
+    for ax, (title, rows) in zip(axes[0], sections.items()):
+        names = list(dict.fromkeys(r["workload"] for r in rows))
+        for i, way in enumerate(WAYS):
+            values = [next(r["vs floor"] for r in rows
+                           if r["workload"] == n and r["way"] == way) for n in names]
+            ax.bar([j + i * 0.2 for j in range(len(names))], values, 0.2, label=way)
+        ax.set_xticks([j + 0.3 for j in range(len(names))], names)
+        ax.set_ylabel("samples/s / compute floor")
+        ax.set_title(title, fontsize=9)
+    axes[0][-1].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workloads", nargs="+", default=["resnet18", "gpt"],
-                        choices=sorted(BATCH))
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=6, help="timed steps per way and round")
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args()
-    started = time.monotonic()
-    ports = [free_port() for _ in range(args.workers)]
-    got = run_ranks(_worker, args.workers, args, ports)
+def summarise(got: dict[str, dict[str, list[float]]]) -> list[dict]:
     rows = []
     for name, ways in got.items():
         med = {w: statistics.median(v) for w, v in ways.items()}
@@ -185,13 +239,51 @@ def main() -> None:
                          "spread %": 100 * (max(values) - min(values)) / med[way],
                          "vs floor": med[way] / med["floor"],
                          "vs mwms": med[way] / med["mwms"]})
-    print_table(rows, ["workload", "way", "samples/s", "min", "max", "spread %", "vs floor",
-                       "vs mwms"])
-    path = write_json("keras_networks", {
-        "workers": args.workers, "repeats": args.repeats, "steps": args.steps,
-        "batch_per_worker": BATCH, "samples_per_s": got, "rows": rows,
-        "seconds": round(time.monotonic() - started, 1)}, args.json)
-    plot(rows, path.with_suffix(".png"))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", nargs="+", default=["resnet18", "gpt"],
+                        choices=sorted(BATCH))
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per way and round")
+    parser.add_argument("--workers", type=int, default=2, help="one host: how many ranks")
+    parser.add_argument("--hosts", type=int, default=1)
+    parser.add_argument("--per-host", type=int, nargs="+", default=[1, 2],
+                        help="emulated hosts: workers per host, one world each")
+    parser.add_argument("--link-gbit", type=float, default=1.0)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--inside", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.inside:
+        _drive(args)
+        return
+    started = time.monotonic()
+    if args.hosts == 1:
+        ports = [free_port() for _ in range(args.workers)]
+        worlds = {f"1 host x {args.workers}":
+                  (args.workers, run_ranks(_worker, args.workers, args, ports))}
+        where = "keras_networks"
+    else:
+        raw = run_emulated(__file__, sys.argv[1:], args.hosts, max(args.per_host),
+                           args.link_gbit)
+        worlds = {f"{args.hosts} hosts x {k} ({args.link_gbit:g} Gbit/s)":
+                  (args.hosts * int(k), v) for k, v in raw.items()}
+        where = "keras_networks_emulated"
+    payload: dict = {"repeats": args.repeats, "steps": args.steps, "batch_per_worker": BATCH,
+                     "link_gbit": args.link_gbit if args.hosts > 1 else None, "worlds": {}}
+    sections = {}
+    for title, (workers, got) in worlds.items():
+        rows = summarise(got)
+        print(f"\n{title}")
+        print_table(rows, ["workload", "way", "samples/s", "min", "max", "spread %",
+                           "vs floor", "vs mwms"])
+        payload["worlds"][title] = {"workers": workers, "samples_per_s": got, "rows": rows}
+        sections[title] = rows
+    payload["seconds"] = round(time.monotonic() - started, 1)
+    path = write_json(where, payload, args.json)
+    plot(sections, path.with_suffix(".png"))
     print(f"wrote {path} and {path.with_suffix('.png')}")
 
 

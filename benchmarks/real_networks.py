@@ -54,6 +54,7 @@ from common import (  # noqa: E402
     join_world,
     median_across_ranks,
     print_table,
+    run_emulated,
     run_ranks,
     write_json,
 )
@@ -348,29 +349,6 @@ def _drive(args) -> None:
         ray.shutdown()
 
 
-def _emulated(args) -> dict:
-    from raytrain_x.testing import EmulatedCluster
-
-    inner = RESULTS_DIR / "real_networks.raw.json"
-    RESULTS_DIR.mkdir(exist_ok=True)
-    inner.unlink(missing_ok=True)
-    began = time.monotonic()
-    with EmulatedCluster(hosts=args.hosts, workers_per_host=max(args.per_host),
-                         link_gbit=args.link_gbit) as cluster:
-        print(f"emulated cluster up in {time.monotonic() - began:.1f}s: {args.hosts} hosts, "
-              f"{args.link_gbit:g} Gbit/s links", flush=True)
-        cmd = [sys.executable, __file__, "--inside", str(inner), *sys.argv[1:]]
-        finished = cluster.run(cmd, capture_output=False, timeout_s=6 * 3600)
-    if not inner.exists():
-        raise SystemExit(f"the driver on host 0 failed (exit {finished.returncode})")
-    raw = json.loads(inner.read_text())
-    inner.unlink()
-    if finished.returncode != 0:
-        print(f"the driver failed (exit {finished.returncode}); reporting what it finished")
-    return raw
-
-
-# ----------------------------------------------------------------------------- report
 def summarise(results: dict[str, dict[str, list[float]]], workers: int) -> tuple[list, dict]:
     rows, summary = [], {}
     for name, ways in results.items():
@@ -397,7 +375,8 @@ def summarise(results: dict[str, dict[str, list[float]]], workers: int) -> tuple
         summary[name] = {"median": med, "best_ddp": best_ddp, "seconds_per_step": per_step}
         grid = {w: m for w, m in med.items() if re.fullmatch(r"rx-t[\d.]+c[\d.]+", w)}
         if "rx-tuned" in med:
-            grid["rx"] = med["rx"]  # the default knobs are a point of the landscape too
+            # the default knobs are points of the landscape too, hierarchical off and on
+            grid.update({w: med[w] for w in ("rx", "rx-hier") if w in med})
             best = max(grid, key=grid.get)
             summary[name]["autotune"] = {
                 **results["autotune"][name], "grid_best": best,
@@ -473,7 +452,8 @@ def main() -> None:
                                                run_ranks(_local_worker, args.workers, args))}
         where = "real_networks"
     else:
-        raw = _emulated(args)
+        raw = run_emulated(__file__, sys.argv[1:], args.hosts, max(args.per_host),
+                           args.link_gbit)
         worlds = {f"{args.hosts} hosts x {k} ({args.link_gbit:g} Gbit/s)":
                   (args.hosts * int(k), v) for k, v in raw.items()}
         where = "real_networks_emulated"

@@ -162,7 +162,8 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="raytrain-x %(levelname)s %(message)s")
 
-    from raytrain_x.ray.executor import RayExecutor, ensure_ray, fixed_knob_env
+    from raytrain_x.ray.autotune_actor import fixed_knob_env
+    from raytrain_x.ray.executor import RayExecutor, ensure_ray
     from raytrain_x.ray.launch import run_command_on_workers
 
     elastic = args.min_np is not None or args.max_np is not None
@@ -209,7 +210,8 @@ def _progress(line: str) -> None:
 def _run_elastic(args, command, settings, knobs, fixed, autotune) -> int:
     """Elastic jobs run the script inside each worker actor (so every rank can reach the
     rendezvous coordinator); Ray forwards the output with its worker prefix."""
-    from raytrain_x.ray.executor import RayExecutor, fixed_knob_env
+    from raytrain_x.ray.autotune_actor import fixed_knob_env
+    from raytrain_x.ray.executor import RayExecutor
     from raytrain_x.ray.launch import run_script
 
     env = fixed_knob_env(knobs, fixed)

@@ -10,9 +10,9 @@ import ray
 
 from raytrain_x.common.autotune_config import AutotuneConfig
 from raytrain_x.common.errors import ConfigError
-from raytrain_x.common.knobs import Knobs, load_knobs
-from raytrain_x.common.settings import CONFIG_FILE, START_TIMEOUT_S, TIMEOUT_S
-from raytrain_x.ray.autotune_actor import start_controller_actor
+from raytrain_x.common.knobs import Knobs
+from raytrain_x.common.settings import START_TIMEOUT_S, TIMEOUT_S
+from raytrain_x.ray.autotune_actor import knob_env, start_autotune
 from raytrain_x.ray.elastic import ElasticJob, ElasticSettings
 from raytrain_x.ray.placement import Slot, validate_shape
 from raytrain_x.ray.static_job import StaticJob, StaticShape
@@ -221,20 +221,9 @@ class RayExecutor:
                                             executable_kwargs or {})
 
     def _start_autotune(self) -> dict[str, str]:
-        """Starts the controller actor; returns the env that gives every worker the same
-        starting knobs and autotune settings."""
-        config = self.autotune
-        if self.knobs is not None:
-            base, fixed = self.knobs, frozenset(Knobs.specs())
-        else:
-            base, fixed = load_knobs(config_file=CONFIG_FILE.read() or None)
-        start = base
-        if config.initial_knobs is not None:
-            start = config.initial_knobs.replace(**{n: getattr(base, n) for n in fixed})
-        if config.resume_from:  # workers read the resume file themselves
-            return {**config.to_env(), **(knob_env(self.knobs) if self.knobs else {})}
-        self.autotune_controller = start_controller_actor(config, start, fixed)
-        return {**config.to_env(), **knob_env(start)}
+        """Starts the controller actor; returns the env for every worker."""
+        env, self.autotune_controller = start_autotune(self.autotune, self.knobs)
+        return env
 
     def shutdown(self) -> None:
         """Kills the workers and frees their placement group."""
@@ -332,16 +321,3 @@ class RayExecutor:
                 are killed.
         """
         return self._started().collect(refs, callbacks)
-
-
-def fixed_knob_env(knobs: Knobs, fixed: frozenset[str]) -> dict[str, str]:
-    """Env for the knobs the user fixed only, so launched ranks see the same fixed set."""
-    specs = Knobs.specs()
-    return {specs[name].env: value for name, value in
-            zip(specs, knob_env(knobs).values()) if name in fixed}
-
-
-def knob_env(knobs: Knobs) -> dict[str, str]:
-    """Environment variables that set every knob to its value in `knobs`."""
-    return {spec.env: str(int(value) if isinstance(value, bool) else value)
-            for (name, spec), value in zip(Knobs.specs().items(), knobs.to_dict().values())}

@@ -47,6 +47,26 @@ class ActorAdvisor:
         return ray.get(self.actor.report.remote(score))
 
 
+def install_world(rdv: dict[str, Any], store_actor: Any, env: dict[str, str],
+                  autotune_actor: Any, next_round: Callable[[], int]) -> None:
+    """In a worker process: sets `env` and installs the rendezvous of a fixed world, so that
+    `rx.init()` meets the other ranks through `store_actor` in the key space `next_round()`
+    gives (every rank must count alike); rank 0 gets the autotune controller's client."""
+    os.environ.update(env)
+    if autotune_actor is not None:
+        from raytrain_x.core import runtime
+
+        runtime.set_autotune_advisor_factory(
+            lambda config, start, fixed: ActorAdvisor(autotune_actor))
+    address = ray.util.get_node_ip_address()
+
+    def provider() -> Rendezvous:
+        return Rendezvous(store=ActorStore(store_actor, rdv["timeout_s"]), round=next_round(),
+                          address=address, **rdv)
+
+    set_rendezvous_provider(provider)
+
+
 class WorkerActor:
     """Runs user functions and commands for one rank (the plain class behind `Worker`)."""
 
@@ -74,24 +94,16 @@ class WorkerActor:
               autotune_actor: Any = None) -> None:
         """Sets the environment and installs the rendezvous `rx.init()` will use (and, with
         autotune, the client of the executor's controller actor)."""
-        os.environ.update(env)
         self.rank = rdv["rank"]
-        if autotune_actor is not None:
-            from raytrain_x.core import runtime
 
-            runtime.set_autotune_advisor_factory(
-                lambda config, start, fixed: ActorAdvisor(autotune_actor))
-
-        def provider() -> Rendezvous:
+        def next_round() -> int:
             # each run()/execute() is a new round, so a world re-formed after a failure
             # never reads the keys of the one before; and each init() within one (after a
             # shutdown()) gets its own key space too: every rank counts its inits alike
             self.inits += 1
-            return Rendezvous(store=ActorStore(store_actor, rdv["timeout_s"]),
-                              round=self.round_id * _INITS_PER_ROUND + self.inits,
-                              address=self.node_ip(), **rdv)
+            return self.round_id * _INITS_PER_ROUND + self.inits
 
-        set_rendezvous_provider(provider)
+        install_world(rdv, store_actor, env, autotune_actor, next_round)
 
     def setup_elastic(self, worker_id: str, rounds_actor: Any, store_actor: Any,
                       timeout_s: float, env: dict[str, str], autotune_actor: Any = None) -> None:

@@ -7,7 +7,7 @@ import pytest
 from raytrain_x import ConfigError, Knobs
 from raytrain_x.cli import build_parser, resolve_knobs
 from raytrain_x.common.knobs import MB
-from raytrain_x.ray.executor import fixed_knob_env, knob_env
+from raytrain_x.ray.autotune_actor import fixed_knob_env, knob_env
 from raytrain_x.ray.placement import assign_ranks, validate_shape
 
 

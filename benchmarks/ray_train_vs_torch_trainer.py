@@ -1,0 +1,164 @@
+"""Ray Train v2: `RaytrainXTrainer` (raytrain-x's `DistributedOptimizer`) against Ray Train's
+own `TorchTrainer` (DDP over gloo), the same training loop on the same workers.
+
+Workloads (`raytrain_x.torch.workloads`, as in real_networks.py): ResNet-18 on 64x64 images
+(SGD with momentum, 32 images per worker) and the GPT-style decoder (AdamW, 4 sequences of
+128 tokens per worker). Each round fits both trainers, one after the other, on a fresh
+worker group each (what a Ray Train user gets); inside the loop, after --warmup untimed
+steps, --steps steps are timed on every worker and the slowest worker's time counts.
+Reported: samples/s (median over rounds, spread), the ratio to `TorchTrainer`, and each
+fit's wall time (worker group start, world formation, training, shutdown).
+
+Run alone: .venv/bin/python benchmarks/ray_train_vs_torch_trainer.py [--repeats 3]
+Writes results/ray_train_vs_torch_trainer.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import print_table, write_json  # noqa: E402
+
+BATCH = {"resnet18": 32, "gpt": 4}
+WAYS = ("torch_trainer", "raytrain_x")
+
+
+def _loop(config: dict) -> None:
+    import ray.train
+    import torch
+
+    from raytrain_x.torch import workloads
+
+    torch.set_num_threads(1)
+    name, way, batch = config["workload"], config["way"], BATCH[config["workload"]]
+    torch.manual_seed(0)
+    if name == "resnet18":
+        model = workloads.resnet18()
+        opt = torch.optim.SGD(model.parameters(), 0.05, momentum=0.9)
+
+        def data(step: int):
+            return workloads.synthetic_images(batch, seed=step)
+
+        loss_fn = torch.nn.functional.cross_entropy
+    else:
+        model = workloads.GPTDecoder()
+        opt = torch.optim.AdamW(model.parameters(), 3e-4)
+
+        def data(step: int):
+            return workloads.synthetic_tokens(batch, seq=128, seed=step)
+
+        def loss_fn(logits, targets):
+            return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    if way == "raytrain_x":
+        import raytrain_x.torch as rx
+
+        rx.init()
+        opt = rx.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+        rx.broadcast_parameters(model.state_dict(), root_rank=0)
+
+        def slowest(seconds: float) -> float:
+            return rx.allreduce(torch.tensor([seconds]), op=rx.Max, name="slowest").item()
+    else:
+        import torch.distributed as dist
+
+        model = ray.train.torch.prepare_model(model)  # DistributedDataParallel
+
+        def slowest(seconds: float) -> float:
+            t = torch.tensor([seconds])
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            return t.item()
+
+    def step(i: int) -> None:
+        x, y = data(i)
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+
+    for i in range(config["warmup"]):
+        step(i)
+    slowest(0.0)  # a barrier
+    began = time.perf_counter()
+    for i in range(config["steps"]):
+        step(config["warmup"] + i)
+    seconds = slowest((time.perf_counter() - began) / config["steps"])
+    size = ray.train.get_context().get_world_size()
+    ray.train.report({"samples_per_s": batch * size / seconds, "step_s": seconds})
+
+
+def fit(way: str, name: str, args, storage: str) -> tuple[float, float]:
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from raytrain_x.ray.train import RaytrainXConfig, RaytrainXTrainer
+
+    config = {"workload": name, "way": way, "warmup": args.warmup, "steps": args.steps}
+    common = {"train_loop_config": config,
+              "scaling_config": ScalingConfig(num_workers=args.workers),
+              "run_config": RunConfig(name=f"{name}-{way}-{time.monotonic_ns()}",
+                                      storage_path=storage)}
+    began = time.monotonic()
+    if way == "raytrain_x":
+        trainer = RaytrainXTrainer(_loop, raytrain_x_config=RaytrainXConfig(framework="torch"),
+                                   **common)
+    else:
+        trainer = TorchTrainer(_loop, torch_config=TorchConfig(backend="gloo"), **common)
+    result = trainer.fit()
+    return result.metrics["samples_per_s"], time.monotonic() - began
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", nargs="+", default=["resnet18", "gpt"],
+                        choices=sorted(BATCH))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    import ray
+
+    ray.init(num_cpus=args.workers + 1, include_dashboard=False, log_to_driver=False)
+    started = time.monotonic()
+    rates = {n: {w: [] for w in WAYS} for n in args.workloads}
+    walls = {n: {w: [] for w in WAYS} for n in args.workloads}
+    try:
+        with tempfile.TemporaryDirectory(prefix="rtx_bench_") as storage:
+            for r in range(args.repeats):
+                for name in args.workloads:
+                    for way in (WAYS if r % 2 == 0 else WAYS[::-1]):  # alternate who goes first
+                        rate, wall = fit(way, name, args, storage)
+                        rates[name][way].append(rate)
+                        walls[name][way].append(wall)
+                        print(f"round {r + 1}/{args.repeats} {name} {way}: {rate:.1f} "
+                              f"samples/s, fit {wall:.1f}s", flush=True)
+    finally:
+        ray.shutdown()
+    rows = []
+    for name, ways in rates.items():
+        med = {w: statistics.median(v) for w, v in ways.items()}
+        for way, values in ways.items():
+            rows.append({"workload": name, "trainer": way, "samples/s": med[way],
+                         "min": min(values), "max": max(values),
+                         "spread %": 100 * (max(values) - min(values)) / med[way],
+                         "vs TorchTrainer": med[way] / med["torch_trainer"],
+                         "fit s": statistics.median(walls[name][way])})
+    print_table(rows, ["workload", "trainer", "samples/s", "min", "max", "spread %",
+                       "vs TorchTrainer", "fit s"])
+    path = write_json("ray_train_vs_torch_trainer", {
+        "workers": args.workers, "repeats": args.repeats, "warmup": args.warmup,
+        "steps": args.steps, "batch_per_worker": BATCH, "samples_per_s": rates,
+        "fit_seconds": walls, "rows": rows,
+        "seconds": round(time.monotonic() - started, 1)}, args.json)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
