@@ -173,7 +173,6 @@ def test_keras_job_reports_metrics_and_a_checkpoint(ray_cluster, tmp_path):
 
 
 def _autotuned_loop() -> None:
-    import ray.train
     import torch
 
     import raytrain_x.torch as rx
