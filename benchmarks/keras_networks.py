@@ -69,8 +69,10 @@ def _fit(args, cluster: list[str], index: int) -> dict:
                                           "task": {"type": "worker", "index": index}})
     import tensorflow as tf
 
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(1)
+    tf.config.threading.set_intra_op_parallelism_threads(1)  # one thread per kernel, as torch
+    # independent ops may run side by side (0: TensorFlow's default, one per core); with 1,
+    # TensorFlow runs all of backward before any reduction kernel, so nothing overlaps
+    tf.config.threading.set_inter_op_parallelism_threads(args.inter_op)
     strategy = tf.distribute.MultiWorkerMirroredStrategy()  # before any other TF work
     import keras
 
@@ -249,6 +251,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=6, help="timed steps per way and round")
     parser.add_argument("--workers", type=int, default=2, help="one host: how many ranks")
+    parser.add_argument("--inter-op", type=int, default=0,
+                        help="TensorFlow's inter-op threads (0: its default)")
     parser.add_argument("--hosts", type=int, default=1)
     parser.add_argument("--per-host", type=int, nargs="+", default=[1, 2],
                         help="emulated hosts: workers per host, one world each")
@@ -272,6 +276,7 @@ def main() -> None:
                   (args.hosts * int(k), v) for k, v in raw.items()}
         where = "keras_networks_emulated"
     payload: dict = {"repeats": args.repeats, "steps": args.steps, "batch_per_worker": BATCH,
+                     "inter_op_threads": args.inter_op,
                      "link_gbit": args.link_gbit if args.hosts > 1 else None, "worlds": {}}
     sections = {}
     for title, (workers, got) in worlds.items():

@@ -11,6 +11,7 @@ by the set's size when `scale_local_gradients` (Horovod's rule).
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -25,6 +26,20 @@ from raytrain_x.core.process_sets import ProcessSet, global_process_set
 from raytrain_x.tensorflow.arrays import check_dtype
 from raytrain_x.tensorflow.compression import Compression, Compressor
 from raytrain_x.tensorflow.ops import allreduce_sparse, grouped_reduce
+
+log = logging.getLogger("raytrain_x.tensorflow")
+_warned_serial: list[bool] = []
+
+
+def warn_if_serial_graphs() -> None:
+    """Logs once when TensorFlow runs a graph's ops on one thread: then it runs every op of
+    backward before the reduction kernels that are ready long before, so nothing overlaps
+    (measured in docs/performance.md: all chunks went out at backward's end)."""
+    if not _warned_serial and tf.config.threading.get_inter_op_parallelism_threads() == 1:
+        _warned_serial.append(True)
+        log.warning("tf.config.threading inter-op parallelism is 1: inside tf.function "
+                    "(model.fit) the gradient reductions then start only after backward "
+                    "ends; leave it at TensorFlow's default (or >= 2) so they overlap")
 
 
 class GradientReducer:
@@ -47,6 +62,7 @@ class GradientReducer:
         self.process_set = process_set
         self.scale_local_gradients = scale_local_gradients
         self.local_sources: set[Any] = set()
+        warn_if_serial_graphs()
 
     def register_local_source(self, source: Any) -> None:
         """The gradient of `source` stays this rank's (not reduced)."""
