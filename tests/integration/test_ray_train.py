@@ -254,7 +254,7 @@ def test_tune_runs_two_trials_of_the_trainer(ray_cluster, tmp_path):
     tuner = tune.Tuner(
         _tuned_trial,
         param_space={"x": tune.grid_search([1.0, 3.0]), "storage": str(tmp_path / "train")},
-        tune_config=tune.TuneConfig(metric="score", mode="max", max_concurrent_trials=1),
+        tune_config=tune.TuneConfig(metric="score", mode="max", max_concurrent_trials=2),
         run_config=tune.RunConfig(storage_path=str(tmp_path / "tune"), verbose=0))
     grid = tuner.fit()
     assert len(grid) == 2 and not grid.errors

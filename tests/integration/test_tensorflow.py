@@ -550,3 +550,31 @@ def test_learning_rate_schedule_and_warmup_callbacks():
         # (epoch counts fractions of batches), then initial_lr from the end of warmup on
         warm = [0.4 / 2 * ((e + b / 2) / 2 + 1) for e in range(2) for b in range(2)]
         assert seen["warmup"] == pytest.approx([*warm, 0.4, 0.4, 0.4, 0.4, 0.4], rel=1e-6)
+
+
+_SERIAL_GRAPH = """
+import logging, sys
+import tensorflow as tf
+tf.config.threading.set_inter_op_parallelism_threads(int(sys.argv[1]))
+import keras
+import raytrain_x.tensorflow.keras as rx
+logging.basicConfig()
+rx.DistributedOptimizer(keras.optimizers.SGD(0.1))
+rx.DistributedOptimizer(keras.optimizers.SGD(0.1))
+"""
+
+
+def test_one_inter_op_thread_is_warned_of_once():
+    """With one inter-op thread TensorFlow runs all of backward before the reduction kernels
+    (docs/tensorflow.md): the optimizer says so, once; TensorFlow's default is not warned."""
+    import sys
+
+    from tests import limits
+
+    said = {}
+    for threads in (1, 0):
+        out = limits.run([sys.executable, "-c", _SERIAL_GRAPH, str(threads)], 15,
+                         "a TensorFlow process making two optimizers")
+        assert out.returncode == 0, out.stderr
+        said[threads] = out.stderr.count("inter-op parallelism is 1")
+    assert said == {1: 1, 0: 0}
