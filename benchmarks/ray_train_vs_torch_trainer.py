@@ -88,8 +88,13 @@ def _loop(config: dict) -> None:
     for i in range(config["steps"]):
         step(config["warmup"] + i)
     seconds = slowest((time.perf_counter() - began) / config["steps"])
-    size = ray.train.get_context().get_world_size()
-    ray.train.report({"samples_per_s": batch * size / seconds, "step_s": seconds})
+    context = ray.train.get_context()
+    metrics = {"samples_per_s": batch * context.get_world_size() / seconds, "step_s": seconds}
+    if context.get_world_rank() != 0:
+        ray.train.report(metrics)
+        return
+    with tempfile.TemporaryDirectory() as folder:  # Ray Train v2 keeps metrics with a checkpoint
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder))
 
 
 def fit(way: str, name: str, args, storage: str) -> tuple[float, float]:

@@ -51,6 +51,15 @@ def available_resources_per_node() -> dict[str, dict[str, float]]:
     return read()
 
 
+def alive_actor_ids(class_name: str) -> set[str]:
+    """Ids of the cluster's live actors of a class (the GCS's actor table; tests use it to
+    check that a job left none of its actors behind)."""
+    from ray._private.state import actors
+
+    return {actor_id for actor_id, info in actors(actor_state_name="ALIVE").items()
+            if info.get("ActorClassName", "").endswith(class_name)}
+
+
 def draining_nodes_ms() -> dict[str, int]:
     """Node id -> drain deadline in ms since the epoch (0: none)."""
     from ray._private.state import state

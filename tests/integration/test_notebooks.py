@@ -49,5 +49,5 @@ def test_the_ray_executor_notebook_runs(ray_cluster, tmp_path, monkeypatch):
 @pytest.mark.timeout(300)
 def test_the_ray_train_notebook_runs(ray_cluster, tmp_path, monkeypatch):
     text = _run("ray_train.ipynb", ray_cluster, tmp_path, monkeypatch)
-    assert _accuracy(text) > 0.9 and "after 6 epochs" in text
+    assert _accuracy(text) > 0.85 and "after 4 epochs" in text
     assert "checkpoint in the run's storage: True" in text

@@ -204,8 +204,14 @@ def _report_with_checkpoint(metrics: dict, rank: int) -> None:
 def test_autotune_through_the_config_writes_its_log(ray_cluster, tmp_path):
     from ray.train import RunConfig, ScalingConfig
 
+    from raytrain_x.ray.internals import alive_actor_ids
     from raytrain_x.ray.train import HorovodConfig, HorovodTrainer
+    from tests.limits import wait_until
 
+    def job_actors() -> set[str]:
+        return alive_actor_ids("StoreActor") | alive_actor_ids("BackgroundController")
+
+    before = job_actors()
     log = tmp_path / "autotune.csv"
     config = HorovodConfig(timeout_s=30, autotune=AutotuneConfig(
         log_file=str(log), warmup_samples=0, steps_per_sample=2, bayes_opt_max_samples=3,
@@ -219,6 +225,9 @@ def test_autotune_through_the_config_writes_its_log(ray_cluster, tmp_path):
     best = rows[3]
     assert result.metrics["knobs"]["fusion_threshold_bytes"] == int(
         best["fusion_threshold_bytes"])
+    # the store and the autotune controller went with the job (ray.kill is asynchronous)
+    wait_until(lambda: job_actors() <= before, 5, "the job's store and controller to go",
+               state=job_actors)
 
 
 def _tuned_trial(config: dict) -> None:
