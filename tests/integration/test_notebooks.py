@@ -17,6 +17,7 @@ def _run(name: str, cluster_address: str, tmp_path: Path, monkeypatch) -> str:
     from nbclient import NotebookClient
 
     monkeypatch.setenv("RAY_ADDRESS", cluster_address)  # the kernel joins the session cluster
+    monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")  # see test_ray_train.py
     notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
     NotebookClient(notebook, timeout=240, kernel_name="python3",
                    resources={"metadata": {"path": str(tmp_path)}}).execute()
