@@ -173,6 +173,11 @@ class WorkerActor:
 
 
     @ray.method(concurrency_group="probe")
+    def pid(self) -> int:
+        """This worker's process id (fault injection kills it with a real SIGKILL)."""
+        return os.getpid()
+
+    @ray.method(concurrency_group="probe")
     def ping(self) -> bool:
         """Answers at once, even while `execute` runs (its own thread): the driver tells a
         busy worker from an unreachable one with it."""
