@@ -177,3 +177,27 @@ def run_emulated(script: str, argv: list[str], hosts: int, workers_per_host: int
     if finished.returncode != 0:
         print(f"the driver failed (exit {finished.returncode}); reporting what it finished")
     return raw
+
+
+def drive_worlds(hosts: int, per_host: list[int], out: str,
+                 run: Callable[[Any], Any]) -> None:
+    """The driver on host 0 of an emulated cluster (`run_emulated`'s `--inside` side): one
+    `RayExecutor` world per `per_host` value; `run(executor)` measures it, and what each
+    world returned is written to `out` as JSON as soon as it is done."""
+    import ray
+
+    from raytrain_x.ray import RayExecutor
+
+    ray.init(log_to_driver=True)
+    done: dict = {}
+    try:
+        for k in per_host:
+            ex = RayExecutor(num_hosts=hosts, num_workers_per_host=k)
+            ex.start()
+            try:
+                done[str(k)] = run(ex)
+            finally:
+                ex.shutdown()
+            Path(out).write_text(json.dumps(done))
+    finally:
+        ray.shutdown()

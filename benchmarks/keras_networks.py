@@ -40,6 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
+    drive_worlds,
     free_port,
     print_table,
     run_emulated,
@@ -188,24 +189,11 @@ def _ray_worker(args, places: list[dict]) -> dict:
 
 def _drive(args) -> None:
     """The driver, on host 0 of the emulated cluster: one world per --per-host value."""
-    import ray
+    def run(ex) -> dict:
+        places = ex.run(_address)
+        return ex.run(_ray_worker, args=[args, places])[0]
 
-    from raytrain_x.ray import RayExecutor
-
-    ray.init(log_to_driver=True)
-    done: dict = {}
-    try:
-        for per_host in args.per_host:
-            ex = RayExecutor(num_hosts=args.hosts, num_workers_per_host=per_host)
-            ex.start()
-            try:
-                places = ex.run(_address)
-                done[str(per_host)] = ex.run(_ray_worker, args=[args, places])[0]
-            finally:
-                ex.shutdown()
-            Path(args.inside).write_text(json.dumps(done))
-    finally:
-        ray.shutdown()
+    drive_worlds(args.hosts, args.per_host, args.inside, run)
 
 
 def plot(sections: dict[str, list[dict]], path: Path) -> None:

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import re
 import statistics
@@ -51,6 +50,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     RESULTS_DIR,
+    drive_worlds,
     join_world,
     median_across_ranks,
     print_table,
@@ -330,23 +330,8 @@ def _ray_worker(args) -> dict:
 
 def _drive(args) -> None:
     """The driver, on host 0 of the emulated cluster: one world per --per-host value."""
-    import ray
-
-    from raytrain_x.ray import RayExecutor
-
-    ray.init(log_to_driver=True)
-    done: dict = {}
-    try:
-        for per_host in args.per_host:
-            ex = RayExecutor(num_hosts=args.hosts, num_workers_per_host=per_host)
-            ex.start()
-            try:
-                done[str(per_host)] = ex.run(_ray_worker, args=[args])[0]
-            finally:
-                ex.shutdown()
-            Path(args.inside).write_text(json.dumps(done))
-    finally:
-        ray.shutdown()
+    drive_worlds(args.hosts, args.per_host, args.inside,
+                 lambda ex: ex.run(_ray_worker, args=[args])[0])
 
 
 def summarise(results: dict[str, dict[str, list[float]]], workers: int) -> tuple[list, dict]:

@@ -82,24 +82,24 @@ def _torch_loop(config: dict) -> None:
             os.kill(os.getpid(), signal.SIGKILL)  # a real worker death, after epoch 0's commit
 
 
-def _committed(run_dir: str, epoch: int, timeout_s: float = 60) -> None:
+def _committed(run_dir: str, epoch: int) -> None:
     """Waits until Ray Train's controller has registered the checkpoint of `epoch` (it
     records each in the run's checkpoint manager snapshot), so the kill comes after it."""
     import json
-    import time
+
+    from tests.limits import wait_until
 
     path = os.path.join(run_dir, "checkpoint_manager_snapshot.json")
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+
+    def registered() -> bool:
         try:
             with open(path) as f:
                 results = json.load(f)["checkpoint_results"]
-            if any(r["metrics"].get("epoch") == epoch for r in results):
-                return
         except (OSError, ValueError, KeyError):
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"Ray Train did not register epoch {epoch}'s checkpoint")
+            return False
+        return any(r["metrics"].get("epoch") == epoch for r in results)
+
+    wait_until(registered, 15, f"Ray Train to register epoch {epoch}'s checkpoint")
 
 
 def test_torch_job_reports_checkpoints_shards_data_and_restarts_after_a_kill(ray_cluster,
