@@ -16,7 +16,6 @@ made for each worker group, and knobs and autotune come from the config as they 
 from __future__ import annotations
 
 import importlib.util
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +33,6 @@ from raytrain_x.ray.autotune_actor import knob_env, start_autotune
 from raytrain_x.ray.placement import stable_node_strategy
 from raytrain_x.ray.worker import install_world
 
-log = logging.getLogger("raytrain_x.ray")
 
 FRAMEWORKS = {"torch": "torch", "tensorflow": "tensorflow"}  # name -> module it needs
 _LEAVE_TIMEOUT_S = 10.0  # how long a graceful shutdown waits for the workers' engines
