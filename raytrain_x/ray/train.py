@@ -33,7 +33,6 @@ from raytrain_x.ray.autotune_actor import knob_env, start_autotune
 from raytrain_x.ray.placement import stable_node_strategy
 from raytrain_x.ray.worker import install_world
 
-
 FRAMEWORKS = {"torch": "torch", "tensorflow": "tensorflow"}  # name -> module it needs
 _LEAVE_TIMEOUT_S = 10.0  # how long a graceful shutdown waits for the workers' engines
 
