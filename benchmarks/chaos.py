@@ -1,329 +1,516 @@
 """A chaos soak: an elastic job trains while a seeded schedule of faults hits it, and every
 invariant is checked mechanically at the end.
 
-The cluster: a local multi-node Ray cluster (`ray.cluster_utils.Cluster`: a head that runs
-no workers, --nodes worker nodes of 1 CPU each); the job: `RayExecutor(min_workers=2,
-max_workers=--nodes)` training a small torch model with `rx.elastic.run` and an
-`ElasticSampler`, one commit per step. Faults (--kinds; each drawn by the seeded schedule,
---mean-gap seconds apart on average, sometimes in bursts):
+Two clusters (--cluster):
+  local     a local multi-node Ray cluster (`ray.cluster_utils.Cluster`): a head that runs
+            no workers and --nodes worker nodes of 1 CPU each
+  emulated  --nodes hosts, each a network namespace running a Ray node, joined by shaped
+            1 Gbit/s links (`EmulatedCluster`); host 0 is the head and runs the driver, so
+            node faults and partitions hit the other hosts
+
+The job runs as its own driver process, as a user's script would: `RayExecutor(min_workers=2,
+max_workers=--nodes, cooldown_range=--cooldown)` training with `raytrain_x.testing.ledger`
+(torch, or the Keras face with --framework keras), one commit per step, until the stop
+file appears (torch) or its planned steps are done (Keras). Faults (--kinds; drawn by the
+seeded schedule, --mean-gap seconds apart on average; one in five comes with a second at
+once):
 
   worker_kill      SIGKILL of a worker process
-  node_kill        every process of a node gone at once (Cluster.remove_node, ungraceful);
-                   a fresh node joins --respawn seconds later
-  drain            the GCS drain a spot notice sends (2 s deadline); the node is removed
-                   once its worker left, and a fresh node joins
-  raylet_kill      SIGKILL of a node's raylet: Ray declares the node dead; a fresh node joins
+  node_kill        every process of a node gone at once; a fresh node joins --respawn s later
+  drain            the GCS drain a spot notice sends (2 s deadline); the node goes 3 s later
+  raylet_kill      SIGKILL of a node's raylet; a fresh node joins --respawn s later
   while_starting   a worker killed while a new worker is still starting
-  in_rendezvous    a worker killed while the job re-forms after a fault
+  in_rendezvous    a worker killed while the job re-forms after a fault (its state sync)
+  partition_short  (emulated) a host's link down for 3 s, less than the collective timeout
+  partition_long   (emulated) a host's link down for the collective timeout plus 4 s
 
-Checked at the end, and the run fails (exit 1) when any does not hold:
-  every committed step done exactly once on every surviving rank (the step ledger); equal
-  weights on every rank; each epoch's samples seen once; the job finished; no fault left
-  the job stuck longer than the collective timeout plus one rendezvous; the driver raised
-  nothing; after the cluster stops, no Ray process and no shared-memory segment is left.
-Reported: faults injected and survived, recovery time per kind (from the fault to the
-first step committed by the re-formed world: median, p95, max), steps redone, and
-throughput over time with the faults marked (a plot).
+Checked at the end; the run fails (exit 1) when any does not hold:
+  every committed step done exactly once on every surviving rank (the step ledger); each
+  epoch's samples seen once; equal weights on every rank; the job finished; no fault held
+  the job longer than the collective timeout plus one rendezvous (and a node's respawn);
+  the driver exited 0 without an unhandled exception; after the cluster stops, no Ray
+  process, no shared-memory segment and no network namespace of the run is left.
+Reported: faults injected and survived, recovery time per kind (from the fault to the first
+step committed after it by the re-formed world, or after a short partition's end: median,
+p95, max), steps redone after restores, and throughput over time with the faults marked
+(a plot).
 
 Run alone: .venv/bin/python benchmarks/chaos.py --seed 1 --minutes 3
+           .venv/bin/python benchmarks/chaos.py --cluster emulated --seed 2 --minutes 3
 Replay a failing schedule with the seed it printed.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS_DIR, print_table, write_json  # noqa: E402
 
-KINDS = ("worker_kill", "node_kill", "drain", "raylet_kill", "while_starting",
-         "in_rendezvous")
+LOCAL_KINDS = ("worker_kill", "node_kill", "drain", "raylet_kill", "while_starting",
+               "in_rendezvous")
+EMULATED_KINDS = ("worker_kill", "partition_short", "partition_long", "raylet_kill",
+                  "while_starting", "in_rendezvous")
+KINDS = tuple(dict.fromkeys(LOCAL_KINDS + EMULATED_KINDS))
 RESOURCE = "rtx_chaos"
-SAMPLES = 64
 TIMEOUT_S = 10.0  # the job's collective timeout
 RENDEZVOUS_S = 10.0  # one rendezvous, a new worker's start included, on this machine
+SHORT_PARTITION_S = 3.0
+LONG_PARTITION_S = TIMEOUT_S + 4.0
+PAUSE_S = 0.05  # each step's sleep
+# Ray declares a node it cannot reach dead after 5 s, as a cluster that replaces lost hosts
+# soon would: a short partition is survived by the node, a long one is not, and the host
+# is then started again as a fresh node (so is a killed one).
+NODE_DEAD_S = 5
+EMULATED_RAY_CONFIG = {"health_check_period_ms": 1000,
+                       "health_check_failure_threshold": NODE_DEAD_S,
+                       "gcs_rpc_server_reconnect_timeout_s": 120,
+                       "gcs_grpc_initial_reconnect_backoff_ms": 100,
+                       "gcs_grpc_max_reconnect_backoff_ms": 1000}
 
 
-def _train(steps: int, pause: float, progress: str) -> dict:
-    """The elastic training function: a step ledger in the committed state."""
-    import torch
-
-    import raytrain_x.torch as rx
-
-    rx.init()
-    torch.manual_seed(0)
-    model = torch.nn.Linear(8, 1)
-    opt = rx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
-                                  named_parameters=model.named_parameters())
-    sampler = rx.elastic.ElasticSampler(range(SAMPLES), seed=1)
-    state = rx.elastic.TorchState(model, opt, sampler=sampler, step=0, ledger=[], epoch=0,
-                                  seen={0: []})
-
-    @rx.elastic.run
-    def train(state):
-        batches = enumerate(state.sampler)
-        while state.step < steps:
-            batch = next(batches, None)
-            if batch is None:
-                state.epoch += 1
-                state.sampler.set_epoch(state.epoch)
-                state.seen[state.epoch] = []
-                batches = enumerate(state.sampler)
-                batch = next(batches)
-            batch_idx, index = batch
-            position = batch_idx * state.sampler.num_replicas + state.sampler.rank
-            padding = position >= len(state.sampler.remaining_indices)
-            opt.zero_grad()
-            model(torch.full((4, 8), float(index))).sum().backward()
-            opt.step()
-            everyone = rx.allgather_object([] if padding else [index])
-            state.seen[state.epoch].extend(i for part in everyone for i in part)
-            state.sampler.record_batch(batch_idx, 1)
-            state.ledger.append(state.step)
-            state.step += 1
-            time.sleep(pause)
-            state.commit()
-            if rx.rank() == 0:
-                tmp = f"{progress}.{os.getpid()}"
-                with open(tmp, "w") as f:
-                    f.write(f"{state.step} {rx.size()}")
-                os.replace(tmp, progress)
-        return {"step": state.step, "ledger": list(state.ledger), "rank": rx.rank(),
-                "seen": dict(state.seen), "weight": model.weight.detach().flatten().tolist()}
-
-    return train(state)
-
-
+# ----------------------------------------------------------------------------- the driver
 class Monitor(threading.Thread):
-    """Samples rank 0's progress and the job's round every 20 ms: (t, step, size, round)."""
+    """In the driver: samples rank 0's progress and the job's round every 20 ms as
+    (t, step, size, round), and keeps the status file ("rounds starting") current for the
+    fault injector."""
 
-    def __init__(self, progress: Path, executor) -> None:
+    def __init__(self, progress: str, status: str, executor: Any) -> None:
         super().__init__(daemon=True)
-        self.progress, self.executor = progress, executor
+        self.progress, self.status, self.executor = progress, status, executor
         self.samples: list[tuple[float, int, int, int]] = []
         self.stop = threading.Event()
 
     def run(self) -> None:
+        from raytrain_x.common.ledger import read_progress
+
+        last = None
         while not self.stop.wait(0.02):
-            try:
-                step, size = map(int, self.progress.read_text().split())
-            except (OSError, ValueError):
-                continue
             job = self.executor.last_elastic_job
             rounds = job.rounds if job is not None else 0
-            if not self.samples or self.samples[-1][1:] != (step, size, rounds):
+            starting = len(job.pending) if job is not None else 0
+            if (rounds, starting) != last:
+                last = (rounds, starting)
+                tmp = f"{self.status}.tmp"
+                Path(tmp).write_text(f"{rounds} {starting}")
+                os.replace(tmp, self.status)
+            step, size = read_progress(self.progress)
+            if step and (not self.samples or self.samples[-1][1:] != (step, size, rounds)):
                 self.samples.append((time.monotonic(), step, size, rounds))
 
-    def at(self, t: float) -> tuple[int, int]:
-        """(step, round) last seen at time t."""
-        seen = [s for s in self.samples if s[0] <= t]
-        return (seen[-1][1], seen[-1][3]) if seen else (0, 0)
 
-    def recovered(self, t: float) -> float | None:
-        """Seconds from t to the first step committed in a later round than at t."""
-        step, rounds = self.at(t)
-        for when, s, _, r in self.samples:
-            if when > t and r > rounds and s > step:
-                return when - t
-        return None
+def drive(args: argparse.Namespace) -> int:
+    """The job's driver process: an elastic job on the cluster at RAY_ADDRESS; writes what
+    the ranks returned, the progress samples, the round history and any error to --out."""
+    import logging
 
-
-class Chaos:
-    """Injects the seeded schedule's faults into the cluster, from the main thread (a
-    `Cluster` is changed only there)."""
-
-    def __init__(self, cluster, executor, rng: random.Random, respawn_s: float) -> None:
-        self.cluster, self.executor, self.rng = cluster, executor, rng
-        self.respawn_s = respawn_s
-        self.log: list[dict] = []
-        self.to_add: list[float] = []  # when to add a fresh node
-        self.removals: list[tuple[float, object]] = []  # when to take a node out
-
-    def add_node(self) -> None:
-        self.cluster.add_node(num_cpus=1, resources={RESOURCE: 1})
-
-    def _members(self) -> list:
-        job = self.executor.last_elastic_job
-        return list(job.members.values()) if job is not None else []
-
-    def _node(self, node_id: str):
-        return next((n for n in self.cluster.worker_nodes if n.node_id == node_id), None)
-
-    def fault(self, kind: str) -> bool:
-        """Injects one fault; False when the job has nothing it applies to right now."""
-        import ray
-
-        members = [m for m in self._members() if not m.leaving]
-        if not members:
-            return False
-        victim = self.rng.choice(members)
-        t = time.monotonic()
-        if kind in ("worker_kill", "while_starting", "in_rendezvous"):
-            try:
-                os.kill(ray.get(victim.actor.pid.remote(), timeout=2), signal.SIGKILL)
-            except Exception:  # noqa: BLE001 - it died already: nothing injected
-                return False
-        elif kind == "node_kill":
-            node = self._node(victim.node)
-            if node is None:
-                return False
-            self.cluster.remove_node(node, allow_graceful=False)
-            self.to_add.append(t + self.respawn_s)
-        elif kind == "raylet_kill":
-            node = self._node(victim.node)
-            if node is None:
-                return False
-            os.kill(node.all_processes["raylet"][0].process.pid, signal.SIGKILL)
-            self.removals.append((t + 5.0, node))  # Ray finds the node dead by itself first
-            self.to_add.append(t + self.respawn_s)
-        elif kind == "drain":
-            from raytrain_x.testing.autoscaling import drain_node
-
-            node = self._node(victim.node)
-            if node is None:
-                return False
-            drain_node(self.cluster.address, victim.node, deadline_s=2.0)
-            self.removals.append((t + 3.0, node))
-            self.to_add.append(t + self.respawn_s)
-        self.log.append({"kind": kind, "t": t, "node": victim.node[:8]})
-        return True
-
-    def tick(self) -> None:
-        """Carries out the node removals and additions that are due."""
-        now = time.monotonic()
-        for entry in [r for r in self.removals if r[0] <= now]:
-            self.removals.remove(entry)
-            if entry[1] in self.cluster.worker_nodes:
-                self.cluster.remove_node(entry[1], allow_graceful=False)
-        for when in [w for w in self.to_add if w <= now]:
-            self.to_add.remove(when)
-            self.add_node()
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
-
-
-def soak(seed: int, minutes: float, nodes: int, kinds: list[str], mean_gap: float,
-         respawn_s: float) -> dict:
-    """One run: a cluster, an elastic job, the schedule; returns what it saw."""
     import ray
-    from ray.cluster_utils import Cluster
 
     from raytrain_x.ray import RayExecutor
 
-    rng = random.Random(seed)
-    pause = 0.05
-    steps = int(minutes * 60 / (pause + 0.05))  # about --minutes on this machine
-    temp = tempfile.mkdtemp(prefix="rtxchaos", dir="/tmp")
-    progress = Path(temp) / "progress"
-    cluster = Cluster(initialize_head=True, connect=True, head_node_args={
-        "num_cpus": 2, "include_dashboard": False, "temp_dir": temp})
-    began = time.monotonic()
-    out: dict = {"seed": seed, "steps": steps, "faults": [], "errors": []}
-    executor = None
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
+    ray.init(log_to_driver=False)
+    out: dict = {}
+    executor = RayExecutor(RayExecutor.create_settings(timeout_s=TIMEOUT_S), min_workers=2,
+                           max_workers=args.nodes, cpus_per_worker=1,
+                           resources_per_worker={RESOURCE: 1} if args.resource else None,
+                           cooldown_range=tuple(args.cooldown), elastic_timeout=120)
+    monitor = Monitor(args.progress, args.status, executor)
     try:
-        for _ in range(nodes):
-            cluster.add_node(num_cpus=1, resources={RESOURCE: 1})
-        cluster.wait_for_nodes()
-        executor = RayExecutor(RayExecutor.create_settings(timeout_s=TIMEOUT_S),
-                               min_workers=2, max_workers=nodes, cpus_per_worker=1,
-                               resources_per_worker={RESOURCE: 1}, elastic_timeout=120)
-        executor.start()
-        result: dict = {}
-
-        def run() -> None:
-            try:
-                result["ranks"] = executor.run(_train, args=(steps, pause, str(progress)))
-            except BaseException as exc:  # noqa: BLE001 - a driver crash is a finding
-                result["error"] = exc
-
-        job = threading.Thread(target=run, daemon=True)
-        job.start()
-        monitor = Monitor(progress, executor)
+        env = {"TF_CPP_MIN_LOG_LEVEL": "3", "OMP_NUM_THREADS": "1"}
+        executor.start(extra_env_vars=env)
         monitor.start()
-        chaos = Chaos(cluster, executor, rng, respawn_s)
-        next_at = time.monotonic() + 5 + rng.expovariate(1 / mean_gap)
-        last_round = 0
-        while job.is_alive():
+        if args.framework == "keras":
+            from raytrain_x.tensorflow.ledger import keras_ledger_train
+
+            out["ranks"] = executor.run(keras_ledger_train, args=(args.steps // 2, PAUSE_S),
+                                        kwargs={"progress": args.progress})
+        else:
+            from raytrain_x.torch.ledger import ledger_train
+
+            out["ranks"] = executor.run(ledger_train, args=(None, PAUSE_S),
+                                        kwargs={"stop": args.stop, "progress": args.progress})
+    except BaseException as exc:  # noqa: BLE001 - reported; the injector judges it
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        monitor.stop.set()
+        out["samples"] = monitor.samples
+        out["history"] = executor.elastic_history
+        executor.shutdown()
+        ray.shutdown()
+        Path(args.out).write_text(json.dumps(out, default=str))
+    return 0
+
+
+# ----------------------------------------------------------------------------- clusters
+class LocalNodes:
+    """A local multi-node cluster (`ray.cluster_utils.Cluster`); hosts are its worker
+    nodes."""
+
+    kinds = LOCAL_KINDS
+
+    def __init__(self, nodes: int, temp: str) -> None:
+        from ray.cluster_utils import Cluster
+
+        self.cluster = Cluster(initialize_head=True, connect=False, head_node_args={
+            "num_cpus": 0, "include_dashboard": False, "temp_dir": temp})
+        for _ in range(nodes):
+            self.add()
+        self.cluster.wait_for_nodes()
+        self.address = self.cluster.address
+
+    def add(self) -> None:
+        self.cluster.add_node(num_cpus=1, resources={RESOURCE: 1})
+
+    def hosts(self) -> list[Any]:
+        return list(self.cluster.worker_nodes)
+
+    def node_hosts(self) -> list[Any]:
+        return self.hosts()
+
+    def name(self, host: Any) -> str:
+        return host.node_id[:8]
+
+    def raylet(self, host: Any) -> int | None:
+        procs = host.all_processes.get("raylet") or []
+        return procs[0].process.pid if procs else None
+
+    def worker_pids(self, host: Any) -> list[int]:
+        from raytrain_x.testing.processes import processes, with_descendants
+
+        raylet = self.raylet(host)
+        if raylet is None:
+            return []
+        procs = processes()
+        return sorted(p for p in with_descendants({raylet}, procs)
+                      if procs.get(p, (0, ""))[1].startswith("ray::WorkerActor"))
+
+    def node_kill(self, host: Any) -> None:
+        self.cluster.remove_node(host, allow_graceful=False)
+
+    def raylet_kill(self, host: Any) -> None:
+        os.kill(self.raylet(host), signal.SIGKILL)
+
+    def remove(self, host: Any) -> None:
+        if host in self.cluster.worker_nodes:
+            self.cluster.remove_node(host, allow_graceful=False)
+
+    def drain(self, host: Any) -> None:
+        from raytrain_x.testing.autoscaling import drain_node
+
+        drain_node(self.address, host.node_id, deadline_s=2.0)
+
+    def driver(self, cmd: list[str], log) -> subprocess.Popen:
+        return subprocess.Popen(cmd, env={**os.environ, "RAY_ADDRESS": self.address},
+                                stdout=log, stderr=subprocess.STDOUT)
+
+    def shutdown(self) -> None:
+        self.cluster.shutdown()
+
+
+class EmulatedNodes:
+    """An emulated multi-host cluster (`EmulatedCluster`); hosts are indices, host 0 the
+    head, which runs the driver and takes no node faults."""
+
+    kinds = EMULATED_KINDS
+
+    def __init__(self, nodes: int, temp: str) -> None:
+        from raytrain_x.testing import EmulatedCluster
+
+        self.cluster = EmulatedCluster(hosts=nodes, workers_per_host=1, link_gbit=1.0,
+                                       system_config=EMULATED_RAY_CONFIG).start()
+        self.address = self.cluster.address
+        self.down: set[int] = set()  # hosts whose node was killed, until restarted
+
+    def hosts(self) -> list[int]:
+        return [h for h in range(self.cluster.hosts) if h not in self.down]
+
+    def node_hosts(self) -> list[int]:
+        return [h for h in self.hosts() if h != 0]
+
+    def name(self, host: int) -> str:
+        return f"host{host}"
+
+    def worker_pids(self, host: int) -> list[int]:
+        from raytrain_x.testing.cluster import namespace_pids
+        from raytrain_x.testing.processes import processes
+
+        procs = processes()
+        return sorted(p for p in namespace_pids(self.cluster.namespace(host))
+                      if procs.get(p, (0, ""))[1].startswith("ray::WorkerActor"))
+
+    def raylet_kill(self, host: int) -> None:
+        self.cluster.stop_host(host)  # the raylet and every worker of the host
+        self.down.add(host)
+
+    node_kill = raylet_kill
+
+    def remove(self, host: int) -> None:
+        pass
+
+    def add_host(self, host: int) -> None:
+        """Starts `host` again as a fresh node unless its raylet still runs (a host back
+        from a partition the node survived)."""
+        if self.cluster.raylet_pid(host) is None:
+            self.cluster.stop_host(host)  # workers the lost raylet left behind
+            self.cluster.start_node(host)
+        self.down.discard(host)
+
+    def link(self, host: int, up: bool) -> None:
+        (self.cluster.link_up if up else self.cluster.link_down)(host)
+
+    def driver(self, cmd: list[str], log) -> subprocess.Popen:
+        return self.cluster.popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+
+    def shutdown(self) -> None:
+        self.cluster.shutdown()
+
+
+# ----------------------------------------------------------------------------- faults
+class Chaos:
+    """Injects the seeded schedule's faults and carries out the delayed parts (node
+    removals, fresh nodes, links back up) when they are due."""
+
+    def __init__(self, nodes: Any, rng: random.Random, respawn_s: float) -> None:
+        self.nodes, self.rng, self.respawn_s = nodes, rng, respawn_s
+        self.log: list[dict] = []
+        self.due: list[tuple[float, str, Any]] = []  # (when, action, host)
+
+    def _with_workers(self, hosts: list[Any]) -> list[Any]:
+        busy = [host for _, action, host in self.due if action != "add"]  # going, cut off
+        return [h for h in hosts if h not in busy and self.nodes.worker_pids(h)]
+
+    def fault(self, kind: str) -> bool:
+        """Injects one fault; False when nothing it applies to exists right now."""
+        nodes = self.nodes
+        node_kind = kind not in ("worker_kill", "while_starting", "in_rendezvous")
+        hosts = self._with_workers(nodes.node_hosts() if node_kind else nodes.hosts())
+        if not hosts:
+            return False
+        host = self.rng.choice(hosts)
+        t = time.monotonic()
+        end = t
+        if not node_kind:
+            pids = nodes.worker_pids(host)
+            if not pids:
+                return False
+            try:
+                os.kill(self.rng.choice(pids), signal.SIGKILL)
+            except ProcessLookupError:
+                return False
+        elif kind == "node_kill":
+            nodes.node_kill(host)
+            self.due.append((t + self.respawn_s, "add", host))
+        elif kind == "raylet_kill":
+            nodes.raylet_kill(host)
+            self.due.append((t + 5.0, "remove", host))  # Ray finds the node dead first
+            self.due.append((t + max(self.respawn_s, 5.0), "add", host))
+        elif kind == "drain":
+            nodes.drain(host)
+            self.due.append((t + 3.0, "remove", host))
+            self.due.append((t + self.respawn_s, "add", host))
+        elif kind.startswith("partition"):
+            nodes.link(host, up=False)
+            end = t + (SHORT_PARTITION_S if kind == "partition_short" else LONG_PARTITION_S)
+            self.due.append((end, "link_up", host))
+            self.due.append((end + 3.0, "add", host))  # a fresh node, if Ray let it go
+        self.log.append({"kind": kind, "t": t, "end": end, "host": nodes.name(host)})
+        return True
+
+    def tick(self, final: bool = False) -> None:
+        """Carries out what is due (everything, when `final`)."""
+        now = time.monotonic()
+        for entry in sorted((d for d in self.due if final or d[0] <= now), key=lambda d: d[0]):
+            self.due.remove(entry)
+            _, action, host = entry
+            if action == "remove":
+                self.nodes.remove(host)
+            elif action == "link_up":
+                self.nodes.link(host, up=True)
+            elif action == "add" and not final:
+                if hasattr(self.nodes, "add_host"):
+                    self.nodes.add_host(host)
+                else:
+                    self.nodes.add()
+
+
+def _status(path: Path) -> tuple[int, int]:
+    try:
+        rounds, starting = map(int, path.read_text().split())
+        return rounds, starting
+    except (OSError, ValueError):
+        return 0, 0
+
+
+NAMED_STOPS = ("ElasticStateLost", "ElasticTimeout")  # a job may stop with these, by design
+
+
+def soak(seed: int, minutes: float, cluster: str, nodes: int, framework: str,
+         kinds: list[str], mean_gap: float, respawn_s: float,
+         cooldown: tuple[float, float]) -> dict:
+    """One seed's run: a cluster and the schedule for `minutes`, against one job after
+    another: a job the schedule stops with a named cause (it killed every worker holding
+    the state, or left fewer than min_workers past elastic_timeout) is followed by a new
+    one. Returns what it saw."""
+    rng = random.Random(seed)
+    temp = tempfile.mkdtemp(prefix="rtxchaos", dir="/tmp")
+    out: dict = {"seed": seed, "cluster": cluster, "framework": framework, "faults": [],
+                 "errors": [], "jobs": [], "progress": [], "steps": 0, "restores": 0}
+    began = time.monotonic()
+    kinds = [k for k in kinds if k in (LOCAL_KINDS if cluster == "local" else EMULATED_KINDS)]
+    world = (LocalNodes if cluster == "local" else EmulatedNodes)(nodes, temp)
+    namespaces = getattr(world.cluster, "_created", [])[:]
+    chaos = Chaos(world, rng, respawn_s)
+    stop_at = began + minutes * 60
+    logs = []
+    try:
+        while not out["jobs"] or time.monotonic() < stop_at - 20:
+            job = _job(len(out["jobs"]), world, chaos, rng, temp, framework, nodes, kinds,
+                       mean_gap, cooldown, stop_at)
+            job["faults"] = _judge(job, chaos.log[job["first_fault"]:], began, respawn_s)
+            out["jobs"].append({k: v for k, v in job.items() if k not in ("faults", "ranks")})
+            out["faults"] += job["faults"]
+            out["errors"] += [f"job {job['index']}: {e}" for e in job["errors"]]
+            out["progress"] += job["progress"]
+            out["steps"] += job["steps"]
+            out["restores"] += job["restores"]
+            logs.append(job["log"])
+            print(f"chaos: seed {seed} job {job['index']}: {job['outcome']}, "
+                  f"{len(job['faults'])} faults, {job['steps']} steps", flush=True)
+            if job["outcome"] not in NAMED_STOPS:
+                break
+        out["seconds"] = time.monotonic() - began
+    finally:
+        chaos.tick(final=True)
+        world.shutdown()
+    kept = RESULTS_DIR / f"chaos_{cluster}_{framework}_seed{seed}.log"
+    kept.write_text("\n".join(Path(p).read_text() for p in logs if Path(p).exists()))
+    out["log"] = str(kept)
+    out["errors"] += _leftovers(temp, namespaces)
+    return out
+
+
+def _job(index: int, world: Any, chaos: Chaos, rng: random.Random, temp: str,
+         framework: str, nodes: int, kinds: list[str], mean_gap: float,
+         cooldown: tuple[float, float], stop_at: float) -> dict:
+    """One job's driver under the schedule until it exits; what it returned."""
+    from raytrain_x.common.ledger import ledger_errors
+
+    files = {n: str(Path(temp) / f"{n}{index}")
+             for n in ("progress", "status", "stop", "out", "log")}
+    steps = int((stop_at - time.monotonic()) / (PAUSE_S + 0.1)) // 2 * 2  # Keras: 2 epochs
+    job: dict = {"index": index, "errors": [], "first_fault": len(chaos.log),
+                 "log": files["log"], "began": time.monotonic()}
+    cmd = [sys.executable, __file__, "drive", "--framework", framework,
+           "--nodes", str(nodes), "--steps", str(steps), "--cooldown", *map(str, cooldown),
+           *(["--resource"] if isinstance(world, LocalNodes) else []),
+           *[f"--{n}={files[n]}" for n in ("progress", "status", "stop", "out")]]
+    with open(files["log"], "w") as log:
+        driver = world.driver(cmd, log)
+    try:
+        next_at, last_round = time.monotonic() + 5 + rng.expovariate(1 / mean_gap), 0
+        while driver.poll() is None:
             time.sleep(0.05)
             chaos.tick()
             now = time.monotonic()
-            live = executor.last_elastic_job
-            rounds = live.rounds if live is not None else 0
-            if now < next_at:
+            if now >= stop_at:
+                Path(files["stop"]).touch()
+                continue
+            rounds, starting = _status(Path(files["status"]))
+            if now < next_at or rounds == 0:
                 continue
             kind = rng.choice(kinds)
-            if kind == "while_starting" and (live is None or not live.pool.pending):
+            if kind == "while_starting" and not starting:
                 continue  # wait for a worker to be starting
             if kind == "in_rendezvous" and rounds == last_round:
                 continue  # wait for the job to re-form
             last_round = rounds
             if chaos.fault(kind) and rng.random() < 0.2:  # a burst: a second fault at once
-                chaos.fault(rng.choice(["worker_kill", "node_kill"]))
+                chaos.fault(rng.choice(["worker_kill", *[k for k in kinds
+                                                         if k in ("node_kill",
+                                                                  "partition_short")]]))
             next_at = now + rng.expovariate(1 / mean_gap)
-        monitor.stop.set()
-        monitor.join()
-        out["seconds"] = time.monotonic() - began
-        if "error" in result:
-            out["errors"].append(f"the driver raised {result['error']!r}")
-        for entry in chaos.log:
-            entry["recovery_s"] = monitor.recovered(entry["t"])
-            entry["t"] -= began
-        out["faults"] = chaos.log
-        bound = TIMEOUT_S + respawn_s + RENDEZVOUS_S
-        for entry in chaos.log:
-            if entry["recovery_s"] is None and entry["t"] < out["seconds"] - bound:
-                out["errors"].append(f"no step after the {entry['kind']} at "
-                                     f"{entry['t']:.1f}s")
-            elif entry["recovery_s"] is not None and entry["recovery_s"] > bound:
-                out["errors"].append(f"the {entry['kind']} at {entry['t']:.1f}s held the job "
-                                     f"{entry['recovery_s']:.1f}s (bound {bound:.0f}s)")
-        out["progress"] = [(t - began, s, n) for t, s, n, _ in monitor.samples]
-        out["errors"] += _check(result.get("ranks") or [], steps)
-        out["history"] = executor.elastic_history
     finally:
-        if executor is not None:
-            executor.shutdown()
-        ray.shutdown()
-        cluster.shutdown()
-    out["errors"] += _leftovers(temp)
-    return out
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+    job["ended"] = time.monotonic()
+    job["driver_exit"] = driver.returncode
+    result = json.loads(Path(files["out"]).read_text()) if Path(files["out"]).exists() else {}
+    error = result.get("error", "")
+    job["outcome"] = "finished" if "ranks" in result else (
+        error.split(":", 1)[0] if error else "no result")
+    if driver.returncode != 0 or not result:
+        job["errors"].append(f"the driver exited {driver.returncode}: {_tail(files['log'])}")
+    if error and job["outcome"] not in NAMED_STOPS:
+        job["errors"].append(f"the job failed: {error}")
+    job["samples"] = result.get("samples", [])
+    ranks = result.get("ranks") or []
+    if job["outcome"] == "finished":
+        job["errors"] += ledger_errors(ranks, steps if framework == "keras" else None)
+    job["steps"] = ranks[0]["step"] if ranks else max([s[1] for s in job["samples"]],
+                                                      default=0)
+    job["restores"] = sum(r.get("restores", 0) for r in ranks)
+    job["history"] = result.get("history", [])
+    return job
 
 
-def _check(ranks: list[dict], steps: int) -> list[str]:
-    """The invariants over what the surviving ranks returned; each broken one is a line."""
-    if not ranks:
-        return ["no rank finished"]
-    errors = []
-    for r in ranks:
-        if r["ledger"] != list(range(steps)):
-            lost = sorted(set(range(steps)) - set(r["ledger"]))
-            doubled = sorted({s for s in r["ledger"] if r["ledger"].count(s) > 1})
-            errors.append(f"rank {r['rank']}: steps lost {lost[:10]}, doubled {doubled[:10]}")
-        *finished, current = [r["seen"][e] for e in sorted(r["seen"])]
-        for epoch, seen in enumerate(finished):
-            if sorted(seen) != list(range(SAMPLES)):
-                errors.append(f"rank {r['rank']}: epoch {epoch} did not see each sample once")
-        if len(set(current)) != len(current):
-            errors.append(f"rank {r['rank']}: a sample twice in the epoch under way")
-    if any(r["weight"] != ranks[0]["weight"] for r in ranks):
-        errors.append("the ranks' weights differ")
-    return errors
+def _judge(job: dict, injected: list[dict], began: float, respawn_s: float) -> list[dict]:
+    """Each of the job's faults with its recovery time (times from `began`); the faults
+    that held the job too long and committed steps lost go to the job's errors."""
+    samples, errors = job["samples"], job["errors"]
+    bound = TIMEOUT_S + respawn_s + RENDEZVOUS_S
+    faults = []
+    for fault in injected:
+        f = {**fault, "job": job["index"]}
+        step_at = max([s for t, s, _, _ in samples if t <= f["t"]], default=0)
+        round_at = max([r for t, _, _, r in samples if t <= f["t"]], default=0)
+        short = f["kind"] == "partition_short"
+        after = [t for t, s, _, r in samples
+                 if t > f["end"] and s > step_at and (short or r > round_at)]
+        f["recovery_s"] = after[0] - f["t"] if after else None
+        limit = bound + (f["end"] - f["t"])
+        if f["recovery_s"] is None and f["end"] < job["ended"] - limit:
+            errors.append(f"no step for {job['ended'] - f['t']:.0f}s after the {f['kind']} "
+                          f"at {f['t'] - began:.1f}s, until the job ended")
+        elif f["recovery_s"] is not None and f["recovery_s"] > limit:
+            errors.append(f"the {f['kind']} at {f['t'] - began:.1f}s held the job "
+                          f"{f['recovery_s']:.1f}s (bound {limit:.0f}s)")
+        f["t"] -= began
+        f["end"] -= began
+        faults.append(f)
+    # rank 0 writes each step it committed: after a restore it writes that step again (or
+    # the one before, where a peer died between two ranks' commits), never less
+    for (_, a, _, _), (t1, b, _, _) in zip(samples, samples[1:]):
+        if b < a - 1:
+            errors.append(f"committed steps lost at {t1 - began:.1f}s: the job went back "
+                          f"from step {a} to {b}")
+    job["progress"] = [(t - began, s, n) for t, s, n, _ in samples]
+    return faults
 
 
-def _leftovers(temp: str) -> list[str]:
-    """Ray processes of this run's cluster and engine shared-memory segments left."""
+def _tail(path: str, lines: int = 15) -> str:
+    try:
+        return "\n".join(Path(path).read_text().splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def _leftovers(temp: str, namespaces: list[str]) -> list[str]:
+    """Processes of this run's cluster, engine shared-memory segments and network
+    namespaces left once it stopped."""
     import shutil
 
     from raytrain_x.common.procs import processes
@@ -332,12 +519,21 @@ def _leftovers(temp: str) -> list[str]:
     while True:
         procs = [f"{p}: {c[:100]}" for p, (_, c) in processes().items() if temp in c]
         shm = [n for n in os.listdir("/dev/shm") if n.startswith("rtx-")]
-        if not (procs or shm) or time.monotonic() > deadline:
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True,
+                                text=True).stdout if namespaces else ""
+        nets = [n for n in namespaces if n in listed]
+        if not (procs or shm or nets) or time.monotonic() > deadline:
             break
         time.sleep(1)
     shutil.rmtree(temp, ignore_errors=True)
-    return ([f"left running: {p}" for p in procs] +
-            [f"left in /dev/shm: {n}" for n in shm])
+    return ([f"left running: {p}" for p in procs] + [f"left in /dev/shm: {n}" for n in shm]
+            + [f"network namespace left: {n}" for n in nets])
+
+
+# ----------------------------------------------------------------------------- report
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
 def report(runs: list[dict]) -> list[dict]:
@@ -352,6 +548,10 @@ def report(runs: list[dict]) -> list[dict]:
                      "p95 s": _percentile(times, 0.95) if times else "",
                      "max s": max(times) if times else ""})
     print_table(rows, ["kind", "injected", "recovered", "median s", "p95 s", "max s"])
+    minutes = sum(r["seconds"] for r in runs) / 60
+    print(f"{len(faults)} faults in {len(runs)} runs, {minutes:.1f} min; "
+          f"{sum(r['steps'] for r in runs)} steps committed, "
+          f"{sum(r['restores'] for r in runs)} restores")
     return rows
 
 
@@ -363,19 +563,24 @@ def plot(runs: list[dict], path: Path) -> None:
 
     fig, axes = plt.subplots(len(runs), 1, figsize=(9, 2.6 * len(runs)), squeeze=False)
     colors = dict(zip(KINDS, ["tab:red", "tab:purple", "tab:green", "tab:brown",
-                              "tab:orange", "tab:pink"]))
+                              "tab:orange", "tab:pink", "tab:cyan", "tab:blue"]))
     for ax, run in zip(axes[:, 0], runs):
         pts = run["progress"]
         rate = [(pts[i][0], (pts[i][1] - pts[i - 1][1]) / max(pts[i][0] - pts[i - 1][0], 1e-3))
                 for i in range(1, len(pts)) if pts[i][1] > pts[i - 1][1]]
-        if rate:
-            ax.plot([t for t, _ in rate], [v for _, v in rate], lw=0.6, color="black")
+        if rate:  # steps/s over 1 s windows
+            t0 = [t for t, _ in rate]
+            smooth = [sum(v for t, v in rate if tt - 1 < t <= tt) /
+                      max(1, sum(1 for t, _ in rate if tt - 1 < t <= tt)) for tt in t0]
+            ax.plot(t0, smooth, lw=0.6, color="black")
         for f in run["faults"]:
             ax.axvline(f["t"], color=colors.get(f["kind"], "grey"), lw=0.8, alpha=0.7)
         ax.set_ylabel("steps/s")
-        ax.set_title(f"seed {run['seed']}: {len(run['faults'])} faults", fontsize=9)
+        ax.set_title(f"{run['cluster']} cluster, {run['framework']}, seed {run['seed']}: "
+                     f"{len(run['faults'])} faults", fontsize=9)
     axes[-1, 0].set_xlabel("seconds")
-    handles = [plt.Line2D([], [], color=c, label=k) for k, c in colors.items()]
+    used = {f["kind"] for r in runs for f in r["faults"]}
+    handles = [plt.Line2D([], [], color=c, label=k) for k, c in colors.items() if k in used]
     axes[0, 0].legend(handles=handles, fontsize=7, ncol=3, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -385,24 +590,30 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, nargs="+", default=[1])
     parser.add_argument("--minutes", type=float, default=3.0, help="per seed")
-    parser.add_argument("--nodes", type=int, default=3)
+    parser.add_argument("--cluster", choices=["local", "emulated"], default="local")
+    parser.add_argument("--nodes", type=int, default=4)
+    parser.add_argument("--framework", choices=["torch", "keras"], default="torch")
     parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
-    parser.add_argument("--mean-gap", type=float, default=4.0, help="seconds between faults")
+    parser.add_argument("--mean-gap", type=float, default=6.0, help="seconds between faults")
     parser.add_argument("--respawn", type=float, default=3.0,
                         help="seconds until a lost node is replaced")
+    parser.add_argument("--cooldown", type=float, nargs=2, default=[1.0, 8.0],
+                        metavar=("LO", "HI"), help="the job's cooldown_range")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     runs = []
     for seed in args.seed:
-        print(f"chaos: seed {seed} ({args.minutes:g} min, {args.nodes} nodes, kinds "
-              f"{','.join(args.kinds)})", flush=True)
-        run = soak(seed, args.minutes, args.nodes, args.kinds, args.mean_gap, args.respawn)
+        print(f"chaos: seed {seed} ({args.minutes:g} min, {args.cluster} cluster of "
+              f"{args.nodes} nodes, {args.framework})", flush=True)
+        run = soak(seed, args.minutes, args.cluster, args.nodes, args.framework, args.kinds,
+                   args.mean_gap, args.respawn, tuple(args.cooldown))
         runs.append(run)
         verdict = "ok" if not run["errors"] else "FAILED: " + "; ".join(run["errors"])
         print(f"chaos: seed {seed}: {len(run['faults'])} faults in {run['seconds']:.0f}s, "
               f"{verdict}", flush=True)
     rows = report(runs)
-    path = write_json("chaos", {"runs": runs, "rows": rows}, args.json)
+    path = write_json(f"chaos_{args.cluster}_{args.framework}", {"runs": runs, "rows": rows},
+                      args.json)
     plot(runs, path.with_suffix(".png"))
     print(f"wrote {path} and {path.with_suffix('.png')}")
     failed = [r["seed"] for r in runs if r["errors"]]
@@ -411,6 +622,21 @@ def main() -> int:
     return 1 if failed else 0
 
 
+def drive_main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["drive"])
+    for name in ("progress", "status", "stop", "out"):
+        parser.add_argument(f"--{name}", required=True)
+    parser.add_argument("--framework", default="torch")
+    parser.add_argument("--nodes", type=int, required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--cooldown", type=float, nargs=2, required=True)
+    parser.add_argument("--resource", action="store_true")
+    return drive(parser.parse_args())
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["drive"]:
+        sys.exit(drive_main())
     RESULTS_DIR.mkdir(exist_ok=True)
     sys.exit(main())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from raytrain_x.common.errors import (
     ConfigError,
+    ElasticStateLost,
     ElasticTimeout,
     HostsUpdatedInterrupt,
     InternalError,
@@ -21,6 +22,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ConfigError",
+    "ElasticStateLost",
     "ElasticTimeout",
     "HostsUpdatedInterrupt",
     "InternalError",

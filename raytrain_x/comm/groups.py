@@ -37,13 +37,18 @@ class ProcessSetGroup:
         return self.group.rank if self.group is not None else -1
 
 
+def round_prefix(round_id: int) -> str:
+    """The store keys of one rendezvous round start with this (its groups' keys)."""
+    return f"rtx/round{round_id}/"
+
+
 class ProcessGroups:
     """All communicators of one rendezvous round: global, local, cross and process sets."""
 
     def __init__(self, rdv: Rendezvous, backend: str = DEFAULT_BACKEND) -> None:
         self.rdv = rdv
         self.backend = get_backend(backend)
-        self._prefix = f"rtx/round{rdv.round}"
+        self._prefix = round_prefix(rdv.round).rstrip("/")
         self.world = self._subgroup("world", list(range(rdv.size)))
         layout = self.world.allgather_bytes(pickle.dumps((rdv.local_rank, rdv.cross_rank)))
         self.layout: list[tuple[int, int]] = [pickle.loads(x) for x in layout]

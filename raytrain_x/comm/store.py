@@ -7,8 +7,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from raytrain_x.common.errors import RendezvousTimeout
+from raytrain_x.common.errors import InternalError, RendezvousTimeout
 from raytrain_x.common.settings import TIMEOUT_S
+
+ABANDONED = "abandoned"  # the store actor's answer for a key of an abandoned round
 
 
 def call_actor(method, *args, attempts: int = 20, pause_s: float = 0.5):
@@ -47,6 +49,8 @@ class ActorStore:
     def get(self, key: str) -> bytes:
         start = time.monotonic()
         value = call_actor(self.actor.get, key, self.timeout_s)
+        if value == ABANDONED:
+            raise InternalError(_ABANDONED_ERROR.format(key=key))
         if value is None:
             raise RendezvousTimeout(
                 f"rendezvous key {key!r} did not appear within {self.timeout_s:.0f}s "
@@ -62,7 +66,10 @@ class ActorStore:
 
     def wait(self, keys: list[str], timeout_s: float | None = None) -> None:
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        if not call_actor(self.actor.wait, list(keys), timeout_s):
+        found = call_actor(self.actor.wait, list(keys), timeout_s)
+        if found == ABANDONED:
+            raise InternalError(_ABANDONED_ERROR.format(key=keys[0]))
+        if not found:
             raise RendezvousTimeout(f"rendezvous keys {list(keys)} did not all appear within "
                                     f"{timeout_s:.0f}s; a worker did not start or died")
 
@@ -74,6 +81,10 @@ class ActorStore:
 
     def num_keys(self) -> int:
         return call_actor(self.actor.num_keys)
+
+
+_ABANDONED_ERROR = ("rendezvous key {key!r} belongs to a round the elastic driver abandoned: a "
+                    "peer died while the round formed; the next round forms without it")
 
 
 def _as_bytes(value) -> bytes:

@@ -7,6 +7,8 @@ import asyncio
 
 import ray
 
+from raytrain_x.comm.store import ABANDONED
+
 
 @ray.remote(num_cpus=0)
 class StoreActor:
@@ -15,6 +17,17 @@ class StoreActor:
     def __init__(self) -> None:
         self._data: dict[str, bytes] = {}
         self._changed = asyncio.Condition()
+        self._abandoned: list[str] = []  # key prefixes no one will complete
+
+    async def abandon(self, prefix: str) -> None:
+        """Keys under `prefix` will never all be set (a peer of that rendezvous round died):
+        their waiters are answered `ABANDONED` at once, not at their timeout."""
+        async with self._changed:
+            self._abandoned.append(prefix)
+            self._changed.notify_all()
+
+    def _is_abandoned(self, keys: list[str]) -> bool:
+        return any(k.startswith(p) for p in self._abandoned for k in keys)
 
     async def set(self, key: str, value: bytes) -> None:
         async with self._changed:
@@ -37,19 +50,25 @@ class StoreActor:
             self._changed.notify_all()
             return value
 
-    async def wait(self, keys: list[str], timeout_s: float) -> bool:
+    async def wait(self, keys: list[str], timeout_s: float) -> bool | str:
+        """True once every key is set; False at the timeout; `ABANDONED` when a key's
+        round was abandoned first."""
+        def present() -> bool:
+            return all(k in self._data for k in keys)
+
         async with self._changed:
             try:
                 await asyncio.wait_for(
-                    self._changed.wait_for(lambda: all(k in self._data for k in keys)), timeout_s
-                )
-                return True
+                    self._changed.wait_for(lambda: present() or self._is_abandoned(keys)),
+                    timeout_s)
             except asyncio.TimeoutError:
                 return False
+            return True if present() else ABANDONED
 
-    async def get(self, key: str, timeout_s: float) -> bytes | None:
-        if not await self.wait([key], timeout_s):
-            return None
+    async def get(self, key: str, timeout_s: float) -> bytes | str | None:
+        found = await self.wait([key], timeout_s)
+        if found is not True:
+            return None if found is False else ABANDONED
         return self._data[key]
 
     async def check(self, keys: list[str]) -> bool:

@@ -32,16 +32,20 @@ class WorkerError(RaytrainXError):
         detail: the remote traceback or exit description.
         lost_peer: the worker failed only because a peer did (it raised `InternalError` or
             `RendezvousTimeout`), so another rank's failure is the root cause.
+        process_lost: its process or host was lost (killed, crashed, cut off), as opposed
+            to its function raising.
     """
 
-    def __init__(self, rank: int, detail: str, lost_peer: bool = False) -> None:
+    def __init__(self, rank: int, detail: str, lost_peer: bool = False,
+                 process_lost: bool = False) -> None:
         super().__init__(f"rank {rank} failed:\n{detail}")
         self.rank = rank
         self.detail = detail
         self.lost_peer = lost_peer
+        self.process_lost = process_lost
 
     def __reduce__(self):
-        return (WorkerError, (self.rank, self.detail, self.lost_peer))
+        return (WorkerError, (self.rank, self.detail, self.lost_peer, self.process_lost))
 
 
 class HostsUpdatedInterrupt(RaytrainXError):
@@ -67,6 +71,11 @@ class StoreAuthError(RaytrainXError, RuntimeError):
 
 class ResetLimitExceeded(RaytrainXError):
     """An elastic job reset more often than its reset_limit allows."""
+
+
+class ElasticStateLost(RaytrainXError):
+    """Every worker holding an elastic job's committed state was lost: the state lived only
+    in their memory, and a new round would silently start over from the initial state."""
 
 
 class ElasticTimeout(RaytrainXError):

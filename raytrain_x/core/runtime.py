@@ -5,6 +5,7 @@ module; it knows no framework."""
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import sys
 import threading
@@ -22,6 +23,7 @@ from raytrain_x.common.horovod_env import with_horovod_aliases
 from raytrain_x.common.knobs import Knobs, load_knobs
 from raytrain_x.engine.engine import Engine
 
+log = logging.getLogger("raytrain_x.elastic")
 _lock = threading.RLock()
 _engine: Engine | None = None
 _fixed_knobs: frozenset[str] = frozenset()
@@ -81,10 +83,7 @@ def start(
                 **{n: getattr(knobs, n) for n in _fixed_knobs})
         if os.environ.get("RAYTRAIN_X_LAUNCHED") == "1":
             _exit_with_code_on_lost_peer()
-        rdv = rendezvous or next_rendezvous()
-        groups = ProcessGroups(rdv)
-        if rdv.size > 1:
-            knobs = groups.world.broadcast_object(knobs, 0)
+        rdv, groups, knobs = _form_world(rendezvous, knobs)
         env = with_horovod_aliases(os.environ)
         _engine = Engine(
             groups,
@@ -104,6 +103,29 @@ def start(
                 _sampler.samples_per_step = _batch_size * rdv.size
             _engine.add_cycle_hook(_sampler.on_cycle)
         return True
+
+
+def _form_world(rendezvous: Rendezvous | None,
+                knobs: Knobs) -> tuple[Rendezvous, ProcessGroups, Knobs]:
+    """Meets the other ranks: the groups of this round and rank 0's knobs. In an elastic
+    worker (its rounds come from the driver) a peer lost while the world forms is one
+    more reset: the worker joins the next round the driver forms without it, as it does
+    when a peer is lost later; the first `init()` is thus as elastic as the rest."""
+    while True:
+        rdv = rendezvous or next_rendezvous()
+        groups = None
+        try:
+            groups = ProcessGroups(rdv)
+            if rdv.size > 1:
+                knobs = groups.world.broadcast_object(knobs, 0)
+            return rdv, groups, knobs
+        except LOST_PEER_ERRORS as exc:
+            if groups is not None:
+                groups.close()
+            if rendezvous is not None or _host_update_probe is None:
+                raise
+            log.warning("raytrain-x elastic: a peer was lost while round %d formed (%s); "
+                        "joining the next round", rdv.round, str(exc).splitlines()[0])
 
 
 def _exit_with_code_on_lost_peer() -> None:

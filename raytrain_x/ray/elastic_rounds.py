@@ -20,6 +20,7 @@ class ElasticRounds:
         self._waiting: dict[str, asyncio.Future] = {}
         self._hosts_version = 0
         self._error: str | None = None
+        self._committed: set[int] = set()  # rounds in which rank 0 committed
 
     async def join(self, worker_id: str) -> dict[str, Any]:
         """Blocks until the driver puts this worker in a round; returns its place."""
@@ -52,6 +53,16 @@ class ElasticRounds:
 
     async def hosts_version(self) -> int:
         return self._hosts_version
+
+    async def commit(self, round_id: int) -> int:
+        """Rank 0 of round `round_id` committed (every rank of the round holds the state
+        now); returns the host-set version, which it checks at each commit."""
+        self._committed.add(round_id)
+        return self._hosts_version
+
+    async def committed(self) -> list[int]:
+        """The rounds in which the job committed."""
+        return sorted(self._committed)
 
 
 def plan_round(members: dict[str, tuple[str, int]], round_id: int,

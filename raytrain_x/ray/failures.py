@@ -45,7 +45,7 @@ def worker_error(rank: int, exc: Exception) -> WorkerError:
         return exc
     if isinstance(exc, RayActorError):
         return WorkerError(rank, "the worker process exited (sys.exit, a crash or a killed "
-                                 "node); its output is in the Ray logs")
+                                 "node); its output is in the Ray logs", process_lost=True)
     cause = getattr(exc, "cause", None)
     if isinstance(cause, WorkerFailure):
         return WorkerError(rank, cause.traceback_text, cause.lost_peer)
@@ -90,4 +90,4 @@ def unreachable_error(ranks: list[int], nodes: list[str], after: str) -> dict[in
                       for n in sorted(set(nodes)))
     detail = (f"ranks {ranks} are unreachable: no answer within {PROBE_TIMEOUT_S:.0f}s "
               f"{after}; their host {where} is cut off by a network partition or lost")
-    return {rank: WorkerError(rank, detail) for rank in ranks}
+    return {rank: WorkerError(rank, detail, process_lost=True) for rank in ranks}

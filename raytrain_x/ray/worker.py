@@ -74,6 +74,7 @@ class WorkerActor:
         self.executable: Any = None
         self.rank = -1
         self.round_id = 0
+        self.elastic_round = 0  # the elastic round this worker is in
         self.inits = 0  # rx.init() calls in the current round
 
     def node_id(self) -> str:
@@ -120,13 +121,16 @@ class WorkerActor:
             if place.get("leave"):
                 raise LeaveJob(place["reason"])
             self.rank = place["rank"]
+            self.elastic_round = place["round"]
             return Rendezvous(store=ActorStore(store_actor, timeout_s), timeout_s=timeout_s,
                               address=self.node_ip(), **place)
 
         set_rendezvous_provider(provider)
         from raytrain_x.core import runtime
 
-        runtime.set_host_update_probe(lambda: call_actor(rounds_actor.hosts_version))
+        # rank 0 asks at every commit; the driver learns which rounds hold the state
+        runtime.set_host_update_probe(
+            lambda: call_actor(rounds_actor.commit, self.elastic_round))
 
     def create_executable(self, cls: type, args: tuple, kwargs: dict) -> None:
         self.executable = cls(*args, **kwargs)

@@ -24,6 +24,8 @@ from raytrain_x.ray.elastic.policies import (
     drain_line,
     elastic_timeout_error,
     notice_drains,
+    state_lost,
+    state_lost_error,
 )
 from raytrain_x.ray.elastic.settings import ElasticSettings
 
@@ -195,6 +197,20 @@ def test_a_round_forms_once_every_staying_member_waits_and_drained_ones_leave():
     assert drained.leave == ["c"] and drained.form  # c leaves; a and b form the round
     too_few = decide_round(["a", "b", "c"], members, draining={"n1"}, min_workers=2)
     assert too_few.leave == ["a", "b"] and not too_few.form  # below min_workers
+
+
+def test_the_state_is_lost_once_no_staying_member_was_in_a_round_that_committed():
+    old, new = MemberView("a", "n1", first_round=2), MemberView("b", "n2", first_round=0)
+    assert not state_lost([new], committed_rounds=[])  # nothing committed: a fresh start
+    assert not state_lost([old, new], committed_rounds=[1, 3])  # a was in round 3
+    # a survivor of committed round 2, now in round 4, which has not committed yet
+    assert not state_lost([old], committed_rounds=[2])
+    assert state_lost([new], committed_rounds=[1, 3])  # only a newcomer is left
+    # first placed in round 4, which never committed: it never received the state
+    assert state_lost([MemberView("c", "n3", first_round=4)], committed_rounds=[1, 3])
+    error = state_lost_error("rank 0 failed:\nthe worker process exited", workers_lost=5)
+    assert "every worker that held the job's committed state was lost" in str(error)
+    assert "5 workers failed" in str(error) and "the worker process exited" in str(error)
 
 
 # ----------------------------------------------------------------------------- the log

@@ -22,6 +22,7 @@ from typing import Any
 
 import ray
 
+from raytrain_x.comm.groups import round_prefix
 from raytrain_x.comm.store_actor import StoreActor
 from raytrain_x.common.errors import WorkerError
 from raytrain_x.common.settings import short_node
@@ -38,6 +39,8 @@ from raytrain_x.ray.elastic.policies import (
     drain_line,
     elastic_timeout_error,
     notice_drains,
+    state_lost,
+    state_lost_error,
 )
 from raytrain_x.ray.elastic.pool import Member, Pending, WorkerPool
 from raytrain_x.ray.elastic.settings import (
@@ -132,7 +135,7 @@ class ElasticJob:
                 if finished:
                     return self._finish(finished)
                 if not self.members and self.last_failure is not None:
-                    raise self.last_failure  # every worker failed: the job fails
+                    self._check_all_failed()
                 if self._poll_pending() and self.rounds:
                     ray.get(self.rounds_actor.bump_hosts.remote())
                     self.log.add("scale_up")
@@ -176,6 +179,9 @@ class ElasticJob:
         return outcomes.finished
 
     def _on_failure(self, member: Member, error: WorkerError) -> None:
+        # peers still forming this round with it would wait for its keys until their
+        # timeout: they are answered at once and join the next round
+        self.store.abandon.remote(round_prefix(self.rounds))
         self.pool.remove(member)
         self.log.note("failure", failed=1)
         self.last_failure = error
@@ -188,11 +194,26 @@ class ElasticJob:
                         member.worker_id, member.rank, short_node(member.node))
         else:
             self.log.add("failure", member.node, cooldown_s=verdict.cooldown_s)
-            log.warning("raytrain-x elastic: worker %s (rank %d) on node %s failed; host "
-                        "blacklisted for %s", member.worker_id, member.rank,
-                        short_node(member.node),
+            log.warning("raytrain-x elastic: worker %s (rank %d) on node %s failed (%s); "
+                        "host blacklisted for %s", member.worker_id, member.rank,
+                        short_node(member.node), _last_line(error.detail),
                         "good" if verdict.cooldown_s == float("inf")
                         else f"{verdict.cooldown_s:.1f}s")
+
+    def _check_all_failed(self) -> None:
+        """No worker is left, the last one having failed. A function that raised fails the
+        job with its error, as does any failure when hosts are blacklisted for good. Lost
+        processes (killed, crashed, cut off) with a cooldown are waited out like a start
+        (`min_workers`, `elastic_timeout`), unless the job had committed: its state went
+        with them."""
+        failure = self.last_failure
+        if not failure.process_lost or self.settings.cooldown_range is None:
+            raise failure
+        if ray.get(self.rounds_actor.committed.remote()):
+            raise state_lost_error(failure, self._lost_workers())
+
+    def _lost_workers(self) -> int:
+        return len(self.log.of("failure")) + len(self.log.of("lost_draining"))
 
     def _check_stragglers(self) -> None:
         waiting = ray.get(self.rounds_actor.waiting.remote())
@@ -348,14 +369,19 @@ class ElasticJob:
             self.log.note("drain", left=len(decision.leave))
         if not decision.form:
             return  # survivors are still on their way to the rendezvous
-        self.failures.count_round(self.log.is_reset(), self.last_failure)
         staying = {m.worker_id: m for m in self._staying()}
+        if self.rounds and state_lost([m.view() for m in staying.values()],
+                                      ray.get(self.rounds_actor.committed.remote())):
+            raise state_lost_error(self.last_failure, self._lost_workers())
+        self.failures.count_round(self.log.is_reset(), self.last_failure)
         version = ray.get(self.rounds_actor.hosts_version.remote())
         self.rounds += 1
         assignments = plan_round({m.worker_id: (m.node, m.age) for m in staying.values()},
                                  self.rounds, version)
         for worker_id, place in assignments.items():
             self.members[worker_id].rank = place["rank"]
+            self.members[worker_id].first_round = self.members[worker_id].first_round \
+                or self.rounds
         ray.get(self.rounds_actor.publish.remote(assignments))
         self._needs_round = False
         entry = self.log.record_round(
@@ -376,6 +402,12 @@ def _progress(line: str) -> None:
     """A line for the driver's user: logged, and printed (a notebook shows no log)."""
     log.info("raytrain-x elastic: %s", line)
     print(f"raytrain-x elastic: {line}", flush=True)
+
+
+def _last_line(text: str) -> str:
+    """The line of a traceback that names the error."""
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1].strip()[:300] if lines else "no detail"
 
 
 def _first_line(exc: BaseException) -> str:

@@ -10,7 +10,12 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from raytrain_x.common.errors import ConfigError, ElasticTimeout, ResetLimitExceeded
+from raytrain_x.common.errors import (
+    ConfigError,
+    ElasticStateLost,
+    ElasticTimeout,
+    ResetLimitExceeded,
+)
 from raytrain_x.common.settings import short_node
 from raytrain_x.elastic.blacklist import Blacklist
 from raytrain_x.elastic.discovery import slots_from_resources
@@ -244,6 +249,32 @@ class MemberView:
     worker_id: str
     node: str
     leaving: bool = False
+    first_round: int = 0  # the round it was first placed in (0: none yet)
+
+
+def state_lost(members: Iterable[MemberView], committed_rounds: Iterable[int]) -> bool:
+    """Whether the job's committed state is gone: it committed in some round, and none of
+    `members` (those that stay) was in a round that committed. A member is in every round
+    from its first on (a round forms only once every staying member waits), so it holds
+    the state once a round at or after its first committed. The state lives only in the
+    workers' memory: a round of newcomers would start over from the initial state."""
+    last = max(committed_rounds, default=0)
+    return last > 0 and not any(0 < m.first_round <= last for m in members)
+
+
+def state_lost_error(last_failure: object, workers_lost: int) -> ElasticStateLost:
+    """The error of a job whose every state holder was lost (`state_lost`)."""
+    return ElasticStateLost(
+        f"every worker that held the job's committed state was lost ({workers_lost} "
+        f"workers failed in all; the last: {_first_line(last_failure)}). A new round "
+        "would start over from the initial state, so the job stops instead. Restart it "
+        "(from a checkpoint, if it saves one); with faults this frequent, run more "
+        "workers or a higher min_workers so that one of them survives.")
+
+
+def _first_line(value: object) -> str:
+    lines = [line for line in str(value or "no failure recorded").splitlines() if line.strip()]
+    return "; ".join(lines[:2])[:300]
 
 
 @dataclass(frozen=True)
