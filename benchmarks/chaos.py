@@ -12,8 +12,8 @@ The job runs as its own driver process, as a user's script would: `RayExecutor(m
 max_workers=--nodes, cooldown_range=--cooldown)` training with `raytrain_x.testing.ledger`
 (torch, or the Keras face with --framework keras), one commit per step, until the stop
 file appears (torch) or its planned steps are done (Keras). Faults (--kinds; drawn by the
-seeded schedule, --mean-gap seconds apart on average; one in five comes with a second at
-once):
+seeded schedule, --mean-gap seconds apart on average; with chance --burst a fault comes
+with a second one at once):
 
   worker_kill      SIGKILL of a worker process
   node_kill        every process of a node gone at once; a fresh node joins --respawn s later
@@ -358,7 +358,7 @@ NAMED_STOPS = ("ElasticStateLost", "ElasticTimeout")  # a job may stop with thes
 
 
 def soak(seed: int, minutes: float, cluster: str, nodes: int, framework: str,
-         kinds: list[str], mean_gap: float, respawn_s: float,
+         kinds: list[str], mean_gap: float, burst: float, respawn_s: float,
          cooldown: tuple[float, float]) -> dict:
     """One seed's run: a cluster and the schedule for `minutes`, against one job after
     another: a job the schedule stops with a named cause (it killed every worker holding
@@ -378,7 +378,7 @@ def soak(seed: int, minutes: float, cluster: str, nodes: int, framework: str,
     try:
         while not out["jobs"] or time.monotonic() < stop_at - 20:
             job = _job(len(out["jobs"]), world, chaos, rng, temp, framework, nodes, kinds,
-                       mean_gap, cooldown, stop_at)
+                       mean_gap, burst, cooldown, stop_at)
             job["faults"] = _judge(job, chaos.log[job["first_fault"]:], began, respawn_s)
             out["jobs"].append({k: v for k, v in job.items() if k not in ("faults", "ranks")})
             out["faults"] += job["faults"]
@@ -403,7 +403,7 @@ def soak(seed: int, minutes: float, cluster: str, nodes: int, framework: str,
 
 
 def _job(index: int, world: Any, chaos: Chaos, rng: random.Random, temp: str,
-         framework: str, nodes: int, kinds: list[str], mean_gap: float,
+         framework: str, nodes: int, kinds: list[str], mean_gap: float, burst: float,
          cooldown: tuple[float, float], stop_at: float) -> dict:
     """One job's driver under the schedule until it exits; what it returned."""
     from raytrain_x.common.ledger import ledger_errors
@@ -437,7 +437,7 @@ def _job(index: int, world: Any, chaos: Chaos, rng: random.Random, temp: str,
             if kind == "in_rendezvous" and rounds == last_round:
                 continue  # wait for the job to re-form
             last_round = rounds
-            if chaos.fault(kind) and rng.random() < 0.2:  # a burst: a second fault at once
+            if chaos.fault(kind) and rng.random() < burst:  # a second fault at once
                 chaos.fault(rng.choice(["worker_kill", *[k for k in kinds
                                                          if k in ("node_kill",
                                                                   "partition_short")]]))
@@ -595,6 +595,8 @@ def main() -> int:
     parser.add_argument("--framework", choices=["torch", "keras"], default="torch")
     parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
     parser.add_argument("--mean-gap", type=float, default=6.0, help="seconds between faults")
+    parser.add_argument("--burst", type=float, default=0.2,
+                        help="the chance that a fault comes with a second one at once")
     parser.add_argument("--respawn", type=float, default=3.0,
                         help="seconds until a lost node is replaced")
     parser.add_argument("--cooldown", type=float, nargs=2, default=[1.0, 8.0],
@@ -606,7 +608,7 @@ def main() -> int:
         print(f"chaos: seed {seed} ({args.minutes:g} min, {args.cluster} cluster of "
               f"{args.nodes} nodes, {args.framework})", flush=True)
         run = soak(seed, args.minutes, args.cluster, args.nodes, args.framework, args.kinds,
-                   args.mean_gap, args.respawn, tuple(args.cooldown))
+                   args.mean_gap, args.burst, args.respawn, tuple(args.cooldown))
         runs.append(run)
         verdict = "ok" if not run["errors"] else "FAILED: " + "; ".join(run["errors"])
         print(f"chaos: seed {seed}: {len(run['faults'])} faults in {run['seconds']:.0f}s, "

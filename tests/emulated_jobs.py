@@ -3,9 +3,10 @@
     python -m tests.emulated_jobs elastic --progress F --stop F --out F [--timeout S]
     python -m tests.emulated_jobs fixed --progress F --out F [--timeout S]
 
-`elastic`: an elastic job (min 2, max 4 workers, one per CPU) that trains until the stop
-file appears, writing "step size" to the progress file at every commit; it writes what was
-committed, the sizes and the round history to --out as JSON.
+`elastic`: an elastic job (min 2, max 4 workers, one per CPU) that runs the ledger job
+(`raytrain_x.torch.ledger`) until the stop file appears, rank 0 writing "step size" to the
+progress file at every commit; it writes what was committed, the sizes and the round
+history to --out as JSON.
 `fixed`: a 2 hosts x 2 workers job that allreduces until a collective fails; --out gets the
 error and how long after the last good step it came.
 """
@@ -14,46 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 import traceback
-
-
-def _elastic_train(progress: str, stop: str) -> dict:
-    import torch
-
-    import raytrain_x.torch as rx
-
-    rx.init()
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    opt = rx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
-                                  named_parameters=model.named_parameters())
-    state = rx.elastic.TorchState(model, opt, step=0, done_steps=[], sizes=[])
-
-    @rx.elastic.run
-    def train(state):
-        while True:
-            flag = torch.tensor([float(os.path.exists(stop))])
-            if rx.allreduce(flag, op=rx.Max, name="stop").item():
-                break
-            opt.zero_grad()
-            model(torch.ones(8, 4)).sum().backward()
-            opt.step()
-            state.done_steps.append(state.step)
-            state.sizes.append(rx.size())
-            state.step += 1
-            time.sleep(0.05)
-            state.commit()
-            if rx.rank() == 0:
-                with open(progress + ".tmp", "w") as f:
-                    f.write(f"{state.step} {rx.size()}")
-                os.replace(progress + ".tmp", progress)
-        return {"done_steps": list(state.done_steps), "sizes": list(state.sizes),
-                "rank": rx.rank(), "weight": model.weight.detach().reshape(-1).tolist(),
-                "restores": rx.elastic.restore_count()}
-
-    return train(state)
 
 
 def _fixed_train(progress: str) -> None:
@@ -95,7 +58,10 @@ def main() -> None:
                          cooldown_range=(args.cooldown, args.cooldown))
         ex.start()
         try:
-            out["results"] = ex.run(_elastic_train, args=[args.progress, args.stop])
+            from raytrain_x.torch.ledger import ledger_train
+
+            out["results"] = ex.run(ledger_train, kwargs={"stop": args.stop,
+                                                          "progress": args.progress})
             out["history"] = ex.elastic_history
         finally:
             ex.shutdown()

@@ -15,6 +15,7 @@ import logging
 import os
 import threading
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -249,7 +250,8 @@ class Engine:
                 log.exception("raytrain-x engine failed")
                 exc = InternalError(f"the raytrain-x engine failed: {exc!r}")
             self._error = exc
-            self._transport.abort()  # peers waiting on this host fail now, not at the timeout
+            _clear_frames(exc)  # the failed call's frames hold its groups: let them close
+            self._transport.abort()  # peers waiting on this rank fail now, not at the timeout
         finally:
             self._stop()
 
@@ -411,3 +413,18 @@ _MONO_TO_PERF = time.perf_counter() - time.monotonic()
 
 def _perf_from_mono(t: float) -> float:
     return t + _MONO_TO_PERF
+
+
+def _clear_frames(exc: BaseException) -> None:
+    """Drops the tracebacks of `exc` and the errors it chains, and the locals of their
+    finished frames. A collective that failed leaves its process group, and its pending
+    work, in them (a frame keeps its function, and the function's closure); a gloo group
+    closes its connections, which tells peers this rank is gone, only once it is freed.
+    Measured: without this, a rank that did not talk to the lost one waited for the
+    collective timeout (10 s) instead of 0.1 s."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc.__traceback__ = None
+        exc = exc.__cause__ or exc.__context__

@@ -84,10 +84,17 @@ class Transport:
         return rdv.cross_size > 1 and rdv.local_size > 1 and self.groups.homogeneous()
 
     def abort(self) -> None:
-        """Releases peers waiting in this host's shared memory now (this rank failed)."""
+        """This rank's engine failed: its peers must fail now, not at their timeout. Those
+        waiting in this host's shared memory are released, and the groups are closed, so
+        that peers waiting on this rank in a collective see its connections close (a peer
+        that lost another rank stops taking part, but its process and sockets live on:
+        without this, every rank that was not talking to the lost one at that moment
+        waited for the collective timeout). Called on the engine thread, the only one that
+        runs collectives, once it has stopped."""
         for shm in (self._shm, self._local_shm, *self._set_shm.values()):
             if shm is not None:
                 shm.abort()
+        self.groups.close()
 
     def close(self) -> None:
         self.groups.close()

@@ -71,16 +71,24 @@ def root_cause(errors: dict[int, WorkerError]) -> WorkerError:
     return chosen
 
 
-def unreachable(workers: Mapping[K, Any], timeout_s: float = PROBE_TIMEOUT_S) -> set[K]:
+def unreachable(workers: Mapping[K, Any], timeout_s: float = PROBE_TIMEOUT_S,
+                errors_count: bool = False) -> set[K]:
     """The keys of `workers` (worker actors) that do not answer a ping within `timeout_s`:
-    their node is partitioned off or lost. A worker whose process died answers at once,
-    with an error, and is not counted: its own failure reaches the caller as an actor
-    death, which says more."""
+    their node is partitioned off or lost. With `errors_count`, also those that answer
+    with an error (their process is gone): a dead process's own actor death reaches the
+    caller too, and says more, but only once Ray has declared it, which takes its node's
+    health checks when the node's raylet died with it; an elastic job need not wait."""
     if not workers:
         return set()
     refs = {worker.ping.remote(): key for key, worker in workers.items()}
     ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
-    return {key for ref, key in refs.items() if ref not in ready}
+    lost = {key for ref, key in refs.items() if ref not in ready}
+    for ref in ready if errors_count else ():
+        try:
+            ray.get(ref)
+        except Exception:  # noqa: BLE001 - any error: the worker is not there to train
+            lost.add(refs[ref])
+    return lost
 
 
 def unreachable_error(ranks: list[int], nodes: list[str], after: str) -> dict[int, WorkerError]:
@@ -89,5 +97,6 @@ def unreachable_error(ranks: list[int], nodes: list[str], after: str) -> dict[in
     where = ", ".join(f"{addresses.get(n, '?')} (node {short_node(n)})"
                       for n in sorted(set(nodes)))
     detail = (f"ranks {ranks} are unreachable: no answer within {PROBE_TIMEOUT_S:.0f}s "
-              f"{after}; their host {where} is cut off by a network partition or lost")
+              f"{after}; their host {where} is cut off by a network partition or lost, or "
+              "their process is gone")
     return {rank: WorkerError(rank, detail, process_lost=True) for rank in ranks}

@@ -109,6 +109,43 @@ def test_killed_peer_raises_internal_error_quickly(transport):
     assert isinstance(results[0], float) and results[0] < 5.0
 
 
+def _lost_far_peer(marks: str) -> tuple[str, float]:
+    """Allreduces until rank 0 dies; then stays alive (as an elastic worker does, to join
+    the next round) until every survivor has failed, or 15 s. In a ring only rank 0's
+    neighbours see its sockets close; the others learn of it only when those neighbours'
+    engines close their groups."""
+    import raytrain_x.torch as rx
+
+    rx.init()
+    t = torch.ones(1 << 12)
+    for step in range(100_000):
+        if rx.rank() == 0 and step == 50:
+            os._exit(1)  # a real crash: no shutdown, its sockets close
+        try:
+            rx.allreduce(t, name="ring")
+        except rx.InternalError as exc:
+            failed_at = time.monotonic()
+            open(os.path.join(marks, str(rx.rank())), "w").close()
+            deadline = failed_at + 15
+            while len(os.listdir(marks)) < rx.size() - 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            return str(exc), failed_at
+    return "no error", 0.0
+
+
+def test_every_rank_learns_of_a_lost_peer_at_once_not_at_the_timeout(tmp_path):
+    """Five gloo ranks, rank 0 crashes, the others stay alive. Ranks 2 and 3 talk only to
+    live ranks in the ring: they waited until their neighbours' processes exited or the
+    collective timeout (120 s here), since the failed collective's frames kept the
+    neighbours' groups, and sockets, open. Now all fail together."""
+    env = {"RAYTRAIN_X_SHM": "0", "RAYTRAIN_X_TIMEOUT": "120"}
+    results = run_workers(_lost_far_peer, 5, str(tmp_path), allow_failures=True, work_s=20,
+                          env=env)
+    texts, times = zip(*results[1:])
+    assert all("failed" in t and "imed out" not in t for t in texts), texts
+    assert max(times) - min(times) < 7, times  # not held until a neighbour gave up (15 s)
+
+
 def _stall() -> str:
     import logging
 

@@ -165,7 +165,8 @@ class WorkerPool:
 
     def unreachable(self, worker_ids: list[str]) -> set[str]:
         """The members among `worker_ids` that do not answer a probe."""
-        return unreachable({w: self.members[w].actor for w in worker_ids if w in self.members})
+        return unreachable({w: self.members[w].actor for w in worker_ids if w in self.members},
+                           errors_count=True)
 
     def staying(self, draining: set[str]) -> list[Member]:
         """Members that stay in the job: not leaving, not on a draining node."""
