@@ -359,7 +359,8 @@ NAMED_STOPS = ("ElasticStateLost", "ElasticTimeout")  # a job may stop with thes
 
 def soak(seed: int, minutes: float, cluster: str, nodes: int, framework: str,
          kinds: list[str], mean_gap: float, burst: float, respawn_s: float,
-         cooldown: tuple[float, float]) -> dict:
+         cooldown: tuple[float, float], out_dir: Path = RESULTS_DIR,
+         bound_scale: float = 1.0) -> dict:
     """One seed's run: a cluster and the schedule for `minutes`, against one job after
     another: a job the schedule stops with a named cause (it killed every worker holding
     the state, or left fewer than min_workers past elastic_timeout) is followed by a new
@@ -379,7 +380,8 @@ def soak(seed: int, minutes: float, cluster: str, nodes: int, framework: str,
         while not out["jobs"] or time.monotonic() < stop_at - 20:
             job = _job(len(out["jobs"]), world, chaos, rng, temp, framework, nodes, kinds,
                        mean_gap, burst, cooldown, stop_at)
-            job["faults"] = _judge(job, chaos.log[job["first_fault"]:], began, respawn_s)
+            job["faults"] = _judge(job, chaos.log[job["first_fault"]:], began, respawn_s,
+                                   bound_scale)
             out["jobs"].append({k: v for k, v in job.items() if k not in ("faults", "ranks")})
             out["faults"] += job["faults"]
             out["errors"] += [f"job {job['index']}: {e}" for e in job["errors"]]
@@ -395,7 +397,8 @@ def soak(seed: int, minutes: float, cluster: str, nodes: int, framework: str,
     finally:
         chaos.tick(final=True)
         world.shutdown()
-    kept = RESULTS_DIR / f"chaos_{cluster}_{framework}_seed{seed}.log"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    kept = out_dir / f"chaos_{cluster}_{framework}_seed{seed}.log"
     kept.write_text("\n".join(Path(p).read_text() for p in logs if Path(p).exists()))
     out["log"] = str(kept)
     out["errors"] += _leftovers(temp, namespaces)
@@ -467,11 +470,12 @@ def _job(index: int, world: Any, chaos: Chaos, rng: random.Random, temp: str,
     return job
 
 
-def _judge(job: dict, injected: list[dict], began: float, respawn_s: float) -> list[dict]:
+def _judge(job: dict, injected: list[dict], began: float, respawn_s: float,
+           bound_scale: float = 1.0) -> list[dict]:
     """Each of the job's faults with its recovery time (times from `began`); the faults
     that held the job too long and committed steps lost go to the job's errors."""
     samples, errors = job["samples"], job["errors"]
-    bound = TIMEOUT_S + respawn_s + RENDEZVOUS_S
+    bound = (TIMEOUT_S + respawn_s + RENDEZVOUS_S) * bound_scale
     faults = []
     for fault in injected:
         f = {**fault, "job": job["index"]}
@@ -536,22 +540,38 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
+def _isolated(fault: dict, faults: list[dict]) -> bool:
+    """No other fault of its run in the 10 s before it or until it recovered."""
+    until = fault["t"] + (fault["recovery_s"] or 0.0)
+    return not any(g is not fault and fault["t"] - 10 <= g["t"] <= until for g in faults)
+
+
 def report(runs: list[dict]) -> list[dict]:
     faults = [f for r in runs for f in r["faults"]]
+    for r in runs:
+        for f in r["faults"]:
+            f["isolated"] = _isolated(f, r["faults"])
     rows = []
     for kind in sorted({f["kind"] for f in faults}):
-        times = [f["recovery_s"] for f in faults if f["kind"] == kind
-                 and f["recovery_s"] is not None]
-        rows.append({"kind": kind, "injected": sum(f["kind"] == kind for f in faults),
-                     "recovered": len(times),
+        mine = [f for f in faults if f["kind"] == kind]
+        times = [f["recovery_s"] for f in mine if f["recovery_s"] is not None]
+        alone = [f["recovery_s"] for f in mine if f["recovery_s"] is not None and f["isolated"]]
+        rows.append({"kind": kind, "injected": len(mine), "recovered": len(times),
                      "median s": statistics.median(times) if times else "",
                      "p95 s": _percentile(times, 0.95) if times else "",
-                     "max s": max(times) if times else ""})
-    print_table(rows, ["kind", "injected", "recovered", "median s", "p95 s", "max s"])
+                     "max s": max(times) if times else "",
+                     "isolated": len(alone),
+                     "isolated median s": statistics.median(alone) if alone else "",
+                     "isolated p95 s": _percentile(alone, 0.95) if alone else ""})
+    print_table(rows, ["kind", "injected", "recovered", "median s", "p95 s", "max s",
+                       "isolated", "isolated median s", "isolated p95 s"])
     minutes = sum(r["seconds"] for r in runs) / 60
-    print(f"{len(faults)} faults in {len(runs)} runs, {minutes:.1f} min; "
-          f"{sum(r['steps'] for r in runs)} steps committed, "
-          f"{sum(r['restores'] for r in runs)} restores")
+    jobs = [j for r in runs for j in r["jobs"]]
+    stopped = sum(j["outcome"] != "finished" for j in jobs)
+    print(f"{len(faults)} faults in {len(runs)} runs, {minutes:.1f} min; {len(jobs)} jobs "
+          f"({stopped} stopped with a named cause); {sum(r['steps'] for r in runs)} steps "
+          f"committed, {sum(r['restores'] for r in runs)} restores by the ranks that "
+          "finished")
     return rows
 
 
@@ -601,14 +621,18 @@ def main() -> int:
                         help="seconds until a lost node is replaced")
     parser.add_argument("--cooldown", type=float, nargs=2, default=[1.0, 8.0],
                         metavar=("LO", "HI"), help="the job's cooldown_range")
-    parser.add_argument("--json", default=None)
+    parser.add_argument("--bound-scale", type=float, default=1.0,
+                        help="scales the recovery bound (a slower machine)")
+    parser.add_argument("--json", default=None, help="where the results go (and the log)")
     args = parser.parse_args()
     runs = []
     for seed in args.seed:
         print(f"chaos: seed {seed} ({args.minutes:g} min, {args.cluster} cluster of "
               f"{args.nodes} nodes, {args.framework})", flush=True)
+        out_dir = Path(args.json).parent if args.json else RESULTS_DIR
         run = soak(seed, args.minutes, args.cluster, args.nodes, args.framework, args.kinds,
-                   args.mean_gap, args.burst, args.respawn, tuple(args.cooldown))
+                   args.mean_gap, args.burst, args.respawn, tuple(args.cooldown), out_dir,
+                   args.bound_scale)
         runs.append(run)
         verdict = "ok" if not run["errors"] else "FAILED: " + "; ".join(run["errors"])
         print(f"chaos: seed {seed}: {len(run['faults'])} faults in {run['seconds']:.0f}s, "

@@ -11,6 +11,7 @@ from raytrain_x.tensorflow.elastic import (
     State,
     TensorFlowKerasState,
     TensorFlowState,
+    restore_count,
     run,
 )
 
@@ -94,4 +95,5 @@ class UpdateEpochStateCallback(keras.callbacks.Callback):
 
 
 __all__ = ["CommitStateCallback", "KerasState", "ObjectState", "State", "TensorFlowKerasState",
-           "TensorFlowState", "UpdateBatchStateCallback", "UpdateEpochStateCallback", "run"]
+           "TensorFlowState", "UpdateBatchStateCallback", "UpdateEpochStateCallback",
+           "restore_count", "run"]
