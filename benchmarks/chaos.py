@@ -91,6 +91,7 @@ class Monitor(threading.Thread):
         super().__init__(daemon=True)
         self.progress, self.status, self.executor = progress, status, executor
         self.samples: list[tuple[float, int, int, int]] = []
+        self.below: list[tuple[float, bool]] = []  # (t, fewer than min_workers from then)
         self.stop = threading.Event()
 
     def run(self) -> None:
@@ -101,6 +102,10 @@ class Monitor(threading.Thread):
             job = self.executor.last_elastic_job
             rounds = job.rounds if job is not None else 0
             starting = len(job.pending) if job is not None else 0
+            if job is not None:
+                below = len(job.pool.staying(set(job.draining))) < job.settings.min_workers
+                if not self.below or self.below[-1][1] != below:
+                    self.below.append((time.monotonic(), below))
             if (rounds, starting) != last:
                 last = (rounds, starting)
                 tmp = f"{self.status}.tmp"
@@ -147,6 +152,7 @@ def drive(args: argparse.Namespace) -> int:
     finally:
         monitor.stop.set()
         out["samples"] = monitor.samples
+        out["below"] = monitor.below
         out["history"] = executor.elastic_history
         executor.shutdown()
         ray.shutdown()
@@ -460,6 +466,7 @@ def _job(index: int, world: Any, chaos: Chaos, rng: random.Random, temp: str,
     if error and job["outcome"] not in NAMED_STOPS:
         job["errors"].append(f"the job failed: {error}")
     job["samples"] = result.get("samples", [])
+    job["below"] = result.get("below", [])
     ranks = result.get("ranks") or []
     if job["outcome"] == "finished":
         job["errors"] += ledger_errors(ranks, steps if framework == "keras" else None)
@@ -485,13 +492,19 @@ def _judge(job: dict, injected: list[dict], began: float, respawn_s: float,
         after = [t for t, s, _, r in samples
                  if t > f["end"] and s > step_at and (short or r > round_at)]
         f["recovery_s"] = after[0] - f["t"] if after else None
-        limit = bound + (f["end"] - f["t"])
-        if f["recovery_s"] is None and f["end"] < job["ended"] - limit:
-            errors.append(f"no step for {job['ended'] - f['t']:.0f}s after the {f['kind']} "
-                          f"at {f['t'] - began:.1f}s, until the job ended")
-        elif f["recovery_s"] is not None and f["recovery_s"] > limit:
+        # the job cannot recover while faults keep coming: the hold counts from the end of
+        # the last fault injected before it recovered (this one, or a later one of a train)
+        until = after[0] if after else job["ended"]
+        last = max(g["end"] for g in injected if f["t"] <= g["t"] <= until)
+        # time with fewer than min_workers is spent waiting for capacity (bounded by
+        # elastic_timeout), not held up by the fault
+        hold = until - last - _below_between(job["below"], last, until)
+        f["hold_s"] = hold
+        if hold > bound:
             errors.append(f"the {f['kind']} at {f['t'] - began:.1f}s held the job "
-                          f"{f['recovery_s']:.1f}s (bound {limit:.0f}s)")
+                          f"{hold:.1f}s after the last fault before "
+                          f"{'it recovered' if after else 'the job ended'}, time below "
+                          f"min_workers aside (bound {bound:.0f}s)")
         f["t"] -= began
         f["end"] -= began
         faults.append(f)
@@ -503,6 +516,15 @@ def _judge(job: dict, injected: list[dict], began: float, respawn_s: float,
                           f"from step {a} to {b}")
     job["progress"] = [(t - began, s, n) for t, s, n, _ in samples]
     return faults
+
+
+def _below_between(below: list, start: float, end: float) -> float:
+    """Seconds within [start, end] that the job had fewer than min_workers."""
+    total = 0.0
+    for (t0, is_below), (t1, _) in zip(below, [*below[1:], (end, False)]):
+        if is_below:
+            total += max(0.0, min(t1, end) - max(t0, start))
+    return total
 
 
 def _tail(path: str, lines: int = 15) -> str:

@@ -22,6 +22,15 @@ log = logging.getLogger("raytrain_x.elastic")
 BroadcastObject = Callable[..., Any]  # (obj, root_rank, name=...) -> root's obj
 
 _restores = 0  # how many times `run` restored a commit in this process
+_holds_state = False  # whether this process holds the job's state (synced or committed)
+
+
+def holds_state() -> bool:
+    """Whether this process holds the job's state: it completed a sync from rank 0 inside
+    `run` (and so commits real progress from then on). A worker that joined and has not
+    synced yet holds only its initial state; the elastic driver needs one holder in every
+    round, or the state is lost."""
+    return _holds_state
 
 
 def restore_count() -> int:
@@ -135,6 +144,8 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
                     state.on_reset()
                 if not skip_sync:
                     state.sync()
+                    global _holds_state
+                    _holds_state = True
                 return func(state, *args, **kwargs)
             except InternalError as exc:
                 global _restores

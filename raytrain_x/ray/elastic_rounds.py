@@ -21,11 +21,15 @@ class ElasticRounds:
         self._hosts_version = 0
         self._error: str | None = None
         self._committed: set[int] = set()  # rounds in which rank 0 committed
+        self._holders: set[str] = set()  # workers that said they hold the state
 
-    async def join(self, worker_id: str) -> dict[str, Any]:
-        """Blocks until the driver puts this worker in a round; returns its place."""
+    async def join(self, worker_id: str, holds_state: bool = False) -> dict[str, Any]:
+        """Blocks until the driver puts this worker in a round; returns its place.
+        `holds_state`: the worker synced the job's state in an earlier round."""
         if self._error:
             raise ElasticJobStopped(self._error)
+        if holds_state:
+            self._holders.add(worker_id)
         future = asyncio.get_running_loop().create_future()
         self._waiting[worker_id] = future
         return await future
@@ -63,6 +67,10 @@ class ElasticRounds:
     async def committed(self) -> list[int]:
         """The rounds in which the job committed."""
         return sorted(self._committed)
+
+    async def holders(self) -> list[str]:
+        """The workers that said, when they last joined, that they hold the state."""
+        return sorted(self._holders)
 
 
 def plan_round(members: dict[str, tuple[str, int]], round_id: int,

@@ -117,7 +117,9 @@ class WorkerActor:
                 lambda config, start, fixed: ActorAdvisor(autotune_actor))
 
         def provider() -> Rendezvous:
-            place = call_actor(rounds_actor.join, worker_id)
+            from raytrain_x.elastic.state import holds_state
+
+            place = call_actor(rounds_actor.join, worker_id, holds_state())
             if place.get("leave"):
                 raise LeaveJob(place["reason"])
             self.rank = place["rank"]

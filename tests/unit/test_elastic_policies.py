@@ -199,15 +199,11 @@ def test_a_round_forms_once_every_staying_member_waits_and_drained_ones_leave():
     assert too_few.leave == ["a", "b"] and not too_few.form  # below min_workers
 
 
-def test_the_state_is_lost_once_no_staying_member_was_in_a_round_that_committed():
-    old, new = MemberView("a", "n1", first_round=2), MemberView("b", "n2", first_round=0)
-    assert not state_lost([new], committed_rounds=[])  # nothing committed: a fresh start
-    assert not state_lost([old, new], committed_rounds=[1, 3])  # a was in round 3
-    # a survivor of committed round 2, now in round 4, which has not committed yet
-    assert not state_lost([old], committed_rounds=[2])
-    assert state_lost([new], committed_rounds=[1, 3])  # only a newcomer is left
-    # first placed in round 4, which never committed: it never received the state
-    assert state_lost([MemberView("c", "n3", first_round=4)], committed_rounds=[1, 3])
+def test_the_state_is_lost_once_no_staying_worker_holds_it():
+    assert not state_lost(["a", "b"], holders=[], committed=False)  # a fresh start
+    assert not state_lost(["a", "n"], holders=["a"], committed=True)  # a holds it
+    assert state_lost(["n", "m"], holders=["a"], committed=True)  # only newcomers left
+    assert state_lost([], holders=["a"], committed=True)
     error = state_lost_error("rank 0 failed:\nthe worker process exited", workers_lost=5)
     assert "every worker that held the job's committed state was lost" in str(error)
     assert "5 workers failed" in str(error) and "the worker process exited" in str(error)

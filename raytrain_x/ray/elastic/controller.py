@@ -370,8 +370,8 @@ class ElasticJob:
         if not decision.form:
             return  # survivors are still on their way to the rendezvous
         staying = {m.worker_id: m for m in self._staying()}
-        if self.rounds and state_lost([m.view() for m in staying.values()],
-                                      ray.get(self.rounds_actor.committed.remote())):
+        if self.rounds and state_lost(staying, ray.get(self.rounds_actor.holders.remote()),
+                                      bool(ray.get(self.rounds_actor.committed.remote()))):
             raise state_lost_error(self.last_failure, self._lost_workers())
         self.failures.count_round(self.log.is_reset(), self.last_failure)
         version = ray.get(self.rounds_actor.hosts_version.remote())
@@ -380,8 +380,6 @@ class ElasticJob:
                                  self.rounds, version)
         for worker_id, place in assignments.items():
             self.members[worker_id].rank = place["rank"]
-            self.members[worker_id].first_round = self.members[worker_id].first_round \
-                or self.rounds
         ray.get(self.rounds_actor.publish.remote(assignments))
         self._needs_round = False
         entry = self.log.record_round(

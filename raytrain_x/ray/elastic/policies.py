@@ -249,17 +249,14 @@ class MemberView:
     worker_id: str
     node: str
     leaving: bool = False
-    first_round: int = 0  # the round it was first placed in (0: none yet)
 
 
-def state_lost(members: Iterable[MemberView], committed_rounds: Iterable[int]) -> bool:
-    """Whether the job's committed state is gone: it committed in some round, and none of
-    `members` (those that stay) was in a round that committed. A member is in every round
-    from its first on (a round forms only once every staying member waits), so it holds
-    the state once a round at or after its first committed. The state lives only in the
-    workers' memory: a round of newcomers would start over from the initial state."""
-    last = max(committed_rounds, default=0)
-    return last > 0 and not any(0 < m.first_round <= last for m in members)
+def state_lost(staying: Iterable[str], holders: Iterable[str], committed: bool) -> bool:
+    """Whether the job's committed state is gone: it committed, and none of the `staying`
+    workers holds the state (each says so when it joins a round: it synced the state in an
+    earlier one). The state lives only in the workers' memory: a round of newcomers would
+    start over from the initial state."""
+    return committed and not set(staying) & set(holders)
 
 
 def state_lost_error(last_failure: object, workers_lost: int) -> ElasticStateLost:

@@ -32,10 +32,9 @@ class Member:
     ref: Any = None  # its `execute` call
     rank: int = -1
     leaving: bool = False  # told to leave (its node drains); gone when its call returns
-    first_round: int = 0  # the round it was first placed in (0: none yet)
 
     def view(self) -> MemberView:
-        return MemberView(self.worker_id, self.node, self.leaving, self.first_round)
+        return MemberView(self.worker_id, self.node, self.leaving)
 
 
 @dataclass
