@@ -43,6 +43,8 @@ class ElasticSampler(torch.utils.data.Sampler):
         self.seed = seed
         self.epoch = 0
         self.processed_indices: set[int] = set()
+        # record_indices was used: each rank holds only its own records, combined at a sync
+        self.rank_local_records = False
         self.num_replicas = 1
         self.rank = 0
         self.remaining_indices: list[int] = []
@@ -71,6 +73,7 @@ class ElasticSampler(torch.utils.data.Sampler):
     def record_indices(self, indices: Any) -> None:
         """Records dataset indices processed by this rank only; after a reset the survivors'
         records are combined (a failed rank's are lost, as in Horovod)."""
+        self.rank_local_records = True
         self.processed_indices.update(int(i) for i in indices)
 
     def get_indices(self, batch_idx: int, batch_size: int) -> list[int]:
@@ -165,10 +168,19 @@ class TorchState(ObjectState):
                 broadcast_parameters(value.state_dict(), root_rank=0)
             elif kind == "optimizer":
                 broadcast_optimizer_state(value, root_rank=0)
-            else:  # a sampler: what any survivor processed, then rank 0's epoch
-                seen = allgather_object(value.processed_indices, name=f"elastic.{name}")
+            else:  # a sampler: rank 0's epoch and progress
+                # `record_batch` records the whole world's rows on every rank, so rank 0's
+                # committed set is complete and matches the rest of its state. Survivors
+                # may have committed one step more than rank 0 (a peer died between their
+                # commits); a union would mark that step's samples done while rank 0's
+                # model never saw them (found by benchmarks/chaos.py: an epoch missed
+                # samples). Only records each rank kept alone (`record_indices`, Horovod's
+                # way) are combined.
+                seen = allgather_object((value.processed_indices, value.rank_local_records),
+                                        name=f"elastic.{name}")
                 state = value.state_dict()
-                state["processed_indices"] = set().union(*seen)
+                if any(local for _, local in seen):
+                    state["processed_indices"] = set().union(*(p for p, _ in seen))
                 value.load_state_dict(broadcast_object(state, 0, name=f"elastic.{name}"))
         super().sync()  # plain attributes, then save() commits everything
 

@@ -317,3 +317,40 @@ def test_losing_every_worker_that_holds_the_state_stops_the_job_naming_it(elasti
     assert not job.thread.is_alive(), "the job went on without its state"
     assert isinstance(job.error, ElasticStateLost), repr(job.error)
     assert "every worker that held the job's committed state was lost" in str(job.error)
+
+
+def test_a_newcomer_that_synced_holds_the_state_when_every_older_worker_dies(elastic_nodes,
+                                                                            tmp_path):
+    """A worker that joined and synced from rank 0 holds the state: when both older
+    workers are killed, the job goes on with it from the committed step (the first rule,
+    'was in a round that committed', stopped this job with ElasticStateLost)."""
+    elastic_nodes(2)
+    executor = _executor(1, 3, cooldown_range=(30.0, 30.0))  # the killed hosts stay out
+    progress = tmp_path / "progress"
+    job = _Job(executor, 120, 0.05, None, str(progress))
+    job.wait_until(lambda: job.trained(progress, 5, 2), "5 steps with 2 workers")
+    old = list(executor.last_elastic_job.members.values())
+    elastic_nodes(1)
+    job.wait_until(lambda: job.trained(progress, 0, 3), "the newcomer to train with them")
+    at = int(progress.read_text().split()[0])
+    job.wait_until(lambda: job.trained(progress, at + 3, 3), "3 more steps with 3 workers")
+    for member in old:
+        ray.kill(member.actor, no_restart=True)
+    results = job.join()
+    executor.shutdown()
+    assert len(results) == 1 and results[0]["sizes"][-1] == 1
+    _check_committed_history(results, 120)
+
+
+def test_the_elastic_probe_counts_a_dead_worker_at_once(cluster):
+    """A worker whose process is gone answers a ping with an error. The elastic job counts
+    it lost at once (Ray reports the death itself only after the node's health checks when
+    the node's raylet died too); a fixed job leaves it to Ray's own report."""
+    from raytrain_x.ray.failures import unreachable
+    from raytrain_x.ray.worker import Worker
+
+    worker = Worker.options(num_cpus=0, scheduling_strategy=stable_node_strategy()).remote()
+    ray.get(worker.ping.remote())
+    ray.kill(worker, no_restart=True)
+    assert unreachable({"w": worker}, timeout_s=limit(5), errors_count=True) == {"w"}
+    assert unreachable({"w": worker}, timeout_s=limit(5)) == set()
