@@ -3,17 +3,20 @@ invariant is checked mechanically at the end.
 
 Two clusters (--cluster):
   local     a local multi-node Ray cluster (`ray.cluster_utils.Cluster`): a head that runs
-            no workers and --nodes worker nodes of 1 CPU each
+            no workers and --nodes (4) worker nodes of 1 CPU each
   emulated  --nodes hosts, each a network namespace running a Ray node, joined by shaped
             1 Gbit/s links (`EmulatedCluster`); host 0 is the head and runs the driver, so
-            node faults and partitions hit the other hosts
+            node faults and partitions hit the other hosts; Ray declares a node dead
+            after 5 s without an answer, and a lost host starts again as a fresh node
 
 The job runs as its own driver process, as a user's script would: `RayExecutor(min_workers=2,
-max_workers=--nodes, cooldown_range=--cooldown)` training with `raytrain_x.testing.ledger`
-(torch, or the Keras face with --framework keras), one commit per step, until the stop
-file appears (torch) or its planned steps are done (Keras). Faults (--kinds; drawn by the
-seeded schedule, --mean-gap seconds apart on average; with chance --burst a fault comes
-with a second one at once):
+max_workers=--nodes, cooldown_range=--cooldown)` training the ledger job
+(`raytrain_x.torch.ledger`, or the Keras face's `raytrain_x.tensorflow.ledger` with
+--framework keras), one commit per step, until the stop file appears (torch) or its planned
+steps are done (Keras). A job the schedule stops with a named cause (every worker holding
+the state killed: ElasticStateLost; too few workers past elastic_timeout: ElasticTimeout)
+is followed by a new one. Faults (--kinds; drawn by the seeded schedule, --mean-gap seconds
+apart on average; with chance --burst a fault comes with a second one at once):
 
   worker_kill      SIGKILL of a worker process
   node_kill        every process of a node gone at once; a fresh node joins --respawn s later
@@ -25,19 +28,23 @@ with a second one at once):
   partition_long   (emulated) a host's link down for the collective timeout plus 4 s
 
 Checked at the end; the run fails (exit 1) when any does not hold:
-  every committed step done exactly once on every surviving rank (the step ledger); each
-  epoch's samples seen once; equal weights on every rank; the job finished; no fault held
-  the job longer than the collective timeout plus one rendezvous (and a node's respawn);
-  the driver exited 0 without an unhandled exception; after the cluster stops, no Ray
-  process, no shared-memory segment and no network namespace of the run is left.
+  every committed step done exactly once on every rank of a finished job (the step
+  ledger); each epoch's samples seen once; equal weights on every rank; rank 0's committed
+  step never going back more than one step; no fault holding the job longer than the
+  collective timeout plus one rendezvous and a node's respawn, counted from the last fault
+  of a train and leaving out time below min_workers (a wait for capacity); the driver
+  exiting 0 with no unhandled exception; after the cluster stops, no Ray process, no
+  shared-memory segment and no network namespace of the run left.
 Reported: faults injected and survived, recovery time per kind (from the fault to the first
 step committed after it by the re-formed world, or after a short partition's end: median,
-p95, max), steps redone after restores, and throughput over time with the faults marked
-(a plot).
+p95, max, over all faults and over isolated ones), steps and restores, and throughput over
+time with the faults marked (a plot).
 
-Run alone: .venv/bin/python benchmarks/chaos.py --seed 1 --minutes 3
-           .venv/bin/python benchmarks/chaos.py --cluster emulated --seed 2 --minutes 3
-Replay a failing schedule with the seed it printed.
+Run alone: .venv/bin/python benchmarks/chaos.py --seed 1 2 3 --minutes 5
+           .venv/bin/python benchmarks/chaos.py --cluster emulated --nodes 3 --seed 4
+           .venv/bin/python benchmarks/chaos.py --framework keras --seed 5 --mean-gap 8
+Replay a failing schedule with the seed it printed (its timing still depends on the
+machine).
 """
 
 from __future__ import annotations
