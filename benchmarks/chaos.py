@@ -570,9 +570,20 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def _isolated(fault: dict, faults: list[dict]) -> bool:
-    """No other fault of its run in the 10 s before it or until it recovered."""
-    until = fault["t"] + (fault["recovery_s"] or 0.0)
-    return not any(g is not fault and fault["t"] - 10 <= g["t"] <= until for g in faults)
+    """The job had recovered from every earlier fault of its run (and none came in the
+    10 s before), and no other fault came until it recovered."""
+    if fault["recovery_s"] is None:
+        return False
+    until = fault["t"] + fault["recovery_s"]
+    for g in faults:
+        if g is fault:
+            continue
+        if fault["t"] - 10 <= g["t"] <= until:
+            return False
+        if g["t"] < fault["t"] and (g["recovery_s"] is None
+                                    or g["t"] + g["recovery_s"] > fault["t"]):
+            return False
+    return True
 
 
 def report(runs: list[dict]) -> list[dict]:
