@@ -20,7 +20,7 @@ class ElasticRounds:
         self._waiting: dict[str, asyncio.Future] = {}
         self._hosts_version = 0
         self._error: str | None = None
-        self._committed: set[int] = set()  # rounds in which rank 0 committed
+        self._committed = False  # whether rank 0 ever committed
         self._holders: set[str] = set()  # workers that said they hold the state
 
     async def join(self, worker_id: str, holds_state: bool = False) -> dict[str, Any]:
@@ -58,15 +58,15 @@ class ElasticRounds:
     async def hosts_version(self) -> int:
         return self._hosts_version
 
-    async def commit(self, round_id: int) -> int:
-        """Rank 0 of round `round_id` committed (every rank of the round holds the state
-        now); returns the host-set version, which it checks at each commit."""
-        self._committed.add(round_id)
+    async def commit(self) -> int:
+        """Rank 0 committed: the job has progress to lose. Returns the host-set version,
+        which it checks at each commit."""
+        self._committed = True
         return self._hosts_version
 
-    async def committed(self) -> list[int]:
-        """The rounds in which the job committed."""
-        return sorted(self._committed)
+    async def committed(self) -> bool:
+        """Whether the job ever committed."""
+        return self._committed
 
     async def holders(self) -> list[str]:
         """The workers that said, when they last joined, that they hold the state."""

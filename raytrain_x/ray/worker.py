@@ -74,7 +74,6 @@ class WorkerActor:
         self.executable: Any = None
         self.rank = -1
         self.round_id = 0
-        self.elastic_round = 0  # the elastic round this worker is in
         self.inits = 0  # rx.init() calls in the current round
 
     def node_id(self) -> str:
@@ -123,16 +122,14 @@ class WorkerActor:
             if place.get("leave"):
                 raise LeaveJob(place["reason"])
             self.rank = place["rank"]
-            self.elastic_round = place["round"]
             return Rendezvous(store=ActorStore(store_actor, timeout_s), timeout_s=timeout_s,
                               address=self.node_ip(), **place)
 
         set_rendezvous_provider(provider)
         from raytrain_x.core import runtime
 
-        # rank 0 asks at every commit; the driver learns which rounds hold the state
-        runtime.set_host_update_probe(
-            lambda: call_actor(rounds_actor.commit, self.elastic_round))
+        # rank 0 asks at every commit; the driver learns the job has progress to lose
+        runtime.set_host_update_probe(lambda: call_actor(rounds_actor.commit))
 
     def create_executable(self, cls: type, args: tuple, kwargs: dict) -> None:
         self.executable = cls(*args, **kwargs)

@@ -15,7 +15,7 @@ from raytrain_x.comm.groups import round_prefix
 from raytrain_x.comm.store import ActorStore
 from raytrain_x.comm.store_actor import StoreActor
 from raytrain_x.common.errors import ElasticStateLost, InternalError, RendezvousTimeout
-from raytrain_x.common.ledger import ledger_errors
+from raytrain_x.common.ledger import ledger_errors, read_progress
 from raytrain_x.ray import RayExecutor
 from raytrain_x.ray.elastic import pool as worker_pool
 from raytrain_x.ray.placement import stable_node_strategy
@@ -84,10 +84,7 @@ class _Job:
 
     def trained(self, progress: Path, steps: int, size: int) -> bool:
         """Rank 0 committed `steps` steps in a world of `size`."""
-        try:
-            step, world = map(int, progress.read_text().split())
-        except (OSError, ValueError):
-            return False
+        step, world = read_progress(progress)
         return step >= steps and world == size
 
     def join(self, work_s: float = 45.0):

@@ -370,9 +370,11 @@ class ElasticJob:
         if not decision.form:
             return  # survivors are still on their way to the rendezvous
         staying = {m.worker_id: m for m in self._staying()}
-        if self.rounds and state_lost(staying, ray.get(self.rounds_actor.holders.remote()),
-                                      bool(ray.get(self.rounds_actor.committed.remote()))):
-            raise state_lost_error(self.last_failure, self._lost_workers())
+        if self.rounds:
+            holders, committed = ray.get([self.rounds_actor.holders.remote(),
+                                          self.rounds_actor.committed.remote()])
+            if state_lost(staying, holders, committed):
+                raise state_lost_error(self.last_failure, self._lost_workers())
         self.failures.count_round(self.log.is_reset(), self.last_failure)
         version = ray.get(self.rounds_actor.hosts_version.remote())
         self.rounds += 1
