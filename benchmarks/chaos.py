@@ -15,8 +15,9 @@ max_workers=--nodes, cooldown_range=--cooldown)` training the ledger job
 --framework keras), one commit per step, until the stop file appears (torch) or its planned
 steps are done (Keras). A job the schedule stops with a named cause (every worker holding
 the state killed: ElasticStateLost; too few workers past elastic_timeout: ElasticTimeout)
-is followed by a new one. Faults (--kinds; drawn by the seeded schedule, --mean-gap seconds
-apart on average; with chance --burst a fault comes with a second one at once):
+is followed by a new one. Faults (--kinds; drawn by the seeded schedule from each job's first
+committed step on, --mean-gap seconds apart on average; with chance --burst a fault comes
+with a second one at once):
 
   worker_kill      SIGKILL of a worker process
   node_kill        every process of a node gone at once; a fresh node joins --respawn s later
@@ -422,7 +423,7 @@ def _job(index: int, world: Any, chaos: Chaos, rng: random.Random, temp: str,
          framework: str, nodes: int, kinds: list[str], mean_gap: float, burst: float,
          cooldown: tuple[float, float], stop_at: float) -> dict:
     """One job's driver under the schedule until it exits; what it returned."""
-    from raytrain_x.common.ledger import ledger_errors
+    from raytrain_x.common.ledger import ledger_errors, read_progress
 
     files = {n: str(Path(temp) / f"{n}{index}")
              for n in ("progress", "status", "stop", "out", "log")}
@@ -436,13 +437,19 @@ def _job(index: int, world: Any, chaos: Chaos, rng: random.Random, temp: str,
     with open(files["log"], "w") as log:
         driver = world.driver(cmd, log)
     try:
-        next_at, last_round = time.monotonic() + 5 + rng.expovariate(1 / mean_gap), 0
+        # the schedule starts once the job committed its first step, however long its start
+        # took on this machine: faults before it would test starting, not recovering
+        next_at, last_round = None, 0
         while driver.poll() is None:
             time.sleep(0.05)
             chaos.tick()
             now = time.monotonic()
             if now >= stop_at:
                 Path(files["stop"]).touch()
+                continue
+            if next_at is None:
+                if read_progress(files["progress"])[0] > 0:
+                    next_at = now + rng.expovariate(1 / mean_gap)
                 continue
             rounds, starting = _status(Path(files["status"]))
             if now < next_at or rounds == 0:
