@@ -221,6 +221,8 @@ def _shm_allgather(shm: ShmGroup, array: Any) -> Any:
     ops = ops_for(array)
     n = ops.numel(array)
     work = ops.empty((shm.size * n,), ops.dtype(array), ops.device(array))
+    if n == 0:  # every member's block is empty alike (equal shapes): nothing to exchange
+        return work.reshape(shm.size, *array.shape)
     work[shm.rank * n:(shm.rank + 1) * n] = array.reshape(-1)
     _shm_call(shm.allgather_shards, work)
     return work.reshape(shm.size, *array.shape)

@@ -85,6 +85,9 @@ def _op_matrix(dtypes: list[str]) -> dict:
                     record("session", dtype, shape, op, fetched)
     _, received = rx.alltoall(tf.range(n + 1) + 10 * r, splits=[2] + [1] * (n - 1))
     out["splits"] = received.numpy().tolist()
+    # no rank sending any rows (the shared-memory route once failed on an empty block)
+    out["empty"] = [rx.allgather(tf.zeros(s, tf.float32)).shape.as_list()
+                    for s in [(0,), (0, 3)]]
     rx.shutdown()
     return out
 
@@ -99,6 +102,7 @@ def test_every_collective_over_dtypes_and_odd_shapes_eager_function_and_session(
     results = run_workers(_op_matrix, size, dtypes, env=ENV, work_s=60)
     for r, out in enumerate(results):
         assert out.pop("splits") == [2 if r == 0 else 1] * size
+        assert out.pop("empty") == [[0], [0, 3]]
         for (mode, op, dtype, shape), values in out.items():
             where = f"rank {r} {mode} {op} {dtype} {shape}"
             xs = [_base(shape, q) % (2 if dtype == "bool" else 1000) for q in range(size)]
