@@ -162,6 +162,10 @@ def drive(args: argparse.Namespace) -> int:
         out["samples"] = monitor.samples
         out["below"] = monitor.below
         out["history"] = executor.elastic_history
+        job = executor.last_elastic_job
+        # the driver's events (monotonic time: one clock with the injector's) show where a
+        # recovery spent its time: the drain noticed, the workers gone, the round formed
+        out["events"] = [(e.time, e.kind) for e in job.log.events] if job is not None else []
         executor.shutdown()
         ray.shutdown()
         Path(args.out).write_text(json.dumps(out, default=str))
@@ -176,8 +180,12 @@ class LocalNodes:
     kinds = LOCAL_KINDS
 
     def __init__(self, nodes: int, temp: str) -> None:
+        from ray._common.utils import get_ray_address_file
         from ray.cluster_utils import Cluster
 
+        # Ray writes the head's address to /tmp/ray whatever the head's temp_dir; on a
+        # machine where no Ray ran yet that folder does not exist
+        Path(get_ray_address_file(None)).parent.mkdir(parents=True, exist_ok=True)
         self.cluster = Cluster(initialize_head=True, connect=False, head_node_args={
             "num_cpus": 0, "include_dashboard": False, "temp_dir": temp})
         for _ in range(nodes):
@@ -488,6 +496,7 @@ def _job(index: int, world: Any, chaos: Chaos, rng: random.Random, temp: str,
                                                       default=0)
     job["restores"] = sum(r.get("restores", 0) for r in ranks)
     job["history"] = result.get("history", [])
+    job["events"] = result.get("events", [])
     return job
 
 
@@ -506,6 +515,12 @@ def _judge(job: dict, injected: list[dict], began: float, respawn_s: float,
         after = [t for t, s, _, r in samples
                  if t > f["end"] and s > step_at and (short or r > round_at)]
         f["recovery_s"] = after[0] - f["t"] if after else None
+        # where the recovery went: seconds from the fault to the driver's first event of
+        # each kind after it, and to the round's first commit
+        f["phases"] = {kind: round(min(t for t, k in job["events"] if k == kind and t >= f["t"])
+                                   - f["t"], 3)
+                       for kind in ("failure", "drain", "left", "round")
+                       if any(k == kind and t >= f["t"] for t, k in job["events"])}
         # the job cannot recover while faults keep coming: the hold counts from the end of
         # the last fault injected before it recovered (this one, or a later one of a train)
         until = after[0] if after else job["ended"]

@@ -58,8 +58,10 @@ def ledger_errors(ranks: list[dict], steps: int | None = None,
             errors.append(f"rank {r['rank']}: committed steps lost {lost[:10]}, doubled "
                           f"{doubled[:10]}, beyond {n}: {extra[:10]}")
         if "seen" in r:
-            *finished, current = [r["seen"][e] for e in sorted(r["seen"])]
-            for epoch, seen in enumerate(finished):
+            # epochs in order: keys are ints, or strings once the ranks came through JSON
+            *finished, current = sorted(r["seen"].items(), key=lambda kv: int(kv[0]))
+            current = current[1]
+            for epoch, seen in finished:
                 if sorted(seen) != list(range(samples)):
                     errors.append(f"rank {r['rank']}: epoch {epoch} did not see each sample "
                                   "once")

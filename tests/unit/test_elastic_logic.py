@@ -139,3 +139,20 @@ def test_round_history_reasons_counts_and_resets():
     both = history.record(3, size=1, hosts=1, starting=0, requested=0, draining_nodes=0)
     assert both["reason"] == "failure+scale_up" and both["joined"] == 1
     assert [e["round"] for e in history.entries] == [1, 2, 3]
+
+
+def test_the_ledger_check_takes_epochs_in_number_order_after_json():
+    """A soak's ranks come back through JSON, whose keys are strings: epoch "9" sorted after
+    "25" made the epoch under way look finished (and missing samples)."""
+    import json
+
+    from raytrain_x.common.ledger import ledger_errors
+
+    seen = {epoch: list(range(4)) for epoch in range(12)}
+    seen[12] = [2]  # the epoch under way
+    rank = {"rank": 0, "step": 3, "done_steps": [0, 1, 2], "weight": [1.0], "seen": seen}
+    assert ledger_errors([rank], samples=4) == []
+    assert ledger_errors([json.loads(json.dumps(rank))], samples=4) == []
+    seen[3] = [0, 1, 1, 3]
+    assert ledger_errors([json.loads(json.dumps(rank))], samples=4) == [
+        "rank 0: epoch 3 did not see each sample once"]

@@ -199,6 +199,27 @@ def test_a_round_forms_once_every_staying_member_waits_and_drained_ones_leave():
     assert too_few.leave == ["a", "b"] and not too_few.form  # below min_workers
 
 
+def test_a_later_round_does_not_wait_for_newcomers_still_starting():
+    members = [MemberView("a", "n1", in_round=True), MemberView("b", "n2", in_round=True),
+               MemberView("c", "n3", in_round=True), MemberView("new", "n4")]
+    # c's node drains: a and b recover at once, without the newcomer still starting
+    drained = decide_round(["a", "b", "c"], members, draining={"n3"}, min_workers=2)
+    assert drained.leave == ["c"] and drained.form and drained.ranks == ["a", "b"]
+    assert not drained.interrupt
+    # the newcomer arrives while the others train: they are asked over, not waited for
+    arrived = decide_round(["new"], members, (), 2)
+    assert not arrived.form and arrived.interrupt
+    # they reach their next commit: one round of all four
+    together = decide_round(["a", "b", "c", "new"], members, (), 2)
+    assert together.form and together.ranks == ["a", "b", "c", "new"]
+    # a member of the last round still on its way holds the round up, as before
+    assert not decide_round(["a", "new"], members, (), 2).form
+    # the first round waits for everyone it started
+    first = [MemberView("x", "n1"), MemberView("y", "n2")]
+    assert not decide_round(["x"], first, (), 1).form
+    assert decide_round(["x", "y"], first, (), 1).ranks == ["x", "y"]
+
+
 def test_the_state_is_lost_once_no_staying_worker_holds_it():
     assert not state_lost(["a", "b"], holders=[], committed=False)  # a fresh start
     assert not state_lost(["a", "n"], holders=["a"], committed=True)  # a holds it

@@ -77,6 +77,7 @@ class ElasticJob:
         self.draining: dict[str, float] = {}  # node -> drain deadline (time.time())
         self.last_failure: WorkerError | None = None
         self._needs_round = True
+        self._asked_over = False  # the round's members were asked to a round for newcomers
         self._progress_at = 0.0
         self._gave_up_warned = False
         # The job's own actors live on the head node: worker nodes may vanish at any time.
@@ -136,9 +137,7 @@ class ElasticJob:
                     return self._finish(finished)
                 if not self.members and self.last_failure is not None:
                     self._check_all_failed()
-                if self._poll_pending() and self.rounds:
-                    ray.get(self.rounds_actor.bump_hosts.remote())
-                    self.log.add("scale_up")
+                self._poll_pending()  # newcomers are asked over once they wait to join
                 if self.clock() >= next_drain_check:
                     self._check_drains()
                     next_drain_check = self.clock() + DRAIN_POLL_S
@@ -284,7 +283,6 @@ class ElasticJob:
                           else f"its actor died while starting: {_first_line(exc)}")
         for member in joined:
             self._needs_round = True
-            self.log.note("scale_up" if self.rounds else "start", joined=1)
             self.log.add("start", member.node)
         return len(joined)
 
@@ -367,9 +365,16 @@ class ElasticJob:
             for worker_id in decision.leave:
                 self.members[worker_id].leaving = True
             self.log.note("drain", left=len(decision.leave))
+        if decision.interrupt and not self._asked_over:
+            self._asked_over = True
+            ray.get(self.rounds_actor.bump_hosts.remote())
+            self.log.add("scale_up")
         if not decision.form:
             return  # survivors are still on their way to the rendezvous
-        staying = {m.worker_id: m for m in self._staying()}
+        staying = {w: self.members[w] for w in decision.ranks}
+        newcomers = sum(m.rank < 0 for m in staying.values())
+        if newcomers:
+            self.log.note("scale_up" if self.rounds else "start", joined=newcomers)
         if self.rounds:
             holders, committed = ray.get([self.rounds_actor.holders.remote(),
                                           self.rounds_actor.committed.remote()])
@@ -383,10 +388,13 @@ class ElasticJob:
         for worker_id, place in assignments.items():
             self.members[worker_id].rank = place["rank"]
         ray.get(self.rounds_actor.publish.remote(assignments))
-        self._needs_round = False
+        # newcomers still starting join at a later round, once they wait for one
+        self._needs_round = any(m.rank < 0 for m in self._staying())
+        self._asked_over = False
         entry = self.log.record_round(
             self.rounds, len(staying), len({m.node for m in staying.values()}),
-            len(self.pending), self.cluster.capacity.bundles, len(self.draining))
+            len(self.pending) + sum(m.rank < 0 for m in self._staying()),
+            self.cluster.capacity.bundles, len(self.draining))
         _progress(round_line(entry))
 
     def _kill_all(self) -> None:

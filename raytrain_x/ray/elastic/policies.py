@@ -249,6 +249,7 @@ class MemberView:
     worker_id: str
     node: str
     leaving: bool = False
+    in_round: bool = False  # it was given a place in a round (not a newcomer still starting)
 
 
 def state_lost(staying: Iterable[str], holders: Iterable[str], committed: bool) -> bool:
@@ -277,17 +278,28 @@ def _first_line(value: object) -> str:
 @dataclass(frozen=True)
 class RoundDecision:
     leave: list[str]  # members at the rendezvous to send away (their node drains)
-    form: bool  # whether every staying member is waiting: form the round now
+    form: bool  # form the round now, of `ranks`
+    ranks: list[str]  # the members the round is formed of
+    interrupt: bool = False  # newcomers wait while the round's members train: ask them over
 
 
 def decide_round(waiting: Iterable[str], members: Iterable[MemberView],
                  draining: Iterable[str], min_workers: int) -> RoundDecision:
-    """Members waiting on a draining node leave; the round forms once every staying member
-    (not leaving, not draining) waits and there are at least `min_workers` of them."""
+    """Members waiting on a draining node leave. The first round forms once every staying
+    member (not leaving, not draining) waits. Later ones form once every staying member of
+    an earlier round waits, with the newcomers that are already waiting: a newcomer still
+    starting (importing, building its model) holds up neither a recovery nor the training
+    of the others, and joins at the round after it arrives. Either way at least
+    `min_workers` members."""
     waiting, draining = set(waiting), set(draining)
     members = list(members)
     leave = sorted(m.worker_id for m in members
                    if m.worker_id in waiting and not m.leaving and m.node in draining)
-    staying = {m.worker_id for m in members if not m.leaving and m.node not in draining}
-    form = len(staying) >= max(1, min_workers) and staying <= waiting
-    return RoundDecision(leave, form)
+    staying = [m for m in members if not m.leaving and m.node not in draining]
+    veterans = {m.worker_id for m in staying if m.in_round}
+    arrived = sorted(m.worker_id for m in staying if m.worker_id in waiting)
+    must_wait = veterans or {m.worker_id for m in staying}
+    form = len(arrived) >= max(1, min_workers) and must_wait <= waiting
+    # newcomers at the rendezvous while the others train: those join at their next commit
+    interrupt = bool(veterans - waiting) and any(m not in veterans for m in arrived)
+    return RoundDecision(leave, form, arrived if form else [], interrupt)

@@ -34,7 +34,7 @@ class Member:
     leaving: bool = False  # told to leave (its node drains); gone when its call returns
 
     def view(self) -> MemberView:
-        return MemberView(self.worker_id, self.node, self.leaving)
+        return MemberView(self.worker_id, self.node, self.leaving, in_round=self.rank >= 0)
 
 
 @dataclass
