@@ -466,22 +466,26 @@ def test_every_added_name_and_argument(tmp_path):
 
 
 # ----------------------------------------------------------------------------- tracing
-def test_autograph_calls_the_face_as_it_is_inside_a_traced_function():
-    """AutoGraph transpiles what a traced tf.function calls unless the module is on its
-    do-not-convert list, as TensorFlow's and Keras's own are: the face is, so a trace does
-    not convert its internals again each time (most of a trace's time before)."""
+def _allowlisted() -> list[bool]:
     from tensorflow.python.autograph.impl import conversion
 
     import raytrain_x.tensorflow as rx
     import raytrain_x.tensorflow.keras as rxk
     from raytrain_x.tensorflow import ops
 
-    for fn in (rx.allreduce, rx.grouped_allreduce, rx.allgather, rx.broadcast,
-               rx.DistributedGradientTape.gradient, rxk.DistributedOptimizer,
-               ops.grouped_reduce):
-        assert conversion.is_allowlisted(fn), fn
-
-    def user_step(x):  # the user's own code is still converted
+    def user_step(x):  # the user's own code
         return x
 
-    assert not conversion.is_allowlisted(user_step)
+    return [conversion.is_allowlisted(fn)
+            for fn in (rx.allreduce, rx.grouped_allreduce, rx.allgather, rx.broadcast,
+                       rx.DistributedGradientTape.gradient, rxk.DistributedOptimizer,
+                       ops.grouped_reduce, user_step)]
+
+
+def test_autograph_calls_the_face_as_it_is_inside_a_traced_function():
+    """AutoGraph transpiles what a traced tf.function calls unless the module is on its
+    do-not-convert list, as TensorFlow's and Keras's own are: the face is, so a trace does
+    not convert its internals again each time (most of a trace's time before). In a
+    worker: importing TensorFlow here would give numpy a bfloat16 for the later tests."""
+    [face] = run_workers(_allowlisted, 1, env=ENV, work_s=20)
+    assert face == [True] * 7 + [False], face  # the user's own step is still converted
