@@ -78,6 +78,7 @@ RENDEZVOUS_S = 10.0  # one rendezvous, a new worker's start included, on this ma
 SHORT_PARTITION_S = 3.0
 LONG_PARTITION_S = TIMEOUT_S + 4.0
 PAUSE_S = 0.05  # each step's sleep
+PHASES = ("failure", "drain", "left", "round")  # the driver events a fault's phases time
 # Ray declares a node it cannot reach dead after 5 s, as a cluster that replaces lost hosts
 # soon would: a short partition is survived by the node, a long one is not, and the host
 # is then started again as a fresh node (so is a killed one).
@@ -516,11 +517,11 @@ def _judge(job: dict, injected: list[dict], began: float, respawn_s: float,
                  if t > f["end"] and s > step_at and (short or r > round_at)]
         f["recovery_s"] = after[0] - f["t"] if after else None
         # where the recovery went: seconds from the fault to the driver's first event of
-        # each kind after it, and to the round's first commit
-        f["phases"] = {kind: round(min(t for t, k in job["events"] if k == kind and t >= f["t"])
-                                   - f["t"], 3)
-                       for kind in ("failure", "drain", "left", "round")
-                       if any(k == kind and t >= f["t"] for t, k in job["events"])}
+        # each kind after it (the log is in time order)
+        f["phases"] = {}
+        for t, kind in job["events"]:
+            if t >= f["t"] and kind in PHASES and kind not in f["phases"]:
+                f["phases"][kind] = round(t - f["t"], 3)
         # the job cannot recover while faults keep coming: the hold counts from the end of
         # the last fault injected before it recovered (this one, or a later one of a train)
         until = after[0] if after else job["ended"]

@@ -59,8 +59,7 @@ def ledger_errors(ranks: list[dict], steps: int | None = None,
                           f"{doubled[:10]}, beyond {n}: {extra[:10]}")
         if "seen" in r:
             # epochs in order: keys are ints, or strings once the ranks came through JSON
-            *finished, current = sorted(r["seen"].items(), key=lambda kv: int(kv[0]))
-            current = current[1]
+            *finished, (_, current) = sorted(r["seen"].items(), key=lambda kv: int(kv[0]))
             for epoch, seen in finished:
                 if sorted(seen) != list(range(samples)):
                     errors.append(f"rank {r['rank']}: epoch {epoch} did not see each sample "

@@ -267,8 +267,8 @@ class ElasticJob:
                 set(self.draining) | set(self.blacklist.blacklisted()))
         self.cluster.capacity.ask(self.scaling.bundles(staying, starting, unusable))
 
-    def _poll_pending(self) -> int:
-        """Turns workers that answered into members; returns how many joined."""
+    def _poll_pending(self) -> None:
+        """Turns workers that answered into members."""
         settings = self.settings
 
         def setup(actor: Any, worker_id: str) -> Any:
@@ -284,7 +284,6 @@ class ElasticJob:
         for member in joined:
             self._needs_round = True
             self.log.add("start", member.node)
-        return len(joined)
 
     def _check_pending(self) -> None:
         """Gives up on starting workers that cannot start (`ScalingPolicy.give_ups`) and
@@ -389,12 +388,12 @@ class ElasticJob:
             self.members[worker_id].rank = place["rank"]
         ray.get(self.rounds_actor.publish.remote(assignments))
         # newcomers still starting join at a later round, once they wait for one
-        self._needs_round = any(m.rank < 0 for m in self._staying())
+        left_out = sum(m.rank < 0 for m in self._staying())
+        self._needs_round = left_out > 0
         self._asked_over = False
         entry = self.log.record_round(
             self.rounds, len(staying), len({m.node for m in staying.values()}),
-            len(self.pending) + sum(m.rank < 0 for m in self._staying()),
-            self.cluster.capacity.bundles, len(self.draining))
+            len(self.pending) + left_out, self.cluster.capacity.bundles, len(self.draining))
         _progress(round_line(entry))
 
     def _kill_all(self) -> None:
