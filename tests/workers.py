@@ -9,7 +9,9 @@ import secrets
 import socket
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from multiprocessing import forkserver
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -20,7 +22,37 @@ from tests.limits import limit
 # spent about 2 s of CPU importing it, for each of the suite's ~100 worker runs). Each rank
 # still is a new process with the caller's environment as it is at the call.
 _CONTEXT = mp.get_context("forkserver")
-_CONTEXT.set_forkserver_preload(["torch", "numpy", "pytest", "tests.limits"])
+_PRELOAD = ["torch", "numpy", "pytest", "tests.limits"]
+_CONTEXT.set_forkserver_preload(_PRELOAD)
+
+
+@contextmanager
+def preloaded(*modules: str, env: dict | None = None) -> Iterator[None]:
+    """Inside the block, ranks fork from a server that has also imported `modules`, started
+    with `env` added (TensorFlow reads TF_CPP_MIN_LOG_LEVEL when it loads): a TensorFlow
+    rank spent about 8 s of CPU importing it, for each of some thirty ranks. Outside it,
+    ranks fork from the torch-only server again, so no other test's ranks carry them."""
+    _restart_fork_server([*_PRELOAD, *modules], env or {})
+    try:
+        yield
+    finally:
+        forkserver._forkserver._stop()  # noqa: SLF001 - the next run starts the plain one
+        _CONTEXT.set_forkserver_preload(_PRELOAD)
+
+
+def _restart_fork_server(modules: list[str], env: dict) -> None:
+    forkserver._forkserver._stop()  # noqa: SLF001 - the stdlib's own way to stop it
+    _CONTEXT.set_forkserver_preload(modules)
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        forkserver.ensure_running()  # it inherits this environment now
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def free_port() -> int:
