@@ -84,7 +84,8 @@ class ActorStore:
 
 
 _ABANDONED_ERROR = ("rendezvous key {key!r} belongs to a round the elastic driver abandoned: a "
-                    "peer died while the round formed; the next round forms without it")
+                    "peer died, or its node started draining, while the round formed; the "
+                    "next round forms without it")
 
 
 def _as_bytes(value) -> bytes:

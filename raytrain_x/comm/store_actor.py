@@ -20,8 +20,9 @@ class StoreActor:
         self._abandoned: list[str] = []  # key prefixes no one will complete
 
     async def abandon(self, prefix: str) -> None:
-        """Keys under `prefix` will never all be set (a peer of that rendezvous round died):
-        their waiters are answered `ABANDONED` at once, not at their timeout."""
+        """Keys under `prefix` will never all be set (a peer of that rendezvous round died,
+        or the driver gave the round up because a member's node drains): their waiters are
+        answered `ABANDONED` at once, not at their timeout."""
         async with self._changed:
             self._abandoned.append(prefix)
             self._changed.notify_all()

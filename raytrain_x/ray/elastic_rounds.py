@@ -21,6 +21,7 @@ class ElasticRounds:
         self._hosts_version = 0
         self._error: str | None = None
         self._committed = False  # whether rank 0 ever committed
+        self._committed_round = 0  # the last round rank 0 committed in (0: none)
         self._holders: set[str] = set()  # workers that said they hold the state
 
     async def join(self, worker_id: str, holds_state: bool = False) -> dict[str, Any]:
@@ -58,11 +59,17 @@ class ElasticRounds:
     async def hosts_version(self) -> int:
         return self._hosts_version
 
-    async def commit(self) -> int:
-        """Rank 0 committed: the job has progress to lose. Returns the host-set version,
-        which it checks at each commit."""
+    async def commit(self, round_id: int = 0) -> int:
+        """Rank 0 committed in round `round_id`: the job has progress to lose, and that
+        round has formed. Returns the host-set version, which it checks at each commit."""
         self._committed = True
+        self._committed_round = max(self._committed_round, round_id)
         return self._hosts_version
+
+    async def committed_round(self) -> int:
+        """The last round rank 0 committed in (0: none yet); a later round is still
+        forming (its rendezvous or its state sync)."""
+        return self._committed_round
 
     async def committed(self) -> bool:
         """Whether the job ever committed."""

@@ -128,8 +128,10 @@ class WorkerActor:
         set_rendezvous_provider(provider)
         from raytrain_x.core import runtime
 
-        # rank 0 asks at every commit; the driver learns the job has progress to lose
-        runtime.set_host_update_probe(lambda: call_actor(rounds_actor.commit))
+        # rank 0 asks at every commit; the driver learns the job has progress to lose, and
+        # that this round has formed
+        runtime.set_host_update_probe(
+            lambda: call_actor(rounds_actor.commit, runtime.rendezvous().round))
 
     def create_executable(self, cls: type, args: tuple, kwargs: dict) -> None:
         self.executable = cls(*args, **kwargs)

@@ -3,6 +3,8 @@ and added nodes, blacklisting with cooldown, reset_limit and min_workers."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -20,6 +22,7 @@ from raytrain_x.ray import RayExecutor
 from raytrain_x.ray.elastic import pool as worker_pool
 from raytrain_x.ray.placement import stable_node_strategy
 from raytrain_x.ray.worker import WORKER_OPTIONS, WorkerActor
+from raytrain_x.testing import drain_node
 from tests.conftest import ELASTIC_RESOURCE
 from tests.limits import limit, wait_until
 
@@ -55,16 +58,16 @@ class _Job:
     """Runs `executor.run` in a thread so the test's main thread can inject faults
     (Cluster.add_node/remove_node must run on the main thread)."""
 
-    def __init__(self, executor: RayExecutor, *args) -> None:
+    def __init__(self, executor: RayExecutor, *args, fn=_elastic_train) -> None:
         self.executor = executor
         self.result = None
         self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=args, daemon=True)
+        self.thread = threading.Thread(target=self._run, args=(fn, *args), daemon=True)
         self.thread.start()
 
-    def _run(self, *args) -> None:
+    def _run(self, fn, *args) -> None:
         try:
-            self.result = self.executor.run(_elastic_train, args=args)
+            self.result = self.executor.run(fn, args=args)
         except BaseException as exc:  # noqa: BLE001 - inspected by the test
             self.error = exc
 
@@ -339,6 +342,79 @@ def test_a_newcomer_that_synced_holds_the_state_when_every_older_worker_dies(ela
     _check_committed_history(results, 120)
 
 
+def _newcomer_held_in_its_first_round(old_nodes: list[str], gate: str, steps: int,
+                                      pause: float, progress: str) -> dict:
+    """The ledger job; a worker on a node not in `old_nodes` (a newcomer) takes its place
+    in a round and then waits for `gate` before it meets its peers (a newcomer slow to
+    arrive: a loaded host), so that round stays forming."""
+    import os
+
+    from raytrain_x.comm.rendezvous import next_rendezvous
+    from raytrain_x.torch.ledger import ledger_train
+
+    if ray.get_runtime_context().get_node_id() not in old_nodes:
+        next_rendezvous()  # placed in the round the others wait in
+        while not os.path.exists(gate):
+            time.sleep(0.05)
+    return ledger_train(steps, pause, progress=progress, samples=SAMPLES)
+
+
+def test_a_drain_gives_up_a_round_still_forming_and_the_others_go_on(cluster, elastic_nodes,
+                                                                     tmp_path):
+    """A node starts draining while a round with one of its workers is still forming (a
+    newcomer has not arrived). The drained worker could leave only at that round's first
+    commit, after the slow newcomer, so the round is given up: its peers' rendezvous
+    waits are answered at once and the worker that stays trains on alone; the newcomer
+    joins once it arrives (the chaos soak's slow drains, docs/elastic.md)."""
+    old = [n.node_id for n in elastic_nodes(2)]
+    # a collective timeout far past the wait below: only the given-up round explains it
+    executor = RayExecutor(RayExecutor.create_settings(timeout_s=60), min_workers=1,
+                           max_workers=3, cpus_per_worker=1,
+                           resources_per_worker={ELASTIC_RESOURCE: 1})
+    executor.start()
+    progress, gate = tmp_path / "progress", tmp_path / "gate"
+    drained = None
+    try:
+        job = _Job(executor, old, str(gate), 200, 0.05, str(progress),
+                   fn=_newcomer_held_in_its_first_round)
+        job.wait_until(lambda: job.trained(progress, 3, 2), "3 steps with 2 workers")
+        elastic_nodes(1)  # a newcomer starts; it is held in the round it is placed in
+
+        def forming() -> bool:
+            members = executor.last_elastic_job.members.values()
+            return len(members) == 3 and all(m.rank >= 0 for m in members)
+
+        job.wait_until(forming, "a round of all three workers, the newcomer held in it")
+        drained = next(m for m in executor.last_elastic_job.members.values()
+                       if m.node in old and m.rank != 0).node
+        at, _ = read_progress(progress)
+        drain_node(cluster.address, drained, deadline_s=60)
+        job.wait_until(lambda: read_progress(progress)[0] > at + 2
+                       and read_progress(progress)[1] == 1,
+                       "rank 0 to train on alone while the newcomer is held", work_s=3)
+        assert [e for e in executor.last_elastic_job.events if e.kind == "abandoned"]
+        gate.touch()
+        results = job.join()
+    finally:
+        gate.touch()
+        executor.shutdown()
+        for node in list(cluster.worker_nodes):  # not for the next test: it drains
+            if node.node_id == drained:
+                cluster.remove_node(node, allow_graceful=False)
+    assert len(results) == 2 and results[0]["sizes"][-1] == 2  # rank 0 and the newcomer
+    _check_committed_history(results, 200)
+    assert [r["restores"] for r in results] == [0, 0]  # no worker failed: nothing restored
+
+
+def _gone(pid: int) -> bool:
+    """Whether process `pid` has exited (a zombie its parent has not reaped counts)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
 def test_the_elastic_probe_counts_a_dead_worker_at_once(cluster):
     """A worker whose process is gone answers a ping with an error. The elastic job counts
     it lost at once (Ray reports the death itself only after the node's health checks when
@@ -347,7 +423,10 @@ def test_the_elastic_probe_counts_a_dead_worker_at_once(cluster):
     from raytrain_x.ray.worker import Worker
 
     worker = Worker.options(num_cpus=0, scheduling_strategy=stable_node_strategy()).remote()
-    ray.get(worker.ping.remote())
-    ray.kill(worker, no_restart=True)
+    pid = ray.get(worker.pid.remote())
+    # its process is gone before the probe (`ray.kill` only asks for that: a ping sent at
+    # once could still be answered)
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: _gone(pid), 5, f"worker process {pid} to exit")
     assert unreachable({"w": worker}, timeout_s=limit(5), errors_count=True) == {"w"}
     assert unreachable({"w": worker}, timeout_s=limit(5)) == set()

@@ -20,6 +20,7 @@ from raytrain_x.ray.elastic.policies import (
     PendingView,
     ScalingPolicy,
     StragglerRule,
+    abandons_forming_round,
     decide_round,
     drain_line,
     elastic_timeout_error,
@@ -109,6 +110,17 @@ def test_a_new_drain_gives_up_its_starting_workers_and_sends_its_members_away():
     assert quiet.new == {"n4": 1.0} and not quiet.interrupt  # none of ours there
     assert "no deadline" in drain_line("abcdef0123", math.inf, 0.0, 2)
     assert "deadline in 30 s" in drain_line("abcdef0123", 130.0, 100.0, 1)
+
+
+def test_a_drain_gives_up_a_round_still_forming_with_a_member_on_its_node():
+    notice = notice_drains({"n2": 5000.0}, known=(), pending=[], member_nodes=["n1", "n2"])
+    # round 4 has formed when rank 0 committed in it; before, it is still forming
+    assert abandons_forming_round(notice, in_round=["n1", "n2"], round_id=4, committed_round=3)
+    assert not abandons_forming_round(notice, ["n1", "n2"], round_id=4, committed_round=4)
+    # the draining member is a newcomer not in the round: the round forms without it anyway
+    assert not abandons_forming_round(notice, in_round=["n1"], round_id=4, committed_round=3)
+    quiet = notice_drains({"n3": 1.0}, known=(), pending=[], member_nodes=["n1", "n2"])
+    assert not abandons_forming_round(quiet, ["n1", "n2"], round_id=4, committed_round=0)
 
 
 # ----------------------------------------------------------------------------- minimum

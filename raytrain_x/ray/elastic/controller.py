@@ -35,6 +35,7 @@ from raytrain_x.ray.elastic.policies import (
     MinimumWatch,
     ScalingPolicy,
     StragglerRule,
+    abandons_forming_round,
     decide_round,
     drain_line,
     elastic_timeout_error,
@@ -78,6 +79,7 @@ class ElasticJob:
         self.last_failure: WorkerError | None = None
         self._needs_round = True
         self._asked_over = False  # the round's members were asked to a round for newcomers
+        self._round_newcomers: list[str] = []  # members whose first round is the latest
         self._progress_at = 0.0
         self._gave_up_warned = False
         # The job's own actors live on the head node: worker nodes may vanish at any time.
@@ -336,6 +338,26 @@ class ElasticJob:
             self.log.note("drain")
             self._needs_round = True
             ray.get(self.rounds_actor.bump_hosts.remote())
+            self._abandon_forming_round(notice)
+
+    def _abandon_forming_round(self, notice: Any) -> None:
+        """A member of the round still forming is on a draining node: the round is given
+        up (its peers' rendezvous waits are answered at once) and the next one forms
+        without it. That round's newcomers join as newcomers again: one still slow to
+        arrive does not hold up the others' recovery."""
+        if not self.rounds:
+            return
+        in_round = [m.node for m in self.members.values() if m.rank >= 0]
+        committed_round = ray.get(self.rounds_actor.committed_round.remote())
+        if not abandons_forming_round(notice, in_round, self.rounds, committed_round):
+            return
+        self.store.abandon.remote(round_prefix(self.rounds))
+        for worker_id in self._round_newcomers:
+            if worker_id in self.members:
+                self.members[worker_id].rank = -1
+        self.log.add("abandoned", "", round=self.rounds, reason="drain")
+        log.info("raytrain-x elastic: round %d was still forming with a worker on a draining "
+                 "node; it is given up and the next forms without it", self.rounds)
 
     def _check_minimum(self) -> None:
         staying = len(self._staying())
@@ -384,6 +406,7 @@ class ElasticJob:
         self.rounds += 1
         assignments = plan_round({m.worker_id: (m.node, m.age) for m in staying.values()},
                                  self.rounds, version)
+        self._round_newcomers = [w for w, m in staying.items() if m.rank < 0]
         for worker_id, place in assignments.items():
             self.members[worker_id].rank = place["rank"]
         ray.get(self.rounds_actor.publish.remote(assignments))

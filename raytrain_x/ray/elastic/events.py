@@ -12,7 +12,7 @@ from typing import Any
 from raytrain_x.elastic.history import RoundHistory
 
 KINDS = ("place", "start", "gave_up", "failure", "lost_draining", "left", "drain",
-         "scale_up", "round")
+         "abandoned", "scale_up", "round")
 
 
 @dataclass(frozen=True)

@@ -138,6 +138,17 @@ def notice_drains(draining: Mapping[str, float], known: Iterable[str],
     return notice
 
 
+def abandons_forming_round(notice: DrainNotice, in_round: Iterable[str], round_id: int,
+                           committed_round: int) -> bool:
+    """Whether a drain gives up the round now forming: a member of that round (`in_round`:
+    the nodes of its ranks) is on a newly draining node, and the round has not committed
+    yet (`committed_round` < `round_id`: its rendezvous or state sync is under way). Such a
+    member could only leave at the round's first commit, after the round formed in full,
+    and then every rank would meet once more; the round's peers are answered at once
+    instead and form the next round without it."""
+    return round_id > committed_round and bool(set(notice.leaving) & set(in_round))
+
+
 def drain_line(node: str, deadline: float, now: float, workers: int) -> str:
     """The progress line of a node that started draining."""
     left_s = deadline - now
