@@ -72,10 +72,13 @@ def _op_matrix(dtypes: list[str]) -> dict:
 
     for dtype in dtypes:
         tf_dtype = getattr(tf, dtype)
-        for shape in SHAPES:
-            args = inputs(tf_dtype, shape)
-            eager = run_all(dtype, shape, *args)
-            graph = tf.function(lambda *a, d=dtype, s=shape: run_all(d, s, *a))(*args)
+        args = [inputs(tf_dtype, shape) for shape in SHAPES]
+        # one tf.function per dtype, every shape in it (a trace per shape took a quarter
+        # of the test)
+        traced = tf.function(lambda per_shape, d=dtype: [run_all(d, s, *a) for s, a
+                                                         in zip(SHAPES, per_shape)])(args)
+        for shape, shape_args, graph in zip(SHAPES, args, traced):
+            eager = run_all(dtype, shape, *shape_args)
             for mode, res in (("eager", eager), ("function", graph)):
                 for op, value in res.items():
                     values = value if isinstance(value, list) else [value]
