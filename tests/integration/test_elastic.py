@@ -342,8 +342,8 @@ def test_a_newcomer_that_synced_holds_the_state_when_every_older_worker_dies(ela
     _check_committed_history(results, 120)
 
 
-def _newcomer_held_in_its_first_round(old_nodes: list[str], gate: str, steps: int,
-                                      pause: float, progress: str) -> dict:
+def _newcomer_held_in_its_first_round(old_nodes: list[str], gate: str, stop: str,
+                                      progress: str) -> dict:
     """The ledger job; a worker on a node not in `old_nodes` (a newcomer) takes its place
     in a round and then waits for `gate` before it meets its peers (a newcomer slow to
     arrive: a loaded host), so that round stays forming."""
@@ -356,7 +356,7 @@ def _newcomer_held_in_its_first_round(old_nodes: list[str], gate: str, steps: in
         next_rendezvous()  # placed in the round the others wait in
         while not os.path.exists(gate):
             time.sleep(0.05)
-    return ledger_train(steps, pause, progress=progress, samples=SAMPLES)
+    return ledger_train(None, 0.05, stop=stop, progress=progress, samples=SAMPLES)
 
 
 def test_a_drain_gives_up_a_round_still_forming_and_the_others_go_on(cluster, elastic_nodes,
@@ -372,10 +372,10 @@ def test_a_drain_gives_up_a_round_still_forming_and_the_others_go_on(cluster, el
                            max_workers=3, cpus_per_worker=1,
                            resources_per_worker={ELASTIC_RESOURCE: 1})
     executor.start()
-    progress, gate = tmp_path / "progress", tmp_path / "gate"
+    progress, gate, stop = tmp_path / "progress", tmp_path / "gate", tmp_path / "stop"
     drained = None
     try:
-        job = _Job(executor, old, str(gate), 200, 0.05, str(progress),
+        job = _Job(executor, old, str(gate), str(stop), str(progress),
                    fn=_newcomer_held_in_its_first_round)
         job.wait_until(lambda: job.trained(progress, 3, 2), "3 steps with 2 workers")
         elastic_nodes(1)  # a newcomer starts; it is held in the round it is placed in
@@ -394,6 +394,8 @@ def test_a_drain_gives_up_a_round_still_forming_and_the_others_go_on(cluster, el
                        "rank 0 to train on alone while the newcomer is held", work_s=3)
         assert [e for e in executor.last_elastic_job.events if e.kind == "abandoned"]
         gate.touch()
+        job.wait_until(lambda: job.trained(progress, 0, 2), "the newcomer to join")
+        stop.touch()
         results = job.join()
     finally:
         gate.touch()
@@ -402,7 +404,7 @@ def test_a_drain_gives_up_a_round_still_forming_and_the_others_go_on(cluster, el
             if node.node_id == drained:
                 cluster.remove_node(node, allow_graceful=False)
     assert len(results) == 2 and results[0]["sizes"][-1] == 2  # rank 0 and the newcomer
-    _check_committed_history(results, 200)
+    _check_committed_history(results, results[0]["step"])
     assert [r["restores"] for r in results] == [0, 0]  # no worker failed: nothing restored
 
 

@@ -24,6 +24,7 @@ from raytrain_x.ray.elastic.policies import (
     decide_round,
     drain_line,
     elastic_timeout_error,
+    held_back,
     notice_drains,
     state_lost,
     state_lost_error,
@@ -121,6 +122,20 @@ def test_a_drain_gives_up_a_round_still_forming_with_a_member_on_its_node():
     assert not abandons_forming_round(notice, in_round=["n1"], round_id=4, committed_round=3)
     quiet = notice_drains({"n3": 1.0}, known=(), pending=[], member_nodes=["n1", "n2"])
     assert not abandons_forming_round(quiet, ["n1", "n2"], round_id=4, committed_round=0)
+
+
+def test_a_given_up_rounds_newcomers_wait_for_the_round_after_the_recovery():
+    a, b = MemberView("a", "n1", in_round=True), MemberView("b", "n2", in_round=True)
+    new = MemberView("new", "n3")  # in the given-up round; a newcomer again
+    assert held_back({"new"}, [a, b, new], draining={"n2"}, min_workers=1) == {"new"}
+    # the recovery round forms of the veterans alone, though the newcomer waits too
+    decision = decide_round(["a", "b"], [a, b, new], {"n2"}, 1)
+    assert decision.form and decision.ranks == ["a"] and decision.leave == ["b"]
+    # too few veterans for a round of their own: everyone waits for the newcomer
+    assert held_back({"new"}, [a, b, new], draining={"n2"}, min_workers=2) == set()
+    # the first round was given up: no veterans at all
+    first = [MemberView("a", "n1"), MemberView("new", "n3")]
+    assert held_back({"a", "new"}, first, draining=(), min_workers=1) == set()
 
 
 # ----------------------------------------------------------------------------- minimum

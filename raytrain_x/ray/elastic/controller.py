@@ -39,6 +39,7 @@ from raytrain_x.ray.elastic.policies import (
     decide_round,
     drain_line,
     elastic_timeout_error,
+    held_back,
     notice_drains,
     state_lost,
     state_lost_error,
@@ -80,6 +81,7 @@ class ElasticJob:
         self._needs_round = True
         self._asked_over = False  # the round's members were asked to a round for newcomers
         self._round_newcomers: list[str] = []  # members whose first round is the latest
+        self._held: set[str] = set()  # newcomers of a given-up round: not in the next one
         self._progress_at = 0.0
         self._gave_up_warned = False
         # The job's own actors live on the head node: worker nodes may vanish at any time.
@@ -343,8 +345,8 @@ class ElasticJob:
     def _abandon_forming_round(self, notice: Any) -> None:
         """A member of the round still forming is on a draining node: the round is given
         up (its peers' rendezvous waits are answered at once) and the next one forms
-        without it. That round's newcomers join as newcomers again: one still slow to
-        arrive does not hold up the others' recovery."""
+        without it. That round's newcomers join as newcomers again, at the round after
+        the next (`held_back`): one slow to arrive does not hold up the others' recovery."""
         if not self.rounds:
             return
         in_round = [m.node for m in self.members.values() if m.rank >= 0]
@@ -355,6 +357,7 @@ class ElasticJob:
         for worker_id in self._round_newcomers:
             if worker_id in self.members:
                 self.members[worker_id].rank = -1
+        self._held = set(self._round_newcomers)
         self.log.add("abandoned", "", round=self.rounds, reason="drain")
         log.info("raytrain-x elastic: round %d was still forming with a worker on a draining "
                  "node; it is given up and the next forms without it", self.rounds)
@@ -376,8 +379,10 @@ class ElasticJob:
         if not self._needs_round:
             return
         waiting = ray.get(self.rounds_actor.waiting.remote())
-        decision = decide_round(waiting, [m.view() for m in self.members.values()],
-                                self.draining, self.settings.min_workers)
+        views = [m.view() for m in self.members.values()]
+        held = held_back(self._held, views, self.draining, self.settings.min_workers)
+        decision = decide_round([w for w in waiting if w not in held], views, self.draining,
+                                self.settings.min_workers)
         if decision.leave:  # they return from `execute` with `Left`; the poll drops them
             ray.get(self.rounds_actor.publish.remote(
                 {w: {"leave": True,
@@ -407,6 +412,7 @@ class ElasticJob:
         assignments = plan_round({m.worker_id: (m.node, m.age) for m in staying.values()},
                                  self.rounds, version)
         self._round_newcomers = [w for w, m in staying.items() if m.rank < 0]
+        self._held = set()
         for worker_id, place in assignments.items():
             self.members[worker_id].rank = place["rank"]
         ray.get(self.rounds_actor.publish.remote(assignments))
