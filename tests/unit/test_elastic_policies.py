@@ -236,6 +236,9 @@ def test_a_later_round_does_not_wait_for_newcomers_still_starting():
     # the newcomer arrives while the others train: they are asked over, not waited for
     arrived = decide_round(["new"], members, (), 2)
     assert not arrived.form and arrived.interrupt
+    # ... once their round has committed: not while it still forms (a recovery)
+    forming = decide_round(["new"], members, (), 2, round_committed=False)
+    assert not forming.form and not forming.interrupt
     # they reach their next commit: one round of all four
     together = decide_round(["a", "b", "c", "new"], members, (), 2)
     assert together.form and together.ranks == ["a", "b", "c", "new"]

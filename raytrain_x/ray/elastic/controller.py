@@ -378,11 +378,12 @@ class ElasticJob:
     def _maybe_form_round(self) -> None:
         if not self._needs_round:
             return
-        waiting = ray.get(self.rounds_actor.waiting.remote())
+        waiting, committed_round = ray.get([self.rounds_actor.waiting.remote(),
+                                            self.rounds_actor.committed_round.remote()])
         views = [m.view() for m in self.members.values()]
         held = held_back(self._held, views, self.draining, self.settings.min_workers)
         decision = decide_round([w for w in waiting if w not in held], views, self.draining,
-                                self.settings.min_workers)
+                                self.settings.min_workers, committed_round >= self.rounds)
         if decision.leave:  # they return from `execute` with `Left`; the poll drops them
             ray.get(self.rounds_actor.publish.remote(
                 {w: {"leave": True,

@@ -308,13 +308,16 @@ class RoundDecision:
 
 
 def decide_round(waiting: Iterable[str], members: Iterable[MemberView],
-                 draining: Iterable[str], min_workers: int) -> RoundDecision:
+                 draining: Iterable[str], min_workers: int,
+                 round_committed: bool = True) -> RoundDecision:
     """Members waiting on a draining node leave. The first round forms once every staying
     member (not leaving, not draining) waits. Later ones form once every staying member of
     an earlier round waits, with the newcomers that are already waiting: a newcomer still
     starting (importing, building its model) holds up neither a recovery nor the training
     of the others, and joins at the round after it arrives. Either way at least
-    `min_workers` members."""
+    `min_workers` members. Newcomers are asked over only once the last round has committed
+    (`round_committed`): asked sooner, they would interrupt that round's first commit, and
+    a recovery would wait for their first groups too."""
     waiting, draining = set(waiting), set(draining)
     members = list(members)
     leave = sorted(m.worker_id for m in members
@@ -325,5 +328,6 @@ def decide_round(waiting: Iterable[str], members: Iterable[MemberView],
     must_wait = veterans or {m.worker_id for m in staying}
     form = len(arrived) >= max(1, min_workers) and must_wait <= waiting
     # newcomers at the rendezvous while the others train: those join at their next commit
-    interrupt = bool(veterans - waiting) and any(m not in veterans for m in arrived)
+    interrupt = (round_committed and bool(veterans - waiting)
+                 and any(m not in veterans for m in arrived))
     return RoundDecision(leave, form, arrived if form else [], interrupt)
