@@ -31,7 +31,11 @@ def preloaded(*modules: str, env: dict | None = None) -> Iterator[None]:
     """Inside the block, ranks fork from a server that has also imported `modules`, started
     with `env` added (TensorFlow reads TF_CPP_MIN_LOG_LEVEL when it loads): a TensorFlow
     rank spent about 8 s of CPU importing it, for each of some thirty ranks. Outside it,
-    ranks fork from the torch-only server again, so no other test's ranks carry them."""
+    ranks fork from the torch-only server again, so no other test's ranks carry them.
+    RAYTRAIN_X_TEST_PRELOAD=0 leaves the server as it is (to measure what this saves)."""
+    if os.environ.get("RAYTRAIN_X_TEST_PRELOAD") == "0":
+        yield
+        return
     _restart_fork_server([*_PRELOAD, *modules], env or {})
     try:
         yield
