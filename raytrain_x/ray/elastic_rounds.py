@@ -20,8 +20,7 @@ class ElasticRounds:
         self._waiting: dict[str, asyncio.Future] = {}
         self._hosts_version = 0
         self._error: str | None = None
-        self._committed = False  # whether rank 0 ever committed
-        self._committed_round = 0  # the last round rank 0 committed in (0: none)
+        self._committed_round = 0  # the last round rank 0 committed in (rounds count from 1)
         self._holders: set[str] = set()  # workers that said they hold the state
 
     async def join(self, worker_id: str, holds_state: bool = False) -> dict[str, Any]:
@@ -59,10 +58,9 @@ class ElasticRounds:
     async def hosts_version(self) -> int:
         return self._hosts_version
 
-    async def commit(self, round_id: int = 0) -> int:
+    async def commit(self, round_id: int) -> int:
         """Rank 0 committed in round `round_id`: the job has progress to lose, and that
         round has formed. Returns the host-set version, which it checks at each commit."""
-        self._committed = True
         self._committed_round = max(self._committed_round, round_id)
         return self._hosts_version
 
@@ -73,7 +71,7 @@ class ElasticRounds:
 
     async def committed(self) -> bool:
         """Whether the job ever committed."""
-        return self._committed
+        return self._committed_round > 0
 
     async def holders(self) -> list[str]:
         """The workers that said, when they last joined, that they hold the state."""

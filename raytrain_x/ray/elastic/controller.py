@@ -31,6 +31,7 @@ from raytrain_x.elastic.history import round_line
 from raytrain_x.ray.elastic.cluster import ClusterView
 from raytrain_x.ray.elastic.events import EventLog
 from raytrain_x.ray.elastic.policies import (
+    DrainNotice,
     FailurePolicy,
     MinimumWatch,
     ScalingPolicy,
@@ -342,7 +343,7 @@ class ElasticJob:
             ray.get(self.rounds_actor.bump_hosts.remote())
             self._abandon_forming_round(notice)
 
-    def _abandon_forming_round(self, notice: Any) -> None:
+    def _abandon_forming_round(self, notice: DrainNotice) -> None:
         """A member of the round still forming is on a draining node: the round is given
         up (its peers' rendezvous waits are answered at once) and the next one forms
         without it. That round's newcomers join as newcomers again, at the round after
