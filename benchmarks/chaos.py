@@ -538,6 +538,15 @@ def _judge(job: dict, injected: list[dict], began: float, respawn_s: float,
         f["t"] -= began
         f["end"] -= began
         faults.append(f)
+    # a hang that later faults land in is hidden from the count above (it starts again at
+    # each one): every stretch without a commit is also checked on its own, less the time
+    # faults and the lack of capacity explain
+    for (t0, *_), (t1, *_) in zip(samples, samples[1:]):
+        stalled = _longest_unexplained(t0, t1, injected, job["below"])
+        if stalled > bound:
+            errors.append(f"no commit from {t0 - began:.1f}s to {t1 - began:.1f}s: "
+                          f"{stalled:.1f}s of it with no fault under way and enough workers "
+                          f"(bound {bound:.0f}s)")
     # rank 0 writes each step it committed: after a restore it writes that step again (or
     # the one before, where a peer died between two ranks' commits), never less
     for (_, a, _, _), (t1, b, _, _) in zip(samples, samples[1:]):
@@ -546,6 +555,21 @@ def _judge(job: dict, injected: list[dict], began: float, respawn_s: float,
                           f"from step {a} to {b}")
     job["progress"] = [(t - began, s, n) for t, s, n, _ in samples]
     return faults
+
+
+def _longest_unexplained(start: float, end: float, injected: list[dict],
+                         below: list) -> float:
+    """The longest part of [start, end] in which no fault was under way and the job had
+    min_workers: how long it stood still with nothing to wait for."""
+    covered = sorted((f["t"], f["end"]) for f in injected if f["t"] < end and f["end"] > start)
+    for (t0, is_below), (t1, _) in zip(below, [*below[1:], (end, False)]):
+        if is_below and t0 < end and t1 > start:
+            covered.append((t0, t1))
+    longest, at = 0.0, start
+    for c0, c1 in sorted(covered):
+        longest = max(longest, c0 - at)
+        at = max(at, c1)
+    return max(longest, end - at)
 
 
 def _below_between(below: list, start: float, end: float) -> float:
