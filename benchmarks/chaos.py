@@ -561,10 +561,8 @@ def _longest_unexplained(start: float, end: float, injected: list[dict],
                          below: list) -> float:
     """The longest part of [start, end] in which no fault was under way and the job had
     min_workers: how long it stood still with nothing to wait for."""
-    covered = sorted((f["t"], f["end"]) for f in injected if f["t"] < end and f["end"] > start)
-    for (t0, is_below), (t1, _) in zip(below, [*below[1:], (end, False)]):
-        if is_below and t0 < end and t1 > start:
-            covered.append((t0, t1))
+    covered = [(f["t"], f["end"]) for f in injected if f["t"] < end and f["end"] > start]
+    covered += [(t0, t1) for t0, t1 in _below_spans(below, end) if t0 < end and t1 > start]
     longest, at = 0.0, start
     for c0, c1 in sorted(covered):
         longest = max(longest, c0 - at)
@@ -572,13 +570,16 @@ def _longest_unexplained(start: float, end: float, injected: list[dict],
     return max(longest, end - at)
 
 
+def _below_spans(below: list, end: float) -> list[tuple[float, float]]:
+    """The spans with fewer than min_workers, from the (time, is_below) changes in
+    `below`; one still open at `end` closes there."""
+    return [(t0, t1) for (t0, is_below), (t1, _) in zip(below, [*below[1:], (end, False)])
+            if is_below]
+
+
 def _below_between(below: list, start: float, end: float) -> float:
     """Seconds within [start, end] that the job had fewer than min_workers."""
-    total = 0.0
-    for (t0, is_below), (t1, _) in zip(below, [*below[1:], (end, False)]):
-        if is_below:
-            total += max(0.0, min(t1, end) - max(t0, start))
-    return total
+    return sum(max(0.0, min(t1, end) - max(t0, start)) for t0, t1 in _below_spans(below, end))
 
 
 def _tail(path: str, lines: int = 15) -> str:

@@ -106,6 +106,16 @@ def _ray_state() -> str:
         return f"could not ask the cluster: {exc!r}"
 
 
+@pytest.fixture(scope="module")
+def tensorflow_ranks():
+    """The module's ranks (`tests/workers.py`) fork from a server that has imported
+    TensorFlow once; the TensorFlow test files use it for all their tests."""
+    from tests.workers import preloaded
+
+    with preloaded("tensorflow", env={"TF_CPP_MIN_LOG_LEVEL": "3"}):
+        yield
+
+
 @pytest.fixture(scope="session")
 def ray_cluster(cluster):
     """The session cluster's address."""
@@ -227,11 +237,11 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def _stop_fork_server() -> None:
-    """Stops the fork server `tests/workers.py` starts its ranks from (it lives until its
-    parent exits otherwise, and would be counted as left behind)."""
-    from multiprocessing import forkserver
+    """Stops the fork server `tests/workers.py` starts its ranks from (it would be counted
+    as left behind)."""
+    from tests.workers import stop_fork_server
 
-    forkserver._forkserver._stop()  # noqa: SLF001 - the stdlib's own way to stop it
+    stop_fork_server()
 
 
 def _remove_children_temp() -> None:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from multiprocessing import forkserver
 from typing import Any
+from unittest import mock
 
 import torch.multiprocessing as mp
 
@@ -40,23 +41,21 @@ def preloaded(*modules: str, env: dict | None = None) -> Iterator[None]:
     try:
         yield
     finally:
-        forkserver._forkserver._stop()  # noqa: SLF001 - the next run starts the plain one
+        stop_fork_server()  # the next run starts the plain one
         _CONTEXT.set_forkserver_preload(_PRELOAD)
 
 
 def _restart_fork_server(modules: list[str], env: dict) -> None:
-    forkserver._forkserver._stop()  # noqa: SLF001 - the stdlib's own way to stop it
+    stop_fork_server()
     _CONTEXT.set_forkserver_preload(modules)
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with mock.patch.dict(os.environ, env):
         forkserver.ensure_running()  # it inherits this environment now
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+
+
+def stop_fork_server() -> None:
+    """Stops the fork server ranks start from (it lives until its parent exits otherwise);
+    the next run starts one again."""
+    forkserver._forkserver._stop()  # noqa: SLF001 - the stdlib's own way to stop it
 
 
 def free_port() -> int:

@@ -46,8 +46,10 @@ def _elastic_train(steps: int, pause: float, bad_node: str | None = None,
     return ledger_train(steps, pause, progress=progress, samples=SAMPLES)
 
 
-def _executor(min_workers: int, max_workers: int, **kwargs) -> RayExecutor:
-    executor = RayExecutor(RayExecutor.create_settings(timeout_s=10), min_workers=min_workers,
+def _executor(min_workers: int, max_workers: int, timeout_s: float = 10,
+              **kwargs) -> RayExecutor:
+    executor = RayExecutor(RayExecutor.create_settings(timeout_s=timeout_s),
+                           min_workers=min_workers,
                            max_workers=max_workers, cpus_per_worker=1,
                            resources_per_worker={ELASTIC_RESOURCE: 1}, **kwargs)
     executor.start()
@@ -368,10 +370,7 @@ def test_a_drain_gives_up_a_round_still_forming_and_the_others_go_on(cluster, el
     joins once it arrives (the chaos soak's slow drains, docs/elastic.md)."""
     old = [n.node_id for n in elastic_nodes(2)]
     # a collective timeout far past the wait below: only the given-up round explains it
-    executor = RayExecutor(RayExecutor.create_settings(timeout_s=60), min_workers=1,
-                           max_workers=3, cpus_per_worker=1,
-                           resources_per_worker={ELASTIC_RESOURCE: 1})
-    executor.start()
+    executor = _executor(1, 3, timeout_s=60)
     progress, gate, stop = tmp_path / "progress", tmp_path / "gate", tmp_path / "stop"
     drained = None
     try:

@@ -9,22 +9,15 @@ import numpy as np
 import pytest
 
 from tests.limits import limit
-from tests.workers import preloaded, run_workers
+from tests.workers import run_workers
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tensorflow_ranks")]
 
 DTYPES = ["float16", "float32", "float64", "bfloat16", "int8", "uint8", "int16", "uint16",
           "int32", "int64", "bool"]
 SHAPES = [(), (0,), (1,), (5, 3), (1031,)]  # scalar, empty, one element, 2-D, odd length
 ENV = {"TF_CPP_MIN_LOG_LEVEL": "3", "TF_NUM_INTRAOP_THREADS": "1",
        "TF_NUM_INTEROP_THREADS": "2"}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _tensorflow_ranks():
-    """This file's ranks fork from a server that has imported TensorFlow once."""
-    with preloaded("tensorflow", env={"TF_CPP_MIN_LOG_LEVEL": "3"}):
-        yield
 
 
 def _base(shape: tuple, rank: int) -> np.ndarray:

@@ -9,20 +9,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.workers import preloaded, run_workers
+from tests.workers import run_workers
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tensorflow_ranks")]
 
 ENV = {"TF_CPP_MIN_LOG_LEVEL": "3", "TF_NUM_INTRAOP_THREADS": "1",
        "TF_NUM_INTEROP_THREADS": "2"}
 W = np.array([1.0, 2.0, 3.0])
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _tensorflow_ranks():
-    """This file's ranks fork from a server that has imported TensorFlow once."""
-    with preloaded("tensorflow", env={"TF_CPP_MIN_LOG_LEVEL": "3"}):
-        yield
 
 
 # ----------------------------------------------------------------------------- gradients
