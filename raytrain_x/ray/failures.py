@@ -20,6 +20,10 @@ K = TypeVar("K", bound=Hashable)
 # A worker's `ping` runs on a thread of its own, so a reachable worker answers in
 # milliseconds even mid-collective; this much silence means its node is cut off or gone.
 PROBE_TIMEOUT_S = 5.0
+# A member that answers but stays away from the rendezvous its peers wait at longer than the
+# collective timeout and this is stuck (`StragglerRule`): a healthy one fails its own
+# collective within the timeout and restores in well under this.
+STUCK_GRACE_S = 5.0
 
 
 class WorkerFailure(Exception):
@@ -89,6 +93,16 @@ def unreachable(workers: Mapping[K, Any], timeout_s: float = PROBE_TIMEOUT_S,
         except Exception:  # noqa: BLE001 - any error: the worker is not there to train
             lost.add(refs[ref])
     return lost
+
+
+def stuck_error(ranks: list[int], nodes: list[str], waited_s: float) -> dict[int, WorkerError]:
+    """The errors of ranks that answer a probe but stayed away from the rendezvous their
+    peers waited at (`StragglerRule`)."""
+    detail = (f"ranks {ranks} answer but stayed away from the rendezvous for {waited_s:.0f}s "
+              f"while their peers waited there (nodes {sorted(short_node(n) for n in set(nodes))}"
+              "): a call of theirs to the job's actors is held up (after a network partition "
+              "Ray can hold one for minutes) or their training function is stuck; restarted")
+    return {rank: WorkerError(rank, detail, process_lost=True) for rank in ranks}
 
 
 def unreachable_error(ranks: list[int], nodes: list[str], after: str) -> dict[int, WorkerError]:

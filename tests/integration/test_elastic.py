@@ -344,6 +344,79 @@ def test_a_newcomer_that_synced_holds_the_state_when_every_older_worker_dies(ela
     _check_committed_history(results, 120)
 
 
+def _every_rank_leaves_its_round_at_once(marker: str, steps: int,
+                                         stuck_node: str | None = None) -> dict:
+    """Each rank raises `InternalError` right after the same allreduce of step 5, once (its
+    `marker` file remembers it): the round fails for every member together, as one whose
+    rendezvous or first collective times out on every rank does after a partition, and
+    they all wait at the rendezvous within milliseconds of each other. The worker on
+    `stuck_node` then never comes to the rendezvous though it answers the driver's pings,
+    as one whose `join` Ray held back after a partition."""
+    import torch
+
+    import raytrain_x.torch as rx
+
+    class Held(rx.elastic.ObjectState):
+        def restore(self) -> None:
+            super().restore()
+            if ray.get_runtime_context().get_node_id() == stuck_node:
+                time.sleep(3600)
+
+    rx.init()
+
+    @rx.elastic.run
+    def train(state):
+        while state.step < steps:
+            rx.allreduce(torch.ones(1), name="step")
+            mine = f"{marker}-{rx.rank()}"
+            if state.step == 5 and not os.path.exists(mine):
+                Path(mine).touch()
+                raise InternalError("every rank leaves its round at once")
+            state.step += 1
+            state.commit()
+        return {"step": state.step, "restores": rx.elastic.restore_count()}
+
+    return train(Held(step=0))
+
+
+def test_a_round_that_fails_for_every_member_at_once_forms_again(elastic_nodes, tmp_path):
+    """Seen on the emulated cluster (a 14 s partition, then every rank timing out of the
+    next round together): with no member absent from the rendezvous the driver formed no
+    round, and the job waited until some later fault."""
+    elastic_nodes(2)
+    executor = _executor(2, 2)
+    try:
+        job = _Job(executor, str(tmp_path / "left"), 12, fn=_every_rank_leaves_its_round_at_once)
+        results = job.join(work_s=20)
+        history = executor.elastic_history
+    finally:
+        executor.shutdown()
+    assert [r["step"] for r in results] == [12, 12]
+    assert [r["restores"] for r in results] == [1, 1]
+    assert len(history) == 2, history
+
+
+def test_a_member_that_answers_but_never_comes_to_the_rendezvous_fails_as_stuck(
+        elastic_nodes, tmp_path):
+    """Seen on the emulated cluster after 14 s partitions: the cut-off worker answered
+    pings once its link was back, but Ray held its rendezvous call for a minute or more,
+    and its peers waited for it all that while. It now fails as stuck once it has stayed
+    away the collective timeout and a grace; the others go on."""
+    stuck = elastic_nodes(2)[1]
+    executor = _executor(1, 2, timeout_s=3, cooldown_range=(1.0, 1.0))
+    try:
+        job = _Job(executor, str(tmp_path / "left"), 12, stuck.node_id,
+                   fn=_every_rank_leaves_its_round_at_once)
+        results = job.join(work_s=25)
+        events = executor.last_elastic_job.events
+        failure = executor.last_elastic_job.last_failure
+    finally:
+        executor.shutdown()
+    assert results and all(r["step"] == 12 for r in results)
+    assert [kind for _, kind, _ in events].count("failure") == 1, events
+    assert "stayed away from the rendezvous for 8s" in failure.detail
+
+
 def _newcomer_held_in_its_first_round(old_nodes: list[str], gate: str, stop: str,
                                       progress: str) -> dict:
     """The ledger job; a worker on a node not in `old_nodes` (a newcomer) takes its place

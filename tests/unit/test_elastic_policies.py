@@ -200,14 +200,39 @@ def test_resets_past_reset_limit_fail_the_job_and_drain_rounds_do_not_count():
 def test_a_worker_missing_from_the_rendezvous_is_probed_at_the_next_poll():
     clock = Clock()
     rule = StragglerRule()
-    assert rule.observe(waiting=[], present=["a", "b"], now=clock()) == (False, [])  # none yet
-    assert rule.observe(["a", "b"], ["a", "b"], clock()) == (False, [])  # all there
-    assert rule.observe(["a"], ["a", "b"], clock()) == (True, [])  # b absent: note it
+    assert rule.observe(waiting=[], present=["a", "b"], now=clock()) == (False, [], [])
+    assert rule.observe(["a", "b"], ["a", "b"], clock()) == (True, [], [])  # all left at once
+    assert rule.observe(["a"], ["a", "b"], clock()) == (True, [], [])  # b absent: note it
     clock.now += 1.0
-    assert rule.observe(["a"], ["a", "b"], clock()) == (True, ["b"])  # still absent: probe
-    assert rule.observe(["a"], ["a", "b"], clock()) == (True, [])  # the count starts over
-    assert rule.observe(["a", "b"], ["a", "b"], clock()) == (False, [])
-    assert rule.absent_since is None
+    assert rule.observe(["a"], ["a", "b"], clock()) == (True, ["b"], [])  # still absent: probe
+    assert rule.observe(["a"], ["a", "b"], clock()) == (True, [], [])  # the count starts over
+    assert rule.observe(["a", "b"], ["a", "b"], clock()) == (True, [], [])
+    assert rule.observe([], ["a", "b"], clock()) == (False, [], [])  # the round formed
+    assert rule.absent_since == {}
+
+
+def test_a_round_is_needed_when_every_member_left_its_round_at_once():
+    # a round that failed for all its members together (their rendezvous timed out at one
+    # moment after a partition): they all wait within one poll, none is ever seen absent
+    rule = StragglerRule()
+    assert rule.observe(["a", "b", "c"], ["a", "b", "c"], now=0.0) == (True, [], [])
+
+
+def test_a_member_that_answers_but_stays_away_from_the_rendezvous_is_stuck():
+    clock = Clock()
+    rule = StragglerRule(stuck_after_s=15.0)
+    members = ["a", "b", "new"]  # "new" is a newcomer still starting: never stuck
+    verdicts = []
+    for _ in range(16):  # one poll a second; b answers every probe
+        verdicts.append(rule.observe(["a"], members, clock(), in_round=["a", "b"]))
+        clock.now += 1.0
+    assert all(v.needs_round for v in verdicts)
+    assert [v.probe for v in verdicts[:4]] == [[], ["b", "new"], [], ["b", "new"]]
+    assert all(v.stuck == [] for v in verdicts[:15])
+    assert verdicts[15].stuck == ["b"] and "b" not in verdicts[15].probe
+    # b arrives: the count is over; it starts again at the next absence
+    assert rule.observe(["a", "b"], ["a", "b"], clock()) == (True, [], [])
+    assert rule.observe(["a"], ["a", "b"], clock(), in_round=["a", "b"]).stuck == []
 
 
 # ----------------------------------------------------------------------------- rounds

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import ray
@@ -54,7 +54,7 @@ from raytrain_x.ray.elastic.settings import (
     ElasticSettings,
 )
 from raytrain_x.ray.elastic_rounds import ElasticRounds, plan_round
-from raytrain_x.ray.failures import unreachable_error
+from raytrain_x.ray.failures import STUCK_GRACE_S, stuck_error, unreachable_error
 from raytrain_x.ray.placement import stable_node_strategy
 
 log = logging.getLogger("raytrain_x.elastic")
@@ -73,7 +73,7 @@ class ElasticJob:
         self.scaling = ScalingPolicy(settings)
         self.failures = FailurePolicy(settings, self.blacklist)
         self.minimum = MinimumWatch(settings)
-        self.stragglers = StragglerRule()
+        self.stragglers = StragglerRule(stuck_after_s=settings.timeout_s + STUCK_GRACE_S)
         self.cluster = ClusterView(settings)
         self.pool = WorkerPool(settings, clock)
         self.rounds = 0
@@ -222,17 +222,23 @@ class ElasticJob:
     def _check_stragglers(self) -> None:
         waiting = ray.get(self.rounds_actor.waiting.remote())
         present = [w for w, m in self.members.items() if not m.leaving]
-        needs_round, probe = self.stragglers.observe(waiting, present, self.clock())
-        if needs_round:
+        verdict = self.stragglers.observe(waiting, present, self.clock(),
+                                          [w for w in present if self.members[w].rank >= 0])
+        if verdict.needs_round:
             self._needs_round = True
-        lost = self.pool.unreachable(probe) if probe else set()
-        if not lost:
-            return
-        ranks = sorted(self.members[w].rank for w in lost)
-        errors = unreachable_error(ranks, [self.members[w].node for w in lost],
-                                   "while their peers waited for them at the rendezvous")
-        for worker_id in lost:
-            member = self.members[worker_id]
+        lost = self.pool.unreachable(verdict.probe) if verdict.probe else set()
+        if lost:
+            self._fail_all(lost, lambda ranks, nodes: unreachable_error(
+                ranks, nodes, "while their peers waited for them at the rendezvous"))
+        if verdict.stuck:
+            self._fail_all(verdict.stuck, lambda ranks, nodes: stuck_error(
+                ranks, nodes, self.stragglers.stuck_after_s))
+
+    def _fail_all(self, worker_ids: Iterable[str], errors_of: Callable) -> None:
+        """Fails these members with one error naming them all: `errors_of(ranks, nodes)`."""
+        members = [self.members[w] for w in worker_ids]
+        errors = errors_of(sorted(m.rank for m in members), [m.node for m in members])
+        for member in members:
             self._on_failure(member, errors[member.rank])
 
     def _finish(self, finished: dict[str, Any]) -> list[Any]:

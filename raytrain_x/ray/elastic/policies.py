@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from raytrain_x.common.errors import (
     ConfigError,
@@ -242,29 +243,51 @@ class FailurePolicy:
                 f"failure: {last_failure or ''}")
 
 
+class Stragglers(NamedTuple):
+    """What one look at the rendezvous decides (`StragglerRule.observe`)."""
+
+    needs_round: bool
+    probe: list[str]  # absent workers to ping now: those that do not answer failed
+    stuck: list[str]  # absent too long though they answer: they fail as stuck
+
+
 class StragglerRule:
-    """Workers whose peers wait at the rendezvous without them. A worker on a host cut off
-    by a partition is alive to Ray (until Ray's health checks give up on the node) while
-    its peers lost it at their last collective, and would hold the next round forever.
-    Absent at one poll, it is probed at the next; one that does not answer fails like a
-    dead worker."""
+    """Workers whose peers wait at the rendezvous without them.
 
-    def __init__(self) -> None:
-        self.absent_since: float | None = None
+    A member waiting at the rendezvous left its round (it lost a peer), so a round is
+    needed, even when none is absent: every member of a round that failed for all of them
+    at once (their rendezvous or first collective timing out together) arrives within one
+    poll, and no other event would form the next round.
 
-    def observe(self, waiting: Iterable[str], present: Iterable[str],
-                now: float) -> tuple[bool, list[str]]:
-        """(whether a round is needed, the absent workers to probe now)."""
+    A worker on a host cut off by a partition is alive to Ray (until Ray's health checks
+    give up on the node) while its peers lost it at their last collective, and would hold
+    the next round forever. Absent at one poll, it is probed at the next; one that does not
+    answer fails like a dead worker. One that answers but stays away `stuck_after_s` (the
+    collective timeout and a grace: longer than a healthy worker takes to fail its own
+    collective and restore) is stuck and fails too: after a partition, Ray holds a worker's
+    calls to an actor it lost touch with for a minute or more (its client's reconnect
+    backoff), and a rendezvous `join` held that way never arrives. Only members that were
+    in a round can be stuck; a newcomer still starting is not."""
+
+    def __init__(self, stuck_after_s: float = math.inf) -> None:
+        self.stuck_after_s = stuck_after_s
+        self.probe_next = False
+        self.absent_since: dict[str, float] = {}  # absent worker -> first seen absent
+
+    def observe(self, waiting: Iterable[str], present: Iterable[str], now: float,
+                in_round: Iterable[str] = ()) -> Stragglers:
         waiting, present = set(waiting), set(present)
         absent = sorted(present - waiting)
         if not absent or not waiting & present:
-            self.absent_since = None
-            return False, []
-        if self.absent_since is None:  # a worker reset by itself: it lost a peer
-            self.absent_since = now
-            return True, []
-        self.absent_since = None
-        return True, absent
+            self.probe_next, self.absent_since = False, {}
+            return Stragglers(bool(waiting & present), [], [])
+        self.absent_since = {w: self.absent_since.get(w, now) for w in absent}
+        veterans = set(in_round)
+        stuck = [w for w in absent
+                 if w in veterans and now - self.absent_since[w] >= self.stuck_after_s]
+        probe = [w for w in absent if w not in stuck] if self.probe_next else []
+        self.probe_next = not self.probe_next  # absent at one poll, probed at the next
+        return Stragglers(True, probe, stuck)
 
 
 # ----------------------------------------------------------------------------- rounds
