@@ -24,6 +24,10 @@ PROBE_TIMEOUT_S = 5.0
 # collective timeout and this is stuck (`StragglerRule`): a healthy one fails its own
 # collective within the timeout and restores in well under this.
 STUCK_GRACE_S = 5.0
+# A worker that has been in its call to join a round this long without the rounds actor
+# receiving it has the call held back by Ray (`policies.held_joins`); a join arrives in
+# milliseconds.
+JOIN_HELD_S = 3.0
 
 
 class WorkerFailure(Exception):
@@ -102,6 +106,16 @@ def stuck_error(ranks: list[int], nodes: list[str], waited_s: float) -> dict[int
               f"while their peers waited there (nodes {sorted(short_node(n) for n in set(nodes))}"
               "): a call of theirs to the job's actors is held up (after a network partition "
               "Ray can hold one for minutes) or their training function is stuck; restarted")
+    return {rank: WorkerError(rank, detail, process_lost=True) for rank in ranks}
+
+
+def held_join_error(ranks: list[int], nodes: list[str]) -> dict[int, WorkerError]:
+    """The errors of ranks whose call to join a round Ray holds back."""
+    detail = (f"ranks {ranks} have been in their call to join the next round for "
+              f"{JOIN_HELD_S:.0f}s or more, and the driver's rounds actor never received it "
+              f"(nodes {sorted(short_node(n) for n in set(nodes))}): Ray holds back a "
+              "worker's calls to an actor it lost touch with, e.g. across a network "
+              "partition, for a minute or more; restarted")
     return {rank: WorkerError(rank, detail, process_lost=True) for rank in ranks}
 
 

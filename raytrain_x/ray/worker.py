@@ -75,6 +75,7 @@ class WorkerActor:
         self.rank = -1
         self.round_id = 0
         self.inits = 0  # rx.init() calls in the current round
+        self.joining_since: float | None = None  # in its elastic rendezvous call since
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
@@ -118,7 +119,11 @@ class WorkerActor:
         def provider() -> Rendezvous:
             from raytrain_x.elastic.state import holds_state
 
-            place = call_actor(rounds_actor.join, worker_id, holds_state())
+            self.joining_since = time.monotonic()
+            try:
+                place = call_actor(rounds_actor.join, worker_id, holds_state())
+            finally:
+                self.joining_since = None
             if place.get("leave"):
                 raise LeaveJob(place["reason"])
             self.rank = place["rank"]
@@ -181,6 +186,14 @@ class WorkerActor:
     def pid(self) -> int:
         """This worker's process id (fault injection kills it with a real SIGKILL)."""
         return os.getpid()
+
+    @ray.method(concurrency_group="probe")
+    def joining(self) -> float:
+        """Seconds this worker has been in its call to join the next elastic round (0: not
+        in one). The driver compares it with the joins the rounds actor received: a call
+        Ray holds back never arrives."""
+        since = self.joining_since
+        return 0.0 if since is None else time.monotonic() - since
 
     @ray.method(concurrency_group="probe")
     def ping(self) -> bool:

@@ -344,22 +344,40 @@ def test_a_newcomer_that_synced_holds_the_state_when_every_older_worker_dies(ela
     _check_committed_history(results, 120)
 
 
-def _every_rank_leaves_its_round_at_once(marker: str, steps: int,
-                                         stuck_node: str | None = None) -> dict:
+def _every_rank_leaves_its_round_at_once(marker: str, steps: int, stuck_node: str | None = None,
+                                         stuck_in: str = "restore") -> dict:
     """Each rank raises `InternalError` right after the same allreduce of step 5, once (its
     `marker` file remembers it): the round fails for every member together, as one whose
     rendezvous or first collective times out on every rank does after a partition, and
-    they all wait at the rendezvous within milliseconds of each other. The worker on
-    `stuck_node` then never comes to the rendezvous though it answers the driver's pings,
-    as one whose `join` Ray held back after a partition."""
+    they all wait at the rendezvous within milliseconds of each other.
+
+    The worker on `stuck_node` then never comes to the rendezvous, though it answers the
+    driver's pings: it hangs in its restore (`stuck_in="restore"`: stuck in its own code),
+    or its call to join the round never reaches the rounds actor (`"join"`: as Ray held
+    rank 0's join back for a minute after a partition)."""
     import torch
 
+    import raytrain_x.ray.worker as worker_module
     import raytrain_x.torch as rx
+
+    stuck = ray.get_runtime_context().get_node_id() == stuck_node
+    if stuck and stuck_in == "join":
+        send = worker_module.call_actor
+
+        def held(method, *args, **kwargs):
+            held_once = f"{marker}-held"
+            if method._method_name == "join" and os.path.exists(f"{marker}-0") \
+                    and not os.path.exists(held_once):  # a fresh worker there joins
+                Path(held_once).touch()
+                time.sleep(3600)
+            return send(method, *args, **kwargs)
+
+        worker_module.call_actor = held
 
     class Held(rx.elastic.ObjectState):
         def restore(self) -> None:
             super().restore()
-            if ray.get_runtime_context().get_node_id() == stuck_node:
+            if stuck and stuck_in == "restore":
                 time.sleep(3600)
 
     rx.init()
@@ -396,16 +414,21 @@ def test_a_round_that_fails_for_every_member_at_once_forms_again(elastic_nodes, 
     assert len(history) == 2, history
 
 
-def test_a_member_that_answers_but_never_comes_to_the_rendezvous_fails_as_stuck(
-        elastic_nodes, tmp_path):
-    """Seen on the emulated cluster after 14 s partitions: the cut-off worker answered
-    pings once its link was back, but Ray held its rendezvous call for a minute or more,
-    and its peers waited for it all that while. It now fails as stuck once it has stayed
-    away the collective timeout and a grace; the others go on."""
+@pytest.mark.parametrize("stuck_in, why", [
+    ("restore", "stayed away from the rendezvous for 8s"),
+    ("join", "the driver's rounds actor never received it")])
+def test_a_member_that_answers_but_never_comes_to_the_rendezvous_fails(
+        elastic_nodes, tmp_path, stuck_in, why):
+    """Seen on the emulated cluster after 14 s partitions: the cut-off rank 0 answered
+    pings once its link was back, but Ray held its call to join the next round for a
+    minute or more, and its peers waited for it all that while. A member in a join the
+    rounds actor has not received for 3 s now fails at the next probe; one that stays
+    away otherwise (stuck in its own code) fails once it has been away the collective
+    timeout and 5 s. The others go on."""
     stuck = elastic_nodes(2)[1]
     executor = _executor(1, 2, timeout_s=3, cooldown_range=(1.0, 1.0))
     try:
-        job = _Job(executor, str(tmp_path / "left"), 12, stuck.node_id,
+        job = _Job(executor, str(tmp_path / "left"), 12, stuck.node_id, stuck_in,
                    fn=_every_rank_leaves_its_round_at_once)
         results = job.join(work_s=25)
         events = executor.last_elastic_job.events
@@ -414,7 +437,7 @@ def test_a_member_that_answers_but_never_comes_to_the_rendezvous_fails_as_stuck(
         executor.shutdown()
     assert results and all(r["step"] == 12 for r in results)
     assert [kind for _, kind, _ in events].count("failure") == 1, events
-    assert "stayed away from the rendezvous for 8s" in failure.detail
+    assert why in failure.detail
 
 
 def _newcomer_held_in_its_first_round(old_nodes: list[str], gate: str, stop: str,

@@ -25,6 +25,7 @@ from raytrain_x.ray.elastic.policies import (
     drain_line,
     elastic_timeout_error,
     held_back,
+    held_joins,
     notice_drains,
     state_lost,
     state_lost_error,
@@ -233,6 +234,13 @@ def test_a_member_that_answers_but_stays_away_from_the_rendezvous_is_stuck():
     # b arrives: the count is over; it starts again at the next absence
     assert rule.observe(["a", "b"], ["a", "b"], clock()) == (True, [], [])
     assert rule.observe(["a"], ["a", "b"], clock(), in_round=["a", "b"]).stuck == []
+
+
+def test_a_join_that_the_rounds_actor_never_received_is_held():
+    joining = {"a": 0.0, "b": 4.0, "c": 1.0, "d": 9.0}  # seconds in their join call
+    # a is not joining, c only just began, d's join arrived: b's is held back by Ray
+    assert held_joins(joining, waiting=["d"], held_after_s=3.0) == ["b"]
+    assert held_joins({}, waiting=[], held_after_s=3.0) == []
 
 
 # ----------------------------------------------------------------------------- rounds

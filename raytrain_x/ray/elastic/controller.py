@@ -41,6 +41,7 @@ from raytrain_x.ray.elastic.policies import (
     drain_line,
     elastic_timeout_error,
     held_back,
+    held_joins,
     notice_drains,
     state_lost,
     state_lost_error,
@@ -54,7 +55,13 @@ from raytrain_x.ray.elastic.settings import (
     ElasticSettings,
 )
 from raytrain_x.ray.elastic_rounds import ElasticRounds, plan_round
-from raytrain_x.ray.failures import STUCK_GRACE_S, stuck_error, unreachable_error
+from raytrain_x.ray.failures import (
+    JOIN_HELD_S,
+    STUCK_GRACE_S,
+    held_join_error,
+    stuck_error,
+    unreachable_error,
+)
 from raytrain_x.ray.placement import stable_node_strategy
 
 log = logging.getLogger("raytrain_x.elastic")
@@ -230,13 +237,22 @@ class ElasticJob:
         if lost:
             self._fail_all(lost, lambda ranks, nodes: unreachable_error(
                 ranks, nodes, "while their peers waited for them at the rendezvous"))
+        answered = [w for w in verdict.probe if w not in lost]
+        if answered:  # in a join the rounds actor never received?
+            joining = self.pool.joining(answered)
+            held = held_joins(joining, ray.get(self.rounds_actor.waiting.remote()),
+                              JOIN_HELD_S)
+            if held:
+                self._fail_all(held, held_join_error)
         if verdict.stuck:
             self._fail_all(verdict.stuck, lambda ranks, nodes: stuck_error(
                 ranks, nodes, self.stragglers.stuck_after_s))
 
     def _fail_all(self, worker_ids: Iterable[str], errors_of: Callable) -> None:
         """Fails these members with one error naming them all: `errors_of(ranks, nodes)`."""
-        members = [self.members[w] for w in worker_ids]
+        members = [self.members[w] for w in worker_ids if w in self.members]
+        if not members:
+            return
         errors = errors_of(sorted(m.rank for m in members), [m.node for m in members])
         for member in members:
             self._on_failure(member, errors[member.rank])

@@ -290,6 +290,17 @@ class StragglerRule:
         return Stragglers(True, probe, stuck)
 
 
+def held_joins(joining: Mapping[str, float], waiting: Iterable[str],
+               held_after_s: float) -> list[str]:
+    """Workers that say they have been in their call to join a round for `held_after_s`
+    or more while the rounds actor has not received it (`waiting`): Ray holds that call
+    back (after a network partition, its client to the actor can wait a minute or more
+    to reconnect), and it will not arrive in time."""
+    waiting = set(waiting)
+    return sorted(w for w, seconds in joining.items()
+                  if seconds >= held_after_s and w not in waiting)
+
+
 # ----------------------------------------------------------------------------- rounds
 @dataclass(frozen=True)
 class MemberView:
