@@ -369,7 +369,10 @@ class ElasticJob:
         """A member of the round still forming is on a draining node: the round is given
         up (its peers' rendezvous waits are answered at once) and the next one forms
         without it. That round's newcomers join as newcomers again, at the round after
-        the next (`held_back`): one slow to arrive does not hold up the others' recovery."""
+        the next (`held_back`): one slow to arrive does not hold up the others' recovery.
+        Held back, they are restarted: a peer already in a gloo wait with one (its group
+        connections, the state sync) would wait until it reached its next store call;
+        its process gone, the wait fails at once. A fresh worker takes its slot."""
         if not self.rounds:
             return
         in_round = [m.node for m in self.members.values() if m.rank >= 0]
@@ -381,9 +384,15 @@ class ElasticJob:
             if worker_id in self.members:
                 self.members[worker_id].rank = -1
         self._held = set(self._round_newcomers)
-        self.log.add("abandoned", "", round=self.rounds, reason="drain")
+        restarted = held_back(self._held, [m.view() for m in self.members.values()],
+                              self.draining, self.settings.min_workers)
+        for worker_id in restarted & set(self.members):
+            self.pool.remove(self.members[worker_id])
+        self.log.add("abandoned", "", round=self.rounds, reason="drain",
+                     restarted=len(restarted))
         log.info("raytrain-x elastic: round %d was still forming with a worker on a draining "
-                 "node; it is given up and the next forms without it", self.rounds)
+                 "node; it is given up and the next forms without it (%d newcomer(s) "
+                 "restarted)", self.rounds, len(restarted))
 
     def _check_minimum(self) -> None:
         staying = len(self._staying())
