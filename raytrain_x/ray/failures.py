@@ -79,6 +79,23 @@ def root_cause(errors: dict[int, WorkerError]) -> WorkerError:
     return chosen
 
 
+def ask(workers: Mapping[K, Any], method: str = "ping",
+        timeout_s: float = PROBE_TIMEOUT_S) -> tuple[dict[K, Any], set[K]]:
+    """Calls `method` (one on the worker's probe thread) of every worker actor at once:
+    (the answers of those that answered within `timeout_s`, those that answered with an
+    error: their process is gone)."""
+    refs = {getattr(worker, method).remote(): key for key, worker in workers.items()}
+    ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s) if refs \
+        else ([], [])
+    answers, errors = {}, set()
+    for ref in ready:
+        try:
+            answers[refs[ref]] = ray.get(ref)
+        except Exception:  # noqa: BLE001 - any error: the worker is not there to train
+            errors.add(refs[ref])
+    return answers, errors
+
+
 def unreachable(workers: Mapping[K, Any], timeout_s: float = PROBE_TIMEOUT_S,
                 errors_count: bool = False) -> set[K]:
     """The keys of `workers` (worker actors) that do not answer a ping within `timeout_s`:
@@ -86,26 +103,19 @@ def unreachable(workers: Mapping[K, Any], timeout_s: float = PROBE_TIMEOUT_S,
     with an error (their process is gone): a dead process's own actor death reaches the
     caller too, and says more, but only once Ray has declared it, which takes its node's
     health checks when the node's raylet died with it; an elastic job need not wait."""
-    if not workers:
-        return set()
-    refs = {worker.ping.remote(): key for key, worker in workers.items()}
-    ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
-    lost = {key for ref, key in refs.items() if ref not in ready}
-    for ref in ready if errors_count else ():
-        try:
-            ray.get(ref)
-        except Exception:  # noqa: BLE001 - any error: the worker is not there to train
-            lost.add(refs[ref])
-    return lost
+    answers, errors = ask(workers, "ping", timeout_s)
+    return set(workers) - set(answers) - (set() if errors_count else errors)
 
 
-def stuck_error(ranks: list[int], nodes: list[str], waited_s: float) -> dict[int, WorkerError]:
+def stuck_error(ranks: list[int], nodes: list[str], waited_s: float,
+                where: Mapping[int, str] | None = None) -> dict[int, WorkerError]:
     """The errors of ranks that answer a probe but stayed away from the rendezvous their
-    peers waited at (`StragglerRule`)."""
+    peers waited at (`StragglerRule`), with where each was (`WorkerActor.where`)."""
     detail = (f"ranks {ranks} answer but stayed away from the rendezvous for {waited_s:.0f}s "
               f"while their peers waited there (nodes {sorted(short_node(n) for n in set(nodes))}"
               "): a call of theirs to the job's actors is held up (after a network partition "
               "Ray can hold one for minutes) or their training function is stuck; restarted")
+    detail += "".join(f"; rank {rank} was in {at}" for rank, at in sorted((where or {}).items()))
     return {rank: WorkerError(rank, detail, process_lost=True) for rank in ranks}
 
 

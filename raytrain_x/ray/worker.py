@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -76,6 +77,7 @@ class WorkerActor:
         self.round_id = 0
         self.inits = 0  # rx.init() calls in the current round
         self.joining_since: float | None = None  # in its elastic rendezvous call since
+        self.execute_thread: int | None = None  # the thread `execute` runs the job on
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
@@ -148,6 +150,7 @@ class WorkerActor:
         are released."""
         self.round_id = round_id
         self.inits = 0
+        self.execute_thread = threading.get_ident()
         try:
             if with_executable:
                 return fn(self.executable)
@@ -190,10 +193,22 @@ class WorkerActor:
     @ray.method(concurrency_group="probe")
     def joining(self) -> float:
         """Seconds this worker has been in its call to join the next elastic round (0: not
-        in one). The driver compares it with the joins the rounds actor received: a call
-        Ray holds back never arrives."""
+        in one). The elastic driver's probe, answered at once like `ping`; the driver
+        compares it with the joins the rounds actor received: a call Ray holds back never
+        arrives."""
         since = self.joining_since
         return 0.0 if since is None else time.monotonic() - since
+
+    @ray.method(concurrency_group="probe")
+    def where(self, frames: int = 4) -> str:
+        """Where the job's thread is now: its innermost `frames` frames (the driver names
+        them when it fails a worker that stays away from the rendezvous)."""
+        frame = sys._current_frames().get(self.execute_thread or -1)
+        if frame is None:
+            return "not running the job"
+        return " <- ".join(
+            f"{f.name} ({os.path.basename(f.filename)}:{f.lineno})"
+            for f in reversed(traceback.extract_stack(frame)[-frames:]))
 
     @ray.method(concurrency_group="probe")
     def ping(self) -> bool:

@@ -438,6 +438,8 @@ def test_a_member_that_answers_but_never_comes_to_the_rendezvous_fails(
     assert results and all(r["step"] == 12 for r in results)
     assert [kind for _, kind, _ in events].count("failure") == 1, events
     assert why in failure.detail
+    if stuck_in == "restore":
+        assert "was in restore (test_elastic.py" in failure.detail, failure.detail
 
 
 def _newcomer_held_in_its_first_round(old_nodes: list[str], gate: str, stop: str,

@@ -233,20 +233,21 @@ class ElasticJob:
                                           [w for w in present if self.members[w].rank >= 0])
         if verdict.needs_round:
             self._needs_round = True
-        lost = self.pool.unreachable(verdict.probe) if verdict.probe else set()
+        joining = self.pool.probe(verdict.probe) if verdict.probe else {}
+        lost = set(verdict.probe) - set(joining)
         if lost:
             self._fail_all(lost, lambda ranks, nodes: unreachable_error(
                 ranks, nodes, "while their peers waited for them at the rendezvous"))
-        answered = [w for w in verdict.probe if w not in lost]
-        if answered:  # in a join the rounds actor never received?
-            joining = self.pool.joining(answered)
+        if joining:  # answered: in a join the rounds actor never received?
             held = held_joins(joining, ray.get(self.rounds_actor.waiting.remote()),
                               JOIN_HELD_S)
             if held:
                 self._fail_all(held, held_join_error)
         if verdict.stuck:
+            where = self.pool.where(verdict.stuck)
             self._fail_all(verdict.stuck, lambda ranks, nodes: stuck_error(
-                ranks, nodes, self.stragglers.stuck_after_s))
+                ranks, nodes, self.stragglers.stuck_after_s,
+                {self.members[w].rank: at for w, at in where.items()}))
 
     def _fail_all(self, worker_ids: Iterable[str], errors_of: Callable) -> None:
         """Fails these members with one error naming them all: `errors_of(ranks, nodes)`."""

@@ -17,7 +17,7 @@ from raytrain_x.common.errors import WorkerError
 from raytrain_x.common.settings import short_node
 from raytrain_x.ray.elastic.policies import MemberView, PendingView
 from raytrain_x.ray.elastic.settings import ElasticSettings
-from raytrain_x.ray.failures import PROBE_TIMEOUT_S, unreachable, worker_error
+from raytrain_x.ray.failures import ask, worker_error
 from raytrain_x.ray.worker import Left, Worker
 
 log = logging.getLogger("raytrain_x.elastic")
@@ -162,23 +162,18 @@ class WorkerPool:
         self.members.pop(member.worker_id, None)
         _kill(member.actor)
 
-    def unreachable(self, worker_ids: list[str]) -> set[str]:
-        """The members among `worker_ids` that do not answer a probe."""
-        return unreachable({w: self.members[w].actor for w in worker_ids if w in self.members},
-                           errors_count=True)
+    def probe(self, worker_ids: Iterable[str]) -> dict[str, float]:
+        """The members among `worker_ids` that answer a probe, with how long each has been
+        in its call to join a round (0: not in one). Those left out are unreachable: cut
+        off, lost, or their process gone (`failures.unreachable`)."""
+        answers, _ = ask({w: self.members[w].actor for w in worker_ids if w in self.members},
+                         "joining")
+        return answers
 
-    def joining(self, worker_ids: Iterable[str]) -> dict[str, float]:
-        """How long each of these members has been in its call to join a round (0: not in
-        one); those that do not answer within the probe timeout are left out."""
-        refs = {self.members[w].actor.joining.remote(): w for w in worker_ids
-                if w in self.members}
-        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=PROBE_TIMEOUT_S)
-        answers = {}
-        for ref in ready:
-            try:
-                answers[refs[ref]] = ray.get(ref)
-            except Exception:  # noqa: BLE001 - gone: the next poll counts its death
-                pass
+    def where(self, worker_ids: Iterable[str]) -> dict[str, str]:
+        """Where each of these members' job thread is now (those that answer)."""
+        answers, _ = ask({w: self.members[w].actor for w in worker_ids if w in self.members},
+                         "where")
         return answers
 
     def staying(self, draining: set[str]) -> list[Member]:
