@@ -444,15 +444,18 @@ def test_a_member_that_answers_but_never_comes_to_the_rendezvous_fails(
 
 def _newcomer_held_in_its_first_round(old_nodes: list[str], gate: str, stop: str,
                                       progress: str) -> dict:
-    """The ledger job; a worker on a node not in `old_nodes` (a newcomer) takes its place
-    in a round and then waits for `gate` before it meets its peers (a newcomer slow to
-    arrive: a loaded host), so that round stays forming."""
+    """The ledger job; the first worker on a node not in `old_nodes` (a newcomer) takes its
+    place in a round and then waits for `gate` before it meets its peers (a newcomer slow
+    to arrive: a loaded host), so that round stays forming. A worker started there after
+    it (the give-up restarts it) joins as any newcomer does."""
     import os
 
     from raytrain_x.comm.rendezvous import next_rendezvous
     from raytrain_x.torch.ledger import ledger_train
 
-    if ray.get_runtime_context().get_node_id() not in old_nodes:
+    first = f"{gate}.first"
+    if ray.get_runtime_context().get_node_id() not in old_nodes and not os.path.exists(first):
+        open(first, "w").close()
         next_rendezvous()  # placed in the round the others wait in
         while not os.path.exists(gate):
             time.sleep(0.05)
@@ -465,7 +468,7 @@ def test_a_drain_gives_up_a_round_still_forming_and_the_others_go_on(cluster, el
     newcomer has not arrived). The drained worker could leave only at that round's first
     commit, after the slow newcomer, so the round is given up: its peers' rendezvous
     waits are answered at once and the worker that stays trains on alone; the newcomer
-    joins once it arrives (the chaos soak's slow drains, docs/elastic.md)."""
+    is restarted, and the fresh one joins (the chaos soak's slow drains, docs/elastic.md)."""
     old = [n.node_id for n in elastic_nodes(2)]
     # a collective timeout far past the wait below: only the given-up round explains it
     executor = _executor(1, 3, timeout_s=60)
