@@ -369,7 +369,7 @@ def _every_rank_leaves_its_round_at_once(marker: str, steps: int, stuck_node: st
             if method._method_name == "join" and os.path.exists(f"{marker}-0") \
                     and not os.path.exists(held_once):  # a fresh worker there joins
                 Path(held_once).touch()
-                time.sleep(3600)
+                threading.Event().wait()  # until the driver kills this process
             return send(method, *args, **kwargs)
 
         worker_module.call_actor = held
@@ -378,7 +378,9 @@ def _every_rank_leaves_its_round_at_once(marker: str, steps: int, stuck_node: st
         def restore(self) -> None:
             super().restore()
             if stuck and stuck_in == "restore":
-                time.sleep(3600)
+                lock = threading.Lock()  # blocks in restore until the driver kills it
+                lock.acquire()
+                lock.acquire()
 
     rx.init()
 

@@ -89,7 +89,6 @@ class ElasticJob:
         self._needs_round = True
         self._asked_over = False  # the round's members were asked to a round for newcomers
         self._round_newcomers: list[str] = []  # members whose first round is the latest
-        self._held: set[str] = set()  # newcomers of a given-up round: not in the next one
         self._progress_at = 0.0
         self._gave_up_warned = False
         # The job's own actors live on the head node: worker nodes may vanish at any time.
@@ -233,18 +232,20 @@ class ElasticJob:
                                           [w for w in present if self.members[w].rank >= 0])
         if verdict.needs_round:
             self._needs_round = True
-        joining = self.pool.probe(verdict.probe) if verdict.probe else {}
+        # how long each has been in its join (`WorkerActor.joining`); no answer: unreachable
+        joining = self.pool.ask(verdict.probe, "joining") if verdict.probe else {}
         lost = set(verdict.probe) - set(joining)
         if lost:
             self._fail_all(lost, lambda ranks, nodes: unreachable_error(
                 ranks, nodes, "while their peers waited for them at the rendezvous"))
-        if joining:  # answered: in a join the rounds actor never received?
+        if joining:  # in a join the rounds actor never received? (asked again: one may
+            # have arrived while the probe waited)
             held = held_joins(joining, ray.get(self.rounds_actor.waiting.remote()),
                               JOIN_HELD_S)
             if held:
                 self._fail_all(held, held_join_error)
         if verdict.stuck:
-            where = self.pool.where(verdict.stuck)
+            where = self.pool.ask(verdict.stuck, "where")
             self._fail_all(verdict.stuck, lambda ranks, nodes: stuck_error(
                 ranks, nodes, self.stragglers.stuck_after_s,
                 {self.members[w].rank: at for w, at in where.items()}))
@@ -369,11 +370,11 @@ class ElasticJob:
     def _abandon_forming_round(self, notice: DrainNotice) -> None:
         """A member of the round still forming is on a draining node: the round is given
         up (its peers' rendezvous waits are answered at once) and the next one forms
-        without it. That round's newcomers join as newcomers again, at the round after
-        the next (`held_back`): one slow to arrive does not hold up the others' recovery.
-        Held back, they are restarted: a peer already in a gloo wait with one (its group
-        connections, the state sync) would wait until it reached its next store call;
-        its process gone, the wait fails at once. A fresh worker takes its slot."""
+        without it. That round's newcomers are restarted when the others can recover
+        without them (`held_back`): one slow to arrive would hold up the recovery, and a
+        peer already in a gloo wait with it (its group connections, the state sync) would
+        wait until it reached its next store call; its process gone, the wait fails at
+        once, and a fresh worker takes its slot. Otherwise they join as newcomers."""
         if not self.rounds:
             return
         in_round = [m.node for m in self.members.values() if m.rank >= 0]
@@ -384,8 +385,7 @@ class ElasticJob:
         for worker_id in self._round_newcomers:
             if worker_id in self.members:
                 self.members[worker_id].rank = -1
-        self._held = set(self._round_newcomers)
-        restarted = held_back(self._held, [m.view() for m in self.members.values()],
+        restarted = held_back(self._round_newcomers, [m.view() for m in self.members.values()],
                               self.draining, self.settings.min_workers)
         for worker_id in restarted & set(self.members):
             self.pool.remove(self.members[worker_id])
@@ -413,10 +413,9 @@ class ElasticJob:
             return
         waiting, committed_round = ray.get([self.rounds_actor.waiting.remote(),
                                             self.rounds_actor.committed_round.remote()])
-        views = [m.view() for m in self.members.values()]
-        held = held_back(self._held, views, self.draining, self.settings.min_workers)
-        decision = decide_round([w for w in waiting if w not in held], views, self.draining,
-                                self.settings.min_workers, committed_round >= self.rounds)
+        decision = decide_round(waiting, [m.view() for m in self.members.values()],
+                                self.draining, self.settings.min_workers,
+                                committed_round >= self.rounds)
         if decision.leave:  # they return from `execute` with `Left`; the poll drops them
             ray.get(self.rounds_actor.publish.remote(
                 {w: {"leave": True,
@@ -446,7 +445,6 @@ class ElasticJob:
         assignments = plan_round({m.worker_id: (m.node, m.age) for m in staying.values()},
                                  self.rounds, version)
         self._round_newcomers = [w for w, m in staying.items() if m.rank < 0]
-        self._held = set()
         for worker_id, place in assignments.items():
             self.members[worker_id].rank = place["rank"]
         ray.get(self.rounds_actor.publish.remote(assignments))

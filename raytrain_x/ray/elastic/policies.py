@@ -153,10 +153,10 @@ def abandons_forming_round(notice: DrainNotice, in_round: Iterable[str], round_i
 def held_back(held: Iterable[str], members: Iterable[MemberView], draining: Iterable[str],
               min_workers: int) -> set[str]:
     """The newcomers of a given-up round (`held`) that the next round forms without: the
-    others recover first and they join at the round after, as newcomers do (the one that
-    made the given-up round slow would make the next one as slow). None when the
-    members in a round that stay are too few for a round on their own (the first round,
-    or fewer than `min_workers`): then everyone waits for them as before."""
+    others recover first, and they are restarted (the one that made the given-up round
+    slow would make the next one as slow). None when the members in a round that stay
+    are too few for a round on their own (the first round, or fewer than
+    `min_workers`): then everyone waits for them as before."""
     held, draining = set(held), set(draining)
     veterans = [m for m in members if m.in_round and not m.leaving and m.node not in draining
                 and m.worker_id not in held]

@@ -162,18 +162,11 @@ class WorkerPool:
         self.members.pop(member.worker_id, None)
         _kill(member.actor)
 
-    def probe(self, worker_ids: Iterable[str]) -> dict[str, float]:
-        """The members among `worker_ids` that answer a probe, with how long each has been
-        in its call to join a round (0: not in one). Those left out are unreachable: cut
-        off, lost, or their process gone (`failures.unreachable`)."""
+    def ask(self, worker_ids: Iterable[str], method: str) -> dict[str, Any]:
+        """The answers of the members among `worker_ids` to a probe-thread `method`
+        (`failures.ask`); those left out did not answer: cut off, lost, or gone."""
         answers, _ = ask({w: self.members[w].actor for w in worker_ids if w in self.members},
-                         "joining")
-        return answers
-
-    def where(self, worker_ids: Iterable[str]) -> dict[str, str]:
-        """Where each of these members' job thread is now (those that answer)."""
-        answers, _ = ask({w: self.members[w].actor for w in worker_ids if w in self.members},
-                         "where")
+                         method)
         return answers
 
     def staying(self, draining: set[str]) -> list[Member]:
