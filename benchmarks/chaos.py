@@ -283,13 +283,15 @@ class EmulatedNodes:
     def remove(self, host: int) -> None:
         pass
 
-    def add_host(self, host: int) -> None:
+    def add_host(self, host: int) -> bool:
         """Starts `host` again as a fresh node unless its raylet still runs (a host back
-        from a partition the node survived)."""
-        if self.cluster.raylet_pid(host) is None:
+        from a partition the node survived); whether it did."""
+        fresh = self.cluster.raylet_pid(host) is None
+        if fresh:
             self.cluster.stop_host(host)  # workers the lost raylet left behind
             self.cluster.start_node(host)
         self.down.discard(host)
+        return fresh
 
     def link(self, host: int, up: bool) -> None:
         (self.cluster.link_up if up else self.cluster.link_down)(host)
@@ -364,7 +366,12 @@ class Chaos:
                 self.nodes.link(host, up=True)
             elif action == "add" and not final:
                 if hasattr(self.nodes, "add_host"):
-                    self.nodes.add_host(host)
+                    fresh = self.nodes.add_host(host)
+                    partitions = [f for f in self.log if f["kind"].startswith("partition")
+                                  and f["host"] == self.nodes.name(host)]
+                    if partitions and "node_lost" not in partitions[-1]:
+                        # did Ray declare the cut-off node dead (its raylet exited)?
+                        partitions[-1]["node_lost"] = fresh
                 else:
                     self.nodes.add()
 
@@ -653,6 +660,11 @@ def report(runs: list[dict]) -> list[dict]:
                      "isolated p95 s": _percentile(alone, 0.95) if alone else ""})
     print_table(rows, ["kind", "injected", "recovered", "median s", "p95 s", "max s",
                        "isolated", "isolated median s", "isolated p95 s"])
+    cut_off = [f for f in faults if "node_lost" in f]
+    if cut_off:
+        print(f"partitions: Ray declared the cut-off node dead in "
+              f"{sum(f['node_lost'] for f in cut_off)} of {len(cut_off)} "
+              f"({', '.join(sorted({f['kind'] for f in cut_off}))})")
     minutes = sum(r["seconds"] for r in runs) / 60
     jobs = [j for r in runs for j in r["jobs"]]
     stopped = sum(j["outcome"] != "finished" for j in jobs)

@@ -20,6 +20,9 @@ K = TypeVar("K", bound=Hashable)
 # A worker's `ping` runs on a thread of its own, so a reachable worker answers in
 # milliseconds even mid-collective; this much silence means its node is cut off or gone.
 PROBE_TIMEOUT_S = 5.0
+# An elastic member silent this long to the driver's heartbeat (`policies.Heartbeats`) while
+# its peers wait for it at the rendezvous is lost: cut off or gone.
+SILENT_LOST_S = PROBE_TIMEOUT_S
 # A member that answers but stays away from the rendezvous its peers wait at longer than the
 # collective timeout and this is stuck (`StragglerRule`): a healthy one fails its own
 # collective within the timeout and restores in well under this.
@@ -96,15 +99,12 @@ def ask(workers: Mapping[K, Any], method: str = "ping",
     return answers, errors
 
 
-def unreachable(workers: Mapping[K, Any], timeout_s: float = PROBE_TIMEOUT_S,
-                errors_count: bool = False) -> set[K]:
+def unreachable(workers: Mapping[K, Any], timeout_s: float = PROBE_TIMEOUT_S) -> set[K]:
     """The keys of `workers` (worker actors) that do not answer a ping within `timeout_s`:
-    their node is partitioned off or lost. With `errors_count`, also those that answer
-    with an error (their process is gone): a dead process's own actor death reaches the
-    caller too, and says more, but only once Ray has declared it, which takes its node's
-    health checks when the node's raylet died with it; an elastic job need not wait."""
+    their node is partitioned off or lost. Those that answer with an error (their process
+    is gone) are left to Ray's own report of the death, which says more."""
     answers, errors = ask(workers, "ping", timeout_s)
-    return set(workers) - set(answers) - (set() if errors_count else errors)
+    return set(workers) - set(answers) - errors
 
 
 def stuck_error(ranks: list[int], nodes: list[str], waited_s: float,

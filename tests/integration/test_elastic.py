@@ -519,18 +519,31 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def test_the_elastic_probe_counts_a_dead_worker_at_once(cluster):
-    """A worker whose process is gone answers a ping with an error. The elastic job counts
-    it lost at once (Ray reports the death itself only after the node's health checks when
-    the node's raylet died too); a fixed job leaves it to Ray's own report."""
-    from raytrain_x.ray.failures import unreachable
+def test_the_elastic_heartbeat_counts_a_dead_worker_at_once(cluster):
+    """A worker whose process is gone answers the driver's heartbeat with an error. The
+    elastic job counts it lost at once (Ray reports the death itself only after the node's
+    health checks when the node's raylet died too)."""
+    from raytrain_x.ray.elastic.policies import Heartbeats
     from raytrain_x.ray.worker import Worker
 
     worker = Worker.options(num_cpus=0, scheduling_strategy=stable_node_strategy()).remote()
     pid = ray.get(worker.pid.remote())
-    # its process is gone before the probe (`ray.kill` only asks for that: a ping sent at
-    # once could still be answered)
+    pool = worker_pool.WorkerPool(None, time.monotonic)
+    pool.members["w"] = worker_pool.Member("w", worker, "node", 0)
+    beats = Heartbeats()
+
+    def answered() -> bool:
+        return bool(ray.wait([pool.members["w"].beat], timeout=0)[0])
+
+    assert pool.beat() == ({}, set(), ["w"])  # the first call goes out
+    wait_until(answered, limit(5), "its answer")
+    # its process is gone before the next call goes out (`ray.kill` only asks for that)
     os.kill(pid, signal.SIGKILL)
     wait_until(lambda: _gone(pid), 5, f"worker process {pid} to exit")
-    assert unreachable({"w": worker}, timeout_s=limit(5), errors_count=True) == {"w"}
-    assert unreachable({"w": worker}, timeout_s=limit(5)) == set()
+    answers, failed, sent = pool.beat()
+    assert answers == {"w": 0.0} and failed == set() and sent == ["w"]  # not in a join
+    wait_until(answered, limit(5), "the call to the dead worker to fail")
+    answers, failed, _ = pool.beat()
+    for worker_id in failed:
+        beats.call_failed(worker_id)
+    assert answers == {} and beats.failed == {"w"}

@@ -15,6 +15,7 @@ from raytrain_x.elastic.blacklist import Blacklist
 from raytrain_x.ray.elastic.events import EventLog
 from raytrain_x.ray.elastic.policies import (
     FailurePolicy,
+    Heartbeats,
     MemberView,
     MinimumWatch,
     PendingView,
@@ -198,41 +199,72 @@ def test_resets_past_reset_limit_fail_the_job_and_drain_rounds_do_not_count():
         unlimited.count_round(is_reset=True)
 
 
-def test_a_worker_missing_from_the_rendezvous_is_probed_at_the_next_poll():
+def test_an_absent_member_silent_to_the_heartbeat_is_lost_at_once():
     clock = Clock()
-    rule = StragglerRule()
-    assert rule.observe(waiting=[], present=["a", "b"], now=clock()) == (False, [], [])
-    assert rule.observe(["a", "b"], ["a", "b"], clock()) == (True, [], [])  # all left at once
-    assert rule.observe(["a"], ["a", "b"], clock()) == (True, [], [])  # b absent: note it
-    clock.now += 1.0
-    assert rule.observe(["a"], ["a", "b"], clock()) == (True, ["b"], [])  # still absent: probe
-    assert rule.observe(["a"], ["a", "b"], clock()) == (True, [], [])  # the count starts over
-    assert rule.observe(["a", "b"], ["a", "b"], clock()) == (True, [], [])
-    assert rule.observe([], ["a", "b"], clock()) == (False, [], [])  # the round formed
+    rule = StragglerRule(lost_after_s=5.0)
+    assert rule.observe(waiting=[], present=["a", "b"], now=clock()) == (False, [], [], [])
+    assert rule.observe(["a", "b"], ["a", "b"], clock()) == (True, [], [], [])  # all left
+    # b absent but it answers (silent 0.5 s): noted, not lost
+    assert rule.observe(["a"], ["a", "b"], clock(), silent={"b": 0.5}) == (True, [], [], ["b"])
+    # b has not answered for 11 s (cut off since before a left its collective): lost now,
+    # at the first look, with no probe's wait
+    assert rule.observe(["a"], ["a", "b"], clock(), silent={"a": 0.2, "b": 11.0}).lost == ["b"]
+    # a call that failed (its process or node gone) counts at once, however recent
+    assert rule.observe(["a"], ["a", "b"], clock(), failed=["b"]).lost == ["b"]
+    assert rule.observe([], ["a", "b"], clock(), silent={"b": 30.0}) == (False, [], [], [])
     assert rule.absent_since == {}
+
+
+def test_silence_alone_fails_no_one():
+    # a host cut off for less than the collective timeout: its peers are still in their
+    # collective, nobody waits at the rendezvous, so its silence costs it nothing
+    rule = StragglerRule(lost_after_s=5.0)
+    assert rule.observe([], ["a", "b"], now=0.0, silent={"b": 60.0}, failed=["b"]) == \
+        (False, [], [], [])
+
+
+def test_heartbeats_count_silence_from_the_oldest_unanswered_call():
+    beats = Heartbeats()
+    beats.sent("a", 10.0)
+    assert beats.silent_for("a", 10.0) == 0.0
+    beats.sent("a", 11.0)  # a second call while the first is out: the first counts
+    assert beats.silent_for("a", 16.0) == 6.0
+    beats.answered("a", joining_s=2.5)
+    assert beats.silent_for("a", 16.0) == 0.0 and beats.joining["a"] == 2.5
+    beats.sent("a", 17.0)
+    beats.call_failed("a")  # failed: silent from when it went out, and marked
+    assert beats.silent_for("a", 18.0) == 1.0 and beats.failed == {"a"}
+    beats.answered("a", 0.0)
+    assert beats.failed == set()
+    assert beats.silent_for("never-asked", 100.0) == 0.0
+    beats.sent("b", 1.0)
+    beats.call_failed("b")
+    beats.keep(["a"])  # b left the job
+    assert "b" not in beats.out_since and beats.failed == set() and "b" not in beats.joining
 
 
 def test_a_round_is_needed_when_every_member_left_its_round_at_once():
     # a round that failed for all its members together (their rendezvous timed out at one
     # moment after a partition): they all wait within one poll, none is ever seen absent
     rule = StragglerRule()
-    assert rule.observe(["a", "b", "c"], ["a", "b", "c"], now=0.0) == (True, [], [])
+    assert rule.observe(["a", "b", "c"], ["a", "b", "c"], now=0.0) == (True, [], [], [])
 
 
 def test_a_member_that_answers_but_stays_away_from_the_rendezvous_is_stuck():
     clock = Clock()
-    rule = StragglerRule(stuck_after_s=15.0)
+    rule = StragglerRule(lost_after_s=5.0, stuck_after_s=15.0)
     members = ["a", "b", "new"]  # "new" is a newcomer still starting: never stuck
     verdicts = []
-    for _ in range(16):  # one poll a second; b answers every probe
-        verdicts.append(rule.observe(["a"], members, clock(), in_round=["a", "b"]))
+    for _ in range(16):  # one poll a second; b and new answer every heartbeat
+        verdicts.append(rule.observe(["a"], members, clock(), in_round=["a", "b"],
+                                     silent={"b": 0.4, "new": 0.9}))
         clock.now += 1.0
-    assert all(v.needs_round for v in verdicts)
-    assert [v.probe for v in verdicts[:4]] == [[], ["b", "new"], [], ["b", "new"]]
+    assert all(v.needs_round and v.lost == [] for v in verdicts)
+    assert all(v.absent == ["b", "new"] for v in verdicts)
     assert all(v.stuck == [] for v in verdicts[:15])
-    assert verdicts[15].stuck == ["b"] and "b" not in verdicts[15].probe
+    assert verdicts[15].stuck == ["b"]
     # b arrives: the count is over; it starts again at the next absence
-    assert rule.observe(["a", "b"], ["a", "b"], clock()) == (True, [], [])
+    assert rule.observe(["a", "b"], ["a", "b"], clock()) == (True, [], [], [])
     assert rule.observe(["a"], ["a", "b"], clock(), in_round=["a", "b"]).stuck == []
 
 

@@ -33,6 +33,7 @@ from raytrain_x.ray.elastic.events import EventLog
 from raytrain_x.ray.elastic.policies import (
     DrainNotice,
     FailurePolicy,
+    Heartbeats,
     MinimumWatch,
     ScalingPolicy,
     StragglerRule,
@@ -57,6 +58,7 @@ from raytrain_x.ray.elastic.settings import (
 from raytrain_x.ray.elastic_rounds import ElasticRounds, plan_round
 from raytrain_x.ray.failures import (
     JOIN_HELD_S,
+    SILENT_LOST_S,
     STUCK_GRACE_S,
     held_join_error,
     stuck_error,
@@ -80,7 +82,9 @@ class ElasticJob:
         self.scaling = ScalingPolicy(settings)
         self.failures = FailurePolicy(settings, self.blacklist)
         self.minimum = MinimumWatch(settings)
-        self.stragglers = StragglerRule(stuck_after_s=settings.timeout_s + STUCK_GRACE_S)
+        self.stragglers = StragglerRule(lost_after_s=SILENT_LOST_S,
+                                        stuck_after_s=settings.timeout_s + STUCK_GRACE_S)
+        self.heartbeats = Heartbeats()
         self.cluster = ClusterView(settings)
         self.pool = WorkerPool(settings, clock)
         self.rounds = 0
@@ -226,21 +230,31 @@ class ElasticJob:
         return len(self.log.of("failure")) + len(self.log.of("lost_draining"))
 
     def _check_stragglers(self) -> None:
+        answers, failed, sent = self.pool.beat()
+        beats, now = self.heartbeats, self.clock()
+        for worker_id, joining_s in answers.items():
+            beats.answered(worker_id, joining_s)
+        for worker_id in failed:
+            beats.call_failed(worker_id)
+        for worker_id in sent:
+            beats.sent(worker_id, now)
+        beats.keep(self.members)
         waiting = ray.get(self.rounds_actor.waiting.remote())
         present = [w for w, m in self.members.items() if not m.leaving]
-        verdict = self.stragglers.observe(waiting, present, self.clock(),
-                                          [w for w in present if self.members[w].rank >= 0])
+        verdict = self.stragglers.observe(
+            waiting, present, now, [w for w in present if self.members[w].rank >= 0],
+            silent={w: beats.silent_for(w, now) for w in present}, failed=beats.failed)
         if verdict.needs_round:
             self._needs_round = True
-        # how long each has been in its join (`WorkerActor.joining`); no answer: unreachable
-        joining = self.pool.ask(verdict.probe, "joining") if verdict.probe else {}
-        lost = set(verdict.probe) - set(joining)
-        if lost:
-            self._fail_all(lost, lambda ranks, nodes: unreachable_error(
+        if verdict.lost:
+            self._fail_all(verdict.lost, lambda ranks, nodes: unreachable_error(
                 ranks, nodes, "while their peers waited for them at the rendezvous"))
-        if joining:  # in a join the rounds actor never received? (asked again: one may
-            # have arrived while the probe waited)
-            held = held_joins(joining, ray.get(self.rounds_actor.waiting.remote()),
+        # absent ones that answer: in a join the rounds actor never received? (asked
+        # again: one may have arrived since the first look)
+        answering = {w: beats.joining[w] for w in verdict.absent
+                     if w in beats.joining and w not in verdict.lost}
+        if answering:
+            held = held_joins(answering, ray.get(self.rounds_actor.waiting.remote()),
                               JOIN_HELD_S)
             if held:
                 self._fail_all(held, held_join_error)

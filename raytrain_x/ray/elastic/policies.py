@@ -243,12 +243,54 @@ class FailurePolicy:
                 f"failure: {last_failure or ''}")
 
 
+class Heartbeats:
+    """How long each member has not answered the driver.
+
+    The driver asks every member `joining` on its probe thread once a poll, one call out at
+    a time each (`WorkerPool.beat`), so it knows who answers before anyone waits for them:
+    a member is silent for as long as its oldest unanswered call has been out. A driver
+    that stalled does not make members look silent: answers are collected before they are
+    judged, and a call answered while the driver was busy counts as answered. A call that
+    failed (the process or its node gone, or Ray unable to reach it) leaves the member
+    silent from when it went out, and marks it `failed`."""
+
+    def __init__(self) -> None:
+        self.out_since: dict[str, float] = {}  # member -> when its unanswered call went out
+        self.joining: dict[str, float] = {}  # member -> its last answer (s in its join)
+        self.failed: set[str] = set()  # members whose last call failed
+
+    def sent(self, worker_id: str, now: float) -> None:
+        """A call went out to `worker_id` (the first unanswered one starts its silence)."""
+        self.out_since.setdefault(worker_id, now)
+
+    def answered(self, worker_id: str, joining_s: float) -> None:
+        self.out_since.pop(worker_id, None)
+        self.failed.discard(worker_id)
+        self.joining[worker_id] = joining_s
+
+    def call_failed(self, worker_id: str) -> None:
+        self.failed.add(worker_id)
+
+    def silent_for(self, worker_id: str, now: float) -> float:
+        since = self.out_since.get(worker_id)
+        return 0.0 if since is None else now - since
+
+    def keep(self, worker_ids: Iterable[str]) -> None:
+        """Forgets members no longer in the job."""
+        keep = set(worker_ids)
+        for table in (self.out_since, self.joining):
+            for worker_id in set(table) - keep:
+                del table[worker_id]
+        self.failed &= keep
+
+
 class Stragglers(NamedTuple):
     """What one look at the rendezvous decides (`StragglerRule.observe`)."""
 
     needs_round: bool
-    probe: list[str]  # absent workers to ping now: those that do not answer failed
+    lost: list[str]  # absent and silent (or their last call failed): they fail as lost
     stuck: list[str]  # absent too long though they answer: they fail as stuck
+    absent: list[str] = []  # every member absent while its peers wait
 
 
 class StragglerRule:
@@ -260,34 +302,42 @@ class StragglerRule:
     poll, and no other event would form the next round.
 
     A worker on a host cut off by a partition is alive to Ray (until Ray's health checks
-    give up on the node) while its peers lost it at their last collective, and would hold
-    the next round forever. Absent at one poll, it is probed at the next; one that does not
-    answer fails like a dead worker. One that answers but stays away `stuck_after_s` (the
+    give up on the node, about a minute by default) while its peers lost it at their last
+    collective, and would hold the next round forever. An absent member that has not
+    answered the driver's heartbeat for `lost_after_s` (`Heartbeats`), or whose last call
+    failed, fails like a dead worker: the heartbeat went out before its peers left their
+    collective, so a host cut off since then is failed at the first poll after they wait,
+    not a probe's wait later. One that answers but stays away `stuck_after_s` (the
     collective timeout and a grace: longer than a healthy worker takes to fail its own
     collective and restore) is stuck and fails too: after a partition, Ray holds a worker's
     calls to an actor it lost touch with for a minute or more (its client's reconnect
-    backoff), and a rendezvous `join` held that way never arrives. Only members that were
-    in a round can be stuck; a newcomer still starting is not."""
+    backoff), and a rendezvous `join` held that way never arrives (`held_joins` catches
+    that sooner). Only members that were in a round can be stuck; a newcomer still
+    starting is not. Silence alone fails no one: a host cut off for less than the
+    collective timeout is back before its peers leave their collective."""
 
-    def __init__(self, stuck_after_s: float = math.inf) -> None:
+    def __init__(self, lost_after_s: float = 5.0, stuck_after_s: float = math.inf) -> None:
+        self.lost_after_s = lost_after_s
         self.stuck_after_s = stuck_after_s
-        self.probe_next = False
         self.absent_since: dict[str, float] = {}  # absent worker -> first seen absent
 
     def observe(self, waiting: Iterable[str], present: Iterable[str], now: float,
-                in_round: Iterable[str] = ()) -> Stragglers:
+                in_round: Iterable[str] = (), silent: Mapping[str, float] | None = None,
+                failed: Iterable[str] = ()) -> Stragglers:
+        """`silent`: seconds each member has not answered (`Heartbeats.silent_for`);
+        `failed`: members whose last heartbeat failed."""
         waiting, present = set(waiting), set(present)
         absent = sorted(present - waiting)
         if not absent or not waiting & present:
-            self.probe_next, self.absent_since = False, {}
-            return Stragglers(bool(waiting & present), [], [])
+            self.absent_since = {}
+            return Stragglers(bool(waiting & present), [], [], [])
         self.absent_since = {w: self.absent_since.get(w, now) for w in absent}
+        silent, failed = silent or {}, set(failed)
+        lost = [w for w in absent if w in failed or silent.get(w, 0.0) >= self.lost_after_s]
         veterans = set(in_round)
-        stuck = [w for w in absent
-                 if w in veterans and now - self.absent_since[w] >= self.stuck_after_s]
-        probe = [w for w in absent if w not in stuck] if self.probe_next else []
-        self.probe_next = not self.probe_next  # absent at one poll, probed at the next
-        return Stragglers(True, probe, stuck)
+        stuck = [w for w in absent if w not in lost and w in veterans
+                 and now - self.absent_since[w] >= self.stuck_after_s]
+        return Stragglers(True, lost, stuck, absent)
 
 
 def held_joins(joining: Mapping[str, float], waiting: Iterable[str],

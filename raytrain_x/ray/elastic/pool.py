@@ -32,6 +32,7 @@ class Member:
     ref: Any = None  # its `execute` call
     rank: int = -1
     leaving: bool = False  # told to leave (its node drains); gone when its call returns
+    beat: Any = None  # its heartbeat call out now (`WorkerActor.joining`)
 
     def view(self) -> MemberView:
         return MemberView(self.worker_id, self.node, self.leaving, in_round=self.rank >= 0)
@@ -168,6 +169,28 @@ class WorkerPool:
         answers, _ = ask({w: self.members[w].actor for w in worker_ids if w in self.members},
                          method)
         return answers
+
+    def beat(self) -> tuple[dict[str, float], set[str], list[str]]:
+        """The driver's heartbeat: collects the members' answered `joining` calls and sends
+        one to each member without one out. Returns (the answers, the members whose call
+        failed, the members a call went out to); never waits."""
+        answers: dict[str, float] = {}
+        failed: set[str] = set()
+        out = {m.beat: m for m in self.members.values() if m.beat is not None}
+        ready, _ = ray.wait(list(out), num_returns=len(out), timeout=0) if out else ([], [])
+        for ref in ready:
+            member = out[ref]
+            member.beat = None
+            try:
+                answers[member.worker_id] = ray.get(ref)
+            except Exception:  # noqa: BLE001 - any error: no answer from this member
+                failed.add(member.worker_id)
+        sent = []
+        for member in self.members.values():
+            if member.beat is None:
+                member.beat = member.actor.joining.remote()
+                sent.append(member.worker_id)
+        return answers, failed, sent
 
     def staying(self, draining: set[str]) -> list[Member]:
         """Members that stay in the job: not leaving, not on a draining node."""
