@@ -24,7 +24,9 @@ with a second one at once):
   worker_kill      SIGKILL of a worker process
   node_kill        every process of a node gone at once; a fresh node joins --respawn s later
   drain            the GCS drain a spot notice sends (2 s deadline); the node goes 3 s later
-  raylet_kill      SIGKILL of a node's raylet; a fresh node joins --respawn s later
+  raylet_kill      SIGKILL of a node's raylet: its workers end themselves once it is gone
+                   (Ray would leave them running); the node is removed 5 s later and a
+                   fresh node joins --respawn s later
   while_starting   a worker killed while a new worker is still starting
   in_rendezvous    a worker killed while the job re-forms after a fault (its state sync)
   partition_short  (emulated) a host's link down for 3 s, less than the collective timeout
@@ -344,7 +346,9 @@ class Chaos:
             self.due.append((t + self.respawn_s, "add", host))
         elif kind == "raylet_kill":
             nodes.raylet_kill(host)
-            self.due.append((t + 5.0, "remove", host))  # Ray finds the node dead first
+            # Ray declares the node dead after its health checks (16 s); its workers are gone
+            # by then (`exit_with_raylet`), the rest of its processes go here
+            self.due.append((t + 5.0, "remove", host))
             self.due.append((t + max(self.respawn_s, 5.0), "add", host))
         elif kind == "drain":
             nodes.drain(host)

@@ -68,10 +68,49 @@ def install_world(rdv: dict[str, Any], store_actor: Any, env: dict[str, str],
     set_rendezvous_provider(provider)
 
 
+# How often a worker looks whether its node's raylet is still its parent.
+RAYLET_POLL_S = 0.5
+
+
+def _is_raylet(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv0 = f.read().split(b"\0", 1)[0]
+    except OSError:  # not Linux, or the process is gone
+        return False
+    return os.path.basename(argv0) == b"raylet"
+
+
+def exit_with_raylet(poll_s: float = RAYLET_POLL_S) -> threading.Thread | None:
+    """In a worker process its node's raylet started: a daemon thread that ends the process
+    once the raylet is gone (the process's parent changes). Ray leaves such a worker
+    running, answering its callers and training with its peers, until the GCS's health
+    checks declare the node dead (16 s with Ray's defaults, `benchmarks/raylet_kill.py`),
+    and after that too: an orphan no `ray.kill` reaches (a kill goes through the raylet),
+    holding its memory and devices. Gone at once, its peers lose it at their next
+    collective and the elastic job re-forms without it. None where the parent is not a
+    raylet (a plain process, a driver)."""
+    parent = os.getppid()
+    if not _is_raylet(parent):
+        return None
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        print(f"raytrain-x worker {os.getpid()}: the node's raylet (pid {parent}) is gone; "
+              "exiting", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    thread = threading.Thread(target=watch, name="raytrain-x-raylet-watch", daemon=True)
+    thread.start()
+    return thread
+
+
 class WorkerActor:
     """Runs user functions and commands for one rank (the plain class behind `Worker`)."""
 
     def __init__(self) -> None:
+        exit_with_raylet()
         self.executable: Any = None
         self.rank = -1
         self.round_id = 0

@@ -547,3 +547,25 @@ def test_the_elastic_heartbeat_counts_a_dead_worker_at_once(cluster):
     for worker_id in failed:
         beats.call_failed(worker_id)
     assert answers == {} and beats.failed == {"w"}
+
+
+def test_a_worker_exits_when_its_nodes_raylet_dies(cluster, elastic_nodes):
+    """Ray leaves the workers of a node whose raylet was killed running, answering calls and
+    training with their peers, until its health checks declare the node dead (16 s with its
+    defaults, benchmarks/raylet_kill.py), and after that as orphans no `ray.kill` reaches.
+    A raytrain-x worker ends itself once its raylet is gone, so its peers lose it at their
+    next collective."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from raytrain_x.ray.worker import Worker
+
+    node = elastic_nodes(1)[0]
+    try:
+        worker = Worker.options(num_cpus=1, resources={ELASTIC_RESOURCE: 1},
+                                scheduling_strategy=NodeAffinitySchedulingStrategy(
+                                    node.node_id, soft=False)).remote()
+        pid = ray.get(worker.pid.remote(), timeout=limit(30, ray_starts=1))
+        os.kill(node.all_processes["raylet"][0].process.pid, signal.SIGKILL)
+        wait_until(lambda: _gone(pid), limit(5), f"worker process {pid} to exit with its raylet")
+    finally:
+        cluster.remove_node(node, allow_graceful=False)
