@@ -237,10 +237,12 @@ def test_heartbeats_count_silence_from_the_oldest_unanswered_call():
     beats.answered("a", 0.0)
     assert beats.failed == set()
     assert beats.silent_for("never-asked", 100.0) == 0.0
-    beats.sent("b", 1.0)
-    beats.call_failed("b")
-    beats.keep(["a"])  # b left the job
-    assert "b" not in beats.out_since and beats.failed == set() and "b" not in beats.joining
+    # one heartbeat round: a answered, b's call failed, a call went out to c
+    beats.record({"a": 1.5}, failed=["b"], sent=["c"], now=20.0)
+    assert beats.joining["a"] == 1.5 and beats.failed == {"b"}
+    assert beats.silent_for("c", 26.0) == 6.0
+    beats.keep(["a"])  # b and c left the job
+    assert set(beats.out_since) == set() and beats.failed == set() and set(beats.joining) == {"a"}
 
 
 def test_a_round_is_needed_when_every_member_left_its_round_at_once():

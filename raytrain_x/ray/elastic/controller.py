@@ -230,14 +230,8 @@ class ElasticJob:
         return len(self.log.of("failure")) + len(self.log.of("lost_draining"))
 
     def _check_stragglers(self) -> None:
-        answers, failed, sent = self.pool.beat()
         beats, now = self.heartbeats, self.clock()
-        for worker_id, joining_s in answers.items():
-            beats.answered(worker_id, joining_s)
-        for worker_id in failed:
-            beats.call_failed(worker_id)
-        for worker_id in sent:
-            beats.sent(worker_id, now)
+        beats.record(*self.pool.beat(), now)
         beats.keep(self.members)
         waiting = ray.get(self.rounds_actor.waiting.remote())
         present = [w for w, m in self.members.items() if not m.leaving]

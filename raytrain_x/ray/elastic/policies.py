@@ -259,6 +259,17 @@ class Heartbeats:
         self.joining: dict[str, float] = {}  # member -> its last answer (s in its join)
         self.failed: set[str] = set()  # members whose last call failed
 
+    def record(self, answers: Mapping[str, float], failed: Iterable[str],
+               sent: Iterable[str], now: float) -> None:
+        """One round of the heartbeat (`WorkerPool.beat`): the answers collected, the calls
+        that failed, the members a call went out to at `now`."""
+        for worker_id, joining_s in answers.items():
+            self.answered(worker_id, joining_s)
+        for worker_id in failed:
+            self.call_failed(worker_id)
+        for worker_id in sent:
+            self.sent(worker_id, now)
+
     def sent(self, worker_id: str, now: float) -> None:
         """A call went out to `worker_id` (the first unanswered one starts its silence)."""
         self.out_since.setdefault(worker_id, now)
