@@ -549,7 +549,7 @@ def test_the_elastic_heartbeat_counts_a_dead_worker_at_once(cluster):
     assert answers == {} and beats.failed == {"w"}
 
 
-def test_a_worker_exits_when_its_nodes_raylet_dies(cluster, elastic_nodes):
+def test_a_worker_exits_when_its_nodes_raylet_dies(cluster):
     """Ray leaves the workers of a node whose raylet was killed running, answering calls and
     training with their peers, until its health checks declare the node dead (16 s with its
     defaults, benchmarks/raylet_kill.py), and after that as orphans no `ray.kill` reaches.
@@ -559,9 +559,10 @@ def test_a_worker_exits_when_its_nodes_raylet_dies(cluster, elastic_nodes):
 
     from raytrain_x.ray.worker import Worker
 
-    node = elastic_nodes(1)[0]
-    try:
-        worker = Worker.options(num_cpus=1, resources={ELASTIC_RESOURCE: 1},
+    # a node of its own (the elastic tests' pooled nodes stay as they are for the next test)
+    node = cluster.add_node(num_cpus=1, resources={"rtx_raylet_kill": 1})
+    try:  # (add_node waits for the node to register; not for the rest of the cluster)
+        worker = Worker.options(num_cpus=1, resources={"rtx_raylet_kill": 1},
                                 scheduling_strategy=NodeAffinitySchedulingStrategy(
                                     node.node_id, soft=False)).remote()
         pid = ray.get(worker.pid.remote(), timeout=limit(30, ray_starts=1))
