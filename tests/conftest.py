@@ -130,9 +130,12 @@ _pool_cluster: list = []  # the session cluster the pool's nodes belong to
 
 
 def _remove_nodes(cluster, nodes) -> None:
+    """Removes kept nodes gracefully: the raylet tells the GCS it leaves, so the next
+    `wait_for_nodes` sees it gone at once (a killed raylet is declared dead only after the
+    GCS's health checks, about 15 s, which the next test waited out)."""
     for node in nodes:
         if node in cluster.worker_nodes:
-            cluster.remove_node(node, allow_graceful=False)
+            cluster.remove_node(node, allow_graceful=True)
 
 
 @pytest.fixture(autouse=True)
