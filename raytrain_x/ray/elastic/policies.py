@@ -301,7 +301,7 @@ class Stragglers(NamedTuple):
     needs_round: bool
     lost: list[str]  # absent and silent (or their last call failed): they fail as lost
     stuck: list[str]  # absent too long though they answer: they fail as stuck
-    absent: list[str] = []  # every member absent while its peers wait
+    absent: list[str]  # every member absent while its peers wait
 
 
 class StragglerRule:
@@ -327,7 +327,7 @@ class StragglerRule:
     starting is not. Silence alone fails no one: a host cut off for less than the
     collective timeout is back before its peers leave their collective."""
 
-    def __init__(self, lost_after_s: float = 5.0, stuck_after_s: float = math.inf) -> None:
+    def __init__(self, lost_after_s: float = math.inf, stuck_after_s: float = math.inf) -> None:
         self.lost_after_s = lost_after_s
         self.stuck_after_s = stuck_after_s
         self.absent_since: dict[str, float] = {}  # absent worker -> first seen absent
