@@ -179,9 +179,11 @@ def _drain_one_of_three(cluster: LocalAutoscalingCluster, driver: _Driver) -> li
     """Once the job has 3 workers, drains the newest worker node with a spot notice (60 s
     deadline) and waits for the round of the 2 left; returns the worker nodes before. No
     node comes up after the job has its 3, so no replacement joins before the test has seen
-    what it waits for, however fast the autoscaler is."""
+    what it waits for, however fast the autoscaler is. The drain comes once the round of 3
+    has committed a step: mid-job, not while that round still forms (a round given up)."""
     driver.wait_for_round(3, "", work_s=60)
     cluster.allow_launches(0)
+    driver.trained_at(3, steps=1)
     nodes = cluster.worker_nodes()
     drain_node(cluster.address, nodes[-1], deadline_s=60)
     driver.wait_for_round(2, "drain", work_s=20)

@@ -317,6 +317,20 @@ def test_a_later_round_does_not_wait_for_newcomers_still_starting():
     assert decide_round(["x", "y"], first, (), 1).ranks == ["x", "y"]
 
 
+def test_a_drained_member_slower_to_the_rendezvous_departs_with_the_round_formed_without_it():
+    members = [MemberView("a", "n1", in_round=True), MemberView("b", "n2", in_round=True),
+               MemberView("c", "n3", in_round=True), MemberView("new", "n3")]
+    # c (its node draining) is not at the rendezvous yet: a and b form the round, c departs
+    early = decide_round(["a", "b"], members, draining={"n3"}, min_workers=1)
+    assert early.form and early.ranks == ["a", "b"] and early.leave == []
+    assert early.departed == ["c"]  # a newcomer on the node never was in a round
+    # there first, it is sent away at the rendezvous instead
+    there = decide_round(["a", "b", "c"], members, draining={"n3"}, min_workers=1)
+    assert there.leave == ["c"] and there.departed == []
+    # no round forms: nobody departs yet
+    assert decide_round(["a"], members, draining={"n3"}, min_workers=1).departed == []
+
+
 def test_the_state_is_lost_once_no_staying_worker_holds_it():
     assert not state_lost(["a", "b"], holders=[], committed=False)  # a fresh start
     assert not state_lost(["a", "n"], holders=["a"], committed=True)  # a holds it

@@ -93,6 +93,7 @@ class ElasticJob:
         self._needs_round = True
         self._asked_over = False  # the round's members were asked to a round for newcomers
         self._round_newcomers: list[str] = []  # members whose first round is the latest
+        self._left_noted: set[str] = set()  # drained members counted in a round as left
         self._progress_at = 0.0
         self._gave_up_warned = False
         # The job's own actors live on the head node: worker nodes may vanish at any time.
@@ -187,12 +188,21 @@ class ElasticJob:
             self._on_failure(member, error)
         for member, left in outcomes.left:
             self.pool.remove(member)
+            self._left_noted.discard(member.worker_id)
             self.log.add("left", member.node)
             log.info("raytrain-x elastic: worker %s left the job (%s)", member.worker_id,
                      left.reason)
         return outcomes.finished
 
     def _on_failure(self, member: Member, error: WorkerError) -> None:
+        if member.worker_id in self._left_noted:
+            # it had left the job's rounds (its node drains): no round waits for it
+            self.pool.remove(member)
+            self._left_noted.discard(member.worker_id)
+            self.log.add("left", member.node, lost=True)
+            log.info("raytrain-x elastic: worker %s, which had left the job, was lost with its "
+                     "draining node", member.worker_id)
+            return
         # peers still forming this round with it would wait for its keys until their
         # timeout: they are answered at once and join the next round
         self.store.abandon.remote(round_prefix(self.rounds))
@@ -403,6 +413,14 @@ class ElasticJob:
                  "node; it is given up and the next forms without it (%d newcomer(s) "
                  "restarted)", self.rounds, len(restarted))
 
+    def _note_left(self, worker_ids: list[str]) -> None:
+        """Drained members the next round entry counts as left, each once: when the round
+        forms without them, or when they are sent away at the rendezvous."""
+        new = [w for w in worker_ids if w not in self._left_noted]
+        if new:
+            self._left_noted.update(new)
+            self.log.note("drain", left=len(new))
+
     def _check_minimum(self) -> None:
         staying = len(self._staying())
         verdict = self.minimum.observe(staying, self.clock())
@@ -417,7 +435,10 @@ class ElasticJob:
 
     # ------------------------------------------------------------------ rounds
     def _maybe_form_round(self) -> None:
-        if not self._needs_round:
+        # a drained member the last round formed without is sent away when it arrives
+        departing = [w for w in self._left_noted
+                     if w in self.members and not self.members[w].leaving]
+        if not self._needs_round and not departing:
             return
         waiting, committed_round = ray.get([self.rounds_actor.waiting.remote(),
                                             self.rounds_actor.committed_round.remote()])
@@ -431,13 +452,17 @@ class ElasticJob:
                  for w in decision.leave}))
             for worker_id in decision.leave:
                 self.members[worker_id].leaving = True
-            self.log.note("drain", left=len(decision.leave))
+            self._note_left(decision.leave)
+        if not self._needs_round:
+            return
         if decision.interrupt and not self._asked_over:
             self._asked_over = True
             ray.get(self.rounds_actor.bump_hosts.remote())
             self.log.add("scale_up")
         if not decision.form:
             return  # survivors are still on their way to the rendezvous
+        if decision.departed:  # the round forms without them: they left with it
+            self._note_left(decision.departed)
         staying = {w: self.members[w] for w in decision.ranks}
         newcomers = sum(m.rank < 0 for m in staying.values())
         if newcomers:

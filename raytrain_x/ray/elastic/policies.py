@@ -400,6 +400,9 @@ class RoundDecision:
     form: bool  # form the round now, of `ranks`
     ranks: list[str]  # the members the round is formed of
     interrupt: bool = False  # newcomers wait while the round's members train: ask them over
+    # members of the last round on a draining node, not at the rendezvous yet, that the
+    # round forms without (they are sent away when they arrive): they left with this round
+    departed: list[str] = field(default_factory=list)
 
 
 def decide_round(waiting: Iterable[str], members: Iterable[MemberView],
@@ -412,7 +415,9 @@ def decide_round(waiting: Iterable[str], members: Iterable[MemberView],
     of the others, and joins at the round after it arrives. Either way at least
     `min_workers` members. Newcomers are asked over only once the last round has committed
     (`round_committed`): asked sooner, they would interrupt that round's first commit, and
-    a recovery would wait for their first groups too."""
+    a recovery would wait for their first groups too. A round is not held up by a member
+    of the last round on a draining node still on its way to the rendezvous: it is in the
+    round's `departed`, and sent away when it arrives."""
     waiting, draining = set(waiting), set(draining)
     members = list(members)
     leave = sorted(m.worker_id for m in members
@@ -425,4 +430,6 @@ def decide_round(waiting: Iterable[str], members: Iterable[MemberView],
     # newcomers at the rendezvous while the others train: those join at their next commit
     interrupt = (round_committed and bool(veterans - waiting)
                  and any(m not in veterans for m in arrived))
-    return RoundDecision(leave, form, arrived if form else [], interrupt)
+    departed = sorted(m.worker_id for m in members if form and m.in_round and not m.leaving
+                      and m.node in draining and m.worker_id not in waiting)
+    return RoundDecision(leave, form, arrived if form else [], interrupt, departed)
