@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +146,20 @@ class LocalAutoscalingCluster(AutoscalingCluster):
     # ------------------------------------------------------------------ lifecycle
     def start(self, _system_config: dict | None = None,
               override_env: dict | None = None) -> LocalAutoscalingCluster:
+        """Starts the head (with the autoscaler). A start that runs past Ray's own limit
+        (its raylet has 30 s to register with the GCS, not configurable here) is stopped
+        and tried once more, with a warning: on a busy machine that limit is about load."""
+        try:
+            return self._start_once(_system_config, override_env)
+        except RuntimeError as exc:
+            if "timed out during startup" not in str(exc):
+                raise
+            warnings.warn(f"the autoscaling cluster's head did not start in the time Ray "
+                          f"allows; stopped it and trying once more ({exc})", stacklevel=2)
+            return self._start_once(_system_config, override_env)
+
+    def _start_once(self, _system_config: dict | None,
+                    override_env: dict | None) -> LocalAutoscalingCluster:
         import ray
 
         self.temp_dir = tempfile.mkdtemp(prefix="rtxas", dir="/tmp")  # short: unix sockets

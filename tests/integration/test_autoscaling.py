@@ -61,6 +61,7 @@ class _Driver:
         self.json = tmp / "job.json"
         self.progress = tmp / "progress"
         self.lines: list[str] = []
+        self.cluster = cluster
         self.proc = subprocess.Popen(
             [sys.executable, str(EXAMPLE), "--address", cluster.address, "--until-file",
              str(self.until), "--json", str(self.json), "--progress", str(self.progress),
@@ -110,7 +111,9 @@ class _Driver:
                    poll_s=0.05)
 
     def tail(self) -> str:
-        return "\n".join(self.lines[-15:])
+        """The driver's last lines, and the last error lines of each worker's log (what a
+        hang or a failure of this job left there)."""
+        return "\n".join(self.lines[-15:]) + _worker_log_tails(self.cluster)
 
     def output(self) -> str:
         if self.proc.poll() is not None:
@@ -134,6 +137,21 @@ class _Driver:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+
+
+def _worker_log_tails(cluster: LocalAutoscalingCluster, lines: int = 6) -> str:
+    """The last lines of each worker process's stderr in the cluster's session logs."""
+    if cluster.temp_dir is None:
+        return ""
+    logs = sorted(Path(cluster.temp_dir).glob("session_latest/logs/worker-*.err"),
+                  key=lambda p: p.stat().st_mtime)
+    parts = []
+    for log in logs[-8:]:
+        text = [line for line in log.read_text(errors="replace").splitlines()
+                if line.strip() and not line.startswith(":")]
+        if text:
+            parts.append(f"--- {log.name}\n" + "\n".join(text[-lines:]))
+    return "\n" + "\n".join(parts) if parts else ""
 
 
 def _check_committed_history(job: dict) -> None:

@@ -217,7 +217,10 @@ def test_slow_starts_are_waited_for_and_a_vanished_slot_is_given_up_with_a_reaso
     job = _Job(executor, STEPS, 0.05)
     job.wait_until(lambda: executor.last_elastic_job is not None
                    and len(executor.last_elastic_job.pending) == 3, "3 workers starting")
-    cluster.remove_node(nodes[0], allow_graceful=False)  # its worker can never start now
+    # its worker can never start now; gracefully, so Ray knows at once that the node is gone
+    # (a killed raylet is declared dead only after ~15 s of health checks, which this test
+    # would wait out; the abrupt loss is test_removed_node_survivors_continue's)
+    cluster.remove_node(nodes[0], allow_graceful=True)
     lost = nodes[0].node_id
     job.wait_until(lambda: any(host == lost for _, host, _ in
                                executor.last_elastic_job.gave_up),
