@@ -104,6 +104,8 @@ def test_bad_space_definitions(space, search, match):
 
 
 def test_tune_experiments_command(ray_cluster, tmp_path):
+    """The command's wiring, on one experiment (choosing among several, and a failing one,
+    is `test_experiments_with_a_failing_config`'s)."""
     import sys
     from pathlib import Path
 
@@ -112,7 +114,7 @@ def test_tune_experiments_command(ray_cluster, tmp_path):
 
     out = limits.run(
         [str(Path(sys.executable).parent / "raytrain-x"), "tune-experiments",
-         "--fn", "examples.experiment_step:step_fn", "--space", '{"micro_batch_size": [8, 64]}',
+         "--fn", "examples.experiment_step:step_fn", "--space", '{"micro_batch_size": [8]}',
          "--search", "grid", "--steps-per-experiment", "4", "--start-step", "1",
          "--address", ray_cluster, "--output-dir", str(tmp_path / "cli")],
         40, "the tune-experiments command", cwd=REPO,
