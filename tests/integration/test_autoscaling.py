@@ -234,7 +234,7 @@ def test_a_killed_node_and_a_drained_node_in_one_job(cluster, tmp_path):
     try:
         # Known hang (docs/elastic.md, "Open: a hang after a node kill"): a kill right
         # after the drain's round formed left the job without a next round in 3 of
-        # about 35 runs, whichever way the drain came
+        # about 35 runs, whichever way the drain came.
         nodes = _drain_one_of_three(cluster, driver)
         assert kill_node(nodes[0]) > 0
         wait_until(lambda: any("failure" in r for _, r in driver.rounds()), 30,
