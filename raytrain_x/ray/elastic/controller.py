@@ -93,7 +93,6 @@ class ElasticJob:
         self._needs_round = True
         self._asked_over = False  # the round's members were asked to a round for newcomers
         self._round_newcomers: list[str] = []  # members whose first round is the latest
-        self._left_noted: set[str] = set()  # drained members counted in a round as left
         self._progress_at = 0.0
         self._gave_up_warned = False
         # The job's own actors live on the head node: worker nodes may vanish at any time.
@@ -188,17 +187,15 @@ class ElasticJob:
             self._on_failure(member, error)
         for member, left in outcomes.left:
             self.pool.remove(member)
-            self._left_noted.discard(member.worker_id)
             self.log.add("left", member.node)
             log.info("raytrain-x elastic: worker %s left the job (%s)", member.worker_id,
                      left.reason)
         return outcomes.finished
 
     def _on_failure(self, member: Member, error: WorkerError) -> None:
-        if member.worker_id in self._left_noted:
+        if member.leaving or member.departed:
             # it had left the job's rounds (its node drains): no round waits for it
             self.pool.remove(member)
-            self._left_noted.discard(member.worker_id)
             self.log.add("left", member.node, lost=True)
             log.info("raytrain-x elastic: worker %s, which had left the job, was lost with its "
                      "draining node", member.worker_id)
@@ -413,12 +410,12 @@ class ElasticJob:
                  "node; it is given up and the next forms without it (%d newcomer(s) "
                  "restarted)", self.rounds, len(restarted))
 
-    def _note_left(self, worker_ids: list[str]) -> None:
-        """Drained members the next round entry counts as left, each once: when the round
-        forms without them, or when they are sent away at the rendezvous."""
-        new = [w for w in worker_ids if w not in self._left_noted]
+    def _note_left(self, members: list[Member]) -> None:
+        """Drained members the next round entry counts as left, each once: when a round
+        forms without them (`departed`) or when they are sent away at the rendezvous
+        (`leaving`), whichever comes first. Called before either flag is set."""
+        new = [m for m in members if not (m.leaving or m.departed)]
         if new:
-            self._left_noted.update(new)
             self.log.note("drain", left=len(new))
 
     def _check_minimum(self) -> None:
@@ -436,8 +433,7 @@ class ElasticJob:
     # ------------------------------------------------------------------ rounds
     def _maybe_form_round(self) -> None:
         # a drained member the last round formed without is sent away when it arrives
-        departing = [w for w in self._left_noted
-                     if w in self.members and not self.members[w].leaving]
+        departing = any(m.departed and not m.leaving for m in self.members.values())
         if not self._needs_round and not departing:
             return
         waiting, committed_round = ray.get([self.rounds_actor.waiting.remote(),
@@ -450,9 +446,10 @@ class ElasticJob:
                 {w: {"leave": True,
                      "reason": f"node {short_node(self.members[w].node)} is draining"}
                  for w in decision.leave}))
-            for worker_id in decision.leave:
-                self.members[worker_id].leaving = True
-            self._note_left(decision.leave)
+            leaving = [self.members[w] for w in decision.leave]
+            self._note_left(leaving)
+            for member in leaving:
+                member.leaving = True
         if not self._needs_round:
             return
         if decision.interrupt and not self._asked_over:
@@ -461,8 +458,10 @@ class ElasticJob:
             self.log.add("scale_up")
         if not decision.form:
             return  # survivors are still on their way to the rendezvous
-        if decision.departed:  # the round forms without them: they left with it
-            self._note_left(decision.departed)
+        departed = [self.members[w] for w in decision.departed]
+        self._note_left(departed)  # the round forms without them: they left with it
+        for member in departed:
+            member.departed = True
         staying = {w: self.members[w] for w in decision.ranks}
         newcomers = sum(m.rank < 0 for m in staying.values())
         if newcomers:

@@ -32,6 +32,8 @@ class Member:
     ref: Any = None  # its `execute` call
     rank: int = -1
     leaving: bool = False  # told to leave (its node drains); gone when its call returns
+    # its node drains and a round formed without it: sent away when it reaches the rendezvous
+    departed: bool = False
     beat: Any = None  # its heartbeat call out now (`WorkerActor.joining`)
 
     def view(self) -> MemberView:
