@@ -43,26 +43,24 @@ def cluster():
 
 
 def _start_head(cluster_class, head: dict):
-    """Starts the head node; a start that runs past Ray's own limit (its raylet has 30 s to
-    register, not configurable) is stopped and tried once more, with a warning, since on a
-    busy runner that limit is about load, not about the code under test."""
-    import warnings
+    """Starts the head node, once more if it ran past Ray's own limit (its raylet has 30 s
+    to register, not configurable; `start_once_more`). A failed start is stopped, and its
+    processes, found as the new Ray processes it started (a node that failed inside its
+    constructor is not in the cluster's list), are killed."""
+    from raytrain_x.testing.processes import start_once_more
 
-    for attempt in (1, 2):
+    def start():
         before = set(processes())
         c = cluster_class(initialize_head=False, connect=False)
         try:
             c.add_node(**head)
             return c
-        except Exception as exc:
-            # a node that failed inside its constructor is not in the cluster's list, so its
-            # processes are found as the new Ray processes this one started
+        except Exception:
             c.shutdown()
             kill(_new_ray_processes(before))
-            if attempt == 2 or "timed out during startup" not in str(exc):
-                raise
-            warnings.warn(f"Ray's head node did not start in the time Ray allows ({exc}); "
-                          "stopped it and trying once more", stacklevel=1)
+            raise
+
+    return start_once_more(start, "Ray's head node")
 
 
 def pytest_collection_modifyitems(config, items):

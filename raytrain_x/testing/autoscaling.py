@@ -33,7 +33,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +44,7 @@ from raytrain_x.testing.processes import (
     environ_has,
     kill,
     processes,
+    start_once_more,
     stop,
     with_descendants,
 )
@@ -146,17 +146,10 @@ class LocalAutoscalingCluster(AutoscalingCluster):
     # ------------------------------------------------------------------ lifecycle
     def start(self, _system_config: dict | None = None,
               override_env: dict | None = None) -> LocalAutoscalingCluster:
-        """Starts the head (with the autoscaler). A start that runs past Ray's own limit
-        (its raylet has 30 s to register with the GCS, not configurable here) is stopped
-        and tried once more, with a warning: on a busy machine that limit is about load."""
-        try:
-            return self._start_once(_system_config, override_env)
-        except RuntimeError as exc:
-            if "timed out during startup" not in str(exc):
-                raise
-            warnings.warn(f"the autoscaling cluster's head did not start in the time Ray "
-                          f"allows; stopped it and trying once more ({exc})", stacklevel=2)
-            return self._start_once(_system_config, override_env)
+        """Starts the head (with the autoscaler), once more if Ray's own start limit ran
+        out (`start_once_more`)."""
+        return start_once_more(lambda: self._start_once(_system_config, override_env),
+                               "the autoscaling cluster's head")
 
     def _start_once(self, _system_config: dict | None,
                     override_env: dict | None) -> LocalAutoscalingCluster:

@@ -1,16 +1,36 @@
-"""This machine's processes from /proc: what a cluster started, and stopping it."""
+"""This machine's processes from /proc: what a cluster started, and stopping it; a
+cluster start tried once more when Ray's own start limit ran out."""
 
 from __future__ import annotations
 
 import os
 import signal
 import time
-from collections.abc import Iterable
+import warnings
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 from raytrain_x.common.procs import kill, processes, with_descendants
 
-__all__ = ["cluster_processes", "environ_has", "kill", "processes", "stop",
+__all__ = ["cluster_processes", "environ_has", "kill", "processes", "start_once_more", "stop",
            "with_descendants"]
+
+T = TypeVar("T")
+
+
+def start_once_more(start: Callable[[], T], what: str) -> T:
+    """Runs `start`. A start that ran past Ray's own limit for a node (its raylet has 30 s
+    to register with the GCS, not configurable) is tried once more, with a warning: on a
+    busy machine that limit is about load, not about the code under test. Any other
+    failure, and a second one, is raised. `start` stops what it started when it fails."""
+    try:
+        return start()
+    except Exception as exc:
+        if "timed out during startup" not in str(exc):
+            raise
+        warnings.warn(f"{what} did not start in the time Ray allows ({exc}); stopped it and "
+                      "trying once more", stacklevel=2)
+        return start()
 
 
 def environ_has(pid: int, name: str, value: str) -> bool:
