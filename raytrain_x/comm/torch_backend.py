@@ -21,6 +21,7 @@ import torch.distributed as dist
 from raytrain_x.comm.backend import Backend, Group, writable_alias
 from raytrain_x.comm.torch_store import as_torch_store
 from raytrain_x.common.errors import ConfigError, InternalError
+from raytrain_x.common.settings import GPU_OPERATIONS
 
 REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -82,8 +83,17 @@ def gloo_options(timeout: timedelta, address: str) -> Any:
     return options
 
 
+def _gpu_operations() -> str:
+    value = str(GPU_OPERATIONS.read()).strip().lower()
+    if value not in ("nccl", "gloo"):
+        raise ConfigError(f"{GPU_OPERATIONS.env}={value!r}: give nccl (one GPU per rank) or "
+                          "gloo (ranks that share a GPU)")
+    return value
+
+
 class TorchGroup(Group):
-    """A gloo group and, on first use by a CUDA tensor, an nccl one."""
+    """A gloo group and, on first use by a CUDA tensor, an nccl one (gloo carries CUDA
+    tensors too where `RAYTRAIN_X_GPU_OPERATIONS=gloo`: ranks sharing one GPU)."""
 
     def __init__(self, store: Any, rank: int, size: int, timeout_s: float,
                  ranks: Sequence[int], address: str = "") -> None:
@@ -95,9 +105,10 @@ class TorchGroup(Group):
         self._gloo = self._call("create gloo group", dist.ProcessGroupGloo, store, rank, size,
                                 gloo_options(self._timeout, address))
         self._nccl = None
+        self._cuda_over_gloo = _gpu_operations() == "gloo"
 
     def _backend(self, tensor: torch.Tensor) -> Any:
-        if tensor.device.type != "cuda":
+        if tensor.device.type != "cuda" or self._cuda_over_gloo:
             return self._gloo
         if self._nccl is None:
             if not nccl_available():

@@ -63,6 +63,10 @@ TIMELINE = Setting(
 TIMELINE_MARK_CYCLES = Setting(
     "RAYTRAIN_X_TIMELINE_MARK_CYCLES", False, bool,
     "mark each engine cycle in the timeline")
+GPU_OPERATIONS = Setting(
+    "RAYTRAIN_X_GPU_OPERATIONS", "nccl", str,
+    "how CUDA tensors travel: nccl (one GPU per rank), or gloo (ranks that share a GPU, "
+    "which NCCL refuses)")
 CONFIG_FILE = Setting(
     "RAYTRAIN_X_CONFIG_FILE", "", str,
     "a YAML file of knobs (see docs/knobs.md)")
@@ -76,7 +80,7 @@ STRAGGLER_POLL_S = Setting(
     "how often an elastic job looks for workers missing from a rendezvous")
 
 ALL = (TIMEOUT_S, START_TIMEOUT_S, SHM, STALL_WARNING_S, STALL_SHUTDOWN_S, TIMELINE,
-       TIMELINE_MARK_CYCLES, CONFIG_FILE, DRAIN_POLL_S, STRAGGLER_POLL_S)
+       TIMELINE_MARK_CYCLES, GPU_OPERATIONS, CONFIG_FILE, DRAIN_POLL_S, STRAGGLER_POLL_S)
 
 NODE_ID_SHOWN = 8  # characters of a Ray node id in messages (as `ray status` shows them)
 

@@ -80,9 +80,11 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         work = torch.float64 if x.dtype == torch.float64 else torch.float32
         flat = flat.to(work)
         count = flat.shape[0]
-        mean = flat.mean(dim=0) if count else torch.zeros(flat.shape[1], dtype=work)
+        mean = flat.mean(dim=0) if count else torch.zeros(flat.shape[1], dtype=work,
+                                                             device=flat.device)
         m2 = ((flat - mean) ** 2).sum(dim=0) if count else torch.zeros_like(mean)
-        mine = torch.cat([torch.tensor([float(count)], dtype=work), mean, m2]).reshape(1, -1)
+        mine = torch.cat([torch.tensor([float(count)], dtype=work, device=flat.device), mean,
+                          m2]).reshape(1, -1)
         everyone = synchronize(ops.allgather_async(mine, None, process_set))
         counts, means, m2s = everyone[:, 0], everyone[:, 1:1 + mean.numel()], \
             everyone[:, 1 + mean.numel():]
