@@ -129,9 +129,15 @@ def held_join_error(ranks: list[int], nodes: list[str]) -> dict[int, WorkerError
     return {rank: WorkerError(rank, detail, process_lost=True) for rank in ranks}
 
 
-def unreachable_error(ranks: list[int], nodes: list[str], after: str) -> dict[int, WorkerError]:
-    """The errors of ranks found unreachable, naming them all and their nodes."""
-    addresses = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+def node_addresses() -> dict[str, str]:
+    """Node id -> the node's address, for every node Ray knows."""
+    return {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+
+
+def unreachable_error(ranks: list[int], nodes: list[str], after: str,
+                      addresses: Mapping[str, str]) -> dict[int, WorkerError]:
+    """The errors of ranks found unreachable, naming them all and their nodes
+    (`addresses`: node id -> address, `node_addresses()`)."""
     where = ", ".join(f"{addresses.get(n, '?')} (node {short_node(n)})"
                       for n in sorted(set(nodes)))
     detail = (f"ranks {ranks} are unreachable: no answer within {PROBE_TIMEOUT_S:.0f}s "

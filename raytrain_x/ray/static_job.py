@@ -19,7 +19,13 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raytrain_x.comm.store_actor import StoreActor
 from raytrain_x.common.errors import WorkerError
-from raytrain_x.ray.failures import root_cause, unreachable, unreachable_error, worker_error
+from raytrain_x.ray.failures import (
+    node_addresses,
+    root_cause,
+    unreachable,
+    unreachable_error,
+    worker_error,
+)
 from raytrain_x.ray.placement import (
     Slot,
     assign_ranks,
@@ -173,7 +179,7 @@ class StaticJob:
                 ranks = sorted(pending[ref] for ref in lost)
                 errors.update(unreachable_error(
                     ranks, [self.slots[r].node_id for r in ranks],
-                    f"after rank {min(errors)} failed"))
+                    f"after rank {min(errors)} failed", node_addresses()))
                 for ref in lost:
                     ray.kill(self.workers[pending.pop(ref)], no_restart=True)
             if errors and pending and time.monotonic() > deadline:

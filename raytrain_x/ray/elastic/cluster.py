@@ -10,6 +10,7 @@ from raytrain_x.elastic.discovery import ScriptDiscovery, slots_from_resources
 from raytrain_x.ray.autoscaling import CapacityRequest, draining_nodes, node_types
 from raytrain_x.ray.discovery import RayDiscovery, alive_nodes, resolve_hosts
 from raytrain_x.ray.elastic.settings import ElasticSettings
+from raytrain_x.ray.failures import node_addresses
 
 
 class ClusterView:
@@ -32,6 +33,10 @@ class ClusterView:
             reported = resolve_hosts(reported)
             reported = {h: n - used.get(h, 0) for h, n in reported.items()}
         return reported
+
+    def addresses(self) -> dict[str, str]:
+        """Node id -> address, for messages that name a node."""
+        return node_addresses()
 
     def draining(self) -> dict[str, float]:
         """Draining node id -> deadline (time.time() seconds, inf without one)."""

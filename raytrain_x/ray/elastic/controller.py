@@ -20,16 +20,13 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import ray
-
 from raytrain_x.comm.groups import round_prefix
-from raytrain_x.comm.store_actor import StoreActor
 from raytrain_x.common.errors import WorkerError
 from raytrain_x.common.settings import short_node
 from raytrain_x.elastic.blacklist import Blacklist
 from raytrain_x.elastic.history import round_line
-from raytrain_x.ray.elastic.cluster import ClusterView
 from raytrain_x.ray.elastic.events import EventLog
+from raytrain_x.ray.elastic.parts import JobParts, ray_parts
 from raytrain_x.ray.elastic.policies import (
     DrainNotice,
     FailurePolicy,
@@ -47,7 +44,7 @@ from raytrain_x.ray.elastic.policies import (
     state_lost,
     state_lost_error,
 )
-from raytrain_x.ray.elastic.pool import Member, Pending, WorkerPool
+from raytrain_x.ray.elastic.pool import Member, Pending
 from raytrain_x.ray.elastic.settings import (
     DRAIN_POLL_S,
     GAVE_UP_WARNING_AT,
@@ -55,7 +52,7 @@ from raytrain_x.ray.elastic.settings import (
     STRAGGLER_POLL_S,
     ElasticSettings,
 )
-from raytrain_x.ray.elastic_rounds import ElasticRounds, plan_round
+from raytrain_x.ray.elastic_rounds import plan_round
 from raytrain_x.ray.failures import (
     JOIN_HELD_S,
     SILENT_LOST_S,
@@ -64,7 +61,6 @@ from raytrain_x.ray.failures import (
     stuck_error,
     unreachable_error,
 )
-from raytrain_x.ray.placement import stable_node_strategy
 
 log = logging.getLogger("raytrain_x.elastic")
 
@@ -73,7 +69,9 @@ class ElasticJob:
     """Runs `fn` elastically and returns the results of the workers that finished it."""
 
     def __init__(self, settings: ElasticSettings, fn: Callable, args: tuple, kwargs: dict,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 parts: JobParts | None = None) -> None:
+        """`parts`: what the job acts through (default: Ray's, `ray_parts`)."""
         self.settings = settings
         self.fn, self.args, self.kwargs = fn, args, kwargs
         self.clock = clock
@@ -85,8 +83,11 @@ class ElasticJob:
         self.stragglers = StragglerRule(lost_after_s=SILENT_LOST_S,
                                         stuck_after_s=settings.timeout_s + STUCK_GRACE_S)
         self.heartbeats = Heartbeats()
-        self.cluster = ClusterView(settings)
-        self.pool = WorkerPool(settings, clock)
+        self.parts = parts or ray_parts(settings, clock)
+        self.cluster = self.parts.cluster
+        self.pool = self.parts.pool
+        self.rounds_client = self.parts.rounds
+        self.store = self.parts.store
         self.rounds = 0
         self.draining: dict[str, float] = {}  # node -> drain deadline (time.time())
         self.last_failure: WorkerError | None = None
@@ -95,10 +96,6 @@ class ElasticJob:
         self._round_newcomers: list[str] = []  # members whose first round is the latest
         self._progress_at = 0.0
         self._gave_up_warned = False
-        # The job's own actors live on the head node: worker nodes may vanish at any time.
-        here = stable_node_strategy()
-        self.rounds_actor = ElasticRounds.options(scheduling_strategy=here).remote()
-        self.store = StoreActor.options(scheduling_strategy=here).remote()
 
     # ------------------------------------------------------------------ views
     @property
@@ -168,8 +165,7 @@ class ElasticJob:
                 self._maybe_form_round()
         except BaseException as exc:
             try:
-                ray.get(self.rounds_actor.fail.remote(f"the elastic job stopped: {exc}"),
-                        timeout=5)
+                self.rounds_client.fail(f"the elastic job stopped: {exc}")
             except Exception:  # noqa: BLE001 - the original error matters more
                 pass
             raise
@@ -180,7 +176,7 @@ class ElasticJob:
     # ------------------------------------------------------------------ members
     def _poll_members(self) -> dict[str, Any]:
         if not any(m.ref is not None for m in self.members.values()):
-            time.sleep(0.1)
+            self.parts.sleep(0.1)
             return {}
         outcomes = self.pool.poll(timeout_s=0.1)
         for member, error in outcomes.failed:
@@ -202,7 +198,7 @@ class ElasticJob:
             return
         # peers still forming this round with it would wait for its keys until their
         # timeout: they are answered at once and join the next round
-        self.store.abandon.remote(round_prefix(self.rounds))
+        self.store.abandon(round_prefix(self.rounds))
         self.pool.remove(member)
         self.log.note("failure", failed=1)
         self.last_failure = error
@@ -230,7 +226,7 @@ class ElasticJob:
         failure = self.last_failure
         if not failure.process_lost or self.settings.cooldown_range is None:
             raise failure
-        if ray.get(self.rounds_actor.committed.remote()):
+        if self.rounds_client.committed():
             raise state_lost_error(failure, self._lost_workers())
 
     def _lost_workers(self) -> int:
@@ -240,7 +236,7 @@ class ElasticJob:
         beats, now = self.heartbeats, self.clock()
         beats.record(*self.pool.beat(), now)
         beats.keep(self.members)
-        waiting = ray.get(self.rounds_actor.waiting.remote())
+        waiting = self.rounds_client.waiting()
         present = [w for w, m in self.members.items() if not m.leaving]
         verdict = self.stragglers.observe(
             waiting, present, now, [w for w in present if self.members[w].rank >= 0],
@@ -248,15 +244,16 @@ class ElasticJob:
         if verdict.needs_round:
             self._needs_round = True
         if verdict.lost:
+            addresses = self.cluster.addresses()
             self._fail_all(verdict.lost, lambda ranks, nodes: unreachable_error(
-                ranks, nodes, "while their peers waited for them at the rendezvous"))
+                ranks, nodes, "while their peers waited for them at the rendezvous",
+                addresses))
         # absent ones that answer: in a join the rounds actor never received? (asked
         # again: one may have arrived since the first look)
         answering = {w: beats.joining[w] for w in verdict.absent
                      if w in beats.joining and w not in verdict.lost}
         if answering:
-            held = held_joins(answering, ray.get(self.rounds_actor.waiting.remote()),
-                              JOIN_HELD_S)
+            held = held_joins(answering, self.rounds_client.waiting(), JOIN_HELD_S)
             if held:
                 self._fail_all(held, held_join_error)
         if verdict.stuck:
@@ -316,7 +313,8 @@ class ElasticJob:
         settings = self.settings
 
         def setup(actor: Any, worker_id: str) -> Any:
-            return actor.setup_elastic.remote(worker_id, self.rounds_actor, self.store,
+            return actor.setup_elastic.remote(worker_id, self.rounds_client.actor,
+                                              self.store.actor,
                                               settings.timeout_s, settings.env or {},
                                               settings.autotune_actor)
 
@@ -375,11 +373,11 @@ class ElasticJob:
         for key in notice.give_up:
             self._give_up(key, "its node is draining")
         for node, workers in notice.leaving.items():
-            _progress(drain_line(node, notice.new[node], time.time(), workers))
+            _progress(drain_line(node, notice.new[node], self.parts.wall_clock(), workers))
         if notice.interrupt:
             self.log.note("drain")
             self._needs_round = True
-            ray.get(self.rounds_actor.bump_hosts.remote())
+            self.rounds_client.bump_hosts()
             self._abandon_forming_round(notice)
 
     def _abandon_forming_round(self, notice: DrainNotice) -> None:
@@ -393,10 +391,10 @@ class ElasticJob:
         if not self.rounds:
             return
         in_round = [m.node for m in self.members.values() if m.rank >= 0]
-        committed_round = ray.get(self.rounds_actor.committed_round.remote())
+        committed_round = self.rounds_client.committed_round()
         if not abandons_forming_round(notice, in_round, self.rounds, committed_round):
             return
-        self.store.abandon.remote(round_prefix(self.rounds))
+        self.store.abandon(round_prefix(self.rounds))
         for worker_id in self._round_newcomers:
             if worker_id in self.members:
                 self.members[worker_id].rank = -1
@@ -436,26 +434,28 @@ class ElasticJob:
         departing = any(m.departed and not m.leaving for m in self.members.values())
         if not self._needs_round and not departing:
             return
-        waiting, committed_round = ray.get([self.rounds_actor.waiting.remote(),
-                                            self.rounds_actor.committed_round.remote()])
+        waiting = self.rounds_client.waiting()
+        committed_round = self.rounds_client.committed_round()
+        holders = self.rounds_client.holders() if committed_round else None
         decision = decide_round(waiting, [m.view() for m in self.members.values()],
                                 self.draining, self.settings.min_workers,
-                                committed_round >= self.rounds)
+                                committed_round >= self.rounds, holders)
         if decision.leave:  # they return from `execute` with `Left`; the poll drops them
-            ray.get(self.rounds_actor.publish.remote(
+            self.rounds_client.publish(
                 {w: {"leave": True,
                      "reason": f"node {short_node(self.members[w].node)} is draining"}
-                 for w in decision.leave}))
+                 for w in decision.leave})
             leaving = [self.members[w] for w in decision.leave]
             self._note_left(leaving)
             for member in leaving:
                 member.leaving = True
         if not self._needs_round:
             return
-        if decision.interrupt and not self._asked_over:
+        if (decision.interrupt or decision.release) and not self._asked_over:
             self._asked_over = True
-            ray.get(self.rounds_actor.bump_hosts.remote())
-            self.log.add("scale_up")
+            self.rounds_client.bump_hosts()
+            if decision.interrupt:
+                self.log.add("scale_up")
         if not decision.form:
             return  # survivors are still on their way to the rendezvous
         departed = [self.members[w] for w in decision.departed]
@@ -467,22 +467,27 @@ class ElasticJob:
         if newcomers:
             self.log.note("scale_up" if self.rounds else "start", joined=newcomers)
         if self.rounds:
-            holders, committed = ray.get([self.rounds_actor.holders.remote(),
-                                          self.rounds_actor.committed.remote()])
+            holders = self.rounds_client.holders()
+            committed = self.rounds_client.committed()
             if state_lost(staying, holders, committed):
                 raise state_lost_error(self.last_failure, self._lost_workers())
         self.failures.count_round(self.log.is_reset(), self.last_failure)
-        version = ray.get(self.rounds_actor.hosts_version.remote())
+        version = self.rounds_client.hosts_version()
         self.rounds += 1
         assignments = plan_round({m.worker_id: (m.node, m.age) for m in staying.values()},
                                  self.rounds, version)
         self._round_newcomers = [w for w, m in staying.items() if m.rank < 0]
         for worker_id, place in assignments.items():
             self.members[worker_id].rank = place["rank"]
-        ray.get(self.rounds_actor.publish.remote(assignments))
-        # newcomers still starting join at a later round, once they wait for one
+        self.rounds_client.publish(assignments)
+        # newcomers still starting join at a later round, once they wait for one; members
+        # kept on a draining node leave at the round after this one's first commit
         left_out = sum(m.rank < 0 for m in self._staying())
-        self._needs_round = left_out > 0
+        self._needs_round = left_out > 0 or bool(decision.kept)
+        if decision.kept:
+            log.info("raytrain-x elastic: %d worker(s) on draining nodes stay one more round: "
+                     "they hold the job's state and no staying worker does yet",
+                     len(decision.kept))
         self._asked_over = False
         entry = self.log.record_round(
             self.rounds, len(staying), len({m.node for m in staying.values()}),
@@ -491,11 +496,7 @@ class ElasticJob:
 
     def _kill_all(self) -> None:
         self.pool.kill_all()
-        for actor in (self.rounds_actor, self.store):
-            try:
-                ray.kill(actor, no_restart=True)
-            except Exception:  # noqa: BLE001
-                pass
+        self.parts.close()
 
 
 def _progress(line: str) -> None:

@@ -403,26 +403,55 @@ class RoundDecision:
     # members of the last round on a draining node, not at the rendezvous yet, that the
     # round forms without (they are sent away when they arrive): they left with this round
     departed: list[str] = field(default_factory=list)
+    # members on a draining node kept in the round: no staying member holds the state yet
+    kept: list[str] = field(default_factory=list)
+    # the last round, which kept members on a draining node, has committed (so everyone in
+    # it holds the state): ask its members over, and the drained ones leave
+    release: bool = False
+
+
+def kept_on_drain(members: Iterable[MemberView], draining: Iterable[str],
+                  holders: Iterable[str] | None) -> set[str]:
+    """Members on a draining node that stay in the job's rounds for now: they hold the
+    committed state and no member that stays does. Sent away, they would take the job's
+    only copy of its state with them; kept, the staying members sync it from them in the
+    next round and they leave at the rendezvous after its first commit. None when the
+    holders are not known (`holders` None) or the job has not committed."""
+    if holders is None:
+        return set()
+    holders, draining = set(holders), set(draining)
+    members = list(members)
+    staying = [m for m in members if not m.leaving and m.node not in draining]
+    if any(m.worker_id in holders for m in staying):
+        return set()
+    return {m.worker_id for m in members if not m.leaving and m.node in draining
+            and m.in_round and m.worker_id in holders}
 
 
 def decide_round(waiting: Iterable[str], members: Iterable[MemberView],
                  draining: Iterable[str], min_workers: int,
-                 round_committed: bool = True) -> RoundDecision:
-    """Members waiting on a draining node leave. The first round forms once every staying
-    member (not leaving, not draining) waits. Later ones form once every staying member of
-    an earlier round waits, with the newcomers that are already waiting: a newcomer still
-    starting (importing, building its model) holds up neither a recovery nor the training
-    of the others, and joins at the round after it arrives. Either way at least
-    `min_workers` members. Newcomers are asked over only once the last round has committed
-    (`round_committed`): asked sooner, they would interrupt that round's first commit, and
-    a recovery would wait for their first groups too. A round is not held up by a member
-    of the last round on a draining node still on its way to the rendezvous: it is in the
-    round's `departed`, and sent away when it arrives."""
+                 round_committed: bool = True,
+                 holders: Iterable[str] | None = None) -> RoundDecision:
+    """Members waiting on a draining node leave, unless they are the only ones holding the
+    job's committed state (`holders`, when the job has committed; `kept_on_drain`). The
+    first round forms once every staying member (not leaving, not draining) waits. Later
+    ones form once every staying member of an earlier round waits, with the newcomers
+    that are already waiting: a newcomer still starting (importing, building its model)
+    holds up neither a recovery nor the training of the others, and joins at the round
+    after it arrives. Either way at least `min_workers` members. Newcomers are asked over
+    only once the last round has committed (`round_committed`): asked sooner, they would
+    interrupt that round's first commit, and a recovery would wait for their first groups
+    too. A round is not held up by a member of the last round on a draining node still on
+    its way to the rendezvous: it is in the round's `departed`, and sent away when it
+    arrives. A round that kept members on a draining node is asked over once it has
+    committed (`release`): its staying members then hold the state."""
     waiting, draining = set(waiting), set(draining)
     members = list(members)
-    leave = sorted(m.worker_id for m in members
-                   if m.worker_id in waiting and not m.leaving and m.node in draining)
-    staying = [m for m in members if not m.leaving and m.node not in draining]
+    kept = kept_on_drain(members, draining, holders)
+    leave = sorted(m.worker_id for m in members if m.worker_id in waiting and not m.leaving
+                   and m.node in draining and m.worker_id not in kept)
+    staying = [m for m in members if not m.leaving
+               and (m.node not in draining or m.worker_id in kept)]
     veterans = {m.worker_id for m in staying if m.in_round}
     arrived = sorted(m.worker_id for m in staying if m.worker_id in waiting)
     must_wait = veterans or {m.worker_id for m in staying}
@@ -431,5 +460,10 @@ def decide_round(waiting: Iterable[str], members: Iterable[MemberView],
     interrupt = (round_committed and bool(veterans - waiting)
                  and any(m not in veterans for m in arrived))
     departed = sorted(m.worker_id for m in members if form and m.in_round and not m.leaving
-                      and m.node in draining and m.worker_id not in waiting)
-    return RoundDecision(leave, form, arrived if form else [], interrupt, departed)
+                      and m.node in draining and m.worker_id not in waiting
+                      and m.worker_id not in kept)
+    release = (holders is not None and round_committed and not form
+               and any(m.in_round and not m.leaving and m.node in draining
+                       and m.worker_id not in waiting for m in members))
+    return RoundDecision(leave, form, arrived if form else [], interrupt, departed,
+                         sorted(kept & set(arrived)) if form else [], release)

@@ -1,0 +1,94 @@
+"""What the elastic controller acts through: the worker pool, the cluster view, the rounds
+and store clients, and the clocks. `ray_parts` wires them to Ray (production);
+`raytrain_x.testing.simulation` wires simulated ones, so the same controller runs on a
+virtual clock."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from raytrain_x.comm.store_actor import StoreActor
+from raytrain_x.ray.elastic.cluster import ClusterView
+from raytrain_x.ray.elastic.pool import WorkerPool
+from raytrain_x.ray.elastic.settings import ElasticSettings
+from raytrain_x.ray.elastic_rounds import ElasticRounds
+from raytrain_x.ray.placement import stable_node_strategy
+
+
+class RoundsClient:
+    """The controller's side of the `ElasticRounds` actor: each call waits for its answer."""
+
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor  # handed to workers, which join rounds through it
+
+    def _get(self, method: str, *args: Any, timeout: float | None = None) -> Any:
+        return ray.get(getattr(self.actor, method).remote(*args), timeout=timeout)
+
+    def waiting(self) -> list[str]:
+        return self._get("waiting")
+
+    def committed_round(self) -> int:
+        return self._get("committed_round")
+
+    def committed(self) -> bool:
+        return self._get("committed")
+
+    def holders(self) -> list[str]:
+        return self._get("holders")
+
+    def hosts_version(self) -> int:
+        return self._get("hosts_version")
+
+    def publish(self, assignments: dict[str, dict[str, Any]]) -> None:
+        self._get("publish", assignments)
+
+    def bump_hosts(self) -> int:
+        return self._get("bump_hosts")
+
+    def fail(self, message: str) -> None:
+        self._get("fail", message, timeout=5)
+
+
+class StoreClient:
+    """The controller's side of the rendezvous store actor: it only gives rounds up."""
+
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor  # handed to workers, which meet through it
+
+    def abandon(self, prefix: str) -> None:
+        """Answers every wait under `prefix` at once (not waited for)."""
+        self.actor.abandon.remote(prefix)
+
+
+@dataclass
+class JobParts:
+    pool: Any  # a `WorkerPool`
+    cluster: Any  # a `ClusterView`
+    rounds: Any  # a `RoundsClient`
+    store: Any  # a `StoreClient`
+    sleep: Callable[[float], None]  # waits on the job's clock
+    wall_clock: Callable[[], float]  # time.time(): drain deadlines are wall-clock times
+    close: Callable[[], None]  # ends the rounds and store actors
+
+
+def ray_parts(settings: ElasticSettings, clock: Callable[[], float]) -> JobParts:
+    """The production wiring: Ray actors, Ray's view of the cluster, real time."""
+    # The job's own actors live on the head node: worker nodes may vanish at any time.
+    here = stable_node_strategy()
+    rounds = ElasticRounds.options(scheduling_strategy=here).remote()
+    store = StoreActor.options(scheduling_strategy=here).remote()
+
+    def close() -> None:
+        for actor in (rounds, store):
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - it may be gone already
+                pass
+
+    return JobParts(WorkerPool(settings, clock), ClusterView(settings), RoundsClient(rounds),
+                    StoreClient(store), time.sleep, time.time, close)

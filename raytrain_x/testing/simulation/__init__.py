@@ -1,0 +1,10 @@
+"""A deterministic simulation of the elastic job: the real controller, policies, event log
+and round planning against simulated nodes, workers, rounds, store and autoscaler, on one
+virtual clock with one seeded generator (`python -m raytrain_x.testing.simulate`)."""
+
+from raytrain_x.testing.simulation.runner import Outcome, recovery_bound, run_schedule
+from raytrain_x.testing.simulation.schedules import Fault, Schedule, random_schedule, scenarios
+from raytrain_x.testing.simulation.world import World, WorldConfig
+
+__all__ = ["Fault", "Outcome", "Schedule", "World", "WorldConfig", "random_schedule",
+           "recovery_bound", "run_schedule", "scenarios"]

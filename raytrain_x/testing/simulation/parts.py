@@ -1,0 +1,255 @@
+"""The elastic controller's parts (`raytrain_x.ray.elastic.parts.JobParts`) over the
+simulated world: the worker pool, the cluster view, the rounds and store clients, a sleep
+that advances the virtual clock. The controller runs unchanged on them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from raytrain_x.common.errors import WorkerError
+from raytrain_x.ray.elastic.parts import JobParts
+from raytrain_x.ray.elastic.pool import Member, Outcomes, Pending, WorkerPool
+from raytrain_x.ray.elastic.settings import ElasticSettings
+from raytrain_x.ray.worker import Left
+from raytrain_x.testing.simulation.world import SimWorker, World
+
+LOST = ("the worker process exited (sys.exit, a crash or a killed node); its output is in "
+        "the Ray logs")
+
+
+class ActorDied(Exception):
+    """What Ray raises for an actor whose process or node is gone."""
+
+
+class SimPool(WorkerPool):
+    """`WorkerPool` whose actors are simulated workers (the key and the ref of each is its
+    `SimWorker`)."""
+
+    def __init__(self, settings: ElasticSettings, world: World) -> None:
+        super().__init__(settings, lambda: world.now)
+        self.world = world
+
+    def start(self, node: str) -> None:
+        w = self.world.start_worker(self.world.nodes[node])
+        self.pending[w] = Pending(w, node, w, self.world.now)
+
+    def poll_pending(self, setup: Callable, fn: Callable, args: tuple, kwargs: dict
+                     ) -> tuple[list[Member], list[tuple[Pending, Exception]]]:
+        joined, died = [], []
+        now = self.world.now
+        for w, pending in list(self.pending.items()):
+            if w.node.known_dead or (not w.alive and w.outcome_at <= now):
+                died.append((pending, ActorDied("its node died")))
+                continue
+            if w.ready_at is None or now < w.ready_at or not w.reachable(now) \
+                    or not w.node.up:
+                continue
+            del self.pending[w]
+            w.worker_id = f"w{next(self._ids)}"
+            member = Member(w.worker_id, w, pending.node, next(self._ages))
+            member.ref = w
+            self.members[w.worker_id] = member
+            self.world.trace(f"{w} started")
+            self.world.execute(w)
+            joined.append(member)
+        return joined, died
+
+    def give_up(self, key: Any) -> Pending | None:
+        pending = self.pending.pop(key, None)
+        if pending is not None:
+            self._kill(pending.actor)
+        return pending
+
+    def poll(self, timeout_s: float) -> Outcomes:
+        world = self.world
+        refs = [m.ref for m in self.members.values() if m.ref is not None]
+        if refs:
+            world.advance(world.now + timeout_s,
+                          stop=lambda: any(w.outcome_at <= world.now for w in refs))
+        else:
+            world.advance(world.now + timeout_s)
+        out = Outcomes({}, [], [])
+        for member in list(self.members.values()):
+            w = member.ref
+            if w is None or w.outcome is None or w.outcome_at > world.now:
+                continue
+            kind, value = w.outcome
+            if kind == "finished":
+                out.finished[member.worker_id] = value
+            elif kind == "left":
+                out.left.append((member, Left(value)))
+            elif value == "lost":
+                out.failed.append((member, WorkerError(member.rank, LOST, process_lost=True)))
+            else:
+                out.failed.append((member, WorkerError(member.rank, str(value))))
+        return out
+
+    def collect(self, finished: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        world = self.world
+        deadline = world.now + timeout_s
+
+        def waiting() -> list[Member]:
+            return [m for m in self.members.values() if m.ref is not None
+                    and m.worker_id not in finished and not m.leaving
+                    and not (m.ref.outcome is not None and m.ref.outcome_at <= world.now)]
+
+        while world.now < deadline and waiting():
+            world.advance(min(deadline, world.now + 0.2))
+        for m in self.members.values():
+            w = m.ref
+            if w is not None and w.outcome is not None and w.outcome[0] == "finished" \
+                    and w.outcome_at <= world.now:
+                finished.setdefault(m.worker_id, w.outcome[1])
+        return finished
+
+    def remove(self, member: Member) -> None:
+        self.members.pop(member.worker_id, None)
+        self._kill(member.actor)
+
+    def ask(self, worker_ids: Iterable[str], method: str) -> dict[str, Any]:
+        now = self.world.now
+        return {w: f"simulated {self.members[w].actor.phase}" for w in worker_ids
+                if w in self.members and self.members[w].actor.reachable(now)}
+
+    def beat(self) -> tuple[dict[str, float], set[str], list[str]]:
+        now = self.world.now
+        answers: dict[str, float] = {}
+        failed: set[str] = set()
+        for m in self.members.values():
+            if m.beat is None:
+                continue
+            w: SimWorker = m.actor
+            if w.reachable(now) and m.beat < now:
+                m.beat = None
+                answers[m.worker_id] = 0.0 if w.joining_since is None \
+                    else now - w.joining_since
+            elif not w.alive and w.outcome_at <= now:
+                m.beat = None
+                failed.add(m.worker_id)
+        sent = []
+        for m in self.members.values():
+            if m.beat is None:
+                m.beat = now  # the call went out now
+                sent.append(m.worker_id)
+        return answers, failed, sent
+
+    def kill_all(self) -> None:
+        for w in [m.actor for m in self.members.values()] + list(self.pending):
+            self._kill(w)
+
+    def _kill(self, w: SimWorker) -> None:
+        """`ray.kill`: goes through the worker's raylet, so a cut-off worker lives on until
+        its node is back (or declared dead)."""
+        world = self.world
+        if not w.alive:
+            return
+        if w.node.cut(world.now):
+            world.at(w.node.cut_until, lambda: self._kill(w))
+            return
+        world.process_dies(w, visible_in=0.0)
+
+
+class SimCapacity:
+    """The standing autoscaler request (`raytrain_x.ray.autoscaling.CapacityRequest`)."""
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.bundles = 0
+
+    def ask(self, bundles: int) -> None:
+        if bundles != self.bundles:
+            self.bundles = bundles
+            self.world.request(bundles)
+
+    def clear(self) -> None:
+        self.ask(0)
+
+
+class SimCluster:
+    """`ClusterView` over the simulated nodes."""
+
+    scripted = False
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.capacity = SimCapacity(world)
+
+    def nodes(self) -> dict[str, dict[str, float]]:
+        return {n: {"CPU": float(node.slots)} for n, node in self.world.alive_nodes().items()}
+
+    def free_slots(self, used: dict[str, int]) -> dict[str, int]:
+        """Ray's available resources: a node it still lists but that is gone or cut off
+        shows what it last reported."""
+        free = {}
+        for n, node in self.world.alive_nodes().items():
+            if not node.up or node.raylet_dead:
+                free[n] = 0
+                continue
+            held = sum(1 for w in self.world.workers if w.node is node and w.alive)
+            free[n] = max(0, node.slots - held)
+        return free
+
+    def addresses(self) -> dict[str, str]:
+        return {n: f"10.0.0.{i}" for i, n in enumerate(self.world.nodes, 1)}
+
+    def draining(self) -> dict[str, float]:
+        return {n: node.drain_deadline for n, node in self.world.alive_nodes().items()
+                if node.drain_deadline is not None}
+
+    def node_types(self) -> dict[str, dict[str, float]] | None:
+        return {"worker": {"CPU": float(self.world.config.slots)}}
+
+    def unusable_slots(self, unusable: set[str]) -> int:
+        return sum(node.slots for n, node in self.world.alive_nodes().items() if n in unusable)
+
+
+class SimRoundsClient:
+    """`RoundsClient` over the simulated rounds actor."""
+
+    actor = None
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.rounds = world.rounds
+
+    def waiting(self) -> list[str]:
+        return list(self.rounds.waiting)
+
+    def committed_round(self) -> int:
+        return self.rounds.committed_round
+
+    def committed(self) -> bool:
+        return self.rounds.committed_round > 0
+
+    def holders(self) -> list[str]:
+        return sorted(self.rounds.holders)
+
+    def hosts_version(self) -> int:
+        return self.rounds.version
+
+    def publish(self, assignments: dict[str, dict[str, Any]]) -> None:
+        self.rounds.publish(assignments)
+
+    def bump_hosts(self) -> int:
+        self.rounds.version += 1
+        return self.rounds.version
+
+    def fail(self, message: str) -> None:
+        self.rounds.fail(message)
+
+
+class SimStoreClient:
+    actor = None
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+
+    def abandon(self, prefix: str) -> None:
+        self.world.abandon(prefix)
+
+
+def sim_parts(settings: ElasticSettings, world: World) -> JobParts:
+    return JobParts(SimPool(settings, world), SimCluster(world), SimRoundsClient(world),
+                    SimStoreClient(world), lambda s: world.advance(world.now + s),
+                    lambda: world.now, lambda: None)

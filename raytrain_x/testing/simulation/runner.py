@@ -1,0 +1,237 @@
+"""Runs the real elastic controller through one simulated schedule and checks the
+invariants as the history unfolds (docs/elastic.md, "Simulation")."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+from raytrain_x.common.errors import ElasticStateLost, ElasticTimeout
+from raytrain_x.ray.elastic.controller import ElasticJob
+from raytrain_x.ray.elastic.settings import ElasticSettings
+from raytrain_x.ray.failures import SILENT_LOST_S, STUCK_GRACE_S
+from raytrain_x.testing.simulation.parts import sim_parts
+from raytrain_x.testing.simulation.schedules import Schedule, apply
+from raytrain_x.testing.simulation.world import NODE_DEATH_S, World, WorldConfig
+
+
+class Hang(BaseException):
+    """The liveness watchdog stops a job that stopped progressing (a BaseException: the
+    controller's own error handling must not swallow it)."""
+
+
+def recovery_bound(config: WorldConfig) -> float:
+    """How long a job may go without a commit after the last fault while it has the
+    workers to train: a peer's collective timeout, the straggler rules (silent, then
+    stuck), Ray declaring a killed node dead, a worker's start (up to its start timeout)
+    and a node's launch, and a few commits."""
+    return (config.timeout_s + (config.timeout_s + STUCK_GRACE_S) + SILENT_LOST_S
+            + NODE_DEATH_S + config.start_timeout_s + config.launch_s[1]
+            + 3 * config.commit_s + 5.0)
+
+
+@dataclass
+class Outcome:
+    schedule: Schedule
+    violations: list[str]
+    stop: str  # "finished" or the documented stop the driver raised
+    virtual_s: float
+    faults: int
+    commits: int
+    recoveries: dict[str, list[float]] = field(default_factory=dict)  # fault kind -> s
+    trace: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+
+def settings_for(config: WorldConfig) -> ElasticSettings:
+    return ElasticSettings(
+        min_workers=config.min_workers, max_workers=config.max_workers, cpus_per_worker=1,
+        gpus_per_worker=0, resources_per_worker={}, reset_limit=None,
+        cooldown_range=config.cooldown_range, elastic_timeout=config.elastic_timeout,
+        timeout_s=config.timeout_s, discovery_interval_s=1.0,
+        start_timeout_s=config.start_timeout_s)
+
+
+class Watchdog:
+    """Liveness, checked every virtual second: with at least `min_workers` usable slots
+    (nodes up, reachable, not draining, not blacklisted, starting workers) since the last
+    fault, a commit comes within `recovery_bound`."""
+
+    def __init__(self, world: World, job: ElasticJob, schedule: Schedule) -> None:
+        self.world, self.job, self.schedule = world, job, schedule
+        self.bound = recovery_bound(schedule.config)
+        self.last_fault = 0.0
+        self.usable_since: float | None = 0.0
+        self.short_at: list[float] = []  # times the usable slots were short
+        self.end_by = math.inf
+
+    def usable_slots(self) -> int:
+        now = self.world.now
+        return sum(n.slots for n in self.world.nodes.values()
+                   if n.up and not n.known_dead and not n.cut(now) and not n.raylet_dead
+                   and n.drain_deadline is None and not n.stuck_starts
+                   and not (n.slow_starts and n.slow_starts[0] > self.world.config.start_timeout_s)
+                   and not self.job.blacklist.is_blacklisted(n.node_id))
+
+    def tick(self) -> None:
+        world = self.world
+        now = world.now
+        if self.usable_slots() >= self.schedule.config.min_workers:
+            if self.usable_since is None:
+                self.usable_since = now
+        else:
+            self.usable_since = None
+            self.short_at.append(now)
+        last_commit = world.commits[-1][0] if world.commits else 0.0
+        if self.usable_since is not None:
+            since = max(self.last_fault, last_commit, self.usable_since)
+            if now - since > self.bound:
+                world.violation(f"liveness: no commit for {now - since:.1f}s (bound "
+                                f"{self.bound:.0f}s) with {self.usable_slots()} usable slots; "
+                                f"the driver's members: {self._members()}")
+                raise Hang()
+        if now > self.end_by:
+            world.violation(f"liveness: the job did not end {self.bound:.0f}s after it was "
+                            "asked to")
+            raise Hang()
+        world.after(1.0, self.tick)
+
+    def _members(self) -> str:
+        return ", ".join(f"{w}(rank {m.rank}{', leaving' if m.leaving else ''}"
+                         f"{', departed' if m.departed else ''}, {m.actor.phase})"
+                         for w, m in self.job.members.items()) or "none"
+
+
+def run_schedule(schedule: Schedule, keep_trace: bool = False) -> Outcome:
+    """One history: the schedule's faults against the real controller."""
+    lines: list[str] = []
+    world_box: list[World] = []
+
+    def trace(line: str) -> None:
+        if keep_trace:
+            now = world_box[0].now if world_box else 0.0
+            lines.append(f"{now:9.3f} {line}")
+
+    world = World(schedule.seed, schedule.config, trace)
+    world_box.append(world)
+    settings = settings_for(schedule.config)
+    job = ElasticJob(settings, _never_called, (), {}, clock=lambda: world.now,
+                     parts=sim_parts(settings, world))
+    job.blacklist.rng = random.Random(schedule.seed)  # the cooldowns' jitter
+    dog = Watchdog(world, job, schedule)
+    recoveries: dict[str, list[float]] = {}
+    for fault in schedule.faults:
+        def fire(f=fault) -> None:
+            dog.last_fault = world.now
+            apply(world, f)
+            _measure_recovery(world, f.kind, recoveries)
+        world.at(fault.at, fire)
+    ask_end = schedule.last_fault + (schedule.tail_s or dog.bound / 2)
+    world.finish_after = ask_end
+    dog.end_by = ask_end + dog.bound
+    world.after(1.0, dog.tick)
+    stop = "finished"
+    out = io.StringIO()
+    logger = logging.getLogger("raytrain_x.elastic")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        with contextlib.redirect_stdout(out):
+            job.run()
+    except Hang:
+        stop = "hang"
+    except ElasticStateLost as exc:
+        stop = "ElasticStateLost"
+        _check_state_lost(world, job, exc)
+    except ElasticTimeout as exc:
+        stop = "ElasticTimeout"
+        _check_timeout(world, dog, exc)
+    except Exception as exc:  # noqa: BLE001 - any other stop is a violation
+        stop = type(exc).__name__
+        world.violation(f"the driver raised {type(exc).__name__}, not a documented stop: "
+                        f"{str(exc).splitlines()[0] if str(exc) else ''}")
+    finally:
+        logger.setLevel(level)
+    _check_events(world, job)
+    if keep_trace:
+        lines += [f"driver: {line}" for line in out.getvalue().splitlines()]
+    return Outcome(schedule, list(world.violations), stop, world.now, len(schedule.faults),
+                   len(world.commits), recoveries, lines)
+
+
+def _never_called(*_: Any) -> None:
+    raise AssertionError("a simulated worker runs the protocol, not a function")
+
+
+def _measure_recovery(world: World, kind: str, into: dict[str, list[float]]) -> None:
+    """Seconds from a fault to the next commit of a round formed after it."""
+    start = world.now
+    rounds_before = max(world.groups, default=0)
+
+    def check() -> None:
+        later = [t for t, r, _ in world.commits if t >= start and r > rounds_before]
+        if later:
+            into.setdefault(kind, []).append(later[0] - start)
+        elif world.now - start < 600:
+            world.after(0.5, check)
+    world.after(0.5, check)
+
+
+def _check_state_lost(world: World, job: ElasticJob, exc: Exception) -> None:
+    """`ElasticStateLost` only when no worker that holds the latest commit is left: each
+    holder is gone or failed (its process ended, or it was cut off and failed as lost).
+    A holder sent away because its node drains is checked when it is sent
+    (`World.sent_away`)."""
+    last = world.commits[-1][2] if world.commits else 0
+    holders = [w for w in world.workers if w.holds and w.saved == last]
+    alive = [w for w in holders if w.alive and w.reachable(world.now)
+             and w.worker_id in job.members]
+    if alive:
+        world.violation(f"ElasticStateLost while {alive} held commit {last}, alive and "
+                        "reachable members of the job")
+
+
+def _check_timeout(world: World, dog: Watchdog, exc: Exception) -> None:
+    window = world.config.elastic_timeout
+    if not any(t >= world.now - window - 2.0 for t in dog.short_at):
+        world.violation(f"ElasticTimeout though usable slots never fell below min_workers "
+                        f"in the last {window:g}s: {exc}")
+
+
+def _check_events(world: World, job: ElasticJob) -> None:
+    """Blacklist, cooldown, drains and give-ups as docs/elastic.md states them."""
+    blacklisted: dict[str, tuple[float, float]] = {}  # host -> (since, until)
+    drained: dict[str, float] = {}
+    for e in job.log.events:  # in the order the driver recorded them
+        if e.kind == "failure":
+            blacklisted[e.host] = (e.time, e.time + e.detail.get("cooldown_s", 0.0))
+        elif e.kind == "drain" and e.host:
+            drained.setdefault(e.host, e.time)
+        elif e.kind == "place":
+            since, until = blacklisted.get(e.host, (0.0, -1.0))
+            if e.time < until:
+                world.violation(f"worker placed on {e.host} at {e.time:.2f}s, blacklisted "
+                                f"at {since:.2f}s until {until:.2f}s")
+            if e.host in drained:
+                world.violation(f"worker placed on {e.host} at {e.time:.2f}s, draining since "
+                                f"{drained[e.host]:.2f}s")
+    for e in job.log.of("gave_up"):
+        why = e.detail.get("why", "")
+        node = world.nodes.get(e.host)
+        if "did not start within" in why:
+            continue  # the policy's own clock check (unit-tested)
+        if "left the cluster" in why and node is not None and not node.known_dead:
+            world.violation(f"gave up on a worker on {e.host}: {why}, but Ray lists it")
+    for w in world.workers:
+        drained = w.node.drain_deadline is not None
+        if drained and w.outcome and w.outcome[0] == "failed" and w.outcome[1] != "lost" \
+                and "stopped" not in str(w.outcome[1]):
+            world.violation(f"{w} on a draining node failed ({w.outcome[1]}), not left")

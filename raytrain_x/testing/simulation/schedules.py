@@ -1,0 +1,250 @@
+"""Fault schedules: random ones drawn from a seed, and the named scenarios of the faults
+that real clusters found (docs/elastic.md's findings and the drain-then-kill hang).
+
+A schedule is data (a `WorldConfig` and a list of `Fault`s), so it prints, replays and
+shrinks. A fault names its target by a fraction (`pick`) of the candidates it finds when
+it fires, so removing one fault leaves the others meaningful."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field, replace
+
+from raytrain_x.testing.simulation.world import Node, SimWorker, World, WorldConfig
+
+KINDS = ("kill_worker", "kill_node", "drain", "drain_kill", "raylet", "partition",
+         "slow_start", "stuck_start", "add_node", "kill_in_rendezvous", "kill_in_sync",
+         "kill_in_commit", "node_kill_in_rendezvous", "drain_in_rendezvous")
+
+
+@dataclass(frozen=True)
+class Fault:
+    at: float  # virtual seconds from the job's start
+    kind: str  # one of KINDS
+    pick: float = 0.0  # which target, as a fraction of the candidates
+    value: float = 0.0  # the kind's parameter (a deadline, a gap, a duration)
+
+    def __str__(self) -> str:
+        return f"{self.at:.2f}s {self.kind} pick={self.pick:.3f} value={self.value:.2f}"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    seed: int
+    config: WorldConfig
+    faults: tuple[Fault, ...]
+    name: str = ""
+    tail_s: float = 0.0  # quiet time after the last fault before the job is asked to end
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def last_fault(self) -> float:
+        return max((f.at for f in self.faults), default=0.0)
+
+    def without(self, keep: list[bool]) -> Schedule:
+        return replace(self, faults=tuple(f for f, k in zip(self.faults, keep) if k))
+
+    def describe(self) -> str:
+        c = self.config
+        head = (f"schedule {self.name or f'seed {self.seed}'}: {c.nodes} nodes x {c.slots} "
+                f"slots (autoscaler up to {c.max_nodes}), min_workers={c.min_workers}, "
+                f"max_workers={c.max_workers}, timeout_s={c.timeout_s:g}, "
+                f"commit every {c.commit_s:g}s")
+        return "\n".join([head, *(f"  {f}" for f in self.faults)])
+
+
+def random_schedule(seed: int, faults: int = 20, mean_gap_s: float = 6.0) -> Schedule:
+    """A random cluster, settings and `faults` faults (at least), `mean_gap_s` apart on
+    average, starting once the job has had time to form its first round."""
+    rng = random.Random(seed)
+    slots = rng.choice([1, 1, 2])
+    nodes = rng.randint(3, 5)
+    max_workers = rng.randint(3, min(6, 6 * slots))
+    config = WorldConfig(
+        nodes=nodes, slots=slots, max_nodes=rng.randint(nodes, 7),
+        min_workers=rng.choice([1, 1, 2]) if max_workers > 1 else 1,
+        max_workers=max_workers, timeout_s=rng.choice([5.0, 10.0]),
+        commit_s=rng.choice([0.2, 0.5, 1.0]), autoscaler=rng.random() < 0.8)
+    n = faults + rng.randint(0, faults // 2)
+    at = rng.uniform(3.0, 8.0)
+    out = []
+    weights = {"kill_worker": 3, "kill_node": 2, "drain": 4, "drain_kill": 3, "raylet": 1,
+               "partition": 3, "slow_start": 1, "stuck_start": 1, "add_node": 4,
+               "kill_in_rendezvous": 2, "kill_in_sync": 2, "kill_in_commit": 2,
+               "node_kill_in_rendezvous": 2, "drain_in_rendezvous": 2}
+    kinds, w = list(weights), list(weights.values())
+    for _ in range(n):
+        kind = rng.choices(kinds, w)[0]
+        out.append(Fault(round(at, 3), kind, round(rng.random(), 4),
+                         round(_value(kind, rng), 3)))
+        at += rng.expovariate(1.0 / mean_gap_s)
+    return Schedule(seed, config, tuple(out))
+
+
+def _value(kind: str, rng: random.Random) -> float:
+    if kind == "drain":
+        return rng.choice([-1.0, rng.uniform(1.0, 20.0)])  # -1: no deadline
+    if kind in ("drain_kill", "drain_in_rendezvous"):
+        return rng.uniform(0.0, 5.0)  # seconds from the drain to the kill
+    if kind == "partition":
+        return rng.choice([rng.uniform(0.5, 4.0), rng.uniform(5.0, 20.0),
+                           rng.uniform(30.0, 45.0)])
+    if kind == "slow_start":
+        return rng.uniform(8.0, 40.0)
+    return 0.0
+
+
+# ----------------------------------------------------------------------------- applying
+def _pick(items: list, pick: float):
+    return items[min(int(pick * len(items)), len(items) - 1)] if items else None
+
+
+def _up_nodes(world: World) -> list[Node]:
+    return [n for n in world.nodes.values() if n.up]
+
+
+def _busy_nodes(world: World) -> list[Node]:
+    """Nodes with a worker of the job on them (else any node that is up)."""
+    busy = [n for n in _up_nodes(world) if any(w.worker_id for w in world.workers_on(n))]
+    return busy or _up_nodes(world)
+
+
+def _members(world: World) -> list[SimWorker]:
+    return [w for w in world.workers if w.alive and w.worker_id]
+
+
+def apply(world: World, fault: Fault) -> None:
+    """Carries `fault` out now (phase faults wait for their phase)."""
+    kind, pick, value = fault.kind, fault.pick, fault.value
+    world.trace(f"FAULT {fault}")
+    if kind == "kill_worker":
+        w = _pick(_members(world), pick)
+        if w is not None:
+            world.process_dies(w, visible_in=0.3)
+    elif kind == "kill_node":
+        node = _pick(_busy_nodes(world), pick)
+        if node is not None:
+            world.kill_node(node)
+    elif kind == "drain":
+        node = _pick(_busy_nodes(world), pick)
+        if node is not None:
+            world.drain(node, None if value < 0 else value)
+    elif kind == "drain_kill":
+        node = _pick(_busy_nodes(world), pick)
+        if node is not None:
+            world.drain(node, None)
+            world.after(value, lambda: world.kill_node(node))
+    elif kind == "raylet":
+        node = _pick(_busy_nodes(world), pick)
+        if node is not None:
+            world.kill_raylet(node)
+    elif kind == "partition":
+        node = _pick(_busy_nodes(world), pick)
+        if node is not None:
+            world.partition(node, value)
+    elif kind in ("slow_start", "stuck_start"):
+        world.next_start = ("stuck" if kind == "stuck_start" else "slow", value)
+    elif kind == "add_node":
+        if len(_up_nodes(world)) < world.config.max_nodes:
+            world.add_node()
+    else:
+        phase, what = {
+            "kill_in_rendezvous": ("rendezvous", "worker"),
+            "kill_in_sync": ("sync", "worker"),
+            "kill_in_commit": ("commit", "worker"),
+            "node_kill_in_rendezvous": ("rendezvous", "node"),
+            "drain_in_rendezvous": ("rendezvous", "drain_kill"),
+        }[kind]
+        world.on_phase(phase, lambda: _phase_fault(world, what, pick, value))
+
+
+def _phase_fault(world: World, what: str, pick: float, value: float) -> None:
+    w = _pick(_members(world), pick)
+    if w is None:
+        return
+    world.trace(f"FAULT fires in its phase on {w}")
+    if what == "worker":
+        world.process_dies(w, visible_in=0.3)
+    elif what == "node":
+        world.kill_node(w.node)
+    else:
+        node = w.node
+        world.drain(node, None)
+        world.after(value, lambda: world.kill_node(node))
+
+
+# ----------------------------------------------------------------------------- scenarios
+def _named(name: str, config: WorldConfig, faults: list[Fault], note: str) -> Schedule:
+    return Schedule(0, config, tuple(faults), name=name, notes=(note,))
+
+
+THREE = WorldConfig(nodes=3, slots=1, max_nodes=4, min_workers=1, max_workers=3,
+                    timeout_s=10.0, commit_s=0.5)
+TWO_MIN = WorldConfig(nodes=4, slots=1, max_nodes=5, min_workers=2, max_workers=4,
+                      timeout_s=10.0, commit_s=0.5)
+
+
+def scenarios() -> dict[str, Schedule]:
+    """The faults real runs found, one schedule each (docs/elastic.md, "Chaos soak")."""
+    s = [
+        _named("drain-then-kill", THREE, [
+            Fault(6.0, "drain_in_rendezvous", 0.99, 0.0),
+            Fault(6.1, "drain", 0.0, -1.0),
+            Fault(6.2, "node_kill_in_rendezvous", 0.0)],
+            "the open hang: a drain, then rank 0's node killed right after the drain's "
+            "round formed"),
+        _named("drain-then-kill-apart", THREE, [
+            Fault(6.0, "drain_kill", 0.99, 2.0), Fault(8.5, "kill_node", 0.0)],
+            "a drain notice, its node killed 2 s later, then rank 0's node"),
+        _named("1-peer-lost-in-first-round", THREE, [Fault(0.0, "kill_in_rendezvous", 0.5)],
+               "a peer lost while the first rx.init() formed the world"),
+        _named("2-dead-peer-in-rendezvous", THREE, [Fault(5.0, "kill_worker", 0.0),
+                                                    Fault(5.0, "kill_in_rendezvous", 0.6)],
+               "peers forming a round with a worker that died"),
+        _named("3-every-holder-dies", THREE, [Fault(5.0, "kill_node", 0.0),
+                                              Fault(5.0, "kill_node", 0.5),
+                                              Fault(5.0, "kill_node", 0.99)],
+               "every state holder dies: the job stops with ElasticStateLost"),
+        _named("4-killed-worker-in-a-ring", TWO_MIN, [Fault(5.0, "kill_worker", 0.4)],
+               "a killed worker: every rank fails at once (the engine side is a real test)"),
+        _named("5-raylet-dies", THREE, [Fault(5.0, "raylet", 0.3)],
+               "a worker whose raylet died with it"),
+        _named("6-commit-race", THREE, [Fault(5.0, "kill_in_commit", 0.0)],
+               "a peer lost at a commit (the sampler's union is a real test)"),
+        _named("7-recovery-while-newcomer-starts", THREE, [
+            Fault(4.0, "slow_start", 0.0, 20.0), Fault(4.0, "add_node", 0.0),
+            Fault(5.0, "kill_worker", 0.5)],
+            "a failure while a replacement worker is still starting"),
+        _named("8-9-faults-before-first-commit", THREE, [
+            Fault(0.5, "kill_worker", 0.2), Fault(1.0, "kill_worker", 0.2),
+            Fault(1.5, "kill_in_sync", 0.2)],
+            "faults before the first commit (the soak's own checks are real tests)"),
+        _named("10-drain-on-forming-round", THREE, [
+            Fault(4.0, "slow_start", 0.0, 6.0), Fault(4.0, "add_node", 0.0),
+            Fault(5.0, "drain_in_rendezvous", 0.0, 30.0)],
+            "a drain lands on a round still forming"),
+        _named("11-12-newcomer-held-back", TWO_MIN, [
+            Fault(4.0, "add_node", 0.0), Fault(4.5, "drain_in_rendezvous", 0.2, 30.0),
+            Fault(9.0, "drain", 0.1, 5.0)],
+            "a given-up round's newcomer, and newcomers asked over before a commit"),
+        _named("13-14-partition-longer-than-timeout", THREE, [
+            Fault(5.0, "partition", 0.0, 3.0), Fault(15.0, "partition", 0.0, 14.0)],
+            "a 3 s then a 14 s partition of rank 0's host"),
+        _named("15-drain-gives-round-up", TWO_MIN, [
+            Fault(4.0, "add_node", 0.0), Fault(4.2, "slow_start", 0.0, 3.0),
+            Fault(5.0, "drain_in_rendezvous", 0.9, 30.0)],
+            "a drain gives a round up while a newcomer makes its groups"),
+        _named("16-partition-near-timeout", THREE, [Fault(5.0, "partition", 0.5, 14.0)],
+               "a partition just over the collective timeout"),
+        _named("17-raylet-killed-workers-exit", THREE, [Fault(5.0, "raylet", 0.0),
+                                                        Fault(5.5, "kill_worker", 0.9)],
+               "a raylet killed: its workers exit with it"),
+        _named("18-drained-member-late-to-rendezvous", THREE, [
+            Fault(5.0, "drain", 0.0, -1.0), Fault(5.05, "partition", 0.0, 1.0)],
+            "a drained member reaches the rendezvous after its peers formed the round"),
+        _named("drained-only-holder", WorldConfig(nodes=1, slots=1, max_nodes=3,
+                                                  min_workers=1, max_workers=2),
+               [Fault(3.0, "add_node", 0.0), Fault(8.0, "drain", 0.0, -1.0)],
+               "the only worker holding the state drains while a newcomer joins"),
+    ]
+    return {x.name: x for x in s}

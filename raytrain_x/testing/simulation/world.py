@@ -1,0 +1,620 @@
+"""The simulated world an elastic job runs in: one virtual clock, one seeded generator.
+
+Nodes, worker processes, the rounds actor, the rendezvous store and the autoscaler are
+plain objects; what takes time is an event on one queue. The real controller drives the
+clock: whenever it waits (a poll with a timeout, a sleep) the world runs its events up to
+the end of that wait. Nothing else advances time, so one seed is one history.
+
+Workers follow the worker side's protocol (`raytrain_x.ray.worker`, `raytrain_x.elastic
+.state.run`): join a round at the rounds actor, meet the round's peers at the store (a
+round the driver abandoned answers at once; a peer that never comes is waited for
+`timeout_s`), sync the state from rank 0, train and commit every `commit_s`, rank 0
+asking the rounds actor for the host-set version at each commit (a new version
+interrupts every rank, keeping its state), restore the last commit when a peer fails, and
+leave when the driver sends them away at the rendezvous.
+
+What Ray does with faults, with the delays measured on real clusters (docs/elastic.md):
+a killed process's calls fail at once; a killed node's processes are gone at once (their
+peers' connections close), but Ray reports their calls failed only when its health checks
+declare the node dead; a raylet's workers exit within `RAYLET_EXIT_S`; a cut-off node's
+calls are held until it heals, and it is declared dead if the cut lasts
+`PARTITION_DEATH_S`; a drained node with a deadline is terminated at it, and one without
+once it is idle.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from raytrain_x.comm.groups import round_prefix
+
+NODE_DEATH_S = 16.0  # a killed node until Ray's health checks declare it dead
+RAYLET_EXIT_S = 2.0  # a worker notices its raylet is gone (`exit_with_raylet`)
+RAYLET_CALLS_FAIL_S = 2.5  # calls to a worker whose raylet died fail
+PARTITION_DEATH_S = 30.0  # a cut-off node until Ray gives up on it
+PROCESS_GONE_S = 0.3  # a killed process's calls fail (its raylet reports it)
+IDLE_TERMINATE_S = 2.0  # a drained node without a deadline goes once idle
+RPC_S = 0.002  # one call to an actor on a reachable node
+AUTOSCALER_PERIOD_S = 2.0  # how often the autoscaler reconciles the job's request
+
+
+@dataclass
+class WorldConfig:
+    """One simulated job's cluster and settings (drawn from the seed)."""
+
+    nodes: int = 3
+    slots: int = 1  # workers per node
+    max_nodes: int = 6  # the autoscaler adds nodes up to this
+    min_workers: int = 1
+    max_workers: int = 3
+    timeout_s: float = 10.0  # the collective and rendezvous timeout
+    commit_s: float = 0.5  # training time between commits
+    start_s: tuple[float, float] = (0.5, 3.0)  # a worker process's start
+    launch_s: tuple[float, float] = (2.0, 8.0)  # the autoscaler's node launch
+    start_timeout_s: float = 30.0
+    elastic_timeout: float = 60.0
+    cooldown_range: tuple[float, float] = (2.0, 10.0)
+    autoscaler: bool = True
+
+
+@dataclass
+class Node:
+    node_id: str
+    slots: int
+    up: bool = True  # its processes run (False once killed or terminated)
+    known_dead: bool = False  # Ray has declared it dead (gone from its alive nodes)
+    cut_until: float = -math.inf  # partitioned until then
+    raylet_dead: bool = False
+    drain_deadline: float | None = None  # draining since a drain (inf: no deadline)
+    slow_starts: tuple[float, float] | None = None  # worker starts take this long
+    stuck_starts: bool = False  # worker processes never start
+
+    def cut(self, now: float) -> bool:
+        return now < self.cut_until
+
+
+@dataclass
+class Group:
+    """One rendezvous round as the workers see it."""
+
+    round_id: int
+    ranks: dict[str, int]  # worker id -> rank
+    hosts_version: int
+    arrived: set[str] = field(default_factory=set)
+    phase: str = "rendezvous"  # rendezvous, sync, training, broken, done
+    stalled_since: float | None = None  # a member is cut off since
+    commit_due: bool = False  # a commit is scheduled
+
+
+class SimWorker:
+    """One worker actor and its process."""
+
+    def __init__(self, world: World, key: int, node: Node) -> None:
+        self.world = world
+        self.key = key
+        self.node = node
+        self.worker_id = ""  # given by the pool when it joins the job
+        self.alive = True  # its process runs
+        self.ready_at: float | None = None  # its process answers from then (None: never)
+        self.outcome: tuple[str, Any] | None = None  # ("finished"|"failed"|"left", value)
+        self.outcome_at = math.inf  # when the driver can see the outcome
+        self.group: Group | None = None
+        self.phase = "idle"  # idle, joining, rendezvous, sync, training, done
+        self.joining_since: float | None = None
+        self.join_arrived = False
+        self.holds = False  # synced the job's state in some round
+        self.step = 0  # its state: commits it includes
+        self.saved = 0  # its last saved commit
+        self.restores = 0
+
+    def reachable(self, now: float) -> bool:
+        return self.alive and not self.node.cut(now) and not self.node.raylet_dead
+
+    def __repr__(self) -> str:
+        return f"{self.worker_id or f'actor{self.key}'}@{self.node.node_id}"
+
+
+class World:
+    """The clock, the queue, the cluster and the job's actors."""
+
+    def __init__(self, seed: int, config: WorldConfig, trace: Callable[[str], None]) -> None:
+        self.rng = random.Random(seed)
+        self.config = config
+        self.trace = trace
+        self.now = 0.0
+        self._queue: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self._node_ids = itertools.count(1)
+        self.nodes: dict[str, Node] = {}
+        self.workers: list[SimWorker] = []
+        self.groups: dict[int, Group] = {}
+        self.rounds = SimRounds(self)
+        self.store_abandoned: list[str] = []
+        self.launching = 0  # nodes the autoscaler is launching
+        self.requested = 0  # the job's standing request, in workers
+        self.next_start: tuple[str, float] | None = None  # a slow or stuck start fault
+        # what the invariants read
+        self.commits: list[tuple[float, int, int]] = []  # (time, round, step)
+        self.violations: list[str] = []
+        self.finish_after: float = math.inf  # workers finish at the first commit after it
+        self.phase_faults: list[tuple[str, Callable[[], None]]] = []
+        for _ in range(config.nodes):
+            self.add_node()
+        self.after(AUTOSCALER_PERIOD_S, self._autoscaler_loop)
+
+    # ------------------------------------------------------------------ the clock
+    def at(self, when: float, fn: Callable[[], None]) -> None:
+        heapq.heappush(self._queue, (max(when, self.now), next(self._seq), fn))
+
+    def after(self, delay: float, fn: Callable[[], None]) -> None:
+        self.at(self.now + delay, fn)
+
+    def advance(self, until: float, stop: Callable[[], bool] | None = None) -> None:
+        """Runs every event up to `until` (or until `stop()` holds after one)."""
+        while self._queue and self._queue[0][0] <= until:
+            when, _, fn = heapq.heappop(self._queue)
+            self.now = when
+            fn()
+            if stop is not None and stop():
+                return
+        self.now = max(self.now, until)
+
+    def violation(self, text: str) -> None:
+        self.violations.append(f"t={self.now:.2f}s: {text}")
+        self.trace(f"VIOLATION {text}")
+
+    # ------------------------------------------------------------------ nodes
+    def add_node(self) -> Node:
+        node = Node(f"n{next(self._node_ids)}", self.config.slots)
+        self.nodes[node.node_id] = node
+        self.trace(f"node {node.node_id} up")
+        return node
+
+    def alive_nodes(self) -> dict[str, Node]:
+        """The nodes Ray lists as alive."""
+        return {n: node for n, node in self.nodes.items() if not node.known_dead}
+
+    def workers_on(self, node: Node) -> list[SimWorker]:
+        return [w for w in self.workers if w.node is node and w.alive]
+
+    def declare_dead(self, node: Node) -> None:
+        if node.known_dead:
+            return
+        node.known_dead = True
+        node.up = False
+        self.trace(f"Ray declares node {node.node_id} dead")
+        for w in [w for w in self.workers if w.node is node]:
+            if w.alive:
+                self.process_dies(w, visible_in=0.0)
+            elif w.outcome is None:
+                w.outcome = ("failed", "lost")
+            w.outcome_at = min(w.outcome_at, self.now)
+
+    def kill_node(self, node: Node, graceful: bool = False) -> None:
+        """Every process on it ends now; Ray knows at once when the removal is graceful,
+        else when its health checks give up."""
+        if not node.up:
+            return
+        node.up = False
+        self.trace(f"node {node.node_id} {'terminated' if graceful else 'killed'}")
+        for w in self.workers_on(node):
+            self.process_dies(w, visible_in=math.inf)
+        if graceful:
+            self.declare_dead(node)
+        else:
+            self.after(NODE_DEATH_S, lambda: self.declare_dead(node))
+
+    def kill_raylet(self, node: Node) -> None:
+        if not node.up or node.raylet_dead:
+            return
+        node.raylet_dead = True
+        self.trace(f"raylet of {node.node_id} killed")
+        for w in self.workers_on(node):
+            self.after(RAYLET_EXIT_S, lambda w=w: self.process_dies(
+                w, visible_in=RAYLET_CALLS_FAIL_S - RAYLET_EXIT_S))
+        self.after(NODE_DEATH_S, lambda: self.declare_dead(node))
+
+    def partition(self, node: Node, seconds: float) -> None:
+        if not node.up:
+            return
+        node.cut_until = max(node.cut_until, self.now + seconds)
+        self.trace(f"node {node.node_id} cut off for {seconds:.1f}s")
+        if seconds >= PARTITION_DEATH_S:
+            self.after(PARTITION_DEATH_S, lambda: self._cut_off_for_good(node))
+        else:
+            self.after(seconds, lambda: self._healed(node))
+        for group in {id(w.group): w.group for w in self.workers_on(node) if w.group}.values():
+            self._stall(group)
+
+    def _cut_off_for_good(self, node: Node) -> None:
+        if node.up:
+            self.trace(f"node {node.node_id} stayed cut off: Ray gives up on it")
+            for w in self.workers_on(node):
+                self.process_dies(w, visible_in=0.0)
+            node.up = False
+        self.declare_dead(node)
+
+    def _healed(self, node: Node) -> None:
+        if node.cut(self.now) or not node.up:
+            return
+        self.trace(f"node {node.node_id} reachable again")
+        for w in self.workers_on(node):
+            if w.phase == "joining" and not w.join_arrived:
+                # Ray may hold a call to an actor it lost touch with for a minute or more
+                held = self.rng.choice([0.05, 0.05, self.rng.uniform(5.0, 60.0)])
+                self.after(held, lambda w=w: self._held_join_arrives(w))
+            if w.phase == "rendezvous" and w.group is not None \
+                    and w.worker_id not in w.group.arrived:
+                self._arrive(w, w.group)
+        for group in list(self.groups.values()):
+            self._unstall(group)
+
+    def drain(self, node: Node, deadline_s: float | None) -> None:
+        if not node.up or node.drain_deadline is not None:
+            return
+        node.drain_deadline = math.inf if deadline_s is None else self.now + deadline_s
+        self.trace(f"node {node.node_id} draining "
+                   f"({'no deadline' if deadline_s is None else f'deadline {deadline_s:.1f}s'})")
+        if deadline_s is not None:
+            self.after(deadline_s, lambda: self.kill_node(node, graceful=True))
+        else:
+            self._terminate_when_idle(node)
+
+    def _terminate_when_idle(self, node: Node) -> None:
+        if not node.up:
+            return
+        if self.workers_on(node):
+            self.after(0.5, lambda: self._terminate_when_idle(node))
+        else:
+            self.after(IDLE_TERMINATE_S, lambda: self.kill_node(node, graceful=True))
+
+    # ------------------------------------------------------------------ the autoscaler
+    def request(self, bundles: int) -> None:
+        """The job's standing request: nodes are launched until their slots cover it."""
+        self.requested = bundles
+        self._scale()
+
+    def _scale(self) -> None:
+        if not self.config.autoscaler:
+            return
+        usable = [n for n in self.nodes.values() if n.up and n.drain_deadline is None]
+        have = sum(n.slots for n in usable) + self.launching * self.config.slots
+        total = len([n for n in self.nodes.values() if n.up]) + self.launching
+        while have < self.requested and total < self.config.max_nodes:
+            self.launching += 1
+            have += self.config.slots
+            total += 1
+            self.after(self.rng.uniform(*self.config.launch_s), self._launched)
+
+    def _autoscaler_loop(self) -> None:
+        """The autoscaler reconciles the standing request with the nodes there are."""
+        self._scale()
+        self.after(AUTOSCALER_PERIOD_S, self._autoscaler_loop)
+
+    def _launched(self) -> None:
+        self.launching -= 1
+        self.add_node()
+
+    # ------------------------------------------------------------------ processes
+    def start_worker(self, node: Node) -> SimWorker:
+        w = SimWorker(self, len(self.workers), node)
+        self.workers.append(w)
+        if self.next_start is not None:
+            kind, seconds = self.next_start
+            self.next_start = None
+            if kind == "stuck":
+                node.stuck_starts = True
+            else:
+                node.slow_starts = (seconds, seconds)
+        if not node.up or node.stuck_starts:
+            w.ready_at = None
+        else:
+            w.ready_at = self.now + self.rng.uniform(*(node.slow_starts or self.config.start_s))
+        return w
+
+    def process_dies(self, w: SimWorker, visible_in: float) -> None:
+        """`w`'s process ends; its driver sees the call fail `visible_in` later."""
+        if not w.alive:
+            return
+        w.alive = False
+        self.trace(f"{w} process gone")
+        if w.outcome is None:
+            w.outcome = ("failed", "lost")
+            w.outcome_at = self.now + visible_in
+        self.rounds.gone(w)
+        if w.group is not None:
+            self._peer_gone(w.group, w)
+
+    # ------------------------------------------------------------------ the worker side
+    def execute(self, w: SimWorker) -> None:
+        """The pool called `execute`: the worker's first `rx.init()` joins a round."""
+        w.outcome = None
+        w.outcome_at = math.inf
+        self.after(RPC_S, lambda: self._join(w))
+
+    def _join(self, w: SimWorker) -> None:
+        if not w.alive:
+            return
+        w.phase = "joining"
+        w.group = None
+        w.joining_since = self.now
+        w.join_arrived = False
+        if w.node.cut(self.now):
+            return  # Ray holds the call until the node is reachable again
+        self._join_arrives(w)
+
+    def _held_join_arrives(self, w: SimWorker) -> None:
+        if w.alive and w.phase == "joining" and not w.join_arrived \
+                and not w.node.cut(self.now):
+            self._join_arrives(w)
+
+    def _join_arrives(self, w: SimWorker) -> None:
+        w.join_arrived = True
+        self.rounds.join(w)
+
+    def placed(self, w: SimWorker, place: dict[str, Any]) -> None:
+        """The rounds actor answered `w`'s join."""
+        if not w.alive or w.phase != "joining":
+            return
+        w.joining_since = None
+        if place.get("leave"):
+            self._ends(w, "left", place["reason"])
+            return
+        if "error" in place:
+            self._ends(w, "failed", place["error"])
+            return
+        if w.group is not None and w.group.phase != "broken":
+            self.violation(f"{w} placed in round {place['round']} while in round "
+                           f"{w.group.round_id}")
+        group = self.groups.get(place["round"])
+        if group is None:
+            self.violation(f"{w} placed in round {place['round']}, which was never published")
+            return
+        w.group = group
+        w.phase = "rendezvous"
+        self.after(self.rng.uniform(0.02, 0.3), lambda: self._arrive(w, group))
+
+    def _ends(self, w: SimWorker, kind: str, value: Any) -> None:
+        w.phase = "done"
+        w.outcome = (kind, value)
+        w.outcome_at = self.now + RPC_S
+        self.trace(f"{w} {kind}: {value}")
+        self.rounds.gone(w)
+
+    def _arrive(self, w: SimWorker, group: Group) -> None:
+        if not w.alive or w.group is not group or w.phase != "rendezvous":
+            return
+        if w.node.cut(self.now):
+            return  # arrives when the node heals
+        if self._abandoned(group):
+            self._internal_error(w, f"round {group.round_id} was abandoned")
+            return
+        group.arrived.add(w.worker_id)
+        if set(group.ranks) <= group.arrived:
+            self._formed(group)
+        else:
+            self.after(self.config.timeout_s, lambda: self._rendezvous_timeout(w, group))
+
+    def _abandoned(self, group: Group) -> bool:
+        prefix = round_prefix(group.round_id)
+        return any(prefix.startswith(p) for p in self.store_abandoned)
+
+    def abandon(self, prefix: str) -> None:
+        self.store_abandoned.append(prefix)
+        for group in list(self.groups.values()):
+            if group.phase == "rendezvous" and self._abandoned(group):
+                for w in self._members(group):
+                    if w.worker_id in group.arrived:
+                        self.after(RPC_S, lambda w=w, g=group: self._internal_error(
+                            w, f"round {g.round_id} was abandoned", g))
+
+    def _rendezvous_timeout(self, w: SimWorker, group: Group) -> None:
+        if w.group is group and group.phase == "rendezvous":
+            self._internal_error(w, "a peer did not reach the rendezvous", group)
+
+    def _members(self, group: Group) -> list[SimWorker]:
+        return [w for w in self.workers if w.worker_id in group.ranks and w.group is group]
+
+    def _formed(self, group: Group) -> None:
+        group.phase = "sync"
+        self._fire_phase_faults("sync")
+        rank0 = next((w for w in self._members(group) if group.ranks[w.worker_id] == 0), None)
+        if rank0 is None:
+            return
+        last = self.commits[-1][2] if self.commits else 0
+        if self.commits and rank0.step != last:
+            self.violation(f"round {group.round_id} syncs from {rank0} (rank 0), whose state "
+                           f"is at commit {rank0.step}, not the job's latest {last}")
+        self.after(self.rng.uniform(0.05, 0.3), lambda: self._synced(group, rank0.step))
+
+    def _synced(self, group: Group, step: int) -> None:
+        if group.phase != "sync" or group.stalled_since is not None:
+            return
+        for w in self._members(group):
+            w.phase = "training"
+            w.holds = True
+            w.step = w.saved = step
+        group.phase = "training"
+        self._schedule_commit(group)
+
+    def _schedule_commit(self, group: Group) -> None:
+        if not group.commit_due:
+            group.commit_due = True
+            self.after(self.config.commit_s, lambda: self._commit(group))
+
+    def _commit(self, group: Group) -> None:
+        group.commit_due = False
+        if group.phase != "training":
+            return
+        if group.stalled_since is not None:
+            return  # resumes when the cut-off member is back
+        members = self._members(group)
+        rank0 = next((w for w in members if group.ranks[w.worker_id] == 0), None)
+        if rank0 is None or len(members) != len(group.ranks):
+            return  # a member is gone: the others are failing
+        self._fire_phase_faults("commit")
+        if group.phase != "training":
+            return
+        step = rank0.step + 1
+        last = self.commits[-1][2] if self.commits else 0
+        if step != last + 1:
+            self.violation(f"round {group.round_id} commits step {step} after the job's "
+                           f"step {last}")
+        self.commits.append((self.now, group.round_id, step))
+        for w in members:
+            w.step = w.saved = step
+        version = self.rounds.commit(group.round_id)
+        if self.now >= self.finish_after:
+            group.phase = "done"
+            for w in members:
+                self._ends(w, "finished", step)
+            return
+        if version != group.hosts_version:
+            group.phase = "broken"
+            for w in members:  # HostsUpdatedInterrupt: keep the state, join again
+                self.after(RPC_S, lambda w=w: self._join(w))
+            return
+        self._schedule_commit(group)
+
+    def _peer_gone(self, group: Group, gone: SimWorker) -> None:
+        """A member's process ended: its peers' connections to it close at once."""
+        if group.phase in ("broken", "done"):
+            return
+        if group.phase == "rendezvous":
+            return  # the others wait for its keys until their timeout or an abandon
+        group.phase = "broken"
+        for w in self._members(group):
+            if w is not gone:
+                self.after(RPC_S, lambda w=w: self._internal_error(
+                    w, f"lost peer {gone}", group))
+
+    def _stall(self, group: Group) -> None:
+        if group.phase in ("sync", "training") and group.stalled_since is None:
+            group.stalled_since = self.now
+            self.after(self.config.timeout_s, lambda: self._stall_timeout(group))
+
+    def _unstall(self, group: Group) -> None:
+        if group.stalled_since is None or group.phase not in ("sync", "training"):
+            return
+        if any(w.node.cut(self.now) for w in self._members(group)):
+            return
+        group.stalled_since = None
+        if group.phase == "training":
+            self._schedule_commit(group)
+        else:
+            self.after(0.05, lambda: self._synced(group, self._rank0_step(group)))
+
+    def _rank0_step(self, group: Group) -> int:
+        rank0 = next((w for w in self._members(group) if group.ranks[w.worker_id] == 0), None)
+        return rank0.step if rank0 is not None else 0
+
+    def _stall_timeout(self, group: Group) -> None:
+        if group.stalled_since is None or group.phase not in ("sync", "training"):
+            return
+        if self.now - group.stalled_since < self.config.timeout_s - 1e-9:
+            return
+        group.phase = "broken"
+        for w in self._members(group):  # the collective times out on every member
+            self._internal_error(w, "collective timed out", group)
+
+    def _internal_error(self, w: SimWorker, why: str, group: Group | None = None) -> None:
+        """`InternalError` in `elastic.run`: restore the last commit, join again."""
+        if not w.alive or (group is not None and w.group is not group):
+            return
+        if w.phase in ("done", "joining"):
+            return
+        if w.group is not None and w.group.phase not in ("done",):
+            w.group.phase = "broken"
+        w.restores += 1
+        w.step = w.saved
+        self.trace(f"{w} InternalError ({why}); restores commit {w.saved}")
+        self.after(RPC_S, lambda: self._join(w))
+
+    # ------------------------------------------------------------------ phase faults
+    def on_phase(self, phase: str, fire: Callable[[], None]) -> None:
+        self.phase_faults.append((phase, fire))
+
+    def _fire_phase_faults(self, phase: str) -> None:
+        due = [f for p, f in self.phase_faults if p == phase]
+        self.phase_faults = [(p, f) for p, f in self.phase_faults if p != phase]
+        for fire in due:
+            fire()
+
+    def sent_away(self, w: SimWorker) -> None:
+        """The driver sends `w` away (its node drains): a drain must not take the job's
+        last copy of its committed state with it."""
+        last = self.commits[-1][2] if self.commits else 0
+        if not self.commits or not (w.holds and w.saved == last):
+            return
+        others = [o for o in self.workers if o is not w and o.alive and o.worker_id
+                  and o.reachable(self.now) and o.outcome is None and o.holds
+                  and o.saved == last and o.node.drain_deadline is None]
+        if not others:
+            self.violation(f"the driver sent {w} away (its node drains) while no staying "
+                           f"worker held commit {last}: the drain takes the job's state")
+
+    def rendezvous_published(self, group: Group) -> None:
+        self.groups[group.round_id] = group
+        self._fire_phase_faults("rendezvous")
+
+
+class SimRounds:
+    """The `ElasticRounds` actor: joins wait until the driver publishes their place."""
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.waiting: dict[str, SimWorker] = {}
+        self.version = 0
+        self.error: str | None = None
+        self.committed_round = 0
+        self.holders: set[str] = set()
+
+    def join(self, w: SimWorker) -> None:
+        if self.error:
+            self.world.after(RPC_S, lambda: self.world.placed(w, {"error": self.error}))
+            return
+        if w.holds:
+            self.holders.add(w.worker_id)
+        self.waiting[w.worker_id] = w  # a dead worker's join stays, as with a real actor
+
+    def gone(self, w: SimWorker) -> None:
+        """A process ended: nothing to do (the real actor does not know either)."""
+
+    def publish(self, assignments: dict[str, dict[str, Any]]) -> None:
+        world = self.world
+        rounds = {p["round"] for p in assignments.values() if "round" in p}
+        for round_id in rounds:
+            ranks = {w: p["rank"] for w, p in assignments.items() if p.get("round") == round_id}
+            sizes = {p["size"] for p in assignments.values() if p.get("round") == round_id}
+            if sorted(ranks.values()) != list(range(len(ranks))) or sizes != {len(ranks)}:
+                world.violation(f"round {round_id} ranks {sorted(ranks.values())}, sizes "
+                                f"{sorted(sizes)}: not 0..n-1 of n")
+            version = next(p["hosts_version"] for p in assignments.values()
+                           if p.get("round") == round_id)
+            world.rendezvous_published(Group(round_id, ranks, version))
+        for worker_id, place in assignments.items():
+            w = self.waiting.pop(worker_id, None)
+            if w is not None and place.get("leave"):
+                world.sent_away(w)
+            if w is None:
+                if "round" in place:
+                    world.violation(f"{worker_id} given a place in round {place['round']} "
+                                    "without waiting for one")
+                continue
+            world.after(RPC_S, lambda w=w, p=place: world.placed(w, p))
+
+    def fail(self, message: str) -> None:
+        self.error = message
+        for w in self.waiting.values():
+            self.world.after(RPC_S, lambda w=w: self.world.placed(w, {"error": message}))
+        self.waiting.clear()
+
+    def commit(self, round_id: int) -> int:
+        self.committed_round = max(self.committed_round, round_id)
+        return self.version
