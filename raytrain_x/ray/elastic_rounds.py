@@ -4,6 +4,7 @@ round's ranks are assigned (pure logic)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
 from typing import Any
 
 import ray
@@ -79,18 +80,23 @@ class ElasticRounds:
 
 
 def plan_round(members: dict[str, tuple[str, int]], round_id: int,
-               hosts_version: int) -> dict[str, dict[str, Any]]:
+               hosts_version: int, holders: Iterable[str] = ()) -> dict[str, dict[str, Any]]:
     """Every member's place in a new round.
 
     Args:
         members: worker id -> (node id, age), age being start order.
         round_id: the round's number (its store keys are its own).
         hosts_version: the host-set version the round is formed at.
+        holders: the workers that hold the job's state (they synced it in an earlier
+            round); empty before the job's first commit.
 
-    The oldest member becomes rank 0 (it holds the state every rank syncs from); workers
-    on one node get consecutive ranks, nodes ordered by their oldest worker.
+    The oldest member that holds the state becomes rank 0, since every rank syncs from
+    rank 0 (an older member that joined but never synced holds only its initial state);
+    workers on one node get consecutive ranks, nodes ordered by their first worker.
     """
-    by_age = sorted(members, key=lambda w: members[w][1])
+    holders = set(holders)
+    by_age = sorted(members, key=lambda w: (bool(holders) and w not in holders,
+                                            members[w][1]))
     slots = assign_ranks([members[w][0] for w in by_age])
     hosts = [s.node_id for s in sorted(slots, key=lambda s: s.rank)]
     return {worker_id: {"rank": slot.rank, "size": len(by_age), "local_rank": slot.local_rank,

@@ -237,7 +237,9 @@ class ElasticJob:
         beats.record(*self.pool.beat(), now)
         beats.keep(self.members)
         waiting = self.rounds_client.waiting()
-        present = [w for w, m in self.members.items() if not m.leaving]
+        # a drained member the last round formed without is sent away when it arrives: its
+        # wait is not a peer waiting for the others
+        present = [w for w, m in self.members.items() if not m.leaving and not m.departed]
         verdict = self.stragglers.observe(
             waiting, present, now, [w for w in present if self.members[w].rank >= 0],
             silent={w: beats.silent_for(w, now) for w in present}, failed=beats.failed)
@@ -293,7 +295,9 @@ class ElasticJob:
         (`_poll_pending`), however long their start takes."""
         usable = self.scaling.usable_slots(self.cluster.free_slots(self._used_slots()),
                                            self.draining, self.blacklist)
-        for node in self.scaling.starts(usable, len(self.members), len(self.pending)):
+        recent = self.clock() - self.settings.start_timeout_s
+        slow = {host for at, host, why in self.log.gave_up if at >= recent and "start" in why}
+        for node in self.scaling.starts(usable, len(self.members), len(self.pending), slow):
             self.log.add("place", node)
             self.pool.start(node)
 
@@ -466,16 +470,19 @@ class ElasticJob:
         newcomers = sum(m.rank < 0 for m in staying.values())
         if newcomers:
             self.log.note("scale_up" if self.rounds else "start", joined=newcomers)
+        holders: list[str] = []
         if self.rounds:
             holders = self.rounds_client.holders()
             committed = self.rounds_client.committed()
             if state_lost(staying, holders, committed):
                 raise state_lost_error(self.last_failure, self._lost_workers())
+            if not committed:
+                holders = []
         self.failures.count_round(self.log.is_reset(), self.last_failure)
         version = self.rounds_client.hosts_version()
         self.rounds += 1
         assignments = plan_round({m.worker_id: (m.node, m.age) for m in staying.values()},
-                                 self.rounds, version)
+                                 self.rounds, version, holders)
         self._round_newcomers = [w for w, m in staying.items() if m.rank < 0]
         for worker_id, place in assignments.items():
             self.members[worker_id].rank = place["rank"]

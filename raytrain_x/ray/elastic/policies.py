@@ -55,13 +55,18 @@ class ScalingPolicy:
         return {h: n for h, n in free.items() if n > 0 and h not in draining
                 and not blacklist.is_blacklisted(h)}
 
-    def starts(self, usable: Mapping[str, int], members: int, pending: int) -> list[str]:
+    def starts(self, usable: Mapping[str, int], members: int, pending: int,
+               last_resort: Iterable[str] = ()) -> list[str]:
         """The nodes to start workers on (one entry per worker), up to `max_workers`
-        counting those running and starting; nodes in id order, each filled in turn."""
+        counting those running and starting; nodes in id order, each filled in turn, the
+        `last_resort` ones (a worker lately did not start there) after every other: a node
+        that cannot start workers would otherwise take every start while others idle."""
         room = self.settings.max_workers - members - pending
         if room <= 0:
             return []
-        return [node for node, slots in sorted(usable.items()) for _ in range(slots)][:room]
+        last = set(last_resort)
+        order = sorted(usable.items(), key=lambda item: (item[0] in last, item[0]))
+        return [node for node, slots in order for _ in range(slots)][:room]
 
     def bundles(self, staying: int, pending: int, unusable_slots: int) -> int:
         """How many worker bundles to ask the autoscaler for: room for `max_workers` while
@@ -369,6 +374,8 @@ class MemberView:
     node: str
     leaving: bool = False
     in_round: bool = False  # it was given a place in a round (not a newcomer still starting)
+    # its node drains and a round formed without it: its state is behind that round's
+    departed: bool = False
 
 
 def state_lost(staying: Iterable[str], holders: Iterable[str], committed: bool) -> bool:
@@ -411,21 +418,23 @@ class RoundDecision:
 
 
 def kept_on_drain(members: Iterable[MemberView], draining: Iterable[str],
-                  holders: Iterable[str] | None) -> set[str]:
+                  holders: Iterable[str] | None, waiting: Iterable[str]) -> set[str]:
     """Members on a draining node that stay in the job's rounds for now: they hold the
-    committed state and no member that stays does. Sent away, they would take the job's
-    only copy of its state with them; kept, the staying members sync it from them in the
-    next round and they leave at the rendezvous after its first commit. None when the
-    holders are not known (`holders` None) or the job has not committed."""
+    committed state and no member that stays holds it and waits at the rendezvous (one
+    on its way may have died unseen), and no round formed without them (`departed`: the
+    job's state has moved on from theirs). Sent away, they would take the job's only copy of
+    its state with them; kept, the staying members sync it from them in the next round
+    and they leave at the rendezvous after its first commit. None when the holders are
+    not known (`holders` None: the job has not committed)."""
     if holders is None:
         return set()
-    holders, draining = set(holders), set(draining)
+    holders, draining, waiting = set(holders), set(draining), set(waiting)
     members = list(members)
     staying = [m for m in members if not m.leaving and m.node not in draining]
-    if any(m.worker_id in holders for m in staying):
+    if any(m.worker_id in holders and m.worker_id in waiting for m in staying):
         return set()
-    return {m.worker_id for m in members if not m.leaving and m.node in draining
-            and m.in_round and m.worker_id in holders}
+    return {m.worker_id for m in members if not m.leaving and not m.departed
+            and m.node in draining and m.worker_id in holders}
 
 
 def decide_round(waiting: Iterable[str], members: Iterable[MemberView],
@@ -447,7 +456,7 @@ def decide_round(waiting: Iterable[str], members: Iterable[MemberView],
     committed (`release`): its staying members then hold the state."""
     waiting, draining = set(waiting), set(draining)
     members = list(members)
-    kept = kept_on_drain(members, draining, holders)
+    kept = kept_on_drain(members, draining, holders, waiting)
     leave = sorted(m.worker_id for m in members if m.worker_id in waiting and not m.leaving
                    and m.node in draining and m.worker_id not in kept)
     staying = [m for m in members if not m.leaving

@@ -37,7 +37,8 @@ class Member:
     beat: Any = None  # its heartbeat call out now (`WorkerActor.joining`)
 
     def view(self) -> MemberView:
-        return MemberView(self.worker_id, self.node, self.leaving, in_round=self.rank >= 0)
+        return MemberView(self.worker_id, self.node, self.leaving, in_round=self.rank >= 0,
+                          departed=self.departed)
 
 
 @dataclass

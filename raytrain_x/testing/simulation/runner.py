@@ -126,6 +126,7 @@ def run_schedule(schedule: Schedule, keep_trace: bool = False) -> Outcome:
     job = ElasticJob(settings, _never_called, (), {}, clock=lambda: world.now,
                      parts=sim_parts(settings, world))
     job.blacklist.rng = random.Random(schedule.seed)  # the cooldowns' jitter
+    world.driver_members = lambda: job.members
     dog = Watchdog(world, job, schedule)
     recoveries: dict[str, list[float]] = {}
     for fault in schedule.faults:

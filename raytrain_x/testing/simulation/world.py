@@ -144,6 +144,7 @@ class World:
         self.violations: list[str] = []
         self.finish_after: float = math.inf  # workers finish at the first commit after it
         self.phase_faults: list[tuple[str, Callable[[], None]]] = []
+        self.driver_members: Callable[[], Any] = lambda: ()
         for _ in range(config.nodes):
             self.add_node()
         self.after(AUTOSCALER_PERIOD_S, self._autoscaler_loop)
@@ -546,17 +547,21 @@ class World:
         for fire in due:
             fire()
 
-    def sent_away(self, w: SimWorker) -> None:
-        """The driver sends `w` away (its node drains): a drain must not take the job's
-        last copy of its committed state with it."""
+    def sent_away(self, w: SimWorker, leaving: set[str]) -> None:
+        """The driver sends `w` away (its node drains) with the others in `leaving`: a
+        drain must not take the job's last copy of its committed state with it. A worker
+        the driver still counts as a member (it has not seen its failure yet) counts as
+        keeping the state: the driver decides on what it can know."""
         last = self.commits[-1][2] if self.commits else 0
         if not self.commits or not (w.holds and w.saved == last):
             return
-        others = [o for o in self.workers if o is not w and o.alive and o.worker_id
-                  and o.reachable(self.now) and o.outcome is None and o.holds
-                  and o.saved == last and o.node.drain_deadline is None]
+        known = self.driver_members()
+        others = [o for o in self.workers if o.worker_id and o.worker_id not in leaving
+                  and o.holds and o.saved == last
+                  and ((o.alive and o.reachable(self.now) and o.outcome is None)
+                       or o.worker_id in known)]
         if not others:
-            self.violation(f"the driver sent {w} away (its node drains) while no staying "
+            self.violation(f"the driver sent {w} away (its node drains) while no other "
                            f"worker held commit {last}: the drain takes the job's state")
 
     def rendezvous_published(self, group: Group) -> None:
@@ -598,10 +603,11 @@ class SimRounds:
             version = next(p["hosts_version"] for p in assignments.values()
                            if p.get("round") == round_id)
             world.rendezvous_published(Group(round_id, ranks, version))
+        leaving = {w for w, p in assignments.items() if p.get("leave")}
         for worker_id, place in assignments.items():
             w = self.waiting.pop(worker_id, None)
             if w is not None and place.get("leave"):
-                world.sent_away(w)
+                world.sent_away(w, leaving)
             if w is None:
                 if "round" in place:
                     world.violation(f"{worker_id} given a place in round {place['round']} "
