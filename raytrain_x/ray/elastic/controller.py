@@ -391,7 +391,7 @@ class ElasticJob:
         without them (`held_back`): one slow to arrive would hold up the recovery, and a
         peer already in a gloo wait with it (its group connections, the state sync) would
         wait until it reached its next store call; its process gone, the wait fails at
-        once, and a fresh worker takes its slot. Otherwise they join as newcomers."""
+        once, and a fresh worker takes its slot. Otherwise the next round waits for them."""
         if not self.rounds:
             return
         in_round = [m.node for m in self.members.values() if m.rank >= 0]
@@ -399,9 +399,10 @@ class ElasticJob:
         if not abandons_forming_round(notice, in_round, self.rounds, committed_round):
             return
         self.store.abandon(round_prefix(self.rounds))
-        for worker_id in self._round_newcomers:
-            if worker_id in self.members:
-                self.members[worker_id].rank = -1
+        # Those not restarted keep their place: the next round waits for them. A round
+        # past its store waits (its groups made, its state synced) is not stopped by the
+        # give-up: it trains on to its first commit, whose host check sends it back; a
+        # round formed without them meanwhile would train beside it from another state.
         restarted = held_back(self._round_newcomers, [m.view() for m in self.members.values()],
                               self.draining, self.settings.min_workers)
         for worker_id in restarted & set(self.members):

@@ -452,11 +452,18 @@ def decide_round(waiting: Iterable[str], members: Iterable[MemberView],
     interrupt that round's first commit, and a recovery would wait for their first groups
     too. A round is not held up by a member of the last round on a draining node still on
     its way to the rendezvous: it is in the round's `departed`, and sent away when it
-    arrives. A round that kept members on a draining node is asked over once it has
-    committed (`release`): its staying members then hold the state."""
+    arrives, unless no staying member was in the last round: then the last round is all
+    on draining nodes and is waited for (it trains on to its next commit). A round that
+    kept members on a draining node is asked over once it has committed (`release`): its
+    staying members then hold the state."""
     waiting, draining = set(waiting), set(draining)
     members = list(members)
     kept = kept_on_drain(members, draining, holders, waiting)
+    if not any(m.in_round and not m.leaving and m.node not in draining for m in members):
+        # the last round is all on draining nodes: it trains on until its next commit, and
+        # a round formed without it would train beside it from an older state
+        kept |= {m.worker_id for m in members if m.in_round and not m.leaving
+                 and not m.departed and m.node in draining}
     leave = sorted(m.worker_id for m in members if m.worker_id in waiting and not m.leaving
                    and m.node in draining and m.worker_id not in kept)
     staying = [m for m in members if not m.leaving

@@ -396,8 +396,12 @@ class World:
         if self._abandoned(group):
             self._internal_error(w, f"round {group.round_id} was abandoned")
             return
+        if group.phase == "broken" and set(group.ranks) <= group.arrived | {w.worker_id}:
+            # every key is there, but a peer left: its connection is refused at once
+            self.after(RPC_S, lambda: self._internal_error(w, "a peer left the round", group))
+            return
         group.arrived.add(w.worker_id)
-        if set(group.ranks) <= group.arrived:
+        if set(group.ranks) <= group.arrived and group.phase == "rendezvous":
             self._formed(group)
         else:
             self.after(self.config.timeout_s, lambda: self._rendezvous_timeout(w, group))
@@ -409,14 +413,15 @@ class World:
     def abandon(self, prefix: str) -> None:
         self.store_abandoned.append(prefix)
         for group in list(self.groups.values()):
-            if group.phase == "rendezvous" and self._abandoned(group):
+            if group.phase in ("rendezvous", "broken") and self._abandoned(group):
                 for w in self._members(group):
                     if w.worker_id in group.arrived:
                         self.after(RPC_S, lambda w=w, g=group: self._internal_error(
                             w, f"round {g.round_id} was abandoned", g))
 
     def _rendezvous_timeout(self, w: SimWorker, group: Group) -> None:
-        if w.group is group and group.phase == "rendezvous":
+        """Each member waits for the others' keys on its own, whatever became of them."""
+        if w.group is group and w.phase == "rendezvous":
             self._internal_error(w, "a peer did not reach the rendezvous", group)
 
     def _members(self, group: Group) -> list[SimWorker]:
