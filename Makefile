@@ -16,7 +16,7 @@ NATIVE_SOURCES := $(wildcard native/*.cpp native/*.h) CMakeLists.txt pyproject.t
 INSTALL = $(UV) pip install --python $(BIN)/python -c $(CONSTRAINTS) --compile-bytecode \
 	$(shell $(PYTHON) requirements/pip_sources.py)
 
-.PHONY: setup demo test bench lint clean
+.PHONY: setup demo test bench lint clean soak-sim
 
 setup: $(BUILD_STAMP)
 
@@ -51,6 +51,12 @@ test: lint
 
 bench: setup
 	$(BIN)/python benchmarks/pack_bench.py
+
+# The elastic job in the deterministic simulator: 100,000 random fault schedules on every
+# core, then the named scenarios (docs/elastic.md, "Simulation").
+soak-sim: $(TEST_STAMP)
+	$(BIN)/python -m raytrain_x.testing.simulate --schedules 100000 --seed 0 \
+		--json results/soak_sim.json
 
 # ruff, then the layer contracts of DESIGN.md (import-linter; see [tool.importlinter]).
 lint: $(TEST_STAMP)

@@ -27,11 +27,13 @@ from raytrain_x.ray.elastic.policies import (
     elastic_timeout_error,
     held_back,
     held_joins,
+    kept_on_drain,
     notice_drains,
     state_lost,
     state_lost_error,
 )
 from raytrain_x.ray.elastic.settings import ElasticSettings
+from raytrain_x.ray.elastic_rounds import plan_round
 
 
 class Clock:
@@ -329,6 +331,58 @@ def test_a_drained_member_slower_to_the_rendezvous_departs_with_the_round_formed
     assert there.leave == ["c"] and there.departed == []
     # no round forms: nobody departs yet
     assert decide_round(["a"], members, draining={"n3"}, min_workers=1).departed == []
+
+
+def test_a_drained_member_that_alone_holds_the_state_stays_until_a_staying_one_does():
+    """The simulator's finding: a drain sent the job's last state holder away while a
+    newcomer waited, and the job stopped with ElasticStateLost. Now the holder stays one
+    round (rank 0, the newcomers sync from it) and leaves after that round's commit."""
+    members = [MemberView("old", "n1", in_round=True), MemberView("new", "n2")]
+    decision = decide_round(["old", "new"], members, draining={"n1"}, min_workers=1,
+                            holders=["old"])
+    assert decision.leave == [] and decision.form and decision.ranks == ["new", "old"]
+    assert decision.kept == ["old"]
+    # that round committed: both were in it; it is asked over, the drained one then leaves
+    both = [MemberView("old", "n1", in_round=True), MemberView("new", "n2", in_round=True)]
+    asked = decide_round([], both, draining={"n1"}, min_workers=1, holders=["old"])
+    assert asked.release and not asked.form
+    after = decide_round(["old", "new"], both, draining={"n1"}, min_workers=1,
+                         holders=["old", "new"])
+    assert after.leave == ["old"] and after.ranks == ["new"] and after.kept == []
+
+
+def test_a_staying_holder_counts_only_once_it_waits_at_the_rendezvous():
+    """One on its way may have died unseen: until it waits, the drained holder stays."""
+    members = [MemberView("d", "n1", in_round=True), MemberView("s", "n2", in_round=True)]
+    assert kept_on_drain(members, {"n1"}, ["d", "s"], waiting=["d"]) == {"d"}
+    assert kept_on_drain(members, {"n1"}, ["d", "s"], waiting=["d", "s"]) == set()
+    # a drained member the last round formed without is behind it: never kept
+    gone = [MemberView("d", "n1", in_round=True, departed=True), members[1]]
+    assert kept_on_drain(gone, {"n1"}, ["d", "s"], waiting=["d"]) == set()
+    # before the first commit there is no state to keep, but a last round all on
+    # draining nodes is waited for: it trains on to its next commit
+    only = [MemberView("d", "n1", in_round=True), MemberView("new", "n2")]
+    assert kept_on_drain(only, {"n1"}, None, waiting=["new"]) == {"d"}
+    decision = decide_round(["new"], only, draining={"n1"}, min_workers=1)
+    assert not decision.form and decision.departed == []
+
+
+def test_rank_0_is_the_oldest_member_that_holds_the_state():
+    """The simulator's finding: an older member that joined but never synced became rank
+    0, and the round synced everyone to its initial state."""
+    members = {"never_synced": ("n1", 1), "holder": ("n2", 5), "new": ("n1", 7)}
+    places = plan_round(members, round_id=4, hosts_version=0, holders=["holder", "gone"])
+    assert places["holder"]["rank"] == 0
+    assert places["holder"]["hosts"][0] == "n2"
+    assert plan_round(members, 4, 0)["never_synced"]["rank"] == 0  # no commit yet: by age
+
+
+def test_nodes_where_a_worker_lately_did_not_start_are_tried_last():
+    policy = ScalingPolicy(settings(max_workers=3))
+    usable = {"n1": 1, "n2": 1, "n3": 1, "n4": 1}
+    assert policy.starts(usable, members=1, pending=0) == ["n1", "n2"]
+    assert policy.starts(usable, 1, 0, last_resort={"n1", "n2"}) == ["n3", "n4"]
+    assert policy.starts({"n1": 2}, 0, 0, last_resort={"n1"}) == ["n1", "n1"]  # only one
 
 
 def test_the_state_is_lost_once_no_staying_worker_holds_it():

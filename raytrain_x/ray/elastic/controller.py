@@ -237,9 +237,7 @@ class ElasticJob:
         beats.record(*self.pool.beat(), now)
         beats.keep(self.members)
         waiting = self.rounds_client.waiting()
-        # a drained member the last round formed without is sent away when it arrives: its
-        # wait is not a peer waiting for the others
-        present = [w for w, m in self.members.items() if not m.leaving and not m.departed]
+        present = self._present()
         verdict = self.stragglers.observe(
             waiting, present, now, [w for w in present if self.members[w].rank >= 0],
             silent={w: beats.silent_for(w, now) for w in present}, failed=beats.failed)
@@ -263,6 +261,13 @@ class ElasticJob:
             self._fail_all(verdict.stuck, lambda ranks, nodes: stuck_error(
                 ranks, nodes, self.stragglers.stuck_after_s,
                 {self.members[w].rank: at for w, at in where.items()}))
+
+    def _present(self) -> list[str]:
+        """The members whose peers may wait for them at the rendezvous. A drained member
+        that a round formed without is not one: it is sent away when it arrives, and its
+        wait is not a peer waiting for the others (counted as one, it made the members
+        training in that round look stuck)."""
+        return [w for w, m in self.members.items() if not m.leaving and not m.departed]
 
     def _fail_all(self, worker_ids: Iterable[str], errors_of: Callable) -> None:
         """Fails these members with one error naming them all: `errors_of(ranks, nodes)`."""

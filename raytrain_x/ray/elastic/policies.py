@@ -419,22 +419,29 @@ class RoundDecision:
 
 def kept_on_drain(members: Iterable[MemberView], draining: Iterable[str],
                   holders: Iterable[str] | None, waiting: Iterable[str]) -> set[str]:
-    """Members on a draining node that stay in the job's rounds for now: they hold the
-    committed state and no member that stays holds it and waits at the rendezvous (one
-    on its way may have died unseen), and no round formed without them (`departed`: the
-    job's state has moved on from theirs). Sent away, they would take the job's only copy of
-    its state with them; kept, the staying members sync it from them in the next round
-    and they leave at the rendezvous after its first commit. None when the holders are
-    not known (`holders` None: the job has not committed)."""
-    if holders is None:
-        return set()
-    holders, draining, waiting = set(holders), set(draining), set(waiting)
-    members = list(members)
-    staying = [m for m in members if not m.leaving and m.node not in draining]
-    if any(m.worker_id in holders and m.worker_id in waiting for m in staying):
-        return set()
-    return {m.worker_id for m in members if not m.leaving and not m.departed
-            and m.node in draining and m.worker_id in holders}
+    """Members on a draining node that stay in the job's rounds for now (not `departed`:
+    no round formed without them, so their state is the job's):
+
+    - those that hold the committed state (`holders`; None before the job's first commit)
+      while no member that stays holds it and waits at the rendezvous (one on its way may
+      have died unseen). Sent away, they would take the job's only copy of its state with
+      them; kept, the staying members sync it from them in the next round, and they leave
+      at the rendezvous after its first commit;
+    - every member of a last round that is all on draining nodes (no staying member was
+      in it): it trains on until its next commit, and a round formed without it would
+      train beside it from an older state."""
+    draining, waiting = set(draining), set(waiting)
+    members = [m for m in members if not m.leaving]
+    staying = [m for m in members if m.node not in draining]
+    drained = [m for m in members if m.node in draining and not m.departed]
+    kept = set()
+    if not any(m.in_round for m in staying):
+        kept = {m.worker_id for m in drained if m.in_round}
+    if holders is not None:
+        holders = set(holders)
+        if not any(m.worker_id in holders and m.worker_id in waiting for m in staying):
+            kept |= {m.worker_id for m in drained if m.worker_id in holders}
+    return kept
 
 
 def decide_round(waiting: Iterable[str], members: Iterable[MemberView],
@@ -459,11 +466,6 @@ def decide_round(waiting: Iterable[str], members: Iterable[MemberView],
     waiting, draining = set(waiting), set(draining)
     members = list(members)
     kept = kept_on_drain(members, draining, holders, waiting)
-    if not any(m.in_round and not m.leaving and m.node not in draining for m in members):
-        # the last round is all on draining nodes: it trains on until its next commit, and
-        # a round formed without it would train beside it from an older state
-        kept |= {m.worker_id for m in members if m.in_round and not m.leaving
-                 and not m.departed and m.node in draining}
     leave = sorted(m.worker_id for m in members if m.worker_id in waiting and not m.leaving
                    and m.node in draining and m.worker_id not in kept)
     staying = [m for m in members if not m.leaving

@@ -1,0 +1,78 @@
+"""The elastic driver as it was before each fix the simulator found: each function puts one
+old behaviour back (through pytest's monkeypatch), so a test can show that the fix's named
+scenario fails without it."""
+
+from __future__ import annotations
+
+from raytrain_x.ray.elastic import controller, policies
+
+
+def rank0_by_age_only(mp) -> None:
+    """Rank 0 was the oldest member, whether or not it held the state."""
+    plan = controller.plan_round
+    mp.setattr(controller, "plan_round", lambda members, r, v, holders=(): plan(members, r, v))
+
+
+def drained_holders_leave(mp) -> None:
+    """A member on a draining node left at the rendezvous even when it was the job's only
+    holder of the state."""
+    keep = policies.kept_on_drain
+    mp.setattr(policies, "kept_on_drain",
+               lambda members, draining, holders, waiting: keep(members, draining, None, waiting))
+
+
+def drained_last_round_not_waited(mp) -> None:
+    """A last round all on draining nodes was formed without (its members departed)."""
+    keep = policies.kept_on_drain
+
+    def kept(members, draining, holders, waiting):
+        members = list(members)
+        staying = [m for m in members if not m.leaving and m.node not in draining]
+        if not any(m.in_round for m in staying):
+            holders = set(holders or ())
+            if any(m.worker_id in holders and m.worker_id in waiting for m in staying):
+                return set()
+            return {m.worker_id for m in members if not m.leaving and not m.departed
+                    and m.node in draining and m.worker_id in holders}
+        return keep(members, draining, holders, waiting)
+    mp.setattr(policies, "kept_on_drain", kept)
+
+
+def departed_counts_as_present(mp) -> None:
+    """A departed member's wait at the rendezvous made the training members stragglers."""
+    mp.setattr(controller.ElasticJob, "_present",
+               lambda self: [w for w, m in self.members.items() if not m.leaving])
+
+
+def slow_nodes_first(mp) -> None:
+    """Workers were placed in node id order, a node where starts failed included."""
+    starts = policies.ScalingPolicy.starts
+    mp.setattr(policies.ScalingPolicy, "starts",
+               lambda self, usable, members, pending, last_resort=():
+               starts(self, usable, members, pending))
+
+
+def given_up_newcomers_forgotten(mp) -> None:
+    """A drain's give-up of a forming round made that round's newcomers newcomers again,
+    so the next round formed without them though they trained on in the old one."""
+    abandon = controller.ElasticJob._abandon_forming_round
+
+    def old(self, notice):
+        newcomers = list(self._round_newcomers)
+        before = len(self.log.of("abandoned"))
+        abandon(self, notice)
+        if len(self.log.of("abandoned")) > before:
+            for worker_id in newcomers:
+                if worker_id in self.members:
+                    self.members[worker_id].rank = -1
+    mp.setattr(controller.ElasticJob, "_abandon_forming_round", old)
+
+
+REVERTS = {
+    "rank0-holds-state": rank0_by_age_only,
+    "drained-holder-kept": drained_holders_leave,
+    "drained-last-round-waited": drained_last_round_not_waited,
+    "departed-not-a-straggler": departed_counts_as_present,
+    "slow-node-last-resort": slow_nodes_first,
+    "given-up-round-keeps-places": given_up_newcomers_forgotten,
+}

@@ -1,0 +1,133 @@
+"""The elastic job in the deterministic simulator: the real controller and policies against
+simulated nodes, workers, rounds, store and autoscaler on a virtual clock
+(`raytrain_x.testing.simulation`). Each named scenario is a fault pattern a real cluster
+or the simulator found; each fix the simulator led to fails its scenario when the old
+behaviour is put back (`elastic_reverts`)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from raytrain_x.ray.elastic import controller
+from raytrain_x.testing import simulate
+from raytrain_x.testing.simulation import (
+    Fault,
+    Schedule,
+    WorldConfig,
+    random_schedule,
+    run_schedule,
+    scenarios,
+)
+from raytrain_x.testing.simulation.shrink import shrink
+from tests.conftest import REPO
+from tests.unit.elastic_reverts import REVERTS
+
+SUITE_SEED = 1_000_000  # the suite's seeds: SUITE_SEED .. SUITE_SEED + SUITE_SCHEDULES
+SUITE_SCHEDULES = 1500
+
+
+@pytest.mark.parametrize("name", sorted(scenarios()))
+def test_every_named_scenario_holds_every_invariant(name):
+    outcome = run_schedule(scenarios()[name])
+    assert outcome.ok, outcome.violations
+    assert outcome.stop in ("finished", "ElasticStateLost"), outcome.stop
+
+
+def test_losing_every_holder_stops_the_job_naming_it():
+    outcome = run_schedule(scenarios()["3-every-holder-dies"])
+    assert outcome.ok and outcome.stop == "ElasticStateLost"
+
+
+def test_the_drain_then_kill_pattern_recovers_and_finishes():
+    """The pattern of the open hang on real clusters: a drain, then rank 0's node killed
+    right after the drain's round formed. In the simulation the job re-forms and ends."""
+    outcome = run_schedule(scenarios()["drain-then-kill"], keep_trace=True)
+    assert outcome.ok and outcome.stop == "finished", outcome.violations
+    trace = "\n".join(outcome.trace)
+    assert "draining" in trace and "killed" in trace, trace[-3000:]
+    assert outcome.recoveries.get("node_kill_in_rendezvous"), outcome.recoveries
+
+
+@pytest.mark.parametrize("name", sorted(n for n in REVERTS if n in scenarios()))
+def test_each_fix_fails_its_scenario_with_the_old_behaviour(name, monkeypatch):
+    REVERTS[name](monkeypatch)
+    outcome = run_schedule(scenarios()[name])
+    assert not outcome.ok, f"{name} passed with the old behaviour put back"
+
+
+def test_one_seed_is_one_history():
+    first = run_schedule(random_schedule(SUITE_SEED + 7), keep_trace=True)
+    again = run_schedule(random_schedule(SUITE_SEED + 7), keep_trace=True)
+    assert first.trace == again.trace and first.commits == again.commits
+    assert len(first.trace) > 20
+
+
+def test_random_schedules_have_at_least_the_faults_asked_for():
+    for seed in range(20):
+        schedule = random_schedule(seed, faults=20)
+        assert len(schedule.faults) >= 20
+        assert [f.at for f in schedule.faults] == sorted(f.at for f in schedule.faults)
+
+
+def test_the_watchdog_reports_a_job_that_stops_forming_rounds(monkeypatch):
+    """A planted hang: after its second round the driver never forms another. The
+    liveness check names it, and the run ends instead of spinning."""
+    decide = controller.decide_round
+
+    def stuck(waiting, members, *args, **kwargs):
+        decision = decide(waiting, members, *args, **kwargs)
+        if stuck.rounds >= 2 and decision.form:
+            return decision.__class__(decision.leave, False, [])
+        stuck.rounds += decision.form
+        return decision
+    stuck.rounds = 0
+    monkeypatch.setattr(controller, "decide_round", stuck)
+    config = WorldConfig(nodes=3, max_nodes=3, autoscaler=False)
+    outcome = run_schedule(Schedule(5, config, (Fault(8.0, "kill_worker", 0.0),)))
+    assert outcome.stop == "hang"
+    assert any("liveness: no commit" in v for v in outcome.violations), outcome.violations
+
+
+def test_a_failing_schedule_shrinks_to_the_faults_that_matter(monkeypatch):
+    """With an old behaviour put back, a random schedule that fails shrinks (Hypothesis)
+    to a few faults that still fail."""
+    REVERTS["drained-holder-kept"](monkeypatch)
+    failing = next(s for s in (random_schedule(seed) for seed in range(200))
+                   if not run_schedule(s).ok)
+    small = shrink(failing, max_examples=150)
+    assert len(small.faults) < len(failing.faults) / 2, small.describe()
+    assert not run_schedule(small).ok
+
+
+def test_the_command_prints_the_shrunk_schedule_and_exits_1(monkeypatch, capsys):
+    REVERTS["drained-holder-kept"](monkeypatch)
+    monkeypatch.setenv("PYTHONHASHSEED", "0")  # run in this process (no re-exec)
+    code = simulate.main(["--schedules", "5", "--seed", "0", "--jobs", "1",
+                          "--no-scenarios"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "shrunk from" in out and "--only '" in out, out[-2000:]
+    assert re.search(r"^simulated 5 schedules \(\d+ faults, [\d.]+ virtual hours\) in \d+ s: "
+                     r"[1-9]\d* violations$", out.strip().splitlines()[-1]), out[-500:]
+
+
+@pytest.mark.timeout(120)
+def test_the_suites_share_of_random_schedules_holds_every_invariant():
+    """A fixed set of seeds, through the command as a user runs it (its own process, hash
+    seed fixed). The full soak is `make soak-sim`."""
+    out = subprocess.run(
+        [sys.executable, "-m", "raytrain_x.testing.simulate", "--schedules",
+         str(SUITE_SCHEDULES), "--seed", str(SUITE_SEED), "--jobs", "1"],
+        capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO},
+        timeout=110)
+    last = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert re.fullmatch(r"simulated \d+ schedules \(\d+ faults, [\d.]+ virtual hours\) in \d+ "
+                        r"s: 0 violations", last), last
+    faults = int(re.search(r"\((\d+) faults", last).group(1))
+    assert faults >= 20 * SUITE_SCHEDULES
