@@ -130,4 +130,4 @@ def test_the_suites_share_of_random_schedules_holds_every_invariant():
     assert re.fullmatch(r"simulated \d+ schedules \(\d+ faults, [\d.]+ virtual hours\) in \d+ "
                         r"s: 0 violations", last), last
     faults = int(re.search(r"\((\d+) faults", last).group(1))
-    assert faults >= 20 * SUITE_SCHEDULES
+    assert faults >= 10 * SUITE_SCHEDULES  # those that met a running job

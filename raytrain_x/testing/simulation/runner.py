@@ -41,7 +41,7 @@ class Outcome:
     violations: list[str]
     stop: str  # "finished" or the documented stop the driver raised
     virtual_s: float
-    faults: int
+    faults: int  # the schedule's faults that met the job (those after its stop did not)
     commits: int
     recoveries: dict[str, list[float]] = field(default_factory=dict)  # fault kind -> s
     trace: list[str] = field(default_factory=list)
@@ -129,8 +129,10 @@ def run_schedule(schedule: Schedule, keep_trace: bool = False) -> Outcome:
     world.driver_members = lambda: job.members
     dog = Watchdog(world, job, schedule)
     recoveries: dict[str, list[float]] = {}
+    fired = [0]
     for fault in schedule.faults:
         def fire(f=fault) -> None:
+            fired[0] += 1
             dog.last_fault = world.now
             apply(world, f)
             _measure_recovery(world, f.kind, recoveries)
@@ -164,7 +166,7 @@ def run_schedule(schedule: Schedule, keep_trace: bool = False) -> Outcome:
     _check_events(world, job)
     if keep_trace:
         lines += [f"driver: {line}" for line in out.getvalue().splitlines()]
-    return Outcome(schedule, list(world.violations), stop, world.now, len(schedule.faults),
+    return Outcome(schedule, list(world.violations), stop, world.now, fired[0],
                    len(world.commits), recoveries, lines)
 
 

@@ -53,15 +53,19 @@ class Schedule:
         return "\n".join([head, *(f"  {f}" for f in self.faults)])
 
 
-def random_schedule(seed: int, faults: int = 20, mean_gap_s: float = 6.0) -> Schedule:
+def random_schedule(seed: int, faults: int = 20, mean_gap_s: float | None = None) -> Schedule:
     """A random cluster, settings and `faults` faults (at least), `mean_gap_s` apart on
-    average, starting once the job has had time to form its first round."""
+    average (default: drawn from 5-20 s, so that some jobs meet their faults in bursts
+    and others recover between them), starting once the job has had time to form its
+    first round."""
     rng = random.Random(seed)
+    if mean_gap_s is None:
+        mean_gap_s = rng.uniform(5.0, 20.0)
     slots = rng.choice([1, 1, 2])
-    nodes = rng.randint(3, 5)
-    max_workers = rng.randint(3, min(6, 6 * slots))
+    nodes = rng.randint(3, 6)
+    max_workers = rng.randint(3, 8)
     config = WorldConfig(
-        nodes=nodes, slots=slots, max_nodes=rng.randint(nodes, 7),
+        nodes=nodes, slots=slots, max_nodes=rng.randint(nodes, nodes + 4),
         min_workers=rng.choice([1, 1, 2]) if max_workers > 1 else 1,
         max_workers=max_workers, timeout_s=rng.choice([5.0, 10.0]),
         commit_s=rng.choice([0.2, 0.5, 1.0]), autoscaler=rng.random() < 0.8)
@@ -155,11 +159,12 @@ def apply(world: World, fault: Fault) -> None:
             "node_kill_in_rendezvous": ("rendezvous", "node"),
             "drain_in_rendezvous": ("rendezvous", "drain_kill"),
         }[kind]
-        world.on_phase(phase, lambda: _phase_fault(world, what, pick, value))
+        world.on_phase(phase, lambda members: _phase_fault(world, members, what, pick, value))
 
 
-def _phase_fault(world: World, what: str, pick: float, value: float) -> None:
-    w = _pick(_members(world), pick)
+def _phase_fault(world: World, members: list[SimWorker], what: str, pick: float,
+                 value: float) -> None:
+    w = _pick([m for m in members if m.alive], pick)
     if w is None:
         return
     world.trace(f"FAULT fires in its phase on {w}")

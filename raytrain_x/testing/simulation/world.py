@@ -41,6 +41,7 @@ PARTITION_DEATH_S = 30.0  # a cut-off node until Ray gives up on it
 PROCESS_GONE_S = 0.3  # a killed process's calls fail (its raylet reports it)
 IDLE_TERMINATE_S = 2.0  # a drained node without a deadline goes once idle
 RPC_S = 0.002  # one call to an actor on a reachable node
+RESPAWN_S = (3.0, 10.0)  # without an autoscaler, a lost node's replacement joins
 AUTOSCALER_PERIOD_S = 2.0  # how often the autoscaler reconciles the job's request
 
 
@@ -143,7 +144,7 @@ class World:
         self.commits: list[tuple[float, int, int]] = []  # (time, round, step)
         self.violations: list[str] = []
         self.finish_after: float = math.inf  # workers finish at the first commit after it
-        self.phase_faults: list[tuple[str, Callable[[], None]]] = []
+        self.phase_faults: list[tuple[str, Callable[[list[SimWorker]], None]]] = []
         self.driver_members: Callable[[], Any] = lambda: ()
         for _ in range(config.nodes):
             self.add_node()
@@ -210,6 +211,8 @@ class World:
             self.declare_dead(node)
         else:
             self.after(NODE_DEATH_S, lambda: self.declare_dead(node))
+        if not self.config.autoscaler:  # a fixed-size cluster's manager replaces the node
+            self.after(self.rng.uniform(*RESPAWN_S), self.add_node)
 
     def kill_raylet(self, node: Node) -> None:
         if not node.up or node.raylet_dead:
@@ -429,7 +432,7 @@ class World:
 
     def _formed(self, group: Group) -> None:
         group.phase = "sync"
-        self._fire_phase_faults("sync")
+        self._fire_phase_faults("sync", group)
         rank0 = next((w for w in self._members(group) if group.ranks[w.worker_id] == 0), None)
         if rank0 is None:
             return
@@ -464,7 +467,7 @@ class World:
         rank0 = next((w for w in members if group.ranks[w.worker_id] == 0), None)
         if rank0 is None or len(members) != len(group.ranks):
             return  # a member is gone: the others are failing
-        self._fire_phase_faults("commit")
+        self._fire_phase_faults("commit", group)
         if group.phase != "training":
             return
         step = rank0.step + 1
@@ -543,14 +546,19 @@ class World:
         self.after(RPC_S, lambda: self._join(w))
 
     # ------------------------------------------------------------------ phase faults
-    def on_phase(self, phase: str, fire: Callable[[], None]) -> None:
+    def on_phase(self, phase: str, fire: Callable[[list[SimWorker]], None]) -> None:
+        """`fire(members)` when a round next reaches `phase`, with that round's members."""
         self.phase_faults.append((phase, fire))
 
-    def _fire_phase_faults(self, phase: str) -> None:
-        due = [f for p, f in self.phase_faults if p == phase]
-        self.phase_faults = [(p, f) for p, f in self.phase_faults if p != phase]
-        for fire in due:
-            fire()
+    def _fire_phase_faults(self, phase: str, group: Group) -> None:
+        """The first fault waiting for `phase` fires on a member of `group` (one fault per
+        phase reached: faults that waited long are not all let loose at once)."""
+        for i, (p, fire) in enumerate(self.phase_faults):
+            if p == phase:
+                del self.phase_faults[i]
+                fire(self._members(group) or [w for w in self.workers if w.worker_id
+                                              and w.worker_id in group.ranks])
+                return
 
     def sent_away(self, w: SimWorker, leaving: set[str]) -> None:
         """The driver sends `w` away (its node drains) with the others in `leaving`: a
@@ -571,7 +579,7 @@ class World:
 
     def rendezvous_published(self, group: Group) -> None:
         self.groups[group.round_id] = group
-        self._fire_phase_faults("rendezvous")
+        self._fire_phase_faults("rendezvous", group)
 
 
 class SimRounds:
