@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from raytrain_x.comm.backend import Backend, Group, writable_alias
 from raytrain_x.comm.torch_store import as_torch_store
-from raytrain_x.common.errors import ConfigError, InternalError
+from raytrain_x.common.errors import ConfigError, InternalError, RendezvousTimeout
 from raytrain_x.common.settings import GPU_OPERATIONS
 
 REDUCE_OPS = {
@@ -69,17 +69,31 @@ def _moved(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+# torch tries a gloo full-mesh connect that times out 5 times over, each try with the
+# group's timeout (measured with torch 2.13: a peer killed after it published its address
+# held the others 5x the timeout, 150 s with the default 30 s). The group is given a fifth
+# of the job's timeout, so such a connect fails within the job's timeout; every collective
+# passes the job's timeout itself, and store waits keep it (`RayStore.set_timeout`).
+GLOO_CONNECT_TRIES = 5
+
+
 def gloo_options(timeout: timedelta, address: str) -> Any:
     """Gloo's options: listen on `address` (the Ray node's IP) unless `GLOO_SOCKET_IFNAME`
     names interfaces or no address is known; then gloo's own default, the address the
     hostname resolves to. That default is loopback wherever /etc/hosts maps the hostname to
-    127.0.x.1, which peers on other hosts cannot reach."""
-    if not address or os.environ.get("GLOO_SOCKET_IFNAME"):
-        return timeout
+    127.0.x.1, which peers on other hosts cannot reach. The group's own timeout bounds
+    its connect (`GLOO_CONNECT_TRIES`)."""
     options = dist.ProcessGroupGloo._Options()
-    options._timeout = timeout
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
-    options._threads = 2  # what gloo's own default gives one device
+    options._timeout = timeout / GLOO_CONNECT_TRIES
+    interfaces = os.environ.get("GLOO_SOCKET_IFNAME")
+    if interfaces:
+        options._devices = [dist.ProcessGroupGloo.create_device(interface=name.strip())
+                            for name in interfaces.split(",") if name.strip()]
+    elif address:
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
+    else:
+        options._devices = [dist.ProcessGroupGloo.create_default_device()]
+    options._threads = 2 * len(options._devices)  # what gloo's own default gives a device
     return options
 
 
@@ -124,6 +138,10 @@ class TorchGroup(Group):
     def _call(what: str, fn: Any, *args: Any) -> Any:
         try:
             return fn(*args)
+        except RendezvousTimeout as exc:
+            # the store's own error, passed through torch unchanged: a peer that did not
+            # come is a lost peer, as a failed connect is (elastic jobs restore and re-form)
+            raise InternalError(f"{what} failed: {exc}") from exc
         except RuntimeError as exc:  # DistBackendError, DistNetworkError, gloo timeouts
             text = str(exc).strip() or type(exc).__name__
             first = text.splitlines()[0].split(" This is typically")[0][:300]
@@ -139,6 +157,7 @@ class TorchGroup(Group):
         tensor = as_tensor(array)
         opts = dist.AllreduceOptions()
         opts.reduceOp = REDUCE_OPS[op]
+        opts.timeout = self._timeout
         pg = self._backend(tensor)
         wide = GLOO_WIDENED.get(tensor.dtype) if tensor.device.type == "cpu" else None
         if wide is not None:
@@ -155,6 +174,7 @@ class TorchGroup(Group):
     def broadcast(self, array: Any, root: int) -> None:
         tensor = as_tensor(array)
         opts = dist.BroadcastOptions()
+        opts.timeout = self._timeout
         opts.rootRank = root
         opts.rootTensor = 0
         pg = self._backend(tensor)
@@ -166,7 +186,9 @@ class TorchGroup(Group):
         pg = self._backend(tensor)
         outs = [_moved(as_tensor(o)) for o in outputs]
         moved = _moved(tensor)
-        self._call("allgather", lambda: pg.allgather([outs], [moved]).wait())
+        opts = dist.AllgatherOptions()
+        opts.timeout = self._timeout
+        self._call("allgather", lambda: pg.allgather([outs], [moved], opts).wait())
 
     def alltoall(self, output: Any, array: Any, output_splits: list[int],
                  input_splits: list[int]) -> None:
@@ -174,6 +196,7 @@ class TorchGroup(Group):
         pg = self._backend(tensor)
         tensor, out = _moved(tensor), _moved(out)
         opts = dist.AllToAllOptions()
+        opts.timeout = self._timeout
         self._call("alltoall", lambda: pg.alltoall_base(out, tensor, output_splits,
                                                         input_splits, opts).wait())
 
@@ -181,11 +204,14 @@ class TorchGroup(Group):
         tensor, out = as_tensor(array), as_tensor(output)
         opts = dist.ReduceScatterOptions()
         opts.reduceOp = dist.ReduceOp.SUM
+        opts.timeout = self._timeout
         pg = self._backend(tensor)
         self._call("reduce_scatter", lambda: pg._reduce_scatter_base(out, tensor, opts).wait())
 
     def barrier(self) -> None:
-        self._call("barrier", lambda: self._gloo.barrier().wait())
+        opts = dist.BarrierOptions()
+        opts.timeout = self._timeout
+        self._call("barrier", lambda: self._gloo.barrier(opts).wait())
 
     def close(self) -> None:
         self._gloo = None

@@ -24,7 +24,9 @@ class RayStore(dist.Store):
         return (RayStore, (self._store,))
 
     def set_timeout(self, timeout: timedelta) -> None:
-        self._store.timeout_s = timeout.total_seconds()
+        """Kept at the job's timeout: a gloo group sets the store's timeout to its own,
+        which is a fraction of the job's (`torch_backend.GLOO_CONNECT_TRIES`), and a peer
+        slower to the rendezvous than that is no failure."""
 
     def set(self, key: str, value) -> None:
         self._store.set(key, value)
@@ -39,7 +41,8 @@ class RayStore(dist.Store):
         return self._store.compare_set(key, expected, desired)
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        self._store.wait(keys, timeout.total_seconds() if timeout is not None else None)
+        """Waits the job's timeout whatever `timeout` a group passes (`set_timeout`)."""
+        self._store.wait(keys)
 
     def check(self, keys: list[str]) -> bool:
         return self._store.check(keys)

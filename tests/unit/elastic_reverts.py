@@ -76,3 +76,13 @@ REVERTS = {
     "slow-node-last-resort": slow_nodes_first,
     "given-up-round-keeps-places": given_up_newcomers_forgotten,
 }
+
+
+def last_holders_restarted(mp) -> None:
+    """Members that answered but stayed away (held joins, stuck) were restarted even when
+    they alone held the state."""
+    mp.setattr(controller, "spare_last_holders", lambda candidates, members, holders:
+               list(candidates))
+
+
+REVERTS["last-holder-spared"] = last_holders_restarted

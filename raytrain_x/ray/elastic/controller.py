@@ -41,6 +41,7 @@ from raytrain_x.ray.elastic.policies import (
     held_back,
     held_joins,
     notice_drains,
+    spare_last_holders,
     state_lost,
     state_lost_error,
 )
@@ -252,13 +253,17 @@ class ElasticJob:
         # again: one may have arrived since the first look)
         answering = {w: beats.joining[w] for w in verdict.absent
                      if w in beats.joining and w not in verdict.lost}
+        committed = self.rounds_client.committed()
+        holders = self.rounds_client.holders() if committed else None
         if answering:
             held = held_joins(answering, self.rounds_client.waiting(), JOIN_HELD_S)
+            held = spare_last_holders(held, self.members, holders)
             if held:
                 self._fail_all(held, held_join_error)
-        if verdict.stuck:
-            where = self.pool.ask(verdict.stuck, "where")
-            self._fail_all(verdict.stuck, lambda ranks, nodes: stuck_error(
+        stuck = spare_last_holders(verdict.stuck, self.members, holders)
+        if stuck:
+            where = self.pool.ask(stuck, "where")
+            self._fail_all(stuck, lambda ranks, nodes: stuck_error(
                 ranks, nodes, self.stragglers.stuck_after_s,
                 {self.members[w].rank: at for w, at in where.items()}))
 

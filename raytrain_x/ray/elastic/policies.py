@@ -356,6 +356,22 @@ class StragglerRule:
         return Stragglers(True, lost, stuck, absent)
 
 
+def spare_last_holders(candidates: Iterable[str], members: Iterable[str],
+                       holders: Iterable[str] | None) -> list[str]:
+    """The `candidates` (members that answer but stay away: held joins, stuck) to restart,
+    less those that hold the job's state when no other member does: restarted, they would
+    take the state with them and the job would stop with `ElasticStateLost`; waited for,
+    a held call arrives (Ray's reconnect backoff reaches a minute or more) and a stuck
+    one reaches its own timeout. `holders` None: the job has not committed."""
+    candidates = list(candidates)
+    if holders is None:
+        return candidates
+    holders = set(holders) & set(members)
+    if holders - set(candidates):
+        return candidates
+    return [w for w in candidates if w not in holders]
+
+
 def held_joins(joining: Mapping[str, float], waiting: Iterable[str],
                held_after_s: float) -> list[str]:
     """Workers that say they have been in their call to join a round for `held_after_s`

@@ -138,15 +138,21 @@ class SimPool(WorkerPool):
         for w in [m.actor for m in self.members.values()] + list(self.pending):
             self._kill(w)
 
-    def _kill(self, w: SimWorker) -> None:
+    def _kill(self, w: SimWorker, deferred: bool = False) -> None:
         """`ray.kill`: goes through the worker's raylet, so a cut-off worker lives on until
-        its node is back (or declared dead)."""
+        its node is back (or declared dead). The last holder of the state killed while it
+        answered and ran is marked `restarted` (the invariants tell that from losing it
+        to a fault)."""
         world = self.world
         if not w.alive:
             return
         if w.node.cut(world.now):
-            world.at(w.node.cut_until, lambda: self._kill(w))
+            world.at(w.node.cut_until, lambda: self._kill(w, deferred=True))
             return
+        if not deferred and w.outcome is None and w.holds:
+            others = [o for o in world.workers if o is not w and o.alive and o.worker_id
+                      and o.outcome is None and o.holds and o.saved >= w.saved]
+            w.restarted = not others  # the last holder of its state
         world.process_dies(w, visible_in=0.0)
 
 

@@ -197,9 +197,13 @@ def _check_state_lost(world: World, job: ElasticJob, exc: Exception) -> None:
     holders = [w for w in world.workers if w.holds and w.saved == last]
     alive = [w for w in holders if w.alive and w.reachable(world.now)
              and w.worker_id in job.members]
+    restarted = [w for w in holders if w.restarted]
     if alive:
         world.violation(f"ElasticStateLost while {alive} held commit {last}, alive and "
                         "reachable members of the job")
+    elif restarted:
+        world.violation(f"ElasticStateLost after the driver restarted {restarted}, which "
+                        f"held commit {last} and answered it")
 
 
 def _check_timeout(world: World, dog: Watchdog, exc: Exception) -> None:

@@ -14,7 +14,8 @@ from raytrain_x.testing.simulation.world import Node, SimWorker, World, WorldCon
 
 KINDS = ("kill_worker", "kill_node", "drain", "drain_kill", "raylet", "partition",
          "slow_start", "stuck_start", "add_node", "kill_in_rendezvous", "kill_in_sync",
-         "kill_in_commit", "node_kill_in_rendezvous", "drain_in_rendezvous")
+         "kill_in_commit", "node_kill_in_rendezvous", "node_kill_in_connect",
+         "drain_in_rendezvous")
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,8 @@ def random_schedule(seed: int, faults: int = 20, mean_gap_s: float | None = None
     weights = {"kill_worker": 3, "kill_node": 2, "drain": 4, "drain_kill": 3, "raylet": 1,
                "partition": 3, "slow_start": 1, "stuck_start": 1, "add_node": 4,
                "kill_in_rendezvous": 2, "kill_in_sync": 2, "kill_in_commit": 2,
-               "node_kill_in_rendezvous": 2, "drain_in_rendezvous": 2}
+               "node_kill_in_rendezvous": 2, "node_kill_in_connect": 2,
+               "drain_in_rendezvous": 2}
     kinds, w = list(weights), list(weights.values())
     for _ in range(n):
         kind = rng.choices(kinds, w)[0]
@@ -157,6 +159,7 @@ def apply(world: World, fault: Fault) -> None:
             "kill_in_sync": ("sync", "worker"),
             "kill_in_commit": ("commit", "worker"),
             "node_kill_in_rendezvous": ("rendezvous", "node"),
+            "node_kill_in_connect": ("connect", "node"),
             "drain_in_rendezvous": ("rendezvous", "drain_kill"),
         }[kind]
         world.on_phase(phase, lambda members: _phase_fault(world, members, what, pick, value))
@@ -186,6 +189,9 @@ def _named(name: str, config: WorldConfig, faults: list, note: str, seed: int = 
 
 THREE = WorldConfig(nodes=3, slots=1, max_nodes=4, min_workers=1, max_workers=3,
                     timeout_s=10.0, commit_s=0.5)
+# the real drain-then-kill test: 3 one-slot nodes, no node joins, the example's 30 s timeout
+DRAIN_TEST = WorldConfig(nodes=3, slots=1, max_nodes=3, min_workers=1, max_workers=3,
+                         timeout_s=30.0, commit_s=0.5, autoscaler=False, respawn=False)
 TWO_MIN = WorldConfig(nodes=4, slots=1, max_nodes=5, min_workers=2, max_workers=4,
                       timeout_s=10.0, commit_s=0.5)
 
@@ -193,15 +199,13 @@ TWO_MIN = WorldConfig(nodes=4, slots=1, max_nodes=5, min_workers=2, max_workers=
 def scenarios() -> dict[str, Schedule]:
     """The faults real runs found, one schedule each (docs/elastic.md, "Chaos soak")."""
     s = [
-        _named("drain-then-kill", THREE, [
-            Fault(6.0, "drain_in_rendezvous", 0.99, 0.0),
-            Fault(6.1, "drain", 0.0, -1.0),
-            Fault(6.2, "node_kill_in_rendezvous", 0.0)],
-            "the open hang: a drain, then rank 0's node killed right after the drain's "
-            "round formed"),
+        _named("drain-then-kill", DRAIN_TEST, [
+            Fault(6.0, "drain", 0.99, 60.0), Fault(6.0, "node_kill_in_connect", 0.0)],
+            "the hang of real runs: one node drained (60 s deadline), then rank 0's node "
+            "killed as the drain's round connected (no node may join, as in the real test)"),
         _named("drain-then-kill-apart", THREE, [
             Fault(6.0, "drain_kill", 0.99, 2.0), Fault(8.5, "kill_node", 0.0)],
-            "a drain notice, its node killed 2 s later, then rank 0's node"),
+            "a drain notice, its node killed 2 s later, then another node"),
         _named("1-peer-lost-in-first-round", THREE, [Fault(0.0, "kill_in_rendezvous", 0.5)],
                "a peer lost while the first rx.init() formed the world"),
         _named("2-dead-peer-in-rendezvous", THREE, [Fault(5.0, "kill_worker", 0.0),

@@ -62,6 +62,10 @@ class WorldConfig:
     elastic_timeout: float = 60.0
     cooldown_range: tuple[float, float] = (2.0, 10.0)
     autoscaler: bool = True
+    respawn: bool = True  # without an autoscaler, a lost node's replacement joins
+    # how long a group's connect holds its members when a peer died after publishing its
+    # address (None: timeout_s, raytrain-x's bound; torch's own tries took 5 x timeout_s)
+    connect_wait_s: float | None = None
 
 
 @dataclass
@@ -113,6 +117,7 @@ class SimWorker:
         self.step = 0  # its state: commits it includes
         self.saved = 0  # its last saved commit
         self.restores = 0
+        self.restarted = False  # the driver killed it, the state's last holder, running
 
     def reachable(self, now: float) -> bool:
         return self.alive and not self.node.cut(now) and not self.node.raylet_dead
@@ -211,7 +216,7 @@ class World:
             self.declare_dead(node)
         else:
             self.after(NODE_DEATH_S, lambda: self.declare_dead(node))
-        if not self.config.autoscaler:  # a fixed-size cluster's manager replaces the node
+        if not self.config.autoscaler and self.config.respawn:  # a cluster manager's
             self.after(self.rng.uniform(*RESPAWN_S), self.add_node)
 
     def kill_raylet(self, node: Node) -> None:
@@ -431,6 +436,18 @@ class World:
         return [w for w in self.workers if w.worker_id in group.ranks and w.group is group]
 
     def _formed(self, group: Group) -> None:
+        """Every member's keys are in the store: they connect to each other. A peer that
+        died after publishing its address refuses them: they wait the connect out."""
+        group.phase = "connect"
+        self._fire_phase_faults("connect", group)
+        if group.phase != "connect":
+            return
+        if any(not w.alive for w in self.workers if w.worker_id in group.ranks
+               and w.group is group):
+            wait = self.config.connect_wait_s
+            self.after(self.config.timeout_s if wait is None else wait,
+                       lambda: self._connect_failed(group))
+            return
         group.phase = "sync"
         self._fire_phase_faults("sync", group)
         rank0 = next((w for w in self._members(group) if group.ranks[w.worker_id] == 0), None)
@@ -441,6 +458,11 @@ class World:
             self.violation(f"round {group.round_id} syncs from {rank0} (rank 0), whose state "
                            f"is at commit {rank0.step}, not the job's latest {last}")
         self.after(self.rng.uniform(0.05, 0.3), lambda: self._synced(group, rank0.step))
+
+    def _connect_failed(self, group: Group) -> None:
+        group.phase = "broken"
+        for w in self._members(group):
+            self._internal_error(w, "a peer refused the connect", group)
 
     def _synced(self, group: Group, step: int) -> None:
         if group.phase != "sync" or group.stalled_since is not None:
@@ -493,8 +515,8 @@ class World:
 
     def _peer_gone(self, group: Group, gone: SimWorker) -> None:
         """A member's process ended: its peers' connections to it close at once."""
-        if group.phase in ("broken", "done"):
-            return
+        if group.phase in ("broken", "done", "connect"):
+            return  # a connect under way is waited out (`_formed`)
         if group.phase == "rendezvous":
             return  # the others wait for its keys until their timeout or an abandon
         group.phase = "broken"
@@ -551,13 +573,14 @@ class World:
         self.phase_faults.append((phase, fire))
 
     def _fire_phase_faults(self, phase: str, group: Group) -> None:
-        """The first fault waiting for `phase` fires on a member of `group` (one fault per
-        phase reached: faults that waited long are not all let loose at once)."""
+        """The first fault waiting for `phase` fires on a member of `group`, given in rank
+        order (one fault per phase reached: faults that waited long are not all let loose
+        at once)."""
         for i, (p, fire) in enumerate(self.phase_faults):
             if p == phase:
                 del self.phase_faults[i]
-                fire(self._members(group) or [w for w in self.workers if w.worker_id
-                                              and w.worker_id in group.ranks])
+                members = [w for w in self.workers if w.worker_id in group.ranks]
+                fire(sorted(members, key=lambda w: group.ranks[w.worker_id]))
                 return
 
     def sent_away(self, w: SimWorker, leaving: set[str]) -> None:
