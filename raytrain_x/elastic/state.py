@@ -22,15 +22,27 @@ log = logging.getLogger("raytrain_x.elastic")
 BroadcastObject = Callable[..., Any]  # (obj, root_rank, name=...) -> root's obj
 
 _restores = 0  # how many times `run` restored a commit in this process
-_holds_state = False  # whether this process holds the job's state (synced or committed)
+_state_round = 0  # the round whose state this process holds (0: none yet)
+
+
+def state_round() -> int:
+    """The rendezvous round of the state this process holds: the round in which it last
+    committed, or synced the state from rank 0 inside `run` (0: it never synced, and
+    holds only its initial state). The elastic driver reads it at each rendezvous: a
+    worker holds the job's latest state when this is no older than the last round that
+    committed; it needs one such holder in every round, or the state is lost."""
+    return _state_round
 
 
 def holds_state() -> bool:
-    """Whether this process holds the job's state: it completed a sync from rank 0 inside
-    `run` (and so commits real progress from then on). A worker that joined and has not
-    synced yet holds only its initial state; the elastic driver needs one holder in every
-    round, or the state is lost."""
-    return _holds_state
+    """Whether this process holds the job's state (synced inside `run`; `state_round`)."""
+    return _state_round > 0
+
+
+def _note_state_round() -> None:
+    global _state_round
+    if runtime.is_initialized():
+        _state_round = max(1, runtime.rendezvous().round)
 
 
 def restore_count() -> int:
@@ -69,6 +81,8 @@ class State:
         """Saves the state in memory, then checks for added or removed hosts (raising
         `HostsUpdatedInterrupt` on every rank at once when the world should change)."""
         self.save()
+        if _state_round:  # it synced inside `run`: this commit is the job's progress
+            _note_state_round()
         self.check_host_updates()
 
     def check_host_updates(self) -> None:
@@ -144,8 +158,7 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
                     state.on_reset()
                 if not skip_sync:
                     state.sync()
-                    global _holds_state
-                    _holds_state = True
+                    _note_state_round()
                 return func(state, *args, **kwargs)
             except InternalError as exc:
                 global _restores

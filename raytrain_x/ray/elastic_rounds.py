@@ -22,15 +22,15 @@ class ElasticRounds:
         self._hosts_version = 0
         self._error: str | None = None
         self._committed_round = 0  # the last round rank 0 committed in (rounds count from 1)
-        self._holders: set[str] = set()  # workers that said they hold the state
+        self._state_rounds: dict[str, int] = {}  # worker -> the round of the state it holds
 
-    async def join(self, worker_id: str, holds_state: bool = False) -> dict[str, Any]:
+    async def join(self, worker_id: str, state_round: int = 0) -> dict[str, Any]:
         """Blocks until the driver puts this worker in a round; returns its place.
-        `holds_state`: the worker synced the job's state in an earlier round."""
+        `state_round`: the round whose state the worker holds (`elastic.state.state_round`;
+        0: none, it never synced)."""
         if self._error:
             raise ElasticJobStopped(self._error)
-        if holds_state:
-            self._holders.add(worker_id)
+        self._state_rounds[worker_id] = int(state_round)
         future = asyncio.get_running_loop().create_future()
         self._waiting[worker_id] = future
         return await future
@@ -75,8 +75,15 @@ class ElasticRounds:
         return self._committed_round > 0
 
     async def holders(self) -> list[str]:
-        """The workers that said, when they last joined, that they hold the state."""
-        return sorted(self._holders)
+        """The workers that hold the job's latest committed state (`current_holders`)."""
+        return current_holders(self._state_rounds, self._committed_round)
+
+
+def current_holders(state_rounds: dict[str, int], committed_round: int) -> list[str]:
+    """The workers whose state, as they reported it when they last joined a round, is the
+    job's latest: from a round no older than the last that committed (a worker that left
+    a round which committed after it holds an older state)."""
+    return sorted(w for w, r in state_rounds.items() if r > 0 and r >= committed_round)
 
 
 def plan_round(members: dict[str, tuple[str, int]], round_id: int,

@@ -158,11 +158,11 @@ class WorkerActor:
                 lambda config, start, fixed: ActorAdvisor(autotune_actor))
 
         def provider() -> Rendezvous:
-            from raytrain_x.elastic.state import holds_state
+            from raytrain_x.elastic.state import state_round
 
             self.joining_since = time.monotonic()
             try:
-                place = call_actor(rounds_actor.join, worker_id, holds_state())
+                place = call_actor(rounds_actor.join, worker_id, state_round())
             finally:
                 self.joining_since = None
             if place.get("leave"):

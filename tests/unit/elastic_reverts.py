@@ -52,29 +52,12 @@ def slow_nodes_first(mp) -> None:
                starts(self, usable, members, pending))
 
 
-def given_up_newcomers_forgotten(mp) -> None:
-    """A drain's give-up of a forming round made that round's newcomers newcomers again,
-    so the next round formed without them though they trained on in the old one."""
-    abandon = controller.ElasticJob._abandon_forming_round
-
-    def old(self, notice):
-        newcomers = list(self._round_newcomers)
-        before = len(self.log.of("abandoned"))
-        abandon(self, notice)
-        if len(self.log.of("abandoned")) > before:
-            for worker_id in newcomers:
-                if worker_id in self.members:
-                    self.members[worker_id].rank = -1
-    mp.setattr(controller.ElasticJob, "_abandon_forming_round", old)
-
-
 REVERTS = {
     "rank0-holds-state": rank0_by_age_only,
     "drained-holder-kept": drained_holders_leave,
     "drained-last-round-waited": drained_last_round_not_waited,
     "departed-not-a-straggler": departed_counts_as_present,
     "slow-node-last-resort": slow_nodes_first,
-    "given-up-round-keeps-places": given_up_newcomers_forgotten,
 }
 
 

@@ -29,11 +29,12 @@ from raytrain_x.ray.elastic.policies import (
     held_joins,
     kept_on_drain,
     notice_drains,
+    spare_last_holders,
     state_lost,
     state_lost_error,
 )
 from raytrain_x.ray.elastic.settings import ElasticSettings
-from raytrain_x.ray.elastic_rounds import plan_round
+from raytrain_x.ray.elastic_rounds import current_holders, plan_round
 
 
 class Clock:
@@ -356,15 +357,32 @@ def test_a_staying_holder_counts_only_once_it_waits_at_the_rendezvous():
     members = [MemberView("d", "n1", in_round=True), MemberView("s", "n2", in_round=True)]
     assert kept_on_drain(members, {"n1"}, ["d", "s"], waiting=["d"]) == {"d"}
     assert kept_on_drain(members, {"n1"}, ["d", "s"], waiting=["d", "s"]) == set()
-    # a drained member the last round formed without is behind it: never kept
+    # a drained member the last round formed without: a holder until that round commits
+    # (the rounds actor then no longer counts it: `current_holders`)
     gone = [MemberView("d", "n1", in_round=True, departed=True), members[1]]
-    assert kept_on_drain(gone, {"n1"}, ["d", "s"], waiting=["d"]) == set()
+    assert kept_on_drain(gone, {"n1"}, ["d"], waiting=["d"]) == {"d"}
+    assert kept_on_drain(gone, {"n1"}, ["s"], waiting=["d"]) == set()
     # before the first commit there is no state to keep, but a last round all on
     # draining nodes is waited for: it trains on to its next commit
     only = [MemberView("d", "n1", in_round=True), MemberView("new", "n2")]
     assert kept_on_drain(only, {"n1"}, None, waiting=["new"]) == {"d"}
     decision = decide_round(["new"], only, draining={"n1"}, min_workers=1)
     assert not decision.form and decision.departed == []
+
+
+def test_a_worker_holds_the_latest_state_while_no_later_round_has_committed():
+    reported = {"left_round_3": 3, "synced_in_5": 5, "never_synced": 0, "in_4": 4}
+    assert current_holders(reported, committed_round=4) == ["in_4", "synced_in_5"]
+    assert current_holders(reported, committed_round=0) == ["in_4", "left_round_3",
+                                                            "synced_in_5"]
+
+
+def test_a_held_or_stuck_member_that_alone_holds_the_state_is_not_restarted():
+    assert spare_last_holders(["a"], members=["a", "b"], holders=["a", "b"]) == ["a"]
+    assert spare_last_holders(["a"], members=["a", "new"], holders=["a"]) == []
+    # the other holder does not answer the heartbeat: it may be gone unseen
+    assert spare_last_holders(["a"], members=["a"], holders=["a", "b"]) == []
+    assert spare_last_holders(["a"], members=["a"], holders=None) == ["a"]  # no commit yet
 
 
 def test_rank_0_is_the_oldest_member_that_holds_the_state():

@@ -95,6 +95,7 @@ class ElasticJob:
         self._needs_round = True
         self._asked_over = False  # the round's members were asked to a round for newcomers
         self._round_newcomers: list[str] = []  # members whose first round is the latest
+        self._round_members: set[str] = set()  # the latest round's members
         self._progress_at = 0.0
         self._gave_up_warned = False
 
@@ -253,19 +254,36 @@ class ElasticJob:
         # again: one may have arrived since the first look)
         answering = {w: beats.joining[w] for w in verdict.absent
                      if w in beats.joining and w not in verdict.lost}
-        committed = self.rounds_client.committed()
-        holders = self.rounds_client.holders() if committed else None
+        holders = self._holders()
+        # members known to be there: they answered the heartbeat's last call (one goes
+        # out each poll; one whose process or node is gone unseen answers nothing)
+        responsive = [w for w in self.members if w not in beats.failed
+                      and beats.silent_for(w, now) < 2 * STRAGGLER_POLL_S]
         if answering:
             held = held_joins(answering, self.rounds_client.waiting(), JOIN_HELD_S)
-            held = spare_last_holders(held, self.members, holders)
+            held = spare_last_holders(held, responsive, holders)
             if held:
                 self._fail_all(held, held_join_error)
-        stuck = spare_last_holders(verdict.stuck, self.members, holders)
+        stuck = spare_last_holders(verdict.stuck, responsive, holders)
         if stuck:
             where = self.pool.ask(stuck, "where")
             self._fail_all(stuck, lambda ranks, nodes: stuck_error(
                 ranks, nodes, self.stragglers.stuck_after_s,
                 {self.members[w].rank: at for w, at in where.items()}))
+
+    def _holders(self, committed_round: int | None = None) -> list[str] | None:
+        """The workers that hold the job's latest committed state (None: it never
+        committed): those that said so when they last joined a round, and, once the
+        latest round has committed, that round's members (they report it only at their
+        next join)."""
+        if committed_round is None:
+            committed_round = self.rounds_client.committed_round()
+        if not committed_round:
+            return None
+        holders = set(self.rounds_client.holders())
+        if committed_round >= self.rounds:
+            holders |= self._round_members & set(self.members)
+        return sorted(holders)
 
     def _present(self) -> list[str]:
         """The members whose peers may wait for them at the rendezvous. A drained member
@@ -451,7 +469,7 @@ class ElasticJob:
             return
         waiting = self.rounds_client.waiting()
         committed_round = self.rounds_client.committed_round()
-        holders = self.rounds_client.holders() if committed_round else None
+        holders = self._holders(committed_round)
         decision = decide_round(waiting, [m.view() for m in self.members.values()],
                                 self.draining, self.settings.min_workers,
                                 committed_round >= self.rounds, holders)
@@ -481,20 +499,16 @@ class ElasticJob:
         newcomers = sum(m.rank < 0 for m in staying.values())
         if newcomers:
             self.log.note("scale_up" if self.rounds else "start", joined=newcomers)
-        holders: list[str] = []
-        if self.rounds:
-            holders = self.rounds_client.holders()
-            committed = self.rounds_client.committed()
-            if state_lost(staying, holders, committed):
-                raise state_lost_error(self.last_failure, self._lost_workers())
-            if not committed:
-                holders = []
+        holders = self._holders()  # None: the job never committed, there is no state
+        if holders is not None and state_lost(staying, holders, committed=True):
+            raise state_lost_error(self.last_failure, self._lost_workers())
         self.failures.count_round(self.log.is_reset(), self.last_failure)
         version = self.rounds_client.hosts_version()
         self.rounds += 1
         assignments = plan_round({m.worker_id: (m.node, m.age) for m in staying.values()},
-                                 self.rounds, version, holders)
+                                 self.rounds, version, holders or ())
         self._round_newcomers = [w for w, m in staying.items() if m.rank < 0]
+        self._round_members = set(staying)
         for worker_id, place in assignments.items():
             self.members[worker_id].rank = place["rank"]
         self.rounds_client.publish(assignments)

@@ -359,10 +359,11 @@ class StragglerRule:
 def spare_last_holders(candidates: Iterable[str], members: Iterable[str],
                        holders: Iterable[str] | None) -> list[str]:
     """The `candidates` (members that answer but stay away: held joins, stuck) to restart,
-    less those that hold the job's state when no other member does: restarted, they would
-    take the state with them and the job would stop with `ElasticStateLost`; waited for,
-    a held call arrives (Ray's reconnect backoff reaches a minute or more) and a stuck
-    one reaches its own timeout. `holders` None: the job has not committed."""
+    less those that hold the job's state when no other of the `members` (those known to
+    be there: answering the heartbeat) does: restarted, they would take the state with
+    them and the job would stop with `ElasticStateLost`; waited for, a held call arrives
+    (Ray's reconnect backoff reaches a minute or more) and a stuck one reaches its own
+    timeout. `holders` None: the job has not committed."""
     candidates = list(candidates)
     if holders is None:
         return candidates
@@ -435,24 +436,25 @@ class RoundDecision:
 
 def kept_on_drain(members: Iterable[MemberView], draining: Iterable[str],
                   holders: Iterable[str] | None, waiting: Iterable[str]) -> set[str]:
-    """Members on a draining node that stay in the job's rounds for now (not `departed`:
-    no round formed without them, so their state is the job's):
+    """Members on a draining node that stay in the job's rounds for now:
 
-    - those that hold the committed state (`holders`; None before the job's first commit)
-      while no member that stays holds it and waits at the rendezvous (one on its way may
-      have died unseen). Sent away, they would take the job's only copy of its state with
-      them; kept, the staying members sync it from them in the next round, and they leave
-      at the rendezvous after its first commit;
+    - those that hold the job's latest committed state (`holders`, from the rounds actor;
+      None before the job's first commit) while no member that stays holds it and waits
+      at the rendezvous (one on its way may have died unseen). Sent away, they would take
+      the job's only copy of its state with them; kept, the staying members sync it from
+      them in the next round, and they leave at the rendezvous after its first commit. A
+      member the last round formed without (`departed`) is one while that round has not
+      committed;
     - every member of a last round that is all on draining nodes (no staying member was
-      in it): it trains on until its next commit, and a round formed without it would
-      train beside it from an older state."""
+      in it, none departed from it): it trains on until its next commit, and a round
+      formed without it would train beside it from an older state."""
     draining, waiting = set(draining), set(waiting)
     members = [m for m in members if not m.leaving]
     staying = [m for m in members if m.node not in draining]
-    drained = [m for m in members if m.node in draining and not m.departed]
+    drained = [m for m in members if m.node in draining]
     kept = set()
     if not any(m.in_round for m in staying):
-        kept = {m.worker_id for m in drained if m.in_round}
+        kept = {m.worker_id for m in drained if m.in_round and not m.departed}
     if holders is not None:
         holders = set(holders)
         if not any(m.worker_id in holders and m.worker_id in waiting for m in staying):

@@ -11,6 +11,7 @@ from raytrain_x.common.errors import WorkerError
 from raytrain_x.ray.elastic.parts import JobParts
 from raytrain_x.ray.elastic.pool import Member, Outcomes, Pending, WorkerPool
 from raytrain_x.ray.elastic.settings import ElasticSettings
+from raytrain_x.ray.elastic_rounds import current_holders
 from raytrain_x.ray.worker import Left
 from raytrain_x.testing.simulation.world import SimWorker, World
 
@@ -229,7 +230,7 @@ class SimRoundsClient:
         return self.rounds.committed_round > 0
 
     def holders(self) -> list[str]:
-        return sorted(self.rounds.holders)
+        return current_holders(self.rounds.state_rounds, self.rounds.committed_round)
 
     def hosts_version(self) -> int:
         return self.rounds.version

@@ -92,7 +92,7 @@ class Group:
     ranks: dict[str, int]  # worker id -> rank
     hosts_version: int
     arrived: set[str] = field(default_factory=set)
-    phase: str = "rendezvous"  # rendezvous, sync, training, broken, done
+    phase: str = "rendezvous"  # rendezvous, connect, sync, training, broken, done
     stalled_since: float | None = None  # a member is cut off since
     commit_due: bool = False  # a commit is scheduled
 
@@ -114,6 +114,7 @@ class SimWorker:
         self.joining_since: float | None = None
         self.join_arrived = False
         self.holds = False  # synced the job's state in some round
+        self.state_round = 0  # the round of the state it holds (what it reports at joins)
         self.step = 0  # its state: commits it includes
         self.saved = 0  # its last saved commit
         self.restores = 0
@@ -449,6 +450,8 @@ class World:
                        lambda: self._connect_failed(group))
             return
         group.phase = "sync"
+        for w in self._members(group):
+            w.phase = "sync"
         self._fire_phase_faults("sync", group)
         rank0 = next((w for w in self._members(group) if group.ranks[w.worker_id] == 0), None)
         if rank0 is None:
@@ -471,6 +474,7 @@ class World:
             w.phase = "training"
             w.holds = True
             w.step = w.saved = step
+            w.state_round = group.round_id
         group.phase = "training"
         self._schedule_commit(group)
 
@@ -500,6 +504,7 @@ class World:
         self.commits.append((self.now, group.round_id, step))
         for w in members:
             w.step = w.saved = step
+            w.state_round = group.round_id
         version = self.rounds.commit(group.round_id)
         if self.now >= self.finish_after:
             group.phase = "done"
@@ -560,8 +565,16 @@ class World:
             return
         if w.phase in ("done", "joining"):
             return
-        if w.group is not None and w.group.phase not in ("done",):
-            w.group.phase = "broken"
+        group = w.group
+        if group is not None and group.phase in ("connect", "sync", "training"):
+            # it shuts its engine down: its peers' connections to it close at once
+            group.phase = "broken"
+            for peer in self._members(group):
+                if peer is not w:
+                    self.after(RPC_S, lambda p=peer, g=group: self._internal_error(
+                        p, f"lost peer {w}", g))
+        elif group is not None and group.phase != "done":
+            group.phase = "broken"
         w.restores += 1
         w.step = w.saved
         self.trace(f"{w} InternalError ({why}); restores commit {w.saved}")
@@ -614,14 +627,13 @@ class SimRounds:
         self.version = 0
         self.error: str | None = None
         self.committed_round = 0
-        self.holders: set[str] = set()
+        self.state_rounds: dict[str, int] = {}  # as workers report them at their joins
 
     def join(self, w: SimWorker) -> None:
         if self.error:
             self.world.after(RPC_S, lambda: self.world.placed(w, {"error": self.error}))
             return
-        if w.holds:
-            self.holders.add(w.worker_id)
+        self.state_rounds[w.worker_id] = w.state_round
         self.waiting[w.worker_id] = w  # a dead worker's join stays, as with a real actor
 
     def gone(self, w: SimWorker) -> None:
