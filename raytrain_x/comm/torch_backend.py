@@ -23,6 +23,10 @@ from raytrain_x.comm.torch_store import as_torch_store
 from raytrain_x.common.errors import ConfigError, InternalError, RendezvousTimeout
 from raytrain_x.common.settings import GPU_OPERATIONS
 
+# torch.distributed exports every collective's options class but this one
+_AllgatherOptions = getattr(dist, "AllgatherOptions", None) or \
+    torch._C._distributed_c10d.AllgatherOptions
+
 REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
     "min": dist.ReduceOp.MIN,
@@ -186,7 +190,7 @@ class TorchGroup(Group):
         pg = self._backend(tensor)
         outs = [_moved(as_tensor(o)) for o in outputs]
         moved = _moved(tensor)
-        opts = dist.AllgatherOptions()
+        opts = _AllgatherOptions()
         opts.timeout = self._timeout
         self._call("allgather", lambda: pg.allgather([outs], [moved], opts).wait())
 

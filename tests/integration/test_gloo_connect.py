@@ -58,3 +58,42 @@ def test_a_peer_slower_than_one_connect_try_is_waited_for():
     results = run_workers(_group, 2, False, 2.5, env=env, work_s=20)
     assert [r["sum"] for r in results] == [[2.0, 2.0], [2.0, 2.0]], results
     assert results[0]["made_after"] >= 2.0
+
+
+def _every_collective() -> dict:
+    import torch
+
+    from raytrain_x.comm.rendezvous import rendezvous_from_env
+    from raytrain_x.comm.torch_backend import TorchBackend
+
+    rdv = rendezvous_from_env(os.environ)
+    group = TorchBackend().create_group(rdv.store, "all", rdv.rank, rdv.size, [0, 1],
+                                        TIMEOUT_S)
+    r = rdv.rank
+    x = torch.ones(3) * (r + 1)
+    if r == 1:
+        time.sleep(2.0)  # longer than the group's own timeout (a fifth of 5 s)
+    group.allreduce(x)
+    outs = [torch.zeros(2), torch.zeros(2)]
+    group.allgather(outs, torch.full((2,), float(r)))
+    b = torch.full((2,), float(r + 7))
+    group.broadcast(b, 1)
+    out = torch.zeros(2)
+    group.alltoall(out, torch.tensor([10.0 * r, 10.0 * r + 1]), [1, 1], [1, 1])
+    rs = torch.zeros(1)
+    group.reduce_scatter(rs, torch.tensor([1.0, 2.0]) * (r + 1))
+    group.barrier()
+    return {"allreduce": x.tolist(), "allgather": [o.tolist() for o in outs],
+            "broadcast": b.tolist(), "alltoall": out.tolist(), "reduce_scatter": rs.tolist()}
+
+
+def test_every_collective_runs_over_gloo_with_the_jobs_timeout_per_op():
+    """The group's own timeout is a fraction of the job's; each collective passes the
+    job's (a gloo op would otherwise give up after a fifth of it)."""
+    a, b = run_workers(_every_collective, 2, env={"RAYTRAIN_X_TIMEOUT": str(TIMEOUT_S)},
+                       work_s=20)
+    assert a["allreduce"] == b["allreduce"] == [3.0, 3.0, 3.0]
+    assert a["allgather"] == [[0.0, 0.0], [1.0, 1.0]]
+    assert a["broadcast"] == b["broadcast"] == [8.0, 8.0]
+    assert a["alltoall"] == [0.0, 10.0] and b["alltoall"] == [1.0, 11.0]
+    assert a["reduce_scatter"] == [3.0] and b["reduce_scatter"] == [6.0]
