@@ -402,23 +402,6 @@ def _every_rank_leaves_its_round_at_once(marker: str, steps: int, stuck_node: st
     return train(Held(step=0))
 
 
-def test_a_round_that_fails_for_every_member_at_once_forms_again(elastic_nodes, tmp_path):
-    """Seen on the emulated cluster (a 14 s partition, then every rank timing out of the
-    next round together): with no member absent from the rendezvous the driver formed no
-    round, and the job waited until some later fault."""
-    elastic_nodes(2)
-    executor = _executor(2, 2)
-    try:
-        job = _Job(executor, str(tmp_path / "left"), 12, fn=_every_rank_leaves_its_round_at_once)
-        results = job.join(work_s=20)
-        history = executor.elastic_history
-    finally:
-        executor.shutdown()
-    assert [r["step"] for r in results] == [12, 12]
-    assert [r["restores"] for r in results] == [1, 1]
-    assert len(history) == 2, history
-
-
 @pytest.mark.parametrize("stuck_in, why", [
     ("restore", "stayed away from the rendezvous for 8s"),
     ("join", "the driver's rounds actor never received it")])

@@ -67,6 +67,22 @@ def test_with_torchs_own_connect_tries_the_drain_then_kill_pattern_hangs():
     assert any("liveness: no commit" in v for v in outcome.violations), outcome.violations
 
 
+def test_a_round_that_fails_for_every_member_at_once_forms_again():
+    """Every member times out of its round together (a partition longer than the
+    collective timeout stalls the round for all): with no member absent from the
+    rendezvous the driver still forms the next round, and the job commits again."""
+    config = WorldConfig(nodes=3, max_nodes=3, autoscaler=False, respawn=False,
+                         timeout_s=5.0)
+    outcome = run_schedule(Schedule(3, config, (Fault(6.0, "partition", 0.0, 8.0),)),
+                           keep_trace=True)
+    assert outcome.ok and outcome.stop == "finished", outcome.violations
+    timed_out = [line for line in outcome.trace if "collective timed out" in line]
+    assert len(timed_out) == 3, outcome.trace  # every member at once
+    at = float(timed_out[0].split()[0])
+    rounds = [line for line in outcome.trace if "driver: " in line and " round " in line]
+    assert any(float(line.split(" at ")[1].split("s:")[0]) > at for line in rounds), rounds
+
+
 @pytest.mark.parametrize("name", sorted(n for n in REVERTS if n in scenarios()))
 def test_each_fix_fails_its_scenario_with_the_old_behaviour(name, monkeypatch):
     REVERTS[name](monkeypatch)
