@@ -95,7 +95,8 @@ class ElasticJob:
         self._needs_round = True
         self._asked_over = False  # the round's members were asked to a round for newcomers
         self._round_newcomers: list[str] = []  # members whose first round is the latest
-        self._round_members: set[str] = set()  # the latest round's members
+        # each round's members, from the last that committed on
+        self._round_members: dict[int, set[str]] = {}
         self._progress_at = 0.0
         self._gave_up_warned = False
 
@@ -273,16 +274,16 @@ class ElasticJob:
 
     def _holders(self, committed_round: int | None = None) -> list[str] | None:
         """The workers that hold the job's latest committed state (None: it never
-        committed): those that said so when they last joined a round, and, once the
-        latest round has committed, that round's members (they report it only at their
-        next join)."""
+        committed): those that said so when they last joined a round, and the members of
+        the round that committed last (they report it only at their next join)."""
         if committed_round is None:
             committed_round = self.rounds_client.committed_round()
         if not committed_round:
             return None
+        for old in [r for r in self._round_members if r < committed_round]:
+            del self._round_members[old]  # a later round committed: they are not needed
         holders = set(self.rounds_client.holders())
-        if committed_round >= self.rounds:
-            holders |= self._round_members & set(self.members)
+        holders |= self._round_members.get(committed_round, set()) & set(self.members)
         return sorted(holders)
 
     def _present(self) -> list[str]:
@@ -508,7 +509,7 @@ class ElasticJob:
         assignments = plan_round({m.worker_id: (m.node, m.age) for m in staying.values()},
                                  self.rounds, version, holders or ())
         self._round_newcomers = [w for w, m in staying.items() if m.rank < 0]
-        self._round_members = set(staying)
+        self._round_members[self.rounds] = set(staying)
         for worker_id, place in assignments.items():
             self.members[worker_id].rank = place["rank"]
         self.rounds_client.publish(assignments)
