@@ -145,8 +145,8 @@ class SimPool(WorkerPool):
         answered and ran is marked `restarted` (the invariants tell that from losing it
         to a fault)."""
         world = self.world
-        if not w.alive:
-            return
+        if not w.alive or w.node.raylet_dead:
+            return  # gone, or beyond the kill's reach: it exits with its raylet
         if w.node.cut(world.now):
             world.at(w.node.cut_until, lambda: self._kill(w, deferred=True))
             return
