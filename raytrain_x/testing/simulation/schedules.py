@@ -119,6 +119,21 @@ def _members(world: World) -> list[SimWorker]:
     return [w for w in world.workers if w.alive and w.worker_id]
 
 
+def _drain_then_kill(world: World, node: Node, gap_s: float) -> None:
+    world.drain(node, None)
+    world.after(gap_s, lambda: world.kill_node(node))
+
+
+# faults on a node of the job's (value: each kind's parameter)
+NODE_FAULTS = {
+    "kill_node": lambda world, node, value: world.kill_node(node),
+    "drain": lambda world, node, value: world.drain(node, None if value < 0 else value),
+    "drain_kill": _drain_then_kill,
+    "raylet": lambda world, node, value: world.kill_raylet(node),
+    "partition": lambda world, node, value: world.partition(node, value),
+}
+
+
 def apply(world: World, fault: Fault) -> None:
     """Carries `fault` out now (phase faults wait for their phase)."""
     kind, pick, value = fault.kind, fault.pick, fault.value
@@ -127,27 +142,10 @@ def apply(world: World, fault: Fault) -> None:
         w = _pick(_members(world), pick)
         if w is not None:
             world.process_dies(w, visible_in=0.3)
-    elif kind == "kill_node":
+    elif kind in NODE_FAULTS:
         node = _pick(_busy_nodes(world), pick)
         if node is not None:
-            world.kill_node(node)
-    elif kind == "drain":
-        node = _pick(_busy_nodes(world), pick)
-        if node is not None:
-            world.drain(node, None if value < 0 else value)
-    elif kind == "drain_kill":
-        node = _pick(_busy_nodes(world), pick)
-        if node is not None:
-            world.drain(node, None)
-            world.after(value, lambda: world.kill_node(node))
-    elif kind == "raylet":
-        node = _pick(_busy_nodes(world), pick)
-        if node is not None:
-            world.kill_raylet(node)
-    elif kind == "partition":
-        node = _pick(_busy_nodes(world), pick)
-        if node is not None:
-            world.partition(node, value)
+            NODE_FAULTS[kind](world, node, value)
     elif kind in ("slow_start", "stuck_start"):
         world.next_start = ("stuck" if kind == "stuck_start" else "slow", value)
     elif kind == "add_node":
@@ -176,9 +174,7 @@ def _phase_fault(world: World, members: list[SimWorker], what: str, pick: float,
     elif what == "node":
         world.kill_node(w.node)
     else:
-        node = w.node
-        world.drain(node, None)
-        world.after(value, lambda: world.kill_node(node))
+        _drain_then_kill(world, w.node, value)
 
 
 # ----------------------------------------------------------------------------- scenarios
