@@ -69,3 +69,28 @@ def last_holders_restarted(mp) -> None:
 
 
 REVERTS["last-holder-spared"] = last_holders_restarted
+
+
+def synced_newcomers_restarted(mp) -> None:
+    """A drain that gave up a forming round restarted its newcomers whenever the round's
+    other members were enough, counted whether or not they still answered, and whether
+    or not the newcomers had synced the state by then."""
+    held = policies.held_back
+    mp.setattr(controller, "held_back",
+               lambda newcomers, members, draining, min_workers, responsive, holders:
+               held(newcomers, list(members), draining, min_workers,
+                    [m.worker_id for m in members], None))
+
+
+def other_holders_not_asked(mp) -> None:
+    """Held or stuck members were restarted when another holder had answered the last
+    heartbeat, though its node may have gone since."""
+    def spare(self, candidates):
+        holders = self._holders()
+        return candidates if holders is None else \
+            controller.spare_last_holders(candidates, self._responsive(), holders)
+    mp.setattr(controller.ElasticJob, "_spare_last_holders", spare)
+
+
+REVERTS["synced-newcomer-kept"] = synced_newcomers_restarted
+REVERTS["other-holder-asked"] = other_holders_not_asked

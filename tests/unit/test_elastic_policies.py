@@ -132,15 +132,22 @@ def test_a_drain_gives_up_a_round_still_forming_with_a_member_on_its_node():
 def test_a_given_up_rounds_newcomers_wait_for_the_round_after_the_recovery():
     a, b = MemberView("a", "n1", in_round=True), MemberView("b", "n2", in_round=True)
     new = MemberView("new", "n3")  # in the given-up round; a newcomer again
-    assert held_back({"new"}, [a, b, new], draining={"n2"}, min_workers=1) == {"new"}
+    everyone = ["a", "b", "new"]
+    assert held_back({"new"}, [a, b, new], {"n2"}, min_workers=1, responsive=everyone,
+                     holders=["a", "b"]) == {"new"}
     # the recovery round forms of the veterans alone, though the newcomer waits too
     decision = decide_round(["a", "b"], [a, b, new], {"n2"}, 1)
     assert decision.form and decision.ranks == ["a"] and decision.leave == ["b"]
     # too few veterans for a round of their own: everyone waits for the newcomer
-    assert held_back({"new"}, [a, b, new], draining={"n2"}, min_workers=2) == set()
+    assert held_back({"new"}, [a, b, new], {"n2"}, 2, everyone, holders=["a"]) == set()
     # the first round was given up: no veterans at all
     first = [MemberView("a", "n1"), MemberView("new", "n3")]
-    assert held_back({"a", "new"}, first, draining=(), min_workers=1) == set()
+    assert held_back({"a", "new"}, first, (), 1, everyone, holders=None) == set()
+    # the veteran's node is gone unseen (it missed the last heartbeat): the newcomer,
+    # which may hold the only copy of the state by now, is waited for
+    assert held_back({"new"}, [a, b, new], {"n2"}, 1, ["b", "new"], holders=["a"]) == set()
+    # the newcomer synced the state before the give-up: it is not restarted
+    assert held_back({"new"}, [a, b, new], {"n2"}, 1, everyone, ["a", "new"]) == set()
 
 
 # ----------------------------------------------------------------------------- minimum
@@ -383,6 +390,8 @@ def test_a_held_or_stuck_member_that_alone_holds_the_state_is_not_restarted():
     # the other holder does not answer the heartbeat: it may be gone unseen
     assert spare_last_holders(["a"], members=["a"], holders=["a", "b"]) == []
     assert spare_last_holders(["a"], members=["a"], holders=None) == ["a"]  # no commit yet
+    # only the others were asked (a ping), and none answered
+    assert spare_last_holders(["a", "c"], members=[], holders=["a", "b"]) == ["c"]
 
 
 def test_rank_0_is_the_oldest_member_that_holds_the_state():

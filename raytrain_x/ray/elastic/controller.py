@@ -255,22 +255,35 @@ class ElasticJob:
         # again: one may have arrived since the first look)
         answering = {w: beats.joining[w] for w in verdict.absent
                      if w in beats.joining and w not in verdict.lost}
-        holders = self._holders()
-        # members known to be there: they answered the heartbeat's last call (one goes
-        # out each poll; one whose process or node is gone unseen answers nothing)
-        responsive = [w for w in self.members if w not in beats.failed
-                      and beats.silent_for(w, now) < 2 * STRAGGLER_POLL_S]
         if answering:
             held = held_joins(answering, self.rounds_client.waiting(), JOIN_HELD_S)
-            held = spare_last_holders(held, responsive, holders)
+            held = self._spare_last_holders(held)
             if held:
                 self._fail_all(held, held_join_error)
-        stuck = spare_last_holders(verdict.stuck, responsive, holders)
+        stuck = self._spare_last_holders(verdict.stuck)
         if stuck:
             where = self.pool.ask(stuck, "where")
             self._fail_all(stuck, lambda ranks, nodes: stuck_error(
                 ranks, nodes, self.stragglers.stuck_after_s,
                 {self.members[w].rank: at for w, at in where.items()}))
+
+    def _spare_last_holders(self, candidates: list[str]) -> list[str]:
+        """`spare_last_holders` of the members about to be restarted, the other holders
+        of the state asked first (a ping): one whose node went since the last heartbeat
+        answered does not count, and the candidates are then the last holders."""
+        holders = self._holders()
+        if not candidates or holders is None:
+            return candidates
+        others = set(holders) & set(self._responsive()) - set(candidates)
+        there = self.pool.ask(others, "ping") if others else {}
+        return spare_last_holders(candidates, there, holders)
+
+    def _responsive(self) -> list[str]:
+        """The members known to be there: they answered the heartbeat's last call (one
+        goes out each poll; one whose process or node is gone unseen answers nothing)."""
+        beats, now = self.heartbeats, self.clock()
+        return [w for w in self.members if w not in beats.failed
+                and beats.silent_for(w, now) < 2 * STRAGGLER_POLL_S]
 
     def _holders(self, committed_round: int | None = None) -> list[str] | None:
         """The workers that hold the job's latest committed state (None: it never
@@ -433,7 +446,8 @@ class ElasticJob:
         # give-up: it trains on to its first commit, whose host check sends it back; a
         # round formed without them meanwhile would train beside it from another state.
         restarted = held_back(self._round_newcomers, [m.view() for m in self.members.values()],
-                              self.draining, self.settings.min_workers)
+                              self.draining, self.settings.min_workers, self._responsive(),
+                              self._holders())
         for worker_id in restarted & set(self.members):
             self.pool.remove(self.members[worker_id])
         self.log.add("abandoned", "", round=self.rounds, reason="drain",

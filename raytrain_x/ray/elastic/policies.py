@@ -156,16 +156,22 @@ def abandons_forming_round(notice: DrainNotice, in_round: Iterable[str], round_i
 
 
 def held_back(held: Iterable[str], members: Iterable[MemberView], draining: Iterable[str],
-              min_workers: int) -> set[str]:
+              min_workers: int, responsive: Iterable[str],
+              holders: Iterable[str] | None) -> set[str]:
     """The newcomers of a given-up round (`held`) that the next round forms without: the
     others recover first, and they are restarted (the one that made the given-up round
     slow would make the next one as slow). None when the members in a round that stay
-    are too few for a round on their own (the first round, or fewer than
-    `min_workers`): then everyone waits for them as before."""
-    held, draining = set(held), set(draining)
+    and are known to be there (`responsive`: they answered the last heartbeat) are too
+    few for a round on their own (the first round, fewer than `min_workers`, or peers
+    gone unseen): then everyone waits for them as before. A newcomer that synced the
+    job's state (one of `holders`) is never restarted: it arrived, and it may be the
+    state's last copy when a veteran's node is gone unseen."""
+    held, draining, responsive = set(held), set(draining), set(responsive)
     veterans = [m for m in members if m.in_round and not m.leaving and m.node not in draining
-                and m.worker_id not in held]
-    return held if len(veterans) >= max(1, min_workers) else set()
+                and m.worker_id not in held and m.worker_id in responsive]
+    if len(veterans) < max(1, min_workers):
+        return set()
+    return held - set(holders or ())
 
 
 def drain_line(node: str, deadline: float, now: float, workers: int) -> str:
@@ -367,8 +373,8 @@ def spare_last_holders(candidates: Iterable[str], members: Iterable[str],
     candidates = list(candidates)
     if holders is None:
         return candidates
-    holders = set(holders) & set(members)
-    if holders - set(candidates):
+    holders = set(holders)
+    if (holders & set(members)) - set(candidates):
         return candidates
     return [w for w in candidates if w not in holders]
 

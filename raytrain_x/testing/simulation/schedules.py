@@ -288,5 +288,17 @@ def scenarios() -> dict[str, Schedule]:
             [29.025, "partition", 0.6083, 3.711], [29.305, "drain", 0.388, -1.0]],
             "a drain gives up a round past its store waits: the round trains on to its "
             "first commit, and the next round waits for it", seed=530),
+        _named("synced-newcomer-kept", replace(THREE, max_workers=7, commit_s=1.0), [
+            [5.497, "kill_worker", 0.18, 0.0], [5.647, "drain", 0.8213, -1.0]],
+            "a drain gives up a round whose veteran died unseen: its newcomers synced the "
+            "state and are its only copy; they are not restarted", seed=49701),
+        _named("other-holder-asked", replace(
+            THREE, nodes=5, slots=2, max_nodes=6, max_workers=8), [
+            [64.347, "drain", 0.324, -1.0], [87.341, "partition", 0.21, 2.766],
+            [88.991, "kill_node", 0.3737, 0.0], [90.494, "drain", 0.569, 13.207],
+            [92.673, "kill_node", 0.5757, 0.0]],
+            "held joins after a partition are restarted only when another holder answers "
+            "a ping now: the one that answered the last heartbeat had just lost its node",
+            seed=85470),
     ]
     return {x.name: x for x in s}
