@@ -1,0 +1,423 @@
+"""The worker side of a simulated elastic job: the protocol every worker follows
+(`raytrain_x.ray.worker`, `raytrain_x.elastic.state.run`) and the rounds actor it joins.
+
+A worker joins a round at the rounds actor, meets the round's peers at the store (a round
+the driver abandoned answers at once; a peer that never comes is waited for `timeout_s`),
+syncs the state from rank 0, trains and commits every `commit_s`, rank 0 asking the rounds
+actor for the host-set version at each commit (a new version interrupts every rank,
+keeping its state), restores the last commit when a peer fails, and leaves when the
+driver sends it away at the rendezvous. `WorkerSide` is the part of `World` that runs it.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from raytrain_x.comm.groups import round_prefix
+
+if TYPE_CHECKING:
+    from raytrain_x.testing.simulation.world import Node, World, WorldConfig
+
+RPC_S = 0.002  # one call to an actor on a reachable node
+
+
+@dataclass
+class Group:
+    """One rendezvous round as the workers see it."""
+
+    round_id: int
+    ranks: dict[str, int]  # worker id -> rank
+    hosts_version: int
+    arrived: set[str] = field(default_factory=set)
+    phase: str = "rendezvous"  # rendezvous, connect, sync, training, broken, done
+    stalled_since: float | None = None  # a member is cut off since
+    commit_due: bool = False  # a commit is scheduled
+
+
+class SimWorker:
+    """One worker actor and its process."""
+
+    def __init__(self, world: World, key: int, node: Node) -> None:
+        self.world = world
+        self.key = key
+        self.node = node
+        self.worker_id = ""  # given by the pool when it joins the job
+        self.alive = True  # its process runs
+        self.ready_at: float | None = None  # its process answers from then (None: never)
+        self.outcome: tuple[str, Any] | None = None  # ("finished"|"failed"|"left", value)
+        self.outcome_at = math.inf  # when the driver can see the outcome
+        self.group: Group | None = None
+        self.phase = "idle"  # idle, joining, rendezvous, sync, training, done
+        self.joining_since: float | None = None
+        self.join_arrived = False
+        self.holds = False  # synced the job's state in some round
+        self.state_round = 0  # the round of the state it holds (what it reports at joins)
+        self.step = 0  # its state: commits it includes
+        self.saved = 0  # its last saved commit
+        self.restores = 0
+        self.restarted = False  # the driver killed it, the state's last holder, running
+
+    def reachable(self, now: float) -> bool:
+        return self.alive and not self.node.cut(now) and not self.node.raylet_dead
+
+    def __repr__(self) -> str:
+        return f"{self.worker_id or f'actor{self.key}'}@{self.node.node_id}"
+
+
+class WorkerSide:
+    """The worker protocol's events, run on `World`'s clock (its base class)."""
+
+    # what the protocol reads of the world (set by `World.__init__`)
+    rng: random.Random
+    config: WorldConfig
+    now: float
+    workers: list[SimWorker]
+    groups: dict[int, Group]
+    rounds: SimRounds
+    store_abandoned: list[str]
+    commits: list[tuple[float, int, int]]
+    finish_after: float
+    phase_faults: list[tuple[str, Callable[[list[SimWorker]], None]]]
+    driver_members: Callable[[], Any]
+    trace: Callable[[str], None]
+
+    def after(self, delay: float, fn: Callable[[], None]) -> None:
+        raise NotImplementedError
+
+    def violation(self, text: str) -> None:
+        raise NotImplementedError
+
+    def execute(self, w: SimWorker) -> None:
+        """The pool called `execute`: the worker's first `rx.init()` joins a round."""
+        w.outcome = None
+        w.outcome_at = math.inf
+        self.after(RPC_S, lambda: self._join(w))
+
+    def _join(self, w: SimWorker) -> None:
+        if not w.alive:
+            return
+        w.phase = "joining"
+        w.group = None
+        w.joining_since = self.now
+        w.join_arrived = False
+        if w.node.cut(self.now):
+            return  # Ray holds the call until the node is reachable again
+        self._join_arrives(w)
+
+    def _held_join_arrives(self, w: SimWorker) -> None:
+        if w.alive and w.phase == "joining" and not w.join_arrived \
+                and not w.node.cut(self.now):
+            self._join_arrives(w)
+
+    def _join_arrives(self, w: SimWorker) -> None:
+        w.join_arrived = True
+        self.rounds.join(w)
+
+    def placed(self, w: SimWorker, place: dict[str, Any]) -> None:
+        """The rounds actor answered `w`'s join."""
+        if not w.alive or w.phase != "joining":
+            return
+        w.joining_since = None
+        if place.get("leave"):
+            self._ends(w, "left", place["reason"])
+            return
+        if "error" in place:
+            self._ends(w, "failed", place["error"])
+            return
+        if w.group is not None and w.group.phase != "broken":
+            self.violation(f"{w} placed in round {place['round']} while in round "
+                           f"{w.group.round_id}")
+        group = self.groups.get(place["round"])
+        if group is None:
+            self.violation(f"{w} placed in round {place['round']}, which was never published")
+            return
+        w.group = group
+        w.phase = "rendezvous"
+        self.after(self.rng.uniform(0.02, 0.3), lambda: self._arrive(w, group))
+
+    def _ends(self, w: SimWorker, kind: str, value: Any) -> None:
+        w.phase = "done"
+        w.outcome = (kind, value)
+        w.outcome_at = self.now + RPC_S
+        self.trace(f"{w} {kind}: {value}")
+        self.rounds.gone(w)
+
+    def _arrive(self, w: SimWorker, group: Group) -> None:
+        if not w.alive or w.group is not group or w.phase != "rendezvous":
+            return
+        if w.node.cut(self.now):
+            return  # arrives when the node heals
+        if self._abandoned(group):
+            self._internal_error(w, f"round {group.round_id} was abandoned")
+            return
+        if group.phase == "broken" and set(group.ranks) <= group.arrived | {w.worker_id}:
+            # every key is there, but a peer left: its connection is refused at once
+            self.after(RPC_S, lambda: self._internal_error(w, "a peer left the round", group))
+            return
+        group.arrived.add(w.worker_id)
+        if set(group.ranks) <= group.arrived and group.phase == "rendezvous":
+            self._formed(group)
+        else:
+            self.after(self.config.timeout_s, lambda: self._rendezvous_timeout(w, group))
+
+    def _abandoned(self, group: Group) -> bool:
+        prefix = round_prefix(group.round_id)
+        return any(prefix.startswith(p) for p in self.store_abandoned)
+
+    def abandon(self, prefix: str) -> None:
+        self.store_abandoned.append(prefix)
+        for group in list(self.groups.values()):
+            if group.phase in ("rendezvous", "broken") and self._abandoned(group):
+                for w in self._members(group):
+                    if w.worker_id in group.arrived:
+                        self.after(RPC_S, lambda w=w, g=group: self._internal_error(
+                            w, f"round {g.round_id} was abandoned", g))
+
+    def _rendezvous_timeout(self, w: SimWorker, group: Group) -> None:
+        """Each member waits for the others' keys on its own, whatever became of them."""
+        if w.group is group and w.phase == "rendezvous":
+            self._internal_error(w, "a peer did not reach the rendezvous", group)
+
+    def _members(self, group: Group) -> list[SimWorker]:
+        return [w for w in self.workers if w.worker_id in group.ranks and w.group is group]
+
+    def _formed(self, group: Group) -> None:
+        """Every member's keys are in the store: they connect to each other. A peer that
+        died after publishing its address refuses them: they wait the connect out."""
+        group.phase = "connect"
+        self._fire_phase_faults("connect", group)
+        if group.phase != "connect":
+            return
+        if any(not w.alive for w in self.workers if w.worker_id in group.ranks
+               and w.group is group):
+            wait = self.config.connect_wait_s
+            self.after(self.config.timeout_s if wait is None else wait,
+                       lambda: self._connect_failed(group))
+            return
+        group.phase = "sync"
+        for w in self._members(group):
+            w.phase = "sync"
+        self._fire_phase_faults("sync", group)
+        rank0 = next((w for w in self._members(group) if group.ranks[w.worker_id] == 0), None)
+        if rank0 is None:
+            return
+        last = self.commits[-1][2] if self.commits else 0
+        if self.commits and rank0.step != last:
+            self.violation(f"round {group.round_id} syncs from {rank0} (rank 0), whose state "
+                           f"is at commit {rank0.step}, not the job's latest {last}")
+        self.after(self.rng.uniform(0.05, 0.3), lambda: self._synced(group, rank0.step))
+
+    def _connect_failed(self, group: Group) -> None:
+        group.phase = "broken"
+        for w in self._members(group):
+            self._internal_error(w, "a peer refused the connect", group)
+
+    def _synced(self, group: Group, step: int) -> None:
+        if group.phase != "sync" or group.stalled_since is not None:
+            return
+        for w in self._members(group):
+            w.phase = "training"
+            w.holds = True
+            w.step = w.saved = step
+            w.state_round = group.round_id
+        group.phase = "training"
+        self._schedule_commit(group)
+
+    def _schedule_commit(self, group: Group) -> None:
+        if not group.commit_due:
+            group.commit_due = True
+            self.after(self.config.commit_s, lambda: self._commit(group))
+
+    def _commit(self, group: Group) -> None:
+        group.commit_due = False
+        if group.phase != "training":
+            return
+        if group.stalled_since is not None:
+            return  # resumes when the cut-off member is back
+        members = self._members(group)
+        rank0 = next((w for w in members if group.ranks[w.worker_id] == 0), None)
+        if rank0 is None or len(members) != len(group.ranks):
+            return  # a member is gone: the others are failing
+        self._fire_phase_faults("commit", group)
+        if group.phase != "training":
+            return
+        step = rank0.step + 1
+        last = self.commits[-1][2] if self.commits else 0
+        if step != last + 1:
+            self.violation(f"round {group.round_id} commits step {step} after the job's "
+                           f"step {last}")
+        self.commits.append((self.now, group.round_id, step))
+        for w in members:
+            w.step = w.saved = step
+            w.state_round = group.round_id
+        version = self.rounds.commit(group.round_id)
+        if self.now >= self.finish_after:
+            group.phase = "done"
+            for w in members:
+                self._ends(w, "finished", step)
+            return
+        if version != group.hosts_version:
+            group.phase = "broken"
+            for w in members:  # HostsUpdatedInterrupt: keep the state, join again
+                self.after(RPC_S, lambda w=w: self._join(w))
+            return
+        self._schedule_commit(group)
+
+    def _peer_gone(self, group: Group, gone: SimWorker) -> None:
+        """A member's process ended: its peers' connections to it close at once."""
+        if group.phase in ("broken", "done", "connect"):
+            return  # a connect under way is waited out (`_formed`)
+        if group.phase == "rendezvous":
+            return  # the others wait for its keys until their timeout or an abandon
+        group.phase = "broken"
+        for w in self._members(group):
+            if w is not gone:
+                self.after(RPC_S, lambda w=w: self._internal_error(
+                    w, f"lost peer {gone}", group))
+
+    def _stall(self, group: Group) -> None:
+        if group.phase in ("sync", "training") and group.stalled_since is None:
+            group.stalled_since = self.now
+            self.after(self.config.timeout_s, lambda: self._stall_timeout(group))
+
+    def _unstall(self, group: Group) -> None:
+        if group.stalled_since is None or group.phase not in ("sync", "training"):
+            return
+        if any(w.node.cut(self.now) for w in self._members(group)):
+            return
+        group.stalled_since = None
+        if group.phase == "training":
+            self._schedule_commit(group)
+        else:
+            self.after(0.05, lambda: self._synced(group, self._rank0_step(group)))
+
+    def _rank0_step(self, group: Group) -> int:
+        rank0 = next((w for w in self._members(group) if group.ranks[w.worker_id] == 0), None)
+        return rank0.step if rank0 is not None else 0
+
+    def _stall_timeout(self, group: Group) -> None:
+        if group.stalled_since is None or group.phase not in ("sync", "training"):
+            return
+        if self.now - group.stalled_since < self.config.timeout_s - 1e-9:
+            return
+        group.phase = "broken"
+        for w in self._members(group):  # the collective times out on every member
+            self._internal_error(w, "collective timed out", group)
+
+    def _internal_error(self, w: SimWorker, why: str, group: Group | None = None) -> None:
+        """`InternalError` in `elastic.run`: restore the last commit, join again."""
+        if not w.alive or (group is not None and w.group is not group):
+            return
+        if w.phase in ("done", "joining"):
+            return
+        group = w.group
+        if group is not None and group.phase in ("connect", "sync", "training"):
+            # it shuts its engine down: its peers' connections to it close at once
+            group.phase = "broken"
+            for peer in self._members(group):
+                if peer is not w:
+                    self.after(RPC_S, lambda p=peer, g=group: self._internal_error(
+                        p, f"lost peer {w}", g))
+        elif group is not None and group.phase != "done":
+            group.phase = "broken"
+        w.restores += 1
+        w.step = w.saved
+        self.trace(f"{w} InternalError ({why}); restores commit {w.saved}")
+        self.after(RPC_S, lambda: self._join(w))
+
+    # ------------------------------------------------------------------ phase faults
+    def on_phase(self, phase: str, fire: Callable[[list[SimWorker]], None]) -> None:
+        """`fire(members)` when a round next reaches `phase`, with that round's members."""
+        self.phase_faults.append((phase, fire))
+
+    def _fire_phase_faults(self, phase: str, group: Group) -> None:
+        """The first fault waiting for `phase` fires on a member of `group`, given in rank
+        order (one fault per phase reached: faults that waited long are not all let loose
+        at once)."""
+        for i, (p, fire) in enumerate(self.phase_faults):
+            if p == phase:
+                del self.phase_faults[i]
+                members = [w for w in self.workers if w.worker_id in group.ranks]
+                fire(sorted(members, key=lambda w: group.ranks[w.worker_id]))
+                return
+
+    def sent_away(self, w: SimWorker, leaving: set[str]) -> None:
+        """The driver sends `w` away (its node drains) with the others in `leaving`: a
+        drain must not take the job's last copy of its committed state with it. A worker
+        the driver still counts as a member (it has not seen its failure yet) counts as
+        keeping the state: the driver decides on what it can know."""
+        last = self.commits[-1][2] if self.commits else 0
+        if not self.commits or not (w.holds and w.saved == last):
+            return
+        known = self.driver_members()
+        others = [o for o in self.workers if o.worker_id and o.worker_id not in leaving
+                  and o.holds and o.saved == last
+                  and ((o.alive and o.reachable(self.now) and o.outcome is None)
+                       or o.worker_id in known)]
+        if not others:
+            self.violation(f"the driver sent {w} away (its node drains) while no other "
+                           f"worker held commit {last}: the drain takes the job's state")
+
+    def rendezvous_published(self, group: Group) -> None:
+        self.groups[group.round_id] = group
+        self._fire_phase_faults("rendezvous", group)
+
+
+class SimRounds:
+    """The `ElasticRounds` actor: joins wait until the driver publishes their place."""
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.waiting: dict[str, SimWorker] = {}
+        self.version = 0
+        self.error: str | None = None
+        self.committed_round = 0
+        self.state_rounds: dict[str, int] = {}  # as workers report them at their joins
+
+    def join(self, w: SimWorker) -> None:
+        if self.error:
+            self.world.after(RPC_S, lambda: self.world.placed(w, {"error": self.error}))
+            return
+        self.state_rounds[w.worker_id] = w.state_round
+        self.waiting[w.worker_id] = w  # a dead worker's join stays, as with a real actor
+
+    def gone(self, w: SimWorker) -> None:
+        """A process ended: nothing to do (the real actor does not know either)."""
+
+    def publish(self, assignments: dict[str, dict[str, Any]]) -> None:
+        world = self.world
+        rounds = {p["round"] for p in assignments.values() if "round" in p}
+        for round_id in rounds:
+            ranks = {w: p["rank"] for w, p in assignments.items() if p.get("round") == round_id}
+            sizes = {p["size"] for p in assignments.values() if p.get("round") == round_id}
+            if sorted(ranks.values()) != list(range(len(ranks))) or sizes != {len(ranks)}:
+                world.violation(f"round {round_id} ranks {sorted(ranks.values())}, sizes "
+                                f"{sorted(sizes)}: not 0..n-1 of n")
+            version = next(p["hosts_version"] for p in assignments.values()
+                           if p.get("round") == round_id)
+            world.rendezvous_published(Group(round_id, ranks, version))
+        leaving = {w for w, p in assignments.items() if p.get("leave")}
+        for worker_id, place in assignments.items():
+            w = self.waiting.pop(worker_id, None)
+            if w is not None and place.get("leave"):
+                world.sent_away(w, leaving)
+            if w is None:
+                if "round" in place:
+                    world.violation(f"{worker_id} given a place in round {place['round']} "
+                                    "without waiting for one")
+                continue
+            world.after(RPC_S, lambda w=w, p=place: world.placed(w, p))
+
+    def fail(self, message: str) -> None:
+        self.error = message
+        for w in self.waiting.values():
+            self.world.after(RPC_S, lambda w=w: self.world.placed(w, {"error": message}))
+        self.waiting.clear()
+
+    def commit(self, round_id: int) -> int:
+        self.committed_round = max(self.committed_round, round_id)
+        return self.version
