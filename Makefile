@@ -38,9 +38,11 @@ $(BUILD_STAMP): $(DEMO_STAMP) $(NATIVE_SOURCES)
 
 # The tests add the test tools and every extra they cover: TensorFlow, Tune, Ray Train and Data,
 # `ray job submit`.
+# TensorFlow's asynchronous kernel is built here too (it is built on first use otherwise).
 $(TEST_STAMP): $(BUILD_STAMP) $(CONSTRAINTS) pyproject.toml
 	$(INSTALL) -r pyproject.toml --extra dev --extra torch --extra examples --extra tensorflow \
 		--extra tune --extra train --extra job
+	$(BIN)/python -m raytrain_x.tensorflow.kernels
 	touch $@
 
 demo: setup

@@ -74,7 +74,8 @@ class Meta:
     wire_dtype: str = ""  # compression: dtype on the wire, "" = same as dtype
     device: str = "cpu"
     # alltoall: elements of dim 0 sent to each rank; an allreduce of a TensorFlow chunk:
-    # its tensors' element counts (so that ranks with different tensors disagree)
+    # its tensors' shapes, each its rank then its dims (so ranks with different tensors
+    # disagree)
     splits: tuple[int, ...] = ()
     fuse: bool = True  # False: already a bucket; reduce it alone, in place (no copies)
     # The face that submitted it ("torch", "tensorflow"; "" for the core's numpy arrays):

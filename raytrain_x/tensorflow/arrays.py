@@ -13,7 +13,6 @@ inputs as numpy views of the tensors and adopts aligned outputs without a copy a
 from __future__ import annotations
 
 import itertools
-import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,6 +22,8 @@ import tensorflow as tf
 from raytrain_x.comm.backend import writable_alias
 from raytrain_x.common.errors import ConfigError, RaytrainXError
 from raytrain_x.core import collectives as _core
+from raytrain_x.tensorflow import kernels
+from raytrain_x.tensorflow.errors import as_tf_error, graph_error, original
 
 ALIGN = 64  # bytes; what TensorFlow's CPU kernels require of a tensor's memory
 
@@ -133,47 +134,40 @@ def op_name(kind: str, name: str | None) -> str:
 _graph_numbers = itertools.count()
 
 
-# Errors of kernels that ran inside a graph, by number. TensorFlow turns an exception
-# raised inside `tf.numpy_function` into a `tf.errors.OpError` carrying only text, so such a
-# kernel raises `GraphKernelError`, whose text holds the number; `unwrap_error` (and elastic
-# `run`) look the original (InternalError, TensorMismatchError, ...) up by it. Eagerly the
-# original is raised as it is.
-_errors: dict[int, BaseException] = {}
-_error_numbers = itertools.count()
-_KEPT_ERRORS = 64  # older ones are dropped: nobody unwrapped them
-_ERROR_TAG = re.compile(r"\[raytrain-x error (\d+)\]")
-
-
 class GraphKernelError(RaytrainXError):
-    """What a graph kernel raises for a raytrain-x error (its text names the original)."""
-
-
-def _graph_error(exc: RaytrainXError) -> GraphKernelError:
-    number = next(_error_numbers)
-    _errors[number] = exc
-    for old in [n for n in _errors if n <= number - _KEPT_ERRORS]:
-        del _errors[old]
-    return GraphKernelError(f"[raytrain-x error {number}] {type(exc).__name__}: {exc}")
+    """What a graph kernel run through `tf.numpy_function` (where the asynchronous kernel
+    cannot be built) raises for a raytrain-x error: TensorFlow reports it as an
+    `UnknownError` whose text names the original (`unwrap_error`)."""
 
 
 def run_kernel(kernel: Callable[..., list[np.ndarray]], inputs: Sequence[tf.Tensor],
-               out_dtypes: Sequence[tf.DType],
-               out_shapes: Sequence[Any] | None = None) -> list[tf.Tensor]:
-    """Runs a numpy `kernel(*arrays) -> [arrays]` on `inputs`: directly when eager, as one
-    stateful `tf.numpy_function` inside a graph (stateful ops keep program order, so every
-    rank submits its collectives in the order the code reads)."""
+               out_dtypes: Sequence[tf.DType], out_shapes: Sequence[Any] | None = None,
+               waits: bool = True) -> list[tf.Tensor]:
+    """Runs a numpy `kernel(*arrays) -> [arrays]` on `inputs`: directly when eager (its
+    errors as TensorFlow's types, `errors.as_tf_error`); inside a graph as one stateful
+    asynchronous op (`kernels.run_async`), which frees TensorFlow's thread while the
+    kernel waits for the engine, or as a `tf.numpy_function` where that op cannot be built.
+    Stateful ops keep program order inside `tf.function`. `waits` False: the kernel only
+    submits to the engine and returns at once."""
     if tf.executing_eagerly():
-        return [to_tensor(a) for a in kernel(*[to_numpy(t) for t in inputs])]
-
-    def in_graph(*arrays: np.ndarray) -> list[np.ndarray]:
         try:
-            return kernel(*arrays)
+            arrays = kernel(*[to_numpy(t) for t in inputs])
         except RaytrainXError as exc:
-            raise _graph_error(exc) from exc
+            raise as_tf_error(exc) from exc
+        return [to_tensor(a) for a in arrays]
+    if kernels.available():
+        outs = kernels.run_async(kernel, inputs, out_dtypes, waits)
+    else:
+        def in_graph(*arrays: np.ndarray) -> list[np.ndarray]:
+            try:
+                return kernel(*arrays)
+            except RaytrainXError as exc:
+                _, text = graph_error(exc)
+                raise GraphKernelError(text) from exc
 
-    outs = tf.numpy_function(in_graph, list(inputs), list(out_dtypes), stateful=True)
-    if not isinstance(outs, (list, tuple)):
-        outs = [outs]
+        outs = tf.numpy_function(in_graph, list(inputs), list(out_dtypes), stateful=True)
+        if not isinstance(outs, (list, tuple)):
+            outs = [outs]
     for out, shape in zip(outs, out_shapes or [None] * len(outs)):
         if shape is not None:
             out.set_shape(shape)
@@ -181,9 +175,7 @@ def run_kernel(kernel: Callable[..., list[np.ndarray]], inputs: Sequence[tf.Tens
 
 
 def unwrap_error(exc: BaseException) -> BaseException:
-    """The raytrain-x error a `tf.errors.OpError` carries, else `exc` itself."""
+    """The raytrain-x error a `tf.errors.OpError` of a graph kernel carries, else `exc`."""
     if isinstance(exc, tf.errors.OpError):
-        found = _ERROR_TAG.search(str(exc))
-        if found and int(found.group(1)) in _errors:
-            return _errors.pop(int(found.group(1)))
+        return original(exc) or exc
     return exc

@@ -32,6 +32,7 @@ from raytrain_x.engine.messages import ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST
 from raytrain_x.tensorflow import ops
 from raytrain_x.tensorflow.arrays import as_tensor, op_name
 from raytrain_x.tensorflow.compression import Compression, Compressor
+from raytrain_x.tensorflow.errors import NotSupportedError, raises_tf_errors
 
 
 def _differentiable(forward: Callable[..., list[tf.Tensor]],
@@ -71,6 +72,7 @@ def _engine_compressed(compression: Any) -> bool:
 
 
 # ------------------------------------------------------------------------- allreduce
+@raises_tf_errors
 def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "",
               device_sparse: str = "", compression: Any = Compression.none,
               op: str | None = None, prescale_factor: float = 1.0,
@@ -98,6 +100,7 @@ def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "",
                               postscale_factor, process_set)[0]
 
 
+@raises_tf_errors
 def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None,
                       device_dense: str = "", device_sparse: str = "",
                       compression: Any = Compression.none, op: str | None = None,
@@ -120,7 +123,7 @@ def _grouped_allreduce(tensors: Sequence[Any], name: str, device_dense: str,
     if op == Adasum:
         adasum.check_size(process_set.size())
         if any(isinstance(t, tf.IndexedSlices) for t in tensors):
-            raise ConfigError("op=Adasum does not take tf.IndexedSlices (as in Horovod); "
+            raise NotSupportedError("op=Adasum does not take tf.IndexedSlices (as in Horovod); "
                               "densify them (sparse_as_dense=True)")
         if not all(tf.as_dtype(getattr(t, "dtype", tf.float32)).is_floating for t in tensors):
             raise ConfigError("op=Adasum needs floating point tensors")
@@ -129,8 +132,9 @@ def _grouped_allreduce(tensors: Sequence[Any], name: str, device_dense: str,
     for i, t in enumerate(tensors):
         if isinstance(t, tf.IndexedSlices):
             if prescale_factor != 1.0 or postscale_factor != 1.0:
-                raise ConfigError("prescale_factor/postscale_factor do not apply to "
-                                  "tf.IndexedSlices; densify with tf.convert_to_tensor first")
+                raise NotSupportedError("prescale_factor/postscale_factor do not apply to "
+                                        "tf.IndexedSlices; densify with tf.convert_to_tensor "
+                                        "first")
             with tf.device(device_sparse):
                 out[i] = ops.allreduce_sparse(t, f"{name}.sparse{i}", op, process_set)
         else:
@@ -161,6 +165,7 @@ def _reduce(tensors: list[tf.Tensor], name: str, op: str, pre: float, post: floa
 
 
 # ------------------------------------------------------------------------- allgather
+@raises_tf_errors
 def allgather(tensor: Any, name: str | None = None, ignore_name_scope: bool = False,
               process_set: ProcessSet = global_process_set) -> tf.Tensor:
     """Every member's tensor concatenated along dim 0, in rank order; members may differ
@@ -169,6 +174,7 @@ def allgather(tensor: Any, name: str | None = None, ignore_name_scope: bool = Fa
     return _allgather([tensor], op_name(ALLGATHER, name), process_set)[0]
 
 
+@raises_tf_errors
 def grouped_allgather(tensors: Sequence[Any], name: str | None = None,
                       ignore_name_scope: bool = False,
                       process_set: ProcessSet = global_process_set) -> list[tf.Tensor]:
@@ -207,6 +213,7 @@ def _own_rows(grads: list[tf.Tensor], inputs: list[tf.Tensor],
 
 
 # ------------------------------------------------------------------------- broadcast
+@raises_tf_errors
 def broadcast(tensor: Any, root_rank: int, name: str | None = None,
               ignore_name_scope: bool = False,
               process_set: ProcessSet = global_process_set) -> tf.Tensor:
@@ -227,6 +234,7 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None,
     return _differentiable(forward, backward, [tensor])[0]
 
 
+@raises_tf_errors
 def broadcast_(variables: Sequence[Any], root_rank: int, name: str | None = None,
                process_set: ProcessSet = global_process_set) -> list[tf.Tensor]:
     """Assigns `root_rank`'s values to `variables` in place, in one collective, and
@@ -249,6 +257,7 @@ def _assign(variable: Any, value: tf.Tensor) -> Any:
 
 
 # ------------------------------------------------------------------------- alltoall
+@raises_tf_errors
 def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
              ignore_name_scope: bool = False,
              process_set: ProcessSet = global_process_set) -> Any:
@@ -272,6 +281,7 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
 
 
 # ------------------------------------------------------------------------- reducescatter
+@raises_tf_errors
 def reducescatter(tensor: Any, device_dense: str = "", compression: Any = Compression.none,
                   op: str = Average, name: str | None = None,
                   process_set: ProcessSet = global_process_set,
@@ -285,6 +295,7 @@ def reducescatter(tensor: Any, device_dense: str = "", compression: Any = Compre
                               prescale_factor, postscale_factor, compression)[0]
 
 
+@raises_tf_errors
 def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "",
                           compression: Any = Compression.none, op: str = Average,
                           process_set: ProcessSet = global_process_set,

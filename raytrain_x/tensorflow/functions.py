@@ -8,7 +8,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from raytrain_x.common.errors import ConfigError
+from raytrain_x.common.errors import UnsupportedOperationError
 from raytrain_x.core.objects import allgather_object, broadcast_object
 from raytrain_x.core.process_sets import ProcessSet, global_process_set
 from raytrain_x.tensorflow.collectives import broadcast_
@@ -33,8 +33,9 @@ def broadcast_global_variables(root_rank: int) -> Any:
     """The op that assigns `root_rank`'s value to every global variable of the default
     graph (TensorFlow 1 graphs; eagerly, use `broadcast_variables`)."""
     if tf.executing_eagerly():
-        raise ConfigError("broadcast_global_variables works on a tf.compat.v1 graph; "
-                          "eagerly call rx.broadcast_variables(model.variables, root_rank)")
+        raise UnsupportedOperationError(
+            "broadcast_global_variables works on a tf.compat.v1 graph; eagerly call "
+            "rx.broadcast_variables(model.variables, root_rank)")
     return broadcast_variables(tf.compat.v1.global_variables(), root_rank)
 
 

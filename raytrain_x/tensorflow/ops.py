@@ -41,6 +41,7 @@ from raytrain_x.tensorflow.arrays import (
     writable,
 )
 from raytrain_x.tensorflow.compression import Compressor
+from raytrain_x.tensorflow.errors import NotSupportedError
 
 FRAMEWORK = "tensorflow"
 
@@ -77,7 +78,7 @@ def _chunks(tensors: Sequence[tf.Tensor]) -> list[list[int]]:
     return chunks
 
 
-def _submit_chunk(flat: np.ndarray, sizes: np.ndarray, name: str, op: str, prescale: float,
+def _submit_chunk(flat: np.ndarray, shapes: np.ndarray, name: str, op: str, prescale: float,
                   postscale: float, process_set: ProcessSet,
                   compression: type[Compressor]) -> np.ndarray:
     """Queues the in-place allreduce of a chunk's buffer; returns a token for `_wait`."""
@@ -88,10 +89,9 @@ def _submit_chunk(flat: np.ndarray, sizes: np.ndarray, name: str, op: str, presc
             wire = compression.wire_dtype  # the native core casts while packing
         else:
             work = flat.astype(compression.wire_dtype)
-    # the element counts go with the request, so ranks whose tensors differ get a mismatch
-    # error instead of a silently reduced concatenation
+    # the tensors' shapes go with the request (`_signature`)
     meta = Meta(ALLREDUCE, work.dtype.name, work.shape, op, 0, prescale, postscale,
-                registered_id(process_set), wire, "cpu", splits=tuple(sizes.tolist()),
+                registered_id(process_set), wire, "cpu", splits=tuple(shapes.tolist()),
                 framework=FRAMEWORK)
     token = next(_tokens)
     _pending[token] = (_core.submit(name, meta, work, output=work), work, flat)
@@ -130,18 +130,27 @@ def _tail_rows(pad: int, dtype: tf.DType, count: int) -> list[tf.Tensor]:
     return [rows[k * pad:(k + 1) * pad] for k in range(count)]
 
 
-def _layout(members: list[tf.Tensor], pad: int) -> tuple[list[Any], Any, Any]:
-    """Each tensor flattened and padded to whole rows, its element count, and the chunk's
-    counts: Python numbers when the shapes are known at trace time (fewer graph ops),
-    tensors otherwise."""
+def _layout(members: list[tf.Tensor], pad: int) -> tuple[list[Any], list[Any]]:
+    """Each tensor flattened and padded to whole rows, and its element count: Python
+    numbers when the shapes are known at trace time (fewer graph ops), tensors otherwise."""
     if all(t.shape.is_fully_defined() for t in members):
         sizes = [t.shape.num_elements() for t in members]
         pieces = [tf.reshape(t, [-1]) if n % pad == 0 else
                   tf.pad(tf.reshape(t, [-1]), [[0, -n % pad]]) for t, n in zip(members, sizes)]
-        return pieces, sizes, tf.constant(sizes, tf.int64)
+        return pieces, sizes
     sizes = [tf.size(t, out_type=tf.int64) for t in members]
     pieces = [tf.pad(tf.reshape(t, [-1]), [[0, (-n) % pad]]) for t, n in zip(members, sizes)]
-    return pieces, sizes, tf.stack(sizes)
+    return pieces, sizes
+
+
+def _signature(members: list[tf.Tensor]) -> tf.Tensor:
+    """The chunk's tensors' shapes, each as its rank and its dims, in one int64 vector: it
+    goes with the request, so ranks whose tensors differ in shape get a mismatch error
+    (as in Horovod) instead of a reduced concatenation."""
+    if all(t.shape.is_fully_defined() for t in members):
+        return tf.constant([v for t in members for v in (t.shape.rank, *t.shape.as_list())],
+                           tf.int64)
+    return tf.concat([tf.concat([[tf.rank(t)], tf.shape(t)], 0) for t in members], 0)
 
 
 def grouped_reduce(tensors: Sequence[tf.Tensor], name: str, op: str, prescale: float,
@@ -171,7 +180,8 @@ def grouped_reduce(tensors: Sequence[tf.Tensor], name: str, op: str, prescale: f
     for k, members in enumerate(chunks):
         d = work[members[0]].dtype
         pad = ALIGN // d.size
-        pieces, sizes, sizes_t = _layout([work[i] for i in members], pad)
+        pieces, sizes = _layout([work[i] for i in members], pad)
+        signature = _signature([work[i] for i in members])
         flat = tf.concat([*pieces, tails[d].pop()], 0)
         chunk_name = name if len(chunks) == 1 else f"{name}.{k}"
 
@@ -179,7 +189,9 @@ def grouped_reduce(tensors: Sequence[tf.Tensor], name: str, op: str, prescale: f
             return [_submit_chunk(a, n, chunk_name, op, prescale, postscale, process_set,
                                   compression)]
 
-        tokens += run_kernel(submit, [flat, sizes_t], [tf.int64], [tf.TensorShape([])])
+        tokens += run_kernel(submit, [flat, tf.cast(signature, tf.int64)], [tf.int64],
+                             [tf.TensorShape([])],
+                             waits=False)
         buffers.append((flat, sizes, pad))
 
     def wait(*done: np.ndarray) -> list[np.ndarray]:
@@ -220,10 +232,7 @@ def reduce_scales(op: str, prescale: float, postscale: float,
         return 1.0, 1.0
     if op not in (Average, Sum):
         raise ConfigError("prescale_factor/postscale_factor apply to Sum and Average only")
-    if any(t.dtype.is_integer for t in tensors) and \
-            not (float(prescale).is_integer() and float(postscale).is_integer()):
-        raise ConfigError("integer tensors take whole prescale/postscale factors only, got "
-                          f"{prescale} and {postscale}; cast to a float dtype first")
+    # integer tensors are scaled in float64 and cast back, as Horovod does (the engine)
     return float(prescale), float(postscale)
 
 
@@ -255,7 +264,7 @@ def allreduce_sparse(slices: tf.IndexedSlices, name: str | None, op: str,
     """Horovod's sparse allreduce: gather every member's rows and indices (duplicates are
     summed by whoever applies them); Average divides the values by the set's size."""
     if op not in (Average, Sum):
-        raise ConfigError("an IndexedSlices allreduce supports Average and Sum only; use "
+        raise NotSupportedError("an IndexedSlices allreduce supports Average and Sum only; use "
                           "sparse_as_dense=True for other ops")
     base = op_name("sparse_allreduce", name)
     values, indices = grouped_allgather([slices.values, slices.indices], base, process_set)

@@ -11,7 +11,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from raytrain_x.common.errors import ConfigError
+from raytrain_x.common.errors import UnsupportedOperationError
 from raytrain_x.core.collectives import Average
 from raytrain_x.tensorflow import collectives
 from raytrain_x.tensorflow.compression import Compression, Compressor
@@ -56,8 +56,9 @@ def broadcast_global_variables(root_rank: int) -> Any:
     """Assigns `root_rank`'s value to every global variable of the Keras session's graph
     (TensorFlow 1 style Keras); eagerly, use the `BroadcastGlobalVariablesCallback`."""
     if tf.executing_eagerly():
-        raise ConfigError("broadcast_global_variables works on a tf.compat.v1 graph; with "
-                          "eager Keras use callbacks.BroadcastGlobalVariablesCallback(0)")
+        raise UnsupportedOperationError(
+            "broadcast_global_variables works on a tf.compat.v1 graph; with eager Keras use "
+            "callbacks.BroadcastGlobalVariablesCallback(0)")
     return _evaluated(_tf_bcast_global(root_rank))
 
 
