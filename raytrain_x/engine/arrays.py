@@ -26,6 +26,11 @@ class ArrayOps:
     family = ""
     devices: tuple[str, ...] = ("cpu",)
 
+    def scale(self, a: Any, factor: float) -> None:
+        """Multiplies a floating point array by `factor` in place; 16-bit floats in float32
+        math, rounded once (as Horovod scales them)."""
+        a *= factor
+
     def dtype(self, a: Any) -> str:
         """Canonical dtype name: float32, float64, float16, bfloat16, int8, ..."""
         raise NotImplementedError
@@ -105,6 +110,12 @@ class NumpyOps(ArrayOps):
 
     def clone(self, a):
         return a.copy()
+
+    def scale(self, a, factor):
+        if a.dtype.itemsize == 2:  # numpy would round the factor to 16 bits first
+            np.multiply(a, np.float32(factor), out=a, dtype=np.float32, casting="unsafe")
+        else:
+            a *= factor
 
     def cast(self, a, dtype):
         return a.astype(_numpy_dtype(dtype, "cpu"))

@@ -107,22 +107,22 @@ class CollectiveExecutor:
         if len(tensors) == 1 and wire == meta.dtype:
             t = tensors[0]
             if pre != 1.0:
-                t *= pre
+                ops.scale(t, pre)
             self._timed(row, "ALLREDUCE",
                         lambda: transport.allreduce(t, reduce_op, pset, hierarchical))
             if post != 1.0:
-                t *= post
+                ops.scale(t, post)
         elif wire == meta.dtype and (span := ops.span(tensors)) is not None:
             # Views of one flat buffer, back to back in batch order (DistributedOptimizer's
             # gradients): the batch is reduced where it lies, no copies. The elements are in
             # the same order as a packed batch, so ranks that pack agree with this one.
             self.stats.fused_in_place += 1
             if pre != 1.0:
-                span *= pre
+                ops.scale(span, pre)
             self._timed(row, "ALLREDUCE",
                         lambda: transport.allreduce(span, reduce_op, pset, hierarchical))
             if post != 1.0:
-                span *= post
+                ops.scale(span, post)
         elif wire == meta.dtype and transport.can_reduce_many(pset, tensors):
             # Fused straight through the shared slots: no fusion-buffer copies.
             self._timed(row, "ALLREDUCE",
@@ -140,7 +140,7 @@ class CollectiveExecutor:
         else:  # device memory: the native core packs host memory, so fuse on the device
             flat = ops.cast(ops.concat([t.reshape(-1) for t in tensors]), wire)
             if pre != 1.0:
-                flat *= pre
+                ops.scale(flat, pre)
             transport.allreduce(flat, reduce_op, pset, hierarchical)
             offset = 0
             for t in tensors:
@@ -149,7 +149,7 @@ class CollectiveExecutor:
                 offset += n
             if post != 1.0:
                 for t in tensors:
-                    t *= post
+                    ops.scale(t, post)
         if not floating:
             _scale_integers(tensors, int_post)
         return [None if req is None else req.output if req.output is not None else req.tensor
@@ -160,12 +160,12 @@ class CollectiveExecutor:
         meta = batch[0].meta
         flat = ops.concat([ops.cast(t.reshape(-1), "float64") for t in tensors])
         if meta.prescale != 1.0:
-            flat *= meta.prescale
+            ops.scale(flat, meta.prescale)
         row = batch[0].name if len(batch) == 1 else f"fused[{len(batch)}]"
         self._timed(row, "ADASUM", lambda: adasum.allreduce(
             flat, [ops.numel(t) for t in tensors], pset.group, pset.rank(), pset.size(), ops))
         if meta.postscale != 1.0:
-            flat *= meta.postscale
+            ops.scale(flat, meta.postscale)
         offset = 0
         for t in tensors:
             n = ops.numel(t)
@@ -215,7 +215,7 @@ class CollectiveExecutor:
         work = ops.clone(req.tensor)
         floating = ops.is_floating(work)
         if floating and meta.prescale != 1.0:
-            work *= meta.prescale
+            ops.scale(work, meta.prescale)
         elif not floating:
             _scale_integers([work], meta.prescale)
         self._timed(resp.name, "REDUCESCATTER", lambda: pset.group.allreduce(work, "sum"))
@@ -226,7 +226,7 @@ class CollectiveExecutor:
         post = meta.postscale / (n if meta.op == "average" else 1)
         if floating:
             if post != 1.0:
-                out *= post
+                ops.scale(out, post)
         else:
             _scale_integers([out], post)
         return [out]

@@ -194,11 +194,14 @@ def grouped_reduce(tensors: Sequence[tf.Tensor], name: str, op: str, prescale: f
                              waits=False)
         buffers.append((flat, sizes, pad))
 
-    def wait(*done: np.ndarray) -> list[np.ndarray]:
-        _wait(done, step)
+    def wait(*inputs: np.ndarray) -> list[np.ndarray]:
+        _wait(inputs[:len(tokens)], step)
         return [np.zeros((), np.int32)]
 
-    (done,) = run_kernel(wait, tokens, [tf.int32], [tf.TensorShape([])])
+    # the buffers are inputs of the wait too: TensorFlow keeps them (the engine writes
+    # into them) until the wait is done, whatever becomes of the submits' inputs
+    (done,) = run_kernel(wait, [*tokens, *[b[0] for b in buffers]], [tf.int32],
+                         [tf.TensorShape([])])
     out: list[Any] = [None] * len(work)
     for members, (flat, sizes, pad) in zip(chunks, buffers):
         with tf.control_dependencies([done]):  # read the buffer after the engine wrote it

@@ -285,6 +285,7 @@ def _bad_input() -> dict:
     import tensorflow as tf
 
     import raytrain_x.tensorflow as rx
+    from raytrain_x.common.errors import ConfigError
 
     rx.init()
     errors = {}
@@ -293,15 +294,16 @@ def _bad_input() -> dict:
         ("object", lambda: rx.allreduce(object())),
         ("splits", lambda: rx.alltoall(tf.ones([3]), splits=[1, 1, 1])),
         ("scatter0d", lambda: rx.reducescatter(tf.ones([]))),
-        ("intscale", lambda: rx.allreduce(tf.ones([2], tf.int32), op=rx.Sum,
-                                          prescale_factor=0.5)),
+        ("intscale", lambda: rx.allreduce(tf.fill([2], 3), op=rx.Sum, prescale_factor=0.5,
+                                          postscale_factor=1.5).numpy().tolist()),
         ("tape", lambda: rx.DistributedGradientTape("not a tape")),
     ]:
         try:
-            call()
-            errors[label] = "no error"
+            errors[label] = f"no error: {call()}"
         except Exception as exc:  # noqa: BLE001 - the error is the result
-            errors[label] = f"{type(exc).__name__}: {exc}"
+            kinds = [k.__name__ for k in (ConfigError, tf.errors.InvalidArgumentError)
+                     if isinstance(exc, k)]
+            errors[label] = f"{'+'.join(kinds)} {type(exc).__name__}: {exc}"
 
     @tf.function
     def differing(x):
@@ -319,13 +321,15 @@ def _bad_input() -> dict:
 
 def test_bad_input_gets_a_clear_error():
     for errors in run_workers(_bad_input, 2, env=ENV, work_s=30):
-        assert errors["string"].startswith("ConfigError") and "float16/32/64" in \
-            errors["string"]
-        assert errors["object"].startswith("ConfigError")
-        assert errors["splits"].startswith("ConfigError") and "2 non-negative" in \
-            errors["splits"]
-        assert errors["scatter0d"].startswith("ConfigError")
-        assert errors["intscale"].startswith("ConfigError") and "whole" in errors["intscale"]
+        # raytrain-x's ConfigError, and TensorFlow's InvalidArgumentError as in Horovod
+        both = "ConfigError+InvalidArgumentError "
+        assert errors["string"].startswith(both) and "float16/32/64" in errors["string"]
+        assert errors["object"].startswith(both)
+        assert errors["splits"].startswith(both) and "2 non-negative" in errors["splits"]
+        assert errors["scatter0d"].startswith(both)
+        # integers scale in float64 and cast back toward zero, as in Horovod: 3 * 0.5 -> 1,
+        # summed over 2 ranks -> 2, times 1.5 -> 3
+        assert errors["intscale"] == "no error: [3, 3]", errors["intscale"]
         assert errors["tape"].startswith("ConfigError")
         assert errors["graph"].startswith("TensorMismatchError"), errors["graph"]
 
