@@ -6,6 +6,11 @@ from __future__ import annotations
 class RaytrainXError(Exception):
     """Base class of every error raytrain-x raises."""
 
+    # Exception's own constructor, named as such: TensorFlow's AutoGraph re-raises an
+    # error from a traced function as its own type only then (else as a StagingError),
+    # so a bad argument inside `tf.function` still raises ConfigError.
+    __init__ = Exception.__init__
+
 
 class ConfigError(RaytrainXError, ValueError):
     """A flag, knob, file or argument has a bad value; the message names it and the fix."""

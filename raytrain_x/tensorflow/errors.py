@@ -27,21 +27,22 @@ F = TypeVar("F", bound=Callable[..., Any])
 class MismatchError(tf.errors.FailedPreconditionError, TensorMismatchError):
     """Ranks disagree on a collective (shape, dtype, root rank, ...)."""
 
-    def __init__(self, message: str) -> None:
-        super().__init__(None, None, message)
+    # OpError's arguments: AutoGraph re-creates an error raised while tracing from them
+    def __init__(self, node_def: Any, op: Any, message: str, *args: Any) -> None:
+        super().__init__(node_def, op, message, *args)
 
     def __reduce__(self):  # Ray sends errors between processes
-        return type(self), (self.message,)
+        return type(self), (None, None, self.message)
 
 
 class ArgumentError(tf.errors.InvalidArgumentError, ConfigError):
     """A collective's argument is invalid on this rank."""
 
-    def __init__(self, message: str) -> None:
-        super().__init__(None, None, message)
+    def __init__(self, node_def: Any, op: Any, message: str, *args: Any) -> None:
+        super().__init__(node_def, op, message, *args)
 
     def __reduce__(self):
-        return type(self), (self.message,)
+        return type(self), (None, None, self.message)
 
 
 class NotSupportedError(ConfigError, NotImplementedError):
@@ -56,9 +57,9 @@ def as_tf_error(exc: BaseException) -> BaseException:
             and not isinstance(exc, TensorMismatchError):
         return exc
     if isinstance(exc, TensorMismatchError):
-        return MismatchError(str(exc))
+        return MismatchError(None, None, str(exc))
     if isinstance(exc, ConfigError):
-        return ArgumentError(str(exc))
+        return ArgumentError(None, None, str(exc))
     return exc
 
 
