@@ -29,7 +29,7 @@ from tests.conftest import REPO
 from tests.unit.elastic_reverts import REVERTS
 
 SUITE_SEED = 1_000_000  # the suite's seeds: SUITE_SEED .. SUITE_SEED + SUITE_SCHEDULES
-SUITE_SCHEDULES = 800
+SUITE_SCHEDULES = 600
 
 
 @pytest.mark.parametrize("name", sorted(scenarios()))
