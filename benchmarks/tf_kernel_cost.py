@@ -52,23 +52,25 @@ def _worker(rank: int, size: int, port: int, repeats: int, queue) -> None:
                     y = op(y)
                 return y
 
+            def timed(run, key):
+                run()  # trace, warm the response cache
+                times = []
+                for _ in range(repeats):
+                    rx.barrier()
+                    started = time.perf_counter()
+                    run()
+                    times.append((time.perf_counter() - started) / PER_STEP)
+                # the slowest rank's median: a collective is as slow as that
+                out[key] = float(max(rx.allgather_object(float(np.median(times)))))
+
+            timed(step, f"{path}/{case}/function")
             with tf.Graph().as_default():
-                gx = tf.constant(inputs[case])
-                y = gx
+                y = tf.constant(inputs[case])
                 for _ in range(PER_STEP):
                     y = op(y)
                 with tf.compat.v1.Session() as session:
-                    for mode, run in (("function", step), ("session", lambda: session.run(y))):
-                        run()  # trace, warm the response cache
-                        times = []
-                        for _ in range(repeats):
-                            rx.barrier()
-                            started = time.perf_counter()
-                            run()
-                            times.append((time.perf_counter() - started) / PER_STEP)
-                        # the slowest rank's median: a collective is as slow as that
-                        out[f"{path}/{case}/{mode}"] = float(max(rx.allgather_object(
-                            float(np.median(times)))))
+                    timed(lambda y=y, session=session: session.run(y),
+                          f"{path}/{case}/session")
     os.environ.pop("RAYTRAIN_X_TF_ASYNC", None)
     rx.shutdown()
     if rank == 0:
