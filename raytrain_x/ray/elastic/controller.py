@@ -271,8 +271,10 @@ class ElasticJob:
         """`spare_last_holders` of the members about to be restarted, the other holders
         of the state asked first (a ping): one whose node went since the last heartbeat
         answered does not count, and the candidates are then the last holders."""
+        if not candidates:
+            return candidates
         holders = self._holders()
-        if not candidates or holders is None:
+        if holders is None:
             return candidates
         others = set(holders) & set(self._responsive()) - set(candidates)
         there = self.pool.ask(others, "ping") if others else {}
