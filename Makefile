@@ -60,7 +60,7 @@ soak-sim: $(TEST_STAMP)
 	$(BIN)/python -m raytrain_x.testing.simulate --schedules 100000 --seed 0 \
 		--json results/soak_sim.json
 
-# ruff, then the layer contracts of DESIGN.md (import-linter; see [tool.importlinter]).
+# ruff, then the layer contracts of docs/architecture.md (import-linter; see [tool.importlinter]).
 lint: $(TEST_STAMP)
 	$(BIN)/ruff check raytrain_x tests benchmarks examples
 	$(BIN)/lint-imports

@@ -62,8 +62,14 @@ class RayExecutor:
         use_gpu: reserve GPUs; CUDA_VISIBLE_DEVICES is shared by the workers of a node.
         gpus_per_worker: GPUs per worker (default 1 with `use_gpu`).
         use_current_placement_group: run inside the caller's placement group (Tune trials).
-        min_workers, max_workers, reset_limit, cooldown_range, elastic_timeout: elastic
-            training (validated here).
+        min_workers: elastic: the fewest workers the job trains with; setting it (or
+            `max_workers`) makes the executor elastic.
+        max_workers: elastic: the most workers the job grows to.
+        reset_limit: elastic: more resets than this fail the job (`ResetLimitExceeded`).
+        cooldown_range: elastic: `(lo, hi)` seconds a failed host stays blacklisted, doubling
+            per failure from `lo` up to `hi`; without it a failed host stays out.
+        elastic_timeout: elastic: how long the job waits below `min_workers` before it
+            fails with `ElasticTimeout`.
         start_timeout_s: elastic: how long a new worker may take to start (process,
             imports, runtime_env, an image pull) before it is given up on; a worker that is
             slow but placeable is waited for, one that cannot be placed is given up at once.

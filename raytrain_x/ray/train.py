@@ -37,6 +37,10 @@ FRAMEWORKS = {"torch": "torch", "tensorflow": "tensorflow"}  # name -> module it
 _LEAVE_TIMEOUT_S = 10.0  # how long a graceful shutdown waits for the workers' engines
 
 
+__all__ = ["HorovodConfig", "HorovodTrainer", "RaytrainXBackend", "RaytrainXConfig",
+           "RaytrainXTrainer"]
+
+
 @dataclass
 class RaytrainXConfig(BackendConfig):
     """How the raytrain-x world on a Ray Train worker group is set up.
@@ -203,8 +207,11 @@ class RaytrainXTrainer(DataParallelTrainer):
             TensorFlow face) and may use every `ray.train` worker API.
         train_loop_config: passed to `train_loop_per_worker` when it takes an argument.
         raytrain_x_config: a `RaytrainXConfig` (knobs, autotune, timeout, framework).
-        scaling_config, run_config, datasets, dataset_config, validation_config: Ray
-            Train's, unchanged (`ScalingConfig.num_workers` >= 1).
+        scaling_config: Ray Train's `ScalingConfig` (`num_workers` >= 1).
+        run_config: Ray Train's `RunConfig`.
+        datasets: Ray Data datasets, sharded over the workers as Ray Train does.
+        dataset_config: Ray Train's `DataConfig`.
+        validation_config: Ray Train's, unchanged.
     """
 
     _config_arg = "raytrain_x_config"

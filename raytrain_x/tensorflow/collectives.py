@@ -85,11 +85,13 @@ def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "",
         tensor: a tensor, variable or tf.IndexedSlices (reduced by allgather, as in
             Horovod).
         average: deprecated Horovod flag; use `op`.
-        device_dense, device_sparse: where TensorFlow places the surrounding ops.
+        device_dense: where TensorFlow places the ops around dense tensors.
+        device_sparse: where TensorFlow places the ops around `tf.IndexedSlices`.
         compression: `Compression.fp16` sends floating point tensors as float16; any
             object with Horovod's `compress(t) -> (t, ctx)` / `decompress(t, ctx)` works.
         op: Average, Sum, Adasum (a power-of-two number of ranks), Min, Max or Product.
-        prescale_factor, postscale_factor: multiply before / after the reduction.
+        prescale_factor: multiplies the tensor before the reduction.
+        postscale_factor: multiplies the result after the reduction.
         name: the collective's name, the same on every rank; automatic if None.
         process_set: ranks that take part.
         ignore_name_scope: accepted for Horovod's signature; names never include scopes.

@@ -181,7 +181,8 @@ class DistributedGradientTape:
 
     Args:
         gradtape: the tape to wrap.
-        device_dense, device_sparse: where TensorFlow places the surrounding ops.
+        device_dense: where TensorFlow places the ops around dense tensors.
+        device_sparse: where TensorFlow places the ops around `tf.IndexedSlices`.
         compression: `Compression.fp16` sends floating point gradients as float16.
         sparse_as_dense: densify `tf.IndexedSlices` gradients and reduce them with the rest
             (better when most rows are touched); otherwise they are allgathered.

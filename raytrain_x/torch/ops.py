@@ -157,8 +157,9 @@ def allreduce_async_(
         average: deprecated Horovod flag; use `op`.
         name: unique name of this collective (same on every rank); auto-numbered if None.
         op: Average (default), Sum, Adasum, Min, Max or Product.
-        prescale_factor, postscale_factor: multiply before / after the reduction (Sum and
-            Average; integers are scaled in float64 and cast back, as in Horovod).
+        prescale_factor: multiplies the tensor before the reduction (Sum and Average;
+            integers are scaled in float64 and cast back, as in Horovod).
+        postscale_factor: multiplies the result after the reduction, likewise.
         process_set: ranks that take part.
         compression: `Compression.fp16` sends float16 over the wire (keyword only: not in
             Horovod's `*_async` signatures).

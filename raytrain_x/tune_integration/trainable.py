@@ -115,7 +115,8 @@ def DistributedTrainableCreator(  # noqa: N802 - Horovod's name
         train_fn: runs on every worker with `raytrain_x.torch` initialised; reports with
             `raytrain_x.autotune.report` and resumes from `get_checkpoint()`.
         num_workers: workers per trial (or `num_hosts` x `num_workers_per_host`).
-        cpus_per_worker, use_gpu: resources per worker.
+        cpus_per_worker: CPUs each worker asks Ray for.
+        use_gpu: whether each worker asks for a GPU.
         timeout_s: collective/rendezvous timeout of each trial's job.
 
     Returns:

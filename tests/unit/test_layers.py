@@ -1,5 +1,6 @@
-"""The layer map of DESIGN.md holds: import-linter's contracts pass on this tree and fail on
-the inversions the restructure removed; the driver side imports neither torch nor Ray Tune."""
+"""The layer map of docs/architecture.md holds: import-linter's contracts pass on this tree and
+fail on the inversions the restructure removed; the driver side imports neither torch nor
+Ray Tune."""
 
 from __future__ import annotations
 

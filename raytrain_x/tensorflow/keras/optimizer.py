@@ -67,7 +67,8 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, device_dense: 
     Args:
         optimizer: a Keras 3 optimizer (`tf.keras.optimizers.*`).
         name: prefix of the gradient collectives' names.
-        device_dense, device_sparse: accepted for Horovod's signature (CPU tensors).
+        device_dense: accepted for Horovod's signature (the tensors stay where they are).
+        device_sparse: accepted for Horovod's signature, likewise.
         compression: `Compression.fp16` sends floating point gradients as float16.
         sparse_as_dense: densify `tf.IndexedSlices` gradients (embeddings) instead of
             allgathering them.
