@@ -16,7 +16,7 @@ NATIVE_SOURCES := $(wildcard native/*.cpp native/*.h) CMakeLists.txt pyproject.t
 INSTALL = $(UV) pip install --python $(BIN)/python -c $(CONSTRAINTS) --compile-bytecode \
 	$(shell $(PYTHON) requirements/pip_sources.py)
 
-.PHONY: setup demo test bench lint clean soak-sim
+.PHONY: setup demo test bench lint clean soak-sim docs wheel
 
 setup: $(BUILD_STAMP)
 
@@ -60,10 +60,20 @@ soak-sim: $(TEST_STAMP)
 	$(BIN)/python -m raytrain_x.testing.simulate --schedules 100000 --seed 0 \
 		--json results/soak_sim.json
 
+# The docs site into site/ (MkDocs; warnings and broken links fail it). The API reference is
+# generated from the docstrings (tools/mkdocs_hooks.py).
+docs: $(TEST_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+# The wheel into dist/ (scikit-build-core builds the native core; the build tools come with
+# the demo's set-up, so no isolated build environment is fetched).
+wheel: $(DEMO_STAMP)
+	$(UV) build --wheel --no-build-isolation --python $(BIN)/python --out-dir dist .
+
 # ruff, then the layer contracts of docs/architecture.md (import-linter; see [tool.importlinter]).
 lint: $(TEST_STAMP)
-	$(BIN)/ruff check raytrain_x tests benchmarks examples
+	$(BIN)/ruff check raytrain_x tests benchmarks examples tools
 	$(BIN)/lint-imports
 
 clean:
-	rm -rf build $(VENV)
+	rm -rf build dist site $(VENV)

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import logging
 from typing import Any
 
 from mkdocs.structure.files import File, Files
 
+log = logging.getLogger("mkdocs.hooks.reference")
 SHARED = "raytrain_x"
 # the modules of the reference, with what each one is for; a page's objects are those
 # defined under its `home` package (the shared page: those defined under no face)
@@ -135,3 +137,32 @@ def on_files(files: Files, config: Any) -> Files:
     for module in MODULES:
         files.append(File.generated(config, page_name(module), content=page(module)))
     return files
+
+
+def on_pre_build(config: Any) -> None:
+    """Every public class and function of the reference has a docstring: the reference is
+    read as the reference, and mkdocstrings would render a bare signature silently."""
+    missing, no_args = [], []
+    for module in MODULES:
+        for name, value in _public(module):
+            if _kind(value) not in ("Classes", "Functions"):
+                continue
+            doc = inspect.getdoc(value)
+            if not doc:
+                missing.append(f"{module}.{name}")
+            elif _parameters(value) and not ("Args:" in doc or "Attributes:" in doc):
+                no_args.append(f"{module}.{name}")
+    if missing:
+        log.warning("public names without a docstring: %s", ", ".join(sorted(set(missing))))
+    if no_args:
+        log.warning("public names whose docstring has no Args (or Attributes) section: %s",
+                    ", ".join(sorted(set(no_args))))
+
+
+def _parameters(value: Any) -> list[str]:
+    """The parameters a caller passes (a class's: its constructor's)."""
+    try:
+        signature = inspect.signature(value)
+    except (TypeError, ValueError):
+        return []
+    return [p for p in signature.parameters if p not in ("self", "args", "kwargs")]

@@ -16,6 +16,7 @@ def _built() -> dict[str, bool]:
 
 
 def gloo_built() -> bool:
+    """True where torch has gloo, which raytrain-x uses between every pair of hosts."""
     return _built()["gloo"]
 
 
@@ -25,10 +26,12 @@ def gloo_enabled() -> bool:
 
 
 def nccl_built() -> bool:
+    """True where torch has NCCL, which carries CUDA tensors between GPUs."""
     return _built()["nccl"]
 
 
 def cuda_built() -> bool:
+    """True where torch was built with CUDA."""
     return _built()["cuda"]
 
 
@@ -38,22 +41,27 @@ def mpi_built() -> bool:
 
 
 def mpi_enabled() -> bool:
+    """False: raytrain-x never uses MPI."""
     return False
 
 
 def mpi_threads_supported() -> bool:
+    """False: raytrain-x never uses MPI."""
     return False
 
 
 def ccl_built() -> bool:
+    """False: raytrain-x does not use oneCCL."""
     return False
 
 
 def ddl_built() -> bool:
+    """False: raytrain-x does not use IBM DDL."""
     return False
 
 
 def rocm_built() -> bool:
+    """False: raytrain-x is not built for ROCm."""
     return False
 
 
@@ -64,7 +72,12 @@ def is_homogeneous() -> bool:
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     """Starts writing rank 0's Chrome trace to `file_path` (or moves it there) while the job
-    runs; `mark_cycles` adds a CYCLE_START mark per engine cycle that ran a collective."""
+    runs; `mark_cycles` adds a CYCLE_START mark per engine cycle that ran a collective.
+
+    Args:
+        file_path: where rank 0 writes the Chrome trace (a JSON file).
+        mark_cycles: add a `CYCLE_START` mark for each engine cycle that ran a collective.
+    """
     engine().start_timeline(file_path, mark_cycles)
 
 

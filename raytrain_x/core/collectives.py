@@ -91,26 +91,42 @@ def submit_many(requests: list[Request]) -> None:
 
 
 def synchronize(handle: Handle) -> Any:
-    """Waits for `handle` and returns the collective's output."""
+    """Waits for `handle` and returns the collective's output.
+
+    Args:
+        handle: what an `*_async` call returned.
+    """
     if not isinstance(handle, Handle):
         raise ConfigError(f"synchronize needs a handle from an *_async call, got {handle!r}")
     return handle.wait()
 
 
 def poll(handle: Handle) -> bool:
-    """True when the collective behind `handle` finished."""
+    """True when the collective behind `handle` finished.
+
+    Args:
+        handle: what an `*_async` call returned.
+    """
     return handle.done()
 
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:
-    """Returns once every member reached the barrier."""
+    """Returns once every member reached the barrier.
+
+    Args:
+        process_set: the ranks that take part (default: every rank).
+    """
     meta = Meta(BARRIER, "uint8", (0,), process_set_id=registered_id(process_set))
     synchronize(submit(auto_name(BARRIER), meta, None))
 
 
 def join(device: int = -1) -> int:
     """Marks this rank as done: until every rank has joined, it contributes zeros to the
-    others' allreduces. Returns the rank that joined last."""
+    others' allreduces. Returns the rank that joined last.
+
+    Args:
+        device: accepted for Horovod's signature (the zeros are made where each tensor is).
+    """
     handle = Handle("join")
     engine().join(handle)
     return handle.wait()

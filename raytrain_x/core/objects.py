@@ -45,7 +45,14 @@ def allgather_bytes(payload: bytes, name: str | None = None,
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> Any:
-    """`root_rank`'s object on every member (pickled with cloudpickle)."""
+    """`root_rank`'s object on every member (pickled with cloudpickle).
+
+    Args:
+        obj: the object to send (the root's); cloudpickle pickles it. Other members may pass None.
+        root_rank: the global rank whose value every member receives.
+        name: the collective's name, the same on every member; automatic if None.
+        process_set: the ranks that take part (default: every rank).
+    """
     name = f"broadcast_object.{name or type(obj).__name__}"
     is_root = rendezvous().rank == root_rank
     data = broadcast_bytes(cloudpickle.dumps(obj) if is_root else None, root_rank, name,
@@ -55,7 +62,13 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
 
 def allgather_object(obj: Any, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> list[Any]:
-    """Every member's object, in rank order."""
+    """Every member's object, in rank order.
+
+    Args:
+        obj: any object cloudpickle can pickle.
+        name: the collective's name, the same on every member; automatic if None.
+        process_set: the ranks that take part (default: every rank).
+    """
     name = f"allgather_object.{name or type(obj).__name__}"
     return [cloudpickle.loads(b) for b in allgather_bytes(cloudpickle.dumps(obj), name,
                                                           process_set)]

@@ -15,6 +15,9 @@ class ProcessSet:
 
     Create with the member ranks, register on every rank with `add_process_set` (or pass
     to `init(process_sets=...)`), then give it to any collective as `process_set=`.
+
+    Args:
+        ranks: the global ranks of the set; None is the global set.
     """
 
     def __init__(self, ranks: Sequence[int] | None = None) -> None:
@@ -50,7 +53,11 @@ def registered_id(process_set: ProcessSet) -> int:
 
 
 def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
-    """Registers a process set; call on every rank in the same order."""
+    """Registers a process set; call on every rank in the same order.
+
+    Args:
+        process_set: a `ProcessSet`, or the list of its global ranks.
+    """
     ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
     if ps.ranks is None:
         raise ConfigError("the global process set is always registered")
@@ -60,7 +67,11 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
 
 
 def remove_process_set(process_set: ProcessSet) -> bool:
-    """Unregisters a process set on this rank (call on every rank)."""
+    """Unregisters a process set on this rank (call on every rank).
+
+    Args:
+        process_set: a set `add_process_set` registered.
+    """
     if process_set.process_set_id in (None, 0):
         return False
     engine().remove_process_set(process_set.process_set_id)

@@ -161,6 +161,7 @@ atexit.register(shutdown)
 
 
 def is_initialized() -> bool:
+    """Whether `init()` has run in this process (and `shutdown()` has not since)."""
     return _engine is not None
 
 
@@ -199,7 +200,11 @@ def mark_step() -> None:
 
 def autotune_batch_size(batch_size: int) -> None:
     """Tells autotune each rank's batch size, so samples score in samples per second (the
-    world's: batch size x number of workers) instead of steps per second."""
+    world's: batch size x number of workers) instead of steps per second.
+
+    Args:
+        batch_size: samples per step on this rank, a positive whole number.
+    """
     global _batch_size
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ConfigError(f"autotune_batch_size needs a positive whole number, got "
@@ -269,7 +274,11 @@ def last_knobs() -> Knobs | None:
 
 def set_knobs(new_knobs: Knobs) -> None:
     """Requests new knobs; rank 0's request switches every rank at the same cycle (other
-    ranks' requests are ignored)."""
+    ranks' requests are ignored).
+
+    Args:
+        new_knobs: a `Knobs` (for example `knobs().replace(cycle_time_ms=2)`).
+    """
     engine().request_knobs(new_knobs)
 
 

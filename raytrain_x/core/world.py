@@ -55,7 +55,11 @@ def transport(process_set: ProcessSet | None = None) -> str:
     """How collectives travel, for the global set or `process_set`: 'shm' (shared memory:
     every member on one host), 'gloo+shm' (the global set over several hosts, with shared
     memory for hierarchical local stages), 'gloo', or 'none' (this rank is not a member).
-    Set `RAYTRAIN_X_SHM=0` to force gloo."""
+    Set `RAYTRAIN_X_SHM=0` to force gloo.
+
+    Args:
+        process_set: a registered process set; None for the global set.
+    """
     if process_set is None:
         return runtime.engine().transport
     return runtime.engine().transport_of(registered_id(process_set))

@@ -33,7 +33,12 @@ class Settings:
 
 
 def ensure_ray(address: str | None = None, **init_kwargs: Any) -> None:
-    """Connects to Ray: `address`, else a running cluster (`auto`), else a local one."""
+    """Connects to Ray: `address`, else a running cluster (`auto`), else a local one.
+
+    Args:
+        address: a Ray address (`auto`, `ray://...`, `host:port`, `local`); None tries a running
+            cluster, then starts a local one.
+    """
     if ray.is_initialized():
         return
     if address:

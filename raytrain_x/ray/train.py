@@ -107,6 +107,15 @@ class HorovodConfig(RaytrainXConfig):
     `placement_group_timeout_s` are taken and not needed (the world meets through a Ray
     actor, and Ray Train places the workers); `nics` and the ssh arguments are refused:
     Ray places and connects the workers itself.
+
+    Attributes:
+        nics: refused: Ray connects the workers.
+        verbose: accepted, not needed.
+        key: accepted, not needed (the world meets through a Ray actor).
+        ssh_port: refused: Ray starts the workers.
+        ssh_identity_file: refused: Ray starts the workers.
+        ssh_str: refused: Ray starts the workers.
+        placement_group_timeout_s: accepted, not needed (Ray Train places the workers).
     """
 
     nics: set[str] | None = None
@@ -243,7 +252,20 @@ class RaytrainXTrainer(DataParallelTrainer):
 class HorovodTrainer(RaytrainXTrainer):
     """Ray Train v1's `HorovodTrainer`, by name and arguments (`horovod_config`), on Ray
     Train v2 and raytrain-x. `metadata` and `resume_from_checkpoint` are refused as Ray
-    Train v2 refuses them for every trainer (use `get_checkpoint()` and `RunConfig`)."""
+    Train v2 refuses them for every trainer (use `get_checkpoint()` and `RunConfig`).
+
+    Args:
+        train_loop_per_worker: the training function; it calls `rx.init()` and may use every
+            `ray.train` worker API.
+        train_loop_config: passed to `train_loop_per_worker` when it takes an argument.
+        horovod_config: a `HorovodConfig` (default: `HorovodConfig()`).
+        scaling_config: Ray Train's `ScalingConfig`.
+        dataset_config: Ray Train's `DataConfig`.
+        run_config: Ray Train's `RunConfig`.
+        datasets: Ray Data datasets, sharded over the workers.
+        metadata: refused: Ray Train v2 has no trainer metadata.
+        resume_from_checkpoint: refused: restore inside the loop with `ray.train.get_checkpoint()`.
+    """
 
     _config_arg = "horovod_config"
 

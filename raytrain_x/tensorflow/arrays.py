@@ -175,7 +175,11 @@ def run_kernel(kernel: Callable[..., list[np.ndarray]], inputs: Sequence[tf.Tens
 
 
 def unwrap_error(exc: BaseException) -> BaseException:
-    """The raytrain-x error a `tf.errors.OpError` of a graph kernel carries, else `exc`."""
+    """The raytrain-x error a `tf.errors.OpError` of a graph kernel carries, else `exc`.
+
+    Args:
+        exc: an exception a session run or a `tf.function` raised.
+    """
     if isinstance(exc, tf.errors.OpError):
         return original(exc) or exc
     return exc

@@ -111,7 +111,21 @@ def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None,
                       ignore_name_scope: bool = False,
                       name: str | None = None) -> list[Any]:
     """Allreduces of several tensors, negotiated together and fused up to the fusion
-    threshold; IndexedSlices among them are allgathered."""
+    threshold; IndexedSlices among them are allgathered.
+
+    Args:
+        tensors: tensors, in the same order, dtypes and shapes on every member.
+        average: deprecated Horovod flag: True means `op=Average`, False `op=Sum`; use `op`.
+        device_dense: accepted for Horovod's signature (the tensors stay where they are).
+        device_sparse: accepted for Horovod's signature, likewise.
+        compression: `Compression.fp16` sends floating-point tensors as float16 and casts back.
+        op: Average (default), Sum, Adasum, Min, Max or Product.
+        prescale_factor: multiplies the input before the reduction (Sum and Average).
+        postscale_factor: multiplies the result after the reduction (Sum and Average).
+        process_set: the ranks that take part (default: every rank).
+        ignore_name_scope: accepted for Horovod's signature (names do not take the name scope).
+        name: the collective's name, the same on every member; automatic if None.
+    """
     if not tensors:
         return []
     return _grouped_allreduce(tensors, op_name("grouped_allreduce", name), device_dense,
@@ -171,7 +185,14 @@ def _reduce(tensors: list[tf.Tensor], name: str, op: str, pre: float, post: floa
 def allgather(tensor: Any, name: str | None = None, ignore_name_scope: bool = False,
               process_set: ProcessSet = global_process_set) -> tf.Tensor:
     """Every member's tensor concatenated along dim 0, in rank order; members may differ
-    in dim 0, not in the other dims. A scalar is gathered as a 1-element vector."""
+    in dim 0, not in the other dims. A scalar is gathered as a 1-element vector.
+
+    Args:
+        tensor: the tensor; members may differ in dim 0, not in the other dims.
+        name: the collective's name, the same on every member; automatic if None.
+        ignore_name_scope: accepted for Horovod's signature (names do not take the name scope).
+        process_set: the ranks that take part (default: every rank).
+    """
     tensor = as_tensor(tensor, "allgather")
     return _allgather([tensor], op_name(ALLGATHER, name), process_set)[0]
 
@@ -180,7 +201,15 @@ def allgather(tensor: Any, name: str | None = None, ignore_name_scope: bool = Fa
 def grouped_allgather(tensors: Sequence[Any], name: str | None = None,
                       ignore_name_scope: bool = False,
                       process_set: ProcessSet = global_process_set) -> list[tf.Tensor]:
-    """Allgathers of several tensors, negotiated together."""
+    """Allgathers of several tensors, negotiated together.
+
+    Args:
+        tensors: tensors in the same order on every member; each may differ across members in dim 0
+            only.
+        name: the collective's name, the same on every member; automatic if None.
+        ignore_name_scope: accepted for Horovod's signature (names do not take the name scope).
+        process_set: the ranks that take part (default: every rank).
+    """
     if not tensors:
         return []
     tensors = [as_tensor(t, "grouped_allgather") for t in tensors]
@@ -219,7 +248,15 @@ def _own_rows(grads: list[tf.Tensor], inputs: list[tf.Tensor],
 def broadcast(tensor: Any, root_rank: int, name: str | None = None,
               ignore_name_scope: bool = False,
               process_set: ProcessSet = global_process_set) -> tf.Tensor:
-    """`root_rank`'s tensor on every member (`root_rank` is a global rank)."""
+    """`root_rank`'s tensor on every member (`root_rank` is a global rank).
+
+    Args:
+        tensor: the tensor; the root's is sent, and every member's has its shape and dtype.
+        root_rank: the global rank whose value every member receives.
+        name: the collective's name, the same on every member; automatic if None.
+        ignore_name_scope: accepted for Horovod's signature (names do not take the name scope).
+        process_set: the ranks that take part (default: every rank).
+    """
     tensor = as_tensor(tensor, "broadcast")
     base = op_name(BROADCAST, name)
 
@@ -240,7 +277,14 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None,
 def broadcast_(variables: Sequence[Any], root_rank: int, name: str | None = None,
                process_set: ProcessSet = global_process_set) -> list[tf.Tensor]:
     """Assigns `root_rank`'s values to `variables` in place, in one collective, and
-    returns their new values."""
+    returns their new values.
+
+    Args:
+        variables: the variables, the same list on every member.
+        root_rank: the global rank whose value every member receives.
+        name: the collective's name, the same on every member; automatic if None.
+        process_set: the ranks that take part (default: every rank).
+    """
     variables = list(variables)
     values = ops.grouped_broadcast([tf.convert_to_tensor(v) for v in variables], root_rank,
                                    op_name("broadcast_", name), process_set)
@@ -264,7 +308,15 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
              ignore_name_scope: bool = False,
              process_set: ProcessSet = global_process_set) -> Any:
     """Rows `splits[i]` of dim 0 go to member i (an equal split if None). Returns the
-    received rows; with `splits`, `(received, received_splits)` as Horovod does."""
+    received rows; with `splits`, `(received, received_splits)` as Horovod does.
+
+    Args:
+        tensor: the rows to send, split along dim 0 by `splits`.
+        splits: how many rows of dim 0 go to each member, in member order (equal parts if None).
+        name: the collective's name, the same on every member; automatic if None.
+        ignore_name_scope: accepted for Horovod's signature (names do not take the name scope).
+        process_set: the ranks that take part (default: every rank).
+    """
     tensor = as_tensor(tensor, "alltoall")
     base = op_name(ALLTOALL, name)
     received: list[tf.Tensor] = []
@@ -290,7 +342,19 @@ def reducescatter(tensor: Any, device_dense: str = "", compression: Any = Compre
                   ignore_name_scope: bool = False, prescale_factor: float = 1.0,
                   postscale_factor: float = 1.0) -> tf.Tensor:
     """Reduce-scatter along dim 0: member i gets its share of the reduced rows (the first
-    `dim0 % size` members a row more). Ops: Average (default) and Sum."""
+    `dim0 % size` members a row more). Ops: Average (default) and Sum.
+
+    Args:
+        tensor: the tensor to reduce; the same shape on every member, its dim 0 shared out.
+        device_dense: accepted for Horovod's signature (the tensors stay where they are).
+        compression: `Compression.fp16` sends floating-point tensors as float16 and casts back.
+        op: Average (default) or Sum.
+        name: the collective's name, the same on every member; automatic if None.
+        process_set: the ranks that take part (default: every rank).
+        ignore_name_scope: accepted for Horovod's signature (names do not take the name scope).
+        prescale_factor: multiplies the input before the reduction (Sum and Average).
+        postscale_factor: multiplies the result after the reduction (Sum and Average).
+    """
     tensor = as_tensor(tensor, "reducescatter")
     with tf.device(device_dense):
         return _reducescatter([tensor], op_name(REDUCESCATTER, name), op, process_set,
@@ -303,7 +367,18 @@ def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "",
                           process_set: ProcessSet = global_process_set,
                           prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                           name: str | None = None) -> list[tf.Tensor]:
-    """Reduce-scatters of several tensors, negotiated together."""
+    """Reduce-scatters of several tensors, negotiated together.
+
+    Args:
+        tensors: tensors, in the same order, dtypes and shapes on every member.
+        device_dense: accepted for Horovod's signature (the tensors stay where they are).
+        compression: `Compression.fp16` sends floating-point tensors as float16 and casts back.
+        op: Average (default) or Sum.
+        process_set: the ranks that take part (default: every rank).
+        prescale_factor: multiplies the input before the reduction (Sum and Average).
+        postscale_factor: multiplies the result after the reduction (Sum and Average).
+        name: the collective's name, the same on every member; automatic if None.
+    """
     if not tensors:
         return []
     tensors = [as_tensor(t, "grouped_reducescatter") for t in tensors]
@@ -344,23 +419,40 @@ def _scalar_op(value: Callable[[], int], name: str | None) -> tf.Tensor:
 
 
 def rank_op(name: str | None = None) -> tf.Tensor:
-    """This process's rank, read when the op runs."""
+    """This process's rank, read when the op runs.
+
+    Args:
+        name: the op's name.
+    """
     return _scalar_op(runtime.rank, name)
 
 
 def local_rank_op(name: str | None = None) -> tf.Tensor:
-    """This process's rank on its host, read when the op runs."""
+    """This process's rank on its host, read when the op runs.
+
+    Args:
+        name: the op's name.
+    """
     return _scalar_op(runtime.local_rank, name)
 
 
 def size_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
-    """The number of processes of a process set (default: all), read when the op runs."""
+    """The number of processes of a process set (default: all), read when the op runs.
+
+    Args:
+        process_set_id: the process set's id (0: every rank).
+        name: the op's name.
+    """
     return _scalar_op(lambda: runtime.engine().groups.process_set(process_set_id).size(),
                       name)
 
 
 def local_size_op(name: str | None = None) -> tf.Tensor:
-    """The number of processes on this host, read when the op runs."""
+    """The number of processes on this host, read when the op runs.
+
+    Args:
+        name: the op's name.
+    """
     return _scalar_op(runtime.local_size, name)
 
 
@@ -370,7 +462,12 @@ PROCESS_SET_ERROR_UNKNOWN_SET = -2
 
 def process_set_included_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
     """1 when this process belongs to the process set, 0 when not; -1 before `init`, -2
-    for a set that is not registered (Horovod's codes)."""
+    for a set that is not registered (Horovod's codes).
+
+    Args:
+        process_set_id: the process set's id (0: every rank).
+        name: the op's name.
+    """
     def included() -> int:
         if not runtime.is_initialized():
             return PROCESS_SET_ERROR_INIT

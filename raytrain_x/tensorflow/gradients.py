@@ -248,7 +248,26 @@ def PartialDistributedGradientTape(gradtape: tf.GradientTape, device_dense: str 
                                    local_layers: Any = None,
                                    scale_local_gradients: bool = True) -> DistributedGradientTape:
     """A `DistributedGradientTape` that keeps the gradients of `local_layers` (Keras layers
-    each rank trains on its own) local."""
+    each rank trains on its own) local.
+
+    Args:
+        gradtape: the `tf.GradientTape` that recorded the loss.
+        device_dense: accepted for Horovod's signature (the tensors stay where they are).
+        device_sparse: accepted for Horovod's signature, likewise.
+        compression: `Compression.fp16` sends floating-point tensors as float16 and casts back.
+        sparse_as_dense: densify `tf.IndexedSlices` gradients and reduce them with the rest instead
+            of allgathering them.
+        op: Average (default), Sum or Adasum.
+        gradient_predivide_factor: divide by this before the sum and by size / factor after it
+            (Average only).
+        num_groups: split the gradients into this many fused groups (0: the fusion threshold
+            decides).
+        groups: explicit groups: a list of lists of variables, each reduced as one collective.
+        process_set: the ranks that take part (default: every rank).
+        local_layers: a Keras layer or a list of them whose gradients stay local.
+        scale_local_gradients: divide the local gradients by the number of members, as the others
+            are averaged.
+    """
     from tensorflow import keras
 
     if local_layers is None:

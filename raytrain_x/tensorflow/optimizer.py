@@ -186,7 +186,30 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, use_locking: b
                          scale_local_gradients: bool = True) -> Any:
     """Horovod's `hvd.DistributedOptimizer` (arguments in its order): gradients combined
     across ranks before they are applied. See `raytrain_x.tensorflow.keras.DistributedOptimizer`
-    for Keras optimizers and the arguments."""
+    for Keras optimizers and the arguments.
+
+    Args:
+        optimizer: the optimizer to wrap: a Keras optimizer or a `tf.compat.v1.train.Optimizer`.
+        name: prefix of the gradient collectives' names.
+        use_locking: accepted for Horovod's signature.
+        device_dense: accepted for Horovod's signature (the tensors stay where they are).
+        device_sparse: accepted for Horovod's signature, likewise.
+        compression: `Compression.fp16` sends floating-point tensors as float16 and casts back.
+        sparse_as_dense: densify `tf.IndexedSlices` gradients and reduce them with the rest instead
+            of allgathering them.
+        backward_passes_per_step: accumulate this many local gradients before each allreduce.
+        op: Average (default), Sum or Adasum.
+        gradient_predivide_factor: divide by this before the sum and by size / factor after it
+            (Average only).
+        average_aggregated_gradients: divide the accumulated gradients by
+            `backward_passes_per_step`.
+        num_groups: split the gradients into this many fused groups (0: the fusion threshold
+            decides).
+        groups: explicit groups: a list of lists of variables, each reduced as one collective.
+        process_set: the ranks that take part (default: every rank).
+        scale_local_gradients: with local variables, divide their gradients by the number of
+            members.
+    """
     if isinstance(optimizer, _LegacyOptimizer):
         if op == Adasum:
             if process_set is not global_process_set:

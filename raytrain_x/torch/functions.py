@@ -53,7 +53,14 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
     """Gives every member `root_rank`'s optimizer state (and hyper-parameters).
 
     `model` is accepted in Horovod's position and not needed: the whole `state_dict` goes
-    as one object, so an optimizer that has not stepped yet needs no dummy step."""
+    as one object, so an optimizer that has not stepped yet needs no dummy step.
+
+    Args:
+        optimizer: a `torch.optim.Optimizer` (or a `DistributedOptimizer`).
+        root_rank: the global rank whose value every member receives.
+        model: accepted in Horovod's position; not needed.
+        process_set: the ranks that take part (default: every rank).
+    """
     if model is not None and not isinstance(model, torch.nn.Module):
         raise ConfigError(f"broadcast_optimizer_state's model= must be a torch.nn.Module, "
                           f"got {type(model).__name__}")

@@ -179,7 +179,17 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
                     op: str | None = None, prescale_factor: float = 1.0,
                     postscale_factor: float = 1.0,
                     process_set: ProcessSet = global_process_set, **kwargs: Any) -> Handle:
-    """Like `allreduce_async_` on a copy: the input is left unchanged."""
+    """Like `allreduce_async_` on a copy: the input is left unchanged.
+
+    Args:
+        tensor: the tensor; the same shape and dtype on every member.
+        average: deprecated Horovod flag: True means `op=Average`, False `op=Sum`; use `op`.
+        name: the collective's name, the same on every member; automatic if None.
+        op: Average (default), Sum, Adasum, Min, Max or Product.
+        prescale_factor: multiplies the input before the reduction (Sum and Average).
+        postscale_factor: multiplies the result after the reduction (Sum and Average).
+        process_set: the ranks that take part (default: every rank).
+    """
     tensor = _check_tensor(tensor, "allreduce")
     if tensor.is_sparse:
         raise ConfigError("allreduce of a sparse tensor: use rx.sparse_allreduce_async")
@@ -191,7 +201,17 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
                op: str | None = None, prescale_factor: float = 1.0,
                postscale_factor: float = 1.0,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
-    """In-place allreduce; returns `tensor` (outside autograd, as in Horovod)."""
+    """In-place allreduce; returns `tensor` (outside autograd, as in Horovod).
+
+    Args:
+        tensor: the tensor, reduced in place; the same shape and dtype on every member.
+        average: deprecated Horovod flag: True means `op=Average`, False `op=Sum`; use `op`.
+        name: the collective's name, the same on every member; automatic if None.
+        op: Average (default), Sum, Adasum, Min, Max or Product.
+        prescale_factor: multiplies the input before the reduction (Sum and Average).
+        postscale_factor: multiplies the result after the reduction (Sum and Average).
+        process_set: the ranks that take part (default: every rank).
+    """
     return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
                                         postscale_factor, process_set))
 
@@ -201,7 +221,18 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Allreduce returning a new tensor (default op: Average). Differentiable: the gradient
-    is the allreduce of the gradient with the same op and factors."""
+    is the allreduce of the gradient with the same op and factors.
+
+    Args:
+        tensor: the tensor; the same shape and dtype on every member.
+        average: deprecated Horovod flag: True means `op=Average`, False `op=Sum`; use `op`.
+        name: the collective's name, the same on every member; automatic if None.
+        compression: `Compression.fp16` sends floating-point tensors as float16 and casts back.
+        op: Average (default), Sum, Adasum, Min, Max or Product.
+        prescale_factor: multiplies the input before the reduction (Sum and Average).
+        postscale_factor: multiplies the result after the reduction (Sum and Average).
+        process_set: the ranks that take part (default: every rank).
+    """
     from raytrain_x.torch import autograd
 
     op = _core.resolve_op(op, average)
@@ -233,7 +264,18 @@ def grouped_allreduce_async_(
 ) -> Handle:
     """Starts in-place allreduces of several tensors, enqueued atomically so that they are
     negotiated in the same cycle and fused together (within the fusion threshold). Returns
-    one handle; `synchronize` gives the list of tensors."""
+    one handle; `synchronize` gives the list of tensors.
+
+    Args:
+        tensors: tensors, in the same order, dtypes and shapes on every member.
+        average: deprecated Horovod flag: True means `op=Average`, False `op=Sum`; use `op`.
+        name: the collective's name, the same on every member; automatic if None.
+        op: Average (default), Sum, Adasum, Min, Max or Product.
+        prescale_factor: multiplies the input before the reduction (Sum and Average).
+        postscale_factor: multiplies the result after the reduction (Sum and Average).
+        process_set: the ranks that take part (default: every rank).
+        compression: `Compression.fp16` sends floating-point tensors as float16 (keyword only).
+    """
     handles = _grouped_allreduce_handles(tensors, average, name, op, prescale_factor,
                                          postscale_factor, process_set, compression)
     return _Composite(handles[0].name, handles)
@@ -244,7 +286,17 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | Non
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                             process_set: ProcessSet = global_process_set,
                             **kwargs: Any) -> Handle:
-    """Like `grouped_allreduce_async_` on copies: the inputs are left unchanged."""
+    """Like `grouped_allreduce_async_` on copies: the inputs are left unchanged.
+
+    Args:
+        tensors: tensors, in the same order, dtypes and shapes on every member.
+        average: deprecated Horovod flag: True means `op=Average`, False `op=Sum`; use `op`.
+        name: the collective's name, the same on every member; automatic if None.
+        op: Average (default), Sum, Adasum, Min, Max or Product.
+        prescale_factor: multiplies the input before the reduction (Sum and Average).
+        postscale_factor: multiplies the result after the reduction (Sum and Average).
+        process_set: the ranks that take part (default: every rank).
+    """
     copies = [_copy(t, "allreduce") for t in tensors]
     return grouped_allreduce_async_(copies, average, name, op, prescale_factor,
                                     postscale_factor, process_set, **kwargs)
@@ -254,6 +306,17 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = N
                        name: str | None = None, op: str | None = None,
                        prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                        process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
+    """Reduces `tensors` in place, as one fused collective; returns them.
+
+    Args:
+        tensors: contiguous tensors, each reduced in place.
+        average: deprecated Horovod flag; use `op`.
+        name: the group's name, the same on every rank; automatic if None.
+        op: Average (default), Sum, Adasum, Min, Max or Product.
+        prescale_factor: multiplies each tensor before the reduction.
+        postscale_factor: multiplies each result after the reduction.
+        process_set: ranks that take part.
+    """
     return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
                                                 postscale_factor, process_set))
 
@@ -264,7 +327,18 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
                       op: str | None = None, prescale_factor: float = 1.0,
                       postscale_factor: float = 1.0,
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
-    """Allreduces of several tensors, fused; differentiable like `allreduce`."""
+    """Allreduces of several tensors, fused; differentiable like `allreduce`.
+
+    Args:
+        tensors: tensors, in the same order, dtypes and shapes on every member.
+        average: deprecated Horovod flag: True means `op=Average`, False `op=Sum`; use `op`.
+        name: the collective's name, the same on every member; automatic if None.
+        compression: `Compression.fp16` sends floating-point tensors as float16 and casts back.
+        op: Average (default), Sum, Adasum, Min, Max or Product.
+        prescale_factor: multiplies the input before the reduction (Sum and Average).
+        postscale_factor: multiplies the result after the reduction (Sum and Average).
+        process_set: the ranks that take part (default: every rank).
+    """
     from raytrain_x.torch import autograd
 
     op = _core.resolve_op(op, average)
@@ -277,7 +351,14 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None,
                            process_set: ProcessSet = global_process_set) -> Handle:
     """Allreduce of a sparse tensor as Horovod does it: an allgather of its indices and of
     its values. The handle is callable (or pass it to `synchronize`); it gives a sparse
-    tensor whose duplicate indices sum up (divided by the set's size for Average)."""
+    tensor whose duplicate indices sum up (divided by the set's size for Average).
+
+    Args:
+        tensor: a sparse COO tensor; members may hold different indices.
+        name: the collective's name, the same on every member; automatic if None.
+        op: Average (default) or Sum.
+        process_set: the ranks that take part (default: every rank).
+    """
     tensor = _check_tensor(tensor, "sparse_allreduce_async")
     if not tensor.is_sparse:
         raise ConfigError("sparse_allreduce_async needs a sparse tensor (tensor.to_sparse())")
@@ -314,7 +395,13 @@ def _allgather_request(tensor: torch.Tensor, name: str,
 
 def allgather_async(tensor: torch.Tensor, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> Handle:
-    """Starts an allgather along dim 0; ranks may differ in dim 0, not in the others."""
+    """Starts an allgather along dim 0; ranks may differ in dim 0, not in the others.
+
+    Args:
+        tensor: the tensor; members may differ in dim 0, not in the other dims.
+        name: the collective's name, the same on every member; automatic if None.
+        process_set: the ranks that take part (default: every rank).
+    """
     request = _allgather_request(tensor, _op_name(ALLGATHER, name), process_set)
     _core.submit_many([request])
     return request.handle
@@ -323,7 +410,13 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
 def allgather(tensor: torch.Tensor, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Concatenation of every member's tensor along dim 0, in rank order. Differentiable:
-    a rank's gradient is its own rows of the members' averaged gradient (Horovod's rule)."""
+    a rank's gradient is its own rows of the members' averaged gradient (Horovod's rule).
+
+    Args:
+        tensor: the tensor; members may differ in dim 0, not in the other dims.
+        name: the collective's name, the same on every member; automatic if None.
+        process_set: the ranks that take part (default: every rank).
+    """
     from raytrain_x.torch import autograd
 
     return autograd.allgather(_check_tensor(tensor, "allgather"), name, process_set)
@@ -331,7 +424,14 @@ def allgather(tensor: torch.Tensor, name: str | None = None,
 
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
                             process_set: ProcessSet = global_process_set) -> Handle:
-    """Starts allgathers of several tensors in one cycle; one handle gives the list."""
+    """Starts allgathers of several tensors in one cycle; one handle gives the list.
+
+    Args:
+        tensors: tensors in the same order on every member; each may differ across members in dim 0
+            only.
+        name: the collective's name, the same on every member; automatic if None.
+        process_set: the ranks that take part (default: every rank).
+    """
     if not isinstance(tensors, (list, tuple)) or not tensors:
         raise ConfigError("grouped collectives need a non-empty list of tensors")
     base = _op_name("grouped_allgather", name)
@@ -343,7 +443,14 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
 
 def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
-    """Allgathers of several tensors; differentiable like `allgather`."""
+    """Allgathers of several tensors; differentiable like `allgather`.
+
+    Args:
+        tensors: tensors in the same order on every member; each may differ across members in dim 0
+            only.
+        name: the collective's name, the same on every member; automatic if None.
+        process_set: the ranks that take part (default: every rank).
+    """
     from raytrain_x.torch import autograd
 
     return autograd.grouped_allgather(list(tensors), name, process_set)
@@ -352,7 +459,14 @@ def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
 # ------------------------------------------------------------------------- broadcast
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> Handle:
-    """Starts an in-place broadcast from global rank `root_rank`."""
+    """Starts an in-place broadcast from global rank `root_rank`.
+
+    Args:
+        tensor: the tensor, overwritten in place with the root's.
+        root_rank: the global rank whose value every member receives.
+        name: the collective's name, the same on every member; automatic if None.
+        process_set: the ranks that take part (default: every rank).
+    """
     tensor = _check_tensor(tensor, "broadcast")
     if not tensor.is_contiguous():
         raise ConfigError("broadcast: tensor is not contiguous; call .contiguous() first")
@@ -367,18 +481,42 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> Handle:
+    """Starts a broadcast of `root_rank`'s tensor into a new tensor; returns a handle for
+    `synchronize`, which returns the new tensor (the input is left as it is).
+
+    Args:
+        tensor: the tensor; the root's is sent, and every member's has its shape and dtype.
+        root_rank: the global rank whose value every member receives.
+        name: the collective's name, the same on every member; automatic if None.
+        process_set: the ranks that take part (default: every rank).
+    """
     return broadcast_async_(_copy(tensor, "broadcast"), root_rank, name, process_set)
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Overwrites `tensor` on every member with `root_rank`'s; returns it.
+
+    Args:
+        tensor: the tensor, overwritten in place with the root's.
+        root_rank: the global rank whose value every member receives.
+        name: the collective's name, the same on every member; automatic if None.
+        process_set: the ranks that take part (default: every rank).
+    """
     return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
 
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """`root_rank`'s tensor on every member (a new tensor). Differentiable: the root gets
-    the members' averaged gradient, the others zeros (Horovod's rule)."""
+    the members' averaged gradient, the others zeros (Horovod's rule).
+
+    Args:
+        tensor: the tensor; the root's is sent, and every member's has its shape and dtype.
+        root_rank: the global rank whose value every member receives.
+        name: the collective's name, the same on every member; automatic if None.
+        process_set: the ranks that take part (default: every rank).
+    """
     from raytrain_x.torch import autograd
 
     return autograd.broadcast(_check_tensor(tensor, "broadcast"), root_rank, name, process_set)
@@ -389,7 +527,14 @@ def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | 
                    name: str | None = None,
                    process_set: ProcessSet = global_process_set) -> Handle:
     """Starts an alltoall: rows `splits[i]` of dim 0 go to member i (equal split if None).
-    The handle gives `(output, received_splits)`."""
+    The handle gives `(output, received_splits)`.
+
+    Args:
+        tensor: the rows to send, split along dim 0 by `splits`.
+        splits: how many rows of dim 0 go to each member, in member order (equal parts if None).
+        name: the collective's name, the same on every member; automatic if None.
+        process_set: the ranks that take part (default: every rank).
+    """
     tensor = _check_tensor(tensor, "alltoall").detach().contiguous()
     n = process_set.size()
     if splits is None:
@@ -415,7 +560,14 @@ def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | 
 def alltoall(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None = None,
              name: str | None = None, process_set: ProcessSet = global_process_set):
     """Returns the received rows; with `splits`, returns `(output, received_splits)`.
-    Differentiable: the gradient goes back to the senders with the received splits."""
+    Differentiable: the gradient goes back to the senders with the received splits.
+
+    Args:
+        tensor: the rows to send, split along dim 0 by `splits`.
+        splits: how many rows of dim 0 go to each member, in member order (equal parts if None).
+        name: the collective's name, the same on every member; automatic if None.
+        process_set: the ranks that take part (default: every rank).
+    """
     from raytrain_x.torch import autograd
 
     output, received = autograd.alltoall(_check_tensor(tensor, "alltoall"), splits, name,
@@ -443,7 +595,16 @@ def _reducescatter_request(tensor: torch.Tensor, name: str, op: str | None,
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: str | None = Average,
                         process_set: ProcessSet = global_process_set,
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
-    """Starts a reduce-scatter along dim 0 (the first `dim0 % size` ranks get a row more)."""
+    """Starts a reduce-scatter along dim 0 (the first `dim0 % size` ranks get a row more).
+
+    Args:
+        tensor: the tensor to reduce; the same shape on every member, its dim 0 shared out.
+        name: the collective's name, the same on every member; automatic if None.
+        op: Average (default) or Sum.
+        process_set: the ranks that take part (default: every rank).
+        prescale_factor: multiplies the input before the reduction (Sum and Average).
+        postscale_factor: multiplies the result after the reduction (Sum and Average).
+    """
     request = _reducescatter_request(tensor, _op_name(REDUCESCATTER, name), op, process_set,
                                      prescale_factor, postscale_factor)
     _core.submit_many([request])
@@ -455,7 +616,17 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None,
                   process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                   postscale_factor: float = 1.0) -> torch.Tensor:
     """This rank's rows of the members' reduced tensor. Differentiable: the gradient is the
-    allgather of the gradient (times the set's size for Sum, Horovod's rule)."""
+    allgather of the gradient (times the set's size for Sum, Horovod's rule).
+
+    Args:
+        tensor: the tensor to reduce; the same shape on every member, its dim 0 shared out.
+        name: the collective's name, the same on every member; automatic if None.
+        compression: `Compression.fp16` sends floating-point tensors as float16 and casts back.
+        op: Average (default) or Sum.
+        process_set: the ranks that take part (default: every rank).
+        prescale_factor: multiplies the input before the reduction (Sum and Average).
+        postscale_factor: multiplies the result after the reduction (Sum and Average).
+    """
     from raytrain_x.torch import autograd
 
     return autograd.reducescatter(_check_tensor(tensor, "reducescatter"), name, compression,
@@ -468,7 +639,16 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
                                 process_set: ProcessSet = global_process_set,
                                 prescale_factor: float = 1.0,
                                 postscale_factor: float = 1.0) -> Handle:
-    """Starts reduce-scatters of several tensors in one cycle; one handle gives the list."""
+    """Starts reduce-scatters of several tensors in one cycle; one handle gives the list.
+
+    Args:
+        tensors: tensors, in the same order, dtypes and shapes on every member.
+        name: the collective's name, the same on every member; automatic if None.
+        op: Average (default) or Sum.
+        process_set: the ranks that take part (default: every rank).
+        prescale_factor: multiplies the input before the reduction (Sum and Average).
+        postscale_factor: multiplies the result after the reduction (Sum and Average).
+    """
     if not isinstance(tensors, (list, tuple)) or not tensors:
         raise ConfigError("grouped collectives need a non-empty list of tensors")
     base = _op_name("grouped_reducescatter", name)
@@ -484,7 +664,17 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = No
                           process_set: ProcessSet = global_process_set,
                           prescale_factor: float = 1.0,
                           postscale_factor: float = 1.0) -> list[torch.Tensor]:
-    """Reduce-scatters of several tensors; differentiable like `reducescatter`."""
+    """Reduce-scatters of several tensors; differentiable like `reducescatter`.
+
+    Args:
+        tensors: tensors, in the same order, dtypes and shapes on every member.
+        name: the collective's name, the same on every member; automatic if None.
+        compression: `Compression.fp16` sends floating-point tensors as float16 and casts back.
+        op: Average (default) or Sum.
+        process_set: the ranks that take part (default: every rank).
+        prescale_factor: multiplies the input before the reduction (Sum and Average).
+        postscale_factor: multiplies the result after the reduction (Sum and Average).
+    """
     from raytrain_x.torch import autograd
 
     return autograd.grouped_reducescatter(list(tensors), name, compression,

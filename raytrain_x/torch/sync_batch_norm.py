@@ -22,14 +22,22 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
     """Drop-in for `nn.BatchNorm1d/2d/3d` whose batch statistics span every member of
     `process_set`; the result equals `nn.BatchNorm*d` on the members' combined batch.
 
-    Args (as `nn.BatchNorm*d`): num_features, eps, momentum (None: cumulative average),
-    affine, track_running_stats; process_set: the ranks whose batches are combined.
+    Args:
+        num_features: channels, as in `nn.BatchNorm*d`.
+        eps: added to the variance, as in `nn.BatchNorm*d`.
+        momentum: running statistics' momentum; None for a cumulative average.
+        affine: learn a scale and a shift, as in `nn.BatchNorm*d`.
+        track_running_stats: keep running statistics, as in `nn.BatchNorm*d`.
+        process_set: the ranks whose batches are combined.
+        device: where the parameters are made, as in `nn.BatchNorm*d`.
+        dtype: the parameters' dtype, as in `nn.BatchNorm*d`.
     """
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
                  affine: bool = True, track_running_stats: bool = True,
-                 process_set: ProcessSet = global_process_set, device=None,
-                 dtype=None) -> None:
+                 process_set: ProcessSet = global_process_set,
+                 device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats,
                          device=device, dtype=dtype)
         self.process_set = process_set

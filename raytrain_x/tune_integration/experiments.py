@@ -35,7 +35,16 @@ class Experiment:
 
 @dataclass
 class ExperimentsResult:
-    """What `autotune_experiments` found."""
+    """What `autotune_experiments` found.
+
+    Attributes:
+        experiments: every experiment run, in order.
+        best: the experiment with the best metric, None if none finished.
+        output_dir: the folder with one folder per experiment and the summaries.
+        metric: the metric compared.
+        mode: `max` or `min`.
+        space: the search space as given.
+    """
 
     experiments: list[Experiment]
     best: Experiment | None
@@ -149,6 +158,23 @@ def autotune_experiments(
         The experiments, the best one, and `output_dir` holding one folder per experiment
         (config.json, metrics.csv, log.txt), summary.csv, best_config.json and
         metric_per_experiment.png.
+
+    Args:
+        train_fn: runs on every worker; calls `raytrain_x.autotune.report({metric: value})` once per
+            step.
+        space: Ray Tune search space; knob names (such as `fusion_threshold_bytes`) become
+            communication knobs.
+        num_workers: workers per experiment.
+        metric: the reported metric to compare.
+        mode: `max` or `min`.
+        max_experiments: how many configurations to try.
+        steps_per_experiment: steps each experiment trains.
+        start_step: steps left out of the score (warm-up); 0 <= start_step < steps_per_experiment.
+        search: `bayesopt` (Ray Tune's BayesOptSearch) or `grid`.
+        early_stop_patience: stop after this many experiments without a better one; None: never.
+        output_dir: where the results go.
+        cpus_per_worker: CPUs each worker asks Ray for.
+        seed: the search's seed.
     """
     from raytrain_x.tune_integration.trainable import DistributedTrainableCreator
 

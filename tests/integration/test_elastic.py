@@ -22,7 +22,6 @@ from raytrain_x.ray import RayExecutor
 from raytrain_x.ray.elastic import pool as worker_pool
 from raytrain_x.ray.placement import stable_node_strategy
 from raytrain_x.ray.worker import WORKER_OPTIONS, WorkerActor
-from raytrain_x.testing import drain_node
 from tests.conftest import ELASTIC_RESOURCE
 from tests.limits import limit, wait_until
 
@@ -428,72 +427,6 @@ def test_a_member_that_answers_but_never_comes_to_the_rendezvous_fails(
     assert why in failure.detail
     if stuck_in == "restore":
         assert "was in restore (test_elastic.py" in failure.detail, failure.detail
-
-
-def _newcomer_held_in_its_first_round(old_nodes: list[str], gate: str, stop: str,
-                                      progress: str) -> dict:
-    """The ledger job; the first worker on a node not in `old_nodes` (a newcomer) takes its
-    place in a round and then waits for `gate` before it meets its peers (a newcomer slow
-    to arrive: a loaded host), so that round stays forming. A worker started there after
-    it (the give-up restarts it) joins as any newcomer does."""
-    import os
-
-    from raytrain_x.comm.rendezvous import next_rendezvous
-    from raytrain_x.torch.ledger import ledger_train
-
-    first = f"{gate}.first"
-    if ray.get_runtime_context().get_node_id() not in old_nodes and not os.path.exists(first):
-        open(first, "w").close()
-        next_rendezvous()  # placed in the round the others wait in
-        while not os.path.exists(gate):
-            time.sleep(0.05)
-    return ledger_train(None, 0.05, stop=stop, progress=progress, samples=SAMPLES)
-
-
-def test_a_drain_gives_up_a_round_still_forming_and_the_others_go_on(cluster, elastic_nodes,
-                                                                     tmp_path):
-    """A node starts draining while a round with one of its workers is still forming (a
-    newcomer has not arrived). The drained worker could leave only at that round's first
-    commit, after the slow newcomer, so the round is given up: its peers' rendezvous
-    waits are answered at once and the worker that stays trains on alone; the newcomer
-    is restarted, and the fresh one joins (the chaos soak's slow drains, docs/elastic.md)."""
-    old = [n.node_id for n in elastic_nodes(2)]
-    # a collective timeout far past the wait below: only the given-up round explains it
-    executor = _executor(1, 3, timeout_s=60)
-    progress, gate, stop = tmp_path / "progress", tmp_path / "gate", tmp_path / "stop"
-    drained = None
-    try:
-        job = _Job(executor, old, str(gate), str(stop), str(progress),
-                   fn=_newcomer_held_in_its_first_round)
-        job.wait_until(lambda: job.trained(progress, 3, 2), "3 steps with 2 workers")
-        elastic_nodes(1)  # a newcomer starts; it is held in the round it is placed in
-
-        def forming() -> bool:
-            members = executor.last_elastic_job.members.values()
-            return len(members) == 3 and all(m.rank >= 0 for m in members)
-
-        job.wait_until(forming, "a round of all three workers, the newcomer held in it")
-        drained = next(m for m in executor.last_elastic_job.members.values()
-                       if m.node in old and m.rank != 0).node
-        at, _ = read_progress(progress)
-        drain_node(cluster.address, drained, deadline_s=60)
-        job.wait_until(lambda: read_progress(progress)[0] > at + 2
-                       and read_progress(progress)[1] == 1,
-                       "rank 0 to train on alone while the newcomer is held", work_s=3)
-        assert [e for e in executor.last_elastic_job.events if e.kind == "abandoned"]
-        gate.touch()
-        job.wait_until(lambda: job.trained(progress, 0, 2), "the newcomer to join")
-        stop.touch()
-        results = job.join()
-    finally:
-        gate.touch()
-        executor.shutdown()
-        for node in list(cluster.worker_nodes):  # not for the next test: it drains
-            if node.node_id == drained:
-                cluster.remove_node(node, allow_graceful=False)
-    assert len(results) == 2 and results[0]["sizes"][-1] == 2  # rank 0 and the newcomer
-    _check_committed_history(results, results[0]["step"])
-    assert [r["restores"] for r in results] == [0, 0]  # no worker failed: nothing restored
 
 
 def _gone(pid: int) -> bool:

@@ -31,30 +31,61 @@ def _constant(value: Any, name: str | None) -> tf.Tensor:
 def allreduce(value: Any, name: str | None = None, average: bool | None = None,
               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
               op: str | None = None, compression: type[Compressor] = Compression.none) -> Any:
-    """The allreduce of `value` over every rank (default: the average)."""
+    """The allreduce of `value` over every rank (default: the average).
+
+    Args:
+        value: the value; the same shape on every rank.
+        name: the collective's name, the same on every member; automatic if None.
+        average: deprecated Horovod flag: True means `op=Average`, False `op=Sum`; use `op`.
+        prescale_factor: multiplies the input before the reduction (Sum and Average).
+        postscale_factor: multiplies the result after the reduction (Sum and Average).
+        op: Average (default), Sum, Adasum, Min, Max or Product.
+        compression: `Compression.fp16` sends floating-point tensors as float16 and casts back.
+    """
     return _evaluated(collectives.allreduce(
         _constant(value, name), average=average, compression=compression, op=op,
         prescale_factor=prescale_factor, postscale_factor=postscale_factor))
 
 
 def allgather(value: Any, name: str | None = None) -> Any:
-    """Every rank's `value` concatenated along the first dimension, in rank order."""
+    """Every rank's `value` concatenated along the first dimension, in rank order.
+
+    Args:
+        value: the value; ranks may differ in the first dimension only.
+        name: the collective's name, the same on every member; automatic if None.
+    """
     return _evaluated(collectives.allgather(_constant(value, name)))
 
 
 def broadcast(value: Any, root_rank: int, name: str | None = None) -> Any:
-    """`root_rank`'s `value` on every rank."""
+    """`root_rank`'s `value` on every rank.
+
+    Args:
+        value: the value; the root's is sent.
+        root_rank: the global rank whose value every member receives.
+        name: the collective's name, the same on every member; automatic if None.
+    """
     return _evaluated(collectives.broadcast(_constant(value, name), root_rank))
 
 
 def reducescatter(value: Any, name: str | None = None, op: str = Average) -> Any:
-    """This rank's share (along the first dimension) of the reduction of `value`."""
+    """This rank's share (along the first dimension) of the reduction of `value`.
+
+    Args:
+        value: the value to reduce; the same shape on every rank.
+        name: the collective's name, the same on every member; automatic if None.
+        op: Average (default) or Sum.
+    """
     return _evaluated(collectives.reducescatter(_constant(value, name), op=op))
 
 
 def broadcast_global_variables(root_rank: int) -> Any:
     """Assigns `root_rank`'s value to every global variable of the Keras session's graph
-    (TensorFlow 1 style Keras); eagerly, use the `BroadcastGlobalVariablesCallback`."""
+    (TensorFlow 1 style Keras); eagerly, use the `BroadcastGlobalVariablesCallback`.
+
+    Args:
+        root_rank: the global rank whose values every member takes.
+    """
     if tf.executing_eagerly():
         raise UnsupportedOperationError(
             "broadcast_global_variables works on a tf.compat.v1 graph; with eager Keras use "
