@@ -186,7 +186,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     executor.start(extra_env_vars=env)
     try:
         _progress(f"{args.np} workers ready in {time.monotonic() - start:.1f}s")
-        codes = run_command_on_workers(executor, command, env, _printer())
+        codes = run_command_on_workers(executor, command, env, _printer(), os.getcwd())
     finally:
         executor.shutdown()
     failed = {rank: r for rank, r in enumerate(codes) if r["code"] != 0}
@@ -228,7 +228,7 @@ def _run_elastic(args, command, settings, knobs, fixed, autotune) -> int:
         host_discovery_script=args.host_discovery_script, autotune=autotune)
     executor.start(extra_env_vars=env)
     try:
-        codes = executor.run(run_script, args=(command,))
+        codes = executor.run(run_script, args=(command, os.getcwd()))
     finally:
         executor.shutdown()
     return 0 if all(code == 0 for code in codes) else 1

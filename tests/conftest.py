@@ -78,6 +78,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.timeout(seconds * SCALE))
 
 
+def pytest_collection_finish(session):
+    """The selected tests' background commands start now (tests/background.py)."""
+    from tests import background
+
+    background.start_selected(session.items)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """A test stopped by pytest-timeout also reports what the Ray cluster was doing: what it
@@ -232,6 +239,7 @@ def pytest_sessionfinish(session, exitstatus):
         return
     try:
         _stop_fork_server()
+        _stop_background()
         _check_leaks(session)
     finally:
         _remove_children_temp()
@@ -243,6 +251,13 @@ def _stop_fork_server() -> None:
     from tests.workers import stop_fork_server
 
     stop_fork_server()
+
+
+def _stop_background() -> None:
+    """Kills the background commands still running (a test that was not reached)."""
+    from tests import background
+
+    background.stop_all()
 
 
 def _remove_children_temp() -> None:

@@ -13,11 +13,16 @@ from ray.exceptions import RayActorError
 from raytrain_x.ray.executor import RayExecutor
 
 
-def run_script(command: list[str]) -> int:
+def run_script(command: list[str], cwd: str | None = None) -> int:
     """Runs `python script.py args` (or `python -m module args`) inside this process, as
-    `__main__`; returns its exit code. Used by elastic jobs launched from the CLI."""
+    `__main__`; returns its exit code. Used by elastic jobs launched from the CLI. With
+    `cwd` (the launcher's folder) it runs there where this node has that folder."""
+    import os
     import runpy
     import sys
+
+    if cwd and os.path.isdir(cwd):
+        os.chdir(cwd)
 
     if command and command[0] in ("python", "python3") or command[0] == sys.executable:
         command = command[1:]
@@ -58,8 +63,9 @@ def command_env(executor: RayExecutor, rank: int, store_addr: str, store_port: i
 
 
 def run_command_on_workers(executor: RayExecutor, command: list[str], env: dict[str, str],
-                           emit: Callable[[int, str], None]) -> list[dict]:
-    """Runs `command` on every worker; `emit(rank, line)` gets each output line.
+                           emit: Callable[[int, str], None], cwd: str | None = None) -> list[dict]:
+    """Runs `command` on every worker, in `cwd` where a node has that folder;
+    `emit(rank, line)` gets each output line.
 
     Rank 0's process hosts the store the others meet at, on its node's address; it answers
     only processes that prove this job's secret, a fresh one per call, which reaches the
@@ -75,7 +81,7 @@ def run_command_on_workers(executor: RayExecutor, command: list[str], env: dict[
 
     def follow(rank: int) -> None:
         gen = executor.workers[rank].run_command.options(num_returns="streaming").remote(
-            command, {**env, **command_env(executor, rank, addr, port, secret)})
+            command, {**env, **command_env(executor, rank, addr, port, secret)}, cwd)
         try:
             for ref in gen:
                 item = ray.get(ref)

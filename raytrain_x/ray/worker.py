@@ -207,14 +207,19 @@ class WorkerActor:
                 raise
             raise WorkerFailure.from_exception(exc, traceback.format_exc()) from None
 
-    def run_command(self, command: list[str], env: dict[str, str]) -> Iterator[Any]:
+    def run_command(self, command: list[str], env: dict[str, str],
+                    cwd: str | None = None) -> Iterator[Any]:
         """Runs a command, yielding its output lines and finally a dict with its exit code,
         when it ended (this node's clock) and whether it only failed because a peer did (a
-        raytrain-x process that ends on a lost peer exits with `LOST_PEER_EXIT_CODE`)."""
+        raytrain-x process that ends on a lost peer exits with `LOST_PEER_EXIT_CODE`).
+
+        It runs in `cwd` (the launcher's folder, as horovodrun runs a command in the same
+        folder on every host) where this node has that folder, else in the worker's own."""
         if command and command[0] in ("python", "python3"):
             command = [sys.executable, *command[1:]]  # the interpreter Ray runs us with
         proc = subprocess.Popen(command, env={**os.environ, **env, "PYTHONUNBUFFERED": "1",
                                               "RAYTRAIN_X_LAUNCHED": "1"},
+                                cwd=cwd if cwd and os.path.isdir(cwd) else None,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 bufsize=1)
         assert proc.stdout is not None

@@ -323,29 +323,6 @@ def test_losing_every_worker_that_holds_the_state_stops_the_job_naming_it(elasti
     assert "every worker that held the job's committed state was lost" in str(job.error)
 
 
-def test_a_newcomer_that_synced_holds_the_state_when_every_older_worker_dies(elastic_nodes,
-                                                                            tmp_path):
-    """A worker that joined and synced from rank 0 holds the state: when both older
-    workers are killed, the job goes on with it from the committed step (the first rule,
-    'was in a round that committed', stopped this job with ElasticStateLost)."""
-    elastic_nodes(2)
-    executor = _executor(1, 3, cooldown_range=(30.0, 30.0))  # the killed hosts stay out
-    progress = tmp_path / "progress"
-    job = _Job(executor, 120, 0.05, None, str(progress))
-    job.wait_until(lambda: job.trained(progress, 5, 2), "5 steps with 2 workers")
-    old = list(executor.last_elastic_job.members.values())
-    elastic_nodes(1)
-    job.wait_until(lambda: job.trained(progress, 0, 3), "the newcomer to train with them")
-    at = int(progress.read_text().split()[0])
-    job.wait_until(lambda: job.trained(progress, at + 3, 3), "3 more steps with 3 workers")
-    for member in old:
-        ray.kill(member.actor, no_restart=True)
-    results = job.join()
-    executor.shutdown()
-    assert len(results) == 1 and results[0]["sizes"][-1] == 1
-    _check_committed_history(results, 120)
-
-
 def _every_rank_leaves_its_round_at_once(marker: str, steps: int, stuck_node: str | None = None,
                                          stuck_in: str = "restore") -> dict:
     """Each rank raises `InternalError` right after the same allreduce of step 5, once (its

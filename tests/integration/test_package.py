@@ -9,10 +9,13 @@ import re
 import shlex
 import subprocess
 import sys
+import tempfile
 import zipfile
 from pathlib import Path
 
-from tests import limits
+import pytest
+
+from tests import background, limits
 from tests.conftest import REPO as _REPO
 
 BIN = Path(sys.executable).parent
@@ -26,26 +29,31 @@ def _sources() -> list[str]:
     return shlex.split(out)
 
 
+_WHEEL_DIR = Path(tempfile.mkdtemp(prefix="wheel", dir=os.environ.get("TMPDIR")))
+_VENV = _WHEEL_DIR / "venv"
+background.register("wheel-venv", ["bash", "-c", "set -euo pipefail\n" + "\n".join([
+    shlex.join([str(BIN / "uv"), "build", "--wheel", "--no-build-isolation", "--python",
+                sys.executable, "--out-dir", str(_WHEEL_DIR / "dist"), str(REPO)]),
+    shlex.join([sys.executable, "-m", "venv", "--without-pip", str(_VENV)]),
+    shlex.join([str(BIN / "uv"), "pip", "install", "--python", str(_VENV / "bin" / "python"),
+                "-c", str(REPO / "requirements" / "dev-constraints.txt"), *_sources()])
+    + ' "$(ls ' + shlex.quote(str(_WHEEL_DIR / "dist")) + '/raytrain_x-*.whl)[torch,examples]"',
+])], cwd=REPO)
+
+
+@pytest.mark.background("wheel-venv")
 def test_the_wheel_installs_and_runs_the_demo_outside_the_source_tree(tmp_path):
-    built = limits.run([str(BIN / "uv"), "build", "--wheel", "--no-build-isolation",
-                        "--python", sys.executable, "--out-dir", str(tmp_path / "dist"),
-                        str(REPO)], 60, "uv build --wheel", cwd=REPO)
+    """The wheel is built and installed into a clean venv beside the other tests from the
+    start of the session (tests/background.py); the demo runs here."""
+    built = background.result("wheel-venv", work_s=60)
     assert built.returncode == 0, built.stderr[-3000:]
-    [wheel] = (tmp_path / "dist").glob("raytrain_x-*.whl")
+    [wheel] = (_WHEEL_DIR / "dist").glob("raytrain_x-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     for shipped in ("raytrain_x/py.typed", "raytrain_x/tensorflow/csrc/async_kernel.cc"):
         assert shipped in names
     assert any(n.startswith("raytrain_x/_native.") and n.endswith(".so") for n in names)
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
-
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
-                   timeout=limits.limit(10))
-    installed = limits.run(
-        [str(BIN / "uv"), "pip", "install", "--python", str(venv / "bin" / "python"),
-         "-c", str(REPO / "requirements" / "dev-constraints.txt"), *_sources(),
-         f"{wheel}[torch,examples]"], 60, "uv pip install of the wheel")
-    assert installed.returncode == 0, installed.stderr[-3000:]
+    venv = _VENV
 
     # the demo script alone in a folder of its own: nothing of the source tree is importable
     work = tmp_path / "work"
@@ -69,15 +77,21 @@ def test_the_wheel_installs_and_runs_the_demo_outside_the_source_tree(tmp_path):
     assert match and float(match.group(1)) > 0.85, demo.stdout[-2000:]
 
 
-def test_the_docs_site_builds_with_warnings_as_errors(tmp_path):
+_SITE = Path(tempfile.mkdtemp(prefix="site", dir=os.environ.get("TMPDIR"))) / "site"
+background.register("docs-site", [str(BIN / "mkdocs"), "build", "--strict", "--site-dir",
+                                  str(_SITE)],
+                    cwd=REPO, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+
+
+@pytest.mark.background("docs-site")
+def test_the_docs_site_builds_with_warnings_as_errors():
     """`make docs`: MkDocs in strict mode fails on a warning, a broken internal link or
-    anchor, and a reference entry mkdocstrings cannot render."""
-    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
-    built = limits.run([str(BIN / "mkdocs"), "build", "--strict", "--site-dir",
-                        str(tmp_path / "site")], 30, "mkdocs build --strict", cwd=REPO, env=env)
+    anchor, and a reference entry mkdocstrings cannot render (built beside the other tests
+    from the start of the session, tests/background.py)."""
+    built = background.result("docs-site", work_s=30)
     assert built.returncode == 0, built.stderr[-4000:]
     for page in ("index.html", "elastic/index.html", "reference/raytrain_x.torch/index.html",
                  "reference/shared/index.html", "changelog/index.html"):
-        assert (tmp_path / "site" / page).exists(), page
-    torch_page = (tmp_path / "site" / "reference" / "raytrain_x.torch" / "index.html")
+        assert (_SITE / page).exists(), page
+    torch_page = _SITE / "reference" / "raytrain_x.torch" / "index.html"
     assert "DistributedOptimizer" in torch_page.read_text()

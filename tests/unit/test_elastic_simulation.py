@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 from dataclasses import replace
 
@@ -25,11 +24,12 @@ from raytrain_x.testing.simulation import (
     scenarios,
 )
 from raytrain_x.testing.simulation.shrink import shrink
+from tests import background
 from tests.conftest import REPO
 from tests.unit.elastic_reverts import REVERTS
 
 SUITE_SEED = 1_000_000  # the suite's seeds: SUITE_SEED .. SUITE_SEED + SUITE_SCHEDULES
-SUITE_SCHEDULES = 600
+SUITE_SCHEDULES = 300
 
 
 @pytest.mark.parametrize("name", sorted(scenarios()))
@@ -146,15 +146,20 @@ def test_the_command_prints_the_shrunk_schedule_and_exits_1(monkeypatch, capsys)
                      r"[1-9]\d* violations$", out.strip().splitlines()[-1]), out[-500:]
 
 
-@pytest.mark.timeout(120)
+background.register(
+    "simulation-share",
+    [sys.executable, "-m", "raytrain_x.testing.simulate", "--schedules", str(SUITE_SCHEDULES),
+     "--seed", str(SUITE_SEED), "--jobs", "1"],
+    cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.background("simulation-share")
 def test_the_suites_share_of_random_schedules_holds_every_invariant():
     """A fixed set of seeds, through the command as a user runs it (its own process, hash
-    seed fixed). The full soak is `make soak-sim`."""
-    out = subprocess.run(
-        [sys.executable, "-m", "raytrain_x.testing.simulate", "--schedules",
-         str(SUITE_SCHEDULES), "--seed", str(SUITE_SEED), "--jobs", "1"],
-        capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO},
-        timeout=110)
+    seed fixed), run beside the other tests from the start of the session
+    (tests/background.py). The full soak is `make soak-sim`."""
+    out = background.result("simulation-share", work_s=60)
     last = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert re.fullmatch(r"simulated \d+ schedules \(\d+ faults, [\d.]+ virtual hours\) in \d+ "

@@ -289,6 +289,12 @@ def scenarios() -> dict[str, Schedule]:
             [29.025, "partition", 0.6083, 3.711], [29.305, "drain", 0.388, -1.0]],
             "a drain gives up a round past its store waits: the round trains on to its "
             "first commit, and the next round waits for it", seed=530),
+        _named("newcomer-holds-the-state", replace(
+            THREE, nodes=2, max_nodes=3, autoscaler=False, respawn=False), [
+            Fault(3.0, "add_node"), Fault(15.0, "kill_node", 0.0),
+            Fault(15.0, "kill_node", 0.0)],
+            "a worker that joined and synced holds the state: both older workers' nodes die "
+            "and the job goes on with it from the committed step"),
         _named("synced-newcomer-kept", replace(THREE, max_workers=7, commit_s=1.0), [
             [5.497, "kill_worker", 0.18, 0.0], [5.647, "drain", 0.8213, -1.0]],
             "a drain gives up a round whose veteran died unseen: its newcomers synced the "
