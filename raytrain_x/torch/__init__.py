@@ -5,8 +5,6 @@ A Horovod script ports by changing `import horovod.torch as hvd` to this import.
 
 from __future__ import annotations
 
-from types import ModuleType as _ModuleType
-
 from raytrain_x.common.errors import (
     ConfigError,
     HostsUpdatedInterrupt,
@@ -15,6 +13,7 @@ from raytrain_x.common.errors import (
     TensorMismatchError,
     UnsupportedOperationError,
 )
+from raytrain_x.common.exports import public_names as _public_names
 from raytrain_x.core import (
     Adasum,
     Average,
@@ -96,8 +95,4 @@ from raytrain_x.torch.sync_batch_norm import SyncBatchNorm
 
 HorovodInternalError = InternalError  # Horovod's name for a failed peer or transport
 
-# the public names: every function, class and constant above, and the submodules
-# Horovod users reach by attribute (`hvd.elastic`), not the face's internal modules
-__all__ = sorted(name for name, value in globals().items()
-                 if not name.startswith("_") and name != "annotations"
-                 and (not isinstance(value, _ModuleType) or name in ("elastic",)))
+__all__ = _public_names(globals())
