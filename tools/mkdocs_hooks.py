@@ -60,8 +60,7 @@ def _public(module: str) -> list[tuple[str, Any]]:
 def _render(value: Any) -> list[str]:
     # from where it is defined: the faces re-export, and a star import's computed
     # `__all__` is not something a static reader can follow
-    return [f"::: {value.__module__}.{value.__qualname__}", "    options:",
-            "      heading_level: 3", ""]
+    return [f"::: {_identifier(value)}", "    options:", "      heading_level: 3", ""]
 
 
 def _identifier(value: Any) -> str:
@@ -109,7 +108,6 @@ def shared_page() -> str:
 
 
 def page(module: str) -> str:
-    mod = importlib.import_module(module)
     names = _public(module)
     lines = [f"# `{module}`", "", MODULES[module], ""]
     constants = [(n, v) for n, v in names if _kind(v) == "Constants"]
@@ -122,13 +120,11 @@ def page(module: str) -> str:
         if _kind(value) != "Submodules":
             continue
         lines += [f"## `{module}.{name}`", ""]
-        if value.__name__.startswith(module + ".") and not (
-                module == "raytrain_x.tensorflow" and ".keras" in value.__name__):
+        if value.__name__.startswith(module + "."):
             lines += [f"::: {value.__name__}", "    options:", "      heading_level: 3",
                       "      show_root_heading: false", "      show_root_toc_entry: false", ""]
         else:
             lines += [f"The same module as `{value.__name__}`.", ""]
-    del mod
     return "\n".join(lines)
 
 
