@@ -27,6 +27,7 @@ own namespace: a block's failure names its page and line.
 from __future__ import annotations
 
 import ast
+import json
 import os
 import re
 import sys
@@ -159,7 +160,7 @@ def test_worker_blocks_run(tmp_path):
 
 
 _DRIVER = """\
-import json, os, sys, traceback
+import json, os, traceback
 import ray
 
 _init = ray.init
@@ -203,8 +204,6 @@ def _env(ray_cluster: str) -> dict[str, str]:
 
 
 def test_driver_blocks_run(ray_cluster, tmp_path):
-    import json
-
     blocks = [(b.id, b.code, _folder(tmp_path, b)) for b in _of("driver")]
     (tmp_path / "blocks.json").write_text(json.dumps(blocks))
     script = _DRIVER.format(names=str(Path(REPO) / "tests" / "doc_names.py"),
