@@ -58,6 +58,20 @@ from raytrain_x.core import (
     transport,
 )
 from raytrain_x.torch import elastic
+from raytrain_x.torch.async_ops import (
+    allgather_async,
+    allreduce_async,
+    allreduce_async_,
+    alltoall_async,
+    broadcast_async,
+    broadcast_async_,
+    grouped_allgather_async,
+    grouped_allreduce_async,
+    grouped_allreduce_async_,
+    grouped_reducescatter_async,
+    reducescatter_async,
+    sparse_allreduce_async,
+)
 from raytrain_x.torch.compression import Compression
 from raytrain_x.torch.functions import (
     allgather_object,
@@ -67,28 +81,16 @@ from raytrain_x.torch.functions import (
 )
 from raytrain_x.torch.ops import (
     allgather,
-    allgather_async,
     allreduce,
     allreduce_,
-    allreduce_async,
-    allreduce_async_,
     alltoall,
-    alltoall_async,
     broadcast,
     broadcast_,
-    broadcast_async,
-    broadcast_async_,
     grouped_allgather,
-    grouped_allgather_async,
     grouped_allreduce,
     grouped_allreduce_,
-    grouped_allreduce_async,
-    grouped_allreduce_async_,
     grouped_reducescatter,
-    grouped_reducescatter_async,
     reducescatter,
-    reducescatter_async,
-    sparse_allreduce_async,
 )
 from raytrain_x.torch.optimizer import DistributedOptimizer
 from raytrain_x.torch.sync_batch_norm import SyncBatchNorm

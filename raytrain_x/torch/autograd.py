@@ -21,7 +21,8 @@ import torch
 
 from raytrain_x.core.collectives import Average, Sum, synchronize
 from raytrain_x.core.process_sets import ProcessSet
-from raytrain_x.torch import ops
+from raytrain_x.core.runtime import rank
+from raytrain_x.torch import async_ops as ops
 from raytrain_x.torch.compression import Compression, Compressor
 
 _NONE = Compression.none
@@ -77,8 +78,8 @@ def grouped_allreduce(tensors, name, compression, op, pre, post,
 def _own_rows(grads: Sequence[torch.Tensor], dims: Sequence[int],
               process_set: ProcessSet) -> list[torch.Tensor]:
     """Each gradient's rows that belong to this rank, given each tensor's own dim 0."""
-    all_dims = ops.allgather(torch.tensor(list(dims), dtype=torch.int64).reshape(1, -1),
-                             process_set=process_set)
+    all_dims = synchronize(ops.allgather_async(
+        torch.tensor(list(dims), dtype=torch.int64).reshape(1, -1), None, process_set))
     me = process_set.rank()
     offsets = all_dims[:me].sum(dim=0).tolist() if me else [0] * len(dims)
     return [g.narrow(0, int(off), int(d)) for g, off, d in zip(grads, offsets, dims)]
@@ -130,8 +131,6 @@ class _Broadcast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        from raytrain_x.core.runtime import rank
-
         reduced = allreduce(grad.contiguous(), None, _NONE, Average, 1.0, 1.0, ctx.process_set)
         if rank() != ctx.root_rank:
             reduced = torch.zeros_like(reduced)

@@ -11,7 +11,7 @@ from raytrain_x.common.errors import ConfigError
 from raytrain_x.core.collectives import synchronize
 from raytrain_x.core.objects import allgather_object, broadcast_object
 from raytrain_x.core.process_sets import ProcessSet, global_process_set
-from raytrain_x.torch.ops import broadcast_async_
+from raytrain_x.torch.async_ops import broadcast_async_
 
 __all__ = ["allgather_object", "broadcast_object", "broadcast_optimizer_state",
            "broadcast_parameters"]

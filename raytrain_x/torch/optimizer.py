@@ -24,20 +24,13 @@ import torch
 from raytrain_x.autotune.sampler import BATCHING_FIXED_BUCKETS
 from raytrain_x.common.errors import ConfigError
 from raytrain_x.core import runtime
-from raytrain_x.core.collectives import predivided
+from raytrain_x.core.collectives import Adasum, Average, Sum, predivided, synchronize
 from raytrain_x.core.process_sets import ProcessSet, global_process_set
 from raytrain_x.engine.adasum import check_size
 from raytrain_x.engine.messages import Handle
+from raytrain_x.torch.async_ops import allreduce_async_, sparse_allreduce_async
 from raytrain_x.torch.compression import Compression, Compressor
-from raytrain_x.torch.ops import (
-    Adasum,
-    Average,
-    Sum,
-    _Composite,
-    allreduce_async_,
-    sparse_allreduce_async,
-    synchronize,
-)
+from raytrain_x.torch.requests import CompositeHandle
 
 
 def _hooks(optimizer, params: list[torch.Tensor]) -> list:
@@ -290,7 +283,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             inner = allreduce_async_(dense, name=name, op=op, prescale_factor=pre,
                                      postscale_factor=post, process_set=self._process_set,
                                      compression=self._compression)
-            handle = _Composite(name, [inner], lambda out: out[0].to_sparse())
+            handle = CompositeHandle(name, [inner], lambda out: out[0].to_sparse())
         else:
             handle = sparse_allreduce_async(p.grad, name, self._op, self._process_set)
         return _Replacing(handle, p)

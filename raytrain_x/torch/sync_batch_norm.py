@@ -15,7 +15,7 @@ from torch import nn
 from raytrain_x.common.errors import ConfigError
 from raytrain_x.core.collectives import Sum, synchronize
 from raytrain_x.core.process_sets import ProcessSet, global_process_set
-from raytrain_x.torch import ops
+from raytrain_x.torch import async_ops as ops
 
 
 class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):

@@ -13,7 +13,7 @@ from raytrain_x.ray.elastic.pool import Member, Outcomes, Pending, WorkerPool
 from raytrain_x.ray.elastic.settings import ElasticSettings
 from raytrain_x.ray.elastic_rounds import current_holders
 from raytrain_x.ray.worker import Left
-from raytrain_x.testing.simulation.protocol import SimWorker
+from raytrain_x.testing.simulation.model import SimWorker
 from raytrain_x.testing.simulation.world import World
 
 LOST = ("the worker process exited (sys.exit, a crash or a killed node); its output is in "

@@ -14,58 +14,11 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from raytrain_x.comm.groups import round_prefix
-
-if TYPE_CHECKING:
-    from raytrain_x.testing.simulation.world import Node, World, WorldConfig
-
-RPC_S = 0.002  # one call to an actor on a reachable node
-
-
-@dataclass
-class Group:
-    """One rendezvous round as the workers see it."""
-
-    round_id: int
-    ranks: dict[str, int]  # worker id -> rank
-    hosts_version: int
-    arrived: set[str] = field(default_factory=set)
-    phase: str = "rendezvous"  # rendezvous, connect, sync, training, broken, done
-    stalled_since: float | None = None  # a member is cut off since
-    commit_due: bool = False  # a commit is scheduled
-
-
-class SimWorker:
-    """One worker actor and its process."""
-
-    def __init__(self, world: World, key: int, node: Node) -> None:
-        self.world = world
-        self.key = key
-        self.node = node
-        self.worker_id = ""  # given by the pool when it joins the job
-        self.alive = True  # its process runs
-        self.ready_at: float | None = None  # its process answers from then (None: never)
-        self.outcome: tuple[str, Any] | None = None  # ("finished"|"failed"|"left", value)
-        self.outcome_at = math.inf  # when the driver can see the outcome
-        self.group: Group | None = None
-        self.phase = "idle"  # idle, joining, rendezvous, sync, training, done
-        self.joining_since: float | None = None
-        self.join_arrived = False
-        self.holds = False  # synced the job's state in some round
-        self.state_round = 0  # the round of the state it holds (what it reports at joins)
-        self.step = 0  # its state: commits it includes
-        self.saved = 0  # its last saved commit
-        self.restores = 0
-        self.restarted = False  # the driver killed it, the state's last holder, running
-
-    def reachable(self, now: float) -> bool:
-        return self.alive and not self.node.cut(now) and not self.node.raylet_dead
-
-    def __repr__(self) -> str:
-        return f"{self.worker_id or f'actor{self.key}'}@{self.node.node_id}"
+from raytrain_x.testing.simulation.model import RPC_S, Group, SimWorker, WorldConfig
+from raytrain_x.testing.simulation.rounds import SimRounds
 
 
 class WorkerSide:
@@ -365,59 +318,3 @@ class WorkerSide:
     def rendezvous_published(self, group: Group) -> None:
         self.groups[group.round_id] = group
         self._fire_phase_faults("rendezvous", group)
-
-
-class SimRounds:
-    """The `ElasticRounds` actor: joins wait until the driver publishes their place."""
-
-    def __init__(self, world: World) -> None:
-        self.world = world
-        self.waiting: dict[str, SimWorker] = {}
-        self.version = 0
-        self.error: str | None = None
-        self.committed_round = 0
-        self.state_rounds: dict[str, int] = {}  # as workers report them at their joins
-
-    def join(self, w: SimWorker) -> None:
-        if self.error:
-            self.world.after(RPC_S, lambda: self.world.placed(w, {"error": self.error}))
-            return
-        self.state_rounds[w.worker_id] = w.state_round
-        self.waiting[w.worker_id] = w  # a dead worker's join stays, as with a real actor
-
-    def gone(self, w: SimWorker) -> None:
-        """A process ended: nothing to do (the real actor does not know either)."""
-
-    def publish(self, assignments: dict[str, dict[str, Any]]) -> None:
-        world = self.world
-        rounds = {p["round"] for p in assignments.values() if "round" in p}
-        for round_id in rounds:
-            ranks = {w: p["rank"] for w, p in assignments.items() if p.get("round") == round_id}
-            sizes = {p["size"] for p in assignments.values() if p.get("round") == round_id}
-            if sorted(ranks.values()) != list(range(len(ranks))) or sizes != {len(ranks)}:
-                world.violation(f"round {round_id} ranks {sorted(ranks.values())}, sizes "
-                                f"{sorted(sizes)}: not 0..n-1 of n")
-            version = next(p["hosts_version"] for p in assignments.values()
-                           if p.get("round") == round_id)
-            world.rendezvous_published(Group(round_id, ranks, version))
-        leaving = {w for w, p in assignments.items() if p.get("leave")}
-        for worker_id, place in assignments.items():
-            w = self.waiting.pop(worker_id, None)
-            if w is not None and place.get("leave"):
-                world.sent_away(w, leaving)
-            if w is None:
-                if "round" in place:
-                    world.violation(f"{worker_id} given a place in round {place['round']} "
-                                    "without waiting for one")
-                continue
-            world.after(RPC_S, lambda w=w, p=place: world.placed(w, p))
-
-    def fail(self, message: str) -> None:
-        self.error = message
-        for w in self.waiting.values():
-            self.world.after(RPC_S, lambda w=w: self.world.placed(w, {"error": message}))
-        self.waiting.clear()
-
-    def commit(self, round_id: int) -> int:
-        self.committed_round = max(self.committed_round, round_id)
-        return self.version

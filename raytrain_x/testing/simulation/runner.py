@@ -15,9 +15,10 @@ from raytrain_x.common.errors import ElasticStateLost, ElasticTimeout
 from raytrain_x.ray.elastic.controller import ElasticJob
 from raytrain_x.ray.elastic.settings import ElasticSettings
 from raytrain_x.ray.failures import SILENT_LOST_S, STUCK_GRACE_S
+from raytrain_x.testing.simulation.model import WorldConfig
 from raytrain_x.testing.simulation.parts import sim_parts
 from raytrain_x.testing.simulation.schedules import Schedule, apply
-from raytrain_x.testing.simulation.world import NODE_DEATH_S, World, WorldConfig
+from raytrain_x.testing.simulation.world import NODE_DEATH_S, World
 
 
 class Hang(BaseException):

@@ -10,8 +10,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field, replace
 
-from raytrain_x.testing.simulation.protocol import SimWorker
-from raytrain_x.testing.simulation.world import Node, World, WorldConfig
+from raytrain_x.testing.simulation.model import Node, SimWorker, WorldConfig
+from raytrain_x.testing.simulation.world import World
 
 KINDS = ("kill_worker", "kill_node", "drain", "drain_kill", "raylet", "partition",
          "slow_start", "stuck_start", "add_node", "kill_in_rendezvous", "kill_in_sync",

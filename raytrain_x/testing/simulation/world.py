@@ -23,10 +23,11 @@ import itertools
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-from raytrain_x.testing.simulation.protocol import Group, SimRounds, SimWorker, WorkerSide
+from raytrain_x.testing.simulation.model import Group, Node, SimWorker, WorldConfig
+from raytrain_x.testing.simulation.protocol import WorkerSide
+from raytrain_x.testing.simulation.rounds import SimRounds
 
 NODE_DEATH_S = 16.0  # a killed node until Ray's health checks declare it dead
 RAYLET_EXIT_S = 2.0  # a worker notices its raylet is gone (`exit_with_raylet`)
@@ -36,45 +37,6 @@ PROCESS_GONE_S = 0.3  # a killed process's calls fail (its raylet reports it)
 IDLE_TERMINATE_S = 2.0  # a drained node without a deadline goes once idle
 RESPAWN_S = (3.0, 10.0)  # without an autoscaler, a lost node's replacement joins
 AUTOSCALER_PERIOD_S = 2.0  # how often the autoscaler reconciles the job's request
-
-
-@dataclass
-class WorldConfig:
-    """One simulated job's cluster and settings (drawn from the seed)."""
-
-    nodes: int = 3
-    slots: int = 1  # workers per node
-    max_nodes: int = 6  # the autoscaler adds nodes up to this
-    min_workers: int = 1
-    max_workers: int = 3
-    timeout_s: float = 10.0  # the collective and rendezvous timeout
-    commit_s: float = 0.5  # training time between commits
-    start_s: tuple[float, float] = (0.5, 3.0)  # a worker process's start
-    launch_s: tuple[float, float] = (2.0, 8.0)  # the autoscaler's node launch
-    start_timeout_s: float = 30.0
-    elastic_timeout: float = 60.0
-    cooldown_range: tuple[float, float] = (2.0, 10.0)
-    autoscaler: bool = True
-    respawn: bool = True  # without an autoscaler, a lost node's replacement joins
-    # how long a group's connect holds its members when a peer died after publishing its
-    # address (None: timeout_s, raytrain-x's bound; torch's own tries took 5 x timeout_s)
-    connect_wait_s: float | None = None
-
-
-@dataclass
-class Node:
-    node_id: str
-    slots: int
-    up: bool = True  # its processes run (False once killed or terminated)
-    known_dead: bool = False  # Ray has declared it dead (gone from its alive nodes)
-    cut_until: float = -math.inf  # partitioned until then
-    raylet_dead: bool = False
-    drain_deadline: float | None = None  # draining since a drain (inf: no deadline)
-    slow_starts: tuple[float, float] | None = None  # worker starts take this long
-    stuck_starts: bool = False  # worker processes never start
-
-    def cut(self, now: float) -> bool:
-        return now < self.cut_until
 
 
 class World(WorkerSide):
@@ -263,7 +225,7 @@ class World(WorkerSide):
 
     # ------------------------------------------------------------------ processes
     def start_worker(self, node: Node) -> SimWorker:
-        w = SimWorker(self, len(self.workers), node)
+        w = SimWorker(len(self.workers), node)
         self.workers.append(w)
         if self.next_start is not None:
             kind, seconds = self.next_start

@@ -1,0 +1,75 @@
+"""The simulated `ElasticRounds` actor: a worker's join waits there until the driver
+publishes its place in a round (or sends it away)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from raytrain_x.testing.simulation.model import RPC_S, Group, SimWorker
+
+
+class RoundsWorld(Protocol):
+    """What the rounds actor calls on the world (`World` through its `WorkerSide`)."""
+
+    def after(self, delay: float, fn: Callable[[], None]) -> None: ...
+    def violation(self, text: str) -> None: ...
+    def placed(self, w: SimWorker, place: dict[str, Any]) -> None: ...
+    def sent_away(self, w: SimWorker, leaving: set[str]) -> None: ...
+    def rendezvous_published(self, group: Group) -> None: ...
+
+
+class SimRounds:
+    """The `ElasticRounds` actor: joins wait until the driver publishes their place."""
+
+    def __init__(self, world: RoundsWorld) -> None:
+        self.world = world
+        self.waiting: dict[str, SimWorker] = {}
+        self.version = 0
+        self.error: str | None = None
+        self.committed_round = 0
+        self.state_rounds: dict[str, int] = {}  # as workers report them at their joins
+
+    def join(self, w: SimWorker) -> None:
+        if self.error:
+            self.world.after(RPC_S, lambda: self.world.placed(w, {"error": self.error}))
+            return
+        self.state_rounds[w.worker_id] = w.state_round
+        self.waiting[w.worker_id] = w  # a dead worker's join stays, as with a real actor
+
+    def gone(self, w: SimWorker) -> None:
+        """A process ended: nothing to do (the real actor does not know either)."""
+
+    def publish(self, assignments: dict[str, dict[str, Any]]) -> None:
+        world = self.world
+        rounds = {p["round"] for p in assignments.values() if "round" in p}
+        for round_id in rounds:
+            ranks = {w: p["rank"] for w, p in assignments.items() if p.get("round") == round_id}
+            sizes = {p["size"] for p in assignments.values() if p.get("round") == round_id}
+            if sorted(ranks.values()) != list(range(len(ranks))) or sizes != {len(ranks)}:
+                world.violation(f"round {round_id} ranks {sorted(ranks.values())}, sizes "
+                                f"{sorted(sizes)}: not 0..n-1 of n")
+            version = next(p["hosts_version"] for p in assignments.values()
+                           if p.get("round") == round_id)
+            world.rendezvous_published(Group(round_id, ranks, version))
+        leaving = {w for w, p in assignments.items() if p.get("leave")}
+        for worker_id, place in assignments.items():
+            w = self.waiting.pop(worker_id, None)
+            if w is not None and place.get("leave"):
+                world.sent_away(w, leaving)
+            if w is None:
+                if "round" in place:
+                    world.violation(f"{worker_id} given a place in round {place['round']} "
+                                    "without waiting for one")
+                continue
+            world.after(RPC_S, lambda w=w, p=place: world.placed(w, p))
+
+    def fail(self, message: str) -> None:
+        self.error = message
+        for w in self.waiting.values():
+            self.world.after(RPC_S, lambda w=w: self.world.placed(w, {"error": message}))
+        self.waiting.clear()
+
+    def commit(self, round_id: int) -> int:
+        self.committed_round = max(self.committed_round, round_id)
+        return self.version

@@ -1,0 +1,324 @@
+"""The torch face's asynchronous collectives: each returns a handle for
+`synchronize`/`poll`; a trailing underscore works in place. They sit below the
+differentiable blocking forms (`raytrain_x.torch.ops`, through `raytrain_x.torch.autograd`),
+which call them; nothing here imports those."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from raytrain_x.common.errors import ConfigError
+from raytrain_x.core import collectives as _core
+from raytrain_x.core.collectives import Average, Sum
+from raytrain_x.core.process_sets import ProcessSet, global_process_set, registered_id
+from raytrain_x.engine.messages import ALLGATHER, ALLTOALL, BROADCAST, REDUCESCATTER, Handle, Meta
+from raytrain_x.torch.compression import Compression, Compressor
+from raytrain_x.torch.requests import (
+    CompositeHandle,
+    allgather_request,
+    allreduce_request,
+    check_tensor,
+    checked_dtype,
+    contiguous_copy,
+    op_name,
+    reducescatter_request,
+)
+
+
+def allreduce_async_(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+    compression: type[Compressor] = Compression.none,
+    fuse: bool = True,
+) -> Handle:
+    """Starts an in-place allreduce; returns a handle for `synchronize`.
+
+    Args:
+        tensor: contiguous tensor, reduced in place.
+        average: deprecated Horovod flag; use `op`.
+        name: unique name of this collective (same on every rank); auto-numbered if None.
+        op: Average (default), Sum, Adasum, Min, Max or Product.
+        prescale_factor: multiplies the tensor before the reduction (Sum and Average;
+            integers are scaled in float64 and cast back, as in Horovod).
+        postscale_factor: multiplies the result after the reduction, likewise.
+        process_set: ranks that take part.
+        compression: `Compression.fp16` sends float16 over the wire (keyword only: not in
+            Horovod's `*_async` signatures).
+        fuse: False for a tensor that is already a bucket: it is reduced alone, in place.
+    """
+    request, handle = allreduce_request(tensor, average, name, op, prescale_factor,
+                                         postscale_factor, process_set, compression, fuse)
+    _core.submit_many([request])
+    return handle
+
+
+def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+                    op: str | None = None, prescale_factor: float = 1.0,
+                    postscale_factor: float = 1.0,
+                    process_set: ProcessSet = global_process_set, **kwargs: Any) -> Handle:
+    """Like `allreduce_async_` on a copy: the input is left unchanged.
+
+    Args:
+        tensor: the tensor; the same shape and dtype on every member.
+        average: deprecated Horovod flag: True means `op=Average`, False `op=Sum`; use `op`.
+        name: the collective's name, the same on every member; automatic if None.
+        op: Average (default), Sum, Adasum, Min, Max or Product.
+        prescale_factor: multiplies the input before the reduction (Sum and Average).
+        postscale_factor: multiplies the result after the reduction (Sum and Average).
+        process_set: the ranks that take part (default: every rank).
+    """
+    tensor = check_tensor(tensor, "allreduce")
+    if tensor.is_sparse:
+        raise ConfigError("allreduce of a sparse tensor: use rx.sparse_allreduce_async")
+    return allreduce_async_(contiguous_copy(tensor, "allreduce"), average, name, op,
+                            prescale_factor, postscale_factor, process_set, **kwargs)
+
+
+def _grouped_allreduce_handles(tensors, average, name, op, prescale_factor, postscale_factor,
+                               process_set, compression) -> list[Handle]:
+    if not isinstance(tensors, (list, tuple)) or not tensors:
+        raise ConfigError("grouped collectives need a non-empty list of tensors")
+    base = op_name("grouped_allreduce", name)
+    pairs = [allreduce_request(t, average, f"{base}.{i}", op, prescale_factor,
+                                postscale_factor, process_set, compression)
+             for i, t in enumerate(tensors)]
+    _core.submit_many([request for request, _ in pairs])
+    return [handle for _, handle in pairs]
+
+
+def grouped_allreduce_async_(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+    compression: type[Compressor] = Compression.none,
+) -> Handle:
+    """Starts in-place allreduces of several tensors, enqueued atomically so that they are
+    negotiated in the same cycle and fused together (within the fusion threshold). Returns
+    one handle; `synchronize` gives the list of tensors.
+
+    Args:
+        tensors: tensors, in the same order, dtypes and shapes on every member.
+        average: deprecated Horovod flag: True means `op=Average`, False `op=Sum`; use `op`.
+        name: the collective's name, the same on every member; automatic if None.
+        op: Average (default), Sum, Adasum, Min, Max or Product.
+        prescale_factor: multiplies the input before the reduction (Sum and Average).
+        postscale_factor: multiplies the result after the reduction (Sum and Average).
+        process_set: the ranks that take part (default: every rank).
+        compression: `Compression.fp16` sends floating-point tensors as float16 (keyword only).
+    """
+    handles = _grouped_allreduce_handles(tensors, average, name, op, prescale_factor,
+                                         postscale_factor, process_set, compression)
+    return CompositeHandle(handles[0].name, handles)
+
+
+def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None,
+                            name: str | None = None, op: str | None = None,
+                            prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                            process_set: ProcessSet = global_process_set,
+                            **kwargs: Any) -> Handle:
+    """Like `grouped_allreduce_async_` on copies: the inputs are left unchanged.
+
+    Args:
+        tensors: tensors, in the same order, dtypes and shapes on every member.
+        average: deprecated Horovod flag: True means `op=Average`, False `op=Sum`; use `op`.
+        name: the collective's name, the same on every member; automatic if None.
+        op: Average (default), Sum, Adasum, Min, Max or Product.
+        prescale_factor: multiplies the input before the reduction (Sum and Average).
+        postscale_factor: multiplies the result after the reduction (Sum and Average).
+        process_set: the ranks that take part (default: every rank).
+    """
+    copies = [contiguous_copy(t, "allreduce") for t in tensors]
+    return grouped_allreduce_async_(copies, average, name, op, prescale_factor,
+                                    postscale_factor, process_set, **kwargs)
+
+
+def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None,
+                           op: str | None = None,
+                           process_set: ProcessSet = global_process_set) -> Handle:
+    """Allreduce of a sparse tensor as Horovod does it: an allgather of its indices and of
+    its values. The handle is callable (or pass it to `synchronize`); it gives a sparse
+    tensor whose duplicate indices sum up (divided by the set's size for Average).
+
+    Args:
+        tensor: a sparse COO tensor; members may hold different indices.
+        name: the collective's name, the same on every member; automatic if None.
+        op: Average (default) or Sum.
+        process_set: the ranks that take part (default: every rank).
+    """
+    tensor = check_tensor(tensor, "sparse_allreduce_async")
+    if not tensor.is_sparse:
+        raise ConfigError("sparse_allreduce_async needs a sparse tensor (tensor.to_sparse())")
+    op = _core.resolve_op(op, None)
+    if op not in (Average, Sum):
+        raise ConfigError("sparse_allreduce_async supports rx.Average and rx.Sum")
+    base = op_name("sparse_allreduce", name)
+    tensor = tensor.coalesce()
+    indices = allgather_async(tensor.indices().t().contiguous(), f"{base}.indices", process_set)
+    values = allgather_async(tensor.values().contiguous(), f"{base}.values", process_set)
+    n = process_set.size()
+
+    def finish(results: list[torch.Tensor]) -> torch.Tensor:
+        gathered_indices, gathered_values = results
+        if op == Average:
+            gathered_values = gathered_values / n
+        return torch.sparse_coo_tensor(gathered_indices.t(), gathered_values, tensor.shape)
+
+    return CompositeHandle(base, [indices, values], finish)
+
+
+def allgather_async(tensor: torch.Tensor, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> Handle:
+    """Starts an allgather along dim 0; ranks may differ in dim 0, not in the others.
+
+    Args:
+        tensor: the tensor; members may differ in dim 0, not in the other dims.
+        name: the collective's name, the same on every member; automatic if None.
+        process_set: the ranks that take part (default: every rank).
+    """
+    request = allgather_request(tensor, op_name(ALLGATHER, name), process_set)
+    _core.submit_many([request])
+    return request.handle
+
+
+def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
+                            process_set: ProcessSet = global_process_set) -> Handle:
+    """Starts allgathers of several tensors in one cycle; one handle gives the list.
+
+    Args:
+        tensors: tensors in the same order on every member; each may differ across members in dim 0
+            only.
+        name: the collective's name, the same on every member; automatic if None.
+        process_set: the ranks that take part (default: every rank).
+    """
+    if not isinstance(tensors, (list, tuple)) or not tensors:
+        raise ConfigError("grouped collectives need a non-empty list of tensors")
+    base = op_name("grouped_allgather", name)
+    requests = [allgather_request(t, f"{base}.{i}", process_set)
+                for i, t in enumerate(tensors)]
+    _core.submit_many(requests)
+    return CompositeHandle(base, [r.handle for r in requests])
+
+
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> Handle:
+    """Starts an in-place broadcast from global rank `root_rank`.
+
+    Args:
+        tensor: the tensor, overwritten in place with the root's.
+        root_rank: the global rank whose value every member receives.
+        name: the collective's name, the same on every member; automatic if None.
+        process_set: the ranks that take part (default: every rank).
+    """
+    tensor = check_tensor(tensor, "broadcast")
+    if not tensor.is_contiguous():
+        raise ConfigError("broadcast: tensor is not contiguous; call .contiguous() first")
+    members = process_set.ranks if process_set.ranks is not None else None
+    if members is not None and root_rank not in members:
+        raise ConfigError(f"broadcast root_rank {root_rank} is not in the process set {members}")
+    meta = Meta(BROADCAST, checked_dtype(tensor), tuple(tensor.shape), root=int(root_rank),
+                process_set_id=registered_id(process_set), device=tensor.device.type,
+                framework="torch")
+    return _core.submit(op_name(BROADCAST, name), meta, tensor.detach(), output=tensor)
+
+
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> Handle:
+    """Starts a broadcast of `root_rank`'s tensor into a new tensor; returns a handle for
+    `synchronize`, which returns the new tensor (the input is left as it is).
+
+    Args:
+        tensor: the tensor; the root's is sent, and every member's has its shape and dtype.
+        root_rank: the global rank whose value every member receives.
+        name: the collective's name, the same on every member; automatic if None.
+        process_set: the ranks that take part (default: every rank).
+    """
+    return broadcast_async_(contiguous_copy(tensor, "broadcast"), root_rank, name, process_set)
+
+
+def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None = None,
+                   name: str | None = None,
+                   process_set: ProcessSet = global_process_set) -> Handle:
+    """Starts an alltoall: rows `splits[i]` of dim 0 go to member i (equal split if None).
+    The handle gives `(output, received_splits)`.
+
+    Args:
+        tensor: the rows to send, split along dim 0 by `splits`.
+        splits: how many rows of dim 0 go to each member, in member order (equal parts if None).
+        name: the collective's name, the same on every member; automatic if None.
+        process_set: the ranks that take part (default: every rank).
+    """
+    tensor = check_tensor(tensor, "alltoall").detach().contiguous()
+    n = process_set.size()
+    if splits is None:
+        if tensor.dim() == 0 or tensor.shape[0] % n:
+            raise ConfigError(f"alltoall without splits needs dim 0 ({tuple(tensor.shape)}) "
+                              f"divisible by the {n} members; pass splits=")
+        split_list = [tensor.shape[0] // n] * n
+    else:
+        if torch.is_tensor(splits) and splits.dtype not in (torch.int32, torch.int64):
+            raise ConfigError(f"alltoall splits must be integers, got {splits.dtype}")
+        split_list = [int(s) for s in (splits.tolist() if torch.is_tensor(splits) else splits)]
+        if len(split_list) != n or any(s < 0 for s in split_list) \
+                or sum(split_list) != (tensor.shape[0] if tensor.dim() else 0):
+            raise ConfigError(f"alltoall splits {split_list} must be {n} non-negative numbers "
+                              f"summing to dim 0 ({tensor.shape[0] if tensor.dim() else 0})")
+    meta = Meta(ALLTOALL, checked_dtype(tensor), tuple(tensor.shape),
+                process_set_id=registered_id(process_set), device=tensor.device.type,
+                framework="torch",
+                splits=tuple(split_list))
+    return _core.submit(op_name(ALLTOALL, name), meta, tensor)
+
+
+def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: str | None = Average,
+                        process_set: ProcessSet = global_process_set,
+                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+    """Starts a reduce-scatter along dim 0 (the first `dim0 % size` ranks get a row more).
+
+    Args:
+        tensor: the tensor to reduce; the same shape on every member, its dim 0 shared out.
+        name: the collective's name, the same on every member; automatic if None.
+        op: Average (default) or Sum.
+        process_set: the ranks that take part (default: every rank).
+        prescale_factor: multiplies the input before the reduction (Sum and Average).
+        postscale_factor: multiplies the result after the reduction (Sum and Average).
+    """
+    request = reducescatter_request(tensor, op_name(REDUCESCATTER, name), op, process_set,
+                                     prescale_factor, postscale_factor)
+    _core.submit_many([request])
+    return request.handle
+
+
+def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None,
+                                op: str | None = Average,
+                                process_set: ProcessSet = global_process_set,
+                                prescale_factor: float = 1.0,
+                                postscale_factor: float = 1.0) -> Handle:
+    """Starts reduce-scatters of several tensors in one cycle; one handle gives the list.
+
+    Args:
+        tensors: tensors, in the same order, dtypes and shapes on every member.
+        name: the collective's name, the same on every member; automatic if None.
+        op: Average (default) or Sum.
+        process_set: the ranks that take part (default: every rank).
+        prescale_factor: multiplies the input before the reduction (Sum and Average).
+        postscale_factor: multiplies the result after the reduction (Sum and Average).
+    """
+    if not isinstance(tensors, (list, tuple)) or not tensors:
+        raise ConfigError("grouped collectives need a non-empty list of tensors")
+    base = op_name("grouped_reducescatter", name)
+    requests = [reducescatter_request(t, f"{base}.{i}", op, process_set, prescale_factor,
+                                       postscale_factor) for i, t in enumerate(tensors)]
+    _core.submit_many(requests)
+    return CompositeHandle(base, [r.handle for r in requests])
