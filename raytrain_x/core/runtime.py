@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable
 
 from raytrain_x.autotune.host import local_controller
-from raytrain_x.autotune.sampler import Advisor, AutotuneSampler, JobShape
+from raytrain_x.autotune.sampler import BATCHING_FIXED_BUCKETS, Advisor, AutotuneSampler, JobShape
 from raytrain_x.comm.groups import ProcessGroups
 from raytrain_x.comm.rendezvous import Rendezvous, next_rendezvous
 from raytrain_x.common import settings
@@ -215,19 +215,13 @@ def autotune_batch_size(batch_size: int) -> None:
         sampler.samples_per_step = batch_size * rendezvous().size
 
 
-def note_batching(kind: str) -> None:
-    """A framework says how its gradients are batched (`BATCHING_FIXED_BUCKETS` when the
-    user fixed bucket sizes); autotune leaves out the fusion threshold when nothing it
-    governs is used."""
-    _batching.add(kind)
+def note_fixed_buckets() -> None:
+    """A framework batches its gradients in buckets of a size the user fixed: autotune
+    leaves out the fusion threshold when nothing it governs is used."""
+    _batching.add(BATCHING_FIXED_BUCKETS)
     sampler = _sampler
     if sampler is not None:
-        sampler.batching.add(kind)
-
-
-def fixed_knobs() -> frozenset[str]:
-    """Knob names the user set explicitly at init (the autotuner leaves them alone)."""
-    return _fixed_knobs
+        sampler.batching.add(BATCHING_FIXED_BUCKETS)
 
 
 # ----------------------------------------------------------------- the world

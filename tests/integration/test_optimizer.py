@@ -110,7 +110,8 @@ def test_failed_step_leaves_no_stale_handles():
 
 def _views_of_buckets(opt, model) -> bool:
     """Every gradient lies inside one of the optimizer's float32 bucket buffers."""
-    spans = [(b.flat.data_ptr(), b.flat.data_ptr() + b.flat.numel() * 4) for b in opt._buckets]
+    spans = [(b.flat.data_ptr(), b.flat.data_ptr() + b.flat.numel() * 4)
+             for b in opt._layout.buckets]
     return all(p.grad is not None and any(lo <= p.grad.data_ptr() < hi for lo, hi in spans)
                for p in model.parameters())
 
@@ -130,7 +131,7 @@ def _bucketed(cap: float) -> dict:
         opt.step()
         views.append(_views_of_buckets(opt, model) if cap else True)
     return {"state": {k: v.clone() for k, v in model.state_dict().items()},
-            "buckets": len(opt._buckets), "views": all(views)}
+            "buckets": len(opt._layout.buckets), "views": all(views)}
 
 
 def test_bucketed_gradients_are_views_and_match_unbucketed():
@@ -156,8 +157,9 @@ def _deep_model() -> torch.nn.Module:
 def _views_of_arenas(opt, model) -> bool:
     """Every gradient lies inside one of the optimizer's arenas, in the order the hooks
     ran (so a fused batch of them is back to back)."""
-    laid = [p for arena in opt._arenas for p in arena.params]
-    spans = [(a.flat.data_ptr(), a.flat.data_ptr() + a.flat.numel() * 4) for a in opt._arenas]
+    laid = [p for arena in opt._layout.arenas for p in arena.params]
+    spans = [(a.flat.data_ptr(), a.flat.data_ptr() + a.flat.numel() * 4)
+             for a in opt._layout.arenas]
     return (sorted(map(id, laid)) == sorted(id(p) for p in model.parameters())
             and all(any(lo <= p.grad.data_ptr() < hi for lo, hi in spans)
                     for p in model.parameters()))
