@@ -1,0 +1,49 @@
+"""The elastic job's decisions, as pure policies (no Ray: an import-linter contract says
+so). Each takes a snapshot of what the job saw and, where time matters, the clock's
+reading, and returns what to do; the job's collaborators carry it out.
+`tests/unit/test_elastic_policies.py` checks every decision with a fake clock.
+"""
+
+from __future__ import annotations
+
+from raytrain_x.ray.elastic.policies.drains import (
+    DrainNotice,
+    abandons_forming_round,
+    drain_line,
+    held_back,
+    notice_drains,
+)
+from raytrain_x.ray.elastic.policies.liveness import (
+    FailurePolicy,
+    FailureVerdict,
+    Heartbeats,
+    StragglerRule,
+    Stragglers,
+    held_joins,
+    spare_last_holders,
+)
+from raytrain_x.ray.elastic.policies.rounds import (
+    RoundDecision,
+    decide_round,
+    kept_on_drain,
+    state_lost,
+    state_lost_error,
+)
+from raytrain_x.ray.elastic.policies.scaling import (
+    MinimumWatch,
+    ScalingPolicy,
+    elastic_timeout_error,
+    shape,
+)
+from raytrain_x.ray.elastic.policies.views import (
+    MemberView,
+    PendingView,
+)
+
+__all__ = [
+    'DrainNotice', 'FailurePolicy', 'FailureVerdict', 'Heartbeats', 'MemberView',
+    'MinimumWatch', 'PendingView', 'RoundDecision', 'ScalingPolicy', 'StragglerRule',
+    'Stragglers', 'abandons_forming_round', 'decide_round', 'drain_line',
+    'elastic_timeout_error', 'held_back', 'held_joins', 'kept_on_drain', 'notice_drains',
+    'shape', 'spare_last_holders', 'state_lost', 'state_lost_error',
+]

@@ -1,0 +1,132 @@
+"""Scaling: how many workers to start and where, what to ask the autoscaler for, when a
+starting worker is given up on, and `min_workers` over time."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from raytrain_x.common.errors import (
+    ConfigError,
+    ElasticTimeout,
+)
+from raytrain_x.common.settings import short_node
+from raytrain_x.elastic.blacklist import Blacklist
+from raytrain_x.elastic.discovery import slots_from_resources
+from raytrain_x.ray.elastic.policies.views import PendingView
+from raytrain_x.ray.elastic.settings import ElasticSettings
+
+
+def shape(resources: Mapping[str, float]) -> str:
+    """Resources as a user reads them: `{CPU: 1, GPU: 1}`."""
+    return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(resources.items())
+                           if v and not k.startswith("node:")
+                           and k not in ("memory", "object_store_memory")) + "}"
+
+
+class ScalingPolicy:
+    """How many workers to start and where, what to ask the autoscaler for, and when a
+    worker that is starting is given up on."""
+
+    def __init__(self, settings: ElasticSettings) -> None:
+        self.settings = settings
+        self.per_worker = settings.per_worker
+
+    def usable_slots(self, free: Mapping[str, int], draining: Iterable[str],
+                     blacklist: Blacklist) -> dict[str, int]:
+        """The free worker slots the job may use: not on a draining or blacklisted host."""
+        draining = set(draining)
+        return {h: n for h, n in free.items() if n > 0 and h not in draining
+                and not blacklist.is_blacklisted(h)}
+
+    def starts(self, usable: Mapping[str, int], members: int, pending: int,
+               last_resort: Iterable[str] = ()) -> list[str]:
+        """The nodes to start workers on (one entry per worker), up to `max_workers`
+        counting those running and starting; nodes in id order, each filled in turn, the
+        `last_resort` ones (a worker lately did not start there) after every other: a node
+        that cannot start workers would otherwise take every start while others idle."""
+        room = self.settings.max_workers - members - pending
+        if room <= 0:
+            return []
+        last = set(last_resort)
+        order = sorted(usable.items(), key=lambda item: (item[0] in last, item[0]))
+        return [node for node, slots in order for _ in range(slots)][:room]
+
+    def bundles(self, staying: int, pending: int, unusable_slots: int) -> int:
+        """How many worker bundles to ask the autoscaler for: room for `max_workers` while
+        the job has fewer (running or starting), 0 once it has them. Ray counts the
+        capacity of blacklisted and draining nodes too, so their slots are asked for on
+        top, or the autoscaler would add nothing in their place."""
+        if self.settings.max_workers - staying - pending <= 0:
+            return 0
+        return self.settings.max_workers + max(0, unusable_slots)
+
+    def give_ups(self, pending: Iterable[PendingView],
+                 node_totals: Mapping[str, Mapping[str, float]],
+                 now: float) -> list[tuple[object, str]]:
+        """The starting workers to give up on, with why: their node left, it can no longer
+        fit a worker even when empty, or they did not start within `start_timeout_s`. A
+        worker that is merely slow is waited for: Ray cannot tell a slow start (a
+        runtime_env being set up holds the slot with no process yet) from an unplaceable
+        one."""
+        out = []
+        for p in pending:
+            if p.node not in node_totals:
+                out.append((p.key, "its node left the cluster"))
+            elif slots_from_resources(node_totals[p.node], self.per_worker) < 1:
+                out.append((p.key, "its node can no longer fit a worker"))
+            elif now - p.asked_at > self.settings.start_timeout_s:
+                out.append((p.key, f"it did not start within start_timeout_s="
+                                   f"{self.settings.start_timeout_s:g}s"))
+        return out
+
+    def check_feasible(self, nodes: Mapping[str, Mapping[str, float]],
+                       node_types: Mapping[str, Mapping[str, float]] | None) -> None:
+        """A `ConfigError` when no node, and no node type the autoscaler publishes, can fit
+        one worker (an autoscaler that publishes none may still have one)."""
+        if any(slots_from_resources(res, self.per_worker) >= 1 for res in nodes.values()):
+            return
+        if node_types is None or any(slots_from_resources(res, self.per_worker) >= 1
+                                     for res in node_types.values()):
+            return
+        offered = sorted({shape(res) for res in [*nodes.values(), *node_types.values()]})
+        raise ConfigError(
+            f"a worker needs {shape(self.per_worker)}, which no node of this cluster and no "
+            f"node type of its autoscaler offers (they offer: {'; '.join(offered)}). Lower "
+            "cpus_per_worker/gpus_per_worker/resources_per_worker, or add a node type that "
+            "has them to the cluster config.")
+
+
+class MinimumWatch:
+    """`min_workers` over time: fewer staying workers than that are waited for up to
+    `elastic_timeout`, then the job fails (`elastic_timeout_error`)."""
+
+    def __init__(self, settings: ElasticSettings) -> None:
+        self.settings = settings
+        self.below_since: float | None = None
+
+    def observe(self, staying: int, now: float) -> str:
+        """'ok'; 'below' at the first poll below the minimum (warn once); 'waiting' after;
+        'timeout' once below for longer than `elastic_timeout`."""
+        if staying >= self.settings.min_workers:
+            self.below_since = None
+            return "ok"
+        if self.below_since is None:
+            self.below_since = now
+            return "below"
+        return "timeout" if now - self.below_since > self.settings.elastic_timeout \
+            else "waiting"
+
+
+def elastic_timeout_error(settings: ElasticSettings, staying: int, starting: int,
+                          bundles: int, blacklisted: list[str]) -> ElasticTimeout:
+    """The error of a job that stayed below `min_workers` past `elastic_timeout`, with
+    what it was waiting for and what to change."""
+    waiting = f" ({starting} still starting)" if starting else ""
+    asked = (f"; asked the autoscaler for room for {bundles} workers of "
+             f"{shape(settings.per_worker)} and none came") if bundles else ""
+    return ElasticTimeout(
+        f"only {staying} workers{waiting} for {settings.elastic_timeout:.0f}s, fewer than "
+        f"min_workers={settings.min_workers}{asked}; blacklisted hosts: "
+        f"{[short_node(h) for h in blacklisted]}. Add capacity (or node types that fit a "
+        "worker), "
+        "lower min_workers or raise elastic_timeout.")
