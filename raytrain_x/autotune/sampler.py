@@ -26,6 +26,7 @@ from typing import Any, Protocol
 from raytrain_x.common.autotune_config import AutotuneConfig
 from raytrain_x.common.autotune_log import AutotuneLog, Sample, TuningCost
 from raytrain_x.common.knobs import MB, Knobs
+from raytrain_x.common.logs import progress_logger
 from raytrain_x.engine.messages import ALLGATHER, ALLREDUCE, Response
 
 log = logging.getLogger("raytrain_x.autotune")
@@ -137,7 +138,7 @@ class SamplerReport:
 
     def __init__(self, config: AutotuneConfig, emit: Callable[[str], None] | None) -> None:
         self.config = config
-        self.emit = emit or (lambda line: print(line, flush=True))
+        self.emit = emit or progress_logger("raytrain_x.autotune.progress").info
         self.log = AutotuneLog(config.log_file) if config.log_file else None
 
     @staticmethod

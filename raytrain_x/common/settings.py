@@ -82,6 +82,23 @@ STRAGGLER_POLL_S = Setting(
 ALL = (TIMEOUT_S, START_TIMEOUT_S, SHM, STALL_WARNING_S, STALL_SHUTDOWN_S, TIMELINE,
        TIMELINE_MARK_CYCLES, GPU_OPERATIONS, CONFIG_FILE, DRAIN_POLL_S, STRAGGLER_POLL_S)
 
+# The driver's fixed intervals: not settings, each follows from what it waits for.
+# A worker's `ping` runs on a thread of its own, so a reachable worker answers in
+# milliseconds even mid-collective; this much silence means its node is cut off or gone.
+PROBE_TIMEOUT_S = 5.0
+# An elastic member silent this long to the driver's heartbeat (`policies.Heartbeats`) while
+# its peers wait for it at the rendezvous is lost: cut off or gone.
+SILENT_LOST_S = PROBE_TIMEOUT_S
+# A member that answers but stays away from the rendezvous its peers wait at longer than the
+# collective timeout and this is stuck (`StragglerRule`): a healthy one fails its own
+# collective within the timeout and restores in well under this.
+STUCK_GRACE_S = 5.0
+# A worker that has been in its call to join a round this long without the rounds actor
+# receiving it has the call held back by Ray (`policies.held_joins`); a join arrives in
+# milliseconds.
+JOIN_HELD_S = 3.0
+PROGRESS_EVERY_S = 5.0  # how often "waiting for N workers to start" is shown
+
 NODE_ID_SHOWN = 8  # characters of a Ray node id in messages (as `ray status` shows them)
 
 

@@ -14,23 +14,9 @@ import ray
 from ray.exceptions import RayActorError
 
 from raytrain_x.common.errors import LOST_PEER_ERRORS, WorkerError
-from raytrain_x.common.settings import short_node
+from raytrain_x.common.settings import JOIN_HELD_S, PROBE_TIMEOUT_S, short_node
 
 K = TypeVar("K", bound=Hashable)
-# A worker's `ping` runs on a thread of its own, so a reachable worker answers in
-# milliseconds even mid-collective; this much silence means its node is cut off or gone.
-PROBE_TIMEOUT_S = 5.0
-# An elastic member silent this long to the driver's heartbeat (`policies.Heartbeats`) while
-# its peers wait for it at the rendezvous is lost: cut off or gone.
-SILENT_LOST_S = PROBE_TIMEOUT_S
-# A member that answers but stays away from the rendezvous its peers wait at longer than the
-# collective timeout and this is stuck (`StragglerRule`): a healthy one fails its own
-# collective within the timeout and restores in well under this.
-STUCK_GRACE_S = 5.0
-# A worker that has been in its call to join a round this long without the rounds actor
-# receiving it has the call held back by Ray (`policies.held_joins`); a join arrives in
-# milliseconds.
-JOIN_HELD_S = 3.0
 
 
 class WorkerFailure(Exception):

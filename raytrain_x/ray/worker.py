@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import subprocess
@@ -21,6 +22,8 @@ from raytrain_x.common.errors import LOST_PEER_EXIT_CODE
 from raytrain_x.ray.failures import WorkerFailure
 
 _INITS_PER_ROUND = 1_000_000  # a static round's key spaces: round * this + its nth init()
+
+log = logging.getLogger("raytrain_x.worker")
 
 
 class LeaveJob(BaseException):  # noqa: N818 - a signal like SystemExit, not an error
@@ -97,8 +100,8 @@ def exit_with_raylet(poll_s: float = RAYLET_POLL_S) -> threading.Thread | None:
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(poll_s)
-        print(f"raytrain-x worker {os.getpid()}: the node's raylet (pid {parent}) is gone; "
-              "exiting", file=sys.stderr, flush=True)
+        log.warning("raytrain-x worker %d: the node's raylet (pid %d) is gone; exiting",
+                    os.getpid(), parent)
         os._exit(1)
 
     thread = threading.Thread(target=watch, name="raytrain-x-raylet-watch", daemon=True)

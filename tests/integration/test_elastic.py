@@ -203,7 +203,7 @@ def _held_start_worker(gate: Path):
 
 
 def test_slow_starts_are_waited_for_and_a_vanished_slot_is_given_up_with_a_reason(
-        cluster, elastic_nodes, monkeypatch, capfd, tmp_path):
+        cluster, elastic_nodes, monkeypatch, caplog, tmp_path):
     """Every worker's start is held (a loaded node, a large runtime_env, an image pull), and
     one node is removed meanwhile: that worker is given up on, naming why; the two slow
     ones are waited for past the progress line and train once they are up. (Which start is
@@ -224,9 +224,7 @@ def test_slow_starts_are_waited_for_and_a_vanished_slot_is_given_up_with_a_reaso
     job.wait_until(lambda: any(host == lost for _, host, _ in
                                executor.last_elastic_job.gave_up),
                    f"the slot on the removed node {lost} to be given up", work_s=4)
-    printed: list[str] = []
-    job.wait_until(lambda: printed.append(capfd.readouterr().out) or
-                   "waiting for 2 workers to start" in "".join(printed),
+    job.wait_until(lambda: "waiting for 2 workers to start" in caplog.text,
                    "the progress line of the slow starts", work_s=8)
     held = executor.last_elastic_job
     assert len(held.pending) == 2  # still waited for

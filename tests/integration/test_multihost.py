@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from raytrain_x.common.settings import PROBE_TIMEOUT_S
 from raytrain_x.ray.elastic.settings import STRAGGLER_POLL_S
-from raytrain_x.ray.failures import PROBE_TIMEOUT_S
 from raytrain_x.testing.cluster import EmulatedCluster, namespace_pids, unavailable_reason
 from tests.limits import SCALE, first_error, limit, wait_until
 

@@ -4,26 +4,27 @@ scenario fails without it."""
 
 from __future__ import annotations
 
-from raytrain_x.ray.elastic import controller, policies
+from raytrain_x.ray.elastic import drain_watch, member_watch, policies, round_forming
+from raytrain_x.ray.elastic.policies import rounds as round_policy
 
 
 def rank0_by_age_only(mp) -> None:
     """Rank 0 was the oldest member, whether or not it held the state."""
-    plan = controller.plan_round
-    mp.setattr(controller, "plan_round", lambda members, r, v, holders=(): plan(members, r, v))
+    plan = round_forming.plan_round
+    mp.setattr(round_forming, "plan_round", lambda members, r, v, holders=(): plan(members, r, v))
 
 
 def drained_holders_leave(mp) -> None:
     """A member on a draining node left at the rendezvous even when it was the job's only
     holder of the state."""
-    keep = policies.kept_on_drain
-    mp.setattr(policies, "kept_on_drain",
+    keep = round_policy.kept_on_drain
+    mp.setattr(round_policy, "kept_on_drain",
                lambda members, draining, holders, waiting: keep(members, draining, None, waiting))
 
 
 def drained_last_round_not_waited(mp) -> None:
     """A last round all on draining nodes was formed without (its members departed)."""
-    keep = policies.kept_on_drain
+    keep = round_policy.kept_on_drain
 
     def kept(members, draining, holders, waiting):
         members = list(members)
@@ -35,13 +36,13 @@ def drained_last_round_not_waited(mp) -> None:
             return {m.worker_id for m in members if not m.leaving and not m.departed
                     and m.node in draining and m.worker_id in holders}
         return keep(members, draining, holders, waiting)
-    mp.setattr(policies, "kept_on_drain", kept)
+    mp.setattr(round_policy, "kept_on_drain", kept)
 
 
 def departed_counts_as_present(mp) -> None:
     """A departed member's wait at the rendezvous made the training members stragglers."""
-    mp.setattr(controller.ElasticJob, "_present",
-               lambda self: [w for w, m in self.members.items() if not m.leaving])
+    mp.setattr(member_watch.MemberWatch, "present",
+               lambda self: [w for w, m in self.ctx.members.items() if not m.leaving])
 
 
 def slow_nodes_first(mp) -> None:
@@ -64,7 +65,7 @@ REVERTS = {
 def last_holders_restarted(mp) -> None:
     """Members that answered but stayed away (held joins, stuck) were restarted even when
     they alone held the state."""
-    mp.setattr(controller, "spare_last_holders", lambda candidates, members, holders:
+    mp.setattr(member_watch, "spare_last_holders", lambda candidates, members, holders:
                list(candidates))
 
 
@@ -76,7 +77,7 @@ def synced_newcomers_restarted(mp) -> None:
     other members were enough, counted whether or not they still answered, and whether
     or not the newcomers had synced the state by then."""
     held = policies.held_back
-    mp.setattr(controller, "held_back",
+    mp.setattr(drain_watch, "held_back",
                lambda newcomers, members, draining, min_workers, responsive, holders:
                held(newcomers, list(members), draining, min_workers,
                     [m.worker_id for m in members], None))
@@ -86,10 +87,10 @@ def other_holders_not_asked(mp) -> None:
     """Held or stuck members were restarted when another holder had answered the last
     heartbeat, though its node may have gone since."""
     def spare(self, candidates):
-        holders = self._holders()
+        holders = self.holders()
         return candidates if holders is None else \
-            controller.spare_last_holders(candidates, self._responsive(), holders)
-    mp.setattr(controller.ElasticJob, "_spare_last_holders", spare)
+            member_watch.spare_last_holders(candidates, self.responsive(), holders)
+    mp.setattr(member_watch.MemberWatch, "spare_last_holders", spare)
 
 
 REVERTS["synced-newcomer-kept"] = synced_newcomers_restarted

@@ -33,8 +33,8 @@ from raytrain_x.ray.elastic.policies import (
     state_lost,
     state_lost_error,
 )
+from raytrain_x.ray.elastic.rounds import current_holders, plan_round
 from raytrain_x.ray.elastic.settings import ElasticSettings
-from raytrain_x.ray.elastic_rounds import current_holders, plan_round
 
 
 class Clock:
@@ -191,7 +191,7 @@ def test_a_failure_blacklists_its_host_with_a_growing_cooldown():
 def test_a_worker_lost_with_its_draining_node_does_not_blacklist_it():
     clock = Clock()
     policy = FailurePolicy(settings(), blacklist(clock))
-    policy.drained_nodes.add("n1")
+    policy.note_drained("n1")
     assert policy.on_failure("n1").kind == "lost_draining"
     assert not policy.blacklist.is_blacklisted("n1")
 

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import pytest
 
-from raytrain_x.ray.elastic import controller
+from raytrain_x.ray.elastic import round_forming
 from raytrain_x.testing import simulate
 from raytrain_x.testing.simulation import (
     Fault,
@@ -107,7 +107,7 @@ def test_random_schedules_have_at_least_the_faults_asked_for():
 def test_the_watchdog_reports_a_job_that_stops_forming_rounds(monkeypatch):
     """A planted hang: after its second round the driver never forms another. The
     liveness check names it, and the run ends instead of spinning."""
-    decide = controller.decide_round
+    decide = round_forming.decide_round
 
     def stuck(waiting, members, *args, **kwargs):
         decision = decide(waiting, members, *args, **kwargs)
@@ -116,7 +116,7 @@ def test_the_watchdog_reports_a_job_that_stops_forming_rounds(monkeypatch):
         stuck.rounds += decision.form
         return decision
     stuck.rounds = 0
-    monkeypatch.setattr(controller, "decide_round", stuck)
+    monkeypatch.setattr(round_forming, "decide_round", stuck)
     config = WorldConfig(nodes=3, max_nodes=3, autoscaler=False)
     outcome = run_schedule(Schedule(5, config, (Fault(8.0, "kill_worker", 0.0),)))
     assert outcome.stop == "hang"

@@ -10,7 +10,7 @@ from raytrain_x.engine.arrays import NUMPY, ops_for
 from raytrain_x.engine.coordinator import Coordinator, Report
 from raytrain_x.engine.messages import ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, Meta, Response
 from raytrain_x.engine.planner import plan_batches
-from raytrain_x.ray.elastic_rounds import plan_round
+from raytrain_x.ray.elastic.rounds import plan_round
 from raytrain_x.ray.failures import root_cause
 
 

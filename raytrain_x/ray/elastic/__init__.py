@@ -1,15 +1,23 @@
-"""The elastic job: a controller that carries out decisions, pure policies that make them,
-a worker pool and a cluster view that talk to Ray, and one event log.
+"""The elastic job, driver side: a thin loop whose collaborators carry decisions out, pure
+policies that make them, a worker pool and a cluster view that talk to Ray, and one event
+log.
 
-    controller.py   ElasticJob: the loop (poll, decide, act)
-    policies.py     scaling, failures, drains, min_workers, stragglers, rounds (no Ray)
-    events.py       the event log and the round history (no Ray)
-    settings.py     ElasticSettings and the controller's intervals (no Ray)
-    pool.py         worker actors: start, poll, give up, kill, probe
-    cluster.py      nodes, free slots, drains, node types, the autoscaler request
+    job.py             ElasticJob: the loop (poll, then each collaborator acts)
+    context.py         JobContext: what the collaborators share
+    member_watch.py    members' outcomes, failures, heartbeats, stragglers, state holders
+    worker_starts.py   starting workers, the autoscaler's request, give-ups, min_workers
+    drain_watch.py     draining nodes: give-ups, leaving members, a forming round given up
+    round_forming.py   the next round: who leaves, departs, stays, with which rank
+    policies/          the decisions (no Ray): scaling, drains, liveness, rounds
+    rounds.py          the ElasticRounds actor workers join rounds at; plan_round
+    events.py          the event log and the round history (no Ray)
+    settings.py        ElasticSettings and the polling intervals (no Ray)
+    pool.py            worker actors: start, poll, give up, kill, probe
+    cluster.py         nodes, free slots, drains, node types, the autoscaler request
+    parts.py           JobParts: what the job acts through (Ray's, or a simulation's)
 """
 
-from raytrain_x.ray.elastic.controller import ElasticJob
+from raytrain_x.ray.elastic.job import ElasticJob
 from raytrain_x.ray.elastic.settings import ElasticSettings
 
 __all__ = ["ElasticJob", "ElasticSettings"]

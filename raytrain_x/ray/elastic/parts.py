@@ -15,8 +15,8 @@ import ray
 from raytrain_x.comm.store_actor import StoreActor
 from raytrain_x.ray.elastic.cluster import ClusterView
 from raytrain_x.ray.elastic.pool import WorkerPool
+from raytrain_x.ray.elastic.rounds import ElasticRounds
 from raytrain_x.ray.elastic.settings import ElasticSettings
-from raytrain_x.ray.elastic_rounds import ElasticRounds
 from raytrain_x.ray.placement import stable_node_strategy
 
 

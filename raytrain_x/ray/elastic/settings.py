@@ -10,7 +10,6 @@ from raytrain_x.common.settings import START_TIMEOUT_S
 
 DRAIN_POLL_S = settings.DRAIN_POLL_S.read()  # one small RPC to the GCS each time
 STRAGGLER_POLL_S = settings.STRAGGLER_POLL_S.read()
-PROGRESS_EVERY_S = 5.0  # how often "waiting for N workers to start" is printed
 GAVE_UP_WARNING_AT = 3  # give-ups after which the job warns once that it keeps giving up
 
 

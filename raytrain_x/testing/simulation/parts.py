@@ -10,8 +10,8 @@ from typing import Any
 from raytrain_x.common.errors import WorkerError
 from raytrain_x.ray.elastic.parts import JobParts
 from raytrain_x.ray.elastic.pool import Member, Outcomes, Pending, WorkerPool
+from raytrain_x.ray.elastic.rounds import current_holders
 from raytrain_x.ray.elastic.settings import ElasticSettings
-from raytrain_x.ray.elastic_rounds import current_holders
 from raytrain_x.ray.worker import Left
 from raytrain_x.testing.simulation.model import SimWorker
 from raytrain_x.testing.simulation.world import World

@@ -3,8 +3,6 @@ invariants as the history unfolds (docs/elastic.md, "Simulation")."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import logging
 import math
 import random
@@ -12,9 +10,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from raytrain_x.common.errors import ElasticStateLost, ElasticTimeout
-from raytrain_x.ray.elastic.controller import ElasticJob
+from raytrain_x.common.settings import SILENT_LOST_S, STUCK_GRACE_S
+from raytrain_x.ray.elastic.job import ElasticJob
 from raytrain_x.ray.elastic.settings import ElasticSettings
-from raytrain_x.ray.failures import SILENT_LOST_S, STUCK_GRACE_S
 from raytrain_x.testing.simulation.model import WorldConfig
 from raytrain_x.testing.simulation.parts import sim_parts
 from raytrain_x.testing.simulation.schedules import Schedule, apply
@@ -143,13 +141,15 @@ def run_schedule(schedule: Schedule, keep_trace: bool = False) -> Outcome:
     dog.end_by = ask_end + dog.bound
     world.after(1.0, dog.tick)
     stop = "finished"
-    out = io.StringIO()
+    # the driver's log is silenced and its progress lines kept for the trace
+    driver_lines: list[str] = []
     logger = logging.getLogger("raytrain_x.elastic")
-    level = logger.level
+    progress = logging.getLogger("raytrain_x.elastic.progress")
+    saved = logger.level, progress.handlers, progress.propagate
     logger.setLevel(logging.CRITICAL)
+    progress.handlers, progress.propagate = [_Lines(driver_lines)], False
     try:
-        with contextlib.redirect_stdout(out):
-            job.run()
+        job.run()
     except Hang:
         stop = "hang"
     except ElasticStateLost as exc:
@@ -163,12 +163,23 @@ def run_schedule(schedule: Schedule, keep_trace: bool = False) -> Outcome:
         world.violation(f"the driver raised {type(exc).__name__}, not a documented stop: "
                         f"{str(exc).splitlines()[0] if str(exc) else ''}")
     finally:
-        logger.setLevel(level)
+        logger.level, progress.handlers, progress.propagate = saved
     _check_events(world, job)
     if keep_trace:
-        lines += [f"driver: {line}" for line in out.getvalue().splitlines()]
+        lines += [f"driver: {line}" for line in driver_lines]
     return Outcome(schedule, list(world.violations), stop, world.now, fired[0],
                    len(world.commits), recoveries, lines)
+
+
+class _Lines(logging.Handler):
+    """Keeps each record's message."""
+
+    def __init__(self, lines: list[str]) -> None:
+        super().__init__()
+        self.lines = lines
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
 
 
 def _never_called(*_: Any) -> None:

@@ -30,6 +30,10 @@ class FailurePolicy:
         self.drained_nodes: set[str] = set()  # every node ever seen draining
         self.resets = 0  # rounds after the first, drains aside
 
+    def note_drained(self, node: str) -> None:
+        """`node` started draining: a worker lost with it is not its host's failure."""
+        self.drained_nodes.add(node)
+
     def on_failure(self, node: str) -> FailureVerdict:
         """A worker on `node` failed: its host is blacklisted for a cooldown, unless the
         node was draining (it went before the worker's next commit; nothing to blacklist)."""

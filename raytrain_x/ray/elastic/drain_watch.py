@@ -1,0 +1,95 @@
+"""Drains: nodes Ray started draining. Their starting workers are given up, their members
+leave at the next commit, their capacity is no longer used, and a round still forming
+with one of their workers is given up."""
+
+from __future__ import annotations
+
+import logging
+
+from raytrain_x.comm.groups import round_prefix
+from raytrain_x.common.logs import progress_logger
+from raytrain_x.ray.elastic.context import JobContext
+from raytrain_x.ray.elastic.member_watch import MemberWatch
+from raytrain_x.ray.elastic.policies import (
+    DrainNotice,
+    abandons_forming_round,
+    drain_line,
+    held_back,
+    notice_drains,
+)
+from raytrain_x.ray.elastic.pool import Member
+from raytrain_x.ray.elastic.worker_starts import WorkerStarts
+
+log = logging.getLogger("raytrain_x.elastic")
+progress = progress_logger("raytrain_x.elastic.progress")
+
+
+class DrainWatch:
+    """Carries out what `notice_drains`, `abandons_forming_round` and `held_back` decide."""
+
+    def __init__(self, ctx: JobContext, members: MemberWatch, starts: WorkerStarts) -> None:
+        self.ctx = ctx
+        self.members = members
+        self.starts = starts
+
+    def check(self) -> None:
+        """Takes in the nodes that started draining since the last look."""
+        ctx = self.ctx
+        draining = ctx.cluster.draining()
+        notice = notice_drains(draining, ctx.draining,
+                               [p.view() for p in ctx.pending.values()],
+                               [m.node for m in ctx.members.values()])
+        ctx.draining = draining
+        for node in notice.new:
+            self.members.failures.note_drained(node)
+            ctx.log.add("drain", node)
+        for key in notice.give_up:
+            self.starts.give_up(key, "its node is draining")
+        for node, workers in notice.leaving.items():
+            progress.info("raytrain-x elastic: %s",
+                          drain_line(node, notice.new[node], ctx.parts.wall_clock(), workers))
+        if notice.interrupt:
+            ctx.log.note("drain")
+            ctx.needs_round = True
+            ctx.rounds_client.bump_hosts()
+            self._abandon_forming_round(notice)
+
+    def _abandon_forming_round(self, notice: DrainNotice) -> None:
+        """A member of the round still forming is on a draining node: the round is given
+        up (its peers' rendezvous waits are answered at once) and the next one forms
+        without it. That round's newcomers are restarted when the others can recover
+        without them (`held_back`): one slow to arrive would hold up the recovery, and a
+        peer already in a gloo wait with it (its group connections, the state sync) would
+        wait until it reached its next store call; its process gone, the wait fails at
+        once, and a fresh worker takes its slot. Otherwise the next round waits for them."""
+        ctx = self.ctx
+        if not ctx.rounds:
+            return
+        in_round = [m.node for m in ctx.members.values() if m.rank >= 0]
+        committed_round = ctx.rounds_client.committed_round()
+        if not abandons_forming_round(notice, in_round, ctx.rounds, committed_round):
+            return
+        ctx.store.abandon(round_prefix(ctx.rounds))
+        # Those not restarted keep their place: the next round waits for them. A round
+        # past its store waits (its groups made, its state synced) is not stopped by the
+        # give-up: it trains on to its first commit, whose host check sends it back; a
+        # round formed without them meanwhile would train beside it from another state.
+        restarted = held_back(ctx.round_newcomers, [m.view() for m in ctx.members.values()],
+                              ctx.draining, ctx.settings.min_workers,
+                              self.members.responsive(), self.members.holders())
+        for worker_id in restarted & set(ctx.members):
+            ctx.pool.remove(ctx.members[worker_id])
+        ctx.log.add("abandoned", "", round=ctx.rounds, reason="drain",
+                    restarted=len(restarted))
+        log.info("raytrain-x elastic: round %d was still forming with a worker on a draining "
+                 "node; it is given up and the next forms without it (%d newcomer(s) "
+                 "restarted)", ctx.rounds, len(restarted))
+
+
+def note_left(ctx: JobContext, members: list[Member]) -> None:
+    """Drained members the next round entry counts as left, each once: when a round
+    forms without them (`departed`) or when they are sent away at the rendezvous
+    (`leaving`), whichever comes first. Called before either flag is set."""
+    new = [m for m in members if not (m.leaving or m.departed)]
+    if new:
+        ctx.log.note("drain", left=len(new))

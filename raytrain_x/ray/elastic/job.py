@@ -1,0 +1,154 @@
+"""The elastic job: keeps a job running while workers come and go.
+
+Each worker actor runs the user function once; its `rx.init()` (and every reset inside
+`elastic.run`) waits in the `ElasticRounds` actor until the job forms a round from all live
+workers. Dead workers are dropped and their hosts blacklisted; discovered capacity starts
+new workers, and survivors meet them at their next `commit()`. On an autoscaling cluster
+the job asks the autoscaler for the workers it lacks, and a node Ray drains has its workers
+leave at the next commit: nothing is restored or redone, and the host is not blacklisted.
+
+`ElasticJob.run` is the loop: poll, then let each collaborator act. They carry decisions
+out; the policies (`policies/`, pure, unit-tested with a fake clock) decide, the worker
+pool (`pool.py`) and the cluster view (`cluster.py`) talk to Ray, and everything that
+happens goes to one event log (`events.py`). What they share is a `JobContext`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from raytrain_x.elastic.blacklist import Blacklist
+from raytrain_x.ray.elastic.context import JobContext
+from raytrain_x.ray.elastic.drain_watch import DrainWatch
+from raytrain_x.ray.elastic.events import EventLog
+from raytrain_x.ray.elastic.member_watch import MemberWatch
+from raytrain_x.ray.elastic.parts import JobParts, ray_parts
+from raytrain_x.ray.elastic.pool import Member, Pending
+from raytrain_x.ray.elastic.round_forming import RoundForming
+from raytrain_x.ray.elastic.settings import DRAIN_POLL_S, STRAGGLER_POLL_S, ElasticSettings
+from raytrain_x.ray.elastic.worker_starts import WorkerStarts
+
+
+class ElasticJob:
+    """Runs `fn` elastically and returns the results of the workers that finished it."""
+
+    def __init__(self, settings: ElasticSettings, fn: Callable, args: tuple, kwargs: dict,
+                 clock: Callable[[], float] = time.monotonic,
+                 parts: JobParts | None = None) -> None:
+        """`parts`: what the job acts through (default: Ray's, `ray_parts`)."""
+        self.settings = settings
+        self.fn, self.args, self.kwargs = fn, args, kwargs
+        self.clock = clock
+        self.ctx = JobContext(settings, clock, parts or ray_parts(settings, clock),
+                              EventLog(clock), Blacklist(settings.cooldown_range, clock))
+        self.member_watch = MemberWatch(self.ctx)
+        self.starts = WorkerStarts(self.ctx)
+        self.drains = DrainWatch(self.ctx, self.member_watch, self.starts)
+        self.forming = RoundForming(self.ctx, self.member_watch)
+
+    # ------------------------------------------------------------------ views
+    @property
+    def members(self) -> dict[str, Member]:
+        return self.ctx.members
+
+    @property
+    def pending(self) -> dict[Any, Pending]:
+        return self.ctx.pending
+
+    @property
+    def events(self) -> list:
+        """Every event, in order (each reads as a (time, kind, host) tuple)."""
+        return self.ctx.log.events
+
+    @property
+    def cooldowns(self) -> list[tuple[str, float, float]]:
+        return self.ctx.log.cooldowns
+
+    @property
+    def gave_up(self) -> list[tuple[float, str, str]]:
+        return self.ctx.log.gave_up
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        return self.ctx.log.history
+
+    @property
+    def capacity(self) -> Any:
+        return self.ctx.cluster.capacity
+
+    @property
+    def resets(self) -> int:
+        return self.member_watch.failures.resets
+
+    @property
+    def log(self) -> EventLog:
+        return self.ctx.log
+
+    @property
+    def last_failure(self) -> Any:
+        return self.ctx.last_failure
+
+    @property
+    def rounds(self) -> int:
+        return self.ctx.rounds
+
+    @property
+    def draining(self) -> dict[str, float]:
+        return self.ctx.draining
+
+    @property
+    def blacklist(self) -> Blacklist:
+        return self.ctx.blacklist
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> list[Any]:
+        ctx = self.ctx
+        try:
+            self.starts.check_feasible()
+            self.drains.check()
+            self.starts.scale_up()
+            self.starts.update_request()
+            now = self.clock()
+            next_discovery = now + self.settings.discovery_interval_s
+            next_drain_check = now + DRAIN_POLL_S
+            next_straggler_check = now + STRAGGLER_POLL_S
+            while True:
+                finished = self.member_watch.poll()
+                if finished:
+                    return self._finish(finished)
+                if not ctx.members and ctx.last_failure is not None:
+                    self.member_watch.check_all_failed()
+                # newcomers are asked over once they wait to join
+                self.starts.poll_pending(self.fn, self.args, self.kwargs)
+                if self.clock() >= next_drain_check:
+                    self.drains.check()
+                    next_drain_check = self.clock() + DRAIN_POLL_S
+                if self.clock() >= next_discovery:
+                    self.starts.scale_up()
+                    self.starts.check_pending()
+                    self.starts.update_request()
+                    next_discovery = self.clock() + self.settings.discovery_interval_s
+                if self.clock() >= next_straggler_check:
+                    self.member_watch.check_stragglers()
+                    next_straggler_check = self.clock() + STRAGGLER_POLL_S
+                self.starts.check_minimum()
+                self.forming.step()
+        except BaseException as exc:
+            try:
+                ctx.rounds_client.fail(f"the elastic job stopped: {exc}")
+            except Exception:  # noqa: BLE001 - the original error matters more
+                pass
+            raise
+        finally:
+            ctx.cluster.capacity.clear()
+            ctx.pool.kill_all()
+            ctx.parts.close()
+
+    def _finish(self, finished: dict[str, Any]) -> list[Any]:
+        """A worker finished: the job is done. Others get `timeout_s` to finish too."""
+        members = self.ctx.members
+        finished = self.ctx.pool.collect(finished, self.settings.timeout_s)
+        order = sorted(finished, key=lambda w: members[w].rank if w in members else 1 << 30)
+        return [finished[w] for w in order]

@@ -1,0 +1,190 @@
+"""The elastic job's members: their outcomes and failures, their heartbeats, and which
+of them are lost, stuck or held at the rendezvous; and which hold the job's state."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from raytrain_x.comm.groups import round_prefix
+from raytrain_x.common.errors import WorkerError
+from raytrain_x.common.settings import JOIN_HELD_S, SILENT_LOST_S, STUCK_GRACE_S, short_node
+from raytrain_x.ray.elastic.context import JobContext
+from raytrain_x.ray.elastic.policies import (
+    FailurePolicy,
+    Heartbeats,
+    StragglerRule,
+    held_joins,
+    spare_last_holders,
+    state_lost_error,
+)
+from raytrain_x.ray.elastic.pool import Member
+from raytrain_x.ray.elastic.settings import STRAGGLER_POLL_S
+from raytrain_x.ray.failures import held_join_error, stuck_error, unreachable_error
+
+log = logging.getLogger("raytrain_x.elastic")
+
+
+class MemberWatch:
+    """Polls the members and carries out what `FailurePolicy` and `StragglerRule` decide."""
+
+    def __init__(self, ctx: JobContext) -> None:
+        self.ctx = ctx
+        self.failures = FailurePolicy(ctx.settings, ctx.blacklist)
+        self.stragglers = StragglerRule(lost_after_s=SILENT_LOST_S,
+                                        stuck_after_s=ctx.settings.timeout_s + STUCK_GRACE_S)
+        self.heartbeats = Heartbeats()
+
+    def poll(self) -> dict[str, Any]:
+        """Waits briefly for outcomes; handles failures and departures; returns the
+        results of members that finished."""
+        ctx = self.ctx
+        if not any(m.ref is not None for m in ctx.members.values()):
+            ctx.parts.sleep(0.1)
+            return {}
+        outcomes = ctx.pool.poll(timeout_s=0.1)
+        for member, error in outcomes.failed:
+            self.on_failure(member, error)
+        for member, left in outcomes.left:
+            ctx.pool.remove(member)
+            ctx.log.add("left", member.node)
+            log.info("raytrain-x elastic: worker %s left the job (%s)", member.worker_id,
+                     left.reason)
+        return outcomes.finished
+
+    def on_failure(self, member: Member, error: WorkerError) -> None:
+        ctx = self.ctx
+        if member.leaving or member.departed:
+            # it had left the job's rounds (its node drains): no round waits for it
+            ctx.pool.remove(member)
+            ctx.log.add("left", member.node, lost=True)
+            log.info("raytrain-x elastic: worker %s, which had left the job, was lost with its "
+                     "draining node", member.worker_id)
+            return
+        # peers still forming this round with it would wait for its keys until their
+        # timeout: they are answered at once and join the next round
+        ctx.store.abandon(round_prefix(ctx.rounds))
+        ctx.pool.remove(member)
+        ctx.log.note("failure", failed=1)
+        ctx.last_failure = error
+        ctx.needs_round = True
+        verdict = self.failures.on_failure(member.node)
+        if verdict.kind == "lost_draining":
+            ctx.log.add("lost_draining", member.node)
+            log.warning("raytrain-x elastic: worker %s (rank %d) was lost with its draining "
+                        "node %s before its next commit; the others restore the last commit",
+                        member.worker_id, member.rank, short_node(member.node))
+        else:
+            ctx.log.add("failure", member.node, cooldown_s=verdict.cooldown_s)
+            log.warning("raytrain-x elastic: worker %s (rank %d) on node %s failed (%s); "
+                        "host blacklisted for %s", member.worker_id, member.rank,
+                        short_node(member.node), _last_line(error.detail),
+                        "good" if verdict.cooldown_s == float("inf")
+                        else f"{verdict.cooldown_s:.1f}s")
+
+    def check_all_failed(self) -> None:
+        """No worker is left, the last one having failed. A function that raised fails the
+        job with its error, as does any failure when hosts are blacklisted for good. Lost
+        processes (killed, crashed, cut off) with a cooldown are waited out like a start
+        (`min_workers`, `elastic_timeout`), unless the job had committed: its state went
+        with them."""
+        failure = self.ctx.last_failure
+        if not failure.process_lost or self.ctx.settings.cooldown_range is None:
+            raise failure
+        if self.ctx.rounds_client.committed():
+            raise state_lost_error(failure, self.lost_workers())
+
+    def lost_workers(self) -> int:
+        log_ = self.ctx.log
+        return len(log_.of("failure")) + len(log_.of("lost_draining"))
+
+    def check_stragglers(self) -> None:
+        ctx = self.ctx
+        beats, now = self.heartbeats, ctx.clock()
+        beats.record(*ctx.pool.beat(), now)
+        beats.keep(ctx.members)
+        waiting = ctx.rounds_client.waiting()
+        present = self.present()
+        verdict = self.stragglers.observe(
+            waiting, present, now, [w for w in present if ctx.members[w].rank >= 0],
+            silent={w: beats.silent_for(w, now) for w in present}, failed=beats.failed)
+        if verdict.needs_round:
+            ctx.needs_round = True
+        if verdict.lost:
+            addresses = ctx.cluster.addresses()
+            self.fail_all(verdict.lost, lambda ranks, nodes: unreachable_error(
+                ranks, nodes, "while their peers waited for them at the rendezvous",
+                addresses))
+        # absent ones that answer: in a join the rounds actor never received? (asked
+        # again: one may have arrived since the first look)
+        answering = {w: beats.joining[w] for w in verdict.absent
+                     if w in beats.joining and w not in verdict.lost}
+        if answering:
+            held = held_joins(answering, ctx.rounds_client.waiting(), JOIN_HELD_S)
+            held = self.spare_last_holders(held)
+            if held:
+                self.fail_all(held, held_join_error)
+        stuck = self.spare_last_holders(verdict.stuck)
+        if stuck:
+            where = ctx.pool.ask(stuck, "where")
+            self.fail_all(stuck, lambda ranks, nodes: stuck_error(
+                ranks, nodes, self.stragglers.stuck_after_s,
+                {ctx.members[w].rank: at for w, at in where.items()}))
+
+    def spare_last_holders(self, candidates: list[str]) -> list[str]:
+        """`spare_last_holders` of the members about to be restarted, the other holders
+        of the state asked first (a ping): one whose node went since the last heartbeat
+        answered does not count, and the candidates are then the last holders."""
+        if not candidates:
+            return candidates
+        holders = self.holders()
+        if holders is None:
+            return candidates
+        others = set(holders) & set(self.responsive()) - set(candidates)
+        there = self.ctx.pool.ask(others, "ping") if others else {}
+        return spare_last_holders(candidates, there, holders)
+
+    def responsive(self) -> list[str]:
+        """The members known to be there: they answered the heartbeat's last call (one
+        goes out each poll; one whose process or node is gone unseen answers nothing)."""
+        beats, now = self.heartbeats, self.ctx.clock()
+        return [w for w in self.ctx.members if w not in beats.failed
+                and beats.silent_for(w, now) < 2 * STRAGGLER_POLL_S]
+
+    def holders(self, committed_round: int | None = None) -> list[str] | None:
+        """The workers that hold the job's latest committed state (None: it never
+        committed): those that said so when they last joined a round, and the members of
+        the round that committed last (they report it only at their next join)."""
+        ctx = self.ctx
+        if committed_round is None:
+            committed_round = ctx.rounds_client.committed_round()
+        if not committed_round:
+            return None
+        for old in [r for r in ctx.round_members if r < committed_round]:
+            del ctx.round_members[old]  # a later round committed: they are not needed
+        holders = set(ctx.rounds_client.holders())
+        holders |= ctx.round_members.get(committed_round, set()) & set(ctx.members)
+        return sorted(holders)
+
+    def present(self) -> list[str]:
+        """The members whose peers may wait for them at the rendezvous. A drained member
+        that a round formed without is not one: it is sent away when it arrives, and its
+        wait is not a peer waiting for the others (counted as one, it made the members
+        training in that round look stuck)."""
+        return [w for w, m in self.ctx.members.items() if not m.leaving and not m.departed]
+
+    def fail_all(self, worker_ids: Iterable[str], errors_of: Callable) -> None:
+        """Fails these members with one error naming them all: `errors_of(ranks, nodes)`."""
+        members = [self.ctx.members[w] for w in worker_ids if w in self.ctx.members]
+        if not members:
+            return
+        errors = errors_of(sorted(m.rank for m in members), [m.node for m in members])
+        for member in members:
+            self.on_failure(member, errors[member.rank])
+
+
+def _last_line(text: str) -> str:
+    """The line of a traceback that names the error."""
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1].strip()[:300] if lines else "no detail"

@@ -1,0 +1,95 @@
+"""Forming the elastic job's next round: who leaves at the rendezvous, who departs with
+their draining node, who stays and with which rank, and whether the job's state survives."""
+
+from __future__ import annotations
+
+import logging
+
+from raytrain_x.common.logs import progress_logger
+from raytrain_x.common.settings import short_node
+from raytrain_x.elastic.history import round_line
+from raytrain_x.ray.elastic.context import JobContext
+from raytrain_x.ray.elastic.drain_watch import note_left
+from raytrain_x.ray.elastic.member_watch import MemberWatch
+from raytrain_x.ray.elastic.policies import decide_round, state_lost, state_lost_error
+from raytrain_x.ray.elastic.rounds import plan_round
+
+log = logging.getLogger("raytrain_x.elastic")
+progress = progress_logger("raytrain_x.elastic.progress")
+
+
+class RoundForming:
+    """Carries out what `decide_round` decides and publishes the round `plan_round` plans."""
+
+    def __init__(self, ctx: JobContext, members: MemberWatch) -> None:
+        self.ctx = ctx
+        self.members = members
+        self._asked_over = False  # the round's members were asked to a round for newcomers
+
+    def step(self) -> None:
+        """Sends drained members away and forms a round when one is needed and ready."""
+        ctx = self.ctx
+        # a drained member the last round formed without is sent away when it arrives
+        departing = any(m.departed and not m.leaving for m in ctx.members.values())
+        if not ctx.needs_round and not departing:
+            return
+        waiting = ctx.rounds_client.waiting()
+        committed_round = ctx.rounds_client.committed_round()
+        holders = self.members.holders(committed_round)
+        decision = decide_round(waiting, [m.view() for m in ctx.members.values()],
+                                ctx.draining, ctx.settings.min_workers,
+                                committed_round >= ctx.rounds, holders)
+        if decision.leave:  # they return from `execute` with `Left`; the poll drops them
+            ctx.rounds_client.publish(
+                {w: {"leave": True,
+                     "reason": f"node {short_node(ctx.members[w].node)} is draining"}
+                 for w in decision.leave})
+            leaving = [ctx.members[w] for w in decision.leave]
+            note_left(ctx, leaving)
+            for member in leaving:
+                member.leaving = True
+        if not ctx.needs_round:
+            return
+        if (decision.interrupt or decision.release) and not self._asked_over:
+            self._asked_over = True
+            ctx.rounds_client.bump_hosts()
+            if decision.interrupt:
+                ctx.log.add("scale_up")
+        if not decision.form:
+            return  # survivors are still on their way to the rendezvous
+        departed = [ctx.members[w] for w in decision.departed]
+        note_left(ctx, departed)  # the round forms without them: they left with it
+        for member in departed:
+            member.departed = True
+        self._form({w: ctx.members[w] for w in decision.ranks}, kept=len(decision.kept))
+
+    def _form(self, staying: dict, kept: int) -> None:
+        ctx = self.ctx
+        newcomers = sum(m.rank < 0 for m in staying.values())
+        if newcomers:
+            ctx.log.note("scale_up" if ctx.rounds else "start", joined=newcomers)
+        holders = self.members.holders()  # None: the job never committed, there is no state
+        if holders is not None and state_lost(staying, holders, committed=True):
+            raise state_lost_error(ctx.last_failure, self.members.lost_workers())
+        self.members.failures.count_round(ctx.log.is_reset(), ctx.last_failure)
+        version = ctx.rounds_client.hosts_version()
+        ctx.rounds += 1
+        assignments = plan_round({m.worker_id: (m.node, m.age) for m in staying.values()},
+                                 ctx.rounds, version, holders or ())
+        ctx.round_newcomers = [w for w, m in staying.items() if m.rank < 0]
+        ctx.round_members[ctx.rounds] = set(staying)
+        for worker_id, place in assignments.items():
+            ctx.members[worker_id].rank = place["rank"]
+        ctx.rounds_client.publish(assignments)
+        # newcomers still starting join at a later round, once they wait for one; members
+        # kept on a draining node leave at the round after this one's first commit
+        left_out = sum(m.rank < 0 for m in ctx.staying())
+        ctx.needs_round = left_out > 0 or bool(kept)
+        if kept:
+            log.info("raytrain-x elastic: %d worker(s) on draining nodes stay one more round: "
+                     "they hold the job's state and no staying worker does yet", kept)
+        self._asked_over = False
+        entry = ctx.log.record_round(
+            ctx.rounds, len(staying), len({m.node for m in staying.values()}),
+            len(ctx.pending) + left_out, ctx.cluster.capacity.bundles, len(ctx.draining))
+        progress.info("raytrain-x elastic: %s", round_line(entry))
