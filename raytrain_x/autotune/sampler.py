@@ -23,16 +23,15 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from raytrain_x.autotune.observer import JobObserver, JobShape
+from raytrain_x.autotune.progress import SamplerReport
 from raytrain_x.common.autotune_config import AutotuneConfig
-from raytrain_x.common.autotune_log import AutotuneLog, Sample, TuningCost
-from raytrain_x.common.knobs import MB, Knobs
-from raytrain_x.common.logs import progress_logger
+from raytrain_x.common.autotune_log import Sample, TuningCost
+from raytrain_x.common.knobs import Knobs
 from raytrain_x.engine.messages import ALLGATHER, ALLREDUCE, Response
 
 log = logging.getLogger("raytrain_x.autotune")
 
-# What the fusion threshold governs on this job's path, as frameworks report it.
-BATCHING_FIXED_BUCKETS = "fixed buckets"  # buckets of a size the user fixed
 
 
 class Advisor(Protocol):
@@ -43,22 +42,15 @@ class Advisor(Protocol):
     def report(self, score: float) -> dict[str, Any]: ...
 
 
-def describe(knobs: Knobs) -> str:
-    return (f"bucket/fusion {knobs.fusion_threshold_bytes / MB:g} MB, cycle "
-            f"{knobs.cycle_time_ms:g} ms, cache {knobs.cache_capacity}, hier ar/ag "
-            f"{int(knobs.hierarchical_allreduce)}/{int(knobs.hierarchical_allgather)}")
 
 
-@dataclasses.dataclass
-class JobShape:
-    """What the sampler knows of the world when it starts."""
-
-    size: int = 1
-    multi_level: bool = False  # more than one host and more than one worker per host
 
 
 class Phase(str, enum.Enum):
-    """Where the sampler is; `AutotuneSampler.phase` names it."""
+    """Where the sampler is (`AutotuneSampler.phase`). It measures in WARMUP, SCORING,
+    CONFIRMING and COST; after a search sample it waits for the advisor (ADVISING, in the
+    background), then for the next knobs to take effect (SWITCHING) before measuring in
+    the phase the answer called for; after COST it is DONE."""
 
     WARMUP = "warmup"  # samples measured and discarded (caches, allocators settle)
     SCORING = "scoring"  # measuring a search sample
@@ -69,45 +61,6 @@ class Phase(str, enum.Enum):
     DONE = "done"
 
 
-class JobObserver:
-    """Which knobs can matter in this job, from what it sends before the search starts."""
-
-    def __init__(self) -> None:
-        self.allreduce_names: set[str] = set()
-        self.fusable = False  # a cycle had two fusable requests
-        self.allgathers = False
-        self.batching: set[str] = set()  # what frameworks say the fusion threshold governs
-
-    def observe(self, responses: list[Response]) -> None:
-        fusable = 0
-        for r in responses:
-            if r.meta.kind == ALLREDUCE:
-                if len(self.allreduce_names) <= 1 << 20:  # bounded: names may never repeat
-                    self.allreduce_names.add(r.name)
-                fusable += r.meta.fuse and not r.error
-            elif r.meta.kind == ALLGATHER:
-                self.allgathers = True
-        # fusion can only matter where a cycle has two requests to fuse (a lone metric
-        # allreduce now and then is not a batch)
-        self.fusable = self.fusable or fusable >= 2
-
-    def relevant(self, knobs: Knobs, shape: JobShape) -> tuple[list[str], dict[str, str]]:
-        """(knobs to search, {knob: why it is left out})."""
-        out: dict[str, str] = {}
-        if not self.fusable:
-            out["fusion_threshold_bytes"] = (
-                "every allreduce is a bucket of a size the user fixed (bucket_cap_mb)"
-                if BATCHING_FIXED_BUCKETS in self.batching else "no fusable allreduce")
-        names = len(self.allreduce_names)
-        if 0 < names <= knobs.cache_capacity:
-            out["cache_capacity"] = (f"all {names} allreduce names fit in {knobs.cache_capacity} "
-                                     "entries")
-        if not shape.multi_level:
-            why = "needs several hosts with several workers each"
-            out["hierarchical_allreduce"] = out["hierarchical_allgather"] = why
-        elif not self.allgathers:
-            out["hierarchical_allgather"] = "no allgather"
-        return [n for n in Knobs.specs() if n not in out], out
 
 
 @dataclasses.dataclass
@@ -132,57 +85,6 @@ class ScoreWindow:
         self.window_bytes = self.window_steps = 0
 
 
-class SamplerReport:
-    """What the sampler tells its user: a progress line per event, and a row per sample in
-    the log file (when the config names one)."""
-
-    def __init__(self, config: AutotuneConfig, emit: Callable[[str], None] | None) -> None:
-        self.config = config
-        self.emit = emit or progress_logger("raytrain_x.autotune.progress").info
-        self.log = AutotuneLog(config.log_file) if config.log_file else None
-
-    @staticmethod
-    def fmt(score: float, unit: str) -> str:
-        if unit == "bytes/s":
-            return f"{score / 1e6:.1f} MB/s"
-        return f"{score:.3g} {unit}"
-
-    def warmup(self, sample: Sample) -> None:
-        if self.log:
-            self.log.append(sample, "warmup")
-        self.emit(f"raytrain-x autotune: warmup sample {sample.index}: {describe(sample.knobs)} "
-                  f"-> {self.fmt(sample.score, sample.unit)} (discarded)")
-
-    def searching(self, searched: list[str], left_out: dict[str, str], unit: str) -> None:
-        skipped = "; ".join(f"{n}: {why}" for n, why in left_out.items())
-        self.emit(f"raytrain-x autotune: searching {', '.join(searched) or 'nothing'}"
-                  f"{' (left out: ' + skipped + ')' if skipped else ''}; score in {unit}")
-
-    def sample(self, sample: Sample, kind: str, scored: int, best: float, left: int,
-               cut: bool) -> None:
-        if self.log:
-            self.log.append(sample, kind)
-        again = " (a candidate measured again)" if kind == "confirm" else ""
-        stopped = " (stopped early: far below the best)" if cut else ""
-        unit = sample.unit
-        self.emit(f"raytrain-x autotune: sample {scored}/{self.config.bayes_opt_max_samples}"
-                  f"{again}: {describe(sample.knobs)} -> {self.fmt(sample.score, unit)}"
-                  f"{stopped} (best {self.fmt(best, unit)}, {left} left)")
-
-    def decided(self, best: Sample, samples: int, verdict: str) -> None:
-        if self.log:
-            knobs_file = self.log.finish(best)
-            self.emit(f"raytrain-x autotune: log {self.log.path}, knobs {knobs_file}")
-        self.emit(f"raytrain-x autotune: done after {samples} samples; keeping "
-                  f"{describe(best.knobs)} ({self.fmt(best.score, best.unit)} mean, {verdict})")
-
-    def cost(self, best: Sample, cost: TuningCost, per_step: float) -> None:
-        if self.log:
-            self.log.finish_cost(best, cost)
-        self.emit(f"raytrain-x autotune: tuning took {cost.tuning_s:.1f} s for "
-                  f"{cost.tuning_steps} steps; the same steps at the chosen knobs take "
-                  f"{cost.tuning_steps * per_step:.1f} s (measured after tuning): cost "
-                  f"{cost.ratio:.2f}x; chosen knobs {cost.gain:.2f}x the start")
 
 
 class AutotuneSampler:
@@ -213,8 +115,6 @@ class AutotuneSampler:
         self.shape = shape or JobShape()
         self.clock = clock
         self.samples: list[Sample] = []
-        self.done = False  # the knobs are chosen
-        self.finished = False  # ... and measured again for the cost report
         self.best: Sample | None = None
         self.searched: list[str] | None = None  # decided at the first scored sample
         self.left_out: dict[str, str] = {}
@@ -223,34 +123,37 @@ class AutotuneSampler:
         self.observer = JobObserver()
         self.window = ScoreWindow()
         self._started = clock()
-        self._target: Knobs | None = None  # knobs we wait to see in effect
+        self._target: Knobs | None = None  # SWITCHING: the knobs we wait to see in effect
+        self._after_switch = Phase.SCORING  # SWITCHING: the phase the new knobs are for
         self._marks: list[float] = []
         self._marks_lock = threading.Lock()
         self._step_mode = False
         self._warmups_left = config.warmup_samples if config.warmup_time_s is None else 0
-        self._confirming = False  # the sample being measured re-measures a candidate
+        self._phase = Phase.WARMUP if self._warmups_left or config.warmup_time_s \
+            else Phase.SCORING
         # the cost of tuning: steps and time from the first scored sample to the decision
         self._tuning_start: float | None = None
         self._tuning_steps = 0
         self._background = background
-        self._answer: concurrent.futures.Future | None = None  # the advisor's, pending
-        self._answered: tuple[Sample, bool] | None = None  # the sample asked about, cut?
+        self._answer: concurrent.futures.Future | None = None  # ADVISING: the answer
+        # the sample asked about: (it, whether it was cut short, whether it confirmed)
+        self._answered: tuple[Sample, bool, bool] | None = None
 
     @property
     def phase(self) -> Phase:
-        """The sampler's state: warmup, scoring, confirming, waiting for the advisor,
+        """The sampler's phase: warmup, scoring, confirming, waiting for the advisor,
         switching knobs, measuring the cost, done."""
-        if self.finished:
-            return Phase.DONE
-        if self.done:
-            return Phase.COST
-        if self._answer is not None:
-            return Phase.ADVISING
-        if self._target is not None:
-            return Phase.SWITCHING
-        if self._warmups_left or self._in_warmup_time(self.clock()):
-            return Phase.WARMUP
-        return Phase.CONFIRMING if self._confirming else Phase.SCORING
+        return self._phase
+
+    @property
+    def done(self) -> bool:
+        """The knobs are chosen (they may still be measured for the cost report)."""
+        return self.cost is not None
+
+    @property
+    def finished(self) -> bool:
+        """The knobs are chosen and measured again for the cost report."""
+        return self._phase is Phase.DONE
 
     @property
     def batching(self) -> set[str]:
@@ -278,7 +181,7 @@ class AutotuneSampler:
     # ------------------------------------------------------------------ engine hook
     def on_cycle(self, knobs: Knobs, step: int, responses: list[Response]) -> None:
         """Called by the engine after every cycle that completed collectives."""
-        if self.finished:  # Phase.DONE
+        if self._phase is Phase.DONE:
             return
         if self.searched is None:
             self.observer.observe(responses)
@@ -286,23 +189,23 @@ class AutotuneSampler:
         if marks and not self._step_mode:  # explicit step marks replace inferred steps
             self._step_mode = True
             self.window.reset()
-        if self._answer is not None:  # Phase.ADVISING: training goes on at these knobs
+        if self._phase is Phase.ADVISING:  # training goes on at these knobs
             self._count_tuning_steps(len(marks))
             if not self._answer.done():
                 return
             answer, self._answer = self._answer.result(), None
             self._on_answer(answer, self.clock())
             return
-        if self._target is not None:  # Phase.SWITCHING
+        if self._phase is Phase.SWITCHING:
             self._count_tuning_steps(len(marks))  # steps while the switch lands
             if knobs != self._target:
                 return
-            self._target = None
+            self._target, self._phase = None, self._after_switch
             self.window.reset()  # the step in flight ran partly under the old knobs
             marks = []
         if self._step_mode:
             for i, t in enumerate(marks):
-                if self._target is not None or self._answer is not None:  # a sample ended
+                if self._phase in (Phase.ADVISING, Phase.SWITCHING):  # a sample ended
                     self._count_tuning_steps(len(marks) - i)
                     break
                 self._on_step_boundary(knobs, step, t)
@@ -320,9 +223,6 @@ class AutotuneSampler:
         if self._tuning_start is not None and not self.done:
             self._tuning_steps += n
 
-    def _observe(self, responses: list[Response]) -> None:
-        self.observer.observe(responses)
-
     def _on_step_boundary(self, knobs: Knobs, step: int, now: float) -> None:
         w = self.window
         if w.start is None:  # the first boundary opens the first window
@@ -333,12 +233,14 @@ class AutotuneSampler:
             w.start = now
             w.window_bytes = 0
             return
+        if self._phase is Phase.WARMUP and not self._warmups_left:
+            self._phase = Phase.SCORING  # the warmup time is over
         if self._tuning_start is None and not self._warmups_left and not self.done:
             self._tuning_start = w.start  # the first scored sample starts here
         self._count_tuning_steps(1)
         w.steps += 1
         w.window_steps += 1
-        if self.done:  # Phase.COST: measuring the chosen knobs for the cost report
+        if self._phase is Phase.COST:  # measuring the chosen knobs for the cost report
             if w.steps >= self._after_steps():
                 self._finish_after(now)
             return
@@ -371,7 +273,7 @@ class AutotuneSampler:
         sub-window, or below `early_stop_ratio - 0.3` after any step before that (a setting
         several times slower is seen in one step). Leaders being confirmed are never cut."""
         ratio = self.config.early_stop_ratio
-        if not ratio or self._confirming or self._warmups_left or self.best is None:
+        if not ratio or self._phase is not Phase.SCORING or self.best is None:
             return False
         if window_full:
             return len(self.window.rates) == 1 and rate < ratio * self.best.score
@@ -385,7 +287,7 @@ class AutotuneSampler:
     # ------------------------------------------------------------------ samples
     def _finish_sample(self, knobs: Knobs, step: int, score: float, now: float,
                        cut: bool = False) -> None:
-        warmup = self._warmups_left > 0
+        warmup = self._phase is Phase.WARMUP
         sample = Sample(len(self.samples), knobs, score, step, now - self._started, warmup,
                         unit=self.unit)
         self.samples.append(sample)
@@ -393,14 +295,17 @@ class AutotuneSampler:
         self.window.steps = 0
         if warmup:
             self._warmups_left -= 1
+            if not self._warmups_left:
+                self._phase = Phase.SCORING
             self.report.warmup(sample)
             return
         first = self.searched is None
         if first:
             self.searched, self.left_out = self.relevant_dimensions(knobs)
-        self._answered = (sample, cut)
+        self._answered = (sample, cut, self._phase is Phase.CONFIRMING)
         if self._background:
             self._answer = _in_background(self._ask, score, first)
+            self._phase = Phase.ADVISING
             if cut and self._severely_worse(score):  # wait at the best knobs, not these
                 self.request_knobs(self.best.knobs)
         else:
@@ -418,7 +323,7 @@ class AutotuneSampler:
         return self.advisor.report(score)
 
     def _on_answer(self, answer: dict[str, Any], now: float) -> None:
-        sample, cut = self._answered
+        sample, cut, confirmed = self._answered
         knobs = sample.knobs
         if sample.index == min(s.index for s in self.samples if not s.warmup):
             self.report.searching(self.searched, self.left_out, self.unit)
@@ -427,17 +332,18 @@ class AutotuneSampler:
         best_knobs = Knobs(**answer["best"])
         latest = next((s for s in reversed(scored) if s.knobs == best_knobs), scored[0])
         self.best = dataclasses.replace(latest, score=answer["best_score"])  # mean score
-        kind = "confirm" if self._confirming else "sample"
-        self._confirming = bool(answer.get("confirming")) and not answer["done"]
-        self.report.sample(sample, kind, len(scored), self.best.score, answer["samples_left"],
-                           cut)
-        nxt = Knobs(**answer["next"])
+        self.report.sample(sample, "confirm" if confirmed else "sample", len(scored),
+                           self.best.score, answer["samples_left"], cut)
+        measuring = Phase.CONFIRMING if answer.get("confirming") else Phase.SCORING
         if answer["done"]:
             self._decide(scored, now)
+            measuring = Phase.COST
+        nxt = Knobs(**answer["next"])
         if nxt != knobs:
-            self._target = nxt
+            self._phase, self._target, self._after_switch = Phase.SWITCHING, nxt, measuring
             self.request_knobs(nxt)
         else:
+            self._phase = measuring
             self.window.reset()
 
     def relevant_dimensions(self, knobs: Knobs) -> tuple[list[str], dict[str, str]]:
@@ -445,7 +351,6 @@ class AutotuneSampler:
         return self.observer.relevant(knobs, self.shape)
 
     def _decide(self, scored: list[Sample], now: float) -> None:
-        self.done = True
         tuning_s = now - (self._tuning_start if self._tuning_start is not None else now)
         self.cost = TuningCost(tuning_s=tuning_s, tuning_steps=self._tuning_steps,
                                start_score=statistics.mean(
@@ -462,7 +367,7 @@ class AutotuneSampler:
 
     def _finish_after(self, now: float) -> None:
         """The chosen knobs measured after tuning: what the tuning phase cost."""
-        self.finished = True
+        self._phase = Phase.DONE
         per_step = (now - self.window.start) / max(self.window.steps, 1)
         self.cost = dataclasses.replace(self.cost, after_step_s=per_step)
         self.report.cost(self.best, self.cost, per_step)

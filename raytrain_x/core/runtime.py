@@ -12,7 +12,8 @@ import threading
 from collections.abc import Callable
 
 from raytrain_x.autotune.host import local_controller
-from raytrain_x.autotune.sampler import BATCHING_FIXED_BUCKETS, Advisor, AutotuneSampler, JobShape
+from raytrain_x.autotune.observer import BATCHING_FIXED_BUCKETS, JobShape
+from raytrain_x.autotune.sampler import Advisor, AutotuneSampler
 from raytrain_x.comm.groups import ProcessGroups
 from raytrain_x.comm.rendezvous import Rendezvous, next_rendezvous
 from raytrain_x.common import settings

@@ -257,7 +257,7 @@ def test_step_marks_drive_the_score(tmp_path):
 
 
 def test_dimensions_that_cannot_matter_are_not_searched(tmp_path):
-    from raytrain_x.autotune.sampler import BATCHING_FIXED_BUCKETS, JobShape
+    from raytrain_x.autotune.observer import BATCHING_FIXED_BUCKETS, JobShape
 
     sampler, clock, lines = _marked_sampler(tmp_path, bayes_opt_max_samples=3)
     _run_marked(sampler, clock, lambda k: 0.1, stop=lambda s: s.searched is not None)
@@ -274,7 +274,7 @@ def test_dimensions_that_cannot_matter_are_not_searched(tmp_path):
                                     frozenset({"cycle_time_ms"}))
     fixed = AutotuneSampler(config, controller, [].append, [].append, shape=JobShape(4, True))
     fixed.batching.add(BATCHING_FIXED_BUCKETS)  # bucket_cap_mb given by the user
-    fixed._observe([_bucket(f"grad.bucket{i}") for i in range(3)])
+    fixed.observer.observe([_bucket(f"grad.bucket{i}") for i in range(3)])
     fixed.searched, fixed.left_out = fixed.relevant_dimensions(Knobs(cache_capacity=2))
     fixed._ask(1.0, first=True)
     assert fixed.searched == ["cache_capacity", "hierarchical_allreduce"]  # 3 names > 2
@@ -283,10 +283,10 @@ def test_dimensions_that_cannot_matter_are_not_searched(tmp_path):
     assert fixed.left_out["cycle_time_ms"] == "fixed by the user"
     assert fixed.left_out["hierarchical_allgather"] == "no allgather"
     lone = AutotuneSampler(config, None, [].append)
-    lone._observe([_response("done4")])  # a metric allreduce alone in its cycle
+    lone.observer.observe([_response("done4")])  # a metric allreduce alone in its cycle
     assert "fusion_threshold_bytes" not in lone.relevant_dimensions(Knobs())[0]
     per_tensor = AutotuneSampler(AutotuneConfig(), None, [].append)
-    per_tensor._observe([_response("a"), _response("b")])  # fusable requests
+    per_tensor.observer.observe([_response("a"), _response("b")])  # fusable requests
     assert "fusion_threshold_bytes" in per_tensor.relevant_dimensions(Knobs())[0]
 
 
