@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import traceback
+
 
 class RaytrainXError(Exception):
     """Base class of every error raytrain-x raises."""
@@ -117,3 +119,18 @@ __all__ = [
     "ResetLimitExceeded",
     "ElasticTimeout",
 ]
+
+
+def drop_tracebacks(exc: BaseException) -> None:
+    """Drops the tracebacks of `exc` and the errors it chains, and the locals of their
+    finished frames. A collective that failed leaves its process group, and its pending
+    work, in them (a frame keeps its function, and the function's closure); a gloo group
+    closes its connections, which tells peers this rank is gone, only once it is freed.
+    Measured: without this, a rank that did not talk to the lost one waited for the
+    collective timeout (10 s) instead of 0.1 s."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc.__traceback__ = None
+        exc = exc.__cause__ or exc.__context__

@@ -15,9 +15,7 @@ import logging
 import os
 import threading
 import time
-import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from raytrain_x.comm.groups import ProcessGroups, ProcessSetGroup
@@ -26,9 +24,10 @@ from raytrain_x.common.errors import (
     InternalError,
     RaytrainXError,
     TensorMismatchError,
+    drop_tracebacks,
 )
 from raytrain_x.common.knobs import Knobs
-from raytrain_x.engine.execution import CollectiveExecutor
+from raytrain_x.engine.execution import CollectiveRunner
 from raytrain_x.engine.messages import ALLREDUCE, Request, Response
 from raytrain_x.engine.negotiation import (
     JOIN_NONE,
@@ -38,31 +37,13 @@ from raytrain_x.engine.negotiation import (
     Negotiator,
 )
 from raytrain_x.engine.planner import plan_batches
+from raytrain_x.engine.stats import EngineStats
 from raytrain_x.engine.timeline import Timeline
 from raytrain_x.engine.transport import Transport
 
 log = logging.getLogger("raytrain_x.engine")
 
 _IDLE_WAKE_S = 0.05  # an idle engine still cycles this often so peers are never held long
-
-
-@dataclass
-class EngineStats:
-    """Counters the autotuner scores samples with (bytes and seconds per collective)."""
-
-    bytes: dict[str, int] = field(default_factory=dict)
-    seconds: dict[str, float] = field(default_factory=dict)
-    steps: int = 0  # cycles that ran at least one collective
-    cycles: int = 0
-    negotiations: int = 0  # cycles that needed the allgather of reports
-    speculated: int = 0  # cycles whose batch went with its readiness count (one round trip)
-    speculation_misses: int = 0  # speculative cycles some rank was not ready for
-    fused: int = 0  # allreduce batches of several tensors
-    fused_in_place: int = 0  # ... of which were reduced where they lie, with no packing
-
-    def add(self, kind: str, nbytes: int, seconds: float) -> None:
-        self.bytes[kind] = self.bytes.get(kind, 0) + nbytes
-        self.seconds[kind] = self.seconds.get(kind, 0.0) + seconds
 
 
 class Engine:
@@ -99,13 +80,12 @@ class Engine:
                                       speculate=self._transport.name != "shm")
         self._timeline = (Timeline(timeline_path, timeline_mark_cycles)
                           if timeline_path and self.rank == 0 else None)
-        self._executor = CollectiveExecutor(self._transport, self._timeline, self.stats)
+        self._runner = CollectiveRunner(self._transport, self._timeline, self.stats)
         self._cond = threading.Condition()
         self._queue: list[Request] = []
         self._inflight: set[str] = set()
         self._pending: dict[str, Request] = {}
         self._requested_knobs: Knobs | None = None
-        # (cycle at whose end the knobs took effect, knobs), oldest first; cycle 0 = start.
         self._knob_listeners: list[Callable[[Knobs], None]] = []
         self._cycle_hooks: list[Callable[[Knobs, int, list[Response]], None]] = []
         self._shutdown_requested = False
@@ -177,14 +157,14 @@ class Engine:
         if current is not None and current.path == os.fspath(path):
             current.mark_cycles = mark_cycles
             return
-        self._timeline = self._executor.timeline = Timeline(path, mark_cycles)
+        self._timeline = self._runner.timeline = Timeline(path, mark_cycles)
         if current is not None:
             current.close()
 
     def stop_timeline(self) -> None:
         """Closes rank 0's trace (a complete JSON file); a no-op when none is open."""
         current, self._timeline = self._timeline, None
-        self._executor.timeline = None
+        self._runner.timeline = None
         if current is not None:
             current.close()
 
@@ -250,7 +230,7 @@ class Engine:
                 log.exception("raytrain-x engine failed")
                 exc = InternalError(f"the raytrain-x engine failed: {exc!r}")
             self._error = exc
-            _clear_frames(exc)  # the failed call's frames hold its groups: let them close
+            drop_tracebacks(exc)  # the failed call's frames hold its groups: let them close
             self._transport.abort()  # peers waiting on this rank fail now, not at the timeout
         finally:
             self._stop()
@@ -313,10 +293,10 @@ class Engine:
         return agreement.stop
 
     def _ran(self, responses: list[Response]) -> None:
-        self.stats.steps += 1
+        self.stats.active_cycles += 1
         for hook in list(self._cycle_hooks):
             try:
-                hook(self.knobs, self.stats.steps, responses)
+                hook(self.knobs, self.stats.active_cycles, responses)
             except Exception:  # noqa: BLE001 - a tuning failure must not stop training
                 log.exception("raytrain-x: a cycle hook failed and was removed")
                 self._cycle_hooks.remove(hook)
@@ -326,7 +306,7 @@ class Engine:
         every rank was ready and the batch is done."""
         requests = [self._pending.get(r.name) for r in expected] if ready else []
         began = time.perf_counter()
-        results = self._executor.run_speculative(expected, requests,
+        results = self._runner.run_speculative(expected, requests,
                                                  self.groups.process_set(0), self.knobs)
         self._negotiator.speculation_done(results is not None)
         if results is None:
@@ -375,7 +355,7 @@ class Engine:
             if not pset.included():
                 return
             began = time.perf_counter()
-            results = self._executor.run(batch, requests, pset, self.knobs)
+            results = self._runner.run(batch, requests, pset, self.knobs)
             self.stats.add(first.meta.kind, sum(r.meta.nbytes_on_wire() for r in batch),
                            time.perf_counter() - began)
             timeline = self._timeline
@@ -413,18 +393,3 @@ _MONO_TO_PERF = time.perf_counter() - time.monotonic()
 
 def _perf_from_mono(t: float) -> float:
     return t + _MONO_TO_PERF
-
-
-def _clear_frames(exc: BaseException) -> None:
-    """Drops the tracebacks of `exc` and the errors it chains, and the locals of their
-    finished frames. A collective that failed leaves its process group, and its pending
-    work, in them (a frame keeps its function, and the function's closure); a gloo group
-    closes its connections, which tells peers this rank is gone, only once it is freed.
-    Measured: without this, a rank that did not talk to the lost one waited for the
-    collective timeout (10 s) instead of 0.1 s."""
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        traceback.clear_frames(exc.__traceback__)
-        exc.__traceback__ = None
-        exc = exc.__cause__ or exc.__context__

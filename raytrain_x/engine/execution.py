@@ -34,7 +34,7 @@ from raytrain_x.engine.timeline import Timeline
 from raytrain_x.engine.transport import Transport
 
 
-class CollectiveExecutor:
+class CollectiveRunner:
     """Runs agreed batches on this rank; `run` returns one result per response."""
 
     def __init__(self, transport: Transport, timeline: Timeline | None, stats: Any) -> None:

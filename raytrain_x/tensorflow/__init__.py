@@ -68,13 +68,7 @@ from raytrain_x.tensorflow.collectives import (
     grouped_allgather,
     grouped_allreduce,
     grouped_reducescatter,
-    join,
-    local_rank_op,
-    local_size_op,
-    process_set_included_op,
-    rank_op,
     reducescatter,
-    size_op,
 )
 from raytrain_x.tensorflow.compression import Compression
 from raytrain_x.tensorflow.functions import (
@@ -90,6 +84,14 @@ from raytrain_x.tensorflow.gradients import (
     PartialDistributedGradientTape,
 )
 from raytrain_x.tensorflow.optimizer import DistributedOptimizer
+from raytrain_x.tensorflow.runtime_ops import (
+    join,
+    local_rank_op,
+    local_size_op,
+    process_set_included_op,
+    rank_op,
+    size_op,
+)
 from raytrain_x.tensorflow.sync_batch_norm import SyncBatchNormalization
 
 HorovodInternalError = InternalError  # Horovod's name for a failed peer or transport

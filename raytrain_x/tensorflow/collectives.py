@@ -16,10 +16,9 @@ Only floating point inputs get a gradient; integer and bool collectives are plai
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import tensorflow as tf
 
 from raytrain_x.common.errors import ConfigError
@@ -31,44 +30,10 @@ from raytrain_x.engine import adasum
 from raytrain_x.engine.messages import ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, REDUCESCATTER
 from raytrain_x.tensorflow import ops
 from raytrain_x.tensorflow.arrays import as_tensor, op_name
-from raytrain_x.tensorflow.compression import Compression, Compressor
+from raytrain_x.tensorflow.chunked_reduce import grouped_reduce
+from raytrain_x.tensorflow.compression import Compression
+from raytrain_x.tensorflow.differentiable import differentiable, engine_compressed
 from raytrain_x.tensorflow.errors import NotSupportedError, raises_tf_errors
-
-
-def _differentiable(forward: Callable[..., list[tf.Tensor]],
-                    backward: Callable[[list[tf.Tensor]], list[tf.Tensor]],
-                    inputs: Sequence[tf.Tensor]) -> list[tf.Tensor]:
-    """`forward(*inputs)`, with `backward(output grads) -> input grads` as its gradient
-    when every input is floating point.
-
-    A `tf.compat.v1` session runs the ops of one `run` that do not depend on each other in
-    whatever order its threads pick, and each collective kernel waits in one thread until
-    every rank submitted it: two ranks each waiting in a different collective would wait
-    forever. So a backward collective runs after its forward one, and a backward of two
-    collectives runs them one after the other (`tf.function` orders them by itself)."""
-    if not inputs or not all(t.dtype.is_floating for t in inputs):
-        return forward(*inputs)
-
-    @tf.custom_gradient
-    def fn(*xs):
-        outs = forward(*xs)
-
-        def grad(*dys):
-            dys = [tf.zeros_like(o) if d is None else d for d, o in zip(dys, outs)]
-            # after the forward collective: a session runs independent ops in any order,
-            # and two ranks must not each wait in a different collective (see _chained)
-            with tf.control_dependencies(outs):
-                return backward(dys)
-
-        return outs, grad
-
-    return list(fn(*inputs))
-
-
-def _engine_compressed(compression: Any) -> bool:
-    """Compressors of this face compress inside the engine's buffers; any other object
-    with Horovod's `compress`/`decompress` runs around the collective."""
-    return isinstance(compression, type) and issubclass(compression, Compressor)
 
 
 # ------------------------------------------------------------------------- allreduce
@@ -166,18 +131,18 @@ def _grouped_allreduce(tensors: Sequence[Any], name: str, device_dense: str,
 def _reduce(tensors: list[tf.Tensor], name: str, op: str, pre: float, post: float,
             process_set: ProcessSet, compression: Any) -> list[tf.Tensor]:
     def forward(*xs: tf.Tensor) -> list[tf.Tensor]:
-        if _engine_compressed(compression):
-            return ops.grouped_reduce(list(xs), name, op, pre, post, process_set, compression)
+        if engine_compressed(compression):
+            return grouped_reduce(list(xs), name, op, pre, post, process_set, compression)
         pairs = [compression.compress(x) for x in xs]
-        reduced = ops.grouped_reduce([c for c, _ in pairs], name, op, pre, post, process_set,
-                                     Compression.none)
+        reduced = grouped_reduce([c for c, _ in pairs], name, op, pre, post, process_set,
+                                 Compression.none)
         return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, pairs)]
 
     def backward(dys: list[tf.Tensor]) -> list[tf.Tensor]:
         return _reduce(dys, op_name("grouped_allreduce", None), op, pre, post, process_set,
                        compression)
 
-    return _differentiable(forward, backward, tensors)
+    return differentiable(forward, backward, tensors)
 
 
 # ------------------------------------------------------------------------- allgather
@@ -225,7 +190,7 @@ def _allgather(tensors: list[tf.Tensor], name: str,
         reduced = grouped_allreduce(dys, op=Average, process_set=process_set)
         return _own_rows(reduced, tensors, process_set)
 
-    return _differentiable(forward, backward, tensors)
+    return differentiable(forward, backward, tensors)
 
 
 def _own_rows(grads: list[tf.Tensor], inputs: list[tf.Tensor],
@@ -270,7 +235,7 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None,
         with tf.control_dependencies([reduced]):  # a graph must not prune the allreduce
             return [tf.zeros_like(reduced)]
 
-    return _differentiable(forward, backward, [tensor])[0]
+    return differentiable(forward, backward, [tensor])[0]
 
 
 @raises_tf_errors
@@ -330,7 +295,7 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
         back, _ = alltoall(dys[0], received[0], process_set=process_set)
         return [back]
 
-    (out,) = _differentiable(forward, backward, [tensor])
+    (out,) = differentiable(forward, backward, [tensor])
     return (out, received[0]) if splits is not None else out
 
 
@@ -403,85 +368,4 @@ def _reducescatter(tensors: list[tf.Tensor], name: str, op: str | None,
         gathered = grouped_allgather(dys, process_set=process_set)
         return [g * tf.cast(scale, g.dtype) if scale != 1.0 else g for g in gathered]
 
-    return _differentiable(forward, backward, tensors)
-
-
-# ------------------------------------------------------------------------- runtime ops
-def _scalar_op(value: Callable[[], int], name: str | None) -> tf.Tensor:
-    """An int32 scalar op that reads `value()` when the graph runs, not when it is built
-    (Horovod's `rank_op` and friends): a graph built before `init` still works."""
-    if tf.executing_eagerly():
-        return tf.constant(value(), tf.int32)
-    out = tf.numpy_function(lambda: np.int32(value()), [], tf.int32, stateful=True,
-                            name=name)
-    out.set_shape([])
-    return out
-
-
-def rank_op(name: str | None = None) -> tf.Tensor:
-    """This process's rank, read when the op runs.
-
-    Args:
-        name: the op's name.
-    """
-    return _scalar_op(runtime.rank, name)
-
-
-def local_rank_op(name: str | None = None) -> tf.Tensor:
-    """This process's rank on its host, read when the op runs.
-
-    Args:
-        name: the op's name.
-    """
-    return _scalar_op(runtime.local_rank, name)
-
-
-def size_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
-    """The number of processes of a process set (default: all), read when the op runs.
-
-    Args:
-        process_set_id: the process set's id (0: every rank).
-        name: the op's name.
-    """
-    return _scalar_op(lambda: runtime.engine().groups.process_set(process_set_id).size(),
-                      name)
-
-
-def local_size_op(name: str | None = None) -> tf.Tensor:
-    """The number of processes on this host, read when the op runs.
-
-    Args:
-        name: the op's name.
-    """
-    return _scalar_op(runtime.local_size, name)
-
-
-PROCESS_SET_ERROR_INIT = -1
-PROCESS_SET_ERROR_UNKNOWN_SET = -2
-
-
-def process_set_included_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
-    """1 when this process belongs to the process set, 0 when not; -1 before `init`, -2
-    for a set that is not registered (Horovod's codes).
-
-    Args:
-        process_set_id: the process set's id (0: every rank).
-        name: the op's name.
-    """
-    def included() -> int:
-        if not runtime.is_initialized():
-            return PROCESS_SET_ERROR_INIT
-        try:
-            group = runtime.engine().groups.process_set(process_set_id)
-        except (KeyError, ConfigError):
-            return PROCESS_SET_ERROR_UNKNOWN_SET
-        return int(group.included())
-
-    return _scalar_op(included, name)
-
-
-def join() -> tf.Tensor:
-    """Marks this rank as done (it contributes zeros to the others' allreduces until every
-    rank joined) and gives the rank that joined last: at once eagerly, when the op runs in
-    a graph."""
-    return _scalar_op(_core.join, None)
+    return differentiable(forward, backward, tensors)

@@ -24,8 +24,9 @@ from raytrain_x.core import runtime
 from raytrain_x.core.collectives import Average
 from raytrain_x.core.process_sets import ProcessSet, global_process_set
 from raytrain_x.tensorflow.arrays import check_dtype
+from raytrain_x.tensorflow.chunked_reduce import grouped_reduce
 from raytrain_x.tensorflow.compression import Compression, Compressor
-from raytrain_x.tensorflow.ops import allreduce_sparse, grouped_reduce
+from raytrain_x.tensorflow.ops import allreduce_sparse
 
 log = logging.getLogger("raytrain_x.tensorflow")
 _warned_serial: list[bool] = []

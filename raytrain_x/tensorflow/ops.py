@@ -10,7 +10,6 @@ the fusion threshold (the autotuned knob), and the results are views of the buff
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,206 +18,25 @@ import tensorflow as tf
 
 from raytrain_x.common.errors import ConfigError
 from raytrain_x.core import collectives as _core
-from raytrain_x.core import runtime
-from raytrain_x.core.collectives import Adasum, Average, Sum
+from raytrain_x.core.collectives import Average, Sum
 from raytrain_x.core.process_sets import ProcessSet, registered_id
 from raytrain_x.engine.messages import (
     ALLGATHER,
-    ALLREDUCE,
     ALLTOALL,
     BROADCAST,
     REDUCESCATTER,
-    Handle,
     Meta,
 )
 from raytrain_x.tensorflow.arrays import (
-    ALIGN,
     MOVED_AS,
     REDUCED_AS,
     aligned_empty,
     op_name,
     run_kernel,
-    writable,
 )
-from raytrain_x.tensorflow.compression import Compressor
 from raytrain_x.tensorflow.errors import NotSupportedError
 
 FRAMEWORK = "tensorflow"
-
-
-# ------------------------------------------------------------------------- chunks
-# Dense allreduces travel in chunks of about this many bytes, fixed when a function is
-# traced. Each chunk is submitted as soon as its tensors exist (inside `tf.function`, while
-# backward still computes the others) and the engine fuses the chunks of a cycle up to the
-# fusion threshold, the knob autotune moves.
-CHUNK_BYTES = 4 << 20
-
-# token -> (handle, what the engine reduces, the chunk's buffer): the two differ only when
-# compression casts a non-float32 buffer, and the result is then copied back
-_pending: dict[int, tuple[Handle, np.ndarray, np.ndarray]] = {}
-_tokens = itertools.count()
-
-
-def _chunks(tensors: Sequence[tf.Tensor]) -> list[list[int]]:
-    """Consecutive same-dtype tensors, last first (backward produces the last layers'
-    gradients first), up to `CHUNK_BYTES` each; a tensor of unknown size is a chunk."""
-    chunks: list[list[int]] = []
-    used = 0
-    for i in reversed(range(len(tensors))):
-        t = tensors[i]
-        known = t.shape.is_fully_defined()
-        nbytes = t.shape.num_elements() * t.dtype.size if known else CHUNK_BYTES
-        if chunks and known and t.dtype == tensors[chunks[-1][0]].dtype \
-                and used + nbytes <= CHUNK_BYTES:
-            chunks[-1].append(i)
-            used += nbytes
-        else:
-            chunks.append([i])
-            used = nbytes
-    return chunks
-
-
-def _submit_chunk(flat: np.ndarray, shapes: np.ndarray, name: str, op: str, prescale: float,
-                  postscale: float, process_set: ProcessSet,
-                  compression: type[Compressor]) -> np.ndarray:
-    """Queues the in-place allreduce of a chunk's buffer; returns a token for `_wait`."""
-    flat = writable(flat)
-    work, wire = flat, ""
-    if compression.wire_dtype and flat.dtype.kind == "f" and flat.dtype != np.float16:
-        if flat.dtype == np.float32:
-            wire = compression.wire_dtype  # the native core casts while packing
-        else:
-            work = flat.astype(compression.wire_dtype)
-    # the tensors' shapes go with the request (`_signature`)
-    meta = Meta(ALLREDUCE, work.dtype.name, work.shape, op, 0, prescale, postscale,
-                registered_id(process_set), wire, "cpu", splits=tuple(shapes.tolist()),
-                framework=FRAMEWORK)
-    token = next(_tokens)
-    _pending[token] = (_core.submit(name, meta, work, output=work), work, flat)
-    return np.array(token, dtype=np.int64)
-
-
-def _wait(tokens: Sequence[np.ndarray], step: bool) -> None:
-    """Waits for the chunks behind `tokens` (all of them, even after a failure)."""
-    entries = [_pending.pop(int(t)) for t in tokens if int(t) in _pending]
-    error = None
-    for handle, work, flat in entries:
-        try:
-            handle.wait()
-        except BaseException as exc:  # noqa: BLE001 - raised once all are waited for
-            error = error or exc
-            continue
-        if work is not flat:
-            flat[...] = work
-    if error is not None:
-        raise error
-    if step:  # a gradient reduction: the end of a training step, for autotune
-        runtime.mark_step()
-
-
-def _tail_rows(pad: int, dtype: tf.DType, count: int) -> list[tf.Tensor]:
-    """A row of zeros for the end of each of `count` chunks: it keeps a concatenation a
-    fresh buffer even for one tensor (a lone input would be passed through, and the
-    caller's tensor reduced in place). In a graph the rows are slices of one stateful op's
-    output, which the graph optimizer never merges, so two reductions of the same tensors
-    never share (and both write) one buffer."""
-    if tf.executing_eagerly():
-        return [tf.zeros([pad], dtype)] * count
-    rows = tf.numpy_function(lambda: np.zeros(pad * count, dtype.as_numpy_dtype), [], dtype,
-                             stateful=True)
-    rows.set_shape([pad * count])
-    return [rows[k * pad:(k + 1) * pad] for k in range(count)]
-
-
-def _layout(members: list[tf.Tensor], pad: int) -> tuple[list[Any], list[Any]]:
-    """Each tensor flattened and padded to whole rows, and its element count: Python
-    numbers when the shapes are known at trace time (fewer graph ops), tensors otherwise."""
-    if all(t.shape.is_fully_defined() for t in members):
-        sizes = [t.shape.num_elements() for t in members]
-        pieces = [tf.reshape(t, [-1]) if n % pad == 0 else
-                  tf.pad(tf.reshape(t, [-1]), [[0, -n % pad]]) for t, n in zip(members, sizes)]
-        return pieces, sizes
-    sizes = [tf.size(t, out_type=tf.int64) for t in members]
-    pieces = [tf.pad(tf.reshape(t, [-1]), [[0, (-n) % pad]]) for t, n in zip(members, sizes)]
-    return pieces, sizes
-
-
-def _signature(members: list[tf.Tensor]) -> tf.Tensor:
-    """The chunk's tensors' shapes, each as its rank and its dims, in one int64 vector: it
-    goes with the request, so ranks whose tensors differ in shape get a mismatch error
-    (as in Horovod) instead of a reduced concatenation."""
-    if all(t.shape.is_fully_defined() for t in members):
-        return tf.constant([v for t in members for v in (t.shape.rank, *t.shape.as_list())],
-                           tf.int64)
-    return tf.concat([tf.concat([[tf.rank(t)], tf.shape(t)], 0) for t in members], 0)
-
-
-def grouped_reduce(tensors: Sequence[tf.Tensor], name: str, op: str, prescale: float,
-                   postscale: float, process_set: ProcessSet, compression: type[Compressor],
-                   step: bool = False) -> list[tf.Tensor]:
-    """Allreduce of dense tensors of any dtypes.
-
-    Per chunk (see `CHUNK_BYTES`), TensorFlow concatenates the tensors, each padded to a
-    64-byte row, into a fresh buffer: the one copy of the path, made by TensorFlow's own
-    kernel. A numpy kernel queues the in-place reduction of that buffer and returns at
-    once; a last kernel waits for every chunk. Nothing comes back through
-    `tf.numpy_function` but tokens. Each result is a view of its chunk's buffer: split along
-    rows (TensorFlow shares memory for aligned splits) and reshaped; only a tensor whose
-    size is not a multiple of a row is sliced, a copy of it.
-    """
-    if not tensors:
-        return []
-    dtypes = [t.dtype for t in tensors]
-    work = [tf.cast(t, REDUCED_AS[t.dtype]) if t.dtype in REDUCED_AS else t for t in tensors]
-    # Adasum combines each tensor on its own (its coefficients are per tensor)
-    chunks = _chunks(work) if op != Adasum else [[i] for i in reversed(range(len(work)))]
-    tails: dict[tf.DType, list[tf.Tensor]] = {}
-    for d in {work[m[0]].dtype for m in chunks}:
-        tails[d] = _tail_rows(ALIGN // d.size, d,
-                              sum(1 for m in chunks if work[m[0]].dtype == d))
-    buffers, tokens = [], []
-    for k, members in enumerate(chunks):
-        d = work[members[0]].dtype
-        pad = ALIGN // d.size
-        pieces, sizes = _layout([work[i] for i in members], pad)
-        signature = _signature([work[i] for i in members])
-        flat = tf.concat([*pieces, tails[d].pop()], 0)
-        chunk_name = name if len(chunks) == 1 else f"{name}.{k}"
-
-        def submit(a, n, chunk_name=chunk_name):
-            return [_submit_chunk(a, n, chunk_name, op, prescale, postscale, process_set,
-                                  compression)]
-
-        tokens += run_kernel(submit, [flat, tf.cast(signature, tf.int64)], [tf.int64],
-                             [tf.TensorShape([])],
-                             waits=False)
-        buffers.append((flat, sizes, pad))
-
-    def wait(*inputs: np.ndarray) -> list[np.ndarray]:
-        _wait(inputs[:len(tokens)], step)
-        return [np.zeros((), np.int32)]
-
-    # the buffers are inputs of the wait too: TensorFlow keeps them (the engine writes
-    # into them) until the wait is done, whatever becomes of the submits' inputs
-    (done,) = run_kernel(wait, [*tokens, *[b[0] for b in buffers]], [tf.int32],
-                         [tf.TensorShape([])])
-    out: list[Any] = [None] * len(work)
-    for members, (flat, sizes, pad) in zip(chunks, buffers):
-        with tf.control_dependencies([done]):  # read the buffer after the engine wrote it
-            flat = tf.identity(flat)
-        rows = [(n + pad - 1) // pad for n in sizes] + [1]
-        if any(isinstance(r, tf.Tensor) for r in rows):
-            rows = tf.stack([tf.cast(r, tf.int64) for r in rows])
-        parts = tf.split(tf.reshape(flat, [-1, pad]), rows, num=len(members) + 1)
-        for i, n, part in zip(members, sizes, parts):
-            t = work[i]
-            if t.shape.is_fully_defined() and t.shape.num_elements() % pad == 0:
-                result = tf.reshape(part, t.shape)  # a view: no copy
-            else:
-                result = tf.reshape(tf.reshape(part, [-1])[:n], tf.shape(t))
-                result.set_shape(t.shape)
-            out[i] = tf.cast(result, dtypes[i]) if dtypes[i] in REDUCED_AS else result
-    return out
 
 
 # ------------------------------------------------------------------------- checks

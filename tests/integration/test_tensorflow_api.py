@@ -474,7 +474,7 @@ def _allowlisted() -> list[bool]:
 
     import raytrain_x.tensorflow as rx
     import raytrain_x.tensorflow.keras as rxk
-    from raytrain_x.tensorflow import ops
+    from raytrain_x.tensorflow import chunked_reduce
 
     def user_step(x):  # the user's own code
         return x
@@ -482,7 +482,7 @@ def _allowlisted() -> list[bool]:
     return [conversion.is_allowlisted(fn)
             for fn in (rx.allreduce, rx.grouped_allreduce, rx.allgather, rx.broadcast,
                        rx.DistributedGradientTape.gradient, rxk.DistributedOptimizer,
-                       ops.grouped_reduce, user_step)]
+                       chunked_reduce.grouped_reduce, user_step)]
 
 
 def test_autograph_calls_the_face_as_it_is_inside_a_traced_function():
