@@ -12,14 +12,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import join_world, median_across_ranks, print_table, run_ranks, write_json  # noqa: E402
+from common import join_world, median_across_ranks, print_table, run_ranks, write_json
 
 
 def _worker(rank: int, size: int, port: int, sizes: list[int], queue) -> None:

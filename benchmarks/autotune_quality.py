@@ -26,14 +26,12 @@ from __future__ import annotations
 import argparse
 import csv
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, join_world, print_table, run_ranks, write_json  # noqa: E402
+from common import RESULTS_DIR, join_world, print_table, run_ranks, write_json
 
 SIZES_MB = [0, 1, 4, 16, 25, 64, 256]
 CYCLES_MS = [0.2, 1.0, 5.0, 25.0]

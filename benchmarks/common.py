@@ -9,6 +9,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from raytrain_x.testing import results
+from raytrain_x.testing.results import print_table  # noqa: F401 - the benchmarks' import
+from raytrain_x.testing.waiting import free_port
+
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "results"
 
 
@@ -62,27 +66,9 @@ def samples_across_ranks(fn: Callable[[], Any], repeats: int, warmup: int = 1) -
     return _slowest(_timed_runs(fn, repeats, warmup))
 
 
-def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
-    """Prints rows as an aligned text table."""
-    cells = [[_fmt(r.get(c, "")) for c in columns] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
-    print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
-    for row in cells:
-        print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
-
-
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
-    return str(value)
-
-
 def write_json(name: str, payload: dict[str, Any], path: str | None = None) -> Path:
     """Writes results to `path` (default results/<name>.json) and returns the path."""
-    out = Path(path) if path else RESULTS_DIR / f"{name}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(payload, indent=2))
-    return out
+    return results.write_json(path or RESULTS_DIR / f"{name}.json", payload)
 
 
 def join_world(rank: int, size: int, port: int, extra_env: dict[str, str] | None = None) -> None:
@@ -100,15 +86,6 @@ def join_world(rank: int, size: int, port: int, extra_env: dict[str, str] | None
                        **(extra_env or {})})
     store = dist.TCPStore("127.0.0.1", port + 1, size, rank == 0, timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=size)
-
-
-def free_port() -> int:
-    """A free TCP port on loopback for the benchmarks' stores."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(target: Callable[..., Any], size: int, *args: Any, timeout_s: float = 3600) -> Any:

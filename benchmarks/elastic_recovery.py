@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -34,8 +33,9 @@ from pathlib import Path
 
 import ray
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import print_table, write_json  # noqa: E402
+from raytrain_x.testing.waiting import wait_until
+
+from common import print_table, write_json
 
 STEPS = 60
 
@@ -161,12 +161,7 @@ def measure_checkpoint(tmp: Path) -> float:
 
 
 # ---------------------------------------------------------------------- nodes
-def _wait(condition, what: str, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"waited {timeout_s:.0f}s for {what}")
-        time.sleep(0.05)
+WAIT_S = 120.0  # a wait for the cluster or the job to get somewhere
 
 
 class _ElasticRun:
@@ -201,10 +196,10 @@ class _ElasticRun:
 
 def measure_grow(cluster, tmp: Path) -> float:
     """Head only: from the job's request to the autoscaler to its first step with 3."""
-    _wait(lambda: not cluster.worker_nodes(), "idle nodes to be removed")
+    wait_until(lambda: not cluster.worker_nodes(), WAIT_S, "idle nodes to be removed")
     run = _ElasticRun(tmp, min_workers=1)
     try:
-        _wait(lambda: run.steps_at(3) >= 1, "the job to grow to 3 workers")
+        wait_until(lambda: run.steps_at(3) >= 1, WAIT_S, "the job to grow to 3 workers")
         asked = run.executor.last_elastic_job.capacity.requests[0][0]
         return _first_step_after(run.progress, asked, size=3)
     finally:
@@ -221,7 +216,7 @@ def measure_node_loss(cluster, tmp: Path, how: str) -> tuple[float, int]:
         # a drained or killed node of the measurement before stays in the provider's list
         # until the autoscaler finds it gone (AUTOSCALER_HEARTBEAT_TIMEOUT_S, 30 s) and
         # replaces it
-        _wait(lambda: run.steps_at(3) >= 5, "5 steps with 3 workers", timeout_s=300)
+        wait_until(lambda: run.steps_at(3) >= 5, 300, "5 steps with 3 workers")
         job = run.executor.last_elastic_job
         node = max(job.members.values(), key=lambda m: m.age).node
         t0 = time.time()
@@ -229,8 +224,8 @@ def measure_node_loss(cluster, tmp: Path, how: str) -> tuple[float, int]:
             drain_node(cluster.address, node, deadline_s=60)
         else:
             kill_node(node)
-        _wait(lambda: any(t > t0 and n == 2 for t, _, n in _steps(run.progress)),
-              f"a step without the {how}ed node")
+        wait_until(lambda: any(t > t0 and n == 2 for t, _, n in _steps(run.progress)),
+                   WAIT_S, f"a step without the {how}ed node")
         seconds = _first_step_after(run.progress, t0, size=2)
     finally:
         results = run.finish()
@@ -256,7 +251,8 @@ def measure_node_checkpoint(cluster, tmp: Path) -> float:
 
     def kill() -> None:
         try:
-            _wait(lambda: sum(1 for _, _, n in _steps(progress) if n == 3) >= 5, "5 steps")
+            wait_until(lambda: sum(1 for _, _, n in _steps(progress) if n == 3) >= 5, WAIT_S,
+                       "5 steps")
             out["killed_at"] = time.time()
             kill_node(node)
         finally:
@@ -278,8 +274,8 @@ def measure_node_checkpoint(cluster, tmp: Path) -> float:
                               args=(_train, (str(progress), str(ckpt), False, str(until))))
     thread.start()
     try:
-        _wait(lambda: any(t > out["killed_at"] and n == 2 for t, _, n in _steps(progress)),
-              "the restarted job's first step")
+        wait_until(lambda: any(t > out["killed_at"] and n == 2 for t, _, n in _steps(progress)),
+                   WAIT_S, "the restarted job's first step")
     finally:
         until.touch()
         thread.join(60)

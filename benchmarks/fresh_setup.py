@@ -14,8 +14,9 @@ target at a time so each phase has its own time:
 
 --load N runs N CPU-bound processes (`while True: pass`) beside it all, started before the
 clone and killed after, as a shared CI runner would. Afterwards it lists what the run left
-behind: Ray processes, shared-memory segments, new entries in the temp dir; any process or
-segment left fails the run.
+behind, as the package's own leak check (`raytrain_x.testing.leaks`, run by the clone's
+Python) finds it, and the new entries in the temp dir; any process or segment left fails the
+run.
 
     python benchmarks/fresh_setup.py                       # make demo
     python benchmarks/fresh_setup.py --test                # make demo, then make test
@@ -36,8 +37,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-RAY_PROCESSES = ("raylet", "gcs_server", "dashboard", "log_monitor", "monitor.py",
-                 "ray::", "default_worker", "runtime_env_agent")
+RAY_PROCESSES = ("raylet", "gcs_server", "ray::", "default_worker")  # is Ray running now?
 
 DEMO = [("venv + uv", ".venv/bin/uv"), ("install", ".venv/.demo-deps-stamp"),
         ("build", ".venv/.build-stamp"), ("demo", "demo")]
@@ -45,8 +45,9 @@ TEST = [("test set-up", ".venv/.test-deps-stamp"), ("lint + tests", "test")]
 
 
 def _ray_processes() -> list[str]:
+    """Ray's processes running now (the run must start alone)."""
     found = []
-    for pid in os.listdir("/proc"):
+    for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
         except (OSError, UnicodeDecodeError):
@@ -54,6 +55,25 @@ def _ray_processes() -> list[str]:
         if any(name in cmd for name in RAY_PROCESSES):
             found.append(f"{pid} {cmd[:120]}")
     return found
+
+
+def _snapshot(path: Path) -> None:
+    """What runs now, for the clone's own leak check (`raytrain_x.testing.leaks`) to
+    compare with: this Python has no raytrain-x to take the snapshot with."""
+    path.write_text(json.dumps({"pids": [int(p) for p in os.listdir("/proc") if p.isdigit()],
+                                "shm": os.listdir("/dev/shm")}))
+
+
+def _left_behind(clone: Path, before: Path) -> dict:
+    """What the run left (Ray's processes, engine segments), as the package's leak check
+    finds it, run by the clone's own Python."""
+    out = subprocess.run([str(clone / ".venv" / "bin" / "python"), "-m",
+                          "raytrain_x.testing.leaks", str(before)],
+                         capture_output=True, text=True, cwd=clone)
+    try:
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return {"the leak check failed": [out.stderr.strip()[-300:]]}
 
 
 def _run_step(name: str, target: str, clone: Path, env: dict, logs: Path) -> tuple[float, str]:
@@ -112,7 +132,6 @@ def main() -> int:
     if _ray_processes():
         sys.exit("Ray is already running here; stop it (ray stop) so the run starts alone")
 
-    shm_before = set(os.listdir("/dev/shm"))
     tmp_before = set(os.listdir(tempfile.gettempdir()))
     burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
                for _ in range(args.load)]
@@ -120,16 +139,15 @@ def main() -> int:
           f"beside it, {os.cpu_count()} cores", flush=True)
     try:
         with tempfile.TemporaryDirectory(prefix="raytrain-x-fresh-") as workdir:
+            before = Path(workdir) / "before.json"
+            _snapshot(before)
             times = measure(args.test, Path(workdir), args.logs)
+            left = _left_behind(Path(workdir) / "raytrain-x", before)
     finally:
         for burner in burners:
             burner.kill()
             burner.wait()
-
-    time.sleep(5)  # Ray's processes stop a few seconds after its driver does
-    left = {"ray processes": _ray_processes(),
-            "shm segments": sorted(set(os.listdir("/dev/shm")) - shm_before),
-            "temp entries": sorted(set(os.listdir(tempfile.gettempdir())) - tmp_before)}
+    left["temp entries"] = sorted(set(os.listdir(tempfile.gettempdir())) - tmp_before)
     for name in ("make demo", "make test", "test summary"):
         if name in times:
             print(f"{name}: {times[name]:.1f}s" if isinstance(times[name], float)
@@ -139,7 +157,7 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"load": args.load, "times": times,
                                                "left": left}, indent=1))
-    return 1 if left["ray processes"] or left["shm segments"] else 0
+    return 1 if left.get("processes") or left.get("shared memory") else 0
 
 
 if __name__ == "__main__":

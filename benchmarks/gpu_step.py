@@ -16,13 +16,10 @@ Run: python benchmarks/gpu_step.py --workers 2   (then --workers 1)
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import join_world, median_across_ranks, print_table, run_ranks, write_json  # noqa: E402
+from common import join_world, median_across_ranks, print_table, run_ranks, write_json
 
 
 def _model(args) -> torch.nn.Module:

@@ -38,10 +38,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
+from raytrain_x.testing.waiting import free_port
+
+from common import (
     drive_worlds,
-    free_port,
     print_table,
     run_emulated,
     run_ranks,
@@ -172,14 +172,11 @@ def _fit(args, cluster: list[str], index: int) -> dict:
 # ----------------------------------------------------------------------------- emulated
 def _address() -> dict:
     """In each RayExecutor worker: where its TensorFlow server will listen."""
-    import socket
 
     import ray
 
     ip = ray.util.get_node_ip_address()
-    with socket.socket() as s:
-        s.bind((ip, 0))
-        return {"address": f"{ip}:{s.getsockname()[1]}", "pid": os.getpid()}
+    return {"address": f"{ip}:{free_port(ip)}", "pid": os.getpid()}
 
 
 def _ray_worker(args, places: list[dict]) -> dict:

@@ -30,9 +30,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, print_table, write_json  # noqa: E402
-from common import samples_across_ranks as timed  # noqa: E402
+from raytrain_x.testing.waiting import free_port
+
+from common import RESULTS_DIR, print_table, write_json
+from common import samples_across_ranks as timed
 
 HOSTS, PER_HOST = 2, 2
 SMALL_BYTES = 4 << 10
@@ -61,7 +62,7 @@ def _measure(args: dict) -> dict:
     rank, size = rx.rank(), rx.size()
     # The baseline: torch.distributed's default gloo group over the same link.
     ip = _node_ip()
-    master, port = rx.broadcast_object((ip, _free_port(ip)) if rank == 0 else None,
+    master, port = rx.broadcast_object((ip, free_port(ip)) if rank == 0 else None,
                                        root_rank=0, name="baseline_store")
     os.environ["GLOO_SOCKET_IFNAME"] = "eth0"  # gloo's default is the hostname: loopback
     dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=rank,
@@ -240,14 +241,6 @@ def _node_ip() -> str:
     import ray
 
     return ray.util.get_node_ip_address()
-
-
-def _free_port(ip: str) -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind((ip, 0))
-        return s.getsockname()[1]
 
 
 def drive(args: argparse.Namespace) -> dict:

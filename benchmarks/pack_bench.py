@@ -10,16 +10,13 @@ Run: .venv/bin/python benchmarks/pack_bench.py [--repeats 30] [--json PATH]
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import median_seconds, print_table, write_json  # noqa: E402
-
 from raytrain_x.common.workloads import resnet50_parameter_shapes  # noqa: E402
 from raytrain_x.engine import FusionBufferPool, pack, unpack  # noqa: E402
+
+from common import median_seconds, print_table, write_json
 
 
 def main() -> None:

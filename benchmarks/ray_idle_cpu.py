@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import print_table, write_json  # noqa: E402
+from common import print_table, write_json
 
 SETTINGS = {
     "default head (dashboard on)": {"num_cpus": 8},

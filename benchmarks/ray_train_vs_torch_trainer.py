@@ -17,13 +17,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import print_table, write_json  # noqa: E402
+from common import print_table, write_json
 
 BATCH = {"resnet18": 32, "gpt": 4}
 WAYS = ("torch_trainer", "raytrain_x")

@@ -15,13 +15,10 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import sys
 import tempfile
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_json  # noqa: E402
+from common import write_json
 
 
 def _alive(pid: int) -> bool:

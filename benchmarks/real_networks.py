@@ -47,8 +47,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
+from raytrain_x.testing.waiting import free_port
+
+from common import (
     RESULTS_DIR,
     drive_worlds,
     join_world,
@@ -299,7 +300,6 @@ def memory(args) -> dict:
 def _ray_worker(args) -> dict:
     """Runs in each RayExecutor worker of the emulated cluster."""
     import os
-    import socket
     from datetime import timedelta
 
     import ray
@@ -311,9 +311,7 @@ def _ray_worker(args) -> dict:
     rx.init()
     rank, size = rx.rank(), rx.size()
     ip = ray.util.get_node_ip_address()
-    with socket.socket() as s:
-        s.bind((ip, 0))
-        port = s.getsockname()[1]
+    port = free_port(ip)
     master, port = rx.broadcast_object((ip, port) if rank == 0 else None, root_rank=0,
                                        name="baseline_store")
     os.environ["GLOO_SOCKET_IFNAME"] = "eth0"  # gloo's default is the hostname: loopback

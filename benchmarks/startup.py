@@ -21,8 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import print_table, write_json  # noqa: E402
+from common import print_table, write_json
 
 _IMPORT = """
 import sys, time

@@ -16,12 +16,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import join_world, print_table, run_ranks, write_json  # noqa: E402
+from common import join_world, print_table, run_ranks, write_json
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 PER_STEP = 20  # collectives per step

@@ -19,11 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import join_world, median_across_ranks, print_table, run_ranks, write_json  # noqa: E402
+from common import join_world, median_across_ranks, print_table, run_ranks, write_json
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 

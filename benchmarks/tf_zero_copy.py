@@ -17,11 +17,8 @@ Run: .venv/bin/python benchmarks/tf_zero_copy.py
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import median_seconds, print_table, write_json  # noqa: E402
+from common import median_seconds, print_table, write_json
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 

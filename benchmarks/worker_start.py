@@ -13,12 +13,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import print_table, write_json  # noqa: E402
+from common import print_table, write_json
 
 
 def _start(workers: int) -> float:

@@ -8,7 +8,8 @@ import tempfile
 
 import pytest
 
-from raytrain_x.common.procs import kill, processes, with_descendants
+from raytrain_x.common.procs import kill
+from raytrain_x.testing import leaks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ELASTIC_RESOURCE = "rtx_elastic"
@@ -50,14 +51,14 @@ def _start_head(cluster_class, head: dict):
     from raytrain_x.testing.processes import start_once_more
 
     def start():
-        before = set(processes())
+        before = leaks.snapshot()
         c = cluster_class(initialize_head=False, connect=False)
         try:
             c.add_node(**head)
             return c
         except Exception:
             c.shutdown()
-            kill(_new_ray_processes(before))
+            kill(leaks.new_processes(before))
             raise
 
     return start_once_more(start, "Ray's head node")
@@ -188,33 +189,7 @@ def elastic_nodes(cluster):
 # shared-memory segments of the engine and the temp dirs of the session cluster and the
 # job-submit test. The run fails
 # otherwise. RAYTRAIN_X_LEAK_CHECK=0 turns it off.
-_RAY_MARKERS = ("raylet", "gcs_server", "ray.util.client.server", "ray/dashboard",
-                "log_monitor.py", "ray/autoscaler", "default_worker.py", "ray::",
-                "runtime_env/agent")
 _at_start: dict = {}
-
-
-def _new_ray_processes(before: set[int]) -> dict[int, str]:
-    """pid -> command line of the processes not in `before` that descend from this one or
-    run Ray."""
-    procs = processes()
-    me = os.getpid()
-    mine = with_descendants({me}, procs)
-    # multiprocessing's resource tracker lives as long as pytest itself, by design
-    return {p: c for p, (_, c) in procs.items() if p not in before and p != me
-            and "multiprocessing.resource_tracker" not in c
-            and (p in mine or any(m in c for m in _RAY_MARKERS))}
-
-
-def _leftovers() -> dict[str, list[str]]:
-    shm = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-    temp = {n for n in os.listdir("/tmp") if n.startswith(TEMP_PREFIX)}
-    return {
-        "processes": sorted(f"{p}: {c[:160]}"
-                            for p, c in _new_ray_processes(_at_start["pids"]).items()),
-        "shared memory": sorted(n for n in shm - _at_start["shm"] if n.startswith("rtx-")),
-        "temp dirs": sorted(f"/tmp/{n}" for n in temp - _at_start["temp"]),
-    }
 
 
 def pytest_sessionstart(session):
@@ -229,9 +204,7 @@ def pytest_sessionstart(session):
         prefix=f"{TEMP_PREFIX}tmp", dir="/tmp")
     # Ray writes the address of the last cluster started to $TMPDIR/ray without making it
     os.mkdir(os.path.join(_at_start["children_temp"], "ray"))
-    _at_start["pids"] = set(processes())
-    _at_start["shm"] = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-    _at_start["temp"] = {n for n in os.listdir("/tmp") if n.startswith(TEMP_PREFIX)}
+    _at_start["before"] = leaks.snapshot(TEMP_PREFIX)
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -269,18 +242,9 @@ def _remove_children_temp() -> None:
 
 
 def _check_leaks(session) -> None:
-    import time
-
     if os.environ.get("RAYTRAIN_X_LEAK_CHECK") == "0":
         return
-    deadline = time.monotonic() + 30  # Ray's processes take a few seconds to exit
-    while True:
-        leaks = {k: v for k, v in _leftovers().items() if v}
-        if not leaks or time.monotonic() > deadline:
-            break
-        time.sleep(1)
-    if leaks:
-        lines = [f"  {kind}:\n" + "\n".join(f"    {item}" for item in items)
-                 for kind, items in leaks.items()]
-        print("\nraytrain-x tests left these behind (the run fails):\n" + "\n".join(lines))
+    found = leaks.wait_until_clean(_at_start["before"])
+    if found:
+        print("\nraytrain-x tests left these behind (the run fails):\n" + leaks.describe(found))
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -4,9 +4,9 @@
     python -m tests.emulated_jobs fixed --progress F --out F [--timeout S]
 
 `elastic`: an elastic job (min 2, max 4 workers, one per CPU) that runs the ledger job
-(`raytrain_x.torch.ledger`) until the stop file appears, rank 0 writing "step size" to the
-progress file at every commit; it writes what was committed, the sizes and the round
-history to --out as JSON.
+(`raytrain_x.testing.jobs.torch_ledger`) until the stop file appears, rank 0 writing
+"step size" to the progress file at every commit; it writes what was committed, the sizes
+and the round history to --out as JSON.
 `fixed`: a 2 hosts x 2 workers job that allreduces until a collective fails; --out gets the
 error and how long after the last good step it came.
 """
@@ -58,7 +58,7 @@ def main() -> None:
                          cooldown_range=(args.cooldown, args.cooldown))
         ex.start()
         try:
-            from raytrain_x.torch.ledger import ledger_train
+            from raytrain_x.testing.jobs.torch_ledger import ledger_train
 
             out["results"] = ex.run(ledger_train, kwargs={"stop": args.stop,
                                                           "progress": args.progress})

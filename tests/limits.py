@@ -13,8 +13,9 @@ from __future__ import annotations
 import os
 import shlex
 import subprocess
-import time
 from collections.abc import Callable, Sequence
+
+from raytrain_x.testing import waiting
 
 SCALE = float(os.environ.get("RAYTRAIN_X_TEST_TIME_SCALE", "1"))
 WORK_MARGIN = 4.0
@@ -34,13 +35,7 @@ def wait_until(condition: Callable[[], bool], work_s: float, what: str,
                state: Callable[[], object] | None = None, poll_s: float = 0.05) -> None:
     """Polls `condition` until it holds; past the limit, fails naming `what` it waited for
     and, with `state`, what it saw last."""
-    seconds = limit(work_s)
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            seen = f"; last seen: {state()}" if state is not None else ""
-            raise AssertionError(f"gave up after {seconds:.0f}s waiting for {what}{seen}")
-        time.sleep(poll_s)
+    waiting.wait_until(condition, limit(work_s), what, state, poll_s)
 
 
 def run(cmd: Sequence[str], work_s: float, what: str, ray_starts: int = 0,

@@ -6,7 +6,6 @@ import os
 import pickle
 import queue as queue_module
 import secrets
-import socket
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -17,6 +16,7 @@ from unittest import mock
 
 import torch.multiprocessing as mp
 
+from raytrain_x.testing.waiting import free_port
 from tests.limits import limit
 
 # Ranks start as forks of a server that has imported torch once (a fresh interpreter per rank
@@ -56,12 +56,6 @@ def stop_fork_server() -> None:
     """Stops the fork server ranks start from (it lives until its parent exits otherwise);
     the next run starts one again."""
     forkserver._forkserver._stop()  # noqa: SLF001 - the stdlib's own way to stop it
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(rank: int, size: int, port: int, fn: Callable, args: tuple, env: dict, hosts: int,

@@ -28,6 +28,10 @@ MODULES = {
     "raytrain_x.ray": "Starting workers on Ray: `RayExecutor`.",
     "raytrain_x.ray.train": "Ray Train v2: `RaytrainXTrainer` and Horovod's `HorovodTrainer`.",
     "raytrain_x.tune_integration": "Ray Tune: distributed trials and autotune experiments.",
+    "raytrain_x.torch.workloads": "Benchmark workloads in plain torch (no torchvision, no "
+                                  "downloads): ResNet-18, a GPT decoder, a model of given "
+                                  "parameter shapes, synthetic batches.",
+    "raytrain_x.tensorflow.workloads": "The same workloads in Keras.",
 }
 
 

@@ -1,10 +1,12 @@
-"""Keras networks whose backward computes, for the benchmarks of the TensorFlow face: the
-same ResNet-18 and GPT-style decoder as `raytrain_x.torch.workloads` (layer for layer, the
-same parameter counts), with deterministic synthetic data."""
+"""Keras workloads for benchmarking a cluster, public (the TensorFlow face's benchmarks use
+them too): the same ResNet-18 and GPT-style decoder as `raytrain_x.torch.workloads` (layer
+for layer, the same parameter counts), with deterministic synthetic data."""
 
 from __future__ import annotations
 
 import numpy as np
+
+__all__ = ["gpt_decoder", "resnet18", "synthetic_images", "synthetic_tokens"]
 
 
 def _keras():
@@ -16,7 +18,12 @@ def _keras():
 def resnet18(num_classes: int = 100, size: int = 64):
     """ResNet-18 (torchvision's layout: 7x7 stride-2 stem, max pool, four stages of two
     basic blocks, 64-512 channels), channels last: 11.2M parameters, 62 trainable tensors
-    (and the batch norms' moving statistics)."""
+    (and the batch norms' moving statistics).
+
+    Args:
+        num_classes: the classifier's outputs.
+        size: the input images' height and width.
+    """
     keras = _keras()
     layers = keras.layers
     keras.utils.set_random_seed(0)
@@ -47,7 +54,15 @@ def gpt_decoder(vocab: int = 8192, layers_: int = 6, width: int = 512, heads: in
                 seq: int = 128):
     """A GPT-style decoder language model: token and position embeddings, pre-norm causal
     self-attention blocks (GELU MLP of 4x width), a final norm and a head tied to the token
-    embedding."""
+    embedding.
+
+    Args:
+        vocab: the vocabulary's size.
+        layers_: the decoder blocks.
+        width: the model width.
+        heads: attention heads per block.
+        seq: the sequence length.
+    """
     keras = _keras()
     layers = keras.layers
     ops = keras.ops
@@ -77,13 +92,27 @@ def gpt_decoder(vocab: int = 8192, layers_: int = 6, width: int = 512, heads: in
 
 
 def synthetic_images(batch: int, size: int = 64, classes: int = 100, seed: int = 0):
-    """(images [batch, size, size, 3] float32, labels [batch] int32), the same per seed."""
+    """(images [batch, size, size, 3] float32, labels [batch] int32), the same per seed.
+
+    Args:
+        batch: the batch size.
+        size: the images' height and width.
+        classes: labels are drawn from 0..classes-1.
+        seed: the generator's seed.
+    """
     rng = np.random.default_rng(seed)
     return (rng.standard_normal((batch, size, size, 3), dtype=np.float32),
             rng.integers(0, classes, batch, dtype=np.int32))
 
 
 def synthetic_tokens(batch: int, seq: int = 128, vocab: int = 8192, seed: int = 0):
-    """(input ids [batch, seq], next-token targets [batch, seq]) int32, the same per seed."""
+    """(input ids [batch, seq], next-token targets [batch, seq]) int32, the same per seed.
+
+    Args:
+        batch: the batch size.
+        seq: the sequence length.
+        vocab: ids are drawn from 0..vocab-1.
+        seed: the generator's seed.
+    """
     ids = np.random.default_rng(seed).integers(0, vocab, (batch, seq + 1), dtype=np.int32)
     return ids[:, :-1], ids[:, 1:]

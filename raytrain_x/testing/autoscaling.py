@@ -28,7 +28,6 @@ import copy
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -48,6 +47,7 @@ from raytrain_x.testing.processes import (
     stop,
     with_descendants,
 )
+from raytrain_x.testing.waiting import free_port
 
 # The fields of Ray's fake multi-node example config that the autoscaler reads.
 BASE_CONFIG: dict[str, Any] = {
@@ -69,12 +69,6 @@ BASE_CONFIG: dict[str, Any] = {
 NODE_ID_ENV = "RAY_OVERRIDE_NODE_ID_FOR_TESTING"  # the fake provider names its nodes so
 FAKE_HEAD_NODE_ID = "fffffffffffffffffffffffffffffffffffffffffffffffffff00000"
 RAY = str(Path(sys.executable).with_name("ray"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LocalAutoscalingCluster(AutoscalingCluster):
@@ -156,7 +150,7 @@ class LocalAutoscalingCluster(AutoscalingCluster):
         import ray
 
         self.temp_dir = tempfile.mkdtemp(prefix="rtxas", dir="/tmp")  # short: unix sockets
-        self._port = _free_port()
+        self._port = free_port()
         self.address = f"{ray.util.get_node_ip_address()}:{self._port}"
         config = copy.deepcopy(self._config)
         config["provider"]["gcs_address"] = self.address
@@ -169,10 +163,10 @@ class LocalAutoscalingCluster(AutoscalingCluster):
                "--include-dashboard=false", "--disable-usage-stats",
                f"--num-cpus={head.pop('CPU', 0)}", f"--num-gpus={head.pop('GPU', 0)}",
                # its own agent ports: the defaults may be taken by another cluster here
-               f"--dashboard-agent-listen-port={_free_port()}",
-               f"--dashboard-agent-grpc-port={_free_port()}",
-               f"--metrics-export-port={_free_port()}",
-               f"--runtime-env-agent-port={_free_port()}"]
+               f"--dashboard-agent-listen-port={free_port()}",
+               f"--dashboard-agent-grpc-port={free_port()}",
+               f"--metrics-export-port={free_port()}",
+               f"--runtime-env-agent-port={free_port()}"]
         if head:
             cmd.append(f"--resources={json.dumps(head)}")
         if _system_config is not None:

@@ -173,7 +173,7 @@ class TorchState(ObjectState):
                 # committed set is complete and matches the rest of its state. Survivors
                 # may have committed one step more than rank 0 (a peer died between their
                 # commits); a union would mark that step's samples done while rank 0's
-                # model never saw them (found by benchmarks/chaos.py: an epoch missed
+                # model never saw them (found by tools/chaos.py: an epoch missed
                 # samples). Only records each rank kept alone (`record_indices`, Horovod's
                 # way) are combined.
                 seen = allgather_object((value.processed_indices, value.rank_local_records),

@@ -1,16 +1,24 @@
-"""Torch workloads for benchmarks and tests: a synthetic model of any parameter shapes (see
-`raytrain_x.common.workloads`), and networks whose backward computes (ResNet-18, a GPT-style
-decoder) with deterministic synthetic data."""
+"""Torch workloads for benchmarking a cluster, public (the benchmarks and tests use them
+too): a synthetic model of any parameter shapes (ResNet-50's are
+`raytrain_x.common.workloads.resnet50_parameter_shapes()`), and networks whose backward computes (ResNet-18, a GPT-style decoder) with
+deterministic synthetic data. Plain torch: no torchvision, nothing downloaded."""
 
 from __future__ import annotations
 
 import torch
 
+__all__ = ["GPTDecoder", "resnet18", "shaped_model", "synthetic_images", "synthetic_tokens"]
+
 
 def shaped_model(shapes: list[tuple[int, ...]]):
     """A torch module whose parameters have `shapes` and whose backward produces every
     gradient in reverse registration order, as a real network's would; the gradient of
-    parameter i is `scale * weight_i` (cheap, deterministic)."""
+    parameter i is `scale * weight_i` (cheap, deterministic).
+
+    Args:
+        shapes: the parameters' shapes, in registration order (for example ResNet-50's,
+            from `raytrain_x.common.workloads.resnet50_parameter_shapes()`).
+    """
     class ShapedModel(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -52,7 +60,11 @@ class _BasicBlock(torch.nn.Module):
 
 def resnet18(num_classes: int = 100) -> torch.nn.Module:
     """ResNet-18 (He et al.; torchvision's layout: 7x7 stride-2 stem, max pool, four stages
-    of two basic blocks, 64-512 channels): 11.2M parameters, 62 tensors."""
+    of two basic blocks, 64-512 channels): 11.2M parameters, 62 tensors.
+
+    Args:
+        num_classes: the classifier's outputs.
+    """
     nn = torch.nn
     torch.manual_seed(0)
     layers: list[nn.Module] = [nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64),
@@ -68,7 +80,15 @@ def resnet18(num_classes: int = 100) -> torch.nn.Module:
 class GPTDecoder(torch.nn.Module):
     """A GPT-style decoder language model: token and position embeddings, pre-norm causal
     self-attention blocks (GELU MLP of 4x width), a final norm and a head tied to the token
-    embedding."""
+    embedding.
+
+    Args:
+        vocab: the vocabulary's size.
+        layers: the decoder blocks.
+        width: the model width.
+        heads: attention heads per block.
+        seq: the longest sequence (the position embedding's length).
+    """
 
     def __init__(self, vocab: int = 8192, layers: int = 6, width: int = 512, heads: int = 8,
                  seq: int = 128) -> None:
@@ -93,14 +113,28 @@ class GPTDecoder(torch.nn.Module):
 
 
 def synthetic_images(batch: int, size: int = 64, classes: int = 100, seed: int = 0):
-    """(images [batch, 3, size, size], labels [batch]), the same for the same seed."""
+    """(images [batch, 3, size, size], labels [batch]), the same for the same seed.
+
+    Args:
+        batch: the batch size.
+        size: the images' height and width.
+        classes: labels are drawn from 0..classes-1.
+        seed: the generator's seed.
+    """
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(batch, 3, size, size, generator=g),
             torch.randint(0, classes, (batch,), generator=g))
 
 
 def synthetic_tokens(batch: int, seq: int = 128, vocab: int = 8192, seed: int = 0):
-    """(input ids [batch, seq], next-token targets [batch, seq]), the same for the seed."""
+    """(input ids [batch, seq], next-token targets [batch, seq]), the same for the seed.
+
+    Args:
+        batch: the batch size.
+        seq: the sequence length.
+        vocab: ids are drawn from 0..vocab-1.
+        seed: the generator's seed.
+    """
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (batch, seq + 1), generator=g)
     return ids[:, :-1], ids[:, 1:]

@@ -1,4 +1,4 @@
-"""The chaos soak's short version: `benchmarks/chaos.py` for 48 s on its own local
+"""The chaos soak's short version: `tools/chaos.py` for 48 s on its own local
 4-node Ray cluster, an elastic torch job under a seeded schedule of every local fault kind
 (worker SIGKILLs, node kills, drains, raylet kills, kills while a worker starts and while
 the job re-forms), faults three seconds apart on average and one in five doubled. Every
@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_chaos_loses_no_committed_step(tmp_path):
     out = tmp_path / "chaos.json"
-    cmd = [sys.executable, str(REPO / "benchmarks" / "chaos.py"), "--seed", "7",
+    cmd = [sys.executable, str(REPO / "tools" / "chaos.py"), "--seed", "7",
            "--minutes", "0.8", "--mean-gap", "3", "--bound-scale", str(SCALE),
            "--json", str(out)]
     proc = run(cmd, work_s=90, what="48 s of chaos", ray_starts=5, cwd=REPO)

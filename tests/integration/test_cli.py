@@ -6,7 +6,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from raytrain_x.testing.waiting import free_port
 from tests import limits
 from tests.conftest import REPO, TEMP_PREFIX
 
@@ -60,19 +60,13 @@ def test_bad_arguments_exit_2_with_one_line(args, message):
     assert len(lines) == 1 and message in lines[0], out.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_ray_job_submit():
     """`ray job submit --working-dir . -- raytrain-x run -np 2 python examples/torch_digits.py`
     against a `ray start --head` cluster this test starts."""
     env = {**os.environ, "RAY_AUTH_MODE": "disabled",
            "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
-    gcs, dash = _free_port(), _free_port()
+    gcs, dash = free_port(), free_port()
     temp = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}job", dir="/tmp"))  # short socket paths
     try:  # the start too: a start that fails or times out half-way leaves processes behind
         # the job API needs the dashboard, which the session's shared cluster runs without
@@ -80,10 +74,10 @@ def test_ray_job_submit():
             [str(BIN / "ray"), "start", "--head", f"--port={gcs}", f"--dashboard-port={dash}",
              "--dashboard-host=127.0.0.1", "--num-cpus=4", "--include-dashboard=true",
              # own agent ports: the defaults are taken by the test session's cluster
-             f"--dashboard-agent-listen-port={_free_port()}",
-             f"--dashboard-agent-grpc-port={_free_port()}",
-             f"--metrics-export-port={_free_port()}",
-             f"--runtime-env-agent-port={_free_port()}",
+             f"--dashboard-agent-listen-port={free_port()}",
+             f"--dashboard-agent-grpc-port={free_port()}",
+             f"--metrics-export-port={free_port()}",
+             f"--runtime-env-agent-port={free_port()}",
              f"--temp-dir={temp}", "--disable-usage-stats"],
             10, "ray start --head with the dashboard", ray_starts=1, env=env)
         assert start.returncode == 0, start.stderr[-2000:]

@@ -17,11 +17,11 @@ from raytrain_x.comm.groups import round_prefix
 from raytrain_x.comm.store import ActorStore
 from raytrain_x.comm.store_actor import StoreActor
 from raytrain_x.common.errors import ElasticStateLost, InternalError, RendezvousTimeout
-from raytrain_x.common.ledger import ledger_errors, read_progress
 from raytrain_x.ray import RayExecutor
 from raytrain_x.ray.elastic import pool as worker_pool
 from raytrain_x.ray.placement import stable_node_strategy
 from raytrain_x.ray.worker import WORKER_OPTIONS, WorkerActor
+from raytrain_x.testing.jobs.ledger import ledger_errors, read_progress
 from tests.conftest import ELASTIC_RESOURCE
 from tests.limits import limit, wait_until
 
@@ -31,12 +31,12 @@ SAMPLES = 50  # the sampler's dataset: 40 steps of 2 or 3 workers run one to thr
 
 def _elastic_train(steps: int, pause: float, bad_node: str | None = None,
                    progress: str | None = None) -> dict:
-    """The ledger job (`raytrain_x.torch.ledger`); a worker on `bad_node` fails right after
-    its `init()`: a host that keeps failing."""
+    """The ledger job (`raytrain_x.testing.jobs.torch_ledger`); a worker on `bad_node` fails
+    right after its `init()`: a host that keeps failing."""
     import os
 
     import raytrain_x.torch as rx
-    from raytrain_x.torch.ledger import ledger_train
+    from raytrain_x.testing.jobs.torch_ledger import ledger_train
 
     rx.init()
     if bad_node is not None and ray.get_runtime_context().get_node_id() == bad_node:
@@ -244,7 +244,7 @@ def _dies_in_its_first_round(bad_node: str, marker: str, steps: int, pause: floa
     import os
 
     from raytrain_x.comm.rendezvous import next_rendezvous
-    from raytrain_x.torch.ledger import ledger_train
+    from raytrain_x.testing.jobs.torch_ledger import ledger_train
 
     if ray.get_runtime_context().get_node_id() == bad_node and not os.path.exists(marker):
         next_rendezvous()  # placed in round 1

@@ -340,7 +340,7 @@ def test_a_sampler_syncs_to_rank_0s_progress_not_a_peers_step_ahead(rank_local):
     """With `record_batch` every rank records the world's rows, so rank 0's set is whole;
     taking the union with a peer that committed one step more marked that step's samples
     done though rank 0's model never trained on them (an epoch then missed them: found by
-    benchmarks/chaos.py). Records kept per rank (`record_indices`) are still combined."""
+    tools/chaos.py). Records kept per rank (`record_indices`) are still combined."""
     ranks = run_workers(_sampler_sync_after_a_commit_race, 2, rank_local, work_s=10)
     assert ranks[0] == ranks[1]
     # rank 0's two batches of 2 rows; with per-rank records, rank 1's third row joins

@@ -146,7 +146,7 @@ def test_the_ledger_check_takes_epochs_in_number_order_after_json():
     "25" made the epoch under way look finished (and missing samples)."""
     import json
 
-    from raytrain_x.common.ledger import ledger_errors
+    from raytrain_x.testing.jobs.ledger import ledger_errors
 
     seen = {epoch: list(range(4)) for epoch in range(12)}
     seen[12] = [2]  # the epoch under way

@@ -11,6 +11,7 @@ import pytest
 
 from raytrain_x.comm.job_store import MAGIC, JobStoreClient, JobStoreServer
 from raytrain_x.common.errors import RendezvousTimeout, StoreAuthError
+from raytrain_x.testing.waiting import free_port
 
 SECRET = "s" * 32
 
@@ -116,9 +117,7 @@ def test_a_client_refuses_a_server_that_cannot_prove_the_secret():
 def test_short_secrets_and_absent_servers_are_clear_errors():
     with pytest.raises(StoreAuthError, match="fewer than 16"):
         JobStoreServer("127.0.0.1", "short")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with pytest.raises(RendezvousTimeout, match="could not reach the job's store"):
         JobStoreClient("127.0.0.1", port, SECRET, timeout_s=0.3).num_keys()
 

@@ -11,15 +11,15 @@ Two clusters (--cluster):
             5 failed checks, but each check waits its 10 s deadline, so a cut-off node
             outlives every partition here (the report counts those it let go)
 
-The job runs as its own driver process, as a user's script would: `RayExecutor(min_workers=2,
-max_workers=--nodes, cooldown_range=--cooldown)` training the ledger job
-(`raytrain_x.torch.ledger`, or the Keras face's `raytrain_x.tensorflow.ledger` with
---framework keras), one commit per step, until the stop file appears (torch) or its planned
-steps are done (Keras). A job the schedule stops with a named cause (every worker holding
-the state killed: ElasticStateLost; too few workers past elastic_timeout: ElasticTimeout)
-is followed by a new one. Faults (--kinds; drawn by the seeded schedule from each job's first
-committed step on, --mean-gap seconds apart on average; with chance --burst a fault comes
-with a second one at once):
+The job runs as its own driver process, as a user's script would:
+`RayExecutor(min_workers=2, max_workers=--nodes, cooldown_range=--cooldown)` training the
+ledger job (`raytrain_x.testing.jobs.torch_ledger`, or the Keras face's
+`raytrain_x.testing.jobs.keras_ledger` with --framework keras), one commit per step, until
+the stop file appears (torch) or its planned steps are done (Keras). A job the schedule
+stops with a named cause (every worker holding the state killed: ElasticStateLost; too few
+workers past elastic_timeout: ElasticTimeout) is followed by a new one. Faults (--kinds;
+drawn by the seeded schedule from each job's first committed step on, --mean-gap seconds
+apart on average; with chance --burst a fault comes with a second one at once):
 
   worker_kill      SIGKILL of a worker process
   node_kill        every process of a node gone at once; a fresh node joins --respawn s later
@@ -45,9 +45,9 @@ step committed after it by the re-formed world, or after a short partition's end
 p95, max, over all faults and over isolated ones), steps and restores, and throughput over
 time with the faults marked (a plot).
 
-Run alone: .venv/bin/python benchmarks/chaos.py --seed 1 2 3 --minutes 5
-           .venv/bin/python benchmarks/chaos.py --cluster emulated --nodes 3 --seed 4
-           .venv/bin/python benchmarks/chaos.py --framework keras --seed 5 --mean-gap 8
+Run alone: .venv/bin/python tools/chaos.py --seed 1 2 3 --minutes 5
+           .venv/bin/python tools/chaos.py --cluster emulated --nodes 3 --seed 4
+           .venv/bin/python tools/chaos.py --framework keras --seed 5 --mean-gap 8
 Replay a failing schedule with the seed it printed (its timing still depends on the
 machine).
 """
@@ -68,8 +68,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, print_table, write_json  # noqa: E402
+from raytrain_x.testing import leaks
+from raytrain_x.testing.results import print_table, write_json
+
+RESULTS_DIR = Path(__file__).resolve().parent.parent / "results"
 
 LOCAL_KINDS = ("worker_kill", "node_kill", "drain", "raylet_kill", "while_starting",
                "in_rendezvous")
@@ -110,7 +112,7 @@ class Monitor(threading.Thread):
         self.stop = threading.Event()
 
     def run(self) -> None:
-        from raytrain_x.common.ledger import read_progress
+        from raytrain_x.testing.jobs.ledger import read_progress
 
         last = None
         while not self.stop.wait(0.02):
@@ -153,12 +155,12 @@ def drive(args: argparse.Namespace) -> int:
         executor.start(extra_env_vars=env)
         monitor.start()
         if args.framework == "keras":
-            from raytrain_x.tensorflow.ledger import keras_ledger_train
+            from raytrain_x.testing.jobs.keras_ledger import keras_ledger_train
 
             out["ranks"] = executor.run(keras_ledger_train, args=(args.steps // 2, PAUSE_S),
                                         kwargs={"progress": args.progress})
         else:
-            from raytrain_x.torch.ledger import ledger_train
+            from raytrain_x.testing.jobs.torch_ledger import ledger_train
 
             out["ranks"] = executor.run(ledger_train, args=(None, PAUSE_S),
                                         kwargs={"stop": args.stop, "progress": args.progress})
@@ -404,6 +406,7 @@ def soak(seed: int, minutes: float, cluster: str, nodes: int, framework: str,
     the state, or left fewer than min_workers past elastic_timeout) is followed by a new
     one. Returns what it saw."""
     rng = random.Random(seed)
+    before = leaks.snapshot()
     temp = tempfile.mkdtemp(prefix="rtxchaos", dir="/tmp")
     out: dict = {"seed": seed, "cluster": cluster, "framework": framework, "faults": [],
                  "errors": [], "jobs": [], "progress": [], "steps": 0, "restores": 0}
@@ -439,7 +442,7 @@ def soak(seed: int, minutes: float, cluster: str, nodes: int, framework: str,
     kept = out_dir / f"chaos_{cluster}_{framework}_seed{seed}.log"
     kept.write_text("\n".join(Path(p).read_text() for p in logs if Path(p).exists()))
     out["log"] = str(kept)
-    out["errors"] += _leftovers(temp, namespaces)
+    out["errors"] += _leftovers(before, temp, namespaces)
     return out
 
 
@@ -447,7 +450,7 @@ def _job(index: int, world: Any, chaos: Chaos, rng: random.Random, temp: str,
          framework: str, nodes: int, kinds: list[str], mean_gap: float, burst: float,
          cooldown: tuple[float, float], stop_at: float) -> dict:
     """One job's driver under the schedule until it exits; what it returned."""
-    from raytrain_x.common.ledger import ledger_errors, read_progress
+    from raytrain_x.testing.jobs.ledger import ledger_errors, read_progress
 
     files = {n: str(Path(temp) / f"{n}{index}")
              for n in ("progress", "status", "stop", "out", "log")}
@@ -608,26 +611,15 @@ def _tail(path: str, lines: int = 15) -> str:
         return "(no log)"
 
 
-def _leftovers(temp: str, namespaces: list[str]) -> list[str]:
+def _leftovers(before: leaks.Snapshot, temp: str, namespaces: list[str]) -> list[str]:
     """Processes of this run's cluster, engine shared-memory segments and network
     namespaces left once it stopped."""
     import shutil
 
-    from raytrain_x.common.procs import processes
-
-    deadline = time.monotonic() + 30
-    while True:
-        procs = [f"{p}: {c[:100]}" for p, (_, c) in processes().items() if temp in c]
-        shm = [n for n in os.listdir("/dev/shm") if n.startswith("rtx-")]
-        listed = subprocess.run(["ip", "netns", "list"], capture_output=True,
-                                text=True).stdout if namespaces else ""
-        nets = [n for n in namespaces if n in listed]
-        if not (procs or shm or nets) or time.monotonic() > deadline:
-            break
-        time.sleep(1)
+    found = leaks.wait_until_clean(before, marker=temp, namespaces=namespaces)
     shutil.rmtree(temp, ignore_errors=True)
-    return ([f"left running: {p}" for p in procs] + [f"left in /dev/shm: {n}" for n in shm]
-            + [f"network namespace left: {n}" for n in nets])
+    return [f"left behind ({kind}): {item}" for kind, items in found.items() for item in items
+            if kind != "temp dirs"]
 
 
 # ----------------------------------------------------------------------------- report
@@ -750,8 +742,8 @@ def main() -> int:
         print(f"chaos: seed {seed}: {len(run['faults'])} faults in {run['seconds']:.0f}s, "
               f"{verdict}", flush=True)
     rows = report(runs)
-    path = write_json(f"chaos_{args.cluster}_{args.framework}", {"runs": runs, "rows": rows},
-                      args.json)
+    path = write_json(args.json or RESULTS_DIR / f"chaos_{args.cluster}_{args.framework}.json",
+                      {"runs": runs, "rows": rows})
     plot(runs, path.with_suffix(".png"))
     print(f"wrote {path} and {path.with_suffix('.png')}")
     failed = [r["seed"] for r in runs if r["errors"]]

@@ -1,4 +1,4 @@
-"""A torch job that keeps a ledger of every step it commits (`raytrain_x.common.ledger`
+"""A torch job that keeps a ledger of every step it commits (`raytrain_x.testing.jobs.ledger`
 checks it): the elastic tests and the chaos soak train with it."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import time
 
-from raytrain_x.common.ledger import SAMPLES, write_progress
+from raytrain_x.testing.jobs.ledger import SAMPLES, write_progress
 
 
 def ledger_train(steps: int | None = None, pause: float = 0.05, *, stop: str | None = None,

@@ -2,10 +2,10 @@
 committed step done exactly once on every rank, each epoch's samples seen once, equal
 weights at the end.
 
-A ledger job (`raytrain_x.torch.ledger.ledger_train`, or the Keras face's
-`raytrain_x.tensorflow.ledger.keras_ledger_train`) records every step it commits in its
+A ledger job (`raytrain_x.testing.jobs.torch_ledger.ledger_train`, or the Keras face's
+`raytrain_x.testing.jobs.keras_ledger.keras_ledger_train`) records every step it commits in its
 elastic state and returns the ledger; `ledger_errors` judges what the ranks returned. The
-elastic tests, the multi-host drivers and the chaos soak (`benchmarks/chaos.py`) use them,
+elastic tests, the multi-host drivers and the chaos soak (`tools/chaos.py`) use them,
 and so can anyone who wants to see a cluster's faults survived:
 
     results = executor.run(ledger_train, args=(200,), kwargs={"progress": path})

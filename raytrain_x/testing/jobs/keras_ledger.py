@@ -1,12 +1,12 @@
 """The Keras face's ledger job: every step it commits is recorded and returned for
-`raytrain_x.common.ledger.ledger_errors` to check."""
+`raytrain_x.testing.jobs.ledger.ledger_errors` to check."""
 
 from __future__ import annotations
 
 import os
 import time
 
-from raytrain_x.common.ledger import write_progress
+from raytrain_x.testing.jobs.ledger import write_progress
 
 
 def keras_ledger_train(steps: int, pause: float = 0.05, *, progress: str | None = None,
