@@ -64,6 +64,10 @@ INVERSIONS = {
         ("tensorflow/ops.py", "from raytrain_x.torch.ops import allreduce"),
     "the executor imports the TensorFlow face":
         ("ray/executor.py", "import raytrain_x.tensorflow"),
+    "the torch face's async forms reach for the blocking ones (the old ops/autograd circle)":
+        ("torch/async_ops.py", "from raytrain_x.torch.ops import allreduce"),
+    "an import circle inside a package (the simulator's model and world)":
+        ("testing/simulation/model.py", "from raytrain_x.testing.simulation import world"),
 }
 
 
@@ -78,6 +82,15 @@ def test_each_old_inversion_breaks_a_contract(tmp_path, inversion):
     out = _lint(tree)
     assert out.returncode != 0, f"{inversion} went unnoticed:\n{out.stdout[-2000:]}"
     assert "BROKEN" in out.stdout
+
+
+MAX_MODULE_LINES = 400  # docs/architecture.md: each module one job, a few hundred lines
+
+
+def test_no_module_of_the_package_is_over_400_lines():
+    sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines())
+             for p in PACKAGE.rglob("*.py")}
+    assert not {p: n for p, n in sizes.items() if n > MAX_MODULE_LINES}
 
 
 def test_only_the_engine_and_comm_call_the_native_core():
