@@ -1,7 +1,8 @@
 """Torch workloads for benchmarking a cluster, public (the benchmarks and tests use them
 too): a synthetic model of any parameter shapes (ResNet-50's are
-`raytrain_x.common.workloads.resnet50_parameter_shapes()`), and networks whose backward computes (ResNet-18, a GPT-style decoder) with
-deterministic synthetic data. Plain torch: no torchvision, nothing downloaded."""
+`raytrain_x.common.workloads.resnet50_parameter_shapes()`), and networks whose backward
+computes (ResNet-18, a GPT-style decoder) with deterministic synthetic data. Plain torch:
+no torchvision, nothing downloaded."""
 
 from __future__ import annotations
 
