@@ -7,18 +7,9 @@ import math
 import os
 import subprocess
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 from raytrain_x.common.errors import ConfigError
 from raytrain_x.common.settings import TIMEOUT_S
-
-
-@dataclass(frozen=True)
-class HostSlots:
-    """A host and how many more workers fit on it."""
-
-    host: str  # a Ray node id
-    slots: int
 
 
 def parse_host_slots(text: str, source: str = "discovery script") -> dict[str, int]:

@@ -323,11 +323,6 @@ class EmulatedCluster:
     def link_up(self, host: int) -> None:
         _run_in(self.switch, ["ip", "link", "set", self.port(host), "up"])
 
-    def set_link(self, host: int, gbit: float) -> None:
-        """Changes `host`'s link rate, both directions."""
-        _shape(self.namespace(host), "eth0", gbit)
-        _shape(self.switch, self.port(host), gbit)
-
     def raylet_pid(self, host: int) -> int | None:
         procs = processes()
         for pid in namespace_pids(self.namespace(host)):
@@ -348,14 +343,6 @@ class EmulatedCluster:
     def stop_host(self, host: int) -> None:
         """Kills everything running on `host` (a host powered off)."""
         stop(with_descendants(namespace_pids(self.namespace(host)), processes()), 0.5)
-
-    def link_stats(self, host: int) -> dict[str, int]:
-        """Bytes and packets `host` sent and received over its link."""
-        out = subprocess.run(["ip", "-n", self.namespace(host), "-s", "-j", "link", "show",
-                              "eth0"], capture_output=True, text=True, check=True)
-        stats = json.loads(out.stdout)[0]["stats64"]
-        return {"tx_bytes": stats["tx"]["bytes"], "rx_bytes": stats["rx"]["bytes"],
-                "tx_packets": stats["tx"]["packets"], "rx_packets": stats["rx"]["packets"]}
 
 
 __all__ = ["EmulatedCluster", "NamespacesUnavailable", "namespace_pids", "sweep_stale",

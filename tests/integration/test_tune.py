@@ -19,8 +19,6 @@ from raytrain_x.tune_integration import (
 def _trial(config: dict) -> None:
     import raytrain_x.torch as rx
 
-    if config.get("fail"):
-        raise RuntimeError(f"trial asked to fail on rank {rx.rank()}")
     x = torch.tensor([config["x"]])
     for step in range(3):
         total = rx.allreduce(x, op=rx.Sum, name=f"s{step}").item()
@@ -48,19 +46,6 @@ def test_tuner_with_distributed_trials_and_bayesopt(ray_cluster, tmp_path):
     assert best.metrics["score"] == max(r.metrics["score"] for r in grid)
 
 
-def test_failing_trial_is_errored_and_others_succeed(ray_cluster, tmp_path):
-    tuner = tune.Tuner(
-        DistributedTrainableCreator(_trial, num_workers=2),
-        param_space={"x": 1.0, "fail": tune.grid_search([True, False])},
-        tune_config=tune.TuneConfig(max_concurrent_trials=1),
-        run_config=tune.RunConfig(storage_path=str(tmp_path), verbose=0))
-    grid = tuner.fit()  # the failing trial first: the next one gets a clean start after it
-    errored = [r for r in grid if r.error is not None]
-    assert len(errored) == 1 and len(grid) == 2
-    assert all("trial asked to fail on rank" in str(r.error) for r in errored)
-    assert all(r.metrics.get("training_iteration") == 3 for r in grid if r.error is None)
-
-
 def _experiment(config: dict) -> None:
     import raytrain_x.torch as rx
 
@@ -72,6 +57,9 @@ def _experiment(config: dict) -> None:
 
 
 def test_experiments_with_a_failing_config(ray_cluster, tmp_path):
+    """Two trials through Tune's `Tuner` and `DistributedTrainableCreator`, one failing on
+    its workers: it is errored with the workers' own error, the other succeeds, and the
+    best config and the outputs come from it."""
     result = autotune_experiments(
         _experiment, {"micro_batch_size": [32, 64]}, num_workers=2, search="grid",
         steps_per_experiment=4, start_step=1, output_dir=tmp_path / "exp")

@@ -24,13 +24,14 @@ def state_lost_error(last_failure: object, workers_lost: int) -> ElasticStateLos
     """The error of a job whose every state holder was lost (`state_lost`)."""
     return ElasticStateLost(
         f"every worker that held the job's committed state was lost ({workers_lost} "
-        f"workers failed in all; the last: {_first_line(last_failure)}). A new round "
+        f"workers failed in all; the last: {_failure_summary(last_failure)}). A new round "
         "would start over from the initial state, so the job stops instead. Restart it "
         "(from a checkpoint, if it saves one); with faults this frequent, run more "
         "workers or a higher min_workers so that one of them survives.")
 
 
-def _first_line(value: object) -> str:
+def _failure_summary(value: object) -> str:
+    """A failure as one line: its first two non-empty lines, joined."""
     lines = [line for line in str(value or "no failure recorded").splitlines() if line.strip()]
     return "; ".join(lines[:2])[:300]
 
