@@ -9,6 +9,9 @@ DEMO_STAMP := $(VENV)/.demo-deps-stamp
 BUILD_STAMP := $(VENV)/.build-stamp
 TEST_STAMP := $(VENV)/.test-deps-stamp
 NATIVE_SOURCES := $(wildcard native/*.cpp native/*.h) CMakeLists.txt pyproject.toml
+# The editable install maps each module to its file: a module added, moved or turned into a
+# package needs a fresh one. This file changes only when the list of modules does.
+MODULE_LIST := $(VENV)/.module-list
 # uv installs (one resolve, parallel downloads), looking where pip is configured to look. It
 # compiles bytecode at install, as pip does: uv does not by default, and where
 # PYTHONDONTWRITEBYTECODE is set nothing writes it later, so every import of torch, Ray and
@@ -16,7 +19,7 @@ NATIVE_SOURCES := $(wildcard native/*.cpp native/*.h) CMakeLists.txt pyproject.t
 INSTALL = $(UV) pip install --python $(BIN)/python -c $(CONSTRAINTS) --compile-bytecode \
 	$(shell $(PYTHON) requirements/pip_sources.py)
 
-.PHONY: setup demo test bench lint clean soak-sim docs wheel
+.PHONY: setup demo test bench lint clean soak-sim docs wheel FORCE
 
 setup: $(BUILD_STAMP)
 
@@ -31,8 +34,13 @@ $(DEMO_STAMP): $(UV) $(CONSTRAINTS) pyproject.toml
 	$(INSTALL) scikit-build-core nanobind -r pyproject.toml --extra torch --extra examples
 	touch $@
 
+$(MODULE_LIST): FORCE
+	@mkdir -p $(VENV)
+	@find raytrain_x -name '*.py' | sort > $@.new
+	@cmp -s $@.new $@ && rm $@.new || mv $@.new $@
+
 # uv would reuse a cached build of the project, so a changed native source asks for a fresh one.
-$(BUILD_STAMP): $(DEMO_STAMP) $(NATIVE_SOURCES)
+$(BUILD_STAMP): $(DEMO_STAMP) $(NATIVE_SOURCES) $(MODULE_LIST)
 	$(INSTALL) -q --no-build-isolation --no-deps --reinstall-package raytrain-x -e .
 	touch $@
 
