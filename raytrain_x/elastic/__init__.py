@@ -1,4 +1,5 @@
-"""Elastic training: worker-side states and `run`, driver-side discovery and blacklist."""
+"""Elastic training, the worker side: the framework-neutral states and `run` (the driver
+side is `raytrain_x.ray.elastic`)."""
 
 from __future__ import annotations
 

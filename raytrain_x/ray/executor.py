@@ -177,7 +177,7 @@ class RayExecutor:
         self.resources_per_worker = dict(resources_per_worker or {})
         self.host_discovery_script = host_discovery_script
         if host_discovery_script is not None:
-            from raytrain_x.elastic.discovery import ScriptDiscovery
+            from raytrain_x.ray.elastic.discovery import ScriptDiscovery
 
             ScriptDiscovery(host_discovery_script)  # validates it now, not mid-job
         self.last_elastic_job = None

@@ -7,8 +7,8 @@ import random
 import pytest
 
 from raytrain_x import ConfigError
-from raytrain_x.elastic.blacklist import Blacklist, cooldown_seconds
-from raytrain_x.elastic.discovery import ScriptDiscovery, parse_host_slots, slots_from_resources
+from raytrain_x.ray.elastic.blacklist import Blacklist, cooldown_seconds
+from raytrain_x.ray.elastic.discovery import ScriptDiscovery, parse_host_slots, slots_from_resources
 
 
 def test_cooldown_doubles_from_lo_and_caps_at_hi():
@@ -117,7 +117,7 @@ def test_the_v1_monitor_config_gives_the_node_types(tmp_path):
 
 
 def test_round_history_reasons_counts_and_resets():
-    from raytrain_x.elastic.history import RoundHistory, round_line
+    from raytrain_x.ray.elastic.history import RoundHistory, round_line
 
     now = [100.0]
     history = RoundHistory(clock=lambda: now[0])

@@ -11,7 +11,7 @@ import random
 import pytest
 
 from raytrain_x.common.errors import ConfigError, ElasticTimeout, ResetLimitExceeded
-from raytrain_x.elastic.blacklist import Blacklist
+from raytrain_x.ray.elastic.blacklist import Blacklist
 from raytrain_x.ray.elastic.events import EventLog
 from raytrain_x.ray.elastic.policies import (
     FailurePolicy,

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from raytrain_x.elastic.discovery import ScriptDiscovery, slots_from_resources
 from raytrain_x.ray.autoscaling import CapacityRequest, draining_nodes, node_types
-from raytrain_x.ray.discovery import RayDiscovery, alive_nodes, resolve_hosts
+from raytrain_x.ray.elastic.discovery import ScriptDiscovery, slots_from_resources
+from raytrain_x.ray.elastic.ray_nodes import RayDiscovery, alive_nodes, resolve_hosts
 from raytrain_x.ray.elastic.settings import ElasticSettings
 from raytrain_x.ray.failures import node_addresses
 

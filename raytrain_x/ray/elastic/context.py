@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from raytrain_x.common.errors import WorkerError
-from raytrain_x.elastic.blacklist import Blacklist
+from raytrain_x.ray.elastic.blacklist import Blacklist
 from raytrain_x.ray.elastic.events import EventLog
 from raytrain_x.ray.elastic.parts import JobParts
 from raytrain_x.ray.elastic.pool import Member, Pending

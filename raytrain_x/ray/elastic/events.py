@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from raytrain_x.elastic.history import RoundHistory
+from raytrain_x.ray.elastic.history import RoundHistory
 
 KINDS = ("place", "start", "gave_up", "failure", "lost_draining", "left", "drain",
          "abandoned", "scale_up", "round")

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from raytrain_x.elastic.blacklist import Blacklist
+from raytrain_x.ray.elastic.blacklist import Blacklist
 from raytrain_x.ray.elastic.context import JobContext
 from raytrain_x.ray.elastic.drain_watch import DrainWatch
 from raytrain_x.ray.elastic.events import EventLog

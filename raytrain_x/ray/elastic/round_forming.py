@@ -7,9 +7,9 @@ import logging
 
 from raytrain_x.common.logs import progress_logger
 from raytrain_x.common.settings import short_node
-from raytrain_x.elastic.history import round_line
 from raytrain_x.ray.elastic.context import JobContext
 from raytrain_x.ray.elastic.drain_watch import note_left
+from raytrain_x.ray.elastic.history import round_line
 from raytrain_x.ray.elastic.member_watch import MemberWatch
 from raytrain_x.ray.elastic.policies import decide_round, state_lost, state_lost_error
 from raytrain_x.ray.elastic.rounds import plan_round

@@ -11,7 +11,7 @@ from typing import NamedTuple
 from raytrain_x.common.errors import (
     ResetLimitExceeded,
 )
-from raytrain_x.elastic.blacklist import Blacklist
+from raytrain_x.ray.elastic.blacklist import Blacklist
 from raytrain_x.ray.elastic.settings import ElasticSettings
 
 

@@ -10,8 +10,8 @@ from raytrain_x.common.errors import (
     ElasticTimeout,
 )
 from raytrain_x.common.settings import short_node
-from raytrain_x.elastic.blacklist import Blacklist
-from raytrain_x.elastic.discovery import slots_from_resources
+from raytrain_x.ray.elastic.blacklist import Blacklist
+from raytrain_x.ray.elastic.discovery import slots_from_resources
 from raytrain_x.ray.elastic.policies.views import PendingView
 from raytrain_x.ray.elastic.settings import ElasticSettings
 

@@ -6,8 +6,8 @@ from collections.abc import Mapping
 
 import ray
 
-from raytrain_x.elastic.discovery import slots_from_resources
 from raytrain_x.ray import internals
+from raytrain_x.ray.elastic.discovery import slots_from_resources
 
 
 def alive_nodes() -> dict[str, dict[str, float]]:

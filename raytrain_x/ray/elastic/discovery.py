@@ -1,5 +1,5 @@
 """Host discovery that needs no Ray: a user's discovery script and `host:slots` parsing.
-Ray's own nodes are discovered in `raytrain_x.ray.discovery`."""
+Ray's own nodes are discovered in `raytrain_x.ray.elastic.ray_nodes`."""
 
 from __future__ import annotations
 
