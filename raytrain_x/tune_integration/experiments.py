@@ -22,6 +22,9 @@ from ray import tune
 
 from raytrain_x.common.errors import ConfigError
 from raytrain_x.common.knobs import Knobs
+from raytrain_x.common.logs import progress_logger
+
+progress = progress_logger("raytrain_x.tune.progress")
 
 
 @dataclass
@@ -290,14 +293,15 @@ def _write_summary(result: ExperimentsResult) -> None:
         (out / "best_config.json").write_text(json.dumps(
             {"config": result.best.config, result.metric: result.best.metric}, indent=2,
             default=str))
-    print(f"tuning space: {result.space}")
-    print(f"experiments: {len(result.experiments)} "
-          f"({sum(e.metric is None for e in result.experiments)} failed)")
+    progress.info("tuning space: %s", result.space)
+    progress.info("experiments: %d (%d failed)", len(result.experiments),
+                  sum(e.metric is None for e in result.experiments))
     for e in result.experiments:
         shown = "FAILED" if e.metric is None else f"{e.metric:.4g}"
-        print(f"  #{e.index}: {e.config} -> {result.metric} {shown}")
+        progress.info("  #%d: %s -> %s %s", e.index, e.config, result.metric, shown)
     if result.best is not None:
-        print(f"best {result.metric}: {result.best.metric:.4g} with {result.best.config}")
+        progress.info("best %s: %.4g with %s", result.metric, result.best.metric,
+                      result.best.config)
     _plot(result, out / "metric_per_experiment.png")
 
 
