@@ -26,7 +26,7 @@ def cluster():
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     # No dashboard. The log monitor stays: it carries workers' prints to drivers, and the
     # CLI tests read an elastic job's results from them (without it the job succeeds
-    # silently). benchmarks/ray_idle_cpu.py measures what each costs.
+    # silently). tools/ray_idle_cpu.py measures what each costs.
     # Its own temp dir (a short path: Ray's unix sockets live there), removed at the end.
     temp = tempfile.mkdtemp(prefix=TEMP_PREFIX, dir="/tmp")
     head = {"num_cpus": 8, "include_dashboard": False, "temp_dir": temp}

@@ -88,7 +88,7 @@ def exit_with_raylet(poll_s: float = RAYLET_POLL_S) -> threading.Thread | None:
     """In a worker process its node's raylet started: a daemon thread that ends the process
     once the raylet is gone (the process's parent changes). Ray leaves such a worker
     running, answering its callers and training with its peers, until the GCS's health
-    checks declare the node dead (16 s with Ray's defaults, `benchmarks/raylet_kill.py`),
+    checks declare the node dead (16 s with Ray's defaults, `tools/raylet_kill.py`),
     and after that too: an orphan no `ray.kill` reaches (a kill goes through the raylet),
     holding its memory and devices. Gone at once, its peers lose it at their next
     collective and the elastic job re-forms without it. None where the parent is not a

@@ -2,7 +2,7 @@
 started from here, the engine's shared-memory segments, temp dirs and network namespaces.
 
 One check for the suite (`tests/conftest.py`), the chaos soak (`tools/chaos.py`) and the
-fresh-clone runner (`benchmarks/fresh_setup.py`): take a `Snapshot` before, then
+fresh-clone runner (`tools/fresh_setup.py`): take a `Snapshot` before, then
 `leftovers(snapshot)` (or `wait_until_clean`) after.
 """
 
@@ -107,7 +107,7 @@ def describe(found: dict[str, list[str]]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m raytrain_x.testing.leaks BEFORE.json`: what was left since a snapshot
     written by a Python that had no raytrain-x yet (`{"pids": [...], "shm": [...]}`, as
-    `benchmarks/fresh_setup.py` writes before it clones); prints it as JSON and exits 1
+    `tools/fresh_setup.py` writes before it clones); prints it as JSON and exits 1
     when a process or a segment was left."""
     import json
     import sys

@@ -446,7 +446,7 @@ def test_the_elastic_heartbeat_counts_a_dead_worker_at_once(cluster):
 def test_a_worker_exits_when_its_nodes_raylet_dies(cluster):
     """Ray leaves the workers of a node whose raylet was killed running, answering calls and
     training with their peers, until its health checks declare the node dead (16 s with its
-    defaults, benchmarks/raylet_kill.py), and after that as orphans no `ray.kill` reaches.
+    defaults, tools/raylet_kill.py), and after that as orphans no `ray.kill` reaches.
     A raytrain-x worker ends itself once its raylet is gone, so its peers lose it at their
     next collective."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy

@@ -5,7 +5,7 @@ For each setting: start a `ray.cluster_utils.Cluster` head as the tests do, conn
 driver, let it settle, then read the CPU time every Ray process spends over a window.
 Prints the share of one core per process and in total; writes results/ray_idle_cpu.json.
 
-Run alone: .venv/bin/python benchmarks/ray_idle_cpu.py [--settle 10] [--window 30]
+Run alone: .venv/bin/python tools/ray_idle_cpu.py [--settle 10] [--window 30]
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ import os
 import time
 from pathlib import Path
 
-from common import print_table, write_json
+from raytrain_x.testing.results import print_table, write_json
+
+RESULTS_DIR = Path(__file__).resolve().parent.parent / "results"
 
 SETTINGS = {
     "default head (dashboard on)": {"num_cpus": 8},
@@ -97,8 +99,8 @@ def main() -> None:
                 for k, v in sorted(per.items(), key=lambda kv: -kv[1]) if v > 0.001]
         print(f"\n{name}: {100 * results[name]['total']:.1f}% of a core in all")
         print_table(rows, ["process", "% of a core"])
-    path = write_json("ray_idle_cpu", {"settle_s": args.settle, "window_s": args.window,
-                                       "settings": results})
+    path = write_json(RESULTS_DIR / "ray_idle_cpu.json",
+                      {"settle_s": args.settle, "window_s": args.window, "settings": results})
     print(f"\nwrote {path}")
 
 

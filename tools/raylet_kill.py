@@ -7,7 +7,7 @@ when the calls stopped being answered, and when the node was declared dead.
 This is why the chaos soak's local raylet kill counts its recovery from the node's removal
 (docs/elastic.md, Chaos soak): until then the node's workers train on.
 
-Run alone: .venv/bin/python benchmarks/raylet_kill.py [--repeats 2]
+Run alone: .venv/bin/python tools/raylet_kill.py [--repeats 2]
 """
 
 from __future__ import annotations
@@ -17,8 +17,11 @@ import os
 import signal
 import tempfile
 import time
+from pathlib import Path
 
-from common import write_json
+from raytrain_x.testing.results import write_json
+
+RESULTS_DIR = Path(__file__).resolve().parent.parent / "results"
 
 
 def _alive(pid: int) -> bool:
@@ -92,7 +95,7 @@ def main() -> None:
         print(f"raylet kill {i + 1}: " + ", ".join(
             f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in seen.items()),
             flush=True)
-    print(f"wrote {write_json('raylet_kill', {'runs': runs})}")
+    print(f"wrote {write_json(RESULTS_DIR / 'raylet_kill.json', {'runs': runs})}")
 
 
 if __name__ == "__main__":

@@ -18,9 +18,9 @@ behind, as the package's own leak check (`raytrain_x.testing.leaks`, run by the 
 Python) finds it, and the new entries in the temp dir; any process or segment left fails the
 run.
 
-    python benchmarks/fresh_setup.py                       # make demo
-    python benchmarks/fresh_setup.py --test                # make demo, then make test
-    python benchmarks/fresh_setup.py --test --load 1 --json loaded.json --logs loaded-logs
+    python tools/fresh_setup.py                       # make demo
+    python tools/fresh_setup.py --test                # make demo, then make test
+    python tools/fresh_setup.py --test --load 1 --json loaded.json --logs loaded-logs
 """
 
 from __future__ import annotations
