@@ -120,7 +120,7 @@ class Monitor(threading.Thread):
             rounds = job.rounds if job is not None else 0
             starting = len(job.pending) if job is not None else 0
             if job is not None:
-                below = len(job.pool.staying(set(job.draining))) < job.settings.min_workers
+                below = len(job.staying()) < job.settings.min_workers
                 if not self.below or self.below[-1][1] != below:
                     self.below.append((time.monotonic(), below))
             if (rounds, starting) != last:

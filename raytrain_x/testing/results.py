@@ -16,7 +16,7 @@ def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
         columns: the keys shown, in order (a missing one shows empty).
     """
     cells = [[_fmt(r.get(c, "")) for c in columns] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    widths = [max([len(c), *(len(row[i]) for row in cells)]) for i, c in enumerate(columns)]
     print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
     for row in cells:
         print("  ".join(v.rjust(w) for v, w in zip(row, widths)))

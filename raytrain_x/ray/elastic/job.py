@@ -102,6 +102,10 @@ class ElasticJob:
     def blacklist(self) -> Blacklist:
         return self.ctx.blacklist
 
+    def staying(self) -> list[Member]:
+        """The members whose node is not draining."""
+        return self.ctx.staying()
+
     # ------------------------------------------------------------------ the loop
     def run(self) -> list[Any]:
         ctx = self.ctx
