@@ -110,8 +110,15 @@ class Monitor(threading.Thread):
         self.samples: list[tuple[float, int, int, int]] = []
         self.below: list[tuple[float, bool]] = []  # (t, fewer than min_workers from then)
         self.stop = threading.Event()
+        self.error: str | None = None  # what stopped it early (the soak then fails)
 
     def run(self) -> None:
+        try:
+            self._sample()
+        except Exception as exc:  # noqa: BLE001 - reported by the driver
+            self.error = f"{type(exc).__name__}: {exc}"
+
+    def _sample(self) -> None:
         from raytrain_x.testing.jobs.ledger import read_progress
 
         last = None
@@ -169,6 +176,7 @@ def drive(args: argparse.Namespace) -> int:
     finally:
         monitor.stop.set()
         out["samples"] = monitor.samples
+        out["monitor_error"] = monitor.error
         out["below"] = monitor.below
         out["history"] = executor.elastic_history
         job = executor.last_elastic_job
@@ -506,6 +514,8 @@ def _job(index: int, world: Any, chaos: Chaos, rng: random.Random, temp: str,
         job["errors"].append(f"the driver exited {driver.returncode}: {_tail(files['log'])}")
     if error and job["outcome"] not in NAMED_STOPS:
         job["errors"].append(f"the job failed: {error}")
+    if result.get("monitor_error"):
+        job["errors"].append(f"the driver's monitor stopped: {result['monitor_error']}")
     job["samples"] = result.get("samples", [])
     job["below"] = result.get("below", [])
     ranks = result.get("ranks") or []
