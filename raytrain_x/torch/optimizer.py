@@ -33,6 +33,7 @@ from raytrain_x.torch.hooked_optimizer import (
     parameter_names,
 )
 from raytrain_x.torch.requests import CompositeHandle
+from raytrain_x.torch.zero_optimizer import ShardedOptimizer
 
 
 class GradientAllreduceOptimizer(HookedOptimizer):
@@ -243,6 +244,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     sparse_as_dense: bool = False,
     process_set: ProcessSet = global_process_set,
     bucket_cap_mb: float | None = None,
+    zero_stage: int = 0,
 ) -> Any:
     """Wraps `optimizer` so gradients are allreduced while backward runs.
 
@@ -273,6 +275,14 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
             makes them, so fused batches are reduced where they lie. A size in MB makes
             DDP-style fixed buckets instead, each reduced as one collective when its last
             gradient is ready; the fusion threshold then leaves autotune's search.
+        zero_stage: 0 (default) keeps every optimizer state and gradient on every rank.
+            1 shards the optimizer state (ZeRO stage 1): each rank owns whole parameters,
+            gradients are reduce-scattered bucket by bucket as backward produces them, each
+            rank steps its own parameters and the updated ones are allgathered; 2 also
+            keeps only this rank's reduced gradients. `bucket_cap_mb` sizes the buckets
+            (25 MB by default); `state_dict()` gives the full state and every rank calls it;
+            `clip_grad_norm_` clips by the total norm. Not with `op=Adasum`, `compression`
+            or `groups`, nor sparse gradients.
     """
     if backward_passes_per_step < 1:
         raise ConfigError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
@@ -284,6 +294,25 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     if num_groups and groups is not None:
         raise ConfigError("give groups= (num_groups is its deprecated spelling), not both")
     groups = groups if groups is not None else (num_groups or None)
+    if zero_stage not in (0, 1, 2):
+        raise ConfigError(f"zero_stage must be 0, 1 or 2, got {zero_stage!r}")
+    if zero_stage:
+        if op == Adasum:
+            raise ConfigError("zero_stage needs op=rx.Average or rx.Sum, not rx.Adasum")
+        if compression is not Compression.none:
+            raise ConfigError("zero_stage does not compress gradients; leave compression out")
+        if groups:
+            raise ConfigError("zero_stage lays the gradients out itself; leave groups out "
+                              "(bucket_cap_mb sizes its buckets)")
+        if bucket_cap_mb is not None and not bucket_cap_mb > 0:
+            raise ConfigError(f"bucket_cap_mb must be > 0 with zero_stage, got "
+                              f"{bucket_cap_mb}")
+        cls = type(optimizer.__class__.__name__, (ShardedOptimizer, optimizer.__class__), {})
+        wrapped = cls(optimizer.param_groups, named_parameters, zero_stage, op,
+                      gradient_predivide_factor, process_set, backward_passes_per_step,
+                      bucket_cap_mb)
+        wrapped.load_state_dict(optimizer.state_dict())
+        return wrapped
     if op == Adasum:
         check_size(process_set.size())
         cls = type(optimizer.__class__.__name__, (AdasumOptimizer, optimizer.__class__), {})

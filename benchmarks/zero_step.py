@@ -1,0 +1,136 @@
+"""Sharded optimizer state and gradients on the GPT workload, 2 processes, one way per fresh
+pair of processes (so each peak RSS is its own):
+
+  ddp<N>     DistributedDataParallel(bucket_cap_mb=N) with AdamW (each --ddp-buckets size)
+  zero_ddp   torch's ZeroRedundancyOptimizer(AdamW) with DDP (25 MB buckets)
+  rx0        raytrain-x's DistributedOptimizer(AdamW), unsharded (zero_stage=0)
+  rx1, rx2   the same with zero_stage=1 and 2
+
+Each times --steps steps after 2 warmup steps (the median, from the slower rank), and
+reads what a rank keeps after a step: optimizer-state bytes, gradient bytes, and its peak
+resident memory. Prints them with ratios; writes results/zero_step.json.
+
+Run: .venv/bin/python benchmarks/zero_step.py [--steps 8] [--batch 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+
+import torch
+import torch.distributed as dist
+
+from common import join_world, median_across_ranks, print_table, run_ranks, write_json
+
+
+def _state_bytes(optimizer) -> int:
+    state = optimizer.state
+    local = getattr(optimizer, "_local", None)  # a sharded DistributedOptimizer's own
+    if local is not None:
+        state = local.state
+    inner = getattr(optimizer, "optim", None)  # ZeroRedundancyOptimizer's local optimizer
+    if inner is not None:
+        state = inner.state
+    return sum(v.numel() * v.element_size() for s in state.values() for v in s.values()
+               if torch.is_tensor(v) and v.dim() > 0)
+
+
+def _grad_bytes(model, optimizer) -> int:
+    buckets = getattr(optimizer, "_buckets", None)
+    if buckets is not None:  # a sharded DistributedOptimizer: its flat buffers
+        return sum((b.flat_grads if b.flat_grads is not None else b.shard_grads).nbytes
+                   for b in buckets)
+    seen: set[int] = set()
+    total = 0
+    for p in model.parameters():
+        g = p.grad
+        if g is not None:
+            base = g.untyped_storage()
+            if base.data_ptr() not in seen:
+                seen.add(base.data_ptr())
+                total += base.nbytes()
+    return total
+
+
+def _worker(rank: int, size: int, port: int, way: str, args, queue) -> None:
+    import raytrain_x.torch as rx
+    from raytrain_x.torch.workloads import GPTDecoder, synthetic_tokens
+
+    join_world(rank, size, port)
+    rx.init()
+    torch.manual_seed(0)
+    model = GPTDecoder(layers=args.layers, width=args.width)
+    ids, targets = synthetic_tokens(args.batch, seed=rank)
+    if way.startswith("ddp") or way == "zero_ddp":
+        cap = 25.0 if way == "zero_ddp" else float(way[3:])
+        net = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cap)
+        if way == "zero_ddp":
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            opt = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.AdamW,
+                                          lr=1e-4)
+        else:
+            opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
+    else:
+        net = model
+        opt = rx.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4),
+                                      named_parameters=model.named_parameters(),
+                                      zero_stage=int(way[2:]))
+
+    def step():
+        opt.zero_grad()
+        logits = net(ids)
+        torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                          targets.reshape(-1)).backward()
+        opt.step()
+
+    seconds = median_across_ranks(step, args.steps, warmup=2)
+    out = {"step_s": seconds, "state_bytes": _state_bytes(opt),
+           "grad_bytes": _grad_bytes(model, opt),
+           "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    every = [None] * size
+    dist.all_gather_object(every, out)
+    if rank == 0:
+        queue.put({k: max(o[k] for o in every) for k in out})
+    rx.shutdown()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--ddp-buckets", type=float, nargs="+", default=[25.0, 100.0])
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    ways = [f"ddp{c:g}" for c in args.ddp_buckets] + ["zero_ddp", "rx0", "rx1", "rx2"]
+    results = {}
+    for way in ways:
+        results[way] = run_ranks(_worker, 2, way, args)
+        print(f"{way}: {results[way]}", flush=True)
+    best_ddp = min((w for w in ways if w.startswith("ddp")), key=lambda w: results[w]["step_s"])
+    base = results["rx0"]
+    rows = [{"way": w, "step ms": 1000 * r["step_s"], "state MB": r["state_bytes"] / 2**20,
+             "grad MB": r["grad_bytes"] / 2**20, "peak RSS MB": r["peak_rss_mb"]}
+            for w, r in results.items()]
+    print_table(rows, ["way", "step ms", "state MB", "grad MB", "peak RSS MB"])
+    ratios = {
+        "best_ddp": best_ddp,
+        "rx1_state_over_rx0": results["rx1"]["state_bytes"] / base["state_bytes"],
+        "rx2_grad_over_rx0": results["rx2"]["grad_bytes"] / base["grad_bytes"],
+        "rx2_peak_over_rx0": results["rx2"]["peak_rss_mb"] / base["peak_rss_mb"],
+        **{f"{w}_speed_over_best_ddp": results[best_ddp]["step_s"] / results[w]["step_s"]
+           for w in ("rx0", "rx1", "rx2")},
+        **{f"{w}_speed_over_zero_ddp": results["zero_ddp"]["step_s"] / results[w]["step_s"]
+           for w in ("rx1", "rx2")},
+    }
+    for k, v in ratios.items():
+        print(f"{k}: {v if isinstance(v, str) else round(v, 3)}")
+    print(f"wrote {write_json('zero_step', {'results': results, 'ratios': ratios}, args.json)}")
+
+
+if __name__ == "__main__":
+    main()

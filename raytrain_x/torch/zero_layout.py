@@ -1,0 +1,119 @@
+"""How a sharded `DistributedOptimizer` (`zero_stage` 1 or 2) lays its parameters out.
+
+The parameters that need gradients go into buckets (one dtype and device each, in reverse
+registration order: roughly the order backward produces their gradients, as DDP's). Each
+bucket's parameters are shared out whole among the ranks of the process set, the largest
+first to the rank with the fewest elements so far, so that any torch optimizer steps the
+parameters a rank owns exactly as it would step them unsharded. A bucket is one flat
+buffer of `size * shard` elements: rank r's parameters, back to back, fill segment r,
+padded to the longest rank's. So a reduce-scatter of the bucket's gradients gives each rank
+the reduced gradients of its own parameters, and an allgather of each rank's segment of
+the parameters puts every updated parameter in its place on every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from raytrain_x.torch.gradient_layout import bucket_groups
+
+
+def share_out(params: list[torch.Tensor], size: int) -> list[list[torch.Tensor]]:
+    """`params` shared out among `size` ranks, whole: the largest first, each to the rank
+    with the fewest elements so far (ties: the lowest rank). Each rank's list keeps the
+    order of `params`."""
+    load = [0] * size
+    owner: dict[int, int] = {}
+    for p in sorted(params, key=lambda p: -p.numel()):
+        rank = min(range(size), key=lambda r: (load[r], r))
+        owner[id(p)] = rank
+        load[rank] += p.numel()
+    return [[p for p in params if owner[id(p)] == r] for r in range(size)]
+
+
+class ShardedBucket:
+    """One bucket: its parameters' data and gradients as views into two flat buffers laid
+    out rank by rank (see the module's docstring)."""
+
+    def __init__(self, index: int, params: list[torch.Tensor], size: int, rank: int,
+                 grads_in_place: bool) -> None:
+        self.index = index
+        self.params = params
+        self.owned_by = share_out(params, size)
+        self.mine = self.owned_by[rank]
+        self.shard = max(1, max(sum(p.numel() for p in ps) for ps in self.owned_by))
+        self.size, self.rank = size, rank
+        first = params[0]
+        self.offsets: dict[torch.Tensor, int] = {}
+        for r, ps in enumerate(self.owned_by):
+            offset = r * self.shard
+            for p in ps:
+                self.offsets[p] = offset
+                offset += p.numel()
+        # the parameters' data lives in the flat buffer from now on (their values kept)
+        self.flat_params = torch.zeros(size * self.shard, dtype=first.dtype,
+                                       device=first.device)
+        with torch.no_grad():
+            for p in params:
+                view = self.view(self.flat_params, p)
+                view.copy_(p.detach())
+                p.data = view
+        # stage 1 keeps every gradient in a flat buffer of the same layout; stage 2 keeps
+        # only this rank's segment (the reduced gradients of its own parameters)
+        self.flat_grads = (torch.zeros_like(self.flat_params) if grads_in_place else None)
+        self.shard_grads = torch.zeros(self.shard, dtype=first.dtype, device=first.device)
+        self.ready = 0  # gradients (times backward passes) ready since the last reduction
+        self.reduced_passes = 0  # stage 2: passes already reduced into shard_grads
+
+    def view(self, flat: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        """`p`'s place in a buffer of the bucket's layout."""
+        offset = self.offsets[p]
+        return flat[offset:offset + p.numel()].view_as(p)
+
+    def shard_view(self, p: torch.Tensor) -> torch.Tensor:
+        """An owned parameter's place in this rank's segment."""
+        offset = self.offsets[p] - self.rank * self.shard
+        return self.shard_grads[offset:offset + p.numel()].view_as(p)
+
+    def my_params_segment(self) -> torch.Tensor:
+        return self.flat_params[self.rank * self.shard:(self.rank + 1) * self.shard]
+
+    def attach_grads(self) -> None:
+        """Stage 1: every parameter's `.grad` is its view of the flat gradient buffer
+        (autograd then accumulates in place)."""
+        for p in self.params:
+            self.attach_one(p)
+
+    def attach_one(self, p: torch.Tensor) -> None:
+        """Stage 1: `p.grad` back to its view (after a `model.zero_grad()` set it to None
+        and backward made a new tensor), keeping the gradient's value; no gradient at all
+        this step is zeros, as Horovod sends."""
+        view = self.view(self.flat_grads, p)
+        if p.grad is not view:
+            if p.grad is not None:
+                view.copy_(p.grad)
+            else:
+                view.zero_()
+            p.grad = view
+
+    def gathered_grads(self) -> torch.Tensor:
+        """Stage 2: a fresh flat buffer of this bucket's gradients as backward left them
+        (zeros for a parameter without one); the parameters' own gradients are dropped."""
+        flat = torch.zeros_like(self.flat_params)
+        for p in self.params:
+            if p.grad is not None:
+                self.view(flat, p).copy_(p.grad)
+                p.grad = None
+        return flat
+
+    def point_owned_grads(self) -> None:
+        """Each owned parameter's `.grad` is its view of this rank's reduced segment."""
+        for p in self.mine:
+            p.grad = self.shard_view(p)
+
+
+def make_buckets(params: list[torch.Tensor], cap_bytes: int, size: int, rank: int,
+                 grads_in_place: bool) -> list[ShardedBucket]:
+    """The buckets of `params` (one dtype and device each, up to `cap_bytes`)."""
+    return [ShardedBucket(i, group, size, rank, grads_in_place)
+            for i, group in enumerate(bucket_groups(params, cap_bytes))]

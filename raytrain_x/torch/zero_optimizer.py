@@ -1,0 +1,281 @@
+"""`DistributedOptimizer(..., zero_stage=1 | 2)`: optimizer state sharded across the ranks
+(ZeRO stage 1), and the reduced gradients too (stage 2).
+
+Each rank owns whole parameters (`zero_layout`): backward's gradients are reduce-scattered
+bucket by bucket as they become ready (through the engine, fused and overlapped with
+backward as the default path is), each rank steps a local instance of the user's optimizer
+class on the parameters it owns, and the updated parameters are allgathered. Stage 1 keeps
+every gradient in a flat buffer (a parameter's `.grad` holds the reduced gradient on its
+owner, this rank's own gradient elsewhere); stage 2 keeps only this rank's reduced segment,
+so the gradients of the parameters it does not own are freed after each reduction.
+`state_dict()` is consolidated (the full, unsharded state, as an unsharded optimizer's):
+every rank of the process set must call it, as every rank calls a collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+from typing import Any
+
+import torch
+
+from raytrain_x.common.errors import ConfigError
+from raytrain_x.core import runtime
+from raytrain_x.core.collectives import Max, Sum, predivided, synchronize
+from raytrain_x.core.objects import allgather_object
+from raytrain_x.engine.messages import Handle
+from raytrain_x.torch.async_ops import allgather_async, allreduce_async_, reducescatter_async
+from raytrain_x.torch.hooked_optimizer import HookedOptimizer, grad_ready_hooks, parameter_names
+from raytrain_x.torch.zero_layout import ShardedBucket, make_buckets
+
+DEFAULT_BUCKET_MB = 25.0  # DDP's default bucket
+
+
+class ShardedOptimizer(HookedOptimizer):
+    """Mixed in ahead of the wrapped optimizer's class; see `DistributedOptimizer`."""
+
+    def __init__(self, params, named_parameters, stage, op, gradient_predivide_factor,
+                 process_set, backward_passes_per_step, bucket_cap_mb):
+        super().__init__(params)
+        self._stage = stage
+        self._op = op
+        self._predivide = gradient_predivide_factor
+        self._process_set = process_set
+        self.backward_passes_per_step = backward_passes_per_step
+        all_params = [p for group in self.param_groups for p in group["params"]]
+        self._names = parameter_names(named_parameters, all_params, "zero")
+        self._requires_update = [p for p in all_params if p.requires_grad]
+        self._member = process_set.ranks is None or runtime.rank() in process_set.ranks
+        size = process_set.size() if self._member else 1
+        rank = process_set.rank() if self._member else 0
+        cap = int((bucket_cap_mb or DEFAULT_BUCKET_MB) * 2**20)
+        self._buckets = make_buckets(self._requires_update, cap, size, rank,
+                                     grads_in_place=stage == 1)
+        self._bucket_of = {p: b for b in self._buckets for p in b.params}
+        self._owned = {p for b in self._buckets for p in b.mine}
+        self._passes = {p: 0 for p in self._requires_update}
+        self._handles: dict[ShardedBucket, Handle] = {}
+        self._local: torch.optim.Optimizer | None = None
+        self._synchronized = False  # synchronize() ran by hand before step()
+        self._prefix = self._names[self._requires_update[0]] if self._requires_update else ""
+        if stage == 1:
+            for bucket in self._buckets:
+                bucket.attach_grads()
+        self._hooks = grad_ready_hooks(self, self._requires_update)
+
+    # ------------------------------------------------------------------ backward
+    def _on_grad_ready(self, p: torch.Tensor) -> None:
+        if not self._member:
+            return
+        if p.grad is not None and p.grad.is_sparse:
+            raise ConfigError(f"zero_stage={self._stage} needs dense gradients; "
+                              f"{self._names[p]!r} has a sparse one (nn.Embedding(sparse="
+                              "True)): use zero_stage=0, or a dense embedding")
+        bucket = self._bucket_of[p]
+        if self._stage == 1:
+            bucket.attach_one(p)  # a model.zero_grad() may have made a new tensor
+        # stage 2 reduces each pass; stage 1 only the last, so an earlier one is a mistake
+        if self._stage == 1 and bucket in self._handles and not self._handles[bucket].done():
+            raise ConfigError(f"gradient of {self._names[p]!r} computed again before step(); "
+                              "with gradient accumulation pass backward_passes_per_step")
+        bucket.ready += 1
+        if self._stage == 2:
+            if bucket.ready >= len(bucket.params):  # one backward pass of the whole bucket
+                bucket.ready = 0
+                flat = bucket.gathered_grads()  # this pass's gradients, theirs dropped
+                self._finish_pending(bucket)
+                self._handles[bucket] = self._reduce(bucket, flat)
+        elif bucket.ready >= len(bucket.params) * self.backward_passes_per_step:
+            bucket.ready = 0
+            self._handles[bucket] = self._reduce(bucket, bucket.flat_grads)
+
+    def _reduce(self, bucket: ShardedBucket, flat: torch.Tensor) -> Handle:
+        """Starts the reduce-scatter of a bucket's gradients. Stage 2 reduces each backward
+        pass on its own and sums the passes' results into the shard: the same as reducing
+        the accumulated gradients, the reduction being linear."""
+        op, pre, post = predivided(self._op, self._predivide, self._process_set.size())
+        return reducescatter_async(flat, name=f"zero.{self._prefix}.rs{bucket.index}", op=op,
+                                   process_set=self._process_set, prescale_factor=pre,
+                                   postscale_factor=post)
+
+    def _finish_pending(self, bucket: ShardedBucket) -> None:
+        """Stage 2: a reduction of an earlier pass of this bucket, into its shard."""
+        handle = self._handles.pop(bucket, None)
+        if handle is not None:
+            self._take(bucket, synchronize(handle))
+
+    def _take(self, bucket: ShardedBucket, reduced: torch.Tensor) -> None:
+        """This rank's reduced segment of a bucket, into the owned parameters' gradients."""
+        if self._stage == 1:
+            start = bucket.rank * bucket.shard
+            bucket.flat_grads[start:start + bucket.shard].copy_(reduced)
+            return
+        if bucket.reduced_passes == 0:
+            bucket.shard_grads.copy_(reduced)
+        else:
+            bucket.shard_grads.add_(reduced)
+        bucket.reduced_passes += 1
+
+    # ------------------------------------------------------------------ step
+    def synchronize(self) -> None:
+        """Waits for every bucket's reduction (starting those whose gradients did not all
+        come: a parameter without a gradient counts as zeros, as in Horovod)."""
+        if not self._member:
+            return
+        try:
+            # every rank reduces every bucket every step (a gradient that did not come is
+            # zeros, as Horovod sends): the ranks' collectives must match
+            for bucket in self._buckets:
+                if bucket in self._handles:
+                    continue
+                if self._stage == 1:
+                    bucket.attach_grads()
+                    self._handles[bucket] = self._reduce(bucket, bucket.flat_grads)
+                elif bucket.ready or not bucket.reduced_passes:
+                    self._handles[bucket] = self._reduce(bucket, bucket.gathered_grads())
+            for bucket, handle in list(self._handles.items()):
+                self._take(bucket, synchronize(handle))
+            if self._stage == 2:  # the owned gradients are the reduced ones now
+                for bucket in self._buckets:
+                    bucket.point_owned_grads()
+            self._synchronized = True
+        finally:
+            self._handles.clear()
+            for bucket in self._buckets:
+                bucket.ready = 0
+            self._reset_passes()
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """Horovod's: wrap `step()` in it after calling `synchronize()` by hand (for example
+        to clip the gradients first); `step()` then uses the reduced gradients as they are."""
+        yield
+
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        if not self._member:  # outside the process set: trains locally, as in Horovod
+            super().step()
+            runtime.mark_step()
+            return loss
+        if not self._synchronized:
+            self.synchronize()
+        self._synchronized = False
+        local = self._local_optimizer()
+        for bucket in self._buckets:
+            bucket.reduced_passes = 0  # the next step's first pass overwrites the shard
+        local.step()
+        handles = [(bucket, allgather_async(bucket.my_params_segment(),
+                                            name=f"zero.{self._prefix}.ag{bucket.index}",
+                                            process_set=self._process_set))
+                   for bucket in self._buckets]
+        with torch.no_grad():
+            for bucket, handle in handles:
+                bucket.flat_params.copy_(synchronize(handle))
+        runtime.mark_step()
+        return loss
+
+    def _local_optimizer(self) -> torch.optim.Optimizer:
+        """An instance of the user's optimizer class over the parameters this rank owns,
+        its groups' settings taken from the full groups (an lr scheduler changes those)."""
+        if self._local is None:
+            groups = [{**{k: v for k, v in g.items() if k != "params"},
+                       "params": [p for p in g["params"] if p in self._owned]}
+                      for g in self.param_groups]
+            cls = next(c for c in type(self).__mro__
+                       if issubclass(c, torch.optim.Optimizer)
+                       and not issubclass(c, ShardedOptimizer))
+            accepted = inspect.signature(cls.__init__).parameters
+            takes_any = any(a.kind is inspect.Parameter.VAR_KEYWORD for a in accepted.values())
+            # the groups carry every setting; the constructor gets those it names (AdamW's
+            # defaults hold Adam's `decoupled_weight_decay`, which AdamW does not take)
+            defaults = {k: v for k, v in self.defaults.items() if takes_any or k in accepted}
+            try:
+                self._local = cls(groups, **defaults)
+            except TypeError as exc:
+                raise ConfigError(f"zero_stage needs an optimizer class that can be built as "
+                                  f"cls(param_groups, **defaults); {cls.__name__} cannot: "
+                                  f"{exc}") from None
+            self._local.state.update({p: self.state.pop(p) for p in list(self.state)
+                                      if p in self._owned})
+            self.state.clear()
+        for full, local in zip(self.param_groups, self._local.param_groups):
+            for key, value in full.items():
+                if key != "params":
+                    local[key] = value
+        return self._local
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._handles:
+            raise ConfigError("zero_grad() called while gradient reductions are in flight; "
+                              "call step() or synchronize() first")
+        for bucket in self._buckets:
+            if self._stage == 1:
+                bucket.flat_grads.zero_()
+                bucket.attach_grads()
+            else:
+                bucket.shard_grads.zero_()
+                for p in bucket.params:
+                    p.grad = None
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """The full, unsharded state (every rank of the process set calls it)."""
+        index = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        local = self._local.state if self._local is not None else self.state
+        mine = {index[p]: {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in s.items()}
+                for p, s in local.items() if p in index}
+        every = (allgather_object(mine, name=f"zero.{self._prefix}.state",
+                                  process_set=self._process_set)
+                 if self._member else [mine])
+        state: dict[int, Any] = {}
+        for part in every:
+            state.update(part)
+        groups = []
+        for g in self.param_groups:
+            groups.append({**{k: v for k, v in g.items() if k != "params"},
+                           "params": [index[p] for p in g["params"]]})
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Takes a full state (an unsharded optimizer's, or `state_dict()`'s); this rank
+        keeps the state of the parameters it owns."""
+        super().load_state_dict(state_dict)  # the groups' settings, and every state
+        if self._local is not None:
+            owned_state = {p: s for p, s in self.state.items() if p in self._owned}
+            self._local.state.clear()
+            self._local.state.update(owned_state)
+            self.state.clear()
+        else:
+            for p in [p for p in self.state if p not in self._owned]:
+                del self.state[p]
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clips the reduced gradients by their total norm over every parameter, as
+        `torch.nn.utils.clip_grad_norm_` would on unsharded ones (each rank holds only its
+        own parameters' reduced gradients, so the norm is summed across the set). Call it
+        after `synchronize()`, inside `with optimizer.skip_synchronize():`.
+
+        Args:
+            max_norm: the largest total norm allowed.
+            norm_type: the p of the p-norm (`inf` for the largest absolute value).
+        """
+        grads = [p.grad for p in self._owned if p.grad is not None]
+        name = f"zero.{self._prefix}.norm"
+        if norm_type == math.inf:
+            local = max((float(g.abs().max()) for g in grads), default=0.0)
+            total = synchronize(allreduce_async_(torch.tensor([local], dtype=torch.float64),
+                                                 name=name, op=Max,
+                                                 process_set=self._process_set))[0]
+        else:
+            local = sum(float((g.double().abs() ** norm_type).sum()) for g in grads)
+            summed = synchronize(allreduce_async_(torch.tensor([local], dtype=torch.float64),
+                                                  name=name, op=Sum,
+                                                  process_set=self._process_set))[0]
+            total = summed ** (1.0 / norm_type)
+        scale = max_norm / (float(total) + 1e-6)
+        if scale < 1.0:
+            for g in grads:
+                g.mul_(scale)
+        return torch.tensor(float(total))

@@ -1,0 +1,166 @@
+"""Sharded optimizer state (`zero_stage=1`) and gradients (`zero_stage=2`): the same
+weights as the unsharded optimizer on the same data, in real gloo worlds of 2 and 3 ranks
+(uneven shards), and a full state dict that loads across stages."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.workers import run_workers
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 5),
+                               torch.nn.Tanh(), torch.nn.Linear(5, 3))
+
+
+def _make(kind: str, model: torch.nn.Module) -> torch.optim.Optimizer:
+    first, rest = list(model[0].parameters()), [p for m in model[1:]
+                                                 for p in m.parameters()]
+    groups = [{"params": first, "lr": 0.05}, {"params": rest}]  # two groups, two lrs
+    if kind == "sgd":
+        return torch.optim.SGD(groups, lr=0.1, momentum=0.9)
+    if kind == "adam":
+        return torch.optim.Adam(groups, lr=0.01)
+    return torch.optim.AdamW(groups, lr=0.01, weight_decay=0.1)
+
+
+def _train(rx, kind: str, stage: int, steps: int, passes: int) -> dict:
+    model = _model()
+    opt = rx.DistributedOptimizer(_make(kind, model), named_parameters=model.named_parameters(),
+                                  zero_stage=stage, backward_passes_per_step=passes,
+                                  bucket_cap_mb=0.001)  # several buckets of a tiny model
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
+    g = torch.Generator().manual_seed(10 + rx.rank())  # each rank its own data
+    for _ in range(steps):
+        opt.zero_grad()
+        for _ in range(passes):
+            x, y = torch.randn(6, 8, generator=g), torch.randint(0, 3, (6,), generator=g)
+            (torch.nn.functional.cross_entropy(model(x), y) / passes).backward()
+        opt.step()
+        sched.step()
+    state = opt.state_dict()  # consolidated: every rank calls it
+    return {"weights": {k: v.clone() for k, v in model.state_dict().items()},
+            "state_keys": sorted(state["state"]),
+            "lrs": [group["lr"] for group in state["param_groups"]],
+            "moments": {i: {k: v.clone() for k, v in s.items() if torch.is_tensor(v)}
+                        for i, s in state["state"].items()}}
+
+
+def _every_way(runs: list[tuple[str, int, int, int]]) -> dict:
+    """Each (optimizer, stage, steps, backward passes) trained in turn in one world."""
+    import raytrain_x.torch as rx
+
+    rx.init()
+    return {run: _train(rx, *run) for run in runs}
+
+
+def _check_same(reference: dict, out: dict, where: str) -> None:
+    for name, value in reference["weights"].items():
+        torch.testing.assert_close(out["weights"][name], value, rtol=1e-5, atol=1e-6,
+                                   msg=f"{where} {name}")
+    assert out["state_keys"] == reference["state_keys"], where
+    assert out["lrs"] == reference["lrs"], where
+    for index, moments in reference["moments"].items():
+        for key, value in moments.items():
+            torch.testing.assert_close(out["moments"][index][key], value, rtol=1e-5,
+                                       atol=1e-6, msg=f"{where} state {index} {key}")
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_stages_1_and_2_train_to_the_unsharded_weights(size):
+    """SGD with momentum, Adam and AdamW, two param groups, an lr scheduler, 20 steps (and
+    Adam with 3 backward passes a step): stages 1 and 2 end at stage 0's weights on every
+    rank, and their consolidated state equals stage 0's."""
+    runs = [(kind, stage, 20, 1) for kind in ("sgd", "adam", "adamw") for stage in (0, 1, 2)]
+    runs += [("adam", stage, 6, 3) for stage in (0, 1, 2)]
+    results = run_workers(_every_way, size, runs, work_s=40)
+    for kind, stage, steps, passes in runs:
+        if stage:
+            for rank, out in enumerate(results):
+                _check_same(results[0][(kind, 0, steps, passes)],
+                            out[(kind, stage, steps, passes)],
+                            f"{kind} stage {stage} passes {passes} rank {rank}")
+
+
+def _round_trip() -> dict:
+    import raytrain_x.torch as rx
+
+    rx.init()
+    model = _model()
+    sharded = rx.DistributedOptimizer(_make("adam", model), zero_stage=2)
+    x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    sharded.step()
+    full = sharded.state_dict()
+    # into an unsharded optimizer, and back into one of stage 1
+    plain = _make("adam", model)
+    plain.load_state_dict(full)
+    again = rx.DistributedOptimizer(_make("adam", model), zero_stage=1)
+    again.load_state_dict(plain.state_dict())
+    return {"full": len(full["state"]), "params": sum(1 for _ in model.parameters()),
+            "equal": all(torch.equal(again.state_dict()["state"][i]["exp_avg"],
+                                     full["state"][i]["exp_avg"]) for i in full["state"])}
+
+
+def test_the_state_dict_is_the_full_state_and_loads_across_stages():
+    for out in run_workers(_round_trip, 3, work_s=20):
+        assert out["full"] == out["params"] and out["equal"]
+
+
+def _clipped() -> dict:
+    """Stage 0 clipped by torch and stage 2 by its own clip_grad_norm_, same data."""
+    import raytrain_x.torch as rx
+
+    rx.init()
+    out = {}
+    for stage in (0, 2):
+        model = _model()
+        opt = rx.DistributedOptimizer(_make("sgd", model), zero_stage=stage,
+                                      named_parameters=model.named_parameters())
+        g = torch.Generator().manual_seed(rx.rank())
+        x, y = torch.randn(6, 8, generator=g), torch.randint(0, 3, (6,), generator=g)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.synchronize()
+        norm = (torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05) if stage == 0
+                else opt.clip_grad_norm_(0.05))
+        with opt.skip_synchronize():
+            opt.step()
+        out[stage] = (float(norm), {k: v.clone() for k, v in model.state_dict().items()})
+    return out
+
+
+def test_clipping_by_the_total_norm_matches_torch_on_unsharded_gradients():
+    for out in run_workers(_clipped, 2, work_s=10):
+        assert out[2][0] == pytest.approx(out[0][0], rel=1e-6)
+        for name, value in out[0][1].items():
+            torch.testing.assert_close(out[2][1][name], value, rtol=1e-5, atol=1e-6)
+
+
+def _bad(arguments: list[dict]) -> list[str]:
+    import raytrain_x.torch as rx
+
+    rx.init()
+    model = torch.nn.Linear(2, 2)
+    messages = []
+    for argument in arguments:
+        try:
+            rx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), **argument)
+            messages.append("no error")
+        except rx.ConfigError as exc:
+            messages.append(str(exc))
+    return messages
+
+
+BAD = [({"zero_stage": 3}, "zero_stage must be 0, 1 or 2"),
+       ({"zero_stage": 1, "op": "adasum"}, "not rx.Adasum"),
+       ({"zero_stage": 2, "groups": 2}, "leave groups out"),
+       ({"zero_stage": 1, "bucket_cap_mb": 0}, "bucket_cap_mb must be > 0")]
+
+
+def test_bad_arguments_are_one_line_errors():
+    messages = run_workers(_bad, 1, [argument for argument, _ in BAD], work_s=10)[0]
+    for (argument, expected), message in zip(BAD, messages):
+        assert expected in message and "\n" not in message, (argument, message)
