@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from raytrain_x.common.errors import ConfigError
 from raytrain_x.core.objects import allgather_object
 from raytrain_x.core.runtime import rank, size
 from raytrain_x.elastic.state import ObjectState, State, restore_count, run
@@ -18,6 +19,7 @@ from raytrain_x.torch.functions import (
     broadcast_optimizer_state,
     broadcast_parameters,
 )
+from raytrain_x.torch.zero_optimizer import ShardedOptimizer
 
 
 class ElasticSampler(torch.utils.data.Sampler):
@@ -134,6 +136,11 @@ class TorchState(ObjectState):
 
     def __init__(self, model: torch.nn.Module | None = None,
                  optimizer: torch.optim.Optimizer | None = None, **kwargs: Any) -> None:
+        for value in (optimizer, *kwargs.values()):
+            if isinstance(value, ShardedOptimizer):
+                raise ConfigError("elastic training keeps a sharded optimizer (zero_stage=1 "
+                                  "or 2) only for one world, and a new round can change it: "
+                                  "use zero_stage=0 with TorchState")
         self.model = model
         self.optimizer = optimizer
         handled = {"model": model, "optimizer": optimizer,

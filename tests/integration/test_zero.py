@@ -154,6 +154,25 @@ def _bad(arguments: list[dict]) -> list[str]:
     return messages
 
 
+def _elastic_refused() -> str:
+    import raytrain_x.torch as rx
+
+    rx.init()
+    model = torch.nn.Linear(2, 2)
+    opt = rx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), zero_stage=1)
+    try:
+        rx.elastic.TorchState(model, opt)
+    except rx.ConfigError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_elastic_state_refuses_a_sharded_optimizer():
+    """Until shards survive a change of world, an elastic job says so instead of restoring
+    shards laid out for the old world."""
+    assert "use zero_stage=0 with TorchState" in run_workers(_elastic_refused, 1, work_s=10)[0]
+
+
 BAD = [({"zero_stage": 3}, "zero_stage must be 0, 1 or 2"),
        ({"zero_stage": 1, "op": "adasum"}, "not rx.Adasum"),
        ({"zero_stage": 2, "groups": 2}, "leave groups out"),
