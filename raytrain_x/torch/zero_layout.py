@@ -18,11 +18,13 @@ import torch
 from raytrain_x.torch.gradient_layout import bucket_groups
 
 
-def share_out(params: list[torch.Tensor], size: int) -> list[list[torch.Tensor]]:
+def share_out(params: list[torch.Tensor], size: int,
+              load: list[int] | None = None) -> list[list[torch.Tensor]]:
     """`params` shared out among `size` ranks, whole: the largest first, each to the rank
-    with the fewest elements so far (ties: the lowest rank). Each rank's list keeps the
-    order of `params`."""
-    load = [0] * size
+    with the fewest elements so far (ties: the lowest rank). `load` carries each rank's
+    elements from earlier buckets (and is updated), so the buckets together balance. Each
+    rank's list keeps the order of `params`."""
+    load = [0] * size if load is None else load
     owner: dict[int, int] = {}
     for p in sorted(params, key=lambda p: -p.numel()):
         rank = min(range(size), key=lambda r: (load[r], r))
@@ -36,10 +38,10 @@ class ShardedBucket:
     out rank by rank (see the module's docstring)."""
 
     def __init__(self, index: int, params: list[torch.Tensor], size: int, rank: int,
-                 grads_in_place: bool) -> None:
+                 grads_in_place: bool, load: list[int] | None = None) -> None:
         self.index = index
         self.params = params
-        self.owned_by = share_out(params, size)
+        self.owned_by = share_out(params, size, load)
         self.mine = self.owned_by[rank]
         self.shard = max(1, max(sum(p.numel() for p in ps) for ps in self.owned_by))
         self.size, self.rank = size, rank
@@ -61,7 +63,8 @@ class ShardedBucket:
         # stage 1 keeps every gradient in a flat buffer of the same layout; stage 2 keeps
         # only this rank's segment (the reduced gradients of its own parameters)
         self.flat_grads = (torch.zeros_like(self.flat_params) if grads_in_place else None)
-        self.shard_grads = torch.zeros(self.shard, dtype=first.dtype, device=first.device)
+        self.shard_grads = (None if grads_in_place else
+                            torch.zeros(self.shard, dtype=first.dtype, device=first.device))
         self.ready = 0  # gradients (times backward passes) ready since the last reduction
         self.reduced_passes = 0  # stage 2: passes already reduced into shard_grads
 
@@ -114,6 +117,8 @@ class ShardedBucket:
 
 def make_buckets(params: list[torch.Tensor], cap_bytes: int, size: int, rank: int,
                  grads_in_place: bool) -> list[ShardedBucket]:
-    """The buckets of `params` (one dtype and device each, up to `cap_bytes`)."""
-    return [ShardedBucket(i, group, size, rank, grads_in_place)
+    """The buckets of `params` (one dtype and device each, up to `cap_bytes`), their
+    parameters shared out so that the ranks' totals balance."""
+    load = [0] * size
+    return [ShardedBucket(i, group, size, rank, grads_in_place, load)
             for i, group in enumerate(bucket_groups(params, cap_bytes))]

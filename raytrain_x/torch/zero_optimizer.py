@@ -166,15 +166,26 @@ class ShardedOptimizer(HookedOptimizer):
         for bucket in self._buckets:
             bucket.reduced_passes = 0  # the next step's first pass overwrites the shard
         local.step()
-        handles = [(bucket, allgather_async(bucket.my_params_segment(),
-                                            name=f"zero.{self._prefix}.ag{bucket.index}",
-                                            process_set=self._process_set))
-                   for bucket in self._buckets]
-        with torch.no_grad():
-            for bucket, handle in handles:
-                bucket.flat_params.copy_(synchronize(handle))
+        self._gather_params()
         runtime.mark_step()
         return loss
+
+    def _gather_params(self) -> None:
+        """Allgathers each bucket's updated parameters into place, two buckets in flight at
+        most: each gathered copy is a bucket's size, and it is freed once copied."""
+        def start(bucket: ShardedBucket) -> Handle:
+            return allgather_async(bucket.my_params_segment(),
+                                   name=f"zero.{self._prefix}.ag{bucket.index}",
+                                   process_set=self._process_set)
+
+        pending = [start(b) for b in self._buckets[:2]]
+        with torch.no_grad():
+            for i, bucket in enumerate(self._buckets):
+                gathered = synchronize(pending.pop(0))
+                if i + 2 < len(self._buckets):
+                    pending.append(start(self._buckets[i + 2]))
+                bucket.flat_params.copy_(gathered)
+                del gathered
 
     def _local_optimizer(self) -> torch.optim.Optimizer:
         """An instance of the user's optimizer class over the parameters this rank owns,
