@@ -2,11 +2,11 @@
 
 The parameters that need gradients go into buckets (one dtype and device each, in reverse
 registration order: roughly the order backward produces their gradients, as DDP's). Each
-bucket's parameters are shared out whole among the ranks of the process set, the largest
-first to the rank with the fewest elements so far, so that any torch optimizer steps the
-parameters a rank owns exactly as it would step them unsharded. A bucket is one flat
-buffer of `size * shard` elements: rank r's parameters, back to back, fill segment r,
-padded to the longest rank's. So a reduce-scatter of the bucket's gradients gives each rank
+parameter is owned, whole, by one rank of the process set (all of them shared out the
+largest first, each to the rank with the fewest elements so far), so that any torch
+optimizer steps the parameters a rank owns exactly as it would step them unsharded. A
+bucket is one flat buffer of `size * shard` elements: rank r's parameters, back to back,
+fill segment r, padded to the longest rank's. So a reduce-scatter of the bucket's gradients gives each rank
 the reduced gradients of its own parameters, and an allgather of each rank's segment of
 the parameters puts every updated parameter in its place on every rank.
 """
@@ -18,19 +18,17 @@ import torch
 from raytrain_x.torch.gradient_layout import bucket_groups
 
 
-def share_out(params: list[torch.Tensor], size: int,
-              load: list[int] | None = None) -> list[list[torch.Tensor]]:
-    """`params` shared out among `size` ranks, whole: the largest first, each to the rank
-    with the fewest elements so far (ties: the lowest rank). `load` carries each rank's
-    elements from earlier buckets (and is updated), so the buckets together balance. Each
-    rank's list keeps the order of `params`."""
-    load = [0] * size if load is None else load
+def owners(params: list[torch.Tensor], size: int) -> dict[int, int]:
+    """Which rank owns each parameter (by id): all of them shared out whole, the largest
+    first, each to the rank with the fewest elements so far (ties: the lowest rank), so
+    that the ranks' totals balance."""
+    load = [0] * size
     owner: dict[int, int] = {}
     for p in sorted(params, key=lambda p: -p.numel()):
         rank = min(range(size), key=lambda r: (load[r], r))
         owner[id(p)] = rank
         load[rank] += p.numel()
-    return [[p for p in params if owner[id(p)] == r] for r in range(size)]
+    return owner
 
 
 class ShardedBucket:
@@ -38,10 +36,10 @@ class ShardedBucket:
     out rank by rank (see the module's docstring)."""
 
     def __init__(self, index: int, params: list[torch.Tensor], size: int, rank: int,
-                 grads_in_place: bool, load: list[int] | None = None) -> None:
+                 grads_in_place: bool, owner: dict[int, int]) -> None:
         self.index = index
         self.params = params
-        self.owned_by = share_out(params, size, load)
+        self.owned_by = [[p for p in params if owner[id(p)] == r] for r in range(size)]
         self.mine = self.owned_by[rank]
         self.shard = max(1, max(sum(p.numel() for p in ps) for ps in self.owned_by))
         self.size, self.rank = size, rank
@@ -118,7 +116,7 @@ class ShardedBucket:
 def make_buckets(params: list[torch.Tensor], cap_bytes: int, size: int, rank: int,
                  grads_in_place: bool) -> list[ShardedBucket]:
     """The buckets of `params` (one dtype and device each, up to `cap_bytes`), their
-    parameters shared out so that the ranks' totals balance."""
-    load = [0] * size
-    return [ShardedBucket(i, group, size, rank, grads_in_place, load)
+    parameters owned as `owners` shares them out over all the buckets."""
+    owner = owners(params, size)
+    return [ShardedBucket(i, group, size, rank, grads_in_place, owner)
             for i, group in enumerate(bucket_groups(params, cap_bytes))]
