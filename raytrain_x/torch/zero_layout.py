@@ -6,9 +6,11 @@ parameter is owned, whole, by one rank of the process set (all of them shared ou
 largest first, each to the rank with the fewest elements so far), so that any torch
 optimizer steps the parameters a rank owns exactly as it would step them unsharded. A
 bucket is one flat buffer of `size * shard` elements: rank r's parameters, back to back,
-fill segment r, padded to the longest rank's. So a reduce-scatter of the bucket's gradients gives each rank
-the reduced gradients of its own parameters, and an allgather of each rank's segment of
-the parameters puts every updated parameter in its place on every rank.
+fill segment r, padded to the longest rank's. So a reduce-scatter of the bucket's
+gradients gives each rank the reduced gradients of its own parameters, and an allgather of
+each rank's segment of the parameters puts every updated parameter in its place on every
+rank. Stage 2 keeps only the reduced gradients of the parameters a rank owns, packed (the
+padding is not kept).
 """
 
 from __future__ import annotations
@@ -61,8 +63,10 @@ class ShardedBucket:
         # stage 1 keeps every gradient in a flat buffer of the same layout; stage 2 keeps
         # only this rank's segment (the reduced gradients of its own parameters)
         self.flat_grads = (torch.zeros_like(self.flat_params) if grads_in_place else None)
+        self.owned_numel = sum(p.numel() for p in self.mine)
         self.shard_grads = (None if grads_in_place else
-                            torch.zeros(self.shard, dtype=first.dtype, device=first.device))
+                            torch.zeros(self.owned_numel, dtype=first.dtype,
+                                        device=first.device))
         self.ready = 0  # gradients (times backward passes) ready since the last reduction
         self.reduced_passes = 0  # stage 2: passes already reduced into shard_grads
 

@@ -112,10 +112,11 @@ class ShardedOptimizer(HookedOptimizer):
             start = bucket.rank * bucket.shard
             bucket.flat_grads[start:start + bucket.shard].copy_(reduced)
             return
+        owned = reduced[:bucket.owned_numel]  # the segment's padding is not kept
         if bucket.reduced_passes == 0:
-            bucket.shard_grads.copy_(reduced)
+            bucket.shard_grads.copy_(owned)
         else:
-            bucket.shard_grads.add_(reduced)
+            bucket.shard_grads.add_(owned)
         bucket.reduced_passes += 1
 
     # ------------------------------------------------------------------ step
