@@ -37,10 +37,11 @@ def _state_bytes(optimizer) -> int:
 
 
 def _grad_bytes(model, optimizer) -> int:
-    buckets = getattr(optimizer, "_buckets", None)
-    if buckets is not None:  # a sharded DistributedOptimizer: its flat buffers
+    from raytrain_x.torch.zero_optimizer import ShardedOptimizer
+
+    if isinstance(optimizer, ShardedOptimizer):  # its flat buffers
         return sum((b.flat_grads if b.flat_grads is not None else b.shard_grads).nbytes
-                   for b in buckets)
+                   for b in optimizer._buckets)
     seen: set[int] = set()
     total = 0
     for p in model.parameters():
