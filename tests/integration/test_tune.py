@@ -56,25 +56,6 @@ def _experiment(config: dict) -> None:
         report({"samples_per_sec": float(config["micro_batch_size"] * 10 + step)})
 
 
-def test_experiments_with_a_failing_config(ray_cluster, tmp_path):
-    """Two trials through Tune's `Tuner` and `DistributedTrainableCreator`, one failing on
-    its workers: it is errored with the workers' own error, the other succeeds, and the
-    best config and the outputs come from it."""
-    result = autotune_experiments(
-        _experiment, {"micro_batch_size": [32, 64]}, num_workers=2, search="grid",
-        steps_per_experiment=4, start_step=1, output_dir=tmp_path / "exp")
-    assert len(result.experiments) == 2
-    failed = [e for e in result.experiments if e.metric is None]
-    assert len(failed) == 1 and "out of memory" in failed[0].error
-    assert result.best_config == {"micro_batch_size": 32}
-    assert result.best.metric == pytest.approx(32 * 10 + 2.0)  # mean of steps 1..3
-    out = tmp_path / "exp"
-    assert json.loads((out / "best_config.json").read_text())["config"] == {"micro_batch_size": 32}
-    assert (out / "summary.csv").read_text().count("\n") == 3
-    assert (out / "metric_per_experiment.png").stat().st_size > 5000
-    assert (out / "experiment_000" / "config.json").exists()
-
-
 @pytest.mark.parametrize(
     "space,search,match",
     [
@@ -91,22 +72,33 @@ def test_bad_space_definitions(space, search, match):
         autotune_experiments(_experiment, space, search=search)
 
 
-def test_tune_experiments_command(ray_cluster, tmp_path):
-    """The command's wiring, on one experiment (choosing among several, and a failing one,
-    is `test_experiments_with_a_failing_config`'s)."""
+def test_tune_experiments_command_with_a_failing_config(ray_cluster, tmp_path):
+    """`raytrain-x tune-experiments` over two configs, one failing on its workers: through
+    Tune's `Tuner` and `DistributedTrainableCreator` that trial is errored with the
+    workers' own error, the other succeeds, and the best config, the summary, the plot and
+    each experiment's folder come from them."""
     import sys
     from pathlib import Path
 
     from tests import limits
     from tests.conftest import REPO
 
+    out_dir = tmp_path / "exp"
     out = limits.run(
         [str(Path(sys.executable).parent / "raytrain-x"), "tune-experiments",
-         "--fn", "examples.experiment_step:step_fn", "--space", '{"micro_batch_size": [8]}',
-         "--search", "grid", "--steps-per-experiment", "4", "--start-step", "1",
-         "--address", ray_cluster, "--output-dir", str(tmp_path / "cli")],
-        40, "the tune-experiments command", cwd=REPO,
+         "--fn", "tests.integration.test_tune:_experiment",
+         "--space", '{"micro_batch_size": [32, 64]}', "--search", "grid",
+         "--steps-per-experiment", "4", "--start-step", "1",
+         "--address", ray_cluster, "--output-dir", str(out_dir)],
+        50, "the tune-experiments command", cwd=REPO,
         env={**__import__("os").environ, "RAY_AUTH_MODE": "disabled"})
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "best samples_per_sec" in out.stdout
-    assert json.loads((tmp_path / "cli" / "best_config.json").read_text())["config"]
+    assert "experiments: 2 (1 failed)" in out.stdout, out.stdout[-2000:]
+    assert "best samples_per_sec: 322 with {'micro_batch_size': 32}" in out.stdout
+    best = json.loads((out_dir / "best_config.json").read_text())
+    assert best["config"] == {"micro_batch_size": 32}
+    assert best["samples_per_sec"] == pytest.approx(32 * 10 + 2.0)  # mean of steps 1..3
+    summary = (out_dir / "summary.csv").read_text()
+    assert summary.count("\n") == 3 and "out of memory" in summary and "failed" in summary
+    assert (out_dir / "metric_per_experiment.png").stat().st_size > 5000
+    assert (out_dir / "experiment_000" / "config.json").exists()
