@@ -13,6 +13,7 @@ import csv
 import json
 import math
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -278,6 +279,14 @@ def _write_experiment(folder: Path, exp: Experiment, frame: Any) -> None:
     (folder / "log.txt").write_text(exp.error or f"ok: {exp.steps} steps, metric {exp.metric}")
 
 
+def _error_line(text: str) -> str:
+    """The line of a failed experiment's error that names it: the last one (Ray's first
+    line only names the actor), without terminal colours."""
+    lines = [line.strip() for line in re.sub(r"\x1b\[[0-9;]*m", "", text).splitlines()
+             if line.strip()]
+    return lines[-1][:200] if lines else ""
+
+
 def _write_summary(result: ExperimentsResult) -> None:
     out = result.output_dir
     names = sorted({k for e in result.experiments for k in e.config})
@@ -288,7 +297,7 @@ def _write_summary(result: ExperimentsResult) -> None:
             writer.writerow([e.index, *[e.config.get(n) for n in names],
                              "" if e.metric is None else e.metric,
                              "ok" if e.metric is not None else "failed",
-                             e.error.splitlines()[0][:200] if e.error else ""])
+                             _error_line(e.error) if e.error else ""])
     if result.best is not None:
         (out / "best_config.json").write_text(json.dumps(
             {"config": result.best.config, result.metric: result.best.metric}, indent=2,
