@@ -280,11 +280,13 @@ def _write_experiment(folder: Path, exp: Experiment, frame: Any) -> None:
 
 
 def _error_line(text: str) -> str:
-    """The line of a failed experiment's error that names it: the last one (Ray's first
-    line only names the actor), without terminal colours."""
+    """The line of a failed experiment's error that names it: the last `Name: message`
+    line (the innermost exception; Ray's first line only names the actor, and the last may
+    be a note on the other ranks), without terminal colours."""
     lines = [line.strip() for line in re.sub(r"\x1b\[[0-9;]*m", "", text).splitlines()
              if line.strip()]
-    return lines[-1][:200] if lines else ""
+    named = [line for line in lines if re.match(r"[A-Za-z_][\w.]*: \S", line)]
+    return (named or lines or [""])[-1][:200]
 
 
 def _write_summary(result: ExperimentsResult) -> None:
