@@ -14,7 +14,7 @@ from raytrain_x.core import runtime
 from raytrain_x.core.collectives import Adasum, synchronize
 from raytrain_x.engine.messages import Handle
 from raytrain_x.torch.async_ops import allreduce_async_
-from raytrain_x.torch.hooked_optimizer import HookedOptimizer, grad_ready_hooks, parameter_names
+from raytrain_x.torch.hooked_optimizer import HookedOptimizer, grad_ready_hooks
 
 
 class AdasumOptimizer(HookedOptimizer):
@@ -26,12 +26,9 @@ class AdasumOptimizer(HookedOptimizer):
         self._compression = compression
         self._process_set = process_set
         self.backward_passes_per_step = backward_passes_per_step
-        all_params = [p for group in self.param_groups for p in group["params"]]
-        self._names = parameter_names(named_parameters, all_params, "adasum", require_all=False)
-        self._requires_update = [p for p in all_params if p.requires_grad]
+        self._take_parameters(named_parameters, "adasum", require_all=False)
         self._starts = {p: torch.zeros_like(p, requires_grad=False)
                         for p in self._requires_update}
-        self._passes = {p: 0 for p in self._requires_update}
         self._handles: dict[torch.Tensor, Handle] = {}
         self._hooks = grad_ready_hooks(self, self._requires_update)
 

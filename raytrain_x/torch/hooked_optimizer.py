@@ -71,7 +71,17 @@ class HookedOptimizer:
     optimizer's class)."""
 
     backward_passes_per_step: int
+    param_groups: list[dict]
     _passes: dict[torch.Tensor, int]
+
+    def _take_parameters(self, named_parameters: Iterable[tuple[str, torch.Tensor]] | None,
+                         kind: str, require_all: bool = True) -> None:
+        """The groups' parameters: their names (`parameter_names`), those that need
+        gradients, and a pass count for each of those."""
+        params = [p for group in self.param_groups for p in group["params"]]
+        self._names = parameter_names(named_parameters, params, kind, require_all)
+        self._requires_update = [p for p in params if p.requires_grad]
+        self._passes = {p: 0 for p in self._requires_update}
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Changes how many backward passes are accumulated per allreduce (Horovod's

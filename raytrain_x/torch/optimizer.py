@@ -30,7 +30,6 @@ from raytrain_x.torch.hooked_optimizer import (
     HookedOptimizer,
     first_gradient_probe,
     grad_ready_hooks,
-    parameter_names,
 )
 from raytrain_x.torch.requests import CompositeHandle
 from raytrain_x.torch.zero_optimizer import ShardedOptimizer
@@ -49,14 +48,11 @@ class GradientAllreduceOptimizer(HookedOptimizer):
         self._process_set = process_set
         self._predivide = gradient_predivide_factor
         self.backward_passes_per_step = backward_passes_per_step
-        all_params = [p for group in self.param_groups for p in group["params"]]
-        self._names = parameter_names(named_parameters, all_params, "allreduce")
+        self._take_parameters(named_parameters, "allreduce")
         self._parameter_names = self._names  # Horovod's attribute name
         # A rank outside the process set trains locally: no collectives (as in Horovod).
         self._member = process_set.ranks is None or runtime.rank() in process_set.ranks
-        self._requires_update = [p for p in all_params if p.requires_grad]
         self._handles: dict[torch.Tensor, Handle] = {}
-        self._passes: dict[torch.Tensor, int] = {p: 0 for p in self._requires_update}
         self._synchronized = False
         self._should_synchronize = True
         self._hooks = grad_ready_hooks(self, self._requires_update)

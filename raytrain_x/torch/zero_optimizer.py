@@ -27,7 +27,7 @@ from raytrain_x.core.collectives import Max, Sum, predivided, synchronize
 from raytrain_x.core.objects import allgather_object
 from raytrain_x.engine.messages import Handle
 from raytrain_x.torch.async_ops import allgather_async, allreduce_async_, reducescatter_async
-from raytrain_x.torch.hooked_optimizer import HookedOptimizer, grad_ready_hooks, parameter_names
+from raytrain_x.torch.hooked_optimizer import HookedOptimizer, grad_ready_hooks
 from raytrain_x.torch.zero_layout import ShardedBucket, make_buckets
 
 DEFAULT_BUCKET_MB = 25.0  # DDP's default bucket
@@ -44,9 +44,7 @@ class ShardedOptimizer(HookedOptimizer):
         self._predivide = gradient_predivide_factor
         self._process_set = process_set
         self.backward_passes_per_step = backward_passes_per_step
-        all_params = [p for group in self.param_groups for p in group["params"]]
-        self._names = parameter_names(named_parameters, all_params, "zero")
-        self._requires_update = [p for p in all_params if p.requires_grad]
+        self._take_parameters(named_parameters, "zero")
         self._member = process_set.ranks is None or runtime.rank() in process_set.ranks
         size = process_set.size() if self._member else 1
         rank = process_set.rank() if self._member else 0
@@ -55,7 +53,6 @@ class ShardedOptimizer(HookedOptimizer):
                                      grads_in_place=stage == 1)
         self._bucket_of = {p: b for b in self._buckets for p in b.params}
         self._owned = {p for b in self._buckets for p in b.mine}
-        self._passes = {p: 0 for p in self._requires_update}
         self._handles: dict[ShardedBucket, Handle] = {}
         self._local: torch.optim.Optimizer | None = None
         self._synchronized = False  # synchronize() ran by hand before step()
