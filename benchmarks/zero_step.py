@@ -8,9 +8,11 @@ pair of processes (so each peak RSS is its own):
 
 Each times --steps steps after 2 warmup steps (the median, from the slower rank), and
 reads what a rank keeps after a step: optimizer-state bytes, gradient bytes, and its peak
-resident memory. Prints them with ratios; writes results/zero_step.json.
+memory (resident memory on CPU; with --device cuda the CUDA allocator's peak, both ranks
+sharing GPU 0, so every collective runs over gloo: RAYTRAIN_X_GPU_OPERATIONS=gloo).
+Prints them with ratios; writes results/zero_step.json (zero_step_cuda.json on CUDA).
 
-Run: .venv/bin/python benchmarks/zero_step.py [--steps 8] [--batch 4]
+Run: .venv/bin/python benchmarks/zero_step.py [--steps 8] [--batch 4] [--device cuda]
 """
 
 from __future__ import annotations
@@ -58,11 +60,12 @@ def _worker(rank: int, size: int, port: int, way: str, args, queue) -> None:
     import raytrain_x.torch as rx
     from raytrain_x.torch.workloads import GPTDecoder, synthetic_tokens
 
-    join_world(rank, size, port)
+    cuda = args.device == "cuda"
+    join_world(rank, size, port, {"RAYTRAIN_X_GPU_OPERATIONS": "gloo"} if cuda else None)
     rx.init()
     torch.manual_seed(0)
-    model = GPTDecoder(layers=args.layers, width=args.width)
-    ids, targets = synthetic_tokens(args.batch, seed=rank)
+    model = GPTDecoder(layers=args.layers, width=args.width).to(args.device)
+    ids, targets = (t.to(args.device) for t in synthetic_tokens(args.batch, seed=rank))
     if way.startswith("ddp") or way == "zero_ddp":
         cap = 25.0 if way == "zero_ddp" else float(way[3:])
         net = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cap)
@@ -85,11 +88,14 @@ def _worker(rank: int, size: int, port: int, way: str, args, queue) -> None:
         torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                           targets.reshape(-1)).backward()
         opt.step()
+        if cuda:
+            torch.cuda.synchronize()
 
     seconds = median_across_ranks(step, args.steps, warmup=2)
+    peak = (torch.cuda.max_memory_allocated() / 2**20 if cuda else
+            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     out = {"step_s": seconds, "state_bytes": _state_bytes(opt),
-           "grad_bytes": _grad_bytes(model, opt),
-           "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+           "grad_bytes": _grad_bytes(model, opt), "peak_mb": peak}
     every = [None] * size
     dist.all_gather_object(every, out)
     if rank == 0:
@@ -105,6 +111,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--ddp-buckets", type=float, nargs="+", default=[25.0, 100.0])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     ways = [f"ddp{c:g}" for c in args.ddp_buckets] + ["zero_ddp", "rx0", "rx1", "rx2"]
@@ -112,17 +119,19 @@ def main() -> None:
     for way in ways:
         results[way] = run_ranks(_worker, 2, way, args)
         print(f"{way}: {results[way]}", flush=True)
+    peak = "peak CUDA MB" if args.device == "cuda" else "peak RSS MB"
     best_ddp = min((w for w in ways if w.startswith("ddp")), key=lambda w: results[w]["step_s"])
     base = results["rx0"]
     rows = [{"way": w, "step ms": 1000 * r["step_s"], "state MB": r["state_bytes"] / 2**20,
-             "grad MB": r["grad_bytes"] / 2**20, "peak RSS MB": r["peak_rss_mb"]}
+             "grad MB": r["grad_bytes"] / 2**20, peak: r["peak_mb"]}
             for w, r in results.items()]
-    print_table(rows, ["way", "step ms", "state MB", "grad MB", "peak RSS MB"])
+    print_table(rows, ["way", "step ms", "state MB", "grad MB", peak])
     ratios = {
         "best_ddp": best_ddp,
         "rx1_state_over_rx0": results["rx1"]["state_bytes"] / base["state_bytes"],
         "rx2_grad_over_rx0": results["rx2"]["grad_bytes"] / base["grad_bytes"],
-        "rx2_peak_over_rx0": results["rx2"]["peak_rss_mb"] / base["peak_rss_mb"],
+        **{f"{w}_peak_over_rx0": results[w]["peak_mb"] / base["peak_mb"]
+           for w in ("rx1", "rx2")},
         **{f"{w}_speed_over_best_ddp": results[best_ddp]["step_s"] / results[w]["step_s"]
            for w in ("rx0", "rx1", "rx2")},
         **{f"{w}_speed_over_zero_ddp": results["zero_ddp"]["step_s"] / results[w]["step_s"]
@@ -130,7 +139,8 @@ def main() -> None:
     }
     for k, v in ratios.items():
         print(f"{k}: {v if isinstance(v, str) else round(v, 3)}")
-    print(f"wrote {write_json('zero_step', {'results': results, 'ratios': ratios}, args.json)}")
+    name = "zero_step_cuda" if args.device == "cuda" else "zero_step"
+    print(f"wrote {write_json(name, {'results': results, 'ratios': ratios}, args.json)}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Every GPU check in one go, for a machine with CUDA, torch, cupy, nanobind and
+# scikit-build-core (Ray is not needed): builds the native core into the tree, runs
+# tests/gpu/, then the GPU benchmarks. Results go to $OUT (default results/gpu/).
+#   bash tools/gpu_check.sh [quick]     (quick: the tests alone)
+set -uo pipefail
+out=${OUT:-results/gpu}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+$py -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$out/gpu.txt"
+began=$SECONDS
+$py -m pip install -q --no-build-isolation --no-deps --no-index --target /tmp/rx-build . \
+  && cp /tmp/rx-build/raytrain_x/_native*.so raytrain_x/ || { echo "native build failed"; exit 1; }
+echo "native core built in $((SECONDS - began)) s"
+timeout 180 $py -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$out/tests.txt"
+[ "${1:-}" = quick ] && exit 0
+timeout 90 $py benchmarks/gpu_step.py --workers 2 --out "$out/gpu_step_2.json" 2>&1 | tail -8
+timeout 45 $py benchmarks/gpu_step.py --workers 1 --out "$out/gpu_step_1.json" 2>&1 | tail -8
+timeout 150 $py benchmarks/zero_step.py --device cuda --layers 8 --width 1024 --batch 8 \
+  --json "$out/zero_step_cuda.json" 2>&1 | grep -v "^rx\|^ddp\|^zero_ddp:"
+echo "all checks in $((SECONDS - began)) s"
