@@ -241,6 +241,17 @@ void shm_allgather_shards(ShmGroup &g, OutArray a) {
     g.allgather_shards(t.data, t.capacity, t.dtype);
 }
 
+void shm_reduce_scatter(ShmGroup &g, OutArray input, OutArray output, const std::string &op_name) {
+    Target in = target_of(input, "shm reduce_scatter input");
+    Target out = target_of(output, "shm reduce_scatter output");
+    if (in.dtype != out.dtype || out.capacity * static_cast<std::size_t>(g.size()) != in.capacity)
+        throw nb::value_error("shm reduce_scatter: the output must hold one share of the input, "
+                              "of the same dtype");
+    const ReduceOp op = parse_op(op_name);
+    nb::gil_scoped_release release;
+    g.reduce_scatter(in.data, out.data, in.capacity, in.dtype, op);
+}
+
 nb::dict entry_to_dict(const CacheEntry &e) {
     nb::dict d;
     d["name"] = e.name;
@@ -319,6 +330,7 @@ NB_MODULE(_native, m) {
         .def("peers_visible", &ShmGroup::peers_visible)
         .def("allreduce", &shm_allreduce, "array"_a, "op"_a = "sum")
         .def("allgather_shards", &shm_allgather_shards, "array"_a)
+        .def("reduce_scatter", &shm_reduce_scatter, "input"_a, "output"_a, "op"_a = "sum")
         .def("allreduce_many", &shm_allreduce_many, "arrays"_a, "op"_a = "sum",
              "prescale"_a = 1.0, "postscale"_a = 1.0)
         .def("abort", &ShmGroup::abort)

@@ -405,6 +405,36 @@ void ShmGroup::allreduce_many(const std::vector<Piece> &pieces, DType dt, Reduce
     }
 }
 
+void ShmGroup::reduce_scatter(const void *input, void *output, std::size_t count, DType dt,
+                              ReduceOp op) {
+    check_op(dt, op);
+    if (count % static_cast<std::size_t>(size_) != 0)
+        throw std::invalid_argument("reduce_scatter: " + std::to_string(count) +
+                                    " elements do not split into " + std::to_string(size_) +
+                                    " equal shares");
+    const std::size_t isz = itemsize(dt);
+    const std::size_t share = count / size_;
+    const char *src = static_cast<const char *>(input);
+    char *dst = static_cast<char *>(output);
+    if (size_ == 1) {
+        if (dst != src) std::memcpy(dst, src, count * isz);
+        return;
+    }
+    // Each chunk takes the same stretch of every share: a member writes its stretches side by
+    // side in its slot, and after the barrier reduces the members' stretches of its own share.
+    // A slot is written again two chunks later, after a barrier every reader has passed.
+    const std::size_t per_chunk = std::max<std::size_t>(1, slot_bytes_ / isz / size_);
+    for (std::size_t off = 0; off < share; off += per_chunk) {
+        const std::size_t m = std::min(per_chunk, share - off);
+        const int set = static_cast<int>(chunks_++ & 1);
+        char *mine = slot(set, rank_);
+        for (int r = 0; r < size_; ++r)
+            std::memcpy(mine + r * m * isz, src + (r * share + off) * isz, m * isz);
+        barrier();
+        combine_slots(dst + off * isz, set, rank_ * m * isz, m, dt, op);
+    }
+}
+
 void ShmGroup::allgather_shards(void *data, std::size_t count, DType dt) {
     if (size_ == 1 || count == 0) return;
     const std::size_t isz = itemsize(dt);

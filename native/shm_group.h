@@ -59,6 +59,10 @@ public:
     // Shares shards in place: member r owns elements [count*r/size, count*(r+1)/size) of
     // `data`; afterwards every member holds every shard. Collective over all members.
     void allgather_shards(void *data, std::size_t count, DType dtype);
+    // `input` (count elements) in size() equal shares: `output` (count / size() elements)
+    // gets the reduction of every member's share rank(). count must divide evenly.
+    void reduce_scatter(const void *input, void *output, std::size_t count, DType dtype,
+                        ReduceOp op);
 
     // Makes every member's current and future waits fail (call when this rank gives up).
     void abort();

@@ -6,12 +6,12 @@
 set -uo pipefail
 out=${OUT:-results/gpu}
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 py=${PYTHON:-python3}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 $py -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$out/gpu.txt"
 began=$SECONDS
-$py -m pip install -q --no-build-isolation --no-deps --no-index --target /tmp/rx-build . \
+$py -m pip install -q --upgrade --no-build-isolation --no-deps --no-index --target /tmp/rx-build . \
   && cp /tmp/rx-build/raytrain_x/_native*.so raytrain_x/ || { echo "native build failed"; exit 1; }
 echo "native core built in $((SECONDS - began)) s"
 timeout 180 $py -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$out/tests.txt"

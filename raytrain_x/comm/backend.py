@@ -60,6 +60,12 @@ class Group:
         """Sums `array` over members; member i keeps the i-th of `size` equal chunks."""
         raise NotImplementedError
 
+    def allgather_into(self, output: Any, array: Any) -> None:
+        """Every member's equally shaped `array`, member by member along dim 0 of `output`
+        (`size` times `array`'s rows)."""
+        rows = array.shape[0]
+        self.allgather([output[i * rows:(i + 1) * rows] for i in range(self.size)], array)
+
     def barrier(self) -> None:
         raise NotImplementedError
 

@@ -204,13 +204,42 @@ class TorchGroup(Group):
         self._call("alltoall", lambda: pg.alltoall_base(out, tensor, output_splits,
                                                         input_splits, opts).wait())
 
+    def _staged(self, tensor: torch.Tensor) -> bool:
+        """True for a CUDA tensor that gloo carries: its one-tensor collectives (reduce-
+        scatter, allgather into one tensor) run on a host copy."""
+        return tensor.device.type == "cuda" and self._cuda_over_gloo
+
     def reduce_scatter(self, output: Any, array: Any) -> None:
         tensor, out = as_tensor(array), as_tensor(output)
+        if self._staged(tensor):
+            host = torch.empty(out.shape, dtype=out.dtype)
+            self.reduce_scatter(host, tensor.cpu())
+            out.copy_(host)
+            return
+        wide = GLOO_WIDENED.get(tensor.dtype) if tensor.device.type == "cpu" else None
+        if wide is not None:
+            wide_out = torch.empty(out.shape, dtype=wide)
+            self.reduce_scatter(wide_out, tensor.to(wide))
+            out.copy_(wide_out)
+            return
         opts = dist.ReduceScatterOptions()
         opts.reduceOp = dist.ReduceOp.SUM
         opts.timeout = self._timeout
         pg = self._backend(tensor)
         self._call("reduce_scatter", lambda: pg._reduce_scatter_base(out, tensor, opts).wait())
+
+    def allgather_into(self, output: Any, array: Any) -> None:
+        tensor, out = as_tensor(array), as_tensor(output)
+        if self._staged(tensor):
+            host = torch.empty(out.shape, dtype=out.dtype)
+            self.allgather_into(host, tensor.cpu())
+            out.copy_(host)
+            return
+        pg = self._backend(tensor)
+        moved, out_moved = _moved(tensor), _moved(out)
+        opts = _AllgatherOptions()
+        opts.timeout = self._timeout
+        self._call("allgather", lambda: pg._allgather_base(out_moved, moved, opts).wait())
 
     def barrier(self) -> None:
         opts = dist.BarrierOptions()

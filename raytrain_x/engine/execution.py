@@ -181,6 +181,12 @@ class CollectiveRunner:
         ops = ops_for(tensor)
         dtype, device = ops.dtype(tensor), ops.device(tensor)
         longest = max(dims)
+        if min(dims) == longest and not (knobs.hierarchical_allgather
+                                         and self.transport.multi_level()):
+            out = ops.empty((longest * len(dims), *tensor.shape[1:]), dtype, device)
+            self._timed(resp.name, "ALLGATHER",
+                        lambda: self.transport.allgather_into(out, tensor, pset))
+            return [out]
         padded = tensor
         if tensor.shape[0] != longest:
             padded = ops.zeros((longest, *tensor.shape[1:]), dtype, device)
@@ -212,17 +218,26 @@ class CollectiveRunner:
         (resp,), (req,) = batch, requests
         meta = resp.meta
         ops = ops_for(req.tensor)
-        work = ops.clone(req.tensor)
+        work = req.tensor  # read, never written, when there is no prescaling
         floating = ops.is_floating(work)
-        if floating and meta.prescale != 1.0:
-            ops.scale(work, meta.prescale)
-        elif not floating:
-            _scale_integers([work], meta.prescale)
-        self._timed(resp.name, "REDUCESCATTER", lambda: pset.group.allreduce(work, "sum"))
+        if meta.prescale != 1.0:
+            work = ops.clone(work)
+            if floating:
+                ops.scale(work, meta.prescale)
+            else:
+                _scale_integers([work], meta.prescale)
         n, dim0 = pset.size(), work.shape[0]
-        sizes = [dim0 // n + (1 if i < dim0 % n else 0) for i in range(n)]
         me = pset.rank()
-        out = ops.clone(work[sum(sizes[:me]): sum(sizes[: me + 1])])
+        if dim0 % n == 0 and ops.is_contiguous(work):  # equal shares: a true reduce-scatter
+            out = ops.empty((dim0 // n, *work.shape[1:]), ops.dtype(work), ops.device(work))
+            self._timed(resp.name, "REDUCESCATTER",
+                        lambda: self.transport.reducescatter(out, work, pset))
+        else:  # Horovod's uneven split (the first dim0 % n members one row more)
+            if work is req.tensor:
+                work = ops.clone(work)
+            self._timed(resp.name, "REDUCESCATTER", lambda: pset.group.allreduce(work, "sum"))
+            sizes = [dim0 // n + (1 if i < dim0 % n else 0) for i in range(n)]
+            out = ops.clone(work[sum(sizes[:me]): sum(sizes[: me + 1])])
         post = meta.postscale / (n if meta.op == "average" else 1)
         if floating:
             if post != 1.0:

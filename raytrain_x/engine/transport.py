@@ -187,6 +187,29 @@ class Transport:
         else:
             pset.group.allgather(outs, array)
 
+    def allgather_into(self, out: Any, array: Any, pset: ProcessSetGroup) -> None:
+        """Every member's equally shaped `array`, member by member along dim 0 of `out`,
+        with no copies beyond the collective's own: in place in shared memory on one host,
+        else the backend's allgather into one tensor."""
+        shm = self._shm_of(pset)
+        if shm is not None and fits_shm(out) and fits_shm(array):
+            rows = array.shape[0]
+            out[pset.rank() * rows:(pset.rank() + 1) * rows] = array
+            _shm_call(shm.allgather_shards, out)
+        else:
+            pset.group.allgather_into(out, array)
+
+    # ------------------------------------------------------------- reduce-scatter
+    def reducescatter(self, out: Any, array: Any, pset: ProcessSetGroup) -> None:
+        """The sum of every member's `array` (dim 0 a multiple of the set's size), of which
+        this member keeps its own equal share in `out`: reduced in shared memory on one
+        host, else by the backend's reduce-scatter (half an allreduce's traffic)."""
+        shm = self._shm_of(pset)
+        if shm is not None and fits_shm(out) and fits_shm(array):
+            _shm_call(shm.reduce_scatter, array, out, "sum")
+        else:
+            pset.group.reduce_scatter(out, array)
+
     def _hierarchical_allgather(self, outs: list[Any], array: Any) -> None:
         """Allgather within the host (shared memory when the host has it), then exchange
         whole host blocks across hosts."""

@@ -2,11 +2,15 @@
 
 The parameters that need gradients go into buckets (one dtype and device each, in reverse
 registration order: roughly the order backward produces their gradients, as DDP's). Each
-parameter is owned, whole, by one rank of the process set (all of them shared out the
-largest first, each to the rank with the fewest elements so far), so that any torch
-optimizer steps the parameters a rank owns exactly as it would step them unsharded. A
-bucket is one flat buffer of `size * shard` elements: rank r's parameters, back to back,
-fill segment r, padded to the longest rank's. So a reduce-scatter of the bucket's
+parameter is owned, whole, by one rank of the process set, so that any torch optimizer
+steps the parameters a rank owns exactly as it would step them unsharded. A bucket is one
+flat buffer of `size * shard` elements: rank r's parameters, back to back, fill segment r,
+padded to the longest rank's. So each bucket is shared out on its own (the largest
+parameter first, each to the rank with the fewest elements in the bucket, ties to the one
+with the fewest overall), and a bucket closes once it holds the cap and its shares are
+within `SLACK` of even: whole parameters of a few sizes rarely split evenly at a fixed
+cap (a GPT's buckets were padded to 1.36x-1.9x their parameters when ownership was
+balanced over the whole model instead). So a reduce-scatter of the bucket's
 gradients gives each rank the reduced gradients of its own parameters, and an allgather of
 each rank's segment of the parameters puts every updated parameter in its place on every
 rank. Stage 2 keeps only the reduced gradients of the parameters a rank owns, packed (the
@@ -17,20 +21,85 @@ from __future__ import annotations
 
 import torch
 
-from raytrain_x.torch.gradient_layout import bucket_groups
+# A bucket's padding (the longest share times the ranks, over its elements) at most this
+# much over even; a bucket that cannot get there closes at STRETCH times the cap.
+SLACK = 0.02
+STRETCH = 4
 
 
-def owners(params: list[torch.Tensor], size: int) -> dict[int, int]:
-    """Which rank owns each parameter (by id): all of them shared out whole, the largest
-    first, each to the rank with the fewest elements so far (ties: the lowest rank), so
-    that the ranks' totals balance."""
-    load = [0] * size
+def _shares(params: list[torch.Tensor], size: int,
+            load: list[int]) -> tuple[dict[int, int], list[int]]:
+    """Owners (by id) of one bucket's parameters, the largest first, each to the rank with
+    the fewest elements in the bucket (ties: the fewest over the buckets before, `load`,
+    then the lowest rank); and each rank's elements in the bucket."""
+    mine = [0] * size
     owner: dict[int, int] = {}
     for p in sorted(params, key=lambda p: -p.numel()):
-        rank = min(range(size), key=lambda r: (load[r], r))
+        rank = min(range(size), key=lambda r: (mine[r], load[r], r))
         owner[id(p)] = rank
-        load[rank] += p.numel()
-    return owner
+        mine[rank] += p.numel()
+    return owner, mine
+
+
+def plan_buckets(params: list[torch.Tensor], cap_bytes: int,
+                 size: int) -> list[tuple[list[torch.Tensor], dict[int, int]]]:
+    """The buckets of `params` in backward order, each with its parameters' owners (see the
+    module's docstring)."""
+    load = [0] * size
+    plans: list[tuple[list[torch.Tensor], dict[int, int]]] = []
+    current: list[torch.Tensor] = []
+
+    def close() -> None:
+        owner, mine = _shares(current, size, load)
+        for r in range(size):
+            load[r] += mine[r]
+        plans.append((list(current), owner))
+        current.clear()
+
+    for p in reversed(params):
+        if current and (p.dtype != current[0].dtype or p.device != current[0].device):
+            close()
+        current.append(p)
+        nbytes = sum(q.numel() for q in current) * p.element_size()
+        if nbytes >= cap_bytes:
+            total = nbytes // p.element_size()
+            longest = max(_shares(current, size, load)[1])
+            if longest * size - total <= SLACK * total or nbytes >= STRETCH * cap_bytes:
+                close()
+    if current:
+        close()
+    _merge_uneven_tail(plans, size)
+    return plans
+
+
+def _padding(params: list[torch.Tensor], size: int) -> float:
+    total = sum(p.numel() for p in params)
+    return max(_shares(params, size, [0] * size)[1]) * size / max(1, total) - 1
+
+
+def _merge_uneven_tail(plans: list[tuple[list[torch.Tensor], dict[int, int]]],
+                       size: int) -> None:
+    """The last bucket (the first layers', often one embedding) closed short of the cap and
+    cannot take more: joined to the bucket before when that pads less."""
+    if len(plans) < 2 or _padding(plans[-1][0], size) <= SLACK:
+        return
+    (before, _), (last, _) = plans[-2], plans[-1]
+    if before[0].dtype != last[0].dtype or before[0].device != last[0].device:
+        return
+    joined = before + last
+    apart = sum(p.numel() for p in before) * _padding(before, size) + \
+        sum(p.numel() for p in last) * _padding(last, size)
+    if sum(p.numel() for p in joined) * _padding(joined, size) < apart:
+        del plans[-2:]
+        plans.append((joined, _shares(joined, size, _loads(plans, size))[0]))
+
+
+def _loads(plans: list[tuple[list[torch.Tensor], dict[int, int]]], size: int) -> list[int]:
+    load = [0] * size
+    for group, owner in plans:
+        for p in group:
+            load[owner[id(p)]] += p.numel()
+    return load
 
 
 class ShardedBucket:
@@ -119,8 +188,6 @@ class ShardedBucket:
 
 def make_buckets(params: list[torch.Tensor], cap_bytes: int, size: int, rank: int,
                  grads_in_place: bool) -> list[ShardedBucket]:
-    """The buckets of `params` (one dtype and device each, up to `cap_bytes`), their
-    parameters owned as `owners` shares them out over all the buckets."""
-    owner = owners(params, size)
+    """The buckets of `params` as `plan_buckets` lays them out."""
     return [ShardedBucket(i, group, size, rank, grads_in_place, owner)
-            for i, group in enumerate(bucket_groups(params, cap_bytes))]
+            for i, (group, owner) in enumerate(plan_buckets(params, cap_bytes, size))]

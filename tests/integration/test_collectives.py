@@ -70,6 +70,17 @@ def _all_ops(threshold_mb: float) -> dict:
     expected = torch.cat([torch.arange(sum(splits[:r]), sum(splits[: r + 1]),
                                        dtype=torch.float32) + 100 * k for k in range(n)])
     assert torch.equal(out, expected)
+    # reducescatter of equal shares (the transport's own reduce-scatter), every dtype, and
+    # with an average and prescaling
+    for dtype in DTYPES + [torch.int16]:
+        everyone = [_value(k, (2 * n, 3), dtype) for k in range(n)]
+        total = sum(e.to(torch.float64) for e in everyone)
+        mine = everyone[r].clone()
+        rs = rx.reducescatter(mine, op=rx.Sum, name=f"rs.{dtype}")
+        assert rs.dtype == dtype and torch.equal(rs.to(torch.float64), total[2 * r:2 * r + 2])
+        assert torch.equal(mine, everyone[r])  # the input is left as it was
+    rs = rx.reducescatter(torch.ones(2 * n, 2) * (r + 1), op=rx.Average, prescale_factor=2.0)
+    assert torch.allclose(rs, torch.full((2, 2), 2.0 * sum(range(1, n + 1)) / n))
     # reducescatter with an uneven first dimension
     rs = rx.reducescatter(torch.ones(2 * n + 1, 2) * (r + 1), op=rx.Sum)
     assert rs.shape[0] == (3 if r == 0 else 2) if n > 1 else rs.shape[0] == 3

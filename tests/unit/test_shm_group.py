@@ -183,6 +183,40 @@ def test_allgather_shards_gives_every_rank_every_shard(size, count):
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("size,share", [(2, 3000), (3, 1501), (4, 1), (1, 7)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int64])
+def test_reduce_scatter_gives_each_rank_its_share_of_the_sum(size, share, dtype):
+    """Shares spanning many chunks of a small slot, a ragged last chunk, one element each;
+    the input is left as it was."""
+    inputs = [_inputs(r, size * share, dtype) for r in range(size)]
+    want = inputs[0].clone()
+    for t in inputs[1:]:
+        want = (want + t).to(dtype)
+
+    def body(group, r):
+        t = inputs[r].clone()
+        out = torch.empty(share, dtype=dtype)
+        group.reduce_scatter(t, out)
+        return out, torch.equal(t, inputs[r])
+
+    for r, got in enumerate(_run(size, body)):
+        assert not isinstance(got, BaseException), got
+        out, untouched = got
+        assert untouched
+        assert torch.equal(out, want[r * share:(r + 1) * share])
+
+
+def test_reduce_scatter_rejects_shares_that_do_not_fit():
+    def body(group, r):
+        for inp, out in ((torch.zeros(6), torch.zeros(4)), (torch.zeros(7), torch.zeros(3)),
+                         (torch.zeros(6), torch.zeros(3, dtype=torch.float64))):
+            with pytest.raises(ValueError, match="one share of the input"):
+                group.reduce_scatter(inp, out)
+        return True
+
+    assert _run(2, body) == [True, True]
+
+
 @pytest.mark.parametrize("size", [2, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64])
 def test_allreduce_many_equals_one_allreduce_of_the_concatenation(size, dtype):
