@@ -236,6 +236,10 @@ class TorchGroup(Group):
             out.copy_(host)
             return
         pg = self._backend(tensor)
+        rows = tensor.shape[0]
+        if out[self.rank * rows:(self.rank + 1) * rows].data_ptr() == tensor.data_ptr() \
+                and pg is self._gloo:
+            tensor = tensor.clone()  # gloo copies the input into its slot: not onto itself
         moved, out_moved = _moved(tensor), _moved(out)
         opts = _AllgatherOptions()
         opts.timeout = self._timeout

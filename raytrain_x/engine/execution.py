@@ -183,7 +183,10 @@ class CollectiveRunner:
         longest = max(dims)
         if min(dims) == longest and not (knobs.hierarchical_allgather
                                          and self.transport.multi_level()):
-            out = ops.empty((longest * len(dims), *tensor.shape[1:]), dtype, device)
+            shape = (longest * len(dims), *tensor.shape[1:])
+            out = req.output
+            if out is None or tuple(out.shape) != shape or not ops.is_contiguous(out):
+                out = ops.empty(shape, dtype, device)
             self._timed(resp.name, "ALLGATHER",
                         lambda: self.transport.allgather_into(out, tensor, pset))
             return [out]

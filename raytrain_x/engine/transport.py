@@ -194,7 +194,9 @@ class Transport:
         shm = self._shm_of(pset)
         if shm is not None and fits_shm(out) and fits_shm(array):
             rows = array.shape[0]
-            out[pset.rank() * rows:(pset.rank() + 1) * rows] = array
+            mine = out[pset.rank() * rows:(pset.rank() + 1) * rows]
+            if not _same_memory(mine, array):
+                mine[...] = array
             _shm_call(shm.allgather_shards, out)
         else:
             pset.group.allgather_into(out, array)
@@ -249,6 +251,14 @@ def _shm_allgather(shm: ShmGroup, array: Any) -> Any:
     work[shm.rank * n:(shm.rank + 1) * n] = array.reshape(-1)
     _shm_call(shm.allgather_shards, work)
     return work.reshape(shm.size, *array.shape)
+
+
+def _same_memory(a: Any, b: Any) -> bool:
+    """True when `b` is `a`'s very memory (an allgather's input already in its slot)."""
+    pointer = getattr(a, "data_ptr", None)
+    if pointer is not None:
+        return a.data_ptr() == b.data_ptr() and a.shape == b.shape
+    return a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
 
 
 def fits_shm(array: Any) -> bool:

@@ -192,6 +192,16 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
     return request.handle
 
 
+def allgather_into_async(tensor: torch.Tensor, output: torch.Tensor, name: str,
+                         process_set: ProcessSet = global_process_set) -> Handle:
+    """An allgather of equally shaped tensors written into `output` (`tensor` may be this
+    member's own slice of it); the handle gives `output`, or a new tensor where the engine
+    took a route that cannot write in place (the caller copies it then)."""
+    request = allgather_request(tensor, op_name(ALLGATHER, name), process_set, output=output)
+    _core.submit_many([request])
+    return request.handle
+
+
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
                             process_set: ProcessSet = global_process_set) -> Handle:
     """Starts allgathers of several tensors in one cycle; one handle gives the list.

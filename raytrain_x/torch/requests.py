@@ -127,8 +127,10 @@ def allreduce_request(
     return request, request.handle
 
 
-def allgather_request(tensor: torch.Tensor, name: str,
-                       process_set: ProcessSet) -> Request:
+def allgather_request(tensor: torch.Tensor, name: str, process_set: ProcessSet,
+                      output: torch.Tensor | None = None) -> Request:
+    """`output`, where given, receives the result when every member's dim 0 is the same
+    (the handle then gives `output` itself)."""
     tensor = check_tensor(tensor, "allgather").detach()
     if tensor.dim() == 0:
         tensor = tensor.reshape(1)
@@ -136,7 +138,9 @@ def allgather_request(tensor: torch.Tensor, name: str,
     meta = Meta(ALLGATHER, checked_dtype(tensor), tuple(tensor.shape),
                 process_set_id=registered_id(process_set), device=tensor.device.type,
                 framework="torch")
-    return _core.request(name, meta, tensor)
+    request = _core.request(name, meta, tensor)
+    request.output = output
+    return request
 
 
 def reducescatter_request(tensor: torch.Tensor, name: str, op: str | None,

@@ -136,6 +136,7 @@ class ShardedBucket:
         self.shard_grads = (None if grads_in_place else
                             torch.zeros(self.owned_numel, dtype=first.dtype,
                                         device=first.device))
+        self.pass_grads: torch.Tensor | None = None  # stage 2: this pass's, until reduced
         self.ready = 0  # gradients (times backward passes) ready since the last reduction
         self.reduced_passes = 0  # stage 2: passes already reduced into shard_grads
 
@@ -170,14 +171,25 @@ class ShardedBucket:
                 view.zero_()
             p.grad = view
 
+    def take_grad(self, p: torch.Tensor) -> None:
+        """Stage 2: `p`'s gradient of this backward pass, copied into the bucket's buffer for
+        the pass as soon as it is ready and dropped, so that a pass holds one bucket's
+        gradients at a time, not every parameter's."""
+        if self.pass_grads is None:
+            self.pass_grads = torch.zeros_like(self.flat_params)
+        if p.grad is not None:
+            self.view(self.pass_grads, p).copy_(p.grad)
+            p.grad = None
+
     def gathered_grads(self) -> torch.Tensor:
-        """Stage 2: a fresh flat buffer of this bucket's gradients as backward left them
-        (zeros for a parameter without one); the parameters' own gradients are dropped."""
-        flat = torch.zeros_like(self.flat_params)
+        """Stage 2: this pass's buffer, handed over (zeros for a parameter without a
+        gradient), with any gradient still on a parameter copied in and dropped."""
         for p in self.params:
             if p.grad is not None:
-                self.view(flat, p).copy_(p.grad)
-                p.grad = None
+                self.take_grad(p)
+        flat = self.pass_grads if self.pass_grads is not None else \
+            torch.zeros_like(self.flat_params)
+        self.pass_grads = None
         return flat
 
     def point_owned_grads(self) -> None:

@@ -26,7 +26,11 @@ from raytrain_x.core import runtime
 from raytrain_x.core.collectives import Max, Sum, predivided, synchronize
 from raytrain_x.core.objects import allgather_object
 from raytrain_x.engine.messages import Handle
-from raytrain_x.torch.async_ops import allgather_async, allreduce_async_, reducescatter_async
+from raytrain_x.torch.async_ops import (
+    allgather_into_async,
+    allreduce_async_,
+    reducescatter_async,
+)
 from raytrain_x.torch.hooked_optimizer import HookedOptimizer, grad_ready_hooks
 from raytrain_x.torch.zero_layout import ShardedBucket, make_buckets
 
@@ -79,6 +83,7 @@ class ShardedOptimizer(HookedOptimizer):
                               "with gradient accumulation pass backward_passes_per_step")
         bucket.ready += 1
         if self._stage == 2:
+            bucket.take_grad(p)
             if bucket.ready >= len(bucket.params):  # one backward pass of the whole bucket
                 bucket.ready = 0
                 flat = bucket.gathered_grads()  # this pass's gradients, theirs dropped
@@ -169,21 +174,17 @@ class ShardedOptimizer(HookedOptimizer):
         return loss
 
     def _gather_params(self) -> None:
-        """Allgathers each bucket's updated parameters into place, two buckets in flight at
-        most: each gathered copy is a bucket's size, and it is freed once copied."""
-        def start(bucket: ShardedBucket) -> Handle:
-            return allgather_async(bucket.my_params_segment(),
-                                   name=f"zero.{self._prefix}.ag{bucket.index}",
-                                   process_set=self._process_set)
-
-        pending = [start(b) for b in self._buckets[:2]]
+        """Allgathers every bucket's updated parameters straight into its flat buffer, all
+        buckets in flight at once (no gathered copies)."""
+        handles = [allgather_into_async(b.my_params_segment(), b.flat_params,
+                                        name=f"zero.{self._prefix}.ag{b.index}",
+                                        process_set=self._process_set)
+                   for b in self._buckets]
         with torch.no_grad():
-            for i, bucket in enumerate(self._buckets):
-                gathered = synchronize(pending.pop(0))
-                if i + 2 < len(self._buckets):
-                    pending.append(start(self._buckets[i + 2]))
-                bucket.flat_params.copy_(gathered)
-                del gathered
+            for bucket, handle in zip(self._buckets, handles):
+                gathered = synchronize(handle)
+                if gathered.data_ptr() != bucket.flat_params.data_ptr():  # another route
+                    bucket.flat_params.copy_(gathered)
 
     def _local_optimizer(self) -> torch.optim.Optimizer:
         """An instance of the user's optimizer class over the parameters this rank owns,

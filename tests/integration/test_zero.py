@@ -69,14 +69,16 @@ def _check_same(reference: dict, out: dict, where: str) -> None:
                                        atol=1e-6, msg=f"{where} state {index} {key}")
 
 
-@pytest.mark.parametrize("size", [2, 3])
-def test_stages_1_and_2_train_to_the_unsharded_weights(size):
+@pytest.mark.parametrize("size,transport", [(2, "shm"), (3, "gloo")])
+def test_stages_1_and_2_train_to_the_unsharded_weights(size, transport):
     """SGD with momentum, Adam and AdamW, two param groups, an lr scheduler, 20 steps (and
     Adam with 3 backward passes a step): stages 1 and 2 end at stage 0's weights on every
-    rank, and their consolidated state equals stage 0's."""
+    rank, and their consolidated state equals stage 0's; reduce-scatters and in-place
+    allgathers through shared memory, or through gloo."""
     runs = [(kind, stage, 20, 1) for kind in ("sgd", "adam", "adamw") for stage in (0, 1, 2)]
     runs += [("adam", stage, 6, 3) for stage in (0, 1, 2)]
-    results = run_workers(_every_way, size, runs, work_s=40)
+    env = {"RAYTRAIN_X_SHM": "1" if transport == "shm" else "0"}
+    results = run_workers(_every_way, size, runs, env=env, work_s=40)
     for kind, stage, steps, passes in runs:
         if stage:
             for rank, out in enumerate(results):
