@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import resource
+import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -82,12 +84,30 @@ def _worker(rank: int, size: int, port: int, way: str, args, queue) -> None:
                                       named_parameters=model.named_parameters(),
                                       zero_stage=int(way[2:]))
 
+    phases: dict[str, list[float]] = {"backward": [], "reduce wait": [], "step": []}
+
+    def mark(phase: str, began: float) -> float:
+        if cuda:
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        phases[phase].append(now - began)
+        return now
+
     def step():
+        began = time.perf_counter()
         opt.zero_grad()
         logits = net(ids)
         torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                           targets.reshape(-1)).backward()
-        opt.step()
+        if way.startswith("rx"):  # where the time goes: backward (reductions start in it),
+            began = mark("backward", began)  # waiting for them, the step (and allgather)
+            opt.synchronize()
+            began = mark("reduce wait", began)
+            with opt.skip_synchronize():
+                opt.step()
+            mark("step", began)
+        else:
+            opt.step()
         if cuda:
             torch.cuda.synchronize()
 
@@ -95,7 +115,8 @@ def _worker(rank: int, size: int, port: int, way: str, args, queue) -> None:
     peak = (torch.cuda.max_memory_allocated() / 2**20 if cuda else
             resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     out = {"step_s": seconds, "state_bytes": _state_bytes(opt),
-           "grad_bytes": _grad_bytes(model, opt), "peak_mb": peak}
+           "grad_bytes": _grad_bytes(model, opt), "peak_mb": peak,
+           **{f"{k} ms": 1000 * statistics.median(v) for k, v in phases.items() if v}}
     every = [None] * size
     dist.all_gather_object(every, out)
     if rank == 0:
@@ -112,9 +133,15 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--ddp-buckets", type=float, nargs="+", default=[25.0, 100.0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--ways", nargs="+", default=None,
+                        help="run only these ways and print their figures")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     ways = [f"ddp{c:g}" for c in args.ddp_buckets] + ["zero_ddp", "rx0", "rx1", "rx2"]
+    if args.ways:  # a subset, to look at one way (the ratios need every way)
+        for way in args.ways:
+            print(f"{way}: {run_ranks(_worker, 2, way, args)}", flush=True)
+        return
     results = {}
     for way in ways:
         results[way] = run_ranks(_worker, 2, way, args)

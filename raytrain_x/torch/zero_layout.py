@@ -163,13 +163,16 @@ class ShardedBucket:
         """Stage 1: `p.grad` back to its view (after a `model.zero_grad()` set it to None
         and backward made a new tensor), keeping the gradient's value; no gradient at all
         this step is zeros, as Horovod sends."""
+        grad = p.grad
+        if grad is not None and grad.data_ptr() == self.flat_grads.data_ptr() + \
+                self.offsets[p] * grad.element_size() and grad.shape == p.shape:
+            return  # already its view (each call of `view` makes a new tensor object)
         view = self.view(self.flat_grads, p)
-        if p.grad is not view:
-            if p.grad is not None:
-                view.copy_(p.grad)
-            else:
-                view.zero_()
-            p.grad = view
+        if grad is not None:
+            view.copy_(grad)
+        else:
+            view.zero_()
+        p.grad = view
 
     def take_grad(self, p: torch.Tensor) -> None:
         """Stage 2: `p`'s gradient of this backward pass, copied into the bucket's buffer for
