@@ -89,6 +89,7 @@ class ShardedOptimizer(HookedOptimizer):
                 flat = bucket.gathered_grads()  # this pass's gradients, theirs dropped
                 self._finish_pending(bucket)
                 self._handles[bucket] = self._reduce(bucket, flat)
+                self._take_finished()
         elif bucket.ready >= len(bucket.params) * self.backward_passes_per_step:
             bucket.ready = 0
             self._handles[bucket] = self._reduce(bucket, bucket.flat_grads)
@@ -107,6 +108,13 @@ class ShardedOptimizer(HookedOptimizer):
         handle = self._handles.pop(bucket, None)
         if handle is not None:
             self._take(bucket, synchronize(handle))
+
+    def _take_finished(self) -> None:
+        """Stage 2: the reductions already done, into their shards, so that their pass
+        buffers are freed during backward rather than all at `synchronize()`."""
+        for bucket, handle in list(self._handles.items()):
+            if handle.done():
+                self._finish_pending(bucket)
 
     def _take(self, bucket: ShardedBucket, reduced: torch.Tensor) -> None:
         """This rank's reduced segment of a bucket, into the owned parameters' gradients."""
