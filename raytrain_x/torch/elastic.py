@@ -12,6 +12,7 @@ import torch
 
 from raytrain_x.common.errors import ConfigError
 from raytrain_x.core.objects import allgather_object
+from raytrain_x.core.process_sets import global_process_set
 from raytrain_x.core.runtime import rank, size
 from raytrain_x.elastic.state import ObjectState, State, restore_count, run
 from raytrain_x.torch.functions import (
@@ -19,6 +20,7 @@ from raytrain_x.torch.functions import (
     broadcast_optimizer_state,
     broadcast_parameters,
 )
+from raytrain_x.torch.zero_elastic import ShardedCommits
 from raytrain_x.torch.zero_optimizer import ShardedOptimizer
 
 
@@ -127,20 +129,24 @@ def _kind(value: Any) -> str:
 class TorchState(ObjectState):
     """Models, optimizers, `ElasticSampler`s and plain attributes, committed by deep copy.
 
+    A sharded optimizer (`DistributedOptimizer(..., zero_stage=1 | 2)`) is committed as
+    shards: each rank keeps its own and copies of `replicas` peers' (on other nodes first),
+    and at a new round the state is rebuilt from the survivors' copies and re-sharded for
+    the new world, in memory (`raytrain_x.torch.zero_elastic`).
+
     Args:
         model: the module whose `state_dict` is committed and synced.
         optimizer: the optimizer whose state is committed and synced.
+        replicas: how many peers keep a copy of each rank's optimizer shard (sharded
+            optimizers only): the job survives the loss of that many workers at once, or
+            of a node's workers when the copies sit on other nodes.
         **kwargs: more modules, optimizers or samplers (by any name: a GAN's two models),
             and plain attributes (epoch, batch, ...), as in `ObjectState`.
     """
 
     def __init__(self, model: torch.nn.Module | None = None,
-                 optimizer: torch.optim.Optimizer | None = None, **kwargs: Any) -> None:
-        for value in (optimizer, *kwargs.values()):
-            if isinstance(value, ShardedOptimizer):
-                raise ConfigError("elastic training keeps a sharded optimizer (zero_stage=1 "
-                                  "or 2) only for one world, and a new round can change it: "
-                                  "use zero_stage=0 with TorchState")
+                 optimizer: torch.optim.Optimizer | None = None, replicas: int = 1,
+                 **kwargs: Any) -> None:
         self.model = model
         self.optimizer = optimizer
         handled = {"model": model, "optimizer": optimizer,
@@ -148,20 +154,67 @@ class TorchState(ObjectState):
         self._handled = {k: v for k, v in handled.items() if v is not None}
         for name, value in self._handled.items():
             setattr(self, name, value)
+        sharded = {k: v for k, v in self._handled.items() if isinstance(v, ShardedOptimizer)}
+        self._commits: ShardedCommits | None = None
+        if sharded:
+            if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
+                raise ConfigError(f"replicas must be an int >= 1 (copies of each rank's "
+                                  f"optimizer shard), got {replicas!r}")
+            for name, opt in sharded.items():
+                if opt._process_set is not global_process_set:
+                    raise ConfigError(f"elastic training re-shards {name!r} over the whole "
+                                      "world: build it without a process_set")
+            self._commits = ShardedCommits(sharded, replicas)
         self._handled_state: dict[str, Any] = {}
         super().__init__(bcast_object=broadcast_object, get_rank=rank,
                          **{k: v for k, v in kwargs.items() if k not in self._handled})
         self._save_handled()
 
+    def _copies(self) -> dict[str, Any]:
+        """A deep copy of everything but the sharded optimizers' state: the modules',
+        unsharded optimizers' and samplers' state dicts, the sharded optimizers' param
+        groups (their settings: an lr scheduler changes them), the plain attributes."""
+        handled = {}
+        for name, value in self._handled.items():
+            if isinstance(value, ShardedOptimizer):
+                handled[name] = [{k: v for k, v in g.items() if k != "params"}
+                                 for g in value.param_groups]
+            else:
+                handled[name] = value.state_dict()
+        return copy.deepcopy({"handled": handled, "attributes": self._values()})
+
+    def _load(self, copies: dict[str, Any]) -> None:
+        copies = copy.deepcopy(copies)
+        for name, value in self._handled.items():
+            saved = copies["handled"].get(name)
+            if saved is None:
+                continue
+            if isinstance(value, ShardedOptimizer):
+                for group, settings in zip(value.param_groups, saved):
+                    group.update(settings)
+            else:
+                value.load_state_dict(saved)
+        for name, value in copies["attributes"].items():
+            setattr(self, name, value)
+
     def _save_handled(self) -> None:
+        if self._commits is not None:
+            self._commits.taken.copies = self._copies()
+            return
         self._handled_state = {name: copy.deepcopy(value.state_dict())
                                for name, value in self._handled.items()}
 
     def save(self) -> None:
+        if self._commits is not None:
+            self._commits.commit(self._copies())
+            return
         self._save_handled()
         super().save()
 
     def restore(self) -> None:
+        if self._commits is not None:  # the shards come back at the next round's sync
+            self._load(self._commits.taken.copies)
+            return
         for name, value in self._handled.items():
             saved = self._handled_state.get(name)
             if saved is not None:
@@ -169,27 +222,58 @@ class TorchState(ObjectState):
         super().restore()
 
     def sync(self) -> None:
+        if self._commits is not None:
+            self._sync_sharded()
+            return
         for name, value in self._handled.items():
             kind = _kind(value)
             if kind == "model":
                 broadcast_parameters(value.state_dict(), root_rank=0)
             elif kind == "optimizer":
                 broadcast_optimizer_state(value, root_rank=0)
-            else:  # a sampler: rank 0's epoch and progress
-                # `record_batch` records the whole world's rows on every rank, so rank 0's
-                # committed set is complete and matches the rest of its state. Survivors
-                # may have committed one step more than rank 0 (a peer died between their
-                # commits); a union would mark that step's samples done while rank 0's
-                # model never saw them (found by tools/chaos.py: an epoch missed
-                # samples). Only records each rank kept alone (`record_indices`, Horovod's
-                # way) are combined.
-                seen = allgather_object((value.processed_indices, value.rank_local_records),
-                                        name=f"elastic.{name}")
-                state = value.state_dict()
-                if any(local for _, local in seen):
-                    state["processed_indices"] = set().union(*(p for p, _ in seen))
-                value.load_state_dict(broadcast_object(state, 0, name=f"elastic.{name}"))
+            else:
+                self._sync_sampler(name, value, 0)
         super().sync()  # plain attributes, then save() commits everything
+
+    def _sync_sampler(self, name: str, value: ElasticSampler, root: int) -> None:
+        """The root's epoch and progress. `record_batch` records the whole world's rows on
+        every rank, so the root's committed set is complete and matches the rest of its
+        state. Survivors may have committed one step more than the root (a peer died
+        between their commits); a union would mark that step's samples done while the
+        root's model never saw them (found by tools/chaos.py: an epoch missed samples).
+        Only records each rank kept alone (`record_indices`, Horovod's way) are combined."""
+        seen = allgather_object((value.processed_indices, value.rank_local_records),
+                                name=f"elastic.{name}")
+        state = value.state_dict()
+        if any(local for _, local in seen):
+            state["processed_indices"] = set().union(*(p for p, _ in seen))
+        value.load_state_dict(broadcast_object(state, root, name=f"elastic.{name}"))
+
+    def _sync_sharded(self) -> None:
+        """The newest whole generation: the optimizers re-sharded from the survivors'
+        copies, the rest from the lowest rank that holds it; then a commit in the new
+        world (which places the copies anew)."""
+        plan = self._commits.restore()
+        if rank() == plan.root:
+            self._load(self._commits.taken.copies)
+        for name, value in self._handled.items():
+            kind = _kind(value)
+            if kind == "model":
+                broadcast_parameters(value.state_dict(), root_rank=plan.root)
+            elif isinstance(value, ShardedOptimizer):
+                groups = [{k: v for k, v in g.items() if k != "params"}
+                          for g in value.param_groups]
+                for group, settings in zip(value.param_groups, broadcast_object(
+                        groups, plan.root, name=f"elastic.{name}.groups")):
+                    group.update(settings)
+            elif kind == "optimizer":
+                broadcast_optimizer_state(value, root_rank=plan.root)
+            else:
+                self._sync_sampler(name, value, plan.root)
+        values = broadcast_object(self._values(), plan.root, name="elastic.object_state")
+        for name, value in values.items():
+            setattr(self, name, value)
+        self.save()
 
 
 __all__ = ["ElasticSampler", "ObjectState", "State", "TorchState", "restore_count", "run"]

@@ -15,6 +15,7 @@ every rank of the process set must call it, as every rank calls a collective.
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import math
 from typing import Any
@@ -49,22 +50,59 @@ class ShardedOptimizer(HookedOptimizer):
         self._process_set = process_set
         self.backward_passes_per_step = backward_passes_per_step
         self._take_parameters(named_parameters, "zero")
-        self._member = process_set.ranks is None or runtime.rank() in process_set.ranks
-        size = process_set.size() if self._member else 1
-        rank = process_set.rank() if self._member else 0
-        cap = int((bucket_cap_mb or DEFAULT_BUCKET_MB) * 2**20)
-        self._buckets = make_buckets(self._requires_update, cap, size, rank,
-                                     grads_in_place=stage == 1)
-        self._bucket_of = {p: b for b in self._buckets for p in b.params}
-        self._owned = {p for b in self._buckets for p in b.mine}
+        self._cap = int((bucket_cap_mb or DEFAULT_BUCKET_MB) * 2**20)
         self._handles: dict[ShardedBucket, Handle] = {}
         self._local: torch.optim.Optimizer | None = None
         self._synchronized = False  # synchronize() ran by hand before step()
         self._prefix = self._names[self._requires_update[0]] if self._requires_update else ""
-        if stage == 1:
+        self._lay_out()
+        self._hooks = grad_ready_hooks(self, self._requires_update)
+
+    def _lay_out(self) -> None:
+        """Buckets and owners for the world as it is now (the parameters keep their values,
+        in new flat buffers); gradients and reductions under way are dropped."""
+        pset = self._process_set
+        self._member = pset.ranks is None or runtime.rank() in pset.ranks
+        size = pset.size() if self._member else 1
+        rank = pset.rank() if self._member else 0
+        self._handles.clear()
+        self._buckets = make_buckets(self._requires_update, self._cap, size, rank,
+                                     grads_in_place=self._stage == 1)
+        self._bucket_of = {p: b for b in self._buckets for p in b.params}
+        self._owned = {p for b in self._buckets for p in b.mine}
+        self._owner = {p: r for b in self._buckets for r, ps in enumerate(b.owned_by)
+                       for p in ps}
+        if self._stage == 1:
             for bucket in self._buckets:
                 bucket.attach_grads()
-        self._hooks = grad_ready_hooks(self, self._requires_update)
+        self._reset_passes()
+
+    # ------------------------------------------------------------------ elastic
+    def _indexed(self) -> list[torch.Tensor]:
+        """The parameters in `state_dict()`'s order (its state's keys are these indices)."""
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def shard_state(self) -> dict[int, dict[str, Any]]:
+        """This rank's optimizer state, by parameter index, copied to host memory."""
+        local = self._local.state if self._local is not None else self.state
+        return {i: {k: (v.detach().to("cpu", copy=True) if torch.is_tensor(v)
+                        else copy.deepcopy(v)) for k, v in local[p].items()}
+                for i, p in enumerate(self._indexed()) if p in self._owned and p in local}
+
+    def owners_by_index(self) -> dict[int, int]:
+        """Which rank of the process set owns each parameter (by index) in this layout."""
+        return {i: self._owner[p] for i, p in enumerate(self._indexed()) if p in self._owner}
+
+    def reshard(self, states: dict[int, dict[str, Any]]) -> None:
+        """After an elastic reset: the layout for the new world, and `states` (by parameter
+        index: those of the parameters this rank owns now) as this rank's optimizer state."""
+        self._lay_out()
+        self._local = None
+        self.state.clear()
+        for i, p in enumerate(self._indexed()):
+            if i in states and p in self._owned:
+                self.state[p] = {k: (v.to(p.device) if torch.is_tensor(v) and k != "step"
+                                     else v) for k, v in states[i].items()}
 
     # ------------------------------------------------------------------ backward
     def _on_grad_ready(self, p: torch.Tensor) -> None:

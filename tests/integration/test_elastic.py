@@ -30,9 +30,10 @@ SAMPLES = 50  # the sampler's dataset: 40 steps of 2 or 3 workers run one to thr
 
 
 def _elastic_train(steps: int, pause: float, bad_node: str | None = None,
-                   progress: str | None = None) -> dict:
+                   progress: str | None = None, zero_stage: int = 0) -> dict:
     """The ledger job (`raytrain_x.testing.jobs.torch_ledger`); a worker on `bad_node` fails
-    right after its `init()`: a host that keeps failing."""
+    right after its `init()`: a host that keeps failing. With `zero_stage`, a sharded Adam
+    (its shards kept in memory through every change of world)."""
     import os
 
     import raytrain_x.torch as rx
@@ -42,7 +43,8 @@ def _elastic_train(steps: int, pause: float, bad_node: str | None = None,
     if bad_node is not None and ray.get_runtime_context().get_node_id() == bad_node:
         time.sleep(0.5)
         os._exit(1)
-    return ledger_train(steps, pause, progress=progress, samples=SAMPLES)
+    return ledger_train(steps, pause, progress=progress, samples=SAMPLES,
+                        zero_stage=zero_stage)
 
 
 def _executor(min_workers: int, max_workers: int, timeout_s: float = 10,
@@ -114,10 +116,12 @@ def _check_committed_history(results: list[dict], steps: int = STEPS) -> None:
 
 
 def test_killed_worker_actor_training_finishes(elastic_nodes, tmp_path):
+    """With a sharded optimizer (zero_stage=1): the dead worker's shard is rebuilt from its
+    copy on a survivor and re-sharded over the two left."""
     elastic_nodes(3)
     executor = _executor(2, 3)
     progress = tmp_path / "progress"
-    job = _Job(executor, STEPS, 0.1, None, str(progress))
+    job = _Job(executor, STEPS, 0.1, None, str(progress), 1)
     job.wait_until(lambda: job.trained(progress, 10, 3),  # mid-epoch, 3 workers
                    "rank 0 to commit 10 steps with 3 workers")
     ray.kill(_youngest(executor).actor, no_restart=True)
@@ -133,10 +137,11 @@ def test_killed_worker_actor_training_finishes(elastic_nodes, tmp_path):
 
 
 def test_removed_node_survivors_continue(cluster, elastic_nodes, tmp_path):
+    """With sharded optimizer state and gradients (zero_stage=2)."""
     nodes = elastic_nodes(3)
     executor = _executor(2, 3)
     progress = tmp_path / "progress"
-    job = _Job(executor, STEPS, 0.1, None, str(progress))
+    job = _Job(executor, STEPS, 0.1, None, str(progress), 2)
     job.wait_until(lambda: job.trained(progress, 10, 3),
                    "rank 0 to commit 10 steps with 3 workers")
     victim = _youngest(executor)
@@ -150,10 +155,12 @@ def test_removed_node_survivors_continue(cluster, elastic_nodes, tmp_path):
 
 
 def test_added_node_joins_at_the_next_commit(elastic_nodes, tmp_path):
+    """With a sharded optimizer (zero_stage=1): the newcomer receives its shard of the
+    state re-sharded over three."""
     elastic_nodes(2)
     executor = _executor(2, 3)
     progress = tmp_path / "progress"
-    job = _Job(executor, 2 * STEPS, 0.1, None, str(progress))
+    job = _Job(executor, 2 * STEPS, 0.1, None, str(progress), 1)
     job.wait_until(lambda: job.trained(progress, 5, 2),
                    "rank 0 to commit 5 steps with 2 workers")
     elastic_nodes(1)

@@ -44,7 +44,8 @@ def ledger_errors(ranks: list[dict], steps: int | None = None,
 
     Every rank committed steps 0..n-1 once each (n = `steps` when given, else the ranks'
     agreed count); every epoch a rank finished saw each of `samples` once, and the epoch
-    under way no sample twice; every rank ends with the same weights."""
+    under way no sample twice; every rank ends with the same weights (and, for a sharded
+    optimizer, with every parameter's optimizer step count equal to the steps)."""
     if not ranks:
         return ["no rank finished"]
     errors = []
@@ -68,4 +69,9 @@ def ledger_errors(ranks: list[dict], steps: int | None = None,
                 errors.append(f"rank {r['rank']}: a sample twice in the epoch under way")
     if any(r["weight"] != ranks[0]["weight"] for r in ranks):
         errors.append("the ranks' weights differ")
+    for r in ranks:
+        if "optimizer_steps" in r and r["optimizer_steps"] != [n]:
+            errors.append(f"rank {r['rank']}: the optimizer's step counts are "
+                          f"{r['optimizer_steps']}, not [{n}]: its state was not the "
+                          "committed one")
     return errors

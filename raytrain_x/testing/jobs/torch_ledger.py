@@ -10,13 +10,17 @@ from raytrain_x.testing.jobs.ledger import SAMPLES, write_progress
 
 
 def ledger_train(steps: int | None = None, pause: float = 0.05, *, stop: str | None = None,
-                 progress: str | None = None, samples: int = SAMPLES) -> dict:
+                 progress: str | None = None, samples: int = SAMPLES,
+                 zero_stage: int = 0) -> dict:
     """Trains a small torch model elastically, one commit per step, until `steps` steps are
     committed or the `stop` file exists (every rank agrees at the same step).
 
     Each step takes one sample per rank from an `ElasticSampler` (which re-shards what is
     left of the epoch at a reset), records every rank's sample (`seen`), and appends the
     step to the committed ledger (`done_steps`). Rank 0 writes "step size" to `progress`.
+    With `zero_stage` 1 or 2 the optimizer is a sharded Adam, whose per-parameter step
+    counts (`optimizer_steps`, from the consolidated state) must equal the committed steps:
+    a shard lost or restored from the wrong commit shows there.
     """
     import torch
 
@@ -24,9 +28,11 @@ def ledger_train(steps: int | None = None, pause: float = 0.05, *, stop: str | N
 
     rx.init()
     torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    opt = rx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
-                                  named_parameters=model.named_parameters())
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 1))
+    inner = (torch.optim.Adam(model.parameters(), lr=0.01) if zero_stage else
+             torch.optim.SGD(model.parameters(), lr=0.01))
+    opt = rx.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
+                                  zero_stage=zero_stage)
     sampler = rx.elastic.ElasticSampler(range(samples), seed=1)
     state = rx.elastic.TorchState(model, opt, sampler=sampler, step=0, done_steps=[],
                                   sizes=[], epoch=0, seen={0: []})
@@ -66,10 +72,14 @@ def ledger_train(steps: int | None = None, pause: float = 0.05, *, stop: str | N
             state.commit()
             if progress and rx.rank() == 0:
                 write_progress(progress, state.step, rx.size())
-        return {"step": state.step, "done_steps": list(state.done_steps),
-                "sizes": list(state.sizes), "rank": rx.rank(), "seen": dict(state.seen),
-                "weight": model.weight.detach().flatten().tolist()
-                + model.bias.detach().tolist(),
-                "restores": rx.elastic.restore_count()}
+        result = {"step": state.step, "done_steps": list(state.done_steps),
+                  "sizes": list(state.sizes), "rank": rx.rank(), "seen": dict(state.seen),
+                  "weight": [x for p in model.parameters()
+                             for x in p.detach().flatten().tolist()],
+                  "restores": rx.elastic.restore_count()}
+        if zero_stage:  # every rank calls the consolidated state_dict
+            result["optimizer_steps"] = sorted(
+                {int(s["step"]) for s in opt.state_dict()["state"].values()})
+        return result
 
     return train(state)
