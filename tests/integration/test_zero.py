@@ -156,23 +156,25 @@ def _bad(arguments: list[dict]) -> list[str]:
     return messages
 
 
-def _elastic_refused() -> str:
+def _elastic_bad_replicas() -> list[str]:
     import raytrain_x.torch as rx
 
     rx.init()
     model = torch.nn.Linear(2, 2)
     opt = rx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), zero_stage=1)
-    try:
-        rx.elastic.TorchState(model, opt)
-    except rx.ConfigError as exc:
-        return str(exc)
-    return "no error"
+    messages = []
+    for replicas in (0, "2"):
+        try:
+            rx.elastic.TorchState(model, opt, replicas=replicas)
+            messages.append("no error")
+        except rx.ConfigError as exc:
+            messages.append(str(exc))
+    return messages
 
 
-def test_elastic_state_refuses_a_sharded_optimizer():
-    """Until shards survive a change of world, an elastic job says so instead of restoring
-    shards laid out for the old world."""
-    assert "use zero_stage=0 with TorchState" in run_workers(_elastic_refused, 1, work_s=10)[0]
+def test_elastic_state_of_a_sharded_optimizer_takes_a_count_of_replicas():
+    for message in run_workers(_elastic_bad_replicas, 1, work_s=10)[0]:
+        assert "replicas must be an int >= 1" in message
 
 
 BAD = [({"zero_stage": 3}, "zero_stage must be 0, 1 or 2"),
