@@ -16,9 +16,10 @@ node, 3 workers; one node is lost three ways:
                restarts on the 2 nodes left from the checkpoint
 and grown: from the job's request to the autoscaler (head only, nothing started) to its
 first step with 3 workers.
-Writes results/elastic_recovery.json.
+Writes results/elastic_recovery.json. With --zero, only the elastic recovery with AdamW
+unsharded and sharded (zero_stage 0, 1, 2; results/elastic_recovery_zero.json).
 
-Run: .venv/bin/python benchmarks/elastic_recovery.py [--repeats 3] [--no-nodes]
+Run: .venv/bin/python benchmarks/elastic_recovery.py [--repeats 3] [--no-nodes] [--zero]
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ STEPS = 60
 
 
 def _train(progress: str, checkpoint: str | None, elastic: bool,
-           until: str | None = None) -> tuple[int, int]:
+           until: str | None = None, zero_stage: int | None = None) -> tuple[int, int]:
+    """The job; with `zero_stage` (0, 1 or 2), AdamW whose state is sharded at 1 and 2."""
     import torch
 
     import raytrain_x.torch as rx
@@ -51,8 +53,10 @@ def _train(progress: str, checkpoint: str | None, elastic: bool,
     rx.init()
     torch.set_num_threads(1)
     model = shaped_model(resnet50_parameter_shapes()[:60])  # ~3M parameters
-    opt = rx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-4),
-                                  named_parameters=model.named_parameters())
+    inner = (torch.optim.SGD(model.parameters(), lr=1e-4) if zero_stage is None else
+             torch.optim.AdamW(model.parameters(), lr=1e-4))
+    opt = rx.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
+                                  zero_stage=zero_stage or 0)
     step0 = 0
     if checkpoint and os.path.exists(checkpoint):
         saved = torch.load(checkpoint)
@@ -120,16 +124,16 @@ def _kill_when(executor_ref, progress: Path, at_step: int, out: dict) -> threadi
     return thread
 
 
-def measure_elastic(tmp: Path) -> float:
+def measure_elastic(tmp: Path, zero_stage: int | None = None) -> float:
     from raytrain_x.ray import RayExecutor
 
-    progress = tmp / "elastic.txt"
+    progress = tmp / f"elastic{zero_stage}.txt"
     executor = RayExecutor(RayExecutor.create_settings(timeout_s=20), min_workers=2,
                            max_workers=3, cpus_per_worker=1)
     executor.start()
     out: dict = {}
     _kill_when(lambda: executor, progress, 20, out)
-    executor.run(_train, args=(str(progress), None, True))
+    executor.run(_train, args=(str(progress), None, True, None, zero_stage))
     executor.shutdown()
     return _first_step_after(progress, out["killed_at"])
 
@@ -327,6 +331,32 @@ def _nodes_payload(nodes: dict[str, list[float]]) -> dict:
     return {"runs": nodes, "medians": medians, **ratios}
 
 
+def _zero_recovery(args) -> None:
+    """Recovery from a killed worker with the optimizer's state in every rank (stage 0) or
+    sharded with a copy on a peer (stages 1 and 2), interleaved repeats."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parent)}})
+    runs: dict[str, list[float]] = {f"zero_stage={z}": [] for z in (0, 1, 2)}
+    try:
+        for i in range(args.repeats):
+            for z in (0, 1, 2):
+                with tempfile.TemporaryDirectory() as tmp:
+                    runs[f"zero_stage={z}"].append(measure_elastic(Path(tmp), z))
+            print(f"repeat {i + 1}/{args.repeats}: " + ", ".join(
+                f"{k} {v[-1]:.2f}s" for k, v in runs.items()), flush=True)
+    finally:
+        ray.shutdown()
+    medians = {k: statistics.median(v) for k, v in runs.items()}
+    print_table([{"AdamW": k, "median s (kill -> first step)": v}
+                 for k, v in medians.items()], ["AdamW", "median s (kill -> first step)"])
+    ratios = {f"stage{z}_over_stage0": medians[f"zero_stage={z}"] / medians["zero_stage=0"]
+              for z in (1, 2)}
+    print(", ".join(f"{k}: {v:.2f}" for k, v in ratios.items()))
+    payload = {"runs": runs, "medians": medians, **ratios}
+    print(f"wrote {write_json('elastic_recovery_zero', payload, args.json)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
@@ -335,7 +365,13 @@ def main() -> None:
                         help="skip the node measurements on a local autoscaling cluster")
     parser.add_argument("--nodes-only", action="store_true",
                         help="only the node measurements")
+    parser.add_argument("--zero", action="store_true",
+                        help="only the elastic recovery with AdamW unsharded and sharded "
+                             "(zero_stage 0, 1, 2)")
     args = parser.parse_args()
+    if args.zero:
+        _zero_recovery(args)
+        return
     if args.nodes_only:
         nodes = measure_nodes(args.repeats)
         print(f"wrote {write_json('elastic_recovery_nodes', _nodes_payload(nodes), args.json)}")

@@ -77,6 +77,11 @@ class State:
         for callback in self._reset_callbacks:
             callback()
 
+    def syncs_after_every_reset(self) -> bool:
+        """True when the state is laid out for one world (a sharded optimizer's), so that
+        it is synced after every reset, even one raised with `skip_sync=True`."""
+        return False
+
     def commit(self) -> None:
         """Saves the state in memory, then checks for added or removed hosts (raising
         `HostsUpdatedInterrupt` on every rank at once when the world should change)."""
@@ -156,7 +161,7 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
                 if reset_required:
                     world.reset()
                     state.on_reset()
-                if not skip_sync:
+                if not skip_sync or (reset_required and state.syncs_after_every_reset()):
                     state.sync()
                     _note_state_round()
                 return func(state, *args, **kwargs)

@@ -170,6 +170,9 @@ class TorchState(ObjectState):
                          **{k: v for k, v in kwargs.items() if k not in self._handled})
         self._save_handled()
 
+    def syncs_after_every_reset(self) -> bool:
+        return self._commits is not None
+
     def _copies(self) -> dict[str, Any]:
         """A deep copy of everything but the sharded optimizers' state: the modules',
         unsharded optimizers' and samplers' state dicts, the sharded optimizers' param
