@@ -241,7 +241,7 @@ void shm_allgather_shards(ShmGroup &g, OutArray a) {
     g.allgather_shards(t.data, t.capacity, t.dtype);
 }
 
-void shm_reduce_scatter(ShmGroup &g, OutArray input, OutArray output, const std::string &op_name) {
+void shm_reduce_scatter(ShmGroup &g, AnyArray input, OutArray output, const std::string &op_name) {
     Target in = target_of(input, "shm reduce_scatter input");
     Target out = target_of(output, "shm reduce_scatter output");
     if (in.dtype != out.dtype || out.capacity * static_cast<std::size_t>(g.size()) != in.capacity)
