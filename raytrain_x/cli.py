@@ -93,7 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("-np", "--num-workers", dest="np", type=int, default=2)
     exp.add_argument("--metric", default="samples_per_sec")
     exp.add_argument("--mode", choices=["max", "min"], default="max")
-    exp.add_argument("--search", choices=["bayesopt", "grid"], default="bayesopt")
+    exp.add_argument("--search", choices=["bayesopt", "grid", "zero"], default="bayesopt",
+                     help="zero: DeepSpeed's fast mode over zero_stage and micro_batch_size")
+    exp.add_argument("--max-memory-per-worker", type=float,
+                     help="MB: an experiment whose peak memory exceeds it fails")
+    exp.add_argument("--global-batch-size", type=int,
+                     help="kept by gradient_accumulation_steps across micro-batch sizes")
     exp.add_argument("--max-experiments", type=int, default=10)
     exp.add_argument("--steps-per-experiment", type=int, default=10)
     exp.add_argument("--start-step", type=int, default=2)
@@ -262,7 +267,9 @@ def _tune_experiments(args: argparse.Namespace) -> int:
         fn, space, num_workers=args.np, metric=args.metric, mode=args.mode,
         max_experiments=args.max_experiments, steps_per_experiment=args.steps_per_experiment,
         start_step=args.start_step, search=args.search,
-        early_stop_patience=args.early_stop_patience, output_dir=args.output_dir)
+        early_stop_patience=args.early_stop_patience, output_dir=args.output_dir,
+        max_memory_per_worker=args.max_memory_per_worker,
+        global_batch_size=args.global_batch_size)
     return 0 if result.best is not None else 1
 
 

@@ -24,6 +24,7 @@ from ray import tune
 from raytrain_x.common.errors import ConfigError
 from raytrain_x.common.knobs import Knobs
 from raytrain_x.common.logs import progress_logger
+from raytrain_x.tune_integration.trainable import PEAK_MEMORY
 
 progress = progress_logger("raytrain_x.tune.progress")
 
@@ -151,6 +152,8 @@ def autotune_experiments(
     output_dir: str | os.PathLike = "raytrain_x_experiments",
     cpus_per_worker: float = 1,
     seed: int = 0,
+    max_memory_per_worker: float | None = None,
+    global_batch_size: int | None = None,
 ) -> ExperimentsResult:
     """Runs short experiments and picks the best configuration.
 
@@ -174,22 +177,32 @@ def autotune_experiments(
         max_experiments: how many configurations to try.
         steps_per_experiment: steps each experiment trains.
         start_step: steps left out of the score (warm-up); 0 <= start_step < steps_per_experiment.
-        search: `bayesopt` (Ray Tune's BayesOptSearch) or `grid`.
+        search: `bayesopt` (Ray Tune's BayesOptSearch), `grid`, or `zero`: DeepSpeed's
+            fast mode over a space of `zero_stage` and `micro_batch_size` lists (each
+            stage in order, its micro-batch sizes upward until the memory cap or until
+            the metric stops rising; a stage that does not beat the one before ends the
+            search).
         early_stop_patience: stop after this many experiments without a better one; None: never.
         output_dir: where the results go.
         cpus_per_worker: CPUs each worker asks Ray for.
         seed: the search's seed.
+        max_memory_per_worker: MB; an experiment whose reported `peak_memory_mb` (rank
+            0's, added to every report) exceeds it counts as failed.
+        global_batch_size: with `micro_batch_size` in the space, the function also gets
+            `gradient_accumulation_steps` = global_batch_size // (micro_batch_size *
+            num_workers), so that every experiment trains the same global batch.
     """
     from raytrain_x.tune_integration.trainable import DistributedTrainableCreator
 
-    if search not in ("bayesopt", "grid"):
-        raise ConfigError(f"search must be 'bayesopt' or 'grid', got {search!r}")
+    if search not in ("bayesopt", "grid", "zero"):
+        raise ConfigError(f"search must be 'bayesopt', 'grid' or 'zero', got {search!r}")
     if mode not in ("max", "min"):
         raise ConfigError(f"mode must be 'max' or 'min', got {mode!r}")
     if not 0 <= start_step < steps_per_experiment:
         raise ConfigError(f"need 0 <= start_step < steps_per_experiment, got {start_step}, "
                           f"{steps_per_experiment}")
-    tune_space = _validate_space(space, search)
+    plan = _zero_plan(space, max_memory_per_worker, mode) if search == "zero" else None
+    tune_space = _validate_space(space, "grid" if plan else search)
     tune_space.pop("raytrain_x", None)
     knob_names = set(Knobs.specs())
     out = Path(output_dir).resolve()
@@ -197,12 +210,20 @@ def autotune_experiments(
 
     def experiment_fn(config: dict) -> Any:
         params = _round_like(space, {k: v for k, v in config.items() if k != "raytrain_x"})
+        if global_batch_size and "micro_batch_size" in params:
+            params["gradient_accumulation_steps"] = max(
+                1, global_batch_size // (params["micro_batch_size"] * num_workers))
         return train_fn(params)
 
     trainable = DistributedTrainableCreator(experiment_fn, num_workers=num_workers,
                                             cpus_per_worker=cpus_per_worker)
     search_alg = None
-    if search == "bayesopt":
+    if plan is not None:
+        from raytrain_x.tune_integration.zero_search import FastModeSearcher
+
+        search_alg = FastModeSearcher(plan, metric, mode, start_step, max_experiments)
+        tune_space = {}
+    elif search == "bayesopt":
         from ray.tune.search.bayesopt import BayesOptSearch
 
         search_alg = BayesOptSearch(metric=metric, mode=mode, random_state=seed,
@@ -218,7 +239,8 @@ def autotune_experiments(
         trainable,
         param_space=param_space,
         tune_config=tune.TuneConfig(
-            search_alg=search_alg, num_samples=max_experiments if search == "bayesopt" else 1,
+            search_alg=search_alg,
+            num_samples=max_experiments if search in ("bayesopt", "zero") else 1,
             max_concurrent_trials=1),
         run_config=tune.RunConfig(
             name="raytrain_x_experiments", storage_path=str(out / "tune"),
@@ -236,6 +258,10 @@ def autotune_experiments(
         steps = 0 if frame is None else len(frame)
         if result.error is not None:
             error = str(result.error)
+        elif max_memory_per_worker is not None and frame is not None \
+                and PEAK_MEMORY in frame and frame[PEAK_MEMORY].max() > max_memory_per_worker:
+            error = (f"peak memory {frame[PEAK_MEMORY].max():.0f} MB over "
+                     f"max_memory_per_worker {max_memory_per_worker:g} MB")
         elif frame is not None and metric in frame and steps > start_step:
             value = float(frame[metric].iloc[start_step:steps_per_experiment].mean())
         else:
@@ -249,6 +275,26 @@ def autotune_experiments(
     result = ExperimentsResult(experiments, best, out, metric, mode, dict(space))
     _write_summary(result)
     return result
+
+
+def _zero_plan(space: Mapping[str, Any], max_memory: float | None, mode: str) -> Any:
+    """DeepSpeed's fast mode over `zero_stage` and `micro_batch_size`; ConfigError with the
+    fix for any other space."""
+    from raytrain_x.tune_integration.zero_search import FastMode
+
+    if set(space) != {"zero_stage", "micro_batch_size"}:
+        raise ConfigError("search='zero' takes a space of exactly zero_stage and "
+                          "micro_batch_size lists, e.g. {'zero_stage': [0, 1, 2], "
+                          f"'micro_batch_size': [1, 2, 4, 8, 16]}}; got {sorted(space)}")
+    stages, sizes = space["zero_stage"], space["micro_batch_size"]
+    if not isinstance(stages, list) or not stages or any(s not in (0, 1, 2) for s in stages):
+        raise ConfigError(f"zero_stage must be a list of 0, 1 and 2, got {stages!r}")
+    if not isinstance(sizes, list) or not sizes or any(
+            not isinstance(m, int) or isinstance(m, bool) or m < 1 for m in sizes):
+        raise ConfigError(f"micro_batch_size must be a list of ints >= 1, got {sizes!r}")
+    if max_memory is not None and not max_memory > 0:
+        raise ConfigError(f"max_memory_per_worker must be > 0 (MB), got {max_memory!r}")
+    return FastMode(list(stages), list(sizes), max_memory, mode)
 
 
 class _StopAfter(tune.Stopper):

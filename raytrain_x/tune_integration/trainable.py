@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import io
 import os
+import resource
+import sys
 import tarfile
 import tempfile
 from collections.abc import Callable
@@ -23,6 +25,17 @@ from raytrain_x.common.knobs import Knobs
 from raytrain_x.common.settings import TIMEOUT_S
 
 _session: dict[str, Any] = {}
+
+PEAK_MEMORY = "peak_memory_mb"  # added to every report that does not give its own
+
+
+def peak_memory_mb() -> float:
+    """This process's peak memory so far: the CUDA allocator's peak where CUDA is in use,
+    else the peak resident memory."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _pack_dir(path: str) -> bytes:
@@ -43,7 +56,9 @@ def report(metrics: dict[str, Any], checkpoint: str | tune.Checkpoint | None = N
     """Reports metrics (and optionally a checkpoint directory) to Ray Tune.
 
     Call it on every rank: rank 0's calls reach Tune, the other ranks' calls are accepted
-    and ignored, so the training function needs no `if rank == 0`.
+    and ignored, so the training function needs no `if rank == 0`. Each report also
+    carries rank 0's `peak_memory_mb` (the CUDA allocator's peak where CUDA is in use, else
+    the peak resident memory) unless `metrics` gives its own.
 
     Args:
         metrics: a dict of numbers (and strings).
@@ -64,7 +79,7 @@ def report(metrics: dict[str, Any], checkpoint: str | tune.Checkpoint | None = N
         if not os.path.isdir(path):
             raise ConfigError(f"checkpoint {path!r} is not a directory")
         data = _pack_dir(path)
-    queue.put((dict(metrics), data))
+    queue.put(({PEAK_MEMORY: peak_memory_mb(), **metrics}, data))
 
 
 def get_checkpoint() -> str | None:
