@@ -17,6 +17,7 @@ from raytrain_x.common.errors import (
     WorkerError,
 )
 from raytrain_x.common.knobs import Knobs, load_knobs
+from raytrain_x.common.training import training_settings
 
 __version__ = "0.1.0"
 
@@ -35,4 +36,5 @@ __all__ = [
     "UnsupportedOperationError",
     "WorkerError",
     "load_knobs",
+    "training_settings",
 ]

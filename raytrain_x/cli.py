@@ -35,7 +35,9 @@ def _add_knob_flags(parser: argparse.ArgumentParser) -> None:
         else:
             group.add_argument(spec.flag, dest=name, type=float, default=None,
                                metavar="MB" if spec.flag_scale != 1 else "N", help=spec.help)
-    group.add_argument("--config-file", help="YAML/JSON file of knobs")
+    group.add_argument("--config-file", help="YAML/JSON file of knobs (and training settings: "
+                       "zero_stage, micro_batch_size, gradient_accumulation_steps; "
+                       "autotune_experiments' best_config.json is one)")
     group.add_argument("--timeline-filename", help="Chrome trace written by rank 0")
 
 
@@ -182,7 +184,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                            use_gpu=args.use_gpu)
     # Only the knobs the user fixed travel as env, so the launched ranks see the same fixed
     # set; rank 0 of a launched script runs the autotune controller in-process.
-    env = fixed_knob_env(knobs, fixed)
+    env = {**fixed_knob_env(knobs, fixed), **_training_env(args)}
     if autotune is not None:
         env.update(autotune.to_env())
     if args.timeline_filename:
@@ -212,6 +214,17 @@ def _progress(line: str) -> None:
     sys.stderr.flush()
 
 
+def _training_env(args: argparse.Namespace) -> dict[str, str]:
+    """The config file's training settings (ZeRO stage, micro-batch, accumulation) as the
+    workers' environment (`raytrain_x.training_settings()` reads it there)."""
+    from raytrain_x.common import training
+    from raytrain_x.common.knobs import read_training_settings
+
+    if not args.config_file:
+        return {}
+    return training.to_env(read_training_settings(args.config_file))
+
+
 def _run_elastic(args, command, settings, knobs, fixed, autotune) -> int:
     """Elastic jobs run the script inside each worker actor (so every rank can reach the
     rendezvous coordinator); Ray forwards the output with its worker prefix."""
@@ -219,7 +232,7 @@ def _run_elastic(args, command, settings, knobs, fixed, autotune) -> int:
     from raytrain_x.ray.executor import RayExecutor
     from raytrain_x.ray.launch import run_script
 
-    env = fixed_knob_env(knobs, fixed)
+    env = {**fixed_knob_env(knobs, fixed), **_training_env(args)}
     if args.timeline_filename:
         env["RAYTRAIN_X_TIMELINE"] = os.path.abspath(args.timeline_filename)
     executor = RayExecutor(

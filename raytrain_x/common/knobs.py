@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from raytrain_x.common import training
 from raytrain_x.common.errors import ConfigError
 from raytrain_x.common.horovod_env import with_horovod_aliases
 
@@ -240,14 +241,15 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(p)!r} must hold a mapping of knob names to values")
-    if isinstance(data.get("params"), dict):
-        data = data["params"]
+    data = config_mapping(data)
     specs = Knobs.specs()
     aliases = {spec.alias: name for name, spec in specs.items() if spec.alias}
     out: dict[str, Any] = {}
     for key, raw in data.items():
         key_norm = str(key).replace("-", "_")
         source = f"config file {str(p)!r} key {key!r}"
+        if key_norm in training.ENV:  # not a knob: `read_training_settings` reads it
+            continue
         if key_norm in specs:
             out[key_norm] = parse_knob_value(key_norm, raw, source)
         elif key_norm in aliases:
@@ -257,6 +259,29 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
             known = sorted(list(specs) + list(aliases))
             raise ConfigError(f"{source} is not a knob; known keys: {', '.join(known)}")
     return out
+
+
+def config_mapping(data: dict[str, Any]) -> dict[str, Any]:
+    """The settings of a config file's mapping: under `params:` (Horovod's layout) or
+    `config:` (the `best_config.json` that `autotune_experiments` writes), else at top
+    level."""
+    for key in ("params", "config"):
+        if isinstance(data.get(key), dict):
+            return data[key]
+    return data
+
+
+def read_training_settings(path: str | os.PathLike) -> dict[str, int]:
+    """The training settings (`raytrain_x.common.training`) of a YAML or JSON config file."""
+    p = Path(path)
+    text = p.read_text() if p.is_file() else ""
+    try:
+        data = json.loads(text) if p.suffix.lower() == ".json" else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError):
+        data = None  # read_config_file says what is wrong with it
+    if not isinstance(data, dict):
+        return {}
+    return training.from_mapping(config_mapping(data), f"config file {str(p)!r}")
 
 
 def load_knobs(

@@ -191,6 +191,8 @@ class Transport:
         """Every member's equally shaped `array`, member by member along dim 0 of `out`,
         with no copies beyond the collective's own: in place in shared memory on one host,
         else the backend's allgather into one tensor."""
+        if ops_for(out).numel(out) == 0:  # every member's block is empty alike
+            return
         shm = self._shm_of(pset)
         if shm is not None and fits_shm(out) and fits_shm(array):
             rows = array.shape[0]
@@ -206,6 +208,8 @@ class Transport:
         """The sum of every member's `array` (dim 0 a multiple of the set's size), of which
         this member keeps its own equal share in `out`: reduced in shared memory on one
         host, else by the backend's reduce-scatter (half an allreduce's traffic)."""
+        if ops_for(array).numel(array) == 0:  # nothing to reduce
+            return
         shm = self._shm_of(pset)
         if shm is not None and fits_shm(out) and fits_shm(array):
             _shm_call(shm.reduce_scatter, array, out, "sum")

@@ -25,11 +25,12 @@ from ray.train.backend import Backend, BackendConfig
 from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
 from raytrain_x.comm.store_actor import StoreActor
+from raytrain_x.common import training
 from raytrain_x.common.autotune_config import AutotuneConfig
 from raytrain_x.common.errors import ConfigError
-from raytrain_x.common.knobs import Knobs
+from raytrain_x.common.knobs import Knobs, load_knobs, read_training_settings
 from raytrain_x.common.settings import TIMEOUT_S
-from raytrain_x.ray.autotune_actor import knob_env, start_autotune
+from raytrain_x.ray.autotune_actor import fixed_knob_env, knob_env, start_autotune
 from raytrain_x.ray.placement import stable_node_strategy
 from raytrain_x.ray.worker import install_world
 
@@ -56,12 +57,18 @@ class RaytrainXConfig(BackendConfig):
             afresh.
         timeout_s: rendezvous and collective timeout: a lost peer fails the others within it,
             and Ray Train's `FailureConfig` decides whether the run restarts.
+        config_file: a YAML/JSON file (read here, on the driver) whose knobs every worker
+            holds fixed and whose training settings (`zero_stage`, `micro_batch_size`,
+            `gradient_accumulation_steps`) every worker gets: `autotune_experiments`'
+            `best_config.json` is one. `DistributedOptimizer` takes its `zero_stage`, the
+            loop reads the rest with `raytrain_x.training_settings()`.
     """
 
     framework: str | None = None
     knobs: Knobs | None = None
     autotune: AutotuneConfig | bool | None = None
     timeout_s: float = TIMEOUT_S.default
+    config_file: str | None = None
 
     def __post_init__(self) -> None:
         if self.framework is not None and self.framework not in FRAMEWORKS:
@@ -85,6 +92,13 @@ class RaytrainXConfig(BackendConfig):
             raise ConfigError(
                 "knobs fixes every knob, so autotune has nothing to tune: give the starting "
                 "values as AutotuneConfig(initial_knobs=...) instead, or drop autotune")
+        self._file_env: dict[str, str] = {}
+        if self.config_file is not None:
+            if self.knobs is not None:
+                raise ConfigError("give the knobs either as knobs= or in config_file, not both")
+            file_knobs, fixed = load_knobs(config_file=self.config_file, env={})
+            self._file_env = {**fixed_knob_env(file_knobs, fixed),
+                              **training.to_env(read_training_settings(self.config_file))}
         if not self.timeout_s > 0:
             raise ConfigError(f"timeout_s must be a positive number of seconds, got "
                               f"{self.timeout_s}")
@@ -154,6 +168,7 @@ class RaytrainXBackend(Backend):
         env = {"RAYTRAIN_X_TIMEOUT": str(backend_config.timeout_s)}
         if backend_config.knobs is not None:
             env.update(knob_env(backend_config.knobs))
+        env.update(backend_config._file_env)
         if backend_config.autotune is not None:
             extra, self._autotune_actor = start_autotune(backend_config.autotune,
                                                          backend_config.knobs)

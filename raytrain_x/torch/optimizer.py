@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from raytrain_x.common.errors import ConfigError
+from raytrain_x.common.training import training_settings
 from raytrain_x.core import runtime
 from raytrain_x.core.collectives import Adasum, Average, Sum, predivided, synchronize
 from raytrain_x.core.process_sets import ProcessSet, global_process_set
@@ -240,7 +241,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     sparse_as_dense: bool = False,
     process_set: ProcessSet = global_process_set,
     bucket_cap_mb: float | None = None,
-    zero_stage: int = 0,
+    zero_stage: int | None = None,
 ) -> Any:
     """Wraps `optimizer` so gradients are allreduced while backward runs.
 
@@ -271,7 +272,9 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
             makes them, so fused batches are reduced where they lie. A size in MB makes
             DDP-style fixed buckets instead, each reduced as one collective when its last
             gradient is ready; the fusion threshold then leaves autotune's search.
-        zero_stage: 0 (default) keeps every optimizer state and gradient on every rank.
+        zero_stage: 0 keeps every optimizer state and gradient on every rank (the
+            default, unless a config file's `zero_stage` reached this worker through
+            `raytrain-x run --config-file` or `RaytrainXConfig(config_file=...)`).
             1 shards the optimizer state (ZeRO stage 1): each rank owns whole parameters,
             gradients are reduce-scattered bucket by bucket as backward produces them, each
             rank steps its own parameters and the updated ones are allgathered; 2 also
@@ -290,6 +293,8 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     if num_groups and groups is not None:
         raise ConfigError("give groups= (num_groups is its deprecated spelling), not both")
     groups = groups if groups is not None else (num_groups or None)
+    if zero_stage is None:  # a config file's, through raytrain-x run or the trainer
+        zero_stage = training_settings().get("zero_stage", 0)
     if zero_stage not in (0, 1, 2):
         raise ConfigError(f"zero_stage must be 0, 1 or 2, got {zero_stage!r}")
     if zero_stage:

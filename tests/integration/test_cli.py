@@ -28,17 +28,23 @@ def _cli(*args: str, work_s: float = 30, env: dict | None = None):
 
 
 def test_cli_reports_the_failing_rank(ray_cluster, tmp_path):
+    """Also: a config file as autotune_experiments writes it (best_config.json) gives the
+    ranks its knobs and its training settings."""
     script = tmp_path / "fail.py"
     script.write_text(
-        "import sys, torch, raytrain_x.torch as rx\n"
+        "import sys, torch, raytrain_x, raytrain_x.torch as rx\n"
         "rx.init()\n"
-        "print('hello from', rx.rank())\n"
+        "print('hello from', rx.rank(), raytrain_x.training_settings(), rx.knobs().cycle_time_ms)\n"
         "if rx.rank() == 1:\n"
         "    sys.exit(7)\n"
         "rx.allreduce(torch.ones(1), name='x')\n")
-    out = _cli("run", "-np", "2", "--address", ray_cluster, "python", str(script))
+    best = tmp_path / "best_config.json"
+    best.write_text('{"config": {"zero_stage": 2, "micro_batch_size": 8, "cycle_time_ms": 3}, '
+                    '"samples_per_sec": 123.0}')
+    out = _cli("run", "-np", "2", "--address", ray_cluster, "--config-file", str(best),
+               "python", str(script))
     assert out.returncode == 7
-    assert "[1]<stdout>:hello from 1" in out.stdout
+    assert "[1]<stdout>:hello from 1 {'zero_stage': 2, 'micro_batch_size': 8} 3.0" in out.stdout
     assert "rank 1 exited with code 7" in out.stderr
 
 

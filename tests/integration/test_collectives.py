@@ -79,6 +79,7 @@ def _all_ops(threshold_mb: float) -> dict:
         rs = rx.reducescatter(mine, op=rx.Sum, name=f"rs.{dtype}")
         assert rs.dtype == dtype and torch.equal(rs.to(torch.float64), total[2 * r:2 * r + 2])
         assert torch.equal(mine, everyone[r])  # the input is left as it was
+    assert rx.reducescatter(torch.zeros(0, 3), op=rx.Sum, name="rs.empty").shape == (0, 3)
     rs = rx.reducescatter(torch.ones(2 * n, 2) * (r + 1), op=rx.Average, prescale_factor=2.0)
     assert torch.allclose(rs, torch.full((2, 2), 2.0 * sum(range(1, n + 1)) / n))
     # reducescatter with an uneven first dimension

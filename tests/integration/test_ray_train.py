@@ -151,13 +151,16 @@ def _keras_loop(config: dict) -> None:
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
     model.compile(optimizer=rx.DistributedOptimizer(keras.optimizers.SGD(0.05)), loss="mse")
     callbacks = [rx.callbacks.BroadcastGlobalVariablesCallback(0)]
+    import raytrain_x
+
+    batch = raytrain_x.training_settings().get("micro_batch_size", 8)  # the config file's
     for epoch in range(config["epochs"]):
-        history = model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=callbacks)
+        history = model.fit(x, y, batch_size=batch, epochs=1, verbose=0, callbacks=callbacks)
         callbacks = []
         weights = rx.allgather_object([w.tolist() for w in model.get_weights()],
                                       name=f"w{epoch}")
         metrics = {"epoch": epoch, "loss": float(history.history["loss"][-1]),
-                   "equal": all(w == weights[0] for w in weights)}
+                   "equal": all(w == weights[0] for w in weights), "batch": batch}
         if rx.rank() == 0:
             with tempfile.TemporaryDirectory() as folder:
                 model.save_weights(os.path.join(folder, "model.weights.h5"))
@@ -171,12 +174,15 @@ def test_keras_job_reports_metrics_and_a_checkpoint(ray_cluster, tmp_path):
 
     from raytrain_x.ray.train import RaytrainXConfig, RaytrainXTrainer
 
+    best = tmp_path / "best_config.json"  # as autotune_experiments writes it
+    best.write_text('{"config": {"micro_batch_size": 16}, "samples_per_sec": 1.0}')
     result = RaytrainXTrainer(
         _keras_loop, train_loop_config={"epochs": 3},
-        raytrain_x_config=RaytrainXConfig(framework="tensorflow"),
+        raytrain_x_config=RaytrainXConfig(framework="tensorflow", config_file=str(best)),
         scaling_config=ScalingConfig(num_workers=2),
         run_config=RunConfig(name="keras_job", storage_path=str(tmp_path))).fit()
     assert result.metrics["epoch"] == 2 and result.metrics["equal"]
+    assert result.metrics["batch"] == 16
     losses = [m["loss"] for m in result.metrics_dataframe.to_dict("records")]
     assert losses[-1] < losses[0]
     with result.checkpoint.as_directory() as folder:

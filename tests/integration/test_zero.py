@@ -187,3 +187,23 @@ def test_bad_arguments_are_one_line_errors():
     messages = run_workers(_bad, 1, [argument for argument, _ in BAD], work_s=10)[0]
     for (argument, expected), message in zip(BAD, messages):
         assert expected in message and "\n" not in message, (argument, message)
+
+
+def _default_stage() -> list:
+    import raytrain_x.torch as rx
+    from raytrain_x.torch.zero_optimizer import ShardedOptimizer
+
+    rx.init()
+    model = torch.nn.Linear(2, 2)
+    chosen = rx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    given = rx.DistributedOptimizer(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(),
+                                                    lr=0.1), zero_stage=0)
+    return [isinstance(chosen, ShardedOptimizer) and chosen._stage,
+            isinstance(given, ShardedOptimizer)]
+
+
+def test_a_config_files_zero_stage_is_the_default():
+    """`raytrain-x run --config-file` and the trainer hand a config file's zero_stage to the
+    workers (RAYTRAIN_X_ZERO_STAGE); an explicit argument still wins."""
+    env = {"RAYTRAIN_X_ZERO_STAGE": "2"}
+    assert run_workers(_default_stage, 1, env=env, work_s=10)[0] == [2, False]

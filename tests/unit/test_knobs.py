@@ -126,3 +126,27 @@ def test_a_setting_reads_its_variable_or_its_default_and_rejects_bad_numbers():
     assert SHM.read({"RAYTRAIN_X_SHM": "off"}) is False and SHM.read({}) is True
     with pytest.raises(ConfigError, match="RAYTRAIN_X_TIMEOUT='soon' is not a number"):
         TIMEOUT_S.read({"RAYTRAIN_X_TIMEOUT": "soon"})
+
+
+def test_a_best_config_file_gives_knobs_and_training_settings(tmp_path):
+    """autotune_experiments' best_config.json: its `config` holds knobs and the training
+    settings (ZeRO stage, micro-batch, accumulation); each reader takes its own."""
+    from raytrain_x.common.knobs import read_config_file, read_training_settings
+    from raytrain_x.common.training import to_env, training_settings
+
+    best = tmp_path / "best_config.json"
+    best.write_text('{"config": {"zero_stage": 1, "micro_batch_size": 32, '
+                    '"gradient_accumulation_steps": 2, "cycle_time_ms": 4}, '
+                    '"samples_per_sec": 1234.5}')
+    assert read_config_file(best) == {"cycle_time_ms": 4.0}
+    settings = read_training_settings(best)
+    assert settings == {"zero_stage": 1, "micro_batch_size": 32,
+                        "gradient_accumulation_steps": 2}
+    assert training_settings(to_env(settings)) == settings
+    assert training_settings({}) == {}
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("zero_stage: 3\n")
+    with pytest.raises(ConfigError, match="zero_stage must be 0, 1 or 2"):
+        read_training_settings(bad)
+    with pytest.raises(ConfigError, match="micro_batch_size must be an integer"):
+        training_settings({"RAYTRAIN_X_MICRO_BATCH_SIZE": "lots"})
