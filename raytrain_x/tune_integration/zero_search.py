@@ -2,7 +2,9 @@
 
 DeepSpeed's autotuner tries the ZeRO stages in order; within a stage it raises the
 micro-batch size until the memory runs out or the throughput stops rising, and a stage
-that does not beat the stage before ends the search. `FastMode` is that plan as pure
+that does not beat the stage before ends the search. Here each stage after the first
+starts at the best size so far (it keeps less per rank, so that size should fit); where it
+does not, the stage steps down until a size fits. `FastMode` is that plan as pure
 logic (each next experiment follows from the results so far); `FastModeSearcher` puts it
 behind Tune's `Searcher`, so that `autotune_experiments(..., search="zero")` runs it.
 """
@@ -50,6 +52,7 @@ class FastMode:
         self.micro_batches = sorted(self.micro_batches)
         self._stage = 0  # index into stages
         self._mbs = 0  # index into micro_batches
+        self._limit = len(self.micro_batches)  # this stage's first size that did not fit
         self._stage_best: dict[int, Trial] = {}
         self.finished = False
 
@@ -70,23 +73,32 @@ class FastMode:
         self.trials.append(trial)
         stage = config["zero_stage"]
         best = self._stage_best.get(stage)
-        if score is None:
-            trial.verdict = "failed: the stage's micro-batch sizes end here"
-        elif self.max_memory_mb is not None and peak_mb is not None \
-                and peak_mb > self.max_memory_mb:
+        over = (self.max_memory_mb is not None and peak_mb is not None
+                and peak_mb > self.max_memory_mb)
+        if score is None or over:
             trial.score = None
-            trial.verdict = (f"peak memory {peak_mb:.0f} MB over max_memory_per_worker "
+            trial.verdict = ("failed" if not over else
+                             f"peak memory {peak_mb:.0f} MB over max_memory_per_worker "
                              f"{self.max_memory_mb:g} MB")
+            self._limit = self._mbs
+            if best is None and self._mbs > 0:  # the stage's first size did not fit: smaller
+                self._mbs -= 1
+                return trial
         elif not self._better(score, best.score if best else None):
             trial.verdict = "no faster than a smaller micro-batch: the stage ends here"
         else:
             self._stage_best[stage] = trial
             trial.verdict = "best of its stage so far"
-            if self._mbs + 1 < len(self.micro_batches):
+            if self._mbs + 1 < self._limit and not self._tried(stage, self._mbs + 1):
                 self._mbs += 1
                 return trial
         self._end_stage(stage)
         return trial
+
+    def _tried(self, stage: int, index: int) -> bool:
+        size = self.micro_batches[index]
+        return any(t.config == {"zero_stage": stage, "micro_batch_size": size}
+                   for t in self.trials)
 
     def _end_stage(self, stage: int) -> None:
         mine = self._stage_best.get(stage)
@@ -103,6 +115,7 @@ class FastMode:
             self.finished = True
             return
         self._stage += 1
+        self._limit = len(self.micro_batches)
         # the next stage keeps less per rank: start from the best micro-batch so far
         start = (mine or best_before).config["micro_batch_size"] if (mine or best_before) \
             else self.micro_batches[0]

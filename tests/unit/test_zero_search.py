@@ -61,3 +61,14 @@ def test_a_time_is_minimised():
 def test_empty_lists_are_a_config_error():
     with pytest.raises(ConfigError, match="zero_stage and micro_batch_size"):
         FastMode([], [1])
+
+
+def test_a_stage_whose_starting_size_does_not_fit_steps_down():
+    """Stage 1 starts at stage 0's best (16), which goes over the cap here (the sharded
+    state's savings are less than the measured noise): it tries 8, which fits, and does not
+    go back up to 16."""
+    peaks = {(0, 4): 50, (0, 8): 60, (0, 16): 70, (0, 32): 99, (1, 16): 81, (1, 8): 55}
+    plan = FastMode([0, 1], [4, 8, 16, 32], max_memory_mb=80)
+    tried = _search(plan, lambda stage, mbs: (mbs * 10.0 + stage, peaks[(stage, mbs)]))
+    assert tried == [(0, 4), (0, 8), (0, 16), (0, 32), (1, 16), (1, 8)]
+    assert plan.trials[-1].verdict == "best of its stage so far"
