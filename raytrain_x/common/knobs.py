@@ -226,9 +226,10 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
     return out
 
 
-def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
-    """Reads knobs from a YAML or JSON file: knob names (or `fusion_threshold_mb`) at top
-    level or under `params:` (Horovod's layout). Returns knob name -> value."""
+def _config_settings(path: str | os.PathLike) -> dict[str, Any]:
+    """The settings a YAML or JSON config file holds: at top level, under `params:`
+    (Horovod's layout) or under `config:` (the `best_config.json` that
+    `autotune_experiments` writes)."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file {str(p)!r} does not exist; pass an existing YAML/JSON file")
@@ -241,13 +242,21 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(p)!r} must hold a mapping of knob names to values")
-    data = config_mapping(data)
+    for key in ("params", "config"):
+        if isinstance(data.get(key), dict):
+            return data[key]
+    return data
+
+
+def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
+    """Reads knobs from a YAML or JSON file: knob names (or `fusion_threshold_mb`) at top
+    level or under `params:` (Horovod's layout). Returns knob name -> value."""
     specs = Knobs.specs()
     aliases = {spec.alias: name for name, spec in specs.items() if spec.alias}
     out: dict[str, Any] = {}
-    for key, raw in data.items():
+    for key, raw in _config_settings(path).items():
         key_norm = str(key).replace("-", "_")
-        source = f"config file {str(p)!r} key {key!r}"
+        source = f"config file {str(path)!r} key {key!r}"
         if key_norm in training.ENV:  # not a knob: `read_training_settings` reads it
             continue
         if key_norm in specs:
@@ -261,27 +270,9 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
     return out
 
 
-def config_mapping(data: dict[str, Any]) -> dict[str, Any]:
-    """The settings of a config file's mapping: under `params:` (Horovod's layout) or
-    `config:` (the `best_config.json` that `autotune_experiments` writes), else at top
-    level."""
-    for key in ("params", "config"):
-        if isinstance(data.get(key), dict):
-            return data[key]
-    return data
-
-
 def read_training_settings(path: str | os.PathLike) -> dict[str, int]:
     """The training settings (`raytrain_x.common.training`) of a YAML or JSON config file."""
-    p = Path(path)
-    text = p.read_text() if p.is_file() else ""
-    try:
-        data = json.loads(text) if p.suffix.lower() == ".json" else yaml.safe_load(text)
-    except (ValueError, yaml.YAMLError):
-        data = None  # read_config_file says what is wrong with it
-    if not isinstance(data, dict):
-        return {}
-    return training.from_mapping(config_mapping(data), f"config file {str(p)!r}")
+    return training.from_mapping(_config_settings(path), f"config file {str(path)!r}")
 
 
 def load_knobs(

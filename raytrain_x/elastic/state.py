@@ -136,10 +136,14 @@ class ObjectState(State):
             setattr(self, name, value)
 
     def sync(self) -> None:
-        values = self._bcast_object(self._values(), 0, name="elastic.object_state")
+        self._sync_attributes(0)
+        self.save()
+
+    def _sync_attributes(self, root: int) -> None:
+        """The plain attributes of rank `root`."""
+        values = self._bcast_object(self._values(), root, name="elastic.object_state")
         for name, value in values.items():
             setattr(self, name, value)
-        self.save()
 
 
 def run(func: Callable[..., Any]) -> Callable[..., Any]:

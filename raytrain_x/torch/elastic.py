@@ -180,8 +180,7 @@ class TorchState(ObjectState):
         handled = {}
         for name, value in self._handled.items():
             if isinstance(value, ShardedOptimizer):
-                handled[name] = [{k: v for k, v in g.items() if k != "params"}
-                                 for g in value.param_groups]
+                handled[name] = value.group_settings()
             else:
                 handled[name] = value.state_dict()
         return copy.deepcopy({"handled": handled, "attributes": self._values()})
@@ -225,18 +224,30 @@ class TorchState(ObjectState):
         super().restore()
 
     def sync(self) -> None:
+        """Everything from one rank, then a commit: rank 0 (the oldest survivor); with
+        sharded optimizers, the lowest rank holding the newest whole generation, once the
+        optimizers are re-sharded from the survivors' copies (whose commit in the new world
+        then places the copies anew)."""
+        root = 0
         if self._commits is not None:
-            self._sync_sharded()
-            return
+            root = self._commits.restore().root
+            if rank() == root:
+                self._load(self._commits.taken.copies)
         for name, value in self._handled.items():
             kind = _kind(value)
             if kind == "model":
-                broadcast_parameters(value.state_dict(), root_rank=0)
+                broadcast_parameters(value.state_dict(), root_rank=root)
+            elif isinstance(value, ShardedOptimizer):
+                settings = broadcast_object(value.group_settings(), root,
+                                            name=f"elastic.{name}.groups")
+                for group, chosen in zip(value.param_groups, settings):
+                    group.update(chosen)
             elif kind == "optimizer":
-                broadcast_optimizer_state(value, root_rank=0)
+                broadcast_optimizer_state(value, root_rank=root)
             else:
-                self._sync_sampler(name, value, 0)
-        super().sync()  # plain attributes, then save() commits everything
+                self._sync_sampler(name, value, root)
+        self._sync_attributes(root)
+        self.save()
 
     def _sync_sampler(self, name: str, value: ElasticSampler, root: int) -> None:
         """The root's epoch and progress. `record_batch` records the whole world's rows on
@@ -251,32 +262,6 @@ class TorchState(ObjectState):
         if any(local for _, local in seen):
             state["processed_indices"] = set().union(*(p for p, _ in seen))
         value.load_state_dict(broadcast_object(state, root, name=f"elastic.{name}"))
-
-    def _sync_sharded(self) -> None:
-        """The newest whole generation: the optimizers re-sharded from the survivors'
-        copies, the rest from the lowest rank that holds it; then a commit in the new
-        world (which places the copies anew)."""
-        plan = self._commits.restore()
-        if rank() == plan.root:
-            self._load(self._commits.taken.copies)
-        for name, value in self._handled.items():
-            kind = _kind(value)
-            if kind == "model":
-                broadcast_parameters(value.state_dict(), root_rank=plan.root)
-            elif isinstance(value, ShardedOptimizer):
-                groups = [{k: v for k, v in g.items() if k != "params"}
-                          for g in value.param_groups]
-                for group, settings in zip(value.param_groups, broadcast_object(
-                        groups, plan.root, name=f"elastic.{name}.groups")):
-                    group.update(settings)
-            elif kind == "optimizer":
-                broadcast_optimizer_state(value, root_rank=plan.root)
-            else:
-                self._sync_sampler(name, value, plan.root)
-        values = broadcast_object(self._values(), plan.root, name="elastic.object_state")
-        for name, value in values.items():
-            setattr(self, name, value)
-        self.save()
 
 
 __all__ = ["ElasticSampler", "ObjectState", "State", "TorchState", "restore_count", "run"]

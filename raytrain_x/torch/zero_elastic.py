@@ -165,7 +165,7 @@ class ShardedCommits:
         payloads: dict[int, dict[Key, dict[str, Any]]] = {}
         owners = {}
         for name, opt in self.optimizers.items():
-            opt.reshard({})  # the new layout: who owns what
+            opt.reshard()  # the new layout: who owns what
             owners.update({(name, i): r for i, r in opt.owners_by_index().items()})
         for key, sender in plan.senders.items():
             if sender == mine and generation is not None:
@@ -175,7 +175,7 @@ class ShardedCommits:
         for part in received.values():
             states.update(part)
         for name, opt in self.optimizers.items():
-            opt.reshard({i: s for (n, i), s in states.items() if n == name})
+            opt.load_shard_state({i: s for (n, i), s in states.items() if n == name})
         kept = generation if generation is not None else Generation(plan.generation, {}, None)
         self.taken = Generation(plan.generation, self._own(), kept.directory, kept.copies)
         self.staged = None

@@ -164,10 +164,9 @@ class ShardedBucket:
         and backward made a new tensor), keeping the gradient's value; no gradient at all
         this step is zeros, as Horovod sends."""
         grad = p.grad
-        if grad is not None and grad.data_ptr() == self.flat_grads.data_ptr() + \
-                self.offsets[p] * grad.element_size() and grad.shape == p.shape:
-            return  # already its view (each call of `view` makes a new tensor object)
-        view = self.view(self.flat_grads, p)
+        view = self.view(self.flat_grads, p)  # a new tensor object each call: compare memory
+        if grad is not None and grad.data_ptr() == view.data_ptr() and grad.shape == p.shape:
+            return  # already its view
         if grad is not None:
             view.copy_(grad)
         else:

@@ -82,6 +82,10 @@ class ShardedOptimizer(HookedOptimizer):
         """The parameters in `state_dict()`'s order (its state's keys are these indices)."""
         return [p for g in self.param_groups for p in g["params"]]
 
+    def group_settings(self) -> list[dict[str, Any]]:
+        """Each parameter group's settings (lr, betas, ...), without its parameters."""
+        return [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+
     def shard_state(self) -> dict[int, dict[str, Any]]:
         """This rank's optimizer state, by parameter index, copied to host memory."""
         local = self._local.state if self._local is not None else self.state
@@ -93,12 +97,16 @@ class ShardedOptimizer(HookedOptimizer):
         """Which rank of the process set owns each parameter (by index) in this layout."""
         return {i: self._owner[p] for i, p in enumerate(self._indexed()) if p in self._owner}
 
-    def reshard(self, states: dict[int, dict[str, Any]]) -> None:
-        """After an elastic reset: the layout for the new world, and `states` (by parameter
-        index: those of the parameters this rank owns now) as this rank's optimizer state."""
+    def reshard(self) -> None:
+        """After an elastic reset: the layout for the new world, with no optimizer state
+        until `load_shard_state` gives this rank its own."""
         self._lay_out()
         self._local = None
         self.state.clear()
+
+    def load_shard_state(self, states: dict[int, dict[str, Any]]) -> None:
+        """`states` (by parameter index: those of the parameters this rank owns in this
+        layout) as this rank's optimizer state."""
         for i, p in enumerate(self._indexed()):
             if i in states and p in self._owned:
                 self.state[p] = {k: (v.to(p.device) if torch.is_tensor(v) and k != "step"
@@ -236,9 +244,8 @@ class ShardedOptimizer(HookedOptimizer):
         """An instance of the user's optimizer class over the parameters this rank owns,
         its groups' settings taken from the full groups (an lr scheduler changes those)."""
         if self._local is None:
-            groups = [{**{k: v for k, v in g.items() if k != "params"},
-                       "params": [p for p in g["params"] if p in self._owned]}
-                      for g in self.param_groups]
+            groups = [{**settings, "params": [p for p in g["params"] if p in self._owned]}
+                      for settings, g in zip(self.group_settings(), self.param_groups)]
             cls = next(c for c in type(self).__mro__
                        if issubclass(c, torch.optim.Optimizer)
                        and not issubclass(c, ShardedOptimizer))
@@ -278,7 +285,7 @@ class ShardedOptimizer(HookedOptimizer):
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """The full, unsharded state (every rank of the process set calls it)."""
-        index = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        index = {p: i for i, p in enumerate(self._indexed())}
         local = self._local.state if self._local is not None else self.state
         mine = {index[p]: {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in s.items()}
                 for p, s in local.items() if p in index}
@@ -288,10 +295,8 @@ class ShardedOptimizer(HookedOptimizer):
         state: dict[int, Any] = {}
         for part in every:
             state.update(part)
-        groups = []
-        for g in self.param_groups:
-            groups.append({**{k: v for k, v in g.items() if k != "params"},
-                           "params": [index[p] for p in g["params"]]})
+        groups = [{**settings, "params": [index[p] for p in g["params"]]}
+                  for settings, g in zip(self.group_settings(), self.param_groups)]
         return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
