@@ -41,18 +41,22 @@ class WorkerError(RaytrainXError):
             `RendezvousTimeout`), so another rank's failure is the root cause.
         process_lost: its process or host was lost (killed, crashed, cut off), as opposed
             to its function raising.
+        state_lost: the message of the `ElasticStateLost` the worker raised (a part of the
+            committed state it needed is gone with every copy), or None.
     """
 
     def __init__(self, rank: int, detail: str, lost_peer: bool = False,
-                 process_lost: bool = False) -> None:
+                 process_lost: bool = False, state_lost: str | None = None) -> None:
         super().__init__(f"rank {rank} failed:\n{detail}")
         self.rank = rank
         self.detail = detail
         self.lost_peer = lost_peer
         self.process_lost = process_lost
+        self.state_lost = state_lost
 
     def __reduce__(self):
-        return (WorkerError, (self.rank, self.detail, self.lost_peer, self.process_lost))
+        return (WorkerError, (self.rank, self.detail, self.lost_peer, self.process_lost,
+                              self.state_lost))
 
 
 class HostsUpdatedInterrupt(RaytrainXError):

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 import ray
 from ray.exceptions import RayActorError
 
-from raytrain_x.common.errors import LOST_PEER_ERRORS, WorkerError
+from raytrain_x.common.errors import LOST_PEER_ERRORS, ElasticStateLost, WorkerError
 from raytrain_x.common.settings import JOIN_HELD_S, PROBE_TIMEOUT_S, short_node
 
 K = TypeVar("K", bound=Hashable)
@@ -21,19 +21,23 @@ K = TypeVar("K", bound=Hashable)
 
 class WorkerFailure(Exception):
     """A worker's failure as it crosses to the driver: the traceback as plain text (user
-    exceptions may not unpickle) and whether the worker only lost a peer."""
+    exceptions may not unpickle), whether the worker only lost a peer, and the message of
+    an `ElasticStateLost` it raised (the elastic driver stops the job with it)."""
 
-    def __init__(self, traceback_text: str, lost_peer: bool) -> None:
+    def __init__(self, traceback_text: str, lost_peer: bool,
+                 state_lost: str | None = None) -> None:
         super().__init__(traceback_text)
         self.traceback_text = traceback_text
         self.lost_peer = lost_peer
+        self.state_lost = state_lost
 
     def __reduce__(self):
-        return (WorkerFailure, (self.traceback_text, self.lost_peer))
+        return (WorkerFailure, (self.traceback_text, self.lost_peer, self.state_lost))
 
     @staticmethod
     def from_exception(exc: BaseException, traceback_text: str) -> WorkerFailure:
-        return WorkerFailure(traceback_text, isinstance(exc, LOST_PEER_ERRORS))
+        return WorkerFailure(traceback_text, isinstance(exc, LOST_PEER_ERRORS),
+                             str(exc) if isinstance(exc, ElasticStateLost) else None)
 
 
 def worker_error(rank: int, exc: Exception) -> WorkerError:
@@ -45,7 +49,8 @@ def worker_error(rank: int, exc: Exception) -> WorkerError:
                                  "node); its output is in the Ray logs", process_lost=True)
     cause = getattr(exc, "cause", None)
     if isinstance(cause, WorkerFailure):
-        return WorkerError(rank, cause.traceback_text, cause.lost_peer)
+        return WorkerError(rank, cause.traceback_text, cause.lost_peer,
+                           state_lost=cause.state_lost)
     return WorkerError(rank, str(exc))
 
 

@@ -17,6 +17,7 @@ names the parameters whose every copy was lost.
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,10 +59,12 @@ class Plan:
     senders: dict[Key, int]  # which rank sends each parameter's state
 
 
-def plan_restore(reports: list[Report]) -> Plan:
+def plan_restore(reports: list[Report],
+                 name_of: Callable[[Key], str] = lambda key: f"{key[0]} parameter {key[1]}",
+                 ) -> Plan:
     """The newest generation that can be restored whole: no older than the newest one any
     rank took up, its directory covered by what the ranks hold. Raises ElasticStateLost
-    naming what is missing when there is none."""
+    naming (`name_of`) what is missing when there is none."""
     # a rank took a generation up only once every rank had staged it: none goes back further
     floor = max((r.taken for r in reports), default=0)
     numbers = sorted({n for r in reports for n in r.generations if n >= floor}, reverse=True)
@@ -79,7 +82,7 @@ def plan_restore(reports: list[Report]) -> Plan:
             return Plan(number, holders[0][0], {k: held[k] for k in wanted})
         if not missing:
             missing = set(wanted - held.keys())
-    names = ", ".join(f"{opt} parameter {index}" for opt, index in sorted(missing)[:8])
+    names = ", ".join(name_of(key) for key in sorted(missing)[:8])
     raise ElasticStateLost(
         f"every copy of the sharded optimizer state of {len(missing)} parameter(s) ({names}) "
         "was lost with the workers that held them. Keep more copies "
@@ -150,6 +153,11 @@ class ShardedCommits:
                 report.generations[gen.number] = (frozenset(gen.shards), gen.directory)
         return report
 
+    def _name_of(self, key: Key) -> str:
+        """A parameter's name as the user gave it (`named_parameters`), and its optimizer."""
+        name, index = key
+        return f"{self.optimizers[name].parameter_name(index)!r} of {name}"
+
     def held(self, number: int) -> Generation | None:
         return next((g for g in (self.taken, self.staged) if g is not None
                      and g.number == number), None)
@@ -159,7 +167,7 @@ class ShardedCommits:
         world and send each parameter's state to its new owner. Returns the plan (its root
         sends the rest of the state)."""
         reports = allgather_object(self.report(), name="elastic.zero.report")
-        plan = plan_restore(reports)
+        plan = plan_restore(reports, self._name_of)
         mine = runtime.rank()
         generation = self.held(plan.generation)
         payloads: dict[int, dict[Key, dict[str, Any]]] = {}

@@ -82,6 +82,10 @@ class ShardedOptimizer(HookedOptimizer):
         """The parameters in `state_dict()`'s order (its state's keys are these indices)."""
         return [p for g in self.param_groups for p in g["params"]]
 
+    def parameter_name(self, index: int) -> str:
+        """The name (`named_parameters`) of the parameter at `index` in `state_dict()`."""
+        return self._names[self._indexed()[index]]
+
     def group_settings(self) -> list[dict[str, Any]]:
         """Each parameter group's settings (lr, betas, ...), without its parameters."""
         return [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]

@@ -328,6 +328,32 @@ def test_losing_every_worker_that_holds_the_state_stops_the_job_naming_it(elasti
     assert "every worker that held the job's committed state was lost" in str(job.error)
 
 
+def test_losing_both_copies_of_a_shard_stops_the_job_naming_it(elastic_nodes, tmp_path):
+    """A sharded optimizer (zero_stage=1) on 3 nodes keeps each shard on its owner and one
+    copy on another node. Two workers are killed at once: the survivor holds its own shard
+    and one copy, but the third shard's owner and copy are both gone, and the hosts that
+    come back hold nothing. The job stops with `ElasticStateLost` naming the parameters
+    instead of training on with part of the optimizer state reset."""
+    elastic_nodes(3)
+    executor = _executor(1, 3, cooldown_range=(1.0, 1.0))
+    progress = tmp_path / "progress"
+    job = _Job(executor, 10_000, 0.05, None, str(progress), 1)
+    job.wait_until(lambda: job.trained(progress, 5, 3), "rank 0 to commit 5 steps with 3 "
+                   "workers")
+    members = sorted(executor.last_elastic_job.members.values(), key=lambda m: m.age)
+    for member in members[1:]:  # the two youngest, at once
+        ray.kill(member.actor, no_restart=True)
+    job.thread.join(limit(30))
+    executor.shutdown()
+    assert not job.thread.is_alive(), "the job went on without part of its state"
+    assert isinstance(job.error, ElasticStateLost), repr(job.error)
+    # the survivor's own shard and its copy of one other are there; the third is named
+    assert "every copy of the sharded optimizer state of" in str(job.error)
+    assert "'0.weight' of optimizer" in str(job.error) or "'1.weight' of optimizer" in \
+        str(job.error), str(job.error)
+    assert "replicas=2" in str(job.error)  # what to do about it
+
+
 def _every_rank_leaves_its_round_at_once(marker: str, steps: int, stuck_node: str | None = None,
                                          stuck_in: str = "restore") -> dict:
     """Each rank raises `InternalError` right after the same allreduce of step 5, once (its

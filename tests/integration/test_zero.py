@@ -1,6 +1,6 @@
 """Sharded optimizer state (`zero_stage=1`) and gradients (`zero_stage=2`): the same
 weights as the unsharded optimizer on the same data, in real gloo worlds of 2 and 3 ranks
-(uneven shards), and a full state dict that loads across stages."""
+(uneven shards), and a full state dict that loads across stages and world sizes."""
 
 from __future__ import annotations
 
@@ -107,9 +107,65 @@ def _round_trip() -> dict:
                                      full["state"][i]["exp_avg"]) for i in full["state"])}
 
 
+def _one_step(rx, opt: torch.optim.Optimizer, model: torch.nn.Module) -> None:
+    """The same batch on every rank, so the averaged gradient is the batch's own."""
+    opt.zero_grad()
+    x = torch.linspace(-1, 1, 32).reshape(4, 8)
+    torch.nn.functional.cross_entropy(model(x), torch.tensor([0, 1, 2, 0])).backward()
+    opt.step()
+
+
+def _save_in_a_world() -> dict:
+    """Two steps of a sharded Adam; the full state and the weights."""
+    import raytrain_x.torch as rx
+
+    rx.init()
+    model = _model()
+    opt = rx.DistributedOptimizer(_make("adam", model), zero_stage=2)
+    for _ in range(2):
+        _one_step(rx, opt, model)
+    return {"state": opt.state_dict(), "weights": model.state_dict()}
+
+
+def _load_in_another_world(saved: dict) -> dict:
+    """The saved state and weights into stage 1 in this world, and into an unsharded Adam
+    in this process alone; one more step of each."""
+    import copy
+
+    import raytrain_x.torch as rx
+
+    rx.init()
+    out = {}
+    for way in ("sharded", "plain"):
+        model = _model()
+        model.load_state_dict(saved["weights"])
+        inner = _make("adam", model)
+        opt = (rx.DistributedOptimizer(inner, zero_stage=1) if way == "sharded" else inner)
+        # a copy each: torch's optimizers take a loaded tensor as their own and step it in
+        # place, and these came through shared memory from the saving world
+        opt.load_state_dict(copy.deepcopy(saved["state"]))
+        _one_step(rx, opt, model)
+        state = opt.state_dict()
+        out[way] = {"weights": {k: v.clone() for k, v in model.state_dict().items()},
+                    "state_keys": sorted(state["state"]),
+                    "lrs": [group["lr"] for group in state["param_groups"]],
+                    "moments": {i: {k: v.clone() for k, v in s.items() if torch.is_tensor(v)}
+                                for i, s in state["state"].items()}}
+    return out
+
+
 def test_the_state_dict_is_the_full_state_and_loads_across_stages():
     for out in run_workers(_round_trip, 3, work_s=20):
         assert out["full"] == out["params"] and out["equal"]
+
+
+def test_a_state_saved_by_3_ranks_loads_into_2_and_trains_on_as_unsharded():
+    """Saved by stage 2 on 3 ranks (uneven shards), loaded by stage 1 on 2: the next step
+    equals an unsharded Adam's from the same state, on each rank."""
+    saved = run_workers(_save_in_a_world, 3, work_s=20)
+    assert sorted(saved[0]["state"]["state"]) == list(range(6))  # the whole state
+    for rank, out in enumerate(run_workers(_load_in_another_world, 2, saved[0], work_s=20)):
+        _check_same(out["plain"], out["sharded"], f"loaded on rank {rank}")
 
 
 def _clipped() -> dict:

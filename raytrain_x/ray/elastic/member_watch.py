@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from raytrain_x.comm.groups import round_prefix
-from raytrain_x.common.errors import WorkerError
+from raytrain_x.common.errors import ElasticStateLost, WorkerError
 from raytrain_x.common.settings import JOIN_HELD_S, SILENT_LOST_S, STUCK_GRACE_S, short_node
 from raytrain_x.ray.elastic.context import JobContext
 from raytrain_x.ray.elastic.policies import (
@@ -62,6 +62,11 @@ class MemberWatch:
             log.info("raytrain-x elastic: worker %s, which had left the job, was lost with its "
                      "draining node", member.worker_id)
             return
+        if error.state_lost is not None:
+            # it found part of the committed state gone with every copy (a sharded
+            # optimizer's shard): every member of its round finds the same, and another
+            # round would find no more
+            raise ElasticStateLost(f"rank {member.rank}: {error.state_lost}")
         # peers still forming this round with it would wait for its keys until their
         # timeout: they are answered at once and join the next round
         ctx.store.abandon(round_prefix(ctx.rounds))
