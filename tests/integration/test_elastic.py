@@ -47,6 +47,17 @@ def _elastic_train(steps: int, pause: float, bad_node: str | None = None,
                         zero_stage=zero_stage)
 
 
+def _until_stopped(steps: int | None, pause: float, bad_node: str | None, progress: str,
+                   zero_stage: int, stop: str) -> dict:
+    """The ledger job until the `stop` file exists (every rank stops at the same step)."""
+    import raytrain_x.torch as rx
+    from raytrain_x.testing.jobs.torch_ledger import ledger_train
+
+    rx.init()
+    return ledger_train(steps, pause, stop=stop, progress=progress, samples=SAMPLES,
+                        zero_stage=zero_stage)
+
+
 def _executor(min_workers: int, max_workers: int, timeout_s: float = 10,
               **kwargs) -> RayExecutor:
     executor = RayExecutor(RayExecutor.create_settings(timeout_s=timeout_s),
@@ -159,16 +170,19 @@ def test_added_node_joins_at_the_next_commit(elastic_nodes, tmp_path):
     state re-sharded over three."""
     elastic_nodes(2)
     executor = _executor(2, 3)
-    progress = tmp_path / "progress"
-    job = _Job(executor, 2 * STEPS, 0.1, None, str(progress), 1)
+    progress, stop = tmp_path / "progress", tmp_path / "stop"
+    job = _Job(executor, None, 0.05, None, str(progress), 1, str(stop), fn=_until_stopped)
     job.wait_until(lambda: job.trained(progress, 5, 2),
                    "rank 0 to commit 5 steps with 2 workers")
     elastic_nodes(1)
+    # the job trains on until the newcomer has committed with the others, past an epoch
+    job.wait_until(lambda: job.trained(progress, 30, 3), "rank 0 to commit step 30 with 3")
+    stop.touch()
     results = job.join()
     events = executor.last_elastic_job.events
     executor.shutdown()
     assert len(results) == 3  # the new worker finished with the others
-    _check_committed_history(results, 2 * STEPS)  # it received the committed state
+    _check_committed_history(results, results[0]["step"])  # it received the committed state
     sizes = results[0]["sizes"]
     assert 2 in sizes and sizes[-1] == 3
     assert any(kind == "scale_up" for _, kind, _ in events)
