@@ -24,7 +24,7 @@ from ray import tune
 from raytrain_x.common.errors import ConfigError
 from raytrain_x.common.knobs import Knobs
 from raytrain_x.common.logs import progress_logger
-from raytrain_x.tune_integration.trainable import PEAK_MEMORY
+from raytrain_x.tune_integration.trainable import PEAK_MEMORY, over_memory
 
 progress = progress_logger("raytrain_x.tune.progress")
 
@@ -258,10 +258,9 @@ def autotune_experiments(
         steps = 0 if frame is None else len(frame)
         if result.error is not None:
             error = str(result.error)
-        elif max_memory_per_worker is not None and frame is not None \
-                and PEAK_MEMORY in frame and frame[PEAK_MEMORY].max() > max_memory_per_worker:
-            error = (f"peak memory {frame[PEAK_MEMORY].max():.0f} MB over "
-                     f"max_memory_per_worker {max_memory_per_worker:g} MB")
+        elif frame is not None and PEAK_MEMORY in frame and (over := over_memory(
+                frame[PEAK_MEMORY].max(), max_memory_per_worker)):
+            error = over
         elif frame is not None and metric in frame and steps > start_step:
             value = float(frame[metric].iloc[start_step:steps_per_experiment].mean())
         else:

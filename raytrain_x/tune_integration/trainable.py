@@ -38,6 +38,14 @@ def peak_memory_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def over_memory(peak_mb: float | None, max_mb: float | None) -> str | None:
+    """Why an experiment whose peak memory is `peak_mb` fails a cap of `max_mb` (None: it
+    fits, or either is unknown)."""
+    if max_mb is None or peak_mb is None or not peak_mb > max_mb:
+        return None
+    return f"peak memory {peak_mb:.0f} MB over max_memory_per_worker {max_mb:g} MB"
+
+
 def _pack_dir(path: str) -> bytes:
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz") as tar:

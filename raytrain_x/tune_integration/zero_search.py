@@ -18,7 +18,7 @@ from typing import Any
 from ray.tune.search import Searcher
 
 from raytrain_x.common.errors import ConfigError
-from raytrain_x.tune_integration.trainable import PEAK_MEMORY
+from raytrain_x.tune_integration.trainable import PEAK_MEMORY, over_memory
 
 
 @dataclass
@@ -73,13 +73,10 @@ class FastMode:
         self.trials.append(trial)
         stage = config["zero_stage"]
         best = self._stage_best.get(stage)
-        over = (self.max_memory_mb is not None and peak_mb is not None
-                and peak_mb > self.max_memory_mb)
+        over = over_memory(peak_mb, self.max_memory_mb)
         if score is None or over:
             trial.score = None
-            trial.verdict = ("failed" if not over else
-                             f"peak memory {peak_mb:.0f} MB over max_memory_per_worker "
-                             f"{self.max_memory_mb:g} MB")
+            trial.verdict = over or "failed"
             self._limit = self._mbs
             if best is None and self._mbs > 0:  # the stage's first size did not fit: smaller
                 self._mbs -= 1
@@ -108,18 +105,18 @@ class FastMode:
         for t in before:
             if self._better(t.score, best_before.score if best_before else None):
                 best_before = t
-        if (mine is None and best_before is not None) or (
-                mine is not None and best_before is not None
-                and not self._better(mine.score, best_before.score)) \
-                or self._stage + 1 >= len(self.stages):
+        beaten = best_before is not None and (
+            mine is None or not self._better(mine.score, best_before.score))
+        if beaten or self._stage + 1 >= len(self.stages):
             self.finished = True
             return
         self._stage += 1
         self._limit = len(self.micro_batches)
-        # the next stage keeps less per rank: start from the best micro-batch so far
-        start = (mine or best_before).config["micro_batch_size"] if (mine or best_before) \
-            else self.micro_batches[0]
-        self._mbs = self.micro_batches.index(start)
+        # the next stage keeps less per rank: start from the best micro-batch so far (this
+        # stage's, which beat those before, or theirs when this one had none)
+        leader = mine or best_before
+        self._mbs = self.micro_batches.index(leader.config["micro_batch_size"]) if leader \
+            else 0
 
 
 class FastModeSearcher(Searcher):
