@@ -66,6 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--timeout", type=float, default=TIMEOUT_S.default,
                      help="rendezvous/collective timeout in seconds")
     run.add_argument("--verbose", action="store_true")
+    run.add_argument("--quiet", action="store_true",
+                     help="no progress lines (steps/s, world size, autotune's phase)")
+    run.add_argument("--progress-every", type=float, default=30.0, metavar="S",
+                     help="seconds between progress lines (default 30)")
+    run.add_argument("--job-name", help="the job's name in its metrics (the `job` tag; "
+                     "default: the Ray job's id)")
     elastic = run.add_argument_group("elastic (any of these makes the job elastic)")
     elastic.add_argument("--min-np", type=int, help="fewest workers to train with")
     elastic.add_argument("--max-np", type=int, help="most workers to scale up to")
@@ -164,6 +170,9 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("run needs a command, e.g. raytrain-x run -np 2 python train.py")
     if args.np < 1:
         parser.error(f"-np must be >= 1, got {args.np}")
+    if args.progress_every <= 0:
+        parser.error(f"--progress-every must be a positive number of seconds, got "
+                     f"{args.progress_every}")
     knobs, fixed = resolve_knobs(args)
     autotune = resolve_autotune(args)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
@@ -181,7 +190,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if elastic:
         return _run_elastic(args, command, settings, knobs, fixed, autotune)
     executor = RayExecutor(settings, num_workers=args.np, cpus_per_worker=args.cpus_per_worker,
-                           use_gpu=args.use_gpu)
+                           use_gpu=args.use_gpu, name=args.job_name)
     # Only the knobs the user fixed travel as env, so the launched ranks see the same fixed
     # set; rank 0 of a launched script runs the autotune controller in-process.
     env = {**fixed_knob_env(knobs, fixed), **_training_env(args)}
@@ -191,10 +200,14 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         env["RAYTRAIN_X_TIMELINE"] = os.path.abspath(args.timeline_filename)
     start = time.monotonic()
     executor.start(extra_env_vars=env)
+    reporter = None
     try:
         _progress(f"{args.np} workers ready in {time.monotonic() - start:.1f}s")
+        reporter = _start_reporter(args, executor)
         codes = run_command_on_workers(executor, command, env, _printer(), os.getcwd())
     finally:
+        if reporter is not None:
+            reporter.stop()
         executor.shutdown()
     failed = {rank: r for rank, r in enumerate(codes) if r["code"] != 0}
     if failed:  # report the root cause (the executor's rule: failures.root_cause_order)
@@ -206,6 +219,19 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         sys.stderr.write(f"raytrain-x: rank {rank} exited with code {code}\n")
         return code if 0 < code < 256 else 1
     return 0
+
+
+def _start_reporter(args: argparse.Namespace, executor: Any) -> Any:
+    """A progress line every `--progress-every` seconds on stderr, unless `--quiet`."""
+    if args.quiet:
+        return None
+    from raytrain_x.ray.job_progress import ProgressReporter
+
+    def emit(line: str) -> None:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+    return ProgressReporter(executor.worker_status, args.progress_every, emit).start()
 
 
 def _progress(line: str) -> None:
@@ -243,11 +269,15 @@ def _run_elastic(args, command, settings, knobs, fixed, autotune) -> int:
         cooldown_range=tuple(args.blacklist_cooldown_range)
         if args.blacklist_cooldown_range else None,
         elastic_timeout=args.elastic_timeout, start_timeout_s=args.start_timeout,
-        host_discovery_script=args.host_discovery_script, autotune=autotune)
+        host_discovery_script=args.host_discovery_script, autotune=autotune,
+        name=args.job_name)
     executor.start(extra_env_vars=env)
+    reporter = _start_reporter(args, executor)
     try:
         codes = executor.run(run_script, args=(command, os.getcwd()))
     finally:
+        if reporter is not None:
+            reporter.stop()
         executor.shutdown()
     return 0 if all(code == 0 for code in codes) else 1
 

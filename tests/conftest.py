@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 
 import pytest
@@ -58,7 +59,8 @@ def _start_head(cluster_class, head: dict):
             return c
         except Exception:
             c.shutdown()
-            kill(leaks.new_processes(before))
+            # beside another suite process, only this one's own (the other runs Ray too)
+            kill(leaks.new_processes(before, ray_anywhere=not _in_parallel()))
             raise
 
     return start_once_more(start, "Ray's head node")
@@ -80,10 +82,24 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_collection_finish(session):
-    """The selected tests' background commands start now (tests/background.py)."""
+    """The selected tests' background commands start now (tests/background.py). In a
+    parallel run each suite process collects every test but runs some: a command starts
+    when its test's module does instead (`_background_of_module`)."""
     from tests import background
 
-    background.start_selected(session.items)
+    if not _in_parallel():
+        background.start_selected(session.items)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _background_of_module(request):
+    """In a parallel run, the module's background commands start with its first test."""
+    if _in_parallel():
+        from tests import background
+
+        background.start_selected([i for i in request.session.items
+                                   if i.module is request.module])
+    yield
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -192,28 +208,43 @@ def elastic_nodes(cluster):
 _at_start: dict = {}
 
 
+def _in_parallel() -> bool:
+    """This process is one of several running the suite (pytest-xdist's `-n`)."""
+    return "PYTEST_XDIST_WORKER" in os.environ
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_sessionstart(session):
     # Every process the suite starts (Ray's, spawned workers, the CLI's subprocesses) makes
     # its temp files under one folder, removed at the end: Ray's dashboard leaves its
     # forkserver's `pymp-*` folder behind when its cluster is stopped, and a local cluster
     # that `raytrain-x run` starts leaves its session folder. pytest's own tmp_path stays in
     # the system temp dir (read and cached first), so a failed test's files are kept.
+    # Each suite process of a parallel run has its own (Ray writes the address of the last
+    # cluster started there, and `ray.init()` reads it).
     tempfile.gettempdir()
     _at_start["tmpdir"] = os.environ.get("TMPDIR")
     os.environ["TMPDIR"] = _at_start["children_temp"] = tempfile.mkdtemp(
         prefix=f"{TEMP_PREFIX}tmp", dir="/tmp")
     # Ray writes the address of the last cluster started to $TMPDIR/ray without making it
     os.mkdir(os.path.join(_at_start["children_temp"], "ray"))
+    # The snapshot is taken before the suite's processes start (pytest-xdist starts them
+    # after this hook).
     _at_start["before"] = leaks.snapshot(TEMP_PREFIX)
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session, exitstatus):
+    """Each suite process stops what it started; the one that started them all (the only
+    one, or the controller of a parallel run, once the others have exited: pytest-xdist
+    stops them before this hook) checks that nothing is left."""
     if not _at_start:
         return
     try:
         _stop_fork_server()
         _stop_background()
-        _check_leaks(session)
+        if not _in_parallel():
+            _check_leaks(session)
     finally:
         _remove_children_temp()
 
@@ -221,6 +252,8 @@ def pytest_sessionfinish(session, exitstatus):
 def _stop_fork_server() -> None:
     """Stops the fork server `tests/workers.py` starts its ranks from (it would be counted
     as left behind)."""
+    if "tests.workers" not in sys.modules:  # never started (a parallel run's controller)
+        return
     from tests.workers import stop_fork_server
 
     stop_fork_server()

@@ -58,6 +58,13 @@ class WorkerError(RaytrainXError):
         return (WorkerError, (self.rank, self.detail, self.lost_peer, self.process_lost,
                               self.state_lost))
 
+    @property
+    def cause(self) -> str:
+        """`process_lost` (killed, crashed or cut off), `lost_peer` (it failed only because a
+        peer did) or `error` (its function raised)."""
+        return ("process_lost" if self.process_lost else
+                "lost_peer" if self.lost_peer else "error")
+
 
 class HostsUpdatedInterrupt(RaytrainXError):
     """Hosts were added or removed; elastic training re-forms the world keeping its state.

@@ -78,9 +78,24 @@ DRAIN_POLL_S = Setting(
 STRAGGLER_POLL_S = Setting(
     "RAYTRAIN_X_STRAGGLER_POLL_S", 1.0, float,
     "how often an elastic job looks for workers missing from a rendezvous")
+METRICS = Setting(
+    "RAYTRAIN_X_METRICS", True, bool,
+    "export the job's metrics through Ray's metrics API (docs/metrics.md); 0 turns them off")
+METRICS_INTERVAL_S = Setting(
+    "RAYTRAIN_X_METRICS_INTERVAL_S", 5.0, float,
+    "how often each worker reads its counters and exports them (nothing is done per step "
+    "beyond counting it)")
+JOB_NAME = Setting(
+    "RAYTRAIN_X_JOB_NAME", "", str,
+    "the job's name in its metrics (the `job` tag); the executor sets it from its `name`")
+STATUS_FILE = Setting(
+    "RAYTRAIN_X_STATUS_FILE", "", str,
+    "set by `raytrain-x run` for the processes it launches: where each writes its status "
+    "for its worker actor to export")
 
 ALL = (TIMEOUT_S, START_TIMEOUT_S, SHM, STALL_WARNING_S, STALL_SHUTDOWN_S, TIMELINE,
-       TIMELINE_MARK_CYCLES, GPU_OPERATIONS, CONFIG_FILE, DRAIN_POLL_S, STRAGGLER_POLL_S)
+       TIMELINE_MARK_CYCLES, GPU_OPERATIONS, CONFIG_FILE, DRAIN_POLL_S, STRAGGLER_POLL_S,
+       METRICS, METRICS_INTERVAL_S, JOB_NAME, STATUS_FILE)
 
 # The driver's fixed intervals: not settings, each follows from what it waits for.
 # A worker's `ping` runs on a thread of its own, so a reachable worker answers in

@@ -9,6 +9,8 @@ import logging
 import os
 import sys
 import threading
+import time
+from collections import deque
 from collections.abc import Callable
 
 from raytrain_x.autotune.host import local_controller
@@ -23,6 +25,7 @@ from raytrain_x.common.errors import LOST_PEER_ERRORS, LOST_PEER_EXIT_CODE, Conf
 from raytrain_x.common.horovod_env import with_horovod_aliases
 from raytrain_x.common.knobs import Knobs, load_knobs
 from raytrain_x.engine.engine import Engine
+from raytrain_x.engine.stats import EngineStats
 
 log = logging.getLogger("raytrain_x.elastic")
 _lock = threading.RLock()
@@ -34,6 +37,41 @@ _advisor_factory: AdvisorFactory | None = None
 _host_update_probe: Callable[[], int] | None = None
 _batch_size: int | None = None
 _batching: set[str] = set()
+_retired_samples: list = []  # the samples of this process's samplers before the current
+
+
+class StepClock:
+    """Counts training steps (the marks `mark_step` sets) and keeps the latest durations
+    between marks (`core.status` reads them)."""
+
+    def __init__(self, keep: int = 1024) -> None:
+        self.steps = 0
+        self._last: float | None = None
+        self._durations: deque[float] = deque(maxlen=keep)
+
+    def mark(self) -> None:
+        now = time.perf_counter()
+        if self._last is not None:
+            self._durations.append(now - self._last)
+        self._last = now
+        self.steps += 1
+
+    def recent(self) -> list[float]:
+        """The latest step durations, oldest first (the last one ends at step `steps`)."""
+        return list(self._durations)
+
+
+_steps = StepClock()
+
+
+def step_clock() -> StepClock:
+    """This process's training steps (every round's, since it started)."""
+    return _steps
+
+
+def batch_size() -> int | None:
+    """Each rank's batch size, where the job told autotune (`autotune_batch_size`)."""
+    return _batch_size
 
 
 def set_host_update_probe(probe: Callable[[], int] | None) -> None:
@@ -94,6 +132,8 @@ def start(
             stall_shutdown_s=settings.STALL_SHUTDOWN_S.read(env),
             timeline_mark_cycles=settings.TIMELINE_MARK_CYCLES.read(env),
         )
+        if _sampler is not None:  # a reset: what it scored stays this process's record
+            _retired_samples.extend(_sampler.samples)
         _sampler = None
         if config is not None and rdv.rank == 0:
             advisor = (_advisor_factory or local_controller)(config, knobs, _fixed_knobs)
@@ -186,14 +226,32 @@ def rendezvous() -> Rendezvous:
     return eng.groups.rdv
 
 
+def engine_stats() -> EngineStats:
+    """The running engine's counters (it need not be healthy: they are read after a
+    failure too)."""
+    eng = _engine
+    if eng is None:
+        return engine().stats  # the clear "call init() first" error
+    return eng.stats
+
+
 def autotune_sampler() -> AutotuneSampler | None:
     """Rank 0's autotune sampler while tuning is configured (None elsewhere)."""
     return _sampler
 
 
+def autotune_samples() -> list:
+    """Every autotune sample this process scored as rank 0, in order: those of the samplers
+    before an elastic reset, then the current one's."""
+    sampler = _sampler
+    return [*_retired_samples, *(sampler.samples if sampler is not None else [])]
+
+
 def mark_step() -> None:
-    """Marks the end of a training step; autotune scores steps between marks.
-    `DistributedOptimizer.step()` calls it; a loop without one may call it by hand."""
+    """Marks the end of a training step; autotune scores steps between marks, and the
+    job's metrics count them. `DistributedOptimizer.step()` calls it; a loop without one
+    may call it by hand."""
+    _steps.mark()
     sampler = _sampler
     if sampler is not None:
         sampler.mark_step()

@@ -10,7 +10,7 @@ from raytrain_x.comm.rendezvous import Rendezvous
 from raytrain_x.common.autotune_config import AutotuneConfig
 from raytrain_x.common.errors import ConfigError
 from raytrain_x.common.knobs import Knobs
-from raytrain_x.core import runtime
+from raytrain_x.core import runtime, status
 from raytrain_x.core.process_sets import (
     ProcessSet,
     add_process_set,
@@ -46,6 +46,7 @@ def init(
         process_sets = None  # sets can always be added and removed after init
     if not runtime.start(knobs, rendezvous, autotune):
         return
+    status.start_status_file()
     global_process_set.ranks = list(range(runtime.size()))
     for ps in process_sets or ():
         add_process_set(ps)

@@ -270,6 +270,8 @@ class Engine:
         agreement = self._negotiator.negotiate(self._pending, shutting_down, knobs_wanted,
                                                join_state)
         self.stats.negotiations += agreement.reports_exchanged
+        self.stats.cache_hits += agreement.cache_hits
+        self.stats.stalls += agreement.stalls
         self._note_reported(agreement, knobs_wanted)
         negotiated = time.perf_counter()
         if agreement.all_joined:

@@ -101,7 +101,9 @@ class CollectiveRunner:
             int_post, pre, post = post, 1, 1
         wire = meta.wire_dtype or meta.dtype
         row = batch[0].name if len(batch) == 1 else f"fused[{len(batch)}]"
-        self.stats.fused += len(batch) > 1
+        if len(batch) > 1:
+            self.stats.fused += 1
+            self.stats.fused_tensors += len(batch)
         transport = self.transport
         hierarchical = knobs.hierarchical_allreduce
         if len(tensors) == 1 and wire == meta.dtype:

@@ -52,6 +52,8 @@ class Agreement:
         joined_last: the rank that joined last (when `all_joined`).
         reports_exchanged: the ranks allgathered their reports (not only the status word).
         join_reported: this rank's join request went out in this cycle's report.
+        cache_hits: responses agreed from the response cache's bits.
+        stalls: stall warnings the reports raised (rank 0 logs them).
         knobs_sent: this rank's knob request went out in this cycle's report.
     """
 
@@ -61,6 +63,8 @@ class Agreement:
     knobs: Knobs | None = None
     joined_last: int = -1
     reports_exchanged: bool = False
+    cache_hits: int = 0
+    stalls: int = 0
     join_reported: bool = False
     knobs_sent: bool = False
 
@@ -147,6 +151,7 @@ class Negotiator:
                 req = pending.get(name)  # its meta matched the entry: reuse it
                 result.responses.append(Response(name, req.meta if req is not None
                                                  else Meta.from_cache(entry)))
+            result.cache_hits = len(result.responses)
             self._coordinator.forget([r.name for r in result.responses])
 
         if not (agreed & NOTHING_TO_REPORT and agreed & NO_MESSAGE):
@@ -201,6 +206,7 @@ class Negotiator:
                 self._cache.put(r.name, r.meta.dtype, list(r.meta.shape), r.meta.cache_key())
         self._cache_version += 1
         result.responses.extend(decision.responses)
+        result.stalls = len(decision.warnings)
         if self.rank == 0:
             for text in decision.warnings:
                 log.warning(text)

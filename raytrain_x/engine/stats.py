@@ -7,16 +7,20 @@ from dataclasses import dataclass, field
 
 @dataclass
 class EngineStats:
-    """Counters the autotuner scores samples with (bytes and seconds per collective)."""
+    """Counters since the engine started: the autotuner scores samples with bytes and
+    seconds per collective; the job's metrics export all of them (`core.status`)."""
 
     bytes: dict[str, int] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
     cycles: int = 0
     active_cycles: int = 0  # cycles that ran at least one collective
     negotiations: int = 0  # cycles that needed the allgather of reports
+    cache_hits: int = 0  # collectives agreed from the response cache's bits, no report
     speculated: int = 0  # cycles whose batch went with its readiness count (one round trip)
     speculation_misses: int = 0  # speculative cycles some rank was not ready for
     fused: int = 0  # allreduce batches of several tensors
+    fused_tensors: int = 0  # ... and the tensors in them
+    stalls: int = 0  # stall warnings (a tensor some rank did not submit for a while)
     fused_in_place: int = 0  # ... of which were reduced where they lie, with no packing
 
     def add(self, kind: str, nbytes: int, seconds: float) -> None:

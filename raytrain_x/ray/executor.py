@@ -11,9 +11,11 @@ import ray
 from raytrain_x.common.autotune_config import AutotuneConfig
 from raytrain_x.common.errors import ConfigError
 from raytrain_x.common.knobs import Knobs
-from raytrain_x.common.settings import START_TIMEOUT_S, TIMEOUT_S
+from raytrain_x.common.settings import JOB_NAME, METRICS_INTERVAL_S, START_TIMEOUT_S, TIMEOUT_S
+from raytrain_x.ray import metrics
 from raytrain_x.ray.autotune_actor import knob_env, start_autotune
 from raytrain_x.ray.elastic import ElasticJob, ElasticSettings
+from raytrain_x.ray.metrics import DriverMetrics
 from raytrain_x.ray.placement import Slot, validate_shape
 from raytrain_x.ray.static_job import StaticJob, StaticShape
 
@@ -48,6 +50,17 @@ def ensure_ray(address: str | None = None, **init_kwargs: Any) -> None:
         ray.init(address="auto", **init_kwargs)
     except ConnectionError:
         ray.init(**init_kwargs)
+
+
+_executors_started = 0  # in this process: numbers the default job names
+
+
+def job_name() -> str:
+    """`RAYTRAIN_X_JOB_NAME`, else the Ray job's id and this executor's number in it
+    (`02000000.1`): distinct for every executor a driver (or a Tune trial) starts."""
+    global _executors_started
+    _executors_started += 1
+    return JOB_NAME.read() or f"{ray.get_runtime_context().get_job_id()}.{_executors_started}"
 
 
 class RayExecutor:
@@ -85,6 +98,8 @@ class RayExecutor:
         resources_per_worker: extra Ray resources each worker reserves.
         host_discovery_script: elastic: an executable printing `host:slots` lines (default:
             Ray's alive nodes and their free resources).
+        name: the job's name in its metrics (their `job` tag, docs/metrics.md); default:
+            `RAYTRAIN_X_JOB_NAME`, else the Ray job's id and this executor's number in it.
 
     With `min_workers`/`max_workers` the executor is elastic: `run` keeps the job going
     while workers fail or hosts come and go (see docs/elastic.md).
@@ -122,6 +137,7 @@ class RayExecutor:
         autotune: Any = None,
         resources_per_worker: dict[str, float] | None = None,
         host_discovery_script: str | None = None,
+        name: str | None = None,
     ) -> None:
         elastic = min_workers is not None or max_workers is not None
         if elastic:
@@ -180,6 +196,10 @@ class RayExecutor:
             from raytrain_x.ray.elastic.discovery import ScriptDiscovery
 
             ScriptDiscovery(host_discovery_script)  # validates it now, not mid-job
+        if name is not None and (not isinstance(name, str) or not name.strip()):
+            raise ConfigError(f"name must be a non-empty string, got {name!r}")
+        self.name = name
+        self.metrics: DriverMetrics | None = None
         self.last_elastic_job = None
         self._elastic_env: dict[str, str] | None = None
         self._static: StaticJob | None = None
@@ -209,8 +229,12 @@ class RayExecutor:
         if self._static is not None or self._elastic_env is not None:
             raise ConfigError("this executor is already started; call shutdown() first")
         ensure_ray()
+        self.name = self.name or job_name()
         env = {**(extra_env_vars or {}), "RAYTRAIN_X_TIMEOUT": str(self.settings.timeout_s),
-               **(knob_env(self.knobs) if self.knobs else {})}
+               JOB_NAME.env: self.name, **(knob_env(self.knobs) if self.knobs else {})}
+        if metrics.enabled():
+            self.metrics = DriverMetrics(self.name, metrics.RayRecorder()).start(
+                METRICS_INTERVAL_S.read())
         if self.elastic:  # workers are started by each run(), as capacity allows
             if executable_cls is not None:
                 raise ConfigError("elastic executors run functions; executable_cls needs a "
@@ -227,6 +251,8 @@ class RayExecutor:
                             self.settings.placement_group_timeout_s)
         self._static = StaticJob(shape, self.settings.timeout_s)
         self._static.start(env, self.autotune_controller)
+        if self.metrics is not None:
+            metrics.safe(self.metrics.world_size)(self.world_size)
         if executable_cls is not None:
             self._static.create_executables(executable_cls, executable_args or (),
                                             executable_kwargs or {})
@@ -239,6 +265,9 @@ class RayExecutor:
     def shutdown(self) -> None:
         """Kills the workers and frees their placement group."""
         self._elastic_env = None
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
         if self._static is not None:
             self._static.shutdown()
             self._static = None
@@ -272,8 +301,12 @@ class RayExecutor:
             timeout_s=self.settings.timeout_s, discovery_script=self.host_discovery_script,
             env=self._elastic_env, autotune_actor=self.autotune_controller,
             start_timeout_s=self.start_timeout_s)
-        self.last_elastic_job = ElasticJob(settings, fn, tuple(args or ()), dict(kwargs or {}))
-        return self.last_elastic_job.run()
+        job = self.last_elastic_job = ElasticJob(settings, fn, tuple(args or ()),
+                                                 dict(kwargs or {}))
+        if self.metrics is not None:
+            self.metrics.blacklisted = lambda: len(job.blacklist.blacklisted())
+            job.log.listeners.append(metrics.safe(self.metrics.on_event))
+        return job.run()
 
     @property
     def elastic_history(self) -> list[dict[str, Any]]:
@@ -284,6 +317,27 @@ class RayExecutor:
         job was `requested` of the autoscaler and how many nodes were draining."""
         job = self.last_elastic_job
         return [dict(entry) for entry in job.history] if job is not None else []
+
+    def worker_status(self, timeout_s: float = 5.0) -> list[dict[str, Any]]:
+        """Each current worker's status (`raytrain_x.core.status.snapshot`: its steps, rank,
+        world size, engine counters and, on rank 0, autotune's state), in rank order;
+        workers that have none yet or do not answer within `timeout_s` are left out."""
+        if self.elastic:
+            job = self.last_elastic_job
+            actors = [m.actor for m in list(job.members.values())] if job is not None else []
+        else:
+            actors = self.workers
+        refs = [actor.status.remote() for actor in actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        found = []
+        for ref in ready:
+            try:
+                snap = ray.get(ref)
+            except ray.exceptions.RayError:  # gone meanwhile
+                continue
+            if snap is not None:
+                found.append(snap)
+        return sorted(found, key=lambda s: (s["rank"] is None, s["rank"] or 0))
 
     def run_remote(self, fn: Callable, args: Sequence | None = None,
                    kwargs: dict | None = None) -> list[ray.ObjectRef]:

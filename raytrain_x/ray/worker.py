@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -18,8 +19,11 @@ import ray
 
 from raytrain_x.comm.rendezvous import Rendezvous, set_rendezvous_provider
 from raytrain_x.comm.store import ActorStore, call_actor
+from raytrain_x.common import settings
 from raytrain_x.common.errors import LOST_PEER_EXIT_CODE
+from raytrain_x.ray import metrics
 from raytrain_x.ray.failures import WorkerFailure
+from raytrain_x.ray.metrics import ExportThread
 
 _INITS_PER_ROUND = 1_000_000  # a static round's key spaces: round * this + its nth init()
 
@@ -120,6 +124,28 @@ class WorkerActor:
         self.inits = 0  # rx.init() calls in the current round
         self.joining_since: float | None = None  # in its elastic rendezvous call since
         self.execute_thread: int | None = None  # the thread `execute` runs the job on
+        self.status_file: str | None = None  # where a command `run_command` runs writes
+        self.metrics: ExportThread | None = None
+
+    def _read_status(self) -> dict[str, Any] | None:
+        """This rank's status (`core.status.snapshot`): from the process `run_command`
+        started while one runs, else from this process once `rx.init()` has run here."""
+        from raytrain_x.core import status
+
+        if self.status_file is not None:
+            return status.read_status_file(self.status_file)
+        snap = status.snapshot()
+        return snap if snap["rank"] is not None or snap["steps"] else None
+
+    def _start_metrics(self) -> None:
+        """Exports this rank's metrics from now on (once per actor; not where they are
+        turned off)."""
+        if self.metrics is not None or not metrics.enabled():
+            return
+        exporter = metrics.WorkerExporter(settings.JOB_NAME.read(), self.node_id()[:8],
+                                          metrics.RayRecorder())
+        self.metrics = ExportThread(self._read_status, exporter,
+                                    settings.METRICS_INTERVAL_S.read()).start()
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
@@ -149,6 +175,7 @@ class WorkerActor:
             return self.round_id * _INITS_PER_ROUND + self.inits
 
         install_world(rdv, store_actor, env, autotune_actor, next_round)
+        self._start_metrics()
 
     def setup_elastic(self, worker_id: str, rounds_actor: Any, store_actor: Any,
                       timeout_s: float, env: dict[str, str], autotune_actor: Any = None) -> None:
@@ -181,6 +208,7 @@ class WorkerActor:
         # that this round has formed
         runtime.set_host_update_probe(
             lambda: call_actor(rounds_actor.commit, runtime.rendezvous().round))
+        self._start_metrics()
 
     def create_executable(self, cls: type, args: tuple, kwargs: dict) -> None:
         self.executable = cls(*args, **kwargs)
@@ -220,16 +248,32 @@ class WorkerActor:
         folder on every host) where this node has that folder, else in the worker's own."""
         if command and command[0] in ("python", "python3"):
             command = [sys.executable, *command[1:]]  # the interpreter Ray runs us with
-        proc = subprocess.Popen(command, env={**os.environ, **env, "PYTHONUNBUFFERED": "1",
-                                              "RAYTRAIN_X_LAUNCHED": "1"},
-                                cwd=cwd if cwd and os.path.isdir(cwd) else None,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                bufsize=1)
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            yield line.rstrip("\n")
-        code = proc.wait()
+        # the command's rank writes its status there; this actor exports it
+        fd, self.status_file = tempfile.mkstemp(prefix="rtx-status-", suffix=".json")
+        os.close(fd)
+        try:
+            proc = subprocess.Popen(
+                command, env={**os.environ, **env, "PYTHONUNBUFFERED": "1",
+                              "RAYTRAIN_X_LAUNCHED": "1",
+                              settings.STATUS_FILE.env: self.status_file},
+                cwd=cwd if cwd and os.path.isdir(cwd) else None,
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                yield line.rstrip("\n")
+            code = proc.wait()
+            if self.metrics is not None:
+                self.metrics.once()  # its last status, written as it exited
+        finally:
+            os.unlink(self.status_file)
+            self.status_file = None
         yield {"code": code, "ended": time.time(), "lost_peer": code == LOST_PEER_EXIT_CODE}
+
+    @ray.method(concurrency_group="probe")
+    def status(self) -> dict[str, Any] | None:
+        """This rank's status now (`core.status.snapshot`; None before it has one): the
+        driver's progress line reads it."""
+        return self._read_status()
 
 
     @ray.method(concurrency_group="probe")

@@ -48,10 +48,12 @@ def snapshot(temp_prefix: str = "") -> Snapshot:
     return Snapshot(frozenset(processes()), _shm(), _temp(temp_prefix), temp_prefix)
 
 
-def new_processes(before: Snapshot, marker: str | None = None) -> dict[int, str]:
+def new_processes(before: Snapshot, marker: str | None = None,
+                  ray_anywhere: bool = True) -> dict[int, str]:
     """pid -> command line of the processes started since `before`: those whose command
-    line holds `marker` or, without one, those descended from this process or running Ray
-    (multiprocessing's resource tracker aside: it lives as long as its parent, by design).
+    line holds `marker` or, without one, those descended from this process or (with
+    `ray_anywhere`) running Ray (multiprocessing's resource tracker aside: it lives as long
+    as its parent, by design).
     """
     procs = processes()
     me = os.getpid()
@@ -62,7 +64,7 @@ def new_processes(before: Snapshot, marker: str | None = None) -> dict[int, str]
             return False
         if marker is not None:
             return marker in cmd
-        return pid in mine or any(m in cmd for m in RAY_MARKERS)
+        return pid in mine or (ray_anywhere and any(m in cmd for m in RAY_MARKERS))
 
     return {p: c for p, (_, c) in procs.items() if new(p, c)}
 

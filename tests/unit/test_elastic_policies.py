@@ -436,7 +436,7 @@ def test_one_event_log_gives_the_history_cooldowns_and_give_ups():
     assert [e.kind for e in log.events] == ["place", "failure", "gave_up", "round"]
     assert log.cooldowns == [("n1", 1001.0, 2.5)]
     assert log.gave_up == [(1001.0, "n2", "its node left the cluster")]
-    assert log.history == [entry] and log.of("round")[0].detail == entry
+    assert log.history == [entry] and log.of("round")[0].detail == {**entry, "reset": False}
     t, kind, host = log.events[0]  # events read as the (time, kind, host) tuples they were
     assert (t, kind, host) == (1000.0, "place", "n1") and log.events[0][1] == "place"
     assert not log.is_reset()  # nothing since the round

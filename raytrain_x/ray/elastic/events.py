@@ -40,12 +40,15 @@ class EventLog:
         self.clock = clock
         self.events: list[Event] = []
         self.rounds = RoundHistory(clock)
+        self.listeners: list[Callable[[Event], None]] = []  # told of each event (metrics)
 
     def add(self, kind: str, host: str = "", **detail: Any) -> Event:
         if kind not in KINDS:
             raise ValueError(f"unknown event kind {kind!r}; one of {KINDS}")
         event = Event(self.clock(), kind, host, detail)
         self.events.append(event)
+        for listener in self.listeners:
+            listener(event)
         return event
 
     def of(self, kind: str) -> list[Event]:
@@ -60,8 +63,9 @@ class EventLog:
 
     def record_round(self, round_id: int, size: int, hosts: int, starting: int,
                      requested: int, draining_nodes: int) -> dict[str, Any]:
+        reset = self.rounds.is_reset()
         entry = self.rounds.record(round_id, size, hosts, starting, requested, draining_nodes)
-        self.add("round", "", **entry)
+        self.add("round", "", **entry, reset=reset)
         return entry
 
     # --- views

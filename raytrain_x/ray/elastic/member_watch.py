@@ -81,7 +81,8 @@ class MemberWatch:
                         "node %s before its next commit; the others restore the last commit",
                         member.worker_id, member.rank, short_node(member.node))
         else:
-            ctx.log.add("failure", member.node, cooldown_s=verdict.cooldown_s)
+            ctx.log.add("failure", member.node, cooldown_s=verdict.cooldown_s,
+                        cause=error.cause)
             log.warning("raytrain-x elastic: worker %s (rank %d) on node %s failed (%s); "
                         "host blacklisted for %s", member.worker_id, member.rank,
                         short_node(member.node), _last_line(error.detail),
