@@ -241,14 +241,18 @@ def _progress(line: str) -> None:
 
 
 def _training_env(args: argparse.Namespace) -> dict[str, str]:
-    """The config file's training settings (ZeRO stage, micro-batch, accumulation) as the
-    workers' environment (`raytrain_x.training_settings()` reads it there)."""
-    from raytrain_x.common import training
+    """The workers' environment from here: the settings (`common/settings.py`) set where
+    `raytrain-x run` runs, as horovodrun passes its environment on, and the config file's
+    training settings (ZeRO stage, micro-batch, accumulation; `raytrain_x.training_settings()`
+    reads them there)."""
+    from raytrain_x.common import settings, training
     from raytrain_x.common.knobs import read_training_settings
 
+    env = {s.env: os.environ[s.env] for s in settings.ALL
+           if s.env in os.environ and s is not settings.STATUS_FILE}
     if not args.config_file:
-        return {}
-    return training.to_env(read_training_settings(args.config_file))
+        return env
+    return {**env, **training.to_env(read_training_settings(args.config_file))}
 
 
 def _run_elastic(args, command, settings, knobs, fixed, autotune) -> int:

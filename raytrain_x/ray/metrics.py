@@ -305,6 +305,8 @@ class DriverMetrics:
     def close(self) -> None:
         """Stops setting the gauges (the job is over: Ray lets them go)."""
         self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
 
     def _gauge(self, name: str, value: float) -> None:
         self._gauges[name] = value

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -129,6 +130,9 @@ _JOB_WAITS_FOR_OUTSIDER = """\
 import os, sys, time, torch, raytrain_x.torch as rx
 from pathlib import Path
 rx.init()
+rx.autotune_batch_size(4)
+for _ in range(3):
+    rx.mark_step()
 here = Path(sys.argv[1])
 if rx.rank() == 0:
     addr = os.environ["RAYTRAIN_X_STORE_ADDR"] + " " + os.environ["RAYTRAIN_X_STORE_PORT"]
@@ -170,27 +174,46 @@ print(json.dumps(seen))
 def test_launched_jobs_store_refuses_a_process_without_the_jobs_secret(ray_cluster, tmp_path):
     """A process outside the job, on the network, connects to the running job's store: with
     torch's TCPStore client and with raytrain-x's own client and a guessed secret. Neither
-    reads or writes a key; the job goes on and ends as if nothing happened."""
+    reads or writes a key; the job goes on and ends as if nothing happened.
+
+    Also: the progress line. The ranks mark 3 steps before they wait, and each writes its
+    status for its worker actor (`RAYTRAIN_X_STATUS_FILE`); the driver prints what rank 0
+    reports, with the world size."""
     script = tmp_path / "job.py"
     script.write_text(_JOB_WAITS_FOR_OUTSIDER)
     job = subprocess.Popen(
-        [str(BIN / "raytrain-x"), "run", "-np", "2", "--address", ray_cluster, "python",
-         str(script), str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+        [str(BIN / "raytrain-x"), "run", "-np", "2", "--address", ray_cluster,
+         "--progress-every", "0.3", "python", str(script), str(tmp_path)], cwd=REPO,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "RAY_AUTH_MODE": "disabled",
+             "RAYTRAIN_X_METRICS_INTERVAL_S": "0.2"})  # passed on to the ranks
+    outputs: list[str] = []
+    errors: list[str] = []
+    readers = [threading.Thread(target=lines.extend, args=(pipe,), daemon=True)
+               for pipe, lines in ((job.stdout, outputs), (job.stderr, errors))]
+    for reader in readers:
+        reader.start()
     try:
         limits.wait_until(lambda: (tmp_path / "store").exists() or job.poll() is not None, 20,
                           "rank 0 to write its store's address")
-        assert job.poll() is None, job.communicate()[1][-3000:]
+        assert job.poll() is None, "".join(errors)[-3000:]
+        limits.wait_until(
+            lambda: any("raytrain-x: 3 steps" in line and "2 workers" in line
+                        for line in errors), 10, "a progress line with rank 0's 3 steps",
+            state=lambda: [line for line in errors if "steps" in line][-2:])
         host, port = (tmp_path / "store").read_text().split()
         assert host not in ("0.0.0.0", "", "localhost")  # the node's address, named
         outsider = limits.run([sys.executable, "-c", _OUTSIDER, host, port], 10,
                               "the outsider's attempts", env=os.environ)
         (tmp_path / "go").touch()
-        out, err = job.communicate(timeout=limits.limit(20))
+        job.wait(timeout=limits.limit(20))
+        for reader in readers:
+            reader.join(limits.limit(5))
+        out, err = "".join(outputs), "".join(errors)
     finally:
         if job.poll() is None:
             job.kill()
-            job.communicate()
+            job.wait()
     assert outsider.returncode == 0, outsider.stderr[-3000:]
     assert json.loads(outsider.stdout.splitlines()[-1]) == {
         "torch": "DistNetworkError", "guess": "StoreAuthError"}
