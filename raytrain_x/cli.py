@@ -92,6 +92,17 @@ def build_parser() -> argparse.ArgumentParser:
                             "score per sample with the best-so-far curve.")
     report.add_argument("log", help="autotune log CSV")
     report.add_argument("--plot", help="write a PNG here")
+    dash = sub.add_parser("dashboard", help="the Grafana dashboard of the jobs' metrics",
+                          description="Writes the Grafana dashboard of raytrain-x's metrics "
+                          "(docs/metrics.md): to stdout, to --out, or with --install into "
+                          "the folder Ray's Grafana provisioning reads.")
+    where = dash.add_mutually_exclusive_group()
+    where.add_argument("--out", help="write the dashboard's JSON here")
+    where.add_argument("--install", action="store_true",
+                       help="put it beside Ray's own dashboards (the Ray session on this "
+                       "machine; RAY_METRICS_GRAFANA_DASHBOARD_OUTPUT_DIR if set)")
+    dash.add_argument("--ray-temp-dir", default="/tmp/ray",
+                      help="Ray's temp dir, whose session_latest --install uses")
     exp = sub.add_parser("tune-experiments", help="short experiments to pick settings",
                          description="Runs FN (module:function, called with a config dict on "
                          "every worker) once per configuration of SPACE on Ray Tune.")
@@ -153,6 +164,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             autotune_report(args.log, args.plot)
             return 0
+        if args.command_name == "dashboard":
+            return _dashboard(args)
     except ConfigError as exc:
         sys.stderr.write(f"raytrain-x: error: {exc}\n")
         return 2
@@ -318,6 +331,27 @@ def _tune_experiments(args: argparse.Namespace) -> int:
         max_memory_per_worker=args.max_memory_per_worker,
         global_batch_size=args.global_batch_size)
     return 0 if result.best is not None else 1
+
+
+def _dashboard(args: argparse.Namespace) -> int:
+    import json
+
+    from raytrain_x.ray import grafana
+
+    if args.install:
+        folder = os.environ.get("RAY_METRICS_GRAFANA_DASHBOARD_OUTPUT_DIR") or \
+            grafana.ray_dashboards_folder(os.path.join(args.ray_temp_dir, "session_latest"))
+        if not os.path.isdir(os.path.dirname(folder)):
+            raise ConfigError(f"no Ray session's Grafana folder at {os.path.dirname(folder)}: "
+                              "start Ray on this machine first (ray start --head), or give "
+                              "--ray-temp-dir, or write the file with --out")
+        os.makedirs(folder, exist_ok=True)
+        args.out = os.path.join(folder, "raytrain_x_dashboard.json")
+    if args.out:
+        _progress(f"dashboard written to {grafana.write(args.out)}")
+    else:
+        print(json.dumps(grafana.dashboard(), indent=2))
+    return 0
 
 
 def _printer():

@@ -178,3 +178,40 @@ def test_the_progress_line_gives_steps_rate_world_and_autotune():
     assert progress_line(None, now[:1]).startswith("raytrain-x: 140 steps, 2 workers")
     assert "no worker" in progress_line(None, [])
     json.dumps(now)  # what a launched process writes to its status file
+
+
+def test_the_dashboard_shows_every_metric_with_queries_of_exported_names(tmp_path):
+    import re
+
+    from raytrain_x.ray import grafana
+
+    board = json.loads(json.dumps(grafana.dashboard()))  # what Grafana imports
+    panels = [p for p in board["panels"] if p["type"] == "timeseries"]
+    assert len({p["id"] for p in board["panels"]}) == len(board["panels"])
+    exprs = [t["expr"] for p in panels for t in p["targets"]]
+    exported = {grafana.series_name(s.name, part) for s in METRICS
+                for part in (("bucket", "sum", "count") if s.kind == "histogram" else ("",))}
+    used = {name for e in exprs for name in re.findall(r"ray_raytrain_x_\w+", e)}
+    assert used <= exported, used - exported
+    shown = {grafana.series_name(s.name, "bucket" if s.kind == "histogram" else "")
+             for s in METRICS}
+    assert shown <= used, f"metrics without a panel: {shown - used}"
+    assert all('job=~"$job"' in e for e in exprs)
+    assert all(e.count("(") == e.count(")") for e in exprs)
+    # no two panels overlap on the grid
+    cells = [(p["gridPos"]["x"] + dx, p["gridPos"]["y"] + dy) for p in board["panels"]
+             for dx in range(p["gridPos"]["w"]) for dy in range(p["gridPos"]["h"])]
+    assert len(cells) == len(set(cells))
+
+
+def test_the_dashboard_command_writes_or_installs_beside_rays_dashboards(tmp_path, capsys):
+    from raytrain_x import cli
+
+    assert cli.main(["dashboard", "--out", str(tmp_path / "d.json")]) == 0
+    assert json.loads((tmp_path / "d.json").read_text())["uid"] == "raytrain-x"
+    grafana_dir = tmp_path / "session_latest" / "metrics" / "grafana"
+    assert cli.main(["dashboard", "--install", "--ray-temp-dir", str(tmp_path / "none")]) == 2
+    assert "start Ray on this machine first" in capsys.readouterr().err
+    grafana_dir.mkdir(parents=True)
+    assert cli.main(["dashboard", "--install", "--ray-temp-dir", str(tmp_path)]) == 0
+    assert json.loads((grafana_dir / "dashboards" / "raytrain_x_dashboard.json").read_text())
