@@ -37,7 +37,10 @@ _advisor_factory: AdvisorFactory | None = None
 _host_update_probe: Callable[[], int] | None = None
 _batch_size: int | None = None
 _batching: set[str] = set()
-_retired_samples: list = []  # the samples of this process's samplers before the current
+# This process's latest sampler: it stays the record of the tuning when a reset makes no new
+# one (the job's search is over), and the samples of those before it
+_latest_sampler: AutotuneSampler | None = None
+_retired_samples: list = []
 
 
 class StepClock:
@@ -98,7 +101,7 @@ def start(
 ) -> bool:
     """Joins the world and starts the engine (`raytrain_x.core.world.init` is the public
     form); returns False when it was running already."""
-    global _engine, _fixed_knobs, _sampler
+    global _engine, _fixed_knobs, _sampler, _latest_sampler
     with _lock:
         if _engine is not None and _engine.error is None:
             return False
@@ -132,13 +135,14 @@ def start(
             stall_shutdown_s=settings.STALL_SHUTDOWN_S.read(env),
             timeline_mark_cycles=settings.TIMELINE_MARK_CYCLES.read(env),
         )
-        if _sampler is not None:  # a reset: what it scored stays this process's record
-            _retired_samples.extend(_sampler.samples)
         _sampler = None
         if config is not None and rdv.rank == 0:
             advisor = (_advisor_factory or local_controller)(config, knobs, _fixed_knobs)
             shape = JobShape(size=rdv.size, multi_level=_engine.multi_level())
-            _sampler = AutotuneSampler(config, advisor, _engine.request_knobs, shape=shape)
+            if _latest_sampler is not None:  # a reset: what it scored stays on record
+                _retired_samples.extend(_latest_sampler.samples)
+            _sampler = _latest_sampler = AutotuneSampler(config, advisor,
+                                                         _engine.request_knobs, shape=shape)
             _sampler.batching.update(_batching)
             if _batch_size:
                 _sampler.samples_per_step = _batch_size * rdv.size
@@ -240,10 +244,16 @@ def autotune_sampler() -> AutotuneSampler | None:
     return _sampler
 
 
+def latest_autotune_sampler() -> AutotuneSampler | None:
+    """The sampler this process made last as rank 0: the current one, or the one before an
+    elastic reset that made none (None if it never tuned)."""
+    return _latest_sampler
+
+
 def autotune_samples() -> list:
     """Every autotune sample this process scored as rank 0, in order: those of the samplers
-    before an elastic reset, then the current one's."""
-    sampler = _sampler
+    before an elastic reset, then the latest one's."""
+    sampler = _latest_sampler
     return [*_retired_samples, *(sampler.samples if sampler is not None else [])]
 
 

@@ -41,7 +41,7 @@ def autotune_state() -> dict[str, Any] | None:
     as sample number, score and the knobs it ran with), the best so far and the knobs in
     effect; None elsewhere. The samples are this process's, numbered on across elastic
     resets (each starts a new sampler)."""
-    sampler = runtime.autotune_sampler()
+    sampler = runtime.latest_autotune_sampler()
     if sampler is None:
         return None
     samples = [{"index": i, "score": s.score, "warmup": s.warmup, "knobs": s.knobs.to_dict()}
