@@ -20,6 +20,9 @@ Ways, in the same processes, interleaved round by round (--repeats rounds):
              (--autotune: tuned first, with the settings users get; the log is kept)
   rx-serial  one bucket for every gradient, reduced after backward ends: nothing overlaps
              (the reference the hidden share is measured against)
+  rx-metrics rx with the job's metrics exported as a Ray worker exports them
+             (`raytrain_x.ray.metrics`), every --metrics-interval seconds, during its timed
+             steps (--metrics-cost; rx beside it runs without): what metrics cost a step
 Reports, per way: samples/s (median over rounds, min-max), against the floor, DDP's
 default and DDP's best bucket; scaling efficiency (samples/s over workers x solo); and the
 share of communication hidden behind backward, 1 - (t - t_floor) / (t_serial - t_floor)
@@ -155,6 +158,8 @@ def ways_of(args, hierarchical: bool) -> list[str]:
                                       DEFAULT_FUSION["cycle_time_ms"]))]  # that one is rx
     if hierarchical:
         ways.append("rx-hier")
+    if args.metrics_cost:
+        ways.append("rx-metrics")
     return ways + ["rx-serial"]
 
 
@@ -216,7 +221,15 @@ def measure(args, hierarchical: bool, tag: str) -> dict:
                         loss_fn(model(x), y).backward()
                         opt.step()
 
+                exporting = _exporting(args.metrics_interval) if way == "rx-metrics" else None
+                began = time.perf_counter()
                 seconds = median_across_ranks(step, args.steps, warmup=2)
+                if exporting is not None:
+                    exporting.stop()
+                    out.setdefault("metrics_export", []).append(
+                        {"exports": exporting.exports, "busy_s": exporting.busy_s,
+                         "elapsed_s": time.perf_counter() - began,
+                         "mark_step_s": _mark_step_cost()})
                 workers = 1 if way == "solo" else size
                 out[name][way].append(BATCH[name] * workers / seconds)
                 if rank == 0:
@@ -226,6 +239,28 @@ def measure(args, hierarchical: bool, tag: str) -> dict:
                 del model, opt, step
                 gc.collect()  # DDP's reducer and autograd hooks can form cycles
     return out
+
+
+def _mark_step_cost() -> float:
+    """Seconds one `mark_step()` takes (what a step pays for its metrics), as timed over
+    100,000 calls."""
+    from raytrain_x.core import runtime
+
+    clock = runtime.StepClock()
+    start = time.perf_counter()
+    for _ in range(100_000):
+        clock.mark()
+    return (time.perf_counter() - start) / 100_000
+
+
+def _exporting(interval_s: float):
+    """This rank's metrics exported every `interval_s`, as a Ray worker actor exports them
+    (`WorkerActor._start_metrics`): its status read and recorded into Ray's metrics."""
+    from raytrain_x.core import status
+    from raytrain_x.ray import metrics
+
+    exporter = metrics.WorkerExporter("real_networks", "bench", metrics.RayRecorder())
+    return metrics.ExportThread(status.snapshot, exporter, interval_s).start()
 
 
 # ----------------------------------------------------------------------------- one host
@@ -335,7 +370,7 @@ def _drive(args) -> None:
 def summarise(results: dict[str, dict[str, list[float]]], workers: int) -> tuple[list, dict]:
     rows, summary = [], {}
     for name, ways in results.items():
-        if name == "autotune":
+        if name in ("autotune", "metrics_export"):
             continue
         med = {w: statistics.median(v) for w, v in ways.items()}
         ddps = {w: m for w, m in med.items() if w.startswith("ddp")}
@@ -356,6 +391,27 @@ def summarise(results: dict[str, dict[str, list[float]]], workers: int) -> tuple
                                      if way != "solo" else 1.0),
                          "hidden": "" if hidden is None else hidden})
         summary[name] = {"median": med, "best_ddp": best_ddp, "seconds_per_step": per_step}
+        if "rx-metrics" in med:
+            # per round, as the ways ran side by side: a ratio of medians hides the pairing
+            paired = [m / r for m, r in zip(ways["rx-metrics"], ways["rx"])]
+            summary[name]["metrics_cost"] = {
+                "step_ratio_median": 1 / statistics.median(paired),
+                "step_ratio_per_round": [1 / p for p in paired]}
+            print(f"{name}: a step with metrics exported "
+                  f"takes {1 / statistics.median(paired):.4f}x one without "
+                  f"(per round: {', '.join(f'{1 / p:.3f}' for p in paired)})")
+            spent = results.get("metrics_export", [])
+            if spent:
+                busy = sum(e["busy_s"] for e in spent) / sum(e["elapsed_s"] for e in spent)
+                each = sum(e["busy_s"] for e in spent) / max(sum(e["exports"] for e in spent), 1)
+                mark = statistics.median(e["mark_step_s"] for e in spent)
+                step = per_step["rx"]
+                summary[name]["metrics_cost"].update(
+                    export_busy_share=busy, export_s=each, mark_step_s=mark,
+                    mark_step_share=mark / step)
+                print(f"{name}: rank 0's exporter busy {100 * busy:.3f}% of the time "
+                      f"({1e3 * each:.2f} ms per export); mark_step {1e6 * mark:.2f} us "
+                      f"= {100 * mark / step:.5f}% of a {step:.3f} s step")
         grid = {w: m for w, m in med.items() if re.fullmatch(r"rx-t[\d.]+c[\d.]+", w)}
         if "rx-tuned" in med:
             # the default knobs are points of the landscape too, hierarchical off and on
@@ -420,6 +476,10 @@ def main() -> None:
                         help="workloads to autotune first (then measured as rx-tuned)")
     parser.add_argument("--memory", action="store_true",
                         help="peak memory per way instead (one host, fresh processes each)")
+    parser.add_argument("--metrics-cost", action="store_true",
+                        help="add rx-metrics: rx exporting the job's metrics")
+    parser.add_argument("--metrics-interval", type=float, default=1.0,
+                        help="seconds between exports in rx-metrics (the default of jobs: 5)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--inside", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -29,8 +29,11 @@ def cluster():
     # CLI tests read an elastic job's results from them (without it the job succeeds
     # silently). tools/ray_idle_cpu.py measures what each costs.
     # Its own temp dir (a short path: Ray's unix sockets live there), removed at the end.
+    # Every Ray process reports its metrics every 2 s instead of 10 (the metrics test reads
+    # them from Prometheus's endpoints; an idle head's CPU did not move measurably).
     temp = tempfile.mkdtemp(prefix=TEMP_PREFIX, dir="/tmp")
-    head = {"num_cpus": 8, "include_dashboard": False, "temp_dir": temp}
+    head = {"num_cpus": 8, "include_dashboard": False, "temp_dir": temp,
+            "_system_config": {"metrics_report_interval_ms": 2000}}
     c = None
     try:  # a start that fails half-way is stopped too
         c = _start_head(Cluster, head)

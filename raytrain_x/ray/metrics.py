@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -243,6 +244,7 @@ class ExportThread:
         self._stop = threading.Event()
         self._warned = False
         self._lock = threading.Lock()
+        self.exports, self.busy_s = 0, 0.0  # what exporting has cost (benchmarks read it)
         self._thread = threading.Thread(target=self._run, name="raytrain-x-metrics",
                                         daemon=True)
 
@@ -256,6 +258,7 @@ class ExportThread:
 
     def once(self) -> None:
         with self._lock:
+            start = time.perf_counter()
             try:
                 snap = self.read()
                 if snap is not None:
@@ -264,10 +267,34 @@ class ExportThread:
                 if not self._warned:
                     log.warning("raytrain-x metrics: could not export (%r); going on", exc)
                     self._warned = True
+            self.exports += 1
+            self.busy_s += time.perf_counter() - start
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             self.once()
+
+
+_process_export: ExportThread | None = None
+
+
+def export_this_process(read: Callable[[], dict[str, Any] | None], job: str,
+                        host: str) -> ExportThread | None:
+    """Starts exporting this worker process's metrics (`read` gives its status), once per
+    process; None where metrics are turned off."""
+    global _process_export
+    if _process_export is None and enabled():
+        _process_export = ExportThread(read, WorkerExporter(job, host, RayRecorder()),
+                                       settings.METRICS_INTERVAL_S.read()).start()
+    return _process_export
+
+
+def rank_status() -> dict[str, Any] | None:
+    """This process's status once it has joined a world or taken a step, else None."""
+    from raytrain_x.core import status
+
+    snap = status.snapshot()
+    return snap if snap["rank"] is not None or snap["steps"] else None
 
 
 # ---------------------------------------------------------------- the driver

@@ -16,6 +16,7 @@ made for each worker group, and knobs and autotune come from the config as they 
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +30,8 @@ from raytrain_x.common import training
 from raytrain_x.common.autotune_config import AutotuneConfig
 from raytrain_x.common.errors import ConfigError
 from raytrain_x.common.knobs import Knobs, load_knobs, read_training_settings
-from raytrain_x.common.settings import TIMEOUT_S
+from raytrain_x.common.settings import JOB_NAME, TIMEOUT_S
+from raytrain_x.ray import metrics
 from raytrain_x.ray.autotune_actor import fixed_knob_env, knob_env, start_autotune
 from raytrain_x.ray.placement import stable_node_strategy
 from raytrain_x.ray.worker import install_world
@@ -214,6 +216,10 @@ def _join(rdv: dict[str, Any], store: Any, env: dict[str, str], autotune_actor: 
         return inits[0]
 
     install_world(rdv, store, env, autotune_actor, next_round)
+    # the run's name is the `job` tag of its workers' metrics, unless one was set
+    job = os.environ.get(JOB_NAME.env) or ray.train.get_context().get_experiment_name()
+    metrics.export_this_process(metrics.rank_status, job,
+                                ray.get_runtime_context().get_node_id()[:8])
 
 
 def _leave() -> None:

@@ -23,7 +23,6 @@ from raytrain_x.common import settings
 from raytrain_x.common.errors import LOST_PEER_EXIT_CODE
 from raytrain_x.ray import metrics
 from raytrain_x.ray.failures import WorkerFailure
-from raytrain_x.ray.metrics import ExportThread
 
 _INITS_PER_ROUND = 1_000_000  # a static round's key spaces: round * this + its nth init()
 
@@ -125,27 +124,23 @@ class WorkerActor:
         self.joining_since: float | None = None  # in its elastic rendezvous call since
         self.execute_thread: int | None = None  # the thread `execute` runs the job on
         self.status_file: str | None = None  # where a command `run_command` runs writes
-        self.metrics: ExportThread | None = None
+        self.metrics: metrics.ExportThread | None = None
 
     def _read_status(self) -> dict[str, Any] | None:
         """This rank's status (`core.status.snapshot`): from the process `run_command`
         started while one runs, else from this process once `rx.init()` has run here."""
-        from raytrain_x.core import status
-
         if self.status_file is not None:
+            from raytrain_x.core import status
+
             return status.read_status_file(self.status_file)
-        snap = status.snapshot()
-        return snap if snap["rank"] is not None or snap["steps"] else None
+        return metrics.rank_status()
 
     def _start_metrics(self) -> None:
         """Exports this rank's metrics from now on (once per actor; not where they are
         turned off)."""
-        if self.metrics is not None or not metrics.enabled():
-            return
-        exporter = metrics.WorkerExporter(settings.JOB_NAME.read(), self.node_id()[:8],
-                                          metrics.RayRecorder())
-        self.metrics = ExportThread(self._read_status, exporter,
-                                    settings.METRICS_INTERVAL_S.read()).start()
+        self.metrics = metrics.export_this_process(self._read_status,
+                                                   settings.JOB_NAME.read(),
+                                                   self.node_id()[:8])
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()

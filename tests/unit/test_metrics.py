@@ -215,3 +215,15 @@ def test_the_dashboard_command_writes_or_installs_beside_rays_dashboards(tmp_pat
     grafana_dir.mkdir(parents=True)
     assert cli.main(["dashboard", "--install", "--ray-temp-dir", str(tmp_path)]) == 0
     assert json.loads((grafana_dir / "dashboards" / "raytrain_x_dashboard.json").read_text())
+
+
+def test_the_guide_lists_every_metric_with_its_kind_and_tags():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
+    for spec in METRICS:
+        rows = [line for line in doc.splitlines()
+                if line.startswith(f"| `raytrain_x_{spec.name}` |")]
+        assert rows, f"raytrain_x_{spec.name} is not in docs/metrics.md"
+        cells = [c.strip() for c in rows[0].split("|")]
+        assert cells[2] == spec.kind and cells[3] == ", ".join(spec.tags), rows[0]
