@@ -46,10 +46,10 @@ def autotune_state() -> dict[str, Any] | None:
         return None
     samples = [{"index": i, "score": s.score, "warmup": s.warmup, "knobs": s.knobs.to_dict()}
                for i, s in enumerate(runtime.autotune_samples())]
-    best = sampler.best
+    best, knobs = sampler.best, runtime.last_knobs()  # a failed engine's knobs too
     return {"phase": sampler.phase.value, "unit": sampler.unit, "samples": samples,
             "best_score": None if best is None else best.score,
-            "knobs": runtime.knobs().to_dict() if runtime.is_initialized() else {}}
+            "knobs": knobs.to_dict() if knobs is not None else {}}
 
 
 def snapshot() -> dict[str, Any]:

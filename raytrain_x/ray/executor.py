@@ -11,7 +11,13 @@ import ray
 from raytrain_x.common.autotune_config import AutotuneConfig
 from raytrain_x.common.errors import ConfigError
 from raytrain_x.common.knobs import Knobs
-from raytrain_x.common.settings import JOB_NAME, METRICS_INTERVAL_S, START_TIMEOUT_S, TIMEOUT_S
+from raytrain_x.common.settings import (
+    JOB_NAME,
+    METRICS,
+    METRICS_INTERVAL_S,
+    START_TIMEOUT_S,
+    TIMEOUT_S,
+)
 from raytrain_x.ray import metrics
 from raytrain_x.ray.autotune_actor import knob_env, start_autotune
 from raytrain_x.ray.elastic import ElasticJob, ElasticSettings
@@ -230,8 +236,10 @@ class RayExecutor:
             raise ConfigError("this executor is already started; call shutdown() first")
         ensure_ray()
         self.name = self.name or job_name()
+        # the workers export metrics where the driver does, under the job's name
         env = {**(extra_env_vars or {}), "RAYTRAIN_X_TIMEOUT": str(self.settings.timeout_s),
-               JOB_NAME.env: self.name, **(knob_env(self.knobs) if self.knobs else {})}
+               JOB_NAME.env: self.name, METRICS.env: "1" if metrics.enabled() else "0",
+               **(knob_env(self.knobs) if self.knobs else {})}
         if metrics.enabled():
             self.metrics = DriverMetrics(self.name, metrics.RayRecorder()).start(
                 METRICS_INTERVAL_S.read())

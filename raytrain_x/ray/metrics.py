@@ -177,12 +177,14 @@ class WorkerExporter:
         self.job, self.host, self.recorder = job, host, recorder
         self._last: dict[str, Any] | None = None
         self._counted = 0  # autotune samples recorded
+        self._rank = ""  # the rank it had last: between two rounds it has none
 
     def export(self, snap: dict[str, Any]) -> None:
         last = self._last or {"steps": 0, "time": snap["time"], "engine": None,
                               "autotune": None}
-        rank = snap.get("rank")
-        tags = {"job": self.job, "rank": "" if rank is None else str(rank), "host": self.host}
+        if snap.get("rank") is not None:
+            self._rank = str(snap["rank"])
+        tags = {"job": self.job, "rank": self._rank, "host": self.host}
         self._training(snap, last, tags)
         if snap.get("engine") is not None:
             self._engine(snap["engine"], last.get("engine"), tags)

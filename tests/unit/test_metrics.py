@@ -59,12 +59,14 @@ def test_counters_grow_by_what_each_snapshot_adds_and_a_new_engine_starts_from_z
     exporter.export(_snap(100.0, 4, [0.1, 0.2, 0.1], _engine()))
     exporter.export(_snap(102.0, 10, [0.1] * 3 + [0.3] * 6, _engine(cycles=30, allreduce=3000),
                           batch_size=8))
+    # between two rounds: no rank, no engine; its steps still count as rank 0's
+    exporter.export(_snap(103.0, 11, [0.3] * 8, rank=None))
     # an elastic reset: a new engine, its counters from 0; steps keep counting
     exporter.export(_snap(104.0, 12, [0.3] * 8, _engine(cycles=5, allreduce=200)))
     rank0 = {"job": "j", "rank": "0", "host": "h1"}
-    assert rec.sum("steps", **rank0) == 12
+    assert rec.sum("steps", **rank0) == 12 == rec.sum("steps")
     # each step's duration once: 3, then the 6 new of 9 kept, then 2 new
-    assert len([r for r in rec.records if r[0] == "step_seconds"]) == 3 + 6 + 2
+    assert len([r for r in rec.records if r[0] == "step_seconds"]) == 3 + 6 + 1 + 1
     assert rec.sum("engine_cycles") == 10 + 20 + 5
     assert rec.sum("collective_bytes", kind="allreduce") == 1000 + 2000 + 200
     assert rec.last("steps_per_second") == 1.0  # 2 steps in 2 s

@@ -1,0 +1,184 @@
+"""The step rates of a GPU on this CPU machine: compute that takes no CPU.
+
+Each layer of the model has a real network's parameter shapes (ResNet-50: 161 tensors,
+25.6M float32; or the GPT workload's) and its forward and backward wait their share of a
+set step time with the CPU released (`time.sleep` inside a custom autograd function), so
+gradients appear one by one in backward's order, as a GPU's kernels would produce them,
+while the CPU is free for communication. A backward hands each parameter the same
+pre-made gradient (no CPU spent making it). What is left to measure is what the GPU
+regime exposes: the engine's own costs per step (negotiation, cycle wake-ups, Python per
+tensor, the first bucket's wait), against DDP's buckets.
+
+Ways, in the same processes, interleaved round by round (--repeats rounds):
+  floor      every worker steps on its own at once (no communication): the compute floor
+  ddp<N>     DistributedDataParallel with bucket_cap_mb=N (--ddp-buckets: 5 25 100)
+  rx         raytrain_x.torch.DistributedOptimizer with its defaults
+Reports per step time (--step-ms: 10 30 100) and way: seconds per step (median of the
+rounds' medians), the overhead over the floor, and the share of communication hidden
+behind backward: 1 - (t - t_floor) / (t_serial - t_floor), with t_serial the floor plus
+one allreduce of every gradient after backward (measured alone, same processes).
+
+One host (--workers ranks as processes; shared memory for raytrain-x, gloo over loopback
+for DDP and the serial reference). Writes results/gpu_regime.json.
+
+Run alone: .venv/bin/python benchmarks/gpu_regime.py [--step-ms 10 30 100] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+from common import join_world, median_across_ranks, print_table, run_ranks, write_json
+
+FORWARD_SHARE = 1 / 3  # a step's compute: a third forward, two thirds backward
+
+
+def _shapes(workload: str) -> list[tuple[int, ...]]:
+    """The parameters' shapes in registration order: ResNet-50's, or those of the GPT
+    workload of the real-network benchmark (6 layers, width 512: 23.2M parameters)."""
+    from raytrain_x.common import workloads
+    from raytrain_x.torch.workloads import GPTDecoder
+
+    if workload == "resnet50":
+        return workloads.resnet50_parameter_shapes()
+    return [tuple(p.shape) for p in GPTDecoder().parameters()]
+
+
+def sleeping_model(shapes: list[tuple[int, ...]], step_s: float):
+    """A model whose layer i holds a parameter of shape `shapes[i]`; forward and backward
+    sleep their share of `step_s` per layer (in proportion to its size) and backward hands
+    each parameter the same pre-made gradient."""
+    import torch
+
+    total = sum(int(torch.Size(s).numel()) for s in shapes)
+
+    class Layer(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, weight, forward_s, backward_s, grad):
+            ctx.backward_s, ctx.grad = backward_s, grad
+            time.sleep(forward_s)
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad_out):
+            time.sleep(ctx.backward_s)
+            return grad_out, ctx.grad, None, None, None
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            g = torch.Generator().manual_seed(0)
+            self.weights = torch.nn.ParameterList(
+                torch.nn.Parameter(torch.randn(s, generator=g) * 0.01) for s in shapes)
+            self.grads = [torch.full(s, 1e-3) for s in shapes]
+            self.shares = [int(torch.Size(s).numel()) / total for s in shapes]
+
+        def forward(self, x):
+            for w, g, share in zip(self.weights, self.grads, self.shares):
+                x = Layer.apply(x, w, step_s * FORWARD_SHARE * share,
+                                step_s * (1 - FORWARD_SHARE) * share, g)
+            return x.sum()
+
+    return Model()
+
+
+def measure(rank: int, size: int, args) -> dict:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import raytrain_x.torch as rx
+
+    torch.set_num_threads(1)
+    out: dict[str, dict[str, list[float]]] = {}
+    for step_ms in args.step_ms:
+        shapes = _shapes(args.workload)
+        ways = ["floor", *(f"ddp{b:g}" for b in args.ddp_buckets), "rx", "serial"]
+        out[str(step_ms)] = {w: [] for w in ways}
+        x = torch.ones(1, requires_grad=True)
+        for r in range(args.repeats):
+            for way in ways:
+                model = sleeping_model(shapes, step_ms / 1000)
+                opt = torch.optim.SGD(model.parameters(), lr=0.0)
+                if way.startswith("ddp"):
+                    model = DDP(model, bucket_cap_mb=float(way[3:]))
+                    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+                elif way == "rx":
+                    opt = rx.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+                flat = (torch.zeros(sum(p.numel() for p in model.parameters()))
+                        if way == "serial" else None)
+
+                def step(model=model, opt=opt, way=way, flat=flat) -> None:
+                    opt.zero_grad()
+                    model(x).backward()
+                    if way == "serial":  # every gradient in one allreduce after backward
+                        dist.all_reduce(flat)
+                    opt.step()
+
+                seconds = median_across_ranks(step, args.steps, warmup=2)
+                out[str(step_ms)][way].append(seconds)
+                if rank == 0:
+                    sys.stdout.write(f"{step_ms:g} ms round {r + 1}/{args.repeats} {way}: "
+                                     f"{1000 * seconds:.1f} ms/step\n")
+                    sys.stdout.flush()
+                del model, opt, step
+    return out
+
+
+def _worker(rank: int, size: int, port: int, args, queue) -> None:
+    import raytrain_x.torch as rx
+
+    join_world(rank, size, port)
+    rx.init()
+    got = measure(rank, size, args)
+    if rank == 0:
+        queue.put({"transport": rx.transport(), "results": got})
+    rx.shutdown()
+
+
+def summarise(results: dict[str, dict[str, list[float]]]) -> list[dict]:
+    rows = []
+    for step_ms, ways in results.items():
+        med = {w: statistics.median(v) for w, v in ways.items()}
+        ddps = {w: m for w, m in med.items() if w.startswith("ddp")}
+        best = min(ddps, key=ddps.get)
+        exposed = med["serial"] - med["floor"]
+        for way, values in ways.items():
+            if way == "serial":
+                continue
+            rows.append({
+                "step ms": step_ms, "way": way, "ms/step": 1000 * med[way],
+                "min": 1000 * min(values), "max": 1000 * max(values),
+                "vs floor": med[way] / med["floor"],
+                "vs ddp25": med[way] / med["ddp25"] if "ddp25" in med else "",
+                "vs best ddp": med[way] / med[best],
+                "hidden": (1 - (med[way] - med["floor"]) / exposed
+                           if way != "floor" and exposed > 0 else "")})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", choices=["resnet50", "gpt"], default="resnet50")
+    parser.add_argument("--step-ms", type=float, nargs="+", default=[10.0, 30.0, 100.0])
+    parser.add_argument("--ddp-buckets", type=float, nargs="+", default=[5.0, 25.0, 100.0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per way and round")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    got = run_ranks(_worker, args.workers, args)
+    rows = summarise(got["results"])
+    print(f"\n{args.workload}, 1 host x {args.workers}, transport {got['transport']}")
+    print_table(rows, ["step ms", "way", "ms/step", "min", "max", "vs floor", "vs ddp25",
+                       "vs best ddp", "hidden"])
+    path = write_json("gpu_regime", {"args": vars(args), "transport": got["transport"],
+                                     "results": got["results"], "rows": rows}, args.json)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
