@@ -15,8 +15,9 @@ Ways, in the same processes, interleaved round by round (--repeats rounds):
   rx         raytrain_x.torch.DistributedOptimizer with its defaults
 Reports per step time (--step-ms: 10 30 100) and way: seconds per step (median of the
 rounds' medians), the overhead over the floor, and the share of communication hidden
-behind backward: 1 - (t - t_floor) / (t_serial - t_floor), with t_serial the floor plus
-one allreduce of every gradient after backward (measured alone, same processes).
+behind backward: 1 - (t - t_floor) / (t_serial - t_floor), with t_serial a step with one
+allreduce of every gradient after backward over the way's own transport (`serial`: gloo,
+as DDP; `rx-serial`: raytrain-x's, shared memory on one host), in the same rounds.
 
 One host (--workers ranks as processes; shared memory for raytrain-x, gloo over loopback
 for DDP and the serial reference). Writes results/gpu_regime.json.
@@ -128,7 +129,8 @@ def measure(rank: int, size: int, args) -> dict:
     out: dict[str, dict[str, list[float]]] = {}
     for step_ms in args.step_ms:
         shapes = _shapes(args.workload)
-        ways = ["floor", *(f"ddp{b:g}" for b in args.ddp_buckets), "rx", "serial"]
+        ways = ["floor", *(f"ddp{b:g}" for b in args.ddp_buckets), "rx", "serial",
+                "rx-serial"]
         out[str(step_ms)] = {w: [] for w in ways}
         x = torch.ones(1, requires_grad=True)
         for r in range(args.repeats):
@@ -141,13 +143,15 @@ def measure(rank: int, size: int, args) -> dict:
                 elif way == "rx":
                     opt = rx.DistributedOptimizer(opt, named_parameters=model.named_parameters())
                 flat = (torch.zeros(sum(p.numel() for p in model.parameters()))
-                        if way == "serial" else None)
+                        if way.endswith("serial") else None)
 
                 def step(model=model, opt=opt, way=way, flat=flat) -> None:
                     opt.zero_grad()
                     model(x).backward()
                     if way == "serial":  # every gradient in one allreduce after backward
                         dist.all_reduce(flat)
+                    elif way == "rx-serial":
+                        rx.allreduce_(flat, op=rx.Sum, name="gpu_regime.serial")
                     opt.step()
 
                 seconds = median_across_ranks(step, args.steps, warmup=2)
@@ -177,10 +181,10 @@ def summarise(results: dict[str, dict[str, list[float]]]) -> list[dict]:
         med = {w: statistics.median(v) for w, v in ways.items()}
         ddps = {w: m for w, m in med.items() if w.startswith("ddp")}
         best = min(ddps, key=ddps.get)
-        exposed = med["serial"] - med["floor"]
         for way, values in ways.items():
-            if way == "serial":
+            if way.endswith("serial"):
                 continue
+            exposed = med["rx-serial" if way.startswith("rx") else "serial"] - med["floor"]
             rows.append({
                 "step ms": step_ms, "way": way, "ms/step": 1000 * med[way],
                 "min": 1000 * min(values), "max": 1000 * max(values),
