@@ -13,11 +13,11 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import threading
 import time
 from typing import Any
 
 from raytrain_x.common import settings
+from raytrain_x.common.periodic import Every
 from raytrain_x.core import runtime
 
 
@@ -74,17 +74,14 @@ class StatusFileWriter:
 
     def __init__(self, path: str, interval_s: float) -> None:
         self.path = path
-        self.interval_s = interval_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="raytrain-x-status",
-                                        daemon=True)
+        self._every = Every(interval_s, self.write, "raytrain-x-status")
 
     def start(self) -> StatusFileWriter:
-        self._thread.start()
+        self._every.start()
         return self
 
     def stop(self) -> None:
-        self._stop.set()
+        self._every.stop()
         self.write()
 
     def write(self) -> None:
@@ -95,10 +92,6 @@ class StatusFileWriter:
             os.replace(tmp, self.path)
         except (OSError, TypeError, ValueError):  # a status file is no reason to fail a job
             pass
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.write()
 
 
 _writer: StatusFileWriter | None = None

@@ -4,9 +4,10 @@ their rate, the world size, autotune's phase. Made from the workers' status snap
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
+
+from raytrain_x.common.periodic import Every
 
 
 def progress_line(before: dict[str, Any] | None, now: list[dict[str, Any]]) -> str:
@@ -43,28 +44,24 @@ class ProgressReporter:
 
     def __init__(self, status: Callable[[], list[dict[str, Any]]], every_s: float,
                  emit: Callable[[str], None]) -> None:
-        self.status, self.every_s, self.emit = status, every_s, emit
+        self.status, self.emit = status, emit
         self._before: dict[str, Any] | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="raytrain-x-progress",
-                                        daemon=True)
+        self._every = Every(every_s, self._line, "raytrain-x-progress")
 
     def start(self) -> ProgressReporter:
-        self._thread.start()
+        self._every.start()
         return self
 
     def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5.0)
+        self._every.stop(timeout_s=5.0)
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.every_s):
-            try:
-                now = self.status()
-            except Exception:  # noqa: BLE001 - a progress line is no reason to fail a job
-                continue
-            if self._stop.is_set():
-                return
-            self.emit(progress_line(self._before, now))
-            if now:
-                self._before = now[0]
+    def _line(self) -> None:
+        try:
+            now = self.status()
+        except Exception:  # noqa: BLE001 - a progress line is no reason to fail a job
+            return
+        if self._every.stopped:  # the job ended while its workers were asked
+            return
+        self.emit(progress_line(self._before, now))
+        if now:
+            self._before = now[0]

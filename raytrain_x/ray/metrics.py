@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from raytrain_x.common import settings
+from raytrain_x.common.periodic import Every
 
 log = logging.getLogger("raytrain_x.metrics")
 
@@ -242,20 +243,18 @@ class ExportThread:
 
     def __init__(self, read: Callable[[], dict[str, Any] | None], exporter: WorkerExporter,
                  interval_s: float) -> None:
-        self.read, self.exporter, self.interval_s = read, exporter, interval_s
-        self._stop = threading.Event()
+        self.read, self.exporter = read, exporter
         self._warned = False
         self._lock = threading.Lock()
         self.exports, self.busy_s = 0, 0.0  # what exporting has cost (benchmarks read it)
-        self._thread = threading.Thread(target=self._run, name="raytrain-x-metrics",
-                                        daemon=True)
+        self._every = Every(interval_s, self.once, "raytrain-x-metrics")
 
     def start(self) -> ExportThread:
-        self._thread.start()
+        self._every.start()
         return self
 
     def stop(self) -> None:
-        self._stop.set()
+        self._every.stop()
         self.once()
 
     def once(self) -> None:
@@ -271,10 +270,6 @@ class ExportThread:
                     self._warned = True
             self.exports += 1
             self.busy_s += time.perf_counter() - start
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.once()
 
 
 _process_export: ExportThread | None = None
@@ -315,27 +310,24 @@ class DriverMetrics:
         self.job, self.recorder, self.blacklisted = job, recorder, blacklisted
         self._failed_at: float | None = None  # the first failure since the last round
         self._gauges: dict[str, float] = {}
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._every: Every | None = None
 
     def start(self, interval_s: float) -> DriverMetrics:
         """Sets the job's gauges again every `interval_s` until `close()`: Ray's agent drops
         a gauge that was not set for two of its report intervals."""
-        def refresh() -> None:
-            while not self._stop.wait(interval_s):
-                for name, value in list(self._gauges.items()):
-                    safe(self.recorder.record)(name, value, {"job": self.job})
+        record = safe(self.recorder.record)
 
-        self._thread = threading.Thread(target=refresh, name="raytrain-x-job-metrics",
-                                        daemon=True)
-        self._thread.start()
+        def refresh() -> None:
+            for name, value in list(self._gauges.items()):
+                record(name, value, {"job": self.job})
+
+        self._every = Every(interval_s, refresh, "raytrain-x-job-metrics").start()
         return self
 
     def close(self) -> None:
         """Stops setting the gauges (the job is over: Ray lets them go)."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
+        if self._every is not None:
+            self._every.stop()
 
     def _gauge(self, name: str, value: float) -> None:
         self._gauges[name] = value
