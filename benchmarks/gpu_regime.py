@@ -127,6 +127,7 @@ def measure(rank: int, size: int, args) -> dict:
 
     torch.set_num_threads(1)
     out: dict[str, dict[str, list[float]]] = {}
+    engine: dict[str, list[dict[str, float]]] = {}
     for step_ms in args.step_ms:
         shapes = _shapes(args.workload)
         ways = ["floor", *(f"ddp{b:g}" for b in args.ddp_buckets), "rx", "serial",
@@ -154,14 +155,30 @@ def measure(rank: int, size: int, args) -> dict:
                         rx.allreduce_(flat, op=rx.Sum, name="gpu_regime.serial")
                     opt.step()
 
+                before = _engine_counts()
                 seconds = median_across_ranks(step, args.steps, warmup=2)
                 out[str(step_ms)][way].append(seconds)
+                if way == "rx":  # what the engine did per step (barriers included)
+                    after = _engine_counts()
+                    engine.setdefault(str(step_ms), []).append(
+                        {k: (after[k] - before[k]) / (args.steps + 2) for k in after})
                 if rank == 0:
                     sys.stdout.write(f"{step_ms:g} ms round {r + 1}/{args.repeats} {way}: "
                                      f"{1000 * seconds:.1f} ms/step\n")
                     sys.stdout.flush()
                 del model, opt, step
-    return out
+    return {"times": out, "engine": engine}
+
+
+def _engine_counts() -> dict[str, float]:
+    """The engine's counters now (`EngineStats`), the ones a step's cost shows in."""
+    from raytrain_x.core import runtime
+
+    s = runtime.engine_stats()
+    return {"cycles": s.cycles, "active_cycles": s.active_cycles,
+            "negotiations": s.negotiations, "cache_hits": s.cache_hits,
+            "speculated": s.speculated, "fused": s.fused, "fused_tensors": s.fused_tensors,
+            "fused_in_place": s.fused_in_place}
 
 
 def _worker(rank: int, size: int, port: int, args, queue) -> None:
@@ -207,12 +224,20 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     got = run_ranks(_worker, args.workers, args)
-    rows = summarise(got["results"])
+    rows = summarise(got["results"]["times"])
     print(f"\n{args.workload}, 1 host x {args.workers}, transport {got['transport']}")
     print_table(rows, ["step ms", "way", "ms/step", "min", "max", "vs floor", "vs ddp25",
                        "vs best ddp", "hidden"])
-    path = write_json("gpu_regime", {"args": vars(args), "transport": got["transport"],
-                                     "results": got["results"], "rows": rows}, args.json)
+    per_step = [{"step ms": step_ms, **{k: statistics.median(r[k] for r in rounds)
+                                        for k in rounds[0]}}
+                for step_ms, rounds in got["results"]["engine"].items()]
+    print("\nthe engine per rx step (medians of the rounds; the timing's barriers included)")
+    print_table(per_step, list(per_step[0]))
+    path = write_json("gpu_regime" if args.workload == "resnet50" else
+                      f"gpu_regime_{args.workload}",
+                      {"args": vars(args), "transport": got["transport"],
+                       "results": got["results"]["times"], "engine": per_step, "rows": rows},
+                      args.json)
     print(f"wrote {path}")
 
 
