@@ -172,13 +172,10 @@ def measure(rank: int, size: int, args) -> dict:
 
 def _engine_counts() -> dict[str, float]:
     """The engine's counters now (`EngineStats`), the ones a step's cost shows in."""
-    from raytrain_x.core import runtime
+    from raytrain_x.core import status
 
-    s = runtime.engine_stats()
-    return {"cycles": s.cycles, "active_cycles": s.active_cycles,
-            "negotiations": s.negotiations, "cache_hits": s.cache_hits,
-            "speculated": s.speculated, "fused": s.fused, "fused_tensors": s.fused_tensors,
-            "fused_in_place": s.fused_in_place}
+    return {k: v for k, v in status.engine_counters().items()
+            if k not in ("bytes", "seconds", "speculation_misses", "stalls")}
 
 
 def _worker(rank: int, size: int, port: int, args, queue) -> None:

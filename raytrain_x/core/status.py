@@ -11,6 +11,7 @@ and take differences, so any number of them can read without disturbing each oth
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import os
 import time
@@ -25,15 +26,7 @@ def engine_counters() -> dict[str, Any] | None:
     """The engine's counters (`EngineStats`) as a dict; None before `init()`."""
     if not runtime.is_initialized():
         return None
-    stats = runtime.engine_stats()
-    return {
-        "bytes": dict(stats.bytes), "seconds": dict(stats.seconds), "cycles": stats.cycles,
-        "active_cycles": stats.active_cycles, "negotiations": stats.negotiations,
-        "speculated": stats.speculated, "speculation_misses": stats.speculation_misses,
-        "fused": stats.fused, "fused_tensors": stats.fused_tensors,
-        "fused_in_place": stats.fused_in_place, "stalls": stats.stalls,
-        "cache_hits": stats.cache_hits,
-    }
+    return dataclasses.asdict(runtime.engine_stats())  # its dicts copied too
 
 
 def autotune_state() -> dict[str, Any] | None:

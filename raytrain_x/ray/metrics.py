@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from raytrain_x.autotune.sampler import Phase
 from raytrain_x.common import settings
 from raytrain_x.common.periodic import Every
 
@@ -112,8 +113,7 @@ _ENGINE_COUNTERS = {"cycles": "engine_cycles", "active_cycles": "engine_active_c
                     "negotiations": "negotiations", "cache_hits": "cache_hits",
                     "speculated": "speculated_cycles", "fused": "fused_batches",
                     "fused_tensors": "fused_tensors", "stalls": "stalls"}
-PHASES = ("warmup", "scoring", "confirming", "waiting for the advisor", "switching knobs",
-          "measuring the cost", "done")
+PHASES = tuple(phase.value for phase in Phase)  # autotune_phase's `phase` tag
 
 
 class Recorder(Protocol):
@@ -244,7 +244,7 @@ class ExportThread:
     def __init__(self, read: Callable[[], dict[str, Any] | None], exporter: WorkerExporter,
                  interval_s: float) -> None:
         self.read, self.exporter = read, exporter
-        self._warned = False
+        self._export = safe(self._read_and_export)
         self._lock = threading.Lock()
         self.exports, self.busy_s = 0, 0.0  # what exporting has cost (benchmarks read it)
         self._every = Every(interval_s, self.once, "raytrain-x-metrics")
@@ -260,16 +260,14 @@ class ExportThread:
     def once(self) -> None:
         with self._lock:
             start = time.perf_counter()
-            try:
-                snap = self.read()
-                if snap is not None:
-                    self.exporter.export(snap)
-            except Exception as exc:  # noqa: BLE001 - metrics must not fail training
-                if not self._warned:
-                    log.warning("raytrain-x metrics: could not export (%r); going on", exc)
-                    self._warned = True
+            self._export()
             self.exports += 1
             self.busy_s += time.perf_counter() - start
+
+    def _read_and_export(self) -> None:
+        snap = self.read()
+        if snap is not None:
+            self.exporter.export(snap)
 
 
 _process_export: ExportThread | None = None
