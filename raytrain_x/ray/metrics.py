@@ -222,17 +222,18 @@ class WorkerExporter:
     def _autotune(self, state: dict[str, Any]) -> None:
         record = self.recorder.record
         job = {"job": self.job}
-        for sample in state["samples"][self._counted:]:
-            record("autotune_samples", 1, job)
+        record("autotune_samples", len(state["samples"]) - self._counted, job)
+        self._counted = len(state["samples"])
+        # the gauges every time: Ray drops a gauge not set for two report intervals
+        for sample in state["samples"]:
             record("autotune_sample_score", sample["score"],
                    {**job, "sample": str(sample["index"])})
-        self._counted = len(state["samples"])
         if state["best_score"] is not None:
             record("autotune_best_score", state["best_score"], job)
         for knob, value in state["knobs"].items():
             if isinstance(value, (bool, int, float)):
                 record("autotune_knob", float(value), {**job, "knob": knob})
-        for phase in PHASES:  # every time: Ray drops a gauge not set for two intervals
+        for phase in PHASES:
             record("autotune_phase", float(phase == state["phase"]), {**job, "phase": phase})
 
 
