@@ -88,6 +88,94 @@ def join_world(rank: int, size: int, port: int, extra_env: dict[str, str] | None
     dist.init_process_group("gloo", store=store, rank=rank, world_size=size)
 
 
+def agree_knobs(**changes) -> None:
+    """Rank 0 sets raytrain-x's knobs; every rank returns once it runs with them (the same
+    number of collectives on every rank)."""
+    import torch
+
+    import raytrain_x.torch as rx
+
+    if rx.rank() == 0:
+        rx.set_knobs(rx.knobs().replace(**changes))
+    flag = torch.zeros(1)
+    while True:
+        current = rx.knobs()
+        flag[0] = float(all(getattr(current, k) == v for k, v in changes.items()))
+        rx.allreduce_(flag, op=rx.Min, name="knob_switch")
+        if flag[0] == 1:
+            return
+
+
+def autotune_knobs(make_step: Callable[[], Callable[[], None]], log: Path, batch_size: int,
+                   what: str) -> dict:
+    """Autotune with the settings users get: raytrain-x's world is made again with autotune
+    on (its log written to `log`), the step `make_step()` returns (built after that) runs
+    until rank 0's sampler has finished, and the world is made again without autotune.
+    Returns the chosen knobs, the steps and the seconds it took."""
+    import torch
+
+    import raytrain_x.torch as rx
+    from raytrain_x.common.autotune_config import AutotuneConfig
+    from raytrain_x.core import runtime
+
+    rx.shutdown()
+    rx.init(autotune=AutotuneConfig(log_file=str(log)))
+    rx.autotune_batch_size(batch_size)
+    step = make_step()
+    began, steps = time.perf_counter(), 0
+    while True:
+        step()
+        steps += 1
+        if steps % 5 == 0:
+            sampler = runtime.autotune_sampler()  # rank 0's; None elsewhere
+            done = torch.tensor([1.0 if sampler is None or sampler.finished else 0.0])
+            if rx.allreduce(done, op=rx.Min, name="tuning_done").item() == 1.0:
+                break
+            if rx.rank() == 0 and steps % 50 == 0:
+                say(f"{what} autotune: {steps} steps, {time.perf_counter() - began:.0f}s")
+    del step
+    tuned = rx.knobs().to_dict()
+    rx.shutdown()
+    rx.init()
+    if rx.rank() == 0:
+        say(f"{what} autotune chose {tuned} in {steps} steps "
+            f"({time.perf_counter() - began:.0f}s); log {log}")
+    return {"knobs": tuned, "steps": steps, "seconds": time.perf_counter() - began,
+            "log": str(log)}
+
+
+def say(message: str) -> None:
+    """A line of progress, at once."""
+    import sys
+
+    sys.stdout.write(message + "\n")
+    sys.stdout.flush()
+
+
+def join_baseline_group() -> None:
+    """In a `RayExecutor` worker of an emulated cluster, after `rx.init()`: joins
+    torch.distributed's default group (the baselines) over the hosts' own addresses, its
+    TCP store on rank 0's host."""
+    import os
+    from datetime import timedelta
+
+    import ray
+    import torch.distributed as dist
+
+    import raytrain_x.torch as rx
+    from raytrain_x.testing.waiting import free_port
+
+    ip = ray.util.get_node_ip_address()
+    mine = (ip, free_port(ip)) if rx.rank() == 0 else None
+    master, port = rx.broadcast_object(mine, root_rank=0, name="baseline_store")
+    os.environ["GLOO_SOCKET_IFNAME"] = "eth0"  # gloo's default is the hostname: loopback
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=rx.rank(),
+                                world_size=rx.size(), timeout=timedelta(seconds=300))
+    finally:
+        del os.environ["GLOO_SOCKET_IFNAME"]
+
+
 def run_ranks(target: Callable[..., Any], size: int, *args: Any, timeout_s: float = 3600) -> Any:
     """Runs `target(rank, size, port, *args, queue)` in `size` spawned processes and returns
     what rank 0 put on the queue. Fails at once (not at the timeout) if a rank dies."""

@@ -13,16 +13,23 @@ Ways, in the same processes, interleaved round by round (--repeats rounds):
   floor      every worker steps on its own at once (no communication): the compute floor
   ddp<N>     DistributedDataParallel with bucket_cap_mb=N (--ddp-buckets: 5 25 100)
   rx         raytrain_x.torch.DistributedOptimizer with its defaults
+  rx-g<M>c<C> the same at fusion threshold M MB and cycle time C ms (--grid-mb, --grid-ms)
+  rx-tuned   the same at the knobs autotune chose for this step time in this world
+             (--autotune: tuned first, with the settings users get; the log is kept)
 Reports per step time (--step-ms: 10 30 100) and way: seconds per step (median of the
 rounds' medians), the overhead over the floor, and the share of communication hidden
 behind backward: 1 - (t - t_floor) / (t_serial - t_floor), with t_serial a step with one
 allreduce of every gradient after backward over the way's own transport (`serial`: gloo,
 as DDP; `rx-serial`: raytrain-x's, shared memory on one host), in the same rounds.
 
-One host (--workers ranks as processes; shared memory for raytrain-x, gloo over loopback
-for DDP and the serial reference). Writes results/gpu_regime.json.
+Places: one host (--workers ranks as processes; shared memory for raytrain-x, gloo over
+loopback for DDP and the serial reference), or an emulated cluster (--hosts 2: network
+namespaces, one Ray node per host, --link-gbit links; one world per --per-host value, the
+ranks RayExecutor workers; every way crosses the same link). Writes
+results/gpu_regime[_emulated][_gpt].json.
 
 Run alone: .venv/bin/python benchmarks/gpu_regime.py [--step-ms 10 30 100] [--repeats 5]
+           [--autotune] [--hosts 2 --per-host 1 2]   (emulated hosts: as root)
 """
 
 from __future__ import annotations
@@ -32,9 +39,23 @@ import statistics
 import sys
 import time
 
-from common import join_world, median_across_ranks, print_table, run_ranks, write_json
+from common import (
+    RESULTS_DIR,
+    agree_knobs,
+    autotune_knobs,
+    drive_worlds,
+    join_baseline_group,
+    join_world,
+    median_across_ranks,
+    print_table,
+    run_emulated,
+    run_ranks,
+    say,
+    write_json,
+)
 
 FORWARD_SHARE = 1 / 3  # a step's compute: a third forward, two thirds backward
+DEFAULT_KNOBS = {"fusion_threshold_bytes": 64 << 20, "cycle_time_ms": 1.0}  # Knobs()'s
 
 
 def _shapes(workload: str) -> list[tuple[int, ...]]:
@@ -118,7 +139,7 @@ def no_update(params):
     return NoUpdate(params)
 
 
-def measure(rank: int, size: int, args) -> dict:
+def measure(rank: int, size: int, args, tag: str) -> dict:
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -128,12 +149,16 @@ def measure(rank: int, size: int, args) -> dict:
     torch.set_num_threads(1)
     out: dict[str, dict[str, list[float]]] = {}
     engine: dict[str, list[dict[str, float]]] = {}
+    tuned: dict[str, dict] = {}
+    x = torch.ones(1, requires_grad=True)
     for step_ms in args.step_ms:
         shapes = _shapes(args.workload)
-        ways = ["floor", *(f"ddp{b:g}" for b in args.ddp_buckets), "rx", "serial",
-                "rx-serial"]
+        ways = ["floor", *(f"ddp{b:g}" for b in args.ddp_buckets), "rx",
+                *(f"rx-g{mb:g}c{ms:g}" for mb in args.grid_mb for ms in args.grid_ms),
+                "serial", "rx-serial", *(["rx-tuned"] if args.autotune else [])]
+        if args.autotune:
+            tuned[str(step_ms)] = _tune(shapes, step_ms, x, tag)
         out[str(step_ms)] = {w: [] for w in ways}
-        x = torch.ones(1, requires_grad=True)
         for r in range(args.repeats):
             for way in ways:
                 model = sleeping_model(shapes, step_ms / 1000)
@@ -141,8 +166,9 @@ def measure(rank: int, size: int, args) -> dict:
                 if way.startswith("ddp"):
                     model = DDP(model, bucket_cap_mb=float(way[3:]))
                     opt = no_update(model.parameters())
-                elif way == "rx":
+                elif way in ("rx", "rx-tuned") or way.startswith("rx-g"):
                     opt = rx.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+                    agree_knobs(**_knobs_of(way, tuned.get(str(step_ms))))
                 flat = (torch.zeros(sum(p.numel() for p in model.parameters()))
                         if way.endswith("serial") else None)
 
@@ -163,11 +189,40 @@ def measure(rank: int, size: int, args) -> dict:
                     engine.setdefault(str(step_ms), []).append(
                         {k: (after[k] - before[k]) / (args.steps + 2) for k in after})
                 if rank == 0:
-                    sys.stdout.write(f"{step_ms:g} ms round {r + 1}/{args.repeats} {way}: "
-                                     f"{1000 * seconds:.1f} ms/step\n")
-                    sys.stdout.flush()
+                    say(f"{step_ms:g} ms round {r + 1}/{args.repeats} {way}: "
+                        f"{1000 * seconds:.1f} ms/step")
                 del model, opt, step
-    return {"times": out, "engine": engine}
+    return {"times": out, "engine": engine, "autotune": tuned}
+
+
+def _knobs_of(way: str, tuned: dict | None) -> dict:
+    """The knobs a way of raytrain-x runs with: the defaults, autotune's choice, or a grid
+    point (rx-g<fusion MB>c<cycle ms>)."""
+    if way == "rx-tuned":
+        return dict(tuned["knobs"])
+    if way.startswith("rx-g"):
+        mb, ms = way[4:].split("c")
+        return {"fusion_threshold_bytes": int(float(mb) * 2**20), "cycle_time_ms": float(ms)}
+    return dict(DEFAULT_KNOBS)
+
+
+def _tune(shapes: list[tuple[int, ...]], step_ms: float, x, tag: str) -> dict:
+    """Autotune on the sleeping model at `step_ms`, with the settings users get."""
+    import raytrain_x.torch as rx
+
+    def make_step():
+        model = sleeping_model(shapes, step_ms / 1000)
+        opt = rx.DistributedOptimizer(no_update(model.parameters()),
+                                      named_parameters=model.named_parameters())
+
+        def step() -> None:
+            opt.zero_grad()
+            model(x).backward()
+            opt.step()
+        return step
+
+    return autotune_knobs(make_step, RESULTS_DIR / f"{tag}_{step_ms:g}ms_autotune.csv", 1,
+                          f"{step_ms:g} ms")
 
 
 def _engine_counts() -> dict[str, float]:
@@ -183,10 +238,33 @@ def _worker(rank: int, size: int, port: int, args, queue) -> None:
 
     join_world(rank, size, port)
     rx.init()
-    got = measure(rank, size, args)
+    got = measure(rank, size, args, _name(args))
     if rank == 0:
         queue.put({"transport": rx.transport(), "results": got})
     rx.shutdown()
+
+
+def _ray_worker(args) -> dict:
+    """Runs in each RayExecutor worker of the emulated cluster."""
+    import torch
+    import torch.distributed as dist
+
+    import raytrain_x.torch as rx
+
+    torch.set_num_threads(1)
+    rx.init()
+    join_baseline_group()
+    got = measure(rx.rank(), rx.size(), args, f"{_name(args)}_{args.hosts}x{rx.local_size()}")
+    transport = rx.transport()
+    dist.destroy_process_group()
+    rx.shutdown()
+    return {"transport": transport, "results": got}
+
+
+def _name(args) -> str:
+    """The results' file name: gpu_regime[_emulated][_gpt]."""
+    return "_".join(["gpu_regime", *(["emulated"] if args.hosts > 1 else []),
+                     *([args.workload] if args.workload != "resnet50" else [])])
 
 
 def summarise(results: dict[str, dict[str, list[float]]]) -> list[dict]:
@@ -217,25 +295,75 @@ def main() -> None:
     parser.add_argument("--ddp-buckets", type=float, nargs="+", default=[5.0, 25.0, 100.0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per way and round")
-    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--grid-mb", type=float, nargs="*", default=[],
+                        help="fusion thresholds (MB) of a grid of rx ways (with --grid-ms)")
+    parser.add_argument("--grid-ms", type=float, nargs="*", default=[],
+                        help="cycle times (ms) of the grid")
+    parser.add_argument("--autotune", action="store_true",
+                        help="autotune each step time first, then measure it as rx-tuned")
+    parser.add_argument("--workers", type=int, default=2, help="one host: how many ranks")
+    parser.add_argument("--hosts", type=int, default=1)
+    parser.add_argument("--per-host", type=int, nargs="+", default=[1, 2],
+                        help="emulated hosts: workers per host, one world each")
+    parser.add_argument("--link-gbit", type=float, default=1.0)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--inside", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    got = run_ranks(_worker, args.workers, args)
-    rows = summarise(got["results"]["times"])
-    print(f"\n{args.workload}, 1 host x {args.workers}, transport {got['transport']}")
-    print_table(rows, ["step ms", "way", "ms/step", "min", "max", "vs floor", "vs ddp25",
-                       "vs best ddp", "hidden"])
-    per_step = [{"step ms": step_ms, **{k: statistics.median(r[k] for r in rounds)
-                                        for k in rounds[0]}}
-                for step_ms, rounds in got["results"]["engine"].items()]
-    print("\nthe engine per rx step (medians of the rounds; the timing's barriers included)")
-    print_table(per_step, list(per_step[0]))
-    path = write_json("gpu_regime" if args.workload == "resnet50" else
-                      f"gpu_regime_{args.workload}",
-                      {"args": vars(args), "transport": got["transport"],
-                       "results": got["results"]["times"], "engine": per_step, "rows": rows},
-                      args.json)
+    if args.inside:
+        drive_worlds(args.hosts, args.per_host, args.inside,
+                     lambda ex: ex.run(_ray_worker, args=[args])[0])
+        return
+    started = time.monotonic()
+    if args.hosts == 1:
+        worlds = {f"1 host x {args.workers}": run_ranks(_worker, args.workers, args)}
+    else:
+        raw = run_emulated(__file__, sys.argv[1:], args.hosts, max(args.per_host),
+                           args.link_gbit)
+        worlds = {f"{args.hosts} hosts x {k} ({args.link_gbit:g} Gbit/s)": v
+                  for k, v in raw.items()}
+    payload: dict = {"args": vars(args), "worlds": {}}
+    for title, got in worlds.items():
+        rows = summarise(got["results"]["times"])
+        print(f"\n{args.workload}, {title}, transport {got['transport']}")
+        print_table(rows, ["step ms", "way", "ms/step", "min", "max", "vs floor", "vs ddp25",
+                           "vs best ddp", "hidden"])
+        per_step = [{"step ms": step_ms, **{k: statistics.median(r[k] for r in rounds)
+                                            for k in rounds[0]}}
+                    for step_ms, rounds in got["results"]["engine"].items()]
+        print("\nthe engine per rx step (medians of the rounds; the timing's barriers included)")
+        print_table(per_step, list(per_step[0]))
+        tuned = tuned_summary(got["results"])
+        for line in tuned:
+            print(line["line"])
+        payload["worlds"][title] = {
+            "transport": got["transport"], "results": got["results"]["times"],
+            "engine": per_step, "rows": rows, "autotune": got["results"]["autotune"],
+            "tuned": tuned}
+    payload["seconds"] = round(time.monotonic() - started, 1)
+    path = write_json(_name(args), payload, args.json)
     print(f"wrote {path}")
+
+
+def tuned_summary(results: dict) -> list[dict]:
+    """Per tuned step time: the knobs chosen, and the tuned step against the default, the
+    grid's best (the default and the rx-g points measured in the same rounds) and DDP's
+    default bucket. A speed ratio above 1 is the tuned step's gain."""
+    out = []
+    for step_ms, tuned in results["autotune"].items():
+        med = {w: statistics.median(v) for w, v in results["times"][step_ms].items()}
+        grid = {w: m for w, m in med.items() if w == "rx" or w.startswith("rx-g")}
+        best = min(grid, key=grid.get)
+        row = {"step ms": step_ms, "knobs": tuned["knobs"], "steps": tuned["steps"],
+               "speed_vs_default": med["rx"] / med["rx-tuned"],
+               "speed_vs_grid_best": grid[best] / med["rx-tuned"], "grid_best": best,
+               "speed_vs_ddp25": med["ddp25"] / med["rx-tuned"] if "ddp25" in med else None}
+        row["line"] = (f"{step_ms} ms: autotune chose {tuned['knobs']} in {tuned['steps']} "
+                       f"steps; tuned step {row['speed_vs_default']:.3f}x as fast as the "
+                       f"default, {row['speed_vs_grid_best']:.3f}x as fast as the grid's best "
+                       f"({best})" + (f", {row['speed_vs_ddp25']:.3f}x as fast as DDP 25 MB"
+                                      if row["speed_vs_ddp25"] else ""))
+        out.append(row)
+    return out
 
 
 if __name__ == "__main__":

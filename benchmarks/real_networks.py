@@ -50,16 +50,18 @@ from pathlib import Path
 
 import torch
 
-from raytrain_x.testing.waiting import free_port
-
 from common import (
     RESULTS_DIR,
+    agree_knobs,
+    autotune_knobs,
     drive_worlds,
+    join_baseline_group,
     join_world,
     median_across_ranks,
     print_table,
     run_emulated,
     run_ranks,
+    say,
     write_json,
 )
 
@@ -93,61 +95,30 @@ def _workload(name: str):
     return (GPTDecoder, lambda m: torch.optim.AdamW(m.parameters(), 3e-4), tokens, lm_loss)
 
 
-def agree_knobs(**changes) -> None:
-    """Rank 0 sets knobs; every rank returns once it runs with them (the same number of
-    collectives on every rank)."""
-    import raytrain_x.torch as rx
-
-    if rx.rank() == 0:
-        rx.set_knobs(rx.knobs().replace(**changes))
-    flag = torch.zeros(1)
-    while True:
-        current = rx.knobs()
-        flag[0] = float(all(getattr(current, k) == v for k, v in changes.items()))
-        rx.allreduce_(flag, op=rx.Min, name="knob_switch")
-        if flag[0] == 1:
-            return
-
-
 def tune(name: str, args, tag: str) -> dict:
     """Autotune with the settings users get, on `name`, in this world; returns the chosen
     knobs. The world is made again without autotune afterwards."""
     import torch.distributed as dist
 
     import raytrain_x.torch as rx
-    from raytrain_x.common.autotune_config import AutotuneConfig
-    from raytrain_x.core import runtime
 
     rank = dist.get_rank()
-    log = RESULTS_DIR / f"{tag}_{name}_autotune.csv"
-    rx.shutdown()
-    rx.init(autotune=AutotuneConfig(log_file=str(log)))
-    rx.autotune_batch_size(BATCH[name])
     make_model, make_opt, data, loss_fn = _workload(name)
-    model = make_model()
-    opt = rx.DistributedOptimizer(make_opt(model), named_parameters=model.named_parameters())
-    began, steps = time.perf_counter(), 0
-    while True:
-        x, y = data(rank, steps)
-        opt.zero_grad()
-        loss_fn(model(x), y).backward()
-        opt.step()
-        steps += 1
-        if steps % 5 == 0:
-            sampler = runtime.autotune_sampler()  # rank 0's; None elsewhere
-            done = torch.tensor([1.0 if sampler is None or sampler.finished else 0.0])
-            if rx.allreduce(done, op=rx.Min, name="tuning_done").item() == 1.0:
-                break
-            if rank == 0 and steps % 50 == 0:
-                _say(f"{name} autotune: {steps} steps, {time.perf_counter() - began:.0f}s")
-    tuned = rx.knobs().to_dict()
-    rx.shutdown()
-    rx.init()
-    if rank == 0:
-        _say(f"{name} autotune chose {tuned} in {steps} steps "
-             f"({time.perf_counter() - began:.0f}s); log {log}")
-    return {"knobs": tuned, "steps": steps, "seconds": time.perf_counter() - began,
-            "log": str(log)}
+
+    def make_step():
+        model = make_model()
+        opt = rx.DistributedOptimizer(make_opt(model), named_parameters=model.named_parameters())
+        counter = iter(range(1 << 30))
+
+        def step() -> None:
+            x, y = data(rank, next(counter))
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()
+            opt.step()
+        return step
+
+    return autotune_knobs(make_step, RESULTS_DIR / f"{tag}_{name}_autotune.csv", BATCH[name],
+                          name)
 
 
 def ways_of(args, hierarchical: bool) -> list[str]:
@@ -166,11 +137,6 @@ def ways_of(args, hierarchical: bool) -> list[str]:
 def _ways_for(name: str, args, hierarchical: bool) -> list[str]:
     ways = ways_of(args, hierarchical)
     return ways + ["rx-tuned"] if name in args.autotune else ways
-
-
-def _say(message: str) -> None:
-    sys.stdout.write(message + "\n")
-    sys.stdout.flush()
 
 
 def measure(args, hierarchical: bool, tag: str) -> dict:
@@ -233,7 +199,7 @@ def measure(args, hierarchical: bool, tag: str) -> dict:
                 workers = 1 if way == "solo" else size
                 out[name][way].append(BATCH[name] * workers / seconds)
                 if rank == 0:
-                    _say(f"{name} round {r + 1}/{args.repeats} {way}: "
+                    say(f"{name} round {r + 1}/{args.repeats} {way}: "
                         f"{BATCH[name] * workers / seconds:.1f} samples/s "
                         f"({seconds:.3f} s/step)")
                 del model, opt, step
@@ -334,25 +300,13 @@ def memory(args) -> dict:
 # ----------------------------------------------------------------------------- emulated
 def _ray_worker(args) -> dict:
     """Runs in each RayExecutor worker of the emulated cluster."""
-    import os
-    from datetime import timedelta
-
-    import ray
     import torch.distributed as dist
 
     import raytrain_x.torch as rx
 
     torch.set_num_threads(1)
     rx.init()
-    rank, size = rx.rank(), rx.size()
-    ip = ray.util.get_node_ip_address()
-    port = free_port(ip)
-    master, port = rx.broadcast_object((ip, port) if rank == 0 else None, root_rank=0,
-                                       name="baseline_store")
-    os.environ["GLOO_SOCKET_IFNAME"] = "eth0"  # gloo's default is the hostname: loopback
-    dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=rank,
-                            world_size=size, timeout=timedelta(seconds=300))
-    del os.environ["GLOO_SOCKET_IFNAME"]
+    join_baseline_group()
     out = measure(args, hierarchical=rx.local_size() > 1 and rx.cross_size() > 1,
                   tag=f"real_networks_{args.hosts}x{rx.local_size()}")
     transport = rx.transport()
