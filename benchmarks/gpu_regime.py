@@ -14,6 +14,7 @@ Ways, in the same processes, interleaved round by round (--repeats rounds):
   ddp<N>     DistributedDataParallel with bucket_cap_mb=N (--ddp-buckets: 5 25 100)
   rx         raytrain_x.torch.DistributedOptimizer with its defaults
   rx-g<M>c<C> the same at fusion threshold M MB and cycle time C ms (--grid-mb, --grid-ms)
+  rx-hier    the same with hierarchical allreduce (several hosts with several workers)
   rx-tuned   the same at the knobs autotune chose for this step time in this world
              (--autotune: tuned first, with the settings users get; the log is kept)
 Reports per step time (--step-ms: 10 30 100) and way: seconds per step (median of the
@@ -55,7 +56,6 @@ from common import (
 )
 
 FORWARD_SHARE = 1 / 3  # a step's compute: a third forward, two thirds backward
-DEFAULT_KNOBS = {"fusion_threshold_bytes": 64 << 20, "cycle_time_ms": 1.0}  # Knobs()'s
 
 
 def _shapes(workload: str) -> list[tuple[int, ...]]:
@@ -147,6 +147,7 @@ def measure(rank: int, size: int, args, tag: str) -> dict:
     import raytrain_x.torch as rx
 
     torch.set_num_threads(1)
+    hierarchical = rx.local_size() > 1 and rx.cross_size() > 1
     out: dict[str, dict[str, list[float]]] = {}
     engine: dict[str, list[dict[str, float]]] = {}
     tuned: dict[str, dict] = {}
@@ -154,6 +155,7 @@ def measure(rank: int, size: int, args, tag: str) -> dict:
     for step_ms in args.step_ms:
         shapes = _shapes(args.workload)
         ways = ["floor", *(f"ddp{b:g}" for b in args.ddp_buckets), "rx",
+                *(["rx-hier"] if hierarchical else []),
                 *(f"rx-g{mb:g}c{ms:g}" for mb in args.grid_mb for ms in args.grid_ms),
                 "serial", "rx-serial", *(["rx-tuned"] if args.autotune else [])]
         if args.autotune:
@@ -166,9 +168,10 @@ def measure(rank: int, size: int, args, tag: str) -> dict:
                 if way.startswith("ddp"):
                     model = DDP(model, bucket_cap_mb=float(way[3:]))
                     opt = no_update(model.parameters())
-                elif way in ("rx", "rx-tuned") or way.startswith("rx-g"):
-                    opt = rx.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+                if way.startswith("rx"):  # the serial reference at the default knobs
                     agree_knobs(**_knobs_of(way, tuned.get(str(step_ms))))
+                if way.startswith("rx") and way != "rx-serial":
+                    opt = rx.DistributedOptimizer(opt, named_parameters=model.named_parameters())
                 flat = (torch.zeros(sum(p.numel() for p in model.parameters()))
                         if way.endswith("serial") else None)
 
@@ -196,14 +199,20 @@ def measure(rank: int, size: int, args, tag: str) -> dict:
 
 
 def _knobs_of(way: str, tuned: dict | None) -> dict:
-    """The knobs a way of raytrain-x runs with: the defaults, autotune's choice, or a grid
-    point (rx-g<fusion MB>c<cycle ms>)."""
+    """Every knob a way of raytrain-x runs with (none left over from the way before): the
+    defaults, autotune's choice, hierarchical allreduce, or a grid point
+    (rx-g<fusion MB>c<cycle ms>)."""
+    from raytrain_x import Knobs
+
+    knobs = Knobs().to_dict()
     if way == "rx-tuned":
-        return dict(tuned["knobs"])
-    if way.startswith("rx-g"):
+        knobs.update(tuned["knobs"])
+    elif way == "rx-hier":
+        knobs["hierarchical_allreduce"] = True
+    elif way.startswith("rx-g"):
         mb, ms = way[4:].split("c")
-        return {"fusion_threshold_bytes": int(float(mb) * 2**20), "cycle_time_ms": float(ms)}
-    return dict(DEFAULT_KNOBS)
+        knobs.update(fusion_threshold_bytes=int(float(mb) * 2**20), cycle_time_ms=float(ms))
+    return knobs
 
 
 def _tune(shapes: list[tuple[int, ...]], step_ms: float, x, tag: str) -> dict:
