@@ -152,6 +152,25 @@ def say(message: str) -> None:
     sys.stdout.flush()
 
 
+def emulated_world(measure: Callable[[], Any]) -> dict:
+    """In each `RayExecutor` worker of an emulated cluster: joins raytrain-x and the
+    baselines' group, runs `measure()` and leaves both; returns the transport raytrain-x
+    used and what `measure` returned."""
+    import torch
+    import torch.distributed as dist
+
+    import raytrain_x.torch as rx
+
+    torch.set_num_threads(1)
+    rx.init()
+    join_baseline_group()
+    out = measure()
+    transport = rx.transport()
+    dist.destroy_process_group()
+    rx.shutdown()
+    return {"transport": transport, "results": out}
+
+
 def join_baseline_group() -> None:
     """In a `RayExecutor` worker of an emulated cluster, after `rx.init()`: joins
     torch.distributed's default group (the baselines) over the hosts' own addresses, its

@@ -45,7 +45,7 @@ from common import (
     agree_knobs,
     autotune_knobs,
     drive_worlds,
-    join_baseline_group,
+    emulated_world,
     join_world,
     median_across_ranks,
     print_table,
@@ -255,19 +255,10 @@ def _worker(rank: int, size: int, port: int, args, queue) -> None:
 
 def _ray_worker(args) -> dict:
     """Runs in each RayExecutor worker of the emulated cluster."""
-    import torch
-    import torch.distributed as dist
-
     import raytrain_x.torch as rx
 
-    torch.set_num_threads(1)
-    rx.init()
-    join_baseline_group()
-    got = measure(rx.rank(), rx.size(), args, f"{_name(args)}_{args.hosts}x{rx.local_size()}")
-    transport = rx.transport()
-    dist.destroy_process_group()
-    rx.shutdown()
-    return {"transport": transport, "results": got}
+    return emulated_world(lambda: measure(rx.rank(), rx.size(), args,
+                                          f"{_name(args)}_{args.hosts}x{rx.local_size()}"))
 
 
 def _name(args) -> str:

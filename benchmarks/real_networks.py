@@ -55,7 +55,7 @@ from common import (
     agree_knobs,
     autotune_knobs,
     drive_worlds,
-    join_baseline_group,
+    emulated_world,
     join_world,
     median_across_ranks,
     print_table,
@@ -300,19 +300,11 @@ def memory(args) -> dict:
 # ----------------------------------------------------------------------------- emulated
 def _ray_worker(args) -> dict:
     """Runs in each RayExecutor worker of the emulated cluster."""
-    import torch.distributed as dist
-
     import raytrain_x.torch as rx
 
-    torch.set_num_threads(1)
-    rx.init()
-    join_baseline_group()
-    out = measure(args, hierarchical=rx.local_size() > 1 and rx.cross_size() > 1,
-                  tag=f"real_networks_{args.hosts}x{rx.local_size()}")
-    transport = rx.transport()
-    dist.destroy_process_group()
-    rx.shutdown()
-    return {"transport": transport, "results": out}
+    return emulated_world(lambda: measure(
+        args, hierarchical=rx.local_size() > 1 and rx.cross_size() > 1,
+        tag=f"real_networks_{args.hosts}x{rx.local_size()}"))
 
 
 def _drive(args) -> None:
