@@ -19,7 +19,11 @@ the stop file appears (torch) or its planned steps are done (Keras). A job the s
 stops with a named cause (every worker holding the state killed: ElasticStateLost; too few
 workers past elastic_timeout: ElasticTimeout) is followed by a new one. Faults (--kinds;
 drawn by the seeded schedule from each job's first committed step on, --mean-gap seconds
-apart on average; with chance --burst a fault comes with a second one at once):
+apart on average; with chance --burst a fault comes with a second one at once). The
+schedule runs --minutes from the first job's first committed step, so a machine slow to
+start the cluster gets the same window of faults; with --min-faults N it goes on past
+that until N faults were injected (for at most another --minutes, or 2 minutes if longer;
+fewer then is an error):
 
   worker_kill      SIGKILL of a worker process
   node_kill        every process of a node gone at once; a fresh node joins --respawn s later
@@ -320,6 +324,30 @@ class EmulatedNodes:
 
 
 # ----------------------------------------------------------------------------- faults
+class Window:
+    """When the schedule stops: `seconds` after the first committed step, and later while
+    fewer than `min_faults` faults were injected (up to `cap_s` more)."""
+
+    def __init__(self, seconds: float, min_faults: int) -> None:
+        self.seconds, self.min_faults = seconds, min_faults
+        self.cap_s = max(seconds, 120.0) if min_faults else 0.0
+        self.began: float | None = None  # the first committed step
+
+    def start(self, now: float) -> None:
+        if self.began is None:
+            self.began = now
+
+    def left(self, now: float) -> float:
+        """Seconds of the planned window left (all of it before the first commit)."""
+        return self.seconds if self.began is None else self.began + self.seconds - now
+
+    def over(self, now: float, faults: int) -> bool:
+        if self.began is None:
+            return False
+        end = self.began + self.seconds
+        return now >= end and (faults >= self.min_faults or now >= end + self.cap_s)
+
+
 class Chaos:
     """Injects the seeded schedule's faults and carries out the delayed parts (node
     removals, fresh nodes, links back up) when they are due."""
@@ -408,8 +436,9 @@ NAMED_STOPS = ("ElasticStateLost", "ElasticTimeout")  # a job may stop with thes
 def soak(seed: int, minutes: float, cluster: str, nodes: int, framework: str,
          kinds: list[str], mean_gap: float, burst: float, respawn_s: float,
          cooldown: tuple[float, float], out_dir: Path = RESULTS_DIR,
-         bound_scale: float = 1.0) -> dict:
-    """One seed's run: a cluster and the schedule for `minutes`, against one job after
+         bound_scale: float = 1.0, min_faults: int = 0) -> dict:
+    """One seed's run: a cluster and the schedule for `minutes` from the first committed
+    step (longer while fewer than `min_faults` faults were injected), against one job after
     another: a job the schedule stops with a named cause (it killed every worker holding
     the state, or left fewer than min_workers past elastic_timeout) is followed by a new
     one. Returns what it saw."""
@@ -423,12 +452,13 @@ def soak(seed: int, minutes: float, cluster: str, nodes: int, framework: str,
     world = (LocalNodes if cluster == "local" else EmulatedNodes)(nodes, temp)
     namespaces = getattr(world.cluster, "_created", [])[:]
     chaos = Chaos(world, rng, respawn_s)
-    stop_at = began + minutes * 60
+    window = Window(minutes * 60, min_faults)
     logs = []
     try:
-        while not out["jobs"] or time.monotonic() < stop_at - 20:
+        # a new job only where the window leaves it time to start and commit (20 s)
+        while not out["jobs"] or not window.over(time.monotonic() + 20, len(chaos.log)):
             job = _job(len(out["jobs"]), world, chaos, rng, temp, framework, nodes, kinds,
-                       mean_gap, burst, cooldown, stop_at)
+                       mean_gap, burst, cooldown, window)
             job["faults"] = _judge(job, chaos.log[job["first_fault"]:], began, respawn_s,
                                    bound_scale)
             out["jobs"].append({k: v for k, v in job.items() if k not in ("faults", "ranks")})
@@ -440,9 +470,14 @@ def soak(seed: int, minutes: float, cluster: str, nodes: int, framework: str,
             logs.append(job["log"])
             print(f"chaos: seed {seed} job {job['index']}: {job['outcome']}, "
                   f"{len(job['faults'])} faults, {job['steps']} steps", flush=True)
-            if job["outcome"] not in NAMED_STOPS:
-                break
+            if job["outcome"] not in NAMED_STOPS or window.began is None:
+                break  # a failed job, or one that stopped before any step (no schedule ran)
         out["seconds"] = time.monotonic() - began
+        out["window_began"] = None if window.began is None else window.began - began
+        if len(chaos.log) < min_faults:
+            out["errors"].append(f"{len(chaos.log)} faults injected, fewer than the "
+                                 f"{min_faults} asked for: the job did not get far enough "
+                                 f"to take them")
     finally:
         chaos.tick(final=True)
         world.shutdown()
@@ -456,13 +491,13 @@ def soak(seed: int, minutes: float, cluster: str, nodes: int, framework: str,
 
 def _job(index: int, world: Any, chaos: Chaos, rng: random.Random, temp: str,
          framework: str, nodes: int, kinds: list[str], mean_gap: float, burst: float,
-         cooldown: tuple[float, float], stop_at: float) -> dict:
+         cooldown: tuple[float, float], window: Window) -> dict:
     """One job's driver under the schedule until it exits; what it returned."""
     from raytrain_x.testing.jobs.ledger import ledger_errors, read_progress
 
     files = {n: str(Path(temp) / f"{n}{index}")
              for n in ("progress", "status", "stop", "out", "log")}
-    steps = int((stop_at - time.monotonic()) / (PAUSE_S + 0.1)) // 2 * 2  # Keras: 2 epochs
+    steps = int(window.left(time.monotonic()) / (PAUSE_S + 0.1)) // 2 * 2  # Keras: 2 epochs
     job: dict = {"index": index, "errors": [], "first_fault": len(chaos.log),
                  "log": files["log"], "began": time.monotonic()}
     cmd = [sys.executable, __file__, "drive", "--framework", framework,
@@ -479,11 +514,12 @@ def _job(index: int, world: Any, chaos: Chaos, rng: random.Random, temp: str,
             time.sleep(0.05)
             chaos.tick()
             now = time.monotonic()
-            if now >= stop_at:
+            if window.over(now, len(chaos.log)):
                 Path(files["stop"]).touch()
                 continue
             if next_at is None:
                 if read_progress(files["progress"])[0] > 0:
+                    window.start(now)
                     next_at = now + rng.expovariate(1 / mean_gap)
                 continue
             rounds, starting = _status(Path(files["status"]))
@@ -723,7 +759,10 @@ def plot(runs: list[dict], path: Path) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, nargs="+", default=[1])
-    parser.add_argument("--minutes", type=float, default=3.0, help="per seed")
+    parser.add_argument("--minutes", type=float, default=3.0,
+                        help="per seed, from the first committed step")
+    parser.add_argument("--min-faults", type=int, default=0,
+                        help="go on past --minutes until this many faults were injected")
     parser.add_argument("--cluster", choices=["local", "emulated"], default="local")
     parser.add_argument("--nodes", type=int, default=4)
     parser.add_argument("--framework", choices=["torch", "keras"], default="torch")
@@ -746,7 +785,7 @@ def main() -> int:
         out_dir = Path(args.json).parent if args.json else RESULTS_DIR
         run = soak(seed, args.minutes, args.cluster, args.nodes, args.framework, args.kinds,
                    args.mean_gap, args.burst, args.respawn, tuple(args.cooldown), out_dir,
-                   args.bound_scale)
+                   args.bound_scale, args.min_faults)
         runs.append(run)
         verdict = "ok" if not run["errors"] else "FAILED: " + "; ".join(run["errors"])
         print(f"chaos: seed {seed}: {len(run['faults'])} faults in {run['seconds']:.0f}s, "
