@@ -233,6 +233,16 @@ def run_ranks(target: Callable[..., Any], size: int, *args: Any, timeout_s: floa
                 p.kill()
 
 
+def add_place_arguments(parser: Any) -> None:
+    """Where an emulated-network benchmark runs: one host's --workers, or --hosts emulated
+    hosts (--per-host workers each, one world per value) joined by --link-gbit links."""
+    parser.add_argument("--workers", type=int, default=2, help="one host: how many ranks")
+    parser.add_argument("--hosts", type=int, default=1)
+    parser.add_argument("--per-host", type=int, nargs="+", default=[1, 2],
+                        help="emulated hosts: workers per host, one world each")
+    parser.add_argument("--link-gbit", type=float, default=1.0)
+
+
 def run_emulated(script: str, argv: list[str], hosts: int, workers_per_host: int,
                  link_gbit: float) -> dict:
     """Runs `script --inside RAW argv` as the driver on host 0 of an emulated cluster

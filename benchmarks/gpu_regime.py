@@ -42,6 +42,7 @@ import time
 
 from common import (
     RESULTS_DIR,
+    add_place_arguments,
     agree_knobs,
     autotune_knobs,
     drive_worlds,
@@ -301,11 +302,7 @@ def main() -> None:
                         help="cycle times (ms) of the grid")
     parser.add_argument("--autotune", action="store_true",
                         help="autotune each step time first, then measure it as rx-tuned")
-    parser.add_argument("--workers", type=int, default=2, help="one host: how many ranks")
-    parser.add_argument("--hosts", type=int, default=1)
-    parser.add_argument("--per-host", type=int, nargs="+", default=[1, 2],
-                        help="emulated hosts: workers per host, one world each")
-    parser.add_argument("--link-gbit", type=float, default=1.0)
+    add_place_arguments(parser)
     parser.add_argument("--json", default=None)
     parser.add_argument("--inside", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -41,6 +41,7 @@ from pathlib import Path
 from raytrain_x.testing.waiting import free_port
 
 from common import (
+    add_place_arguments,
     drive_worlds,
     print_table,
     run_emulated,
@@ -235,13 +236,9 @@ def main() -> None:
                         choices=sorted(BATCH))
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=6, help="timed steps per way and round")
-    parser.add_argument("--workers", type=int, default=2, help="one host: how many ranks")
     parser.add_argument("--inter-op", type=int, default=0,
                         help="TensorFlow's inter-op threads (0: its default)")
-    parser.add_argument("--hosts", type=int, default=1)
-    parser.add_argument("--per-host", type=int, nargs="+", default=[1, 2],
-                        help="emulated hosts: workers per host, one world each")
-    parser.add_argument("--link-gbit", type=float, default=1.0)
+    add_place_arguments(parser)
     parser.add_argument("--json", default=None)
     parser.add_argument("--inside", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -52,6 +52,7 @@ import torch
 
 from common import (
     RESULTS_DIR,
+    add_place_arguments,
     agree_knobs,
     autotune_knobs,
     drive_worlds,
@@ -413,11 +414,7 @@ def main() -> None:
                         help="fusion thresholds (MB) of the knob grid")
     parser.add_argument("--grid-ms", type=float, nargs="*", default=[1.0],
                         help="cycle times (ms) of the knob grid")
-    parser.add_argument("--workers", type=int, default=2, help="one host: how many ranks")
-    parser.add_argument("--hosts", type=int, default=1)
-    parser.add_argument("--per-host", type=int, nargs="+", default=[1, 2],
-                        help="emulated hosts: workers per host, one world each")
-    parser.add_argument("--link-gbit", type=float, default=1.0)
+    add_place_arguments(parser)
     parser.add_argument("--autotune", nargs="*", default=[], choices=sorted(BATCH),
                         help="workloads to autotune first (then measured as rx-tuned)")
     parser.add_argument("--memory", action="store_true",
