@@ -14,7 +14,8 @@ Ways, in the same processes, interleaved round by round (--repeats rounds):
   ddp<N>     DistributedDataParallel with bucket_cap_mb=N (--ddp-buckets: 5 25 100)
   rx         raytrain_x.torch.DistributedOptimizer with its defaults
   rx-g<M>c<C> the same at fusion threshold M MB and cycle time C ms (--grid-mb, --grid-ms)
-  rx-hier    the same with hierarchical allreduce (several hosts with several workers)
+  rx-hier    the same with hierarchical allreduce on, or rx-flat with it off, whichever is
+             not the default (several hosts with several workers: where it applies)
   rx-tuned   the same at the knobs autotune chose for this step time in this world
              (--autotune: tuned first, with the settings users get; the log is kept)
 Reports per step time (--step-ms: 10 30 100) and way: seconds per step (median of the
@@ -148,7 +149,11 @@ def measure(rank: int, size: int, args, tag: str) -> dict:
     import raytrain_x.torch as rx
 
     torch.set_num_threads(1)
-    hierarchical = rx.local_size() > 1 and rx.cross_size() > 1
+    from raytrain_x import Knobs
+
+    # where hierarchical allreduce applies, the way with the other setting than the default
+    other = ([("rx-flat" if Knobs().hierarchical_allreduce else "rx-hier")]
+             if rx.local_size() > 1 and rx.cross_size() > 1 else [])
     out: dict[str, dict[str, list[float]]] = {}
     engine: dict[str, list[dict[str, float]]] = {}
     tuned: dict[str, dict] = {}
@@ -156,7 +161,7 @@ def measure(rank: int, size: int, args, tag: str) -> dict:
     for step_ms in args.step_ms:
         shapes = _shapes(args.workload)
         ways = ["floor", *(f"ddp{b:g}" for b in args.ddp_buckets), "rx",
-                *(["rx-hier"] if hierarchical else []),
+                *other,
                 *(f"rx-g{mb:g}c{ms:g}" for mb in args.grid_mb for ms in args.grid_ms),
                 "serial", "rx-serial", *(["rx-tuned"] if args.autotune else [])]
         if args.autotune:
@@ -201,15 +206,15 @@ def measure(rank: int, size: int, args, tag: str) -> dict:
 
 def _knobs_of(way: str, tuned: dict | None) -> dict:
     """Every knob a way of raytrain-x runs with (none left over from the way before): the
-    defaults, autotune's choice, hierarchical allreduce, or a grid point
+    defaults, autotune's choice, hierarchical allreduce on or off, or a grid point
     (rx-g<fusion MB>c<cycle ms>)."""
     from raytrain_x import Knobs
 
     knobs = Knobs().to_dict()
     if way == "rx-tuned":
         knobs.update(tuned["knobs"])
-    elif way == "rx-hier":
-        knobs["hierarchical_allreduce"] = True
+    elif way in ("rx-hier", "rx-flat"):
+        knobs["hierarchical_allreduce"] = way == "rx-hier"
     elif way.startswith("rx-g"):
         mb, ms = way[4:].split("c")
         knobs.update(fusion_threshold_bytes=int(float(mb) * 2**20), cycle_time_ms=float(ms))
