@@ -233,6 +233,23 @@ def run_ranks(target: Callable[..., Any], size: int, *args: Any, timeout_s: floa
                 p.kill()
 
 
+def other_hierarchy_way() -> str:
+    """The way that runs raytrain-x with hierarchical allreduce the other way than its
+    default: "rx-flat" (off) or "rx-hier" (on). Only worlds where it applies (several
+    hosts with several workers each) measure it."""
+    from raytrain_x import Knobs
+
+    return "rx-flat" if Knobs().hierarchical_allreduce else "rx-hier"
+
+
+def hierarchical_of(way: str) -> bool:
+    """The hierarchical_allreduce knob of a raytrain-x way: on for rx-hier, off for
+    rx-flat, the default for any other."""
+    from raytrain_x import Knobs
+
+    return {"rx-hier": True, "rx-flat": False}.get(way, Knobs().hierarchical_allreduce)
+
+
 def add_place_arguments(parser: Any) -> None:
     """Where an emulated-network benchmark runs: one host's --workers, or --hosts emulated
     hosts (--per-host workers each, one world per value) joined by --link-gbit links."""

@@ -48,8 +48,10 @@ from common import (
     autotune_knobs,
     drive_worlds,
     emulated_world,
+    hierarchical_of,
     join_world,
     median_across_ranks,
+    other_hierarchy_way,
     print_table,
     run_emulated,
     run_ranks,
@@ -149,11 +151,8 @@ def measure(rank: int, size: int, args, tag: str) -> dict:
     import raytrain_x.torch as rx
 
     torch.set_num_threads(1)
-    from raytrain_x import Knobs
-
     # where hierarchical allreduce applies, the way with the other setting than the default
-    other = ([("rx-flat" if Knobs().hierarchical_allreduce else "rx-hier")]
-             if rx.local_size() > 1 and rx.cross_size() > 1 else [])
+    other = [other_hierarchy_way()] if rx.local_size() > 1 and rx.cross_size() > 1 else []
     out: dict[str, dict[str, list[float]]] = {}
     engine: dict[str, list[dict[str, float]]] = {}
     tuned: dict[str, dict] = {}
@@ -214,7 +213,7 @@ def _knobs_of(way: str, tuned: dict | None) -> dict:
     if way == "rx-tuned":
         knobs.update(tuned["knobs"])
     elif way in ("rx-hier", "rx-flat"):
-        knobs["hierarchical_allreduce"] = way == "rx-hier"
+        knobs["hierarchical_allreduce"] = hierarchical_of(way)
     elif way.startswith("rx-g"):
         mb, ms = way[4:].split("c")
         knobs.update(fusion_threshold_bytes=int(float(mb) * 2**20), cycle_time_ms=float(ms))

@@ -4,8 +4,9 @@ The four processes run on this one machine but rendezvous as two "hosts", so the
 takes its multi-host paths. Each configuration is a fresh world; raw gloo `all_reduce` of
 the same tensor is measured in every one of them as the baseline:
   flat         engine, hierarchical off (one gloo allreduce over the world)
-  hier-gloo    hierarchical on, local stages over gloo (RAYTRAIN_X_SHM=0)
-  hier-shm     hierarchical on, local stages through shared memory (the default)
+  hier         hierarchical on (the default): local stages through shared memory
+  hier-no-shm  hierarchical on, but no shared memory (RAYTRAIN_X_SHM=0): the hosts vote
+               it off and the allreduce goes flat
 Real hosts would put the cross stage on a network; here it is loopback as well, so the
 figures compare the local stages and the data volume, not a network.
 
@@ -24,8 +25,8 @@ from common import join_world, median_across_ranks, print_table, run_ranks, writ
 
 CONFIGS = {
     "flat": {"RAYTRAIN_X_HIERARCHICAL_ALLREDUCE": "0", "RAYTRAIN_X_SHM": "1"},
-    "hier-gloo": {"RAYTRAIN_X_HIERARCHICAL_ALLREDUCE": "1", "RAYTRAIN_X_SHM": "0"},
-    "hier-shm": {"RAYTRAIN_X_HIERARCHICAL_ALLREDUCE": "1", "RAYTRAIN_X_SHM": "1"},
+    "hier": {"RAYTRAIN_X_HIERARCHICAL_ALLREDUCE": "1", "RAYTRAIN_X_SHM": "1"},
+    "hier-no-shm": {"RAYTRAIN_X_HIERARCHICAL_ALLREDUCE": "1", "RAYTRAIN_X_SHM": "0"},
 }
 
 

@@ -10,8 +10,8 @@ Ways, in the same processes, interleaved round by round (--repeats rounds):
   floor      every worker trains on its own at once (no communication): the compute floor
   ddp<N>     DistributedDataParallel with bucket_cap_mb=N (25 is DDP's default)
   rx         raytrain_x.torch.DistributedOptimizer as the README calls it
-  rx-hier    the same with hierarchical allreduce on (worlds of several hosts with
-             several workers each)
+  rx-flat    the same with hierarchical allreduce off (on by default), in worlds of
+             several hosts with several workers each (where it applies)
   rx-b<N>    the same with bucket_cap_mb=N fixed (0: every gradient goes on its own and the
              engine fuses what is ready in each cycle, Horovod's way); --rx-buckets
   rx-t<M>c<C>  the default path at fusion threshold M MB and cycle time C ms (--grid-mb
@@ -57,8 +57,10 @@ from common import (
     autotune_knobs,
     drive_worlds,
     emulated_world,
+    hierarchical_of,
     join_world,
     median_across_ranks,
+    other_hierarchy_way,
     print_table,
     run_emulated,
     run_ranks,
@@ -129,7 +131,7 @@ def ways_of(args, hierarchical: bool) -> list[str]:
               if (mb * 2**20, ms) != (DEFAULT_FUSION["fusion_threshold_bytes"],
                                       DEFAULT_FUSION["cycle_time_ms"]))]  # that one is rx
     if hierarchical:
-        ways.append("rx-hier")
+        ways.append(other_hierarchy_way())
     if args.metrics_cost:
         ways.append("rx-metrics")
     return ways + ["rx-serial"]
@@ -169,7 +171,7 @@ def measure(args, hierarchical: bool, tag: str) -> dict:
                            float(way[4:]) if way.startswith("rx-b") else None)
                     opt = rx.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                                   bucket_cap_mb=cap)
-                    knobs = {"hierarchical_allreduce": way == "rx-hier",
+                    knobs = {"hierarchical_allreduce": hierarchical_of(way),
                              **DEFAULT_FUSION}
                     if way == "rx-tuned":
                         knobs = dict(out["autotune"][name]["knobs"])
@@ -362,7 +364,7 @@ def summarise(results: dict[str, dict[str, list[float]]], workers: int) -> tuple
         grid = {w: m for w, m in med.items() if re.fullmatch(r"rx-t[\d.]+c[\d.]+", w)}
         if "rx-tuned" in med:
             # the default knobs are points of the landscape too, hierarchical off and on
-            grid.update({w: med[w] for w in ("rx", "rx-hier") if w in med})
+            grid.update({w: med[w] for w in ("rx", other_hierarchy_way()) if w in med})
             best = max(grid, key=grid.get)
             summary[name]["autotune"] = {
                 **results["autotune"][name], "grid_best": best,

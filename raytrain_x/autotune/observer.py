@@ -17,6 +17,8 @@ class JobShape:
 
     size: int = 1
     multi_level: bool = False  # more than one host and more than one worker per host
+    # multi_level, and every host's workers share memory (the hierarchical allreduce's route)
+    hierarchical_allreduce: bool = False
 
 
 class JobObserver:
@@ -55,6 +57,9 @@ class JobObserver:
         if not shape.multi_level:
             why = "needs several hosts with several workers each"
             out["hierarchical_allreduce"] = out["hierarchical_allgather"] = why
-        elif not self.allgathers:
-            out["hierarchical_allgather"] = "no allgather"
+        else:
+            if not shape.hierarchical_allreduce:
+                out["hierarchical_allreduce"] = "some host's workers cannot share memory"
+            if not self.allgathers:
+                out["hierarchical_allgather"] = "no allgather"
         return [n for n in Knobs.specs() if n not in out], out

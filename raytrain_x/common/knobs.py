@@ -92,7 +92,9 @@ class Knobs:
         cycle_time_ms: pause between engine cycles in milliseconds while work keeps
             arriving (a request reaching an idle engine starts a cycle at once).
         cache_capacity: response-cache entries; 0 turns the cache off.
-        hierarchical_allreduce: local reduce-scatter, cross allreduce, local allgather.
+        hierarchical_allreduce: local sum, cross allreduce of one shard per local rank,
+            local allgather; takes effect where the world has several hosts with several
+            workers each and every host's workers share memory (host-memory arrays).
         hierarchical_allgather: two-level allgather (local, then cross).
     """
 
@@ -139,13 +141,14 @@ class Knobs:
         ),
     )
     hierarchical_allreduce: bool = _knob(
-        False,
+        True,
         KnobSpec(
             env="RAYTRAIN_X_HIERARCHICAL_ALLREDUCE",
             flag="--hierarchical-allreduce",
             lo=0,
             hi=1,
-            help="local reduce-scatter, cross allreduce, local allgather",
+            help="several hosts with several workers each: sum on each host in shared "
+                 "memory, one shard per local rank across hosts",
             kind=bool,
             search=SearchScale(0, 0.0, 1.0),
         ),

@@ -138,7 +138,8 @@ def start(
         _sampler = None
         if config is not None and rdv.rank == 0:
             advisor = (_advisor_factory or local_controller)(config, knobs, _fixed_knobs)
-            shape = JobShape(size=rdv.size, multi_level=_engine.multi_level())
+            shape = JobShape(size=rdv.size, multi_level=_engine.multi_level(),
+                             hierarchical_allreduce=_engine.hierarchical_allreduce_applies)
             if _latest_sampler is not None:  # a reset: what it scored stays on record
                 _retired_samples.extend(_latest_sampler.samples)
             _sampler = _latest_sampler = AutotuneSampler(config, advisor,

@@ -73,6 +73,7 @@ class Engine:
         self.knobs = knobs
         self.stats = EngineStats()
         self._transport = Transport(groups)  # opened collectively, now
+        self.hierarchical_allreduce_applies = self._transport.hierarchical_allreduce_applies
         # Shared memory answers the status word in microseconds; a network needs a round
         # trip, which speculative cycles save for small batches that repeat every step.
         self._negotiator = Negotiator(groups, self._transport.world_allreduce,

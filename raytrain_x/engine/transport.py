@@ -1,9 +1,10 @@
 """Transport choice: how a reduction travels once the engine has agreed to run it.
 
 One host: the shared-memory group (`raytrain_x.comm.shm`) for the world's allreduces and
-allgathers. Several hosts: the backend's groups, and with `hierarchical_allreduce` /
-`hierarchical_allgather` on, local stages in the host's shared-memory group (or the local
-group) around a cross-host stage. A process set whose members share a host gets a
+allgathers. Several hosts: the backend's groups, and with `hierarchical_allreduce` on
+(where every host's workers share memory: host-memory arrays), or `hierarchical_allgather`
+on, local stages in the host's shared-memory group (or, for allgather, the local group)
+around a cross-host stage. A process set whose members share a host gets a
 shared-memory group of its own; other sets use their backend group.
 """
 
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 from raytrain_x.comm.groups import ProcessGroups, ProcessSetGroup
 from raytrain_x.comm.shm import (
@@ -40,6 +43,11 @@ class Transport:
         self._shm = open_host_group(groups, timeout_s)
         self._local_shm = (open_local_group(groups, timeout_s)
                            if self._shm is None and self.multi_level() else None)
+        # Hierarchical allreduce sums each host's arrays in its shared memory; with local
+        # stages over the network instead it cost 4.5x a flat allreduce (docs/engine.md).
+        # Every host must route alike, so the hosts vote on it.
+        self.hierarchical_allreduce_applies = (
+            self.multi_level() and _everyone(groups, self._local_shm is not None))
         self._set_shm: dict[int, ShmGroup] = {}  # process sets on one host (members only)
 
     @property
@@ -117,7 +125,8 @@ class Transport:
         shm = self._shm_of(pset)
         if shm is not None and fits_shm(array):
             _shm_call(shm.allreduce, array, op)
-        elif hierarchical and op == "sum" and pset.process_set_id == 0 and self.multi_level():
+        elif (hierarchical and op == "sum" and pset.process_set_id == 0
+              and self.hierarchical_allreduce_applies and fits_shm(array)):
             self._hierarchical_allreduce(array)
         else:
             pset.group.allreduce(array, op)
@@ -133,11 +142,9 @@ class Transport:
         _shm_call(self._shm_of(pset).allreduce_many, arrays, op, prescale, postscale)
 
     def _hierarchical_allreduce(self, array: Any) -> None:
-        """Local reduce, cross allreduce of one shard per local rank, local allgather, in
-        chunks of `PIPELINE_CHUNK_BYTES`. With shared memory on this host the chunks are
-        pipelined: while one chunk's shard crosses the network, the next chunk is summed
-        in the segment. Chunks and shards have the same boundaries on every host either
-        way (the cross allreduce pairs them)."""
+        """Local sum in shared memory, cross allreduce of one shard per local rank, shards
+        exchanged in shared memory, in chunks of `PIPELINE_CHUNK_BYTES`: while one chunk's
+        shard crosses the network, the next chunk is summed in the segment."""
         ops = ops_for(array)
         local, cross = self.groups.local, self.groups.cross
         flat = array.reshape(-1)
@@ -145,29 +152,19 @@ class Transport:
         chunks = _chunks(ops.numel(flat) + pad, local.size,
                          PIPELINE_CHUNK_BYTES // DTYPE_SIZES.get(ops.dtype(array), 4))
         shm = self._local_shm
-        if shm is not None and fits_shm(array):
-            work = _padded(ops, flat, pad)
-            in_flight: list[tuple[Callable[[], None], Any]] = []
-            for lo, hi in chunks:
-                chunk, n = work[lo:hi], (hi - lo) // local.size
-                _shm_call(shm.allreduce, chunk, "sum")
-                in_flight.append((cross.allreduce_async(
-                    chunk[local.rank * n:(local.rank + 1) * n], "sum"), chunk))
-                if len(in_flight) > 1:
-                    self._finish_chunk(*in_flight.pop(0))
-            for wait, chunk in in_flight:
-                self._finish_chunk(wait, chunk)
-            if pad:
-                flat[...] = work[: ops.numel(flat)]
-            return
-        work = _padded(ops, flat, pad) if pad else ops.clone(flat)
+        work = _padded(ops, flat, pad)
+        in_flight: list[tuple[Callable[[], None], Any]] = []
         for lo, hi in chunks:
             chunk, n = work[lo:hi], (hi - lo) // local.size
-            shard = ops.empty((n,), ops.dtype(work), ops.device(work))
-            local.reduce_scatter(shard, chunk)
-            cross.allreduce(shard, "sum")
-            local.allgather([chunk[i * n:(i + 1) * n] for i in range(local.size)], shard)
-        flat[...] = work[: ops.numel(flat)]
+            _shm_call(shm.allreduce, chunk, "sum")
+            in_flight.append((cross.allreduce_async(
+                chunk[local.rank * n:(local.rank + 1) * n], "sum"), chunk))
+            if len(in_flight) > 1:
+                self._finish_chunk(*in_flight.pop(0))
+        for wait, chunk in in_flight:
+            self._finish_chunk(wait, chunk)
+        if pad:
+            flat[...] = work[: ops.numel(flat)]
 
     def _finish_chunk(self, wait: Callable[[], None], chunk: Any) -> None:
         wait()
@@ -270,6 +267,13 @@ def fits_shm(array: Any) -> bool:
     ops = ops_for(array)
     return (ops.device(array) == "cpu" and ops.dtype(array) in SHM_DTYPES
             and ops.is_contiguous(array))
+
+
+def _everyone(groups: ProcessGroups, yes: bool) -> bool:
+    """True when `yes` holds on every rank of the world (a collective)."""
+    vote = np.array([1 if yes else 0], dtype=np.int64)
+    groups.world.allreduce(vote, "min")
+    return bool(vote[0])
 
 
 def _padded(ops: ArrayOps, flat: Any, pad: int) -> Any:

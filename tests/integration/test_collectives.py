@@ -204,25 +204,57 @@ def _hierarchical() -> list:
     huge = (torch.arange(3_000_001, dtype=torch.float32) % 1000) * (rx.rank() + 1)
     huge_sum = rx.allreduce(huge, op=rx.Sum, name="huge")
     assert torch.equal(huge_sum, (torch.arange(3_000_001, dtype=torch.float32) % 1000) * 10)
+    # an average through the pipelined chunks
+    huge_avg = rx.allreduce(huge, op=rx.Average, name="huge_avg")
+    assert torch.equal(huge_avg, (torch.arange(3_000_001, dtype=torch.float32) % 1000) * 2.5)
     # an allgather larger than a slot, in a dtype of its own
     wide = rx.allgather(torch.full((70_000,), rx.rank(), dtype=torch.int32), name="wide")
     assert torch.equal(wide, torch.arange(4, dtype=torch.int32).repeat_interleave(70_000))
-    return [flat, g, big_sum, rx.transport()]
+    from raytrain_x.core import runtime
+
+    return [flat, g, big_sum, rx.transport(), runtime.engine().hierarchical_allreduce_applies]
 
 
 @pytest.mark.parametrize("transport", ["gloo+shm", "gloo"])
 def test_hierarchical_allreduce_and_allgather_match_flat(transport):
-    env = {"RAYTRAIN_X_HIERARCHICAL_ALLREDUCE": "1", "RAYTRAIN_X_HIERARCHICAL_ALLGATHER": "1",
+    """On by default; without shared memory on the hosts allreduce goes flat (the hosts
+    agree on it) while allgather keeps its local stage over gloo."""
+    env = {"RAYTRAIN_X_HIERARCHICAL_ALLGATHER": "1",
            "RAYTRAIN_X_SHM": "1" if transport == "gloo+shm" else "0"}
     results = run_workers(_hierarchical, 4, env=env, hosts=2)
     expected = torch.arange(11, dtype=torch.float32) * 10
     expected_gather = torch.cat([torch.full((2, 3), float(r)) for r in range(4)])
     expected_big = torch.arange(300_001, dtype=torch.float64) * 10
-    for flat, gathered, big, used in results:
+    for flat, gathered, big, used, applies in results:
         assert torch.equal(flat, expected)
         assert torch.equal(gathered, expected_gather)
         assert torch.equal(big, expected_big)
         assert used == transport
+        assert applies == (transport == "gloo+shm")
+
+
+def _scaled_across_hosts() -> str:
+    """Averages and scaled sums over gloo (one rank per host), large and small."""
+    import raytrain_x.torch as rx
+
+    rx.init()
+    base = torch.arange(2_500_003, dtype=torch.float32) % 977  # 10 MB
+    x = base * (rx.rank() + 1)
+    assert torch.equal(rx.allreduce(x, op=rx.Average, name="avg"), base * 1.5)
+    scaled = rx.allreduce(x, op=rx.Sum, prescale_factor=0.5, postscale_factor=4.0,
+                          name="scaled")
+    assert torch.equal(scaled, base * 6)
+    # 16-bit floats: gloo sums them widened; 3 * 499 * 0.5 and every step before it exact
+    hbase = (torch.arange(5_000_001) % 500).half()
+    half = rx.allreduce(hbase * (rx.rank() + 1), op=rx.Average, name="half")
+    assert torch.equal(half, hbase * 1.5)
+    small = rx.allreduce(x[:1000], op=rx.Average, name="small")
+    assert torch.equal(small, base[:1000] * 1.5)
+    return rx.transport()
+
+
+def test_scaled_allreduces_across_hosts_match():
+    assert run_workers(_scaled_across_hosts, 2, hosts=2) == ["gloo", "gloo"]
 
 
 def _shm_local_stage() -> dict:

@@ -272,7 +272,8 @@ def test_dimensions_that_cannot_matter_are_not_searched(tmp_path):
     config = AutotuneConfig()
     controller = AutotuneController(config, Knobs(cache_capacity=2),
                                     frozenset({"cycle_time_ms"}))
-    fixed = AutotuneSampler(config, controller, [].append, [].append, shape=JobShape(4, True))
+    fixed = AutotuneSampler(config, controller, [].append, [].append,
+                            shape=JobShape(4, True, True))
     fixed.batching.add(BATCHING_FIXED_BUCKETS)  # bucket_cap_mb given by the user
     fixed.observer.observe([_bucket(f"grad.bucket{i}") for i in range(3)])
     fixed.searched, fixed.left_out = fixed.relevant_dimensions(Knobs(cache_capacity=2))
@@ -282,6 +283,10 @@ def test_dimensions_that_cannot_matter_are_not_searched(tmp_path):
     assert "bucket_cap_mb" in fixed.left_out["fusion_threshold_bytes"]
     assert fixed.left_out["cycle_time_ms"] == "fixed by the user"
     assert fixed.left_out["hierarchical_allgather"] == "no allgather"
+    no_shm = AutotuneSampler(config, None, [].append, shape=JobShape(4, True, False))
+    no_shm.observer.observe([_response("a"), _response("b")])
+    left_out = no_shm.relevant_dimensions(Knobs())[1]
+    assert left_out["hierarchical_allreduce"] == "some host's workers cannot share memory"
     lone = AutotuneSampler(config, None, [].append)
     lone.observer.observe([_response("done4")])  # a metric allreduce alone in its cycle
     assert "fusion_threshold_bytes" not in lone.relevant_dimensions(Knobs())[0]
@@ -335,14 +340,14 @@ def test_switches_are_probed_flipped_right_after_the_start():
     config = AutotuneConfig(bayes_opt_max_samples=10, convergence_patience=0)
     controller = AutotuneController(config, start, frozenset({"cache_capacity"}))
 
-    def score(k: Knobs) -> float:  # hierarchical allreduce is a step up, at any bucket size
-        return _score(k) * (2.0 if k.hierarchical_allreduce else 1.0)
+    def score(k: Knobs) -> float:  # flat allreduce is a step up here, at any bucket size
+        return _score(k) * (1.0 if k.hierarchical_allreduce else 2.0)
 
     measured = _drive(controller, score=score)
-    assert measured[:3] == [start, start.replace(hierarchical_allreduce=True),
+    assert measured[:3] == [start, start.replace(hierarchical_allreduce=False),
                             start.replace(hierarchical_allgather=True)]
     assert len(set(measured[:3])) == 3
-    assert controller.best()[0].hierarchical_allreduce
+    assert not controller.best()[0].hierarchical_allreduce
 
 
 def test_the_sampler_goes_through_its_named_phases(tmp_path):

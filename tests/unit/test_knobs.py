@@ -15,7 +15,7 @@ def test_defaults_and_specs():
     assert k.fusion_threshold_bytes == 64 * MB
     assert k.cycle_time_ms == 1.0
     assert k.cache_capacity == 1024
-    assert not k.hierarchical_allreduce and not k.hierarchical_allgather
+    assert k.hierarchical_allreduce and not k.hierarchical_allgather  # on where it applies
     specs = Knobs.specs()
     assert specs["fusion_threshold_bytes"].env == "RAYTRAIN_X_FUSION_THRESHOLD"
     assert specs["cycle_time_ms"].flag == "--cycle-time-ms"
@@ -45,20 +45,20 @@ def test_precedence_flag_over_env_over_file_over_default(tmp_path):
     assert knobs.fusion_threshold_bytes == 8 * MB  # file
     assert knobs.cycle_time_ms == 3.5  # env beats file
     assert knobs.cache_capacity == 30  # flag beats env
-    assert knobs.hierarchical_allreduce is False  # default
+    assert knobs.hierarchical_allreduce is True  # default
     assert fixed == {"fusion_threshold_bytes", "cycle_time_ms", "cache_capacity"}
 
 
 def test_env_parsing():
     env = {
         "RAYTRAIN_X_FUSION_THRESHOLD": "1048576",
-        "RAYTRAIN_X_HIERARCHICAL_ALLREDUCE": "true",
-        "RAYTRAIN_X_HIERARCHICAL_ALLGATHER": "0",
+        "RAYTRAIN_X_HIERARCHICAL_ALLREDUCE": "false",
+        "RAYTRAIN_X_HIERARCHICAL_ALLGATHER": "1",
     }
     knobs, fixed = load_knobs(env=env)
     assert knobs.fusion_threshold_bytes == MB
-    assert knobs.hierarchical_allreduce is True
-    assert knobs.hierarchical_allgather is False
+    assert knobs.hierarchical_allreduce is False
+    assert knobs.hierarchical_allgather is True
     assert "cycle_time_ms" not in fixed
 
 
