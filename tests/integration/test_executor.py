@@ -83,7 +83,10 @@ def _fails_on_rank_1(kind: str) -> str:
 
 @pytest.mark.parametrize("kind", ["raise", "exit"])
 def test_failing_rank_is_reported_and_others_released(ray_cluster, kind):
-    settings = RayExecutor.create_settings(timeout_s=15)
+    # The run (the world's forming included) must end well before the collective timeout
+    # the other ranks would otherwise wait out: a long one, so that how long forming takes
+    # on a loaded machine cannot reach it (it took 20 s with a core kept busy).
+    settings = RayExecutor.create_settings(timeout_s=60)
     executor = RayExecutor(settings, num_workers=3)
     executor.start()
     try:
