@@ -1,5 +1,6 @@
 """Autotune on 2 real workers: tuning finishes, ranks agree, the log has every row, and the
-chosen knobs beat the starting ones in the same run."""
+knobs chosen are the confirmed best of what the search measured. (How much tuned knobs gain
+is a benchmark's to say: docs/performance.md and docs/autotune.md, with their commands.)"""
 
 from __future__ import annotations
 
@@ -22,13 +23,6 @@ from tests.workers import run_workers
 TENSORS, ELEMENTS = 150, 2048
 
 
-def _steps_per_second(rx, tensors, steps: int) -> float:
-    start = time.perf_counter()
-    for _ in range(steps):
-        rx.grouped_allreduce_(tensors, name="grads")
-    return steps / (time.perf_counter() - start)
-
-
 def _everyone_done(rx, step: int, attr: str = "done") -> bool:
     """True on every rank once rank 0's sampler is `attr` (an allreduce: all ranks agree)."""
     from raytrain_x.core import runtime
@@ -38,7 +32,7 @@ def _everyone_done(rx, step: int, attr: str = "done") -> bool:
     return rx.allreduce(done, op=rx.Min, name=f"done{step}").item() == 1.0
 
 
-def _train_with_autotune(start_knobs: dict) -> dict:
+def _train_with_autotune() -> dict:
     import raytrain_x.torch as rx
 
     rx.init()
@@ -47,19 +41,11 @@ def _train_with_autotune(start_knobs: dict) -> dict:
         rx.grouped_allreduce_(tensors, name="grads")
         if step % 5 == 4 and _everyone_done(rx, step):
             break
-    tuned = rx.knobs()
-    # Same run, same workers: the starting knobs against the tuned ones.
-    rates = {}
-    for label, knobs in (("start", Knobs(**start_knobs)), ("tuned", tuned)):
-        if rx.rank() == 0:
-            rx.set_knobs(knobs)
-        _steps_per_second(rx, tensors, 3)  # the switch lands within these steps
-        rates[label] = _steps_per_second(rx, tensors, 15)
-    return {"knobs": tuned.to_dict(), "steps": step + 1, "rates": rates,
+    return {"knobs": rx.knobs().to_dict(), "steps": step + 1,
             "transport": rx.transport()}
 
 
-def test_autotune_beats_the_starting_knobs(ray_cluster, tmp_path):
+def test_autotune_chooses_the_confirmed_best_over_the_start(ray_cluster, tmp_path):
     log_path = tmp_path / "autotune.csv"
     start = Knobs(fusion_threshold_bytes=0)  # far from the best for this workload
     config = AutotuneConfig(log_file=str(log_path), warmup_samples=1, steps_per_sample=3,
@@ -68,11 +54,11 @@ def test_autotune_beats_the_starting_knobs(ray_cluster, tmp_path):
     settings = RayExecutor.create_settings(timeout_s=30)
     executor = RayExecutor(settings, num_workers=2, autotune=config)
     # gloo, as between hosts: there every unfused tensor is a network round trip, so the
-    # fusion knob matters most (on one host's shared memory the gap is ~1.3x, not 1.5x+)
+    # fusion knob matters most and the start is far behind
     executor.start(extra_env_vars={"RAYTRAIN_X_SHM": "0"})
     try:
         assert executor.autotune_controller is not None  # the controller is a Ray actor
-        results = executor.run(_train_with_autotune, args=(start.to_dict(),))
+        results = executor.run(_train_with_autotune)
     finally:
         executor.shutdown()
     assert {r["transport"] for r in results} == {"gloo"}
@@ -101,8 +87,6 @@ def test_autotune_beats_the_starting_knobs(ray_cluster, tmp_path):
     confirmed = {k: m for k, m in means.items() if len(scores[k]) > 1 or k == start_key}
     assert len(scores[best_key]) == 2 and means[best_key] == max(confirmed.values())
     assert results[0]["knobs"]["fusion_threshold_bytes"] == int(best["fusion_threshold_bytes"])
-    rates = results[0]["rates"]
-    assert rates["tuned"] > 1.5 * rates["start"], rates
     # the report and the plot
     plot = tmp_path / "autotune.png"
     out = limits.run([str(Path(sys.executable).parent / "raytrain-x"), "autotune-report",
