@@ -233,6 +233,14 @@ def run_ranks(target: Callable[..., Any], size: int, *args: Any, timeout_s: floa
                 p.kill()
 
 
+def multi_level_world() -> bool:
+    """True when this process's world has several hosts with several workers each: where
+    hierarchical allreduce applies, so the benchmarks measure it both ways."""
+    import raytrain_x.torch as rx
+
+    return rx.local_size() > 1 and rx.cross_size() > 1
+
+
 def other_hierarchy_way() -> str:
     """The way that runs raytrain-x with hierarchical allreduce the other way than its
     default: "rx-flat" (off) or "rx-hier" (on). Only worlds where it applies (several

@@ -31,7 +31,7 @@ ranks RayExecutor workers; every way crosses the same link). Writes
 results/gpu_regime[_emulated][_gpt].json.
 
 Run alone: .venv/bin/python benchmarks/gpu_regime.py [--step-ms 10 30 100] [--repeats 5]
-           [--autotune] [--hosts 2 --per-host 1 2]   (emulated hosts: as root)
+           [--autotune] [--timeline] [--hosts 2 --per-host 1 2]   (emulated hosts: as root)
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from common import (
     hierarchical_of,
     join_world,
     median_across_ranks,
+    multi_level_world,
     other_hierarchy_way,
     print_table,
     run_emulated,
@@ -152,7 +153,7 @@ def measure(rank: int, size: int, args, tag: str) -> dict:
 
     torch.set_num_threads(1)
     # where hierarchical allreduce applies, the way with the other setting than the default
-    other = [other_hierarchy_way()] if rx.local_size() > 1 and rx.cross_size() > 1 else []
+    other = [other_hierarchy_way()] if multi_level_world() else []
     out: dict[str, dict[str, list[float]]] = {}
     engine: dict[str, list[dict[str, float]]] = {}
     tuned: dict[str, dict] = {}
@@ -190,7 +191,14 @@ def measure(rank: int, size: int, args, tag: str) -> dict:
                     opt.step()
 
                 before = _engine_counts()
+                traced = args.timeline and way == "rx" and r == args.repeats - 1
+                if traced:  # rank 0's engine trace of the default way's last round
+                    RESULTS_DIR.mkdir(exist_ok=True)
+                    rx.start_timeline(str(RESULTS_DIR / f"{tag}_{step_ms:g}ms_timeline.json"),
+                                      mark_cycles=True)
                 seconds = median_across_ranks(step, args.steps, warmup=2)
+                if traced:
+                    rx.stop_timeline()
                 out[str(step_ms)][way].append(seconds)
                 if way == "rx":  # what the engine did per step (barriers included)
                     after = _engine_counts()
@@ -306,6 +314,9 @@ def main() -> None:
                         help="cycle times (ms) of the grid")
     parser.add_argument("--autotune", action="store_true",
                         help="autotune each step time first, then measure it as rx-tuned")
+    parser.add_argument("--timeline", action="store_true",
+                        help="write rank 0's engine trace of the rx way's last round "
+                             "(results/<name>_<step>ms_timeline.json, chrome://tracing)")
     add_place_arguments(parser)
     parser.add_argument("--json", default=None)
     parser.add_argument("--inside", default=None, help=argparse.SUPPRESS)

@@ -60,6 +60,7 @@ from common import (
     hierarchical_of,
     join_world,
     median_across_ranks,
+    multi_level_world,
     other_hierarchy_way,
     print_table,
     run_emulated,
@@ -306,7 +307,7 @@ def _ray_worker(args) -> dict:
     import raytrain_x.torch as rx
 
     return emulated_world(lambda: measure(
-        args, hierarchical=rx.local_size() > 1 and rx.cross_size() > 1,
+        args, hierarchical=multi_level_world(),
         tag=f"real_networks_{args.hosts}x{rx.local_size()}"))
 
 

@@ -21,6 +21,7 @@ from raytrain_x.engine.messages import (
     Handle,
     Meta,
 )
+from raytrain_x.tensorflow import kernels
 from raytrain_x.tensorflow.arrays import (
     ALIGN,
     REDUCED_AS,
@@ -113,15 +114,21 @@ def _tail_rows(pad: int, dtype: tf.DType, count: int) -> list[tf.Tensor]:
     return [rows[k * pad:(k + 1) * pad] for k in range(count)]
 
 
-def _layout(members: list[tf.Tensor], pad: int) -> tuple[list[Any], list[Any]]:
-    """Each tensor flattened and padded to whole rows, and its element count: Python
-    numbers when the shapes are known at trace time (fewer graph ops), tensors otherwise."""
+def _layout(members: list[tf.Tensor], pad: int,
+            padded: bool = True) -> tuple[list[Any], list[Any]]:
+    """Each tensor flattened and (`padded`) padded to whole rows, and its element count:
+    Python numbers when the shapes are known at trace time (fewer graph ops), tensors
+    otherwise. Unpadded, the tensors are as they are (`kernels.concat` pads them)."""
     if all(t.shape.is_fully_defined() for t in members):
         sizes = [t.shape.num_elements() for t in members]
+        if not padded:
+            return list(members), sizes
         pieces = [tf.reshape(t, [-1]) if n % pad == 0 else
                   tf.pad(tf.reshape(t, [-1]), [[0, -n % pad]]) for t, n in zip(members, sizes)]
         return pieces, sizes
     sizes = [tf.size(t, out_type=tf.int64) for t in members]
+    if not padded:
+        return list(members), sizes
     pieces = [tf.pad(tf.reshape(t, [-1]), [[0, (-n) % pad]]) for t, n in zip(members, sizes)]
     return pieces, sizes
 
@@ -155,17 +162,23 @@ def grouped_reduce(tensors: Sequence[tf.Tensor], name: str, op: str, prescale: f
     work = [tf.cast(t, REDUCED_AS[t.dtype]) if t.dtype in REDUCED_AS else t for t in tensors]
     # Adasum combines each tensor on its own (its coefficients are per tensor)
     chunks = _chunks(work) if op != Adasum else [[i] for i in reversed(range(len(work)))]
+    # in a graph the chunks are laid out by raytrain-x's own op where it is built: the
+    # executor runs it as soon as the chunk exists (kernels.concat)
+    own_concat = not tf.executing_eagerly() and kernels.available()
     tails: dict[tf.DType, list[tf.Tensor]] = {}
-    for d in {work[m[0]].dtype for m in chunks}:
+    for d in {work[m[0]].dtype for m in chunks} if not own_concat else ():
         tails[d] = _tail_rows(ALIGN // d.size, d,
                               sum(1 for m in chunks if work[m[0]].dtype == d))
     buffers, tokens = [], []
     for k, members in enumerate(chunks):
         d = work[members[0]].dtype
         pad = ALIGN // d.size
-        pieces, sizes = _layout([work[i] for i in members], pad)
-        signature = _signature([work[i] for i in members])
-        flat = tf.concat([*pieces, tails[d].pop()], 0)
+        pieces, sizes = _layout([work[i] for i in members], pad, padded=not own_concat)
+        if own_concat:
+            flat, signature = kernels.concat(pieces, pad)
+        else:
+            signature = _signature([work[i] for i in members])
+            flat = tf.concat([*pieces, tails[d].pop()], 0)
         chunk_name = name if len(chunks) == 1 else f"{name}.{k}"
 
         def submit(a, n, chunk_name=chunk_name):

@@ -1,15 +1,19 @@
-"""The asynchronous kernel that runs the face's numpy kernels inside TensorFlow graphs.
+"""The kernels that run the face's collectives inside TensorFlow graphs.
 
-One custom op, `RaytrainXAsync` (csrc/async_kernel.cc), built on first use against the
-installed TensorFlow and cached. It hands its inputs to Python and returns its inter-op
-thread at once; a raytrain-x thread runs the kernel (submit to the engine, wait) and
-completes the op. A session that fetches several collectives therefore never waits with
-TensorFlow's threads: each rank starts all of them, in whatever order its executor picks,
-and the engine negotiates one order, as with Horovod's `AsyncOpKernel`s. Errors come back
-with TensorFlow's error codes (`tf.errors.FailedPreconditionError` for ranks that
-disagree, `InvalidArgumentError` for a bad argument), as Horovod's ops raise them.
+Two custom ops (csrc/async_kernel.cc), built on first use against the installed
+TensorFlow and cached. `RaytrainXAsync` hands its inputs to Python and returns its
+inter-op thread at once; a raytrain-x thread runs the kernel (submit to the engine, wait)
+and completes the op. A session that fetches several collectives therefore never waits
+with TensorFlow's threads: each rank starts all of them, in whatever order its executor
+picks, and the engine negotiates one order, as with Horovod's `AsyncOpKernel`s. Errors
+come back with TensorFlow's error codes (`tf.errors.FailedPreconditionError` for ranks
+that disagree, `InvalidArgumentError` for a bad argument), as Horovod's ops raise them.
+`RaytrainXConcat` (`concat`) lays a chunk of gradients out for the engine. The executor
+runs it, and a `RaytrainXAsync` that only submits, at once on the thread that produced its
+last input, rather than queueing it behind backward's kernels: a chunk reaches the engine
+as soon as backward has produced it.
 
-Where the op cannot be built (no C++ compiler), kernels run through `tf.numpy_function`
+Where the ops cannot be built (no C++ compiler), kernels run through `tf.numpy_function`
 as before, with a warning: collectives fetched together in one `session.run` then need a
 fixed order (`tf.control_dependencies`).
 """
@@ -118,7 +122,19 @@ def run_async(kernel: Callable[..., list[np.ndarray]], inputs: Sequence[tf.Tenso
     kernel_id = next(_kernel_ids)
     _kernels[kernel_id] = (kernel, [np.dtype(d.as_numpy_dtype) for d in out_dtypes],
                            not waits)
-    return list(ops.raytrain_x_async(list(inputs), Tout=list(out_dtypes), kernel=kernel_id))
+    return list(ops.raytrain_x_async(list(inputs), Tout=list(out_dtypes), kernel=kernel_id,
+                                     cheap=not waits))
+
+
+def concat(tensors: Sequence[tf.Tensor], row: int) -> tuple[tf.Tensor, tf.Tensor]:
+    """One `RaytrainXConcat` op of the current graph: `tensors` (one dtype) flattened,
+    each zero-padded to whole rows of `row` elements, back to back in a fresh buffer with
+    one more row of zeros at the end; and their shapes (each its rank, then its dims) as
+    one int64 vector. The executor runs it as soon as the last of them exists, so a chunk
+    of gradients reaches the engine while backward goes on."""
+    ops, _ = _load()
+    flat, shapes = ops.raytrain_x_concat(list(tensors), row=row)
+    return flat, shapes
 
 
 # ----------------------------------------------------------------------- the Python side

@@ -139,3 +139,53 @@ def test_a_session_fetching_independent_collectives_in_any_order_completes(size)
             assert errors[(mode, "splits")] == "InvalidArgumentError", errors[(mode, "splits")]
             assert errors[(mode, "indexed_slices_min")] == "NotImplementedError", \
                 errors[(mode, "indexed_slices_min")]
+
+
+def _chunk_reaches_engine_first(wait_s: float) -> dict:
+    """A gradient chunk whose tensor is done must reach the engine before the executor's
+    one thread runs the next expensive op, as backward's next kernel would be. Here that op
+    waits until the chunk was submitted (or `wait_s`): had the executor run it first, it
+    would wait out the whole time while the chunk sat behind it."""
+    import threading
+
+    import numpy as np
+    import tensorflow as tf
+
+    import raytrain_x.tensorflow as rx
+    from raytrain_x.tensorflow import chunked_reduce, kernels
+
+    rx.init()
+    r, n = rx.rank(), rx.size()
+    submitted = threading.Event()
+    submit = chunked_reduce._submit_chunk
+
+    def observed(*args, **kwargs):  # the real submission, noted
+        submitted.set()
+        return submit(*args, **kwargs)
+
+    chunked_reduce._submit_chunk = observed
+
+    def next_kernel(_: np.ndarray) -> np.ndarray:
+        return np.array(submitted.wait(wait_s))
+
+    out = {"async": kernels.available()}
+    with tf.Graph().as_default():
+        # not a whole number of 64-byte rows: TensorFlow's own layout pads it first
+        gradient = tf.fill([(1 << 20) + 3], float(r + 1)) * 2.0
+        reduced = rx.grouped_allreduce([gradient], op=rx.Sum, name="first")[0]
+        # stateful: never evaluated ahead by the graph optimizer's constant folding
+        queued = tf.numpy_function(next_kernel, [gradient], tf.bool, stateful=True)
+        config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=1)
+        with tf.compat.v1.Session(config=config) as session:
+            values, out["queued_first"] = session.run([reduced, queued])
+    out["values"] = bool(np.allclose(values, 2.0 * sum(q + 1 for q in range(n))))
+    rx.shutdown()
+    return out
+
+
+def test_a_gradient_chunk_reaches_the_engine_before_the_next_kernel_runs():
+    results = run_workers(_chunk_reaches_engine_first, 2, 20.0, env=ENV, work_s=60)
+    for r, out in enumerate(results):
+        assert out["async"], "the asynchronous kernel was not built"
+        assert out["queued_first"], f"rank {r}: the next kernel ran before the chunk was queued"
+        assert out["values"], f"rank {r}: wrong sums"

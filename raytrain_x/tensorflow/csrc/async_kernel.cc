@@ -1,4 +1,4 @@
-// raytrain-x's asynchronous TensorFlow kernel: one op, `RaytrainXAsync`, that hands its
+// raytrain-x's TensorFlow kernels. The asynchronous one, `RaytrainXAsync`, hands its
 // inputs to a Python kernel and returns its inter-op thread at once, as Horovod's
 // `AsyncOpKernel`s do. The Python side (raytrain_x/tensorflow/kernels.py) runs the kernel
 // off TensorFlow's threads (it submits to the engine and waits there) and calls
@@ -8,6 +8,8 @@
 // `tf.load_op_library`: a session that fetches several collectives, in whatever order
 // each rank's executor starts them, no longer holds an inter-op thread per waiting
 // collective, so every rank submits them all and the engine negotiates the order.
+// `RaytrainXConcat` lays a chunk of gradients out for the engine; both are cheap for the
+// executor, so they run as soon as their inputs exist (chunked_reduce.py).
 
 #include <cstdint>
 #include <cstring>
@@ -18,9 +20,11 @@
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
+#include "tensorflow/core/framework/types.h"
 
 using tensorflow::AsyncOpKernel;
 using tensorflow::DataType;
+using tensorflow::OpKernel;
 using tensorflow::OpKernelConstruction;
 using tensorflow::OpKernelContext;
 using tensorflow::Status;
@@ -44,7 +48,12 @@ class RaytrainXAsync : public AsyncOpKernel {
  public:
   explicit RaytrainXAsync(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("kernel", &kernel_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("cheap", &cheap_));
   }
+
+  // A kernel that only submits to the engine is cheap: the executor then runs it at once,
+  // on the thread that produced its last input, instead of queueing it behind backward.
+  bool IsExpensive() override { return !cheap_; }
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
     OP_REQUIRES_ASYNC(ctx, g_dispatch != nullptr,
@@ -70,6 +79,57 @@ class RaytrainXAsync : public AsyncOpKernel {
 
  private:
   int64_t kernel_ = 0;
+  bool cheap_ = false;
+};
+
+// A chunk's tensors, each flattened and zero-padded to whole rows of `row` elements, back
+// to back in a fresh buffer with one more row of zeros at the end (the layout
+// chunked_reduce.py splits the results from), and their shapes (each its rank, then its
+// dims), which go with the chunk's request: the reduction needs nothing but this op. It is TensorFlow's concatenation of the
+// chunk, as one op that the executor runs at once, on the thread that produced the
+// chunk's last tensor: the chunk reaches the engine while backward goes on, every step.
+class RaytrainXConcat : public OpKernel {
+ public:
+  explicit RaytrainXConcat(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("row", &row_));
+  }
+
+  bool IsExpensive() override { return false; }
+
+  void Compute(OpKernelContext* ctx) override {
+    const int n = ctx->num_inputs();
+    int64_t elements = row_;  // the closing row
+    for (int i = 0; i < n; ++i) elements += Rows(ctx->input(i).NumElements()) * row_;
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({elements}), &out));
+    char* dst = const_cast<char*>(out->tensor_data().data());
+    const size_t item = tensorflow::DataTypeSize(out->dtype());
+    for (int i = 0; i < n; ++i) {
+      auto src = ctx->input(i).tensor_data();
+      const size_t padded = Rows(ctx->input(i).NumElements()) * row_ * item;
+      if (!src.empty()) std::memcpy(dst, src.data(), src.size());
+      std::memset(dst + src.size(), 0, padded - src.size());
+      dst += padded;
+    }
+    std::memset(dst, 0, row_ * item);
+    // the tensors' shapes, each as its rank and its dims (chunked_reduce.py's signature)
+    int64_t words = 0;
+    for (int i = 0; i < n; ++i) words += 1 + ctx->input(i).dims();
+    Tensor* shapes = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({words}), &shapes));
+    auto word = shapes->flat<int64_t>();
+    int64_t k = 0;
+    for (int i = 0; i < n; ++i) {
+      const Tensor& t = ctx->input(i);
+      word(k++) = t.dims();
+      for (int d = 0; d < t.dims(); ++d) word(k++) = t.dim_size(d);
+    }
+  }
+
+ private:
+  int64_t Rows(int64_t count) const { return (count + row_ - 1) / row_; }
+
+  int64_t row_ = 1;
 };
 
 }  // namespace
@@ -80,10 +140,30 @@ REGISTER_OP("RaytrainXAsync")
     .Attr("Tin: list(type) >= 0")
     .Attr("Tout: list(type) >= 0")
     .Attr("kernel: int")
+    .Attr("cheap: bool = false")
     .SetIsStateful()
     .SetShapeFn(tensorflow::shape_inference::UnknownShape);
 
 REGISTER_KERNEL_BUILDER(Name("RaytrainXAsync").Device(tensorflow::DEVICE_CPU), RaytrainXAsync);
+
+// Stateful: two concatenations of the same tensors stay two buffers (the engine writes
+// each), and inside tf.function the op keeps its place among the reductions.
+REGISTER_OP("RaytrainXConcat")
+    .Input("inputs: N * T")
+    .Output("output: T")
+    .Output("shapes: int64")
+    .Attr("T: type")
+    .Attr("N: int >= 1")
+    .Attr("row: int >= 1")
+    .SetIsStateful()
+    .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
+      c->set_output(0, c->Vector(c->UnknownDim()));
+      c->set_output(1, c->Vector(c->UnknownDim()));
+      return absl::OkStatus();
+    });
+
+REGISTER_KERNEL_BUILDER(Name("RaytrainXConcat").Device(tensorflow::DEVICE_CPU),
+                        RaytrainXConcat);
 
 extern "C" {
 
