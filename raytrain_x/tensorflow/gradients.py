@@ -23,6 +23,7 @@ from raytrain_x.core import collectives as _core
 from raytrain_x.core import runtime
 from raytrain_x.core.collectives import Average
 from raytrain_x.core.process_sets import ProcessSet, global_process_set
+from raytrain_x.tensorflow import kernels
 from raytrain_x.tensorflow.arrays import check_dtype
 from raytrain_x.tensorflow.chunked_reduce import grouped_reduce
 from raytrain_x.tensorflow.compression import Compression, Compressor
@@ -33,14 +34,17 @@ _warned_serial: list[bool] = []
 
 
 def warn_if_serial_graphs() -> None:
-    """Logs once when TensorFlow runs a graph's ops on one thread: then it runs every op of
-    backward before the reduction kernels that are ready long before, so nothing overlaps
-    (measured in docs/performance.md: all chunks went out at backward's end)."""
-    if not _warned_serial and tf.config.threading.get_inter_op_parallelism_threads() == 1:
+    """Logs once when TensorFlow runs a graph's ops on one thread and raytrain-x's kernels
+    could not be built: TensorFlow's concatenation and `tf.numpy_function` then wait behind
+    every op of backward, though they were ready long before, so nothing overlaps. Built,
+    they run as soon as a chunk exists (`kernels`)."""
+    if (not _warned_serial and tf.config.threading.get_inter_op_parallelism_threads() == 1
+            and not kernels.available()):
         _warned_serial.append(True)
-        log.warning("tf.config.threading inter-op parallelism is 1: inside tf.function "
-                    "(model.fit) the gradient reductions then start only after backward "
-                    "ends; leave it at TensorFlow's default (or >= 2) so they overlap")
+        log.warning("tf.config.threading inter-op parallelism is 1 and raytrain-x's "
+                    "TensorFlow kernels are not built: inside tf.function (model.fit) the "
+                    "gradient reductions then start only after backward ends; leave it at "
+                    "TensorFlow's default (or >= 2) so they overlap")
 
 
 class GradientReducer:
