@@ -1,5 +1,5 @@
-"""The TensorFlow face's dense allreduces, in chunks: TensorFlow concatenates each chunk's
-tensors into a fresh 64-byte aligned buffer (the one copy), the engine reduces it in place,
+"""The TensorFlow face's dense allreduces, in chunks: each chunk's tensors are concatenated
+into a fresh 64-byte aligned buffer (the one copy), the engine reduces it in place,
 fusing the chunks of a cycle up to the fusion threshold (the autotuned knob), and the
 results are views of the buffers."""
 
@@ -114,23 +114,18 @@ def _tail_rows(pad: int, dtype: tf.DType, count: int) -> list[tf.Tensor]:
     return [rows[k * pad:(k + 1) * pad] for k in range(count)]
 
 
-def _layout(members: list[tf.Tensor], pad: int,
-            padded: bool = True) -> tuple[list[Any], list[Any]]:
-    """Each tensor flattened and (`padded`) padded to whole rows, and its element count:
-    Python numbers when the shapes are known at trace time (fewer graph ops), tensors
-    otherwise. Unpadded, the tensors are as they are (`kernels.concat` pads them)."""
+def _sizes(members: list[tf.Tensor]) -> list[Any]:
+    """Each tensor's element count: Python numbers when the shapes are known at trace time
+    (fewer graph ops), tensors otherwise."""
     if all(t.shape.is_fully_defined() for t in members):
-        sizes = [t.shape.num_elements() for t in members]
-        if not padded:
-            return list(members), sizes
-        pieces = [tf.reshape(t, [-1]) if n % pad == 0 else
-                  tf.pad(tf.reshape(t, [-1]), [[0, -n % pad]]) for t, n in zip(members, sizes)]
-        return pieces, sizes
-    sizes = [tf.size(t, out_type=tf.int64) for t in members]
-    if not padded:
-        return list(members), sizes
-    pieces = [tf.pad(tf.reshape(t, [-1]), [[0, (-n) % pad]]) for t, n in zip(members, sizes)]
-    return pieces, sizes
+        return [t.shape.num_elements() for t in members]
+    return [tf.size(t, out_type=tf.int64) for t in members]
+
+
+def _padded(members: list[tf.Tensor], sizes: list[Any], pad: int) -> list[tf.Tensor]:
+    """Each tensor flattened and padded to whole rows (for TensorFlow's concatenation)."""
+    return [tf.reshape(t, [-1]) if isinstance(n, int) and n % pad == 0 else
+            tf.pad(tf.reshape(t, [-1]), [[0, (-n) % pad]]) for t, n in zip(members, sizes)]
 
 
 def _signature(members: list[tf.Tensor]) -> tf.Tensor:
@@ -148,13 +143,15 @@ def grouped_reduce(tensors: Sequence[tf.Tensor], name: str, op: str, prescale: f
                    step: bool = False) -> list[tf.Tensor]:
     """Allreduce of dense tensors of any dtypes.
 
-    Per chunk (see `CHUNK_BYTES`), TensorFlow concatenates the tensors, each padded to a
-    64-byte row, into a fresh buffer: the one copy of the path, made by TensorFlow's own
-    kernel. A numpy kernel queues the in-place reduction of that buffer and returns at
-    once; a last kernel waits for every chunk. Nothing comes back through
-    `tf.numpy_function` but tokens. Each result is a view of its chunk's buffer: split along
-    rows (TensorFlow shares memory for aligned splits) and reshaped; only a tensor whose
-    size is not a multiple of a row is sliced, a copy of it.
+    Per chunk (see `CHUNK_BYTES`), the tensors are concatenated, each padded to a 64-byte
+    row, into a fresh buffer: the one copy of the path, made inside a graph by
+    raytrain-x's own op (`kernels.concat`, which the executor runs as soon as the chunk
+    exists), eagerly or without that op by TensorFlow's. A numpy kernel queues the
+    in-place reduction of that buffer and returns at once; a last kernel waits for every
+    chunk. Nothing comes back through `tf.numpy_function` but tokens. Each result is a
+    view of its chunk's buffer: split along rows (TensorFlow shares memory for aligned
+    splits) and reshaped; only a tensor whose size is not a multiple of a row is sliced,
+    a copy of it.
     """
     if not tensors:
         return []
@@ -166,19 +163,21 @@ def grouped_reduce(tensors: Sequence[tf.Tensor], name: str, op: str, prescale: f
     # executor runs it as soon as the chunk exists (kernels.concat)
     own_concat = not tf.executing_eagerly() and kernels.available()
     tails: dict[tf.DType, list[tf.Tensor]] = {}
-    for d in {work[m[0]].dtype for m in chunks} if not own_concat else ():
-        tails[d] = _tail_rows(ALIGN // d.size, d,
-                              sum(1 for m in chunks if work[m[0]].dtype == d))
+    if not own_concat:
+        for d in {work[m[0]].dtype for m in chunks}:
+            tails[d] = _tail_rows(ALIGN // d.size, d,
+                                  sum(1 for m in chunks if work[m[0]].dtype == d))
     buffers, tokens = [], []
     for k, members in enumerate(chunks):
         d = work[members[0]].dtype
         pad = ALIGN // d.size
-        pieces, sizes = _layout([work[i] for i in members], pad, padded=not own_concat)
+        chunk = [work[i] for i in members]
+        sizes = _sizes(chunk)
         if own_concat:
-            flat, signature = kernels.concat(pieces, pad)
+            flat, signature = kernels.concat(chunk, pad)
         else:
-            signature = _signature([work[i] for i in members])
-            flat = tf.concat([*pieces, tails[d].pop()], 0)
+            signature = _signature(chunk)
+            flat = tf.concat([*_padded(chunk, sizes, pad), tails[d].pop()], 0)
         chunk_name = name if len(chunks) == 1 else f"{name}.{k}"
 
         def submit(a, n, chunk_name=chunk_name):

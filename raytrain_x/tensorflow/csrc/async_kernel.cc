@@ -85,9 +85,9 @@ class RaytrainXAsync : public AsyncOpKernel {
 // A chunk's tensors, each flattened and zero-padded to whole rows of `row` elements, back
 // to back in a fresh buffer with one more row of zeros at the end (the layout
 // chunked_reduce.py splits the results from), and their shapes (each its rank, then its
-// dims), which go with the chunk's request: the reduction needs nothing but this op. It is TensorFlow's concatenation of the
-// chunk, as one op that the executor runs at once, on the thread that produced the
-// chunk's last tensor: the chunk reaches the engine while backward goes on, every step.
+// dims), which go with the chunk's request: the reduction needs nothing but this op. The
+// executor runs it at once, on the thread that produced the chunk's last tensor, so the
+// chunk reaches the engine while backward goes on, every step.
 class RaytrainXConcat : public OpKernel {
  public:
   explicit RaytrainXConcat(OpKernelConstruction* ctx) : OpKernel(ctx) {
