@@ -18,6 +18,7 @@ timeout 180 $py -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$out/test
 [ "${1:-}" = quick ] && exit 0
 timeout 90 $py benchmarks/gpu_step.py --workers 2 --out "$out/gpu_step_2.json" 2>&1 | tail -8
 timeout 45 $py benchmarks/gpu_step.py --workers 1 --out "$out/gpu_step_1.json" 2>&1 | tail -8
+timeout 100 $py benchmarks/gpu_gloo_collectives.py --out "$out/gpu_gloo_collectives.json" 2>&1
 timeout 150 $py benchmarks/zero_step.py --device cuda --layers 8 --width 1024 --batch 8 \
   --json "$out/zero_step_cuda.json" 2>&1
 echo "all checks in $((SECONDS - began)) s"

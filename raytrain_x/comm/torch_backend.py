@@ -205,19 +205,15 @@ class TorchGroup(Group):
                                                         input_splits, opts).wait())
 
     def _staged(self, tensor: torch.Tensor) -> bool:
-        """True for a CUDA tensor that gloo carries (ranks sharing a GPU): gloo has no
-        one-tensor reduce-scatter or allgather for device memory."""
+        """True for a CUDA tensor that gloo carries (ranks sharing a GPU): gloo moves device
+        memory itself (pinned, pipelined copies) in allreduces, broadcasts and alltoalls,
+        but reduce-scatters and allgathers it only through a host copy of the whole."""
         return tensor.device.type == "cuda" and self._cuda_over_gloo
 
     def reduce_scatter(self, output: Any, array: Any) -> None:
         tensor, out = as_tensor(array), as_tensor(output)
         if self._staged(tensor):
-            # gloo's own CUDA allreduce (pinned, pipelined copies) of the whole tensor was
-            # 3.7x faster than a reduce-scatter of a host copy (H100, two ranks on the GPU)
-            work = tensor.clone()
-            self.allreduce(work, "sum")
-            rows = out.shape[0]
-            out.copy_(work[self.rank * rows:(self.rank + 1) * rows])
+            self.reduce_scatter_by_alltoall(out, tensor)
             return
         wide = GLOO_WIDENED.get(tensor.dtype) if tensor.device.type == "cpu" else None
         if wide is not None:
@@ -234,9 +230,7 @@ class TorchGroup(Group):
     def allgather_into(self, output: Any, array: Any) -> None:
         tensor, out = as_tensor(array), as_tensor(output)
         if self._staged(tensor):
-            host = torch.empty(out.shape, dtype=out.dtype)
-            self.allgather_into(host, tensor.cpu())
-            out.copy_(host)
+            self.gather_by_broadcasts(out, tensor)
             return
         pg = self._backend(tensor)
         rows = tensor.shape[0]
@@ -247,6 +241,36 @@ class TorchGroup(Group):
         opts = _AllgatherOptions()
         opts.timeout = self._timeout
         self._call("allgather", lambda: pg._allgather_base(out_moved, moved, opts).wait())
+
+    def reduce_scatter_by_alltoall(self, out: torch.Tensor, tensor: torch.Tensor) -> None:
+        """A reduce-scatter as an alltoall (each member receives every member's copy of its
+        own share) and a sum of those copies where they are (`_staged`)."""
+        received = torch.empty_like(tensor)
+        opts = dist.AllToAllOptions()
+        opts.timeout = self._timeout
+        pg = self._backend(tensor)
+        self._call("reduce_scatter", lambda: pg.alltoall_base(
+            _moved(received), _moved(tensor), [], [], opts).wait())
+        torch.sum(received.reshape(self.size, *out.shape), dim=0, dtype=out.dtype, out=out)
+
+    def gather_by_broadcasts(self, out: torch.Tensor, tensor: torch.Tensor) -> None:
+        """An allgather into `out` as one broadcast per member from its own block, all in
+        flight at once (`_staged`)."""
+        rows = tensor.shape[0]
+        mine = out[self.rank * rows:(self.rank + 1) * rows]
+        if mine.data_ptr() != tensor.data_ptr():
+            mine.copy_(tensor)
+        pg = self._backend(tensor)
+        works = []
+        for root in range(self.size):
+            opts = dist.BroadcastOptions()
+            opts.timeout = self._timeout
+            opts.rootRank = root
+            opts.rootTensor = 0
+            block = _moved(out[root * rows:(root + 1) * rows])
+            works.append(self._call("allgather", pg.broadcast, [block], opts))
+        for work in works:
+            self._call("allgather", work.wait)
 
     def barrier(self) -> None:
         opts = dist.BarrierOptions()

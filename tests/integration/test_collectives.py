@@ -354,3 +354,34 @@ def test_join_lets_a_rank_finish_early():
     results = run_workers(_join, 2)
     assert results[0] == ([2.0, 2.0], 1)
     assert results[1] == ([2.0, 2.0, 1.0, 1.0], 1)
+
+
+def _staged_ways() -> list:
+    """The allgather and reduce-scatter CUDA tensors take over gloo (ranks sharing a GPU),
+    on host tensors: the same broadcasts and alltoall."""
+    import raytrain_x.torch as rx
+    from raytrain_x.core import runtime
+
+    rx.init()
+    group = runtime.engine()._transport.groups.world
+    r, n = rx.rank(), rx.size()
+    out = torch.empty(n * 4, 3)
+    group.gather_by_broadcasts(out, torch.full((4, 3), float(r)))
+    # the own block already in its slot, in a dtype gloo moves as bytes
+    in_place = torch.zeros(n * 5, dtype=torch.int16)
+    in_place[r * 5:(r + 1) * 5] = r + 1
+    group.gather_by_broadcasts(in_place, in_place[r * 5:(r + 1) * 5])
+    share = torch.empty(2, 3)
+    group.reduce_scatter_by_alltoall(share, torch.arange(n * 6.0).reshape(n * 2, 3) * (r + 1))
+    narrow = torch.empty(4, dtype=torch.int16)
+    group.reduce_scatter_by_alltoall(narrow, torch.arange(n * 4, dtype=torch.int16))
+    return [out, in_place, share, narrow]
+
+
+def test_the_ways_of_cuda_tensors_over_gloo_fill_every_members_share():
+    n = 3
+    for r, (out, in_place, share, narrow) in enumerate(run_workers(_staged_ways, n)):
+        assert torch.equal(out, torch.arange(3.0).repeat_interleave(4)[:, None].expand(12, 3))
+        assert torch.equal(in_place, torch.arange(1, 4, dtype=torch.int16).repeat_interleave(5))
+        assert torch.equal(share, torch.arange(r * 6.0, r * 6.0 + 6).reshape(2, 3) * 6)
+        assert torch.equal(narrow, torch.arange(r * 4, r * 4 + 4, dtype=torch.int16) * n)
