@@ -6,13 +6,14 @@ pair of processes (so each peak RSS is its own):
   rx0        raytrain-x's DistributedOptimizer(AdamW), unsharded (zero_stage=0)
   rx1, rx2   the same with zero_stage=1 and 2
 
-Each times --steps steps after 2 warmup steps (the median, from the slower rank), and
+Each times --steps steps after 2 warmup steps (the median, from the slower rank; with
+--rounds N, every way N times, interleaved, and the median of the rounds), and
 reads what a rank keeps after a step: optimizer-state bytes, gradient bytes, and its peak
 memory (resident memory on CPU; with --device cuda the CUDA allocator's peak, both ranks
 sharing GPU 0, so every collective runs over gloo: RAYTRAIN_X_GPU_OPERATIONS=gloo).
 Prints them with ratios; writes results/zero_step.json (zero_step_cuda.json on CUDA).
 
-Run: .venv/bin/python benchmarks/zero_step.py [--steps 8] [--batch 4] [--device cuda]
+Run: .venv/bin/python benchmarks/zero_step.py [--rounds 5] [--steps 8] [--batch 4] [--device cuda]
 """
 
 from __future__ import annotations
@@ -135,6 +136,8 @@ def main() -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--ways", nargs="+", default=None,
                         help="run only these ways and print their figures")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every way this many times, interleaved; report medians")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     ways = [f"ddp{c:g}" for c in args.ddp_buckets] + ["zero_ddp", "rx0", "rx1", "rx2"]
@@ -142,10 +145,17 @@ def main() -> None:
         for way in args.ways:
             print(f"{way}: {run_ranks(_worker, 2, way, args)}", flush=True)
         return
-    results = {}
-    for way in ways:
-        results[way] = run_ranks(_worker, 2, way, args)
-        print(f"{way}: {results[way]}", flush=True)
+    rounds: dict[str, list[dict]] = {way: [] for way in ways}
+    for r in range(args.rounds):  # interleaved: a drift of the machine touches every way
+        for way in ways:
+            rounds[way].append(run_ranks(_worker, 2, way, args))
+            print(f"round {r + 1}/{args.rounds} {way}: {rounds[way][-1]}", flush=True)
+    results = {way: {k: (statistics.median(o[k] for o in runs)
+                         if isinstance(runs[0][k], float) else runs[0][k])
+                     for k in runs[0]} for way, runs in rounds.items()}
+    if args.rounds > 1:
+        print("step ms, round by round:", {w: [round(1000 * o["step_s"]) for o in runs]
+                                           for w, runs in rounds.items()})
     peak = "peak CUDA MB" if args.device == "cuda" else "peak RSS MB"
     best_ddp = min((w for w in ways if w.startswith("ddp")), key=lambda w: results[w]["step_s"])
     base = results["rx0"]
@@ -167,7 +177,8 @@ def main() -> None:
     for k, v in ratios.items():
         print(f"{k}: {v if isinstance(v, str) else round(v, 3)}")
     name = "zero_step_cuda" if args.device == "cuda" else "zero_step"
-    print(f"wrote {write_json(name, {'results': results, 'ratios': ratios}, args.json)}")
+    payload = {"results": results, "ratios": ratios, "rounds": rounds}
+    print(f"wrote {write_json(name, payload, args.json)}")
 
 
 if __name__ == "__main__":

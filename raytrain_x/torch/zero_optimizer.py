@@ -259,7 +259,7 @@ class ShardedOptimizer(HookedOptimizer):
             # defaults hold Adam's `decoupled_weight_decay`, which AdamW does not take)
             defaults = {k: v for k, v in self.defaults.items() if takes_any or k in accepted}
             try:
-                self._local = cls(groups, **defaults)
+                self._local = _fused_on_cpu(cls, groups, defaults) or cls(groups, **defaults)
             except TypeError as exc:
                 raise ConfigError(f"zero_stage needs an optimizer class that can be built as "
                                   f"cls(param_groups, **defaults); {cls.__name__} cannot: "
@@ -269,7 +269,7 @@ class ShardedOptimizer(HookedOptimizer):
             self.state.clear()
         for full, local in zip(self.param_groups, self._local.param_groups):
             for key, value in full.items():
-                if key != "params":
+                if key not in ("params", *IMPLEMENTATIONS):
                     local[key] = value
         return self._local
 
@@ -344,3 +344,26 @@ class ShardedOptimizer(HookedOptimizer):
             for g in grads:
                 g.mul_(scale)
         return torch.tensor(float(total))
+
+
+# an optimizer's settings that choose how it computes, not what
+IMPLEMENTATIONS = ("fused", "foreach")
+
+
+def _fused_on_cpu(cls: type, groups: list[dict], defaults: dict) -> torch.optim.Optimizer | None:
+    """The local optimizer in torch's fused kernel where the user chose no implementation
+    and every owned parameter is in host memory: there torch's default steps one tensor at
+    a time (3.5x slower for AdamW over the GPT workload's tensors), while on CUDA its
+    default is already a multi-tensor kernel. Same update, one pass over the memory. None
+    where the class has no fused form or refuses these parameters."""
+    chosen = any(g.get(k) is not None for g in groups for k in IMPLEMENTATIONS)
+    if chosen or "fused" not in defaults or any(g.get("differentiable") for g in groups):
+        return None
+    params = [p for g in groups for p in g["params"]]
+    if not params or any(p.device.type != "cpu" for p in params):
+        return None
+    try:  # the groups carry every setting, `fused` too
+        return cls([{**g, "fused": True} for g in groups], **{**defaults, "fused": True})
+    except (RuntimeError, ValueError, TypeError):  # dtypes or settings fused cannot take
+        return None
+

@@ -263,3 +263,62 @@ def test_a_config_files_zero_stage_is_the_default():
     workers (RAYTRAIN_X_ZERO_STAGE); an explicit argument still wins."""
     env = {"RAYTRAIN_X_ZERO_STAGE": "2"}
     assert run_workers(_default_stage, 1, env=env, work_s=10)[0] == [2, False]
+
+
+def _implementations() -> dict:
+    import raytrain_x.torch as rx
+
+    rx.init()
+    out = {}
+    for name, settings in (("unset", {}), ("foreach", {"foreach": True}),
+                           ("not fused", {"fused": False})):
+        model = _model()
+        opt = rx.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01,
+                                                        **settings), zero_stage=1)
+        _one_step(rx, opt, model)
+        _one_step(rx, opt, model)
+        out[name] = {"local": [g["fused"] for g in opt._local.param_groups],
+                     "saved": [g["fused"] for g in opt.state_dict()["param_groups"]]}
+    return out
+
+
+def test_host_memory_shards_step_in_torchs_fused_kernel_unless_the_user_chose():
+    """On CPU torch's default steps one tensor at a time: a rank's shard steps in the fused
+    kernel (the same update), unless the optimizer names an implementation; the
+    consolidated state keeps the user's own settings."""
+    for out in run_workers(_implementations, 2, work_s=20):
+        assert out["unset"] == {"local": [True], "saved": [None]}
+        assert out["foreach"] == {"local": [None], "saved": [None]}
+        assert out["not fused"] == {"local": [False], "saved": [False]}
+
+
+def _alternating_heads() -> dict:
+    """A trunk and two heads, each head used every other step: half the steps a head has
+    no gradient (zeros, as Horovod sends, so momentum still moves it)."""
+    import raytrain_x.torch as rx
+
+    rx.init()
+    out = {}
+    for stage in (0, 1, 2):
+        torch.manual_seed(0)
+        model = torch.nn.ModuleDict({"trunk": torch.nn.Linear(8, 16), "heads": torch.nn.ModuleList(
+            [torch.nn.Linear(16, 3) for _ in range(2)])})
+        opt = rx.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+            named_parameters=model.named_parameters(), zero_stage=stage, bucket_cap_mb=0.0005)
+        x = torch.linspace(-1, 1, 32).reshape(4, 8) * (rx.rank() + 1)
+        for step in range(6):
+            opt.zero_grad()
+            logits = model["heads"][step % 2](torch.tanh(model["trunk"](x)))
+            torch.nn.functional.cross_entropy(logits, torch.tensor([0, 1, 2, 0])).backward()
+            opt.step()
+        out[stage] = {k: v.clone() for k, v in model.state_dict().items()}
+    return out
+
+
+def test_a_parameter_without_a_gradient_reduces_as_zeros_in_every_stage():
+    for out in run_workers(_alternating_heads, 2, work_s=20):
+        for stage in (1, 2):
+            for name, value in out[0].items():
+                torch.testing.assert_close(out[stage][name], value, rtol=1e-5, atol=1e-6,
+                                           msg=f"stage {stage}: {name}")

@@ -3,6 +3,8 @@ synthetic data is deterministic, and that a step trains."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from raytrain_x.torch.workloads import GPTDecoder, resnet18, synthetic_images, synthetic_tokens
@@ -34,6 +36,17 @@ def test_the_gpt_decoder_is_causal_and_trains_on_synthetic_tokens():
     torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
     assert model.tokens.weight.grad is not None
     assert sum(p.numel() for p in GPTDecoder().parameters()) == 23_175_168
+
+
+def test_the_gpt_decoder_starts_near_chance():
+    """GPT-2's initialisation: the first loss is about ln(vocab), not hundreds (whose
+    gradients fall into subnormal floats, 5x slower on a CPU within a few steps)."""
+    torch.set_num_threads(1)
+    ids, targets = synthetic_tokens(2, seed=0)
+    with torch.no_grad():
+        logits = GPTDecoder(layers=1)(ids)
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    assert abs(float(loss) - math.log(8192)) < 1.0, float(loss)
 
 
 def test_the_keras_twins_match_the_torch_networks():
