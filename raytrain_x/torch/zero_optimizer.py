@@ -366,4 +366,3 @@ def _fused_on_cpu(cls: type, groups: list[dict], defaults: dict) -> torch.optim.
         return cls([{**g, "fused": True} for g in groups], **{**defaults, "fused": True})
     except (RuntimeError, ValueError, TypeError):  # dtypes or settings fused cannot take
         return None
-
