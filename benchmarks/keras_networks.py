@@ -31,6 +31,7 @@ Run alone: .venv/bin/python benchmarks/keras_networks.py [--hosts 2] [--repeats 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -99,6 +100,10 @@ def _fit(args, cluster: list[str], index: int) -> dict:
         options = tf.data.Options()
         options.experimental_distribute.auto_shard_policy = (
             tf.data.experimental.AutoShardPolicy.OFF)
+        # tf.data's autotuning held whole rounds' steps to multiples of ~0.32 s with this
+        # one-element pipeline (also in one process alone, without raytrain-x): off for
+        # every way alike
+        options.autotune.enabled = False
         return data.with_options(options)
 
     def build(name: str, way: str):
@@ -165,7 +170,10 @@ def _fit(args, cluster: list[str], index: int) -> dict:
                           f"{batch * size / seconds:.1f} samples/s ({seconds:.3f} s/step)",
                           flush=True)
                 del run
+                model = data = None
                 keras.backend.clear_session()
+                gc.collect()  # the models' reference cycles: 10 rounds of 4 models each
+                # outgrew a 23 GiB VM without it
     rx.shutdown()
     return out
 
