@@ -246,11 +246,7 @@ class TorchGroup(Group):
         """A reduce-scatter as an alltoall (each member receives every member's copy of its
         own share) and a sum of those copies where they are (`_staged`)."""
         received = torch.empty_like(tensor)
-        opts = dist.AllToAllOptions()
-        opts.timeout = self._timeout
-        pg = self._backend(tensor)
-        self._call("reduce_scatter", lambda: pg.alltoall_base(
-            _moved(received), _moved(tensor), [], [], opts).wait())
+        self.alltoall(received, tensor, [], [])
         torch.sum(received.reshape(self.size, *out.shape), dim=0, dtype=out.dtype, out=out)
 
     def gather_by_broadcasts(self, out: torch.Tensor, tensor: torch.Tensor) -> None:

@@ -116,11 +116,14 @@ class ShardedBucket:
         self.size, self.rank = size, rank
         first = params[0]
         self.offsets: dict[torch.Tensor, int] = {}
+        # each segment's tail past its parameters (segments are padded to the longest)
+        self.padding: list[tuple[int, int]] = []
         for r, ps in enumerate(self.owned_by):
             offset = r * self.shard
             for p in ps:
                 self.offsets[p] = offset
                 offset += p.numel()
+            self.padding.append((offset, (r + 1) * self.shard))
         # the parameters' data lives in the flat buffer from now on (their values kept)
         self.flat_params = torch.zeros(size * self.shard, dtype=first.dtype,
                                        device=first.device)
@@ -138,9 +141,6 @@ class ShardedBucket:
                                         device=first.device))
         self.pass_grads: torch.Tensor | None = None  # stage 2: this pass's, until reduced
         self.unfilled: set[torch.Tensor] = set()  # stage 2: not yet in this pass's buffer
-        # each segment's tail past its parameters (segments are padded to the longest)
-        self.padding = [(r * self.shard + sum(p.numel() for p in ps), (r + 1) * self.shard)
-                        for r, ps in enumerate(self.owned_by)]
         self.ready = 0  # gradients (times backward passes) ready since the last reduction
         self.reduced_passes = 0  # stage 2: passes already reduced into shard_grads
 
