@@ -5,6 +5,9 @@ pair of processes (so each peak RSS is its own):
   zero_ddp   torch's ZeroRedundancyOptimizer(AdamW) with DDP (25 MB buckets)
   rx0        raytrain-x's DistributedOptimizer(AdamW), unsharded (zero_stage=0)
   rx1, rx2   the same with zero_stage=1 and 2
+  rx1_sync   (with --ways) zero_stage=1 stepping every bucket after every reduction
+             (`synchronize()` by hand first), against rx1's step of each bucket as its
+             reduction lands; rx2_sync likewise
 
 Each times --steps steps after 2 warmup steps (the median, from the slower rank; with
 --rounds N, every way N times, interleaved, and the median of the rounds), and
@@ -83,9 +86,10 @@ def _worker(rank: int, size: int, port: int, way: str, args, queue) -> None:
         net = model
         opt = rx.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4),
                                       named_parameters=model.named_parameters(),
-                                      zero_stage=int(way[2:]))
+                                      zero_stage=int(way[2]))
 
-    phases: dict[str, list[float]] = {"backward": [], "reduce wait": [], "step": []}
+    by_hand = way.endswith("_sync")
+    phases: dict[str, list[float]] = {"backward": [], "step": []}
 
     def mark(phase: str, began: float) -> float:
         if cuda:
@@ -100,17 +104,16 @@ def _worker(rank: int, size: int, port: int, way: str, args, queue) -> None:
         logits = net(ids)
         torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                           targets.reshape(-1)).backward()
-        if way.startswith("rx"):  # where the time goes: backward (reductions start in it),
-            began = mark("backward", began)  # waiting for them, the step (and allgather)
+        # where the time goes: backward (reductions start in it), then the step (waiting
+        # for the reductions still under way, and the allgather)
+        began = mark("backward", began)
+        if by_hand:
             opt.synchronize()
-            began = mark("reduce wait", began)
             with opt.skip_synchronize():
                 opt.step()
-            mark("step", began)
         else:
             opt.step()
-        if cuda:
-            torch.cuda.synchronize()
+        mark("step", began)
 
     seconds = median_across_ranks(step, args.steps, warmup=2)
     peak = (torch.cuda.max_memory_allocated() / 2**20 if cuda else

@@ -21,4 +21,7 @@ timeout 45 $py benchmarks/gpu_step.py --workers 1 --out "$out/gpu_step_1.json" 2
 timeout 100 $py benchmarks/gpu_gloo_collectives.py --out "$out/gpu_gloo_collectives.json" 2>&1
 timeout 150 $py benchmarks/zero_step.py --device cuda --layers 8 --width 1024 --batch 8 \
   --json "$out/zero_step_cuda.json" 2>&1
+# each bucket's step and allgather as its reduction lands (rx1, rx2) against after them all
+timeout 120 $py benchmarks/zero_step.py --device cuda --layers 8 --width 1024 --batch 8 \
+  --ways rx1_sync rx1 rx2_sync rx2 2>&1 | tee "$out/zero_step_cuda_by_bucket.txt"
 echo "all checks in $((SECONDS - began)) s"

@@ -4,10 +4,12 @@
 Each rank owns whole parameters (`zero_layout`): backward's gradients are reduce-scattered
 bucket by bucket as they become ready (through the engine, fused and overlapped with
 backward as the default path is), each rank steps a local instance of the user's optimizer
-class on the parameters it owns, and the updated parameters are allgathered. Stage 1 keeps
-every gradient in a flat buffer (a parameter's `.grad` holds the reduced gradient on its
-owner, this rank's own gradient elsewhere); stage 2 keeps only this rank's reduced segment,
-so the gradients of the parameters it does not own are freed after each reduction.
+class (`zero_local`) on the parameters it owns, and the updated parameters are allgathered:
+bucket by bucket, each bucket's step and allgather starting as soon as its reduction lands,
+so that they overlap the reductions still under way. Stage 1 keeps every gradient in a flat
+buffer (a parameter's `.grad` holds the reduced gradient on its owner, this rank's own
+gradient elsewhere); stage 2 keeps only this rank's reduced segment, so the gradients of
+the parameters it does not own are freed after each reduction.
 `state_dict()` is consolidated (the full, unsharded state, as an unsharded optimizer's):
 every rank of the process set must call it, as every rank calls a collective.
 """
@@ -16,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import inspect
 import math
 from typing import Any
 
@@ -34,6 +35,12 @@ from raytrain_x.torch.async_ops import (
 )
 from raytrain_x.torch.hooked_optimizer import HookedOptimizer, grad_ready_hooks
 from raytrain_x.torch.zero_layout import ShardedBucket, make_buckets
+from raytrain_x.torch.zero_local import (
+    IMPLEMENTATIONS,
+    build_local,
+    step_only,
+    steps_each_parameter,
+)
 
 DEFAULT_BUCKET_MB = 25.0  # DDP's default bucket
 
@@ -186,16 +193,7 @@ class ShardedOptimizer(HookedOptimizer):
         if not self._member:
             return
         try:
-            # every rank reduces every bucket every step (a gradient that did not come is
-            # zeros, as Horovod sends): the ranks' collectives must match
-            for bucket in self._buckets:
-                if bucket in self._handles:
-                    continue
-                if self._stage == 1:
-                    bucket.attach_grads()
-                    self._handles[bucket] = self._reduce(bucket, bucket.flat_grads)
-                elif bucket.ready or not bucket.reduced_passes:
-                    self._handles[bucket] = self._reduce(bucket, bucket.gathered_grads())
+            self._start_remaining()
             for bucket, handle in list(self._handles.items()):
                 self._take(bucket, synchronize(handle))
             if self._stage == 2:  # the owned gradients are the reduced ones now
@@ -203,10 +201,25 @@ class ShardedOptimizer(HookedOptimizer):
                     bucket.point_owned_grads()
             self._synchronized = True
         finally:
-            self._handles.clear()
-            for bucket in self._buckets:
-                bucket.ready = 0
-            self._reset_passes()
+            self._end_reductions()
+
+    def _start_remaining(self) -> None:
+        """Every rank reduces every bucket every step (a gradient that did not come is
+        zeros, as Horovod sends): the ranks' collectives must match."""
+        for bucket in self._buckets:
+            if bucket in self._handles:
+                continue
+            if self._stage == 1:
+                bucket.attach_grads()
+                self._handles[bucket] = self._reduce(bucket, bucket.flat_grads)
+            elif bucket.ready or not bucket.reduced_passes:
+                self._handles[bucket] = self._reduce(bucket, bucket.gathered_grads())
+
+    def _end_reductions(self) -> None:
+        self._handles.clear()
+        for bucket in self._buckets:
+            bucket.ready = 0
+        self._reset_passes()
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -220,24 +233,53 @@ class ShardedOptimizer(HookedOptimizer):
             super().step()
             runtime.mark_step()
             return loss
-        if not self._synchronized:
-            self.synchronize()
-        self._synchronized = False
         local = self._local_optimizer()
-        for bucket in self._buckets:
-            bucket.reduced_passes = 0  # the next step's first pass overwrites the shard
-        local.step()
-        self._gather_params()
+        if self._synchronized or not steps_each_parameter(type(local)):
+            if not self._synchronized:
+                self.synchronize()
+            self._synchronized = False
+            self._new_passes()
+            local.step()
+            gathers = [self._gather(b) for b in self._buckets]
+        else:
+            gathers = self._step_as_reductions_land(local)
+        self._finish_gathers(gathers)
         runtime.mark_step()
         return loss
 
-    def _gather_params(self) -> None:
-        """Allgathers every bucket's updated parameters straight into its flat buffer, all
-        buckets in flight at once (no gathered copies)."""
-        handles = [allgather_into_async(b.my_params_segment(), b.flat_params,
-                                        name=f"zero.{self._prefix}.ag{b.index}",
-                                        process_set=self._process_set)
-                   for b in self._buckets]
+    def _new_passes(self) -> None:
+        for bucket in self._buckets:
+            bucket.reduced_passes = 0  # the next step's first pass overwrites the shard
+
+    def _step_as_reductions_land(self, local: torch.optim.Optimizer) -> list[Handle]:
+        """Steps each bucket's own parameters as soon as its reduction lands and starts
+        their allgather then, so that the step of one bucket and the allgather of another
+        overlap the reductions still under way (for an optimizer that updates each
+        parameter on its own: every one of torch's but LBFGS)."""
+        gathers = []
+        try:
+            self._start_remaining()
+            for bucket in self._buckets:  # the order their reductions started in
+                handle = self._handles.pop(bucket, None)
+                if handle is not None:
+                    self._take(bucket, synchronize(handle))
+                if self._stage == 2:
+                    bucket.point_owned_grads()
+                bucket.reduced_passes = 0
+                step_only(local, bucket.mine)
+                gathers.append(self._gather(bucket))
+        finally:
+            self._end_reductions()
+        return gathers
+
+    def _gather(self, bucket: ShardedBucket) -> Handle:
+        """Starts the allgather of a bucket's updated parameters straight into its flat
+        buffer (no gathered copy)."""
+        return allgather_into_async(bucket.my_params_segment(), bucket.flat_params,
+                                    name=f"zero.{self._prefix}.ag{bucket.index}",
+                                    process_set=self._process_set)
+
+    def _finish_gathers(self, handles: list[Handle]) -> None:
         with torch.no_grad():
             for bucket, handle in zip(self._buckets, handles):
                 gathered = synchronize(handle)
@@ -253,17 +295,7 @@ class ShardedOptimizer(HookedOptimizer):
             cls = next(c for c in type(self).__mro__
                        if issubclass(c, torch.optim.Optimizer)
                        and not issubclass(c, ShardedOptimizer))
-            accepted = inspect.signature(cls.__init__).parameters
-            takes_any = any(a.kind is inspect.Parameter.VAR_KEYWORD for a in accepted.values())
-            # the groups carry every setting; the constructor gets those it names (AdamW's
-            # defaults hold Adam's `decoupled_weight_decay`, which AdamW does not take)
-            defaults = {k: v for k, v in self.defaults.items() if takes_any or k in accepted}
-            try:
-                self._local = _fused_on_cpu(cls, groups, defaults) or cls(groups, **defaults)
-            except TypeError as exc:
-                raise ConfigError(f"zero_stage needs an optimizer class that can be built as "
-                                  f"cls(param_groups, **defaults); {cls.__name__} cannot: "
-                                  f"{exc}") from None
+            self._local = build_local(cls, groups, self.defaults)
             self._local.state.update({p: self.state.pop(p) for p in list(self.state)
                                       if p in self._owned})
             self.state.clear()
@@ -344,25 +376,3 @@ class ShardedOptimizer(HookedOptimizer):
             for g in grads:
                 g.mul_(scale)
         return torch.tensor(float(total))
-
-
-# an optimizer's settings that choose how it computes, not what
-IMPLEMENTATIONS = ("fused", "foreach")
-
-
-def _fused_on_cpu(cls: type, groups: list[dict], defaults: dict) -> torch.optim.Optimizer | None:
-    """The local optimizer in torch's fused kernel where the user chose no implementation
-    and every owned parameter is in host memory: there torch's default steps one tensor at
-    a time (3.5x slower for AdamW over the GPT workload's tensors), while on CUDA its
-    default is already a multi-tensor kernel. Same update, one pass over the memory. None
-    where the class has no fused form or refuses these parameters."""
-    chosen = any(g.get(k) is not None for g in groups for k in IMPLEMENTATIONS)
-    if chosen or "fused" not in defaults or any(g.get("differentiable") for g in groups):
-        return None
-    params = [p for g in groups for p in g["params"]]
-    if not params or any(p.device.type != "cpu" for p in params):
-        return None
-    try:  # the groups carry every setting, `fused` too
-        return cls([{**g, "fused": True} for g in groups], **{**defaults, "fused": True})
-    except (RuntimeError, ValueError, TypeError):  # dtypes or settings fused cannot take
-        return None

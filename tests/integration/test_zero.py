@@ -16,12 +16,19 @@ def _model() -> torch.nn.Module:
                                torch.nn.Tanh(), torch.nn.Linear(5, 3))
 
 
+class _MomentumOfItsOwn(torch.optim.SGD):
+    """An optimizer class from outside torch.optim (stepped whole, after every reduction;
+    torch's own step each bucket as its reduction lands)."""
+
+
 def _make(kind: str, model: torch.nn.Module) -> torch.optim.Optimizer:
     first, rest = list(model[0].parameters()), [p for m in model[1:]
                                                  for p in m.parameters()]
     groups = [{"params": first, "lr": 0.05}, {"params": rest}]  # two groups, two lrs
     if kind == "sgd":
         return torch.optim.SGD(groups, lr=0.1, momentum=0.9)
+    if kind == "own":
+        return _MomentumOfItsOwn(groups, lr=0.1, momentum=0.9)
     if kind == "adam":
         return torch.optim.Adam(groups, lr=0.01)
     return torch.optim.AdamW(groups, lr=0.01, weight_decay=0.1)
@@ -72,11 +79,13 @@ def _check_same(reference: dict, out: dict, where: str) -> None:
 @pytest.mark.parametrize("size,transport", [(2, "shm"), (3, "gloo")])
 def test_stages_1_and_2_train_to_the_unsharded_weights(size, transport):
     """SGD with momentum, Adam and AdamW, two param groups, an lr scheduler, 20 steps (and
-    Adam with 3 backward passes a step): stages 1 and 2 end at stage 0's weights on every
+    Adam with 3 backward passes a step, and a class of the user's own, 6 steps): stages 1
+    and 2 end at stage 0's weights on every
     rank, and their consolidated state equals stage 0's; reduce-scatters and in-place
     allgathers through shared memory, or through gloo."""
     runs = [(kind, stage, 20, 1) for kind in ("sgd", "adam", "adamw") for stage in (0, 1, 2)]
     runs += [("adam", stage, 6, 3) for stage in (0, 1, 2)]
+    runs += [("own", stage, 6, 1) for stage in (0, 1, 2)]
     env = {"RAYTRAIN_X_SHM": "1" if transport == "shm" else "0"}
     results = run_workers(_every_way, size, runs, env=env, work_s=40)
     for kind, stage, steps, passes in runs:
