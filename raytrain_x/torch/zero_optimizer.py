@@ -310,13 +310,15 @@ class ShardedOptimizer(HookedOptimizer):
             raise ConfigError("zero_grad() called while gradient reductions are in flight; "
                               "call step() or synchronize() first")
         for bucket in self._buckets:
-            if self._stage == 1:
-                bucket.flat_grads.zero_()
+            if not set_to_none:  # zeros in place, as torch's zero_grad(set_to_none=False)
+                (bucket.flat_grads if self._stage == 1 else bucket.shard_grads).zero_()
+            if self._stage == 1 and not set_to_none:
                 bucket.attach_grads()
-            else:
-                bucket.shard_grads.zero_()
-                for p in bucket.params:
-                    p.grad = None
+                continue
+            # no gradients: backward's first one of each parameter is copied into its
+            # place (stage 1) or its pass's buffer (stage 2), not added to zeros there
+            for p in bucket.params:
+                p.grad = None
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

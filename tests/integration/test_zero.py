@@ -303,7 +303,8 @@ def test_host_memory_shards_step_in_torchs_fused_kernel_unless_the_user_chose():
 
 def _alternating_heads() -> dict:
     """A trunk and two heads, each head used every other step: half the steps a head has
-    no gradient (zeros, as Horovod sends, so momentum still moves it)."""
+    no gradient (zeros, as Horovod sends, so momentum still moves it); `zero_grad()` drops
+    the gradients, or zeros them in place with `set_to_none=False`, as torch's does."""
     import raytrain_x.torch as rx
 
     rx.init()
@@ -317,7 +318,12 @@ def _alternating_heads() -> dict:
             named_parameters=model.named_parameters(), zero_stage=stage, bucket_cap_mb=0.0005)
         x = torch.linspace(-1, 1, 32).reshape(4, 8) * (rx.rank() + 1)
         for step in range(6):
-            opt.zero_grad()
+            opt.zero_grad(set_to_none=step % 3 != 2)  # zeros in place every third step
+            grads = [p.grad for p in model.parameters()]
+            if stage and step % 3 != 2:
+                assert all(g is None for g in grads), f"stage {stage}: a gradient kept"
+            elif stage == 1:  # stage 2 keeps no gradient of a parameter to zero
+                assert all(g is not None and not g.any() for g in grads), f"stage {stage}"
             logits = model["heads"][step % 2](torch.tanh(model["trunk"](x)))
             torch.nn.functional.cross_entropy(logits, torch.tensor([0, 1, 2, 0])).backward()
             opt.step()
