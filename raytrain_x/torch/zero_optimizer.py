@@ -34,7 +34,7 @@ from raytrain_x.torch.async_ops import (
     reducescatter_async,
 )
 from raytrain_x.torch.hooked_optimizer import HookedOptimizer, grad_ready_hooks
-from raytrain_x.torch.zero_layout import ShardedBucket, make_buckets
+from raytrain_x.torch.zero_layout import PassBuffers, ShardedBucket, make_buckets
 from raytrain_x.torch.zero_local import (
     IMPLEMENTATIONS,
     build_local,
@@ -82,6 +82,9 @@ class ShardedOptimizer(HookedOptimizer):
         if self._stage == 1:
             for bucket in self._buckets:
                 bucket.attach_grads()
+        self._pass_buffers = PassBuffers(self._buckets)
+        for bucket in self._buckets:
+            bucket.new_pass = self._pass_buffer
         self._reset_passes()
 
     # ------------------------------------------------------------------ elastic
@@ -160,6 +163,16 @@ class ShardedOptimizer(HookedOptimizer):
                                    process_set=self._process_set, prescale_factor=pre,
                                    postscale_factor=post)
 
+    def _pass_buffer(self, bucket: ShardedBucket) -> torch.Tensor:
+        """Stage 2: a buffer for this pass of `bucket`'s gradients; while every one is lent,
+        the oldest reduction under way is waited for and gives its own back."""
+        while (buffer := self._pass_buffers.take(bucket)) is None:
+            waiting = [b for b, _ in self._pass_buffers.lent if b in self._handles]
+            if not waiting:  # every buffer is filling (gradients out of bucket order)
+                return self._pass_buffers.take(bucket, beyond_count=True)
+            self._finish_pending(waiting[0])
+        return buffer
+
     def _finish_pending(self, bucket: ShardedBucket) -> None:
         """Stage 2: a reduction of an earlier pass of this bucket, into its shard."""
         handle = self._handles.pop(bucket, None)
@@ -185,6 +198,7 @@ class ShardedOptimizer(HookedOptimizer):
         else:
             bucket.shard_grads.add_(owned)
         bucket.reduced_passes += 1
+        self._pass_buffers.give_back(bucket)
 
     # ------------------------------------------------------------------ step
     def synchronize(self) -> None:
@@ -217,6 +231,7 @@ class ShardedOptimizer(HookedOptimizer):
 
     def _end_reductions(self) -> None:
         self._handles.clear()
+        self._pass_buffers.forget_lent()  # none, unless a reduction failed
         for bucket in self._buckets:
             bucket.ready = 0
         self._reset_passes()

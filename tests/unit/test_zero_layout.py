@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from raytrain_x.torch.workloads import GPTDecoder
-from raytrain_x.torch.zero_layout import SLACK, STRETCH, make_buckets, plan_buckets
+from raytrain_x.torch.zero_layout import (
+    SLACK,
+    STRETCH,
+    PassBuffers,
+    make_buckets,
+    plan_buckets,
+)
 
 
 @pytest.mark.parametrize("size", [2, 3, 4])
@@ -43,3 +49,28 @@ def test_the_flat_buffers_hold_the_parameters_values_in_their_places():
         assert p.data_ptr() == bucket.view(bucket.flat_params, p).data_ptr()
     assert sum(len(b.mine) for b in buckets) == sum(
         1 for b in buckets for p in b.params if any(p is q for q in b.mine))
+
+
+def test_stage_2_pass_buffers_are_kept_and_lent_two_at_a_time():
+    """Two buffers, as large as the largest bucket, lent to buckets and kept once given
+    back; a third waits (None) unless it must be made beyond the count, and is not kept."""
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16, bias=False) for _ in range(6)])
+    buckets = make_buckets(list(model.parameters()), 2048, 2, 0, grads_in_place=False)
+    assert len(buckets) >= 3
+    pool = PassBuffers(buckets, count=2)
+    largest = max(b.flat_params.numel() for b in buckets)
+    first, second = pool.take(buckets[0]), pool.take(buckets[1])
+    assert first.numel() == buckets[0].flat_params.numel()
+    assert first.untyped_storage().nbytes() == largest * 4
+    assert pool.take(buckets[2]) is None  # both lent
+    extra = pool.take(buckets[2], beyond_count=True)
+    pool.give_back(buckets[0])
+    again = pool.take(buckets[2])
+    assert again.data_ptr() == first.data_ptr()  # the same memory, step after step
+    pool.give_back(buckets[2])  # the older of bucket 2's two: the extra, not kept
+    assert pool.take(buckets[1]) is None  # one lent to bucket 1, one to bucket 2
+    pool.give_back(buckets[1])
+    pool.give_back(buckets[2])
+    assert sorted(t.data_ptr() for t in pool.free[(torch.float32, torch.device("cpu"))]) == \
+        sorted([first.data_ptr(), second.data_ptr()])
+    assert extra is not None and not pool.lent
