@@ -225,9 +225,11 @@ class PassBuffers:
     """Stage 2's buffers for one backward pass of a bucket's gradients, from its first
     gradient until its reduction lands: `count` of them for each dtype and device, each as
     large as the largest bucket, kept from step to step (one filling while another is
-    reduced, as DeepSpeed's double-buffered reduction). A fresh buffer for every bucket and
-    pass left the memory freed behind them resident, so that stage 2 peaked as high as
-    stage 0 on a CPU."""
+    reduced, as DeepSpeed's double-buffered reduction), in host memory: there a fresh
+    buffer for every bucket and pass left the memory freed behind them resident, so that
+    stage 2 peaked as high as stage 0. On a GPU torch's caching allocator reuses freed
+    blocks without that cost, and kept buffers would outlive backward: each pass takes a
+    fresh one there."""
 
     def __init__(self, buckets: list[ShardedBucket], count: int = 2) -> None:
         self.count = count
@@ -243,6 +245,8 @@ class PassBuffers:
         """A buffer for `bucket` (its first `flat_params.numel()` elements), or None while
         `count` are lent (unless `beyond_count`: then one more, not kept)."""
         key = _key(bucket)
+        if key[1].type != "cpu":
+            return torch.empty(bucket.flat_params.numel(), dtype=key[0], device=key[1])
         if self.free[key]:
             base = self.free[key].pop()
         elif len(self.kept[key]) < self.count or beyond_count:

@@ -74,3 +74,16 @@ def test_stage_2_pass_buffers_are_kept_and_lent_two_at_a_time():
     assert sorted(t.data_ptr() for t in pool.free[(torch.float32, torch.device("cpu"))]) == \
         sorted([first.data_ptr(), second.data_ptr()])
     assert extra is not None and not pool.lent
+
+
+def test_stage_2_pass_buffers_off_the_host_are_fresh_each_pass():
+    """Off host memory (a GPU's caching allocator reuses freed blocks) every pass takes a
+    fresh buffer, never waits, and none outlives its reduction."""
+    with torch.device("meta"):
+        model = torch.nn.Sequential(*[torch.nn.Linear(16, 16, bias=False) for _ in range(6)])
+    buckets = make_buckets(list(model.parameters()), 2048, 2, 0, grads_in_place=False)
+    pool = PassBuffers(buckets, count=2)
+    taken = [pool.take(b) for b in buckets for _ in range(2)]
+    assert all(t is not None and t.device.type == "meta" for t in taken)
+    assert [t.numel() for t in taken[::2]] == [b.flat_params.numel() for b in buckets]
+    assert not pool.lent
