@@ -48,7 +48,7 @@ def _grad_bytes(model, optimizer) -> int:
     from raytrain_x.torch.zero_optimizer import ShardedOptimizer
 
     if isinstance(optimizer, ShardedOptimizer):  # its flat buffers
-        return sum((b.flat_grads if b.flat_grads is not None else b.shard_grads).nbytes
+        return sum((b.flat_grads if b.flat_grads is not None else b.shard_out).nbytes
                    for b in optimizer._buckets)
     seen: set[int] = set()
     total = 0

@@ -234,7 +234,11 @@ class CollectiveRunner:
         n, dim0 = pset.size(), work.shape[0]
         me = pset.rank()
         if dim0 % n == 0 and ops.is_contiguous(work):  # equal shares: a true reduce-scatter
-            out = ops.empty((dim0 // n, *work.shape[1:]), ops.dtype(work), ops.device(work))
+            shape = (dim0 // n, *work.shape[1:])
+            out = req.output  # the caller's buffer, where it fits
+            if out is None or tuple(out.shape) != shape or not ops.is_contiguous(out) or \
+                    ops.dtype(out) != ops.dtype(work) or ops.device(out) != ops.device(work):
+                out = ops.empty(shape, ops.dtype(work), ops.device(work))
             self._timed(resp.name, "REDUCESCATTER",
                         lambda: self.transport.reducescatter(out, work, pset))
         else:  # Horovod's uneven split (the first dim0 % n members one row more)

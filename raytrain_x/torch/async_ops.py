@@ -310,6 +310,19 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: str |
     return request.handle
 
 
+def reducescatter_into_async(tensor: torch.Tensor, output: torch.Tensor, name: str,
+                             op: str | None, process_set: ProcessSet,
+                             prescale_factor: float = 1.0,
+                             postscale_factor: float = 1.0) -> Handle:
+    """A reduce-scatter whose share is written into `output` where the shares are equal;
+    the handle gives `output`, or a new tensor where the engine took a route that cannot
+    write there (the caller copies it then)."""
+    request = reducescatter_request(tensor, op_name(REDUCESCATTER, name), op, process_set,
+                                     prescale_factor, postscale_factor, output=output)
+    _core.submit_many([request])
+    return request.handle
+
+
 def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None,
                                 op: str | None = Average,
                                 process_set: ProcessSet = global_process_set,

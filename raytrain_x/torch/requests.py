@@ -145,7 +145,10 @@ def allgather_request(tensor: torch.Tensor, name: str, process_set: ProcessSet,
 
 def reducescatter_request(tensor: torch.Tensor, name: str, op: str | None,
                            process_set: ProcessSet, prescale_factor: float,
-                           postscale_factor: float) -> Request:
+                           postscale_factor: float,
+                           output: torch.Tensor | None = None) -> Request:
+    """`output`, where given, receives this member's share when the shares are equal (the
+    handle then gives `output` itself)."""
     tensor = check_tensor(tensor, "reducescatter").detach().contiguous()
     op = _core.resolve_op(op, None)
     if op not in (Average, Sum):
@@ -156,4 +159,6 @@ def reducescatter_request(tensor: torch.Tensor, name: str, op: str | None,
     meta = Meta(REDUCESCATTER, checked_dtype(tensor), tuple(tensor.shape), op, 0,
                 float(prescale_factor), float(postscale_factor), registered_id(process_set),
                 device=tensor.device.type, framework="torch")
-    return _core.request(name, meta, tensor)
+    request = _core.request(name, meta, tensor)
+    request.output = output
+    return request

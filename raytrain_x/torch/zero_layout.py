@@ -138,9 +138,11 @@ class ShardedBucket:
         # only this rank's segment (the reduced gradients of its own parameters)
         self.flat_grads = (torch.zeros_like(self.flat_params) if grads_in_place else None)
         self.owned_numel = sum(p.numel() for p in self.mine)
-        self.shard_grads = (None if grads_in_place else
-                            torch.zeros(self.owned_numel, dtype=first.dtype,
-                                        device=first.device))
+        # stage 2: this rank's reduced segment, padding and all, so that a reduce-scatter
+        # writes the first pass of a step straight into it; the owned part is the gradient
+        self.shard_out = (None if grads_in_place else
+                          torch.zeros(self.shard, dtype=first.dtype, device=first.device))
+        self.shard_grads = (None if grads_in_place else self.shard_out[:self.owned_numel])
         self.pass_grads: torch.Tensor | None = None  # stage 2: this pass's, until reduced
         # stage 2: a buffer for a pass (`PassBuffers.take`, set by the optimizer)
         self.new_pass: Callable[[ShardedBucket], torch.Tensor] = \
@@ -148,6 +150,7 @@ class ShardedBucket:
         self.unfilled: set[torch.Tensor] = set()  # stage 2: not yet in this pass's buffer
         self.ready = 0  # gradients (times backward passes) ready since the last reduction
         self.reduced_passes = 0  # stage 2: passes already reduced into shard_grads
+        self.sent_passes = 0  # stage 2: passes whose reduction started this step
 
     def view(self, flat: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         """`p`'s place in a buffer of the bucket's layout."""

@@ -32,6 +32,7 @@ from raytrain_x.torch.async_ops import (
     allgather_into_async,
     allreduce_async_,
     reducescatter_async,
+    reducescatter_into_async,
 )
 from raytrain_x.torch.hooked_optimizer import HookedOptimizer, grad_ready_hooks
 from raytrain_x.torch.zero_layout import PassBuffers, ShardedBucket, make_buckets
@@ -159,9 +160,14 @@ class ShardedOptimizer(HookedOptimizer):
         pass on its own and sums the passes' results into the shard: the same as reducing
         the accumulated gradients, the reduction being linear."""
         op, pre, post = predivided(self._op, self._predivide, self._process_set.size())
-        return reducescatter_async(flat, name=f"zero.{self._prefix}.rs{bucket.index}", op=op,
-                                   process_set=self._process_set, prescale_factor=pre,
-                                   postscale_factor=post)
+        name = f"zero.{self._prefix}.rs{bucket.index}"
+        if self._stage == 2 and bucket.sent_passes == 0:  # straight into the shard
+            bucket.sent_passes = 1
+            return reducescatter_into_async(flat, bucket.shard_out, name, op,
+                                            self._process_set, pre, post)
+        bucket.sent_passes += 1
+        return reducescatter_async(flat, name=name, op=op, process_set=self._process_set,
+                                   prescale_factor=pre, postscale_factor=post)
 
     def _pass_buffer(self, bucket: ShardedBucket) -> torch.Tensor:
         """Stage 2: a buffer for this pass of `bucket`'s gradients; while every one is lent,
@@ -194,7 +200,8 @@ class ShardedOptimizer(HookedOptimizer):
             return
         owned = reduced[:bucket.owned_numel]  # the segment's padding is not kept
         if bucket.reduced_passes == 0:
-            bucket.shard_grads.copy_(owned)
+            if reduced.data_ptr() != bucket.shard_out.data_ptr():  # another route
+                bucket.shard_grads.copy_(owned)
         else:
             bucket.shard_grads.add_(owned)
         bucket.reduced_passes += 1
@@ -264,7 +271,8 @@ class ShardedOptimizer(HookedOptimizer):
 
     def _new_passes(self) -> None:
         for bucket in self._buckets:
-            bucket.reduced_passes = 0  # the next step's first pass overwrites the shard
+            # the next step's first pass overwrites the shard
+            bucket.reduced_passes = bucket.sent_passes = 0
 
     def _step_as_reductions_land(self, local: torch.optim.Optimizer) -> list[Handle]:
         """Steps each bucket's own parameters as soon as its reduction lands and starts
@@ -280,7 +288,7 @@ class ShardedOptimizer(HookedOptimizer):
                     self._take(bucket, synchronize(handle))
                 if self._stage == 2:
                     bucket.point_owned_grads()
-                bucket.reduced_passes = 0
+                bucket.reduced_passes = bucket.sent_passes = 0
                 step_only(local, bucket.mine)
                 gathers.append(self._gather(bucket))
         finally:
