@@ -18,19 +18,17 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
 from typing import Any
 
 import torch
 
 from raytrain_x.common.errors import ConfigError
 from raytrain_x.core import runtime
-from raytrain_x.core.collectives import Max, Sum, predivided, synchronize
+from raytrain_x.core.collectives import predivided, synchronize
 from raytrain_x.core.objects import allgather_object
 from raytrain_x.engine.messages import Handle
 from raytrain_x.torch.async_ops import (
     allgather_into_async,
-    allreduce_async_,
     reducescatter_async,
     reducescatter_into_async,
 )
@@ -39,6 +37,7 @@ from raytrain_x.torch.zero_layout import PassBuffers, ShardedBucket, make_bucket
 from raytrain_x.torch.zero_local import (
     IMPLEMENTATIONS,
     build_local,
+    clip_by_total_norm,
     step_only,
     steps_each_parameter,
 )
@@ -384,20 +383,5 @@ class ShardedOptimizer(HookedOptimizer):
             norm_type: the p of the p-norm (`inf` for the largest absolute value).
         """
         grads = [p.grad for p in self._owned if p.grad is not None]
-        name = f"zero.{self._prefix}.norm"
-        if norm_type == math.inf:
-            local = max((float(g.abs().max()) for g in grads), default=0.0)
-            total = synchronize(allreduce_async_(torch.tensor([local], dtype=torch.float64),
-                                                 name=name, op=Max,
-                                                 process_set=self._process_set))[0]
-        else:
-            local = sum(float((g.double().abs() ** norm_type).sum()) for g in grads)
-            summed = synchronize(allreduce_async_(torch.tensor([local], dtype=torch.float64),
-                                                  name=name, op=Sum,
-                                                  process_set=self._process_set))[0]
-            total = summed ** (1.0 / norm_type)
-        scale = max_norm / (float(total) + 1e-6)
-        if scale < 1.0:
-            for g in grads:
-                g.mul_(scale)
-        return torch.tensor(float(total))
+        return clip_by_total_norm(grads, max_norm, norm_type, f"zero.{self._prefix}.norm",
+                                  self._process_set)
