@@ -385,3 +385,37 @@ def test_the_ways_of_cuda_tensors_over_gloo_fill_every_members_share():
         assert torch.equal(in_place, torch.arange(1, 4, dtype=torch.int16).repeat_interleave(5))
         assert torch.equal(share, torch.arange(r * 6.0, r * 6.0 + 6).reshape(2, 3) * 6)
         assert torch.equal(narrow, torch.arange(r * 4, r * 4 + 4, dtype=torch.int16) * n)
+
+
+def _into_buffers() -> list:
+    """A reduce-scatter and an allgather into the caller's buffers: the handle gives the
+    buffer itself, holding the result; a buffer that does not fit is left alone and the
+    result comes as a new tensor."""
+    import raytrain_x.torch as rx
+    from raytrain_x.core.collectives import synchronize
+    from raytrain_x.torch.async_ops import allgather_into_async, reducescatter_into_async
+
+    rx.init()
+    n, me = rx.size(), rx.rank()
+    grads = torch.arange(6.0 * n) * (me + 1)
+    expected = (torch.arange(6.0 * n) * sum(range(1, n + 1)))[6 * me:6 * (me + 1)]
+    out = []
+    for name, buffer in (("fits", torch.full((6,), -1.0)), ("too_long", torch.zeros(7)),
+                         ("other_dtype", torch.zeros(6, dtype=torch.float64))):
+        got = synchronize(reducescatter_into_async(grads, buffer, f"rs.{name}", rx.Sum,
+                                                   rx.global_process_set))
+        out.append((name, got.data_ptr() == buffer.data_ptr(), torch.equal(got, expected),
+                    bool((buffer == -1).all()) if name == "fits" else None))
+    gathered = torch.zeros(3 * n)
+    got = synchronize(allgather_into_async(torch.full((3,), float(me)), gathered, "ag.fits"))
+    out.append(("allgather", got.data_ptr() == gathered.data_ptr(),
+                torch.equal(got, torch.arange(n).float().repeat_interleave(3)), None))
+    return out
+
+
+@pytest.mark.parametrize("transport", ["shm", "gloo"])
+def test_reduce_scatter_and_allgather_write_into_a_callers_buffer_that_fits(transport):
+    for out in run_workers(_into_buffers, 2, env={"RAYTRAIN_X_SHM": "1" if transport == "shm"
+                                                  else "0"}):
+        assert out == [("fits", True, True, False), ("too_long", False, True, None),
+                       ("other_dtype", False, True, None), ("allgather", True, True, None)]
