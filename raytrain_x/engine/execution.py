@@ -185,10 +185,7 @@ class CollectiveRunner:
         longest = max(dims)
         if min(dims) == longest and not (knobs.hierarchical_allgather
                                          and self.transport.multi_level()):
-            shape = (longest * len(dims), *tensor.shape[1:])
-            out = req.output
-            if out is None or tuple(out.shape) != shape or not ops.is_contiguous(out):
-                out = ops.empty(shape, dtype, device)
+            out = _output_that_fits(req, (longest * len(dims), *tensor.shape[1:]), ops)
             self._timed(resp.name, "ALLGATHER",
                         lambda: self.transport.allgather_into(out, tensor, pset))
             return [out]
@@ -234,11 +231,7 @@ class CollectiveRunner:
         n, dim0 = pset.size(), work.shape[0]
         me = pset.rank()
         if dim0 % n == 0 and ops.is_contiguous(work):  # equal shares: a true reduce-scatter
-            shape = (dim0 // n, *work.shape[1:])
-            out = req.output  # the caller's buffer, where it fits
-            if out is None or tuple(out.shape) != shape or not ops.is_contiguous(out) or \
-                    ops.dtype(out) != ops.dtype(work) or ops.device(out) != ops.device(work):
-                out = ops.empty(shape, ops.dtype(work), ops.device(work))
+            out = _output_that_fits(req, (dim0 // n, *work.shape[1:]), ops)
             self._timed(resp.name, "REDUCESCATTER",
                         lambda: self.transport.reducescatter(out, work, pset))
         else:  # Horovod's uneven split (the first dim0 % n members one row more)
@@ -290,3 +283,14 @@ def _scale_integers(tensors: list[Any], factor: float) -> None:
 def _zeros(meta: Meta) -> Any:
     """A joined rank's contribution to an allreduce it did not submit."""
     return ops_for_device(meta.device).zeros(meta.shape, meta.dtype, meta.device)
+
+
+def _output_that_fits(req, shape: tuple, ops) -> Any:
+    """The caller's `output` buffer where it can take the result in place (this shape,
+    contiguous, the input's dtype and device), else a new array."""
+    dtype, device = ops.dtype(req.tensor), ops.device(req.tensor)
+    out = req.output
+    if out is None or tuple(out.shape) != shape or not ops.is_contiguous(out) or \
+            ops.dtype(out) != dtype or ops.device(out) != device:
+        return ops.empty(shape, dtype, device)
+    return out

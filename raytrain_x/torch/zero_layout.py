@@ -150,7 +150,6 @@ class ShardedBucket:
         self.unfilled: set[torch.Tensor] = set()  # stage 2: not yet in this pass's buffer
         self.ready = 0  # gradients (times backward passes) ready since the last reduction
         self.reduced_passes = 0  # stage 2: passes already reduced into shard_grads
-        self.sent_passes = 0  # stage 2: passes whose reduction started this step
 
     def view(self, flat: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         """`p`'s place in a buffer of the bucket's layout."""
@@ -241,8 +240,8 @@ class PassBuffers:
             key = _key(b)
             self.numel[key] = max(self.numel.get(key, 0), b.flat_params.numel())
         self.free: dict[tuple, list[torch.Tensor]] = {key: [] for key in self.numel}
-        self.kept: dict[tuple, set[int]] = {key: set() for key in self.numel}  # data_ptr
-        self.lent: list[tuple[ShardedBucket, torch.Tensor]] = []  # the oldest first
+        # (bucket, buffer, kept), the oldest first; an extra one is not kept
+        self.lent: list[tuple[ShardedBucket, torch.Tensor, bool]] = []
 
     def take(self, bucket: ShardedBucket, beyond_count: bool = False) -> torch.Tensor | None:
         """A buffer for `bucket` (its first `flat_params.numel()` elements), or None while
@@ -250,31 +249,29 @@ class PassBuffers:
         key = _key(bucket)
         if key[1].type != "cpu":
             return torch.empty(bucket.flat_params.numel(), dtype=key[0], device=key[1])
+        kept = len(self.free[key]) + sum(1 for b, _, k in self.lent if k and _key(b) == key)
         if self.free[key]:
-            base = self.free[key].pop()
-        elif len(self.kept[key]) < self.count or beyond_count:
+            base, keep = self.free[key].pop(), True
+        elif kept < self.count or beyond_count:
             base = torch.empty(self.numel[key], dtype=key[0], device=key[1])
-            if len(self.kept[key]) < self.count:
-                self.kept[key].add(base.data_ptr())
+            keep = kept < self.count
         else:
             return None
-        self.lent.append((bucket, base))
+        self.lent.append((bucket, base, keep))
         return base[:bucket.flat_params.numel()]
 
     def give_back(self, bucket: ShardedBucket) -> None:
         """The oldest buffer lent to `bucket`, once its reduction has landed."""
-        for i, (b, base) in enumerate(self.lent):
+        for i, (b, base, keep) in enumerate(self.lent):
             if b is bucket:
                 del self.lent[i]
-                if base.data_ptr() in self.kept[_key(b)]:
+                if keep:
                     self.free[_key(b)].append(base)
                 return
 
     def forget_lent(self) -> None:
         """After reductions were dropped (an error, an elastic reset): their buffers are
-        left to them."""
-        for _, base in self.lent:
-            self.kept[(base.dtype, base.device)].discard(base.data_ptr())
+        left to them (new ones are made in their place)."""
         self.lent.clear()
 
 

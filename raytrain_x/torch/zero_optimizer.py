@@ -160,11 +160,11 @@ class ShardedOptimizer(HookedOptimizer):
         the accumulated gradients, the reduction being linear."""
         op, pre, post = predivided(self._op, self._predivide, self._process_set.size())
         name = f"zero.{self._prefix}.rs{bucket.index}"
-        if self._stage == 2 and bucket.sent_passes == 0:  # straight into the shard
-            bucket.sent_passes = 1
+        # a bucket's reduction starts once the one before it has landed (none is in flight
+        # here): with none landed this step, this is the first pass, straight into the shard
+        if self._stage == 2 and bucket.reduced_passes == 0:
             return reducescatter_into_async(flat, bucket.shard_out, name, op,
                                             self._process_set, pre, post)
-        bucket.sent_passes += 1
         return reducescatter_async(flat, name=name, op=op, process_set=self._process_set,
                                    prescale_factor=pre, postscale_factor=post)
 
@@ -172,7 +172,7 @@ class ShardedOptimizer(HookedOptimizer):
         """Stage 2: a buffer for this pass of `bucket`'s gradients; while every one is lent,
         the oldest reduction under way is waited for and gives its own back."""
         while (buffer := self._pass_buffers.take(bucket)) is None:
-            waiting = [b for b, _ in self._pass_buffers.lent if b in self._handles]
+            waiting = [b for b, _, _ in self._pass_buffers.lent if b in self._handles]
             if not waiting:  # every buffer is filling (gradients out of bucket order)
                 return self._pass_buffers.take(bucket, beyond_count=True)
             self._finish_pending(waiting[0])
@@ -270,8 +270,7 @@ class ShardedOptimizer(HookedOptimizer):
 
     def _new_passes(self) -> None:
         for bucket in self._buckets:
-            # the next step's first pass overwrites the shard
-            bucket.reduced_passes = bucket.sent_passes = 0
+            bucket.reduced_passes = 0  # the next step's first pass overwrites the shard
 
     def _step_as_reductions_land(self, local: torch.optim.Optimizer) -> list[Handle]:
         """Steps each bucket's own parameters as soon as its reduction lands and starts
@@ -287,7 +286,7 @@ class ShardedOptimizer(HookedOptimizer):
                     self._take(bucket, synchronize(handle))
                 if self._stage == 2:
                     bucket.point_owned_grads()
-                bucket.reduced_passes = bucket.sent_passes = 0
+                bucket.reduced_passes = 0
                 step_only(local, bucket.mine)
                 gathers.append(self._gather(bucket))
         finally:
