@@ -2,7 +2,8 @@
 
 Allreduce batches are fused (straight through shared memory, or packed by the native core
 into a persistent fusion buffer, or concatenated on the device for CUDA tensors), reduced
-once and scaled; the other collectives run one at a time. Arrays are whatever the caller
+once and scaled; across a network the large tensors of a batch are reduced where they lie,
+a few on the wire at once; the other collectives run one at a time. Arrays are whatever the caller
 sent (`raytrain_x.engine.arrays`), so this module knows no framework.
 """
 
@@ -31,7 +32,7 @@ from raytrain_x.engine.messages import (
 )
 from raytrain_x.engine.speculation import elements
 from raytrain_x.engine.timeline import Timeline
-from raytrain_x.engine.transport import Transport
+from raytrain_x.engine.transport import Transport, in_flight_size
 
 
 class CollectiveRunner:
@@ -125,6 +126,12 @@ class CollectiveRunner:
                         lambda: transport.allreduce(span, reduce_op, pset, hierarchical))
             if post != 1.0:
                 ops.scale(span, post)
+        elif wire == meta.dtype and transport.can_reduce_in_flight(pset, tensors, reduce_op,
+                                                                    hierarchical):
+            self.stats.fused_in_place += 1
+            names = [r.name for r in batch]
+            self._timed(row, "ALLREDUCE", lambda: self._allreduce_in_flight(
+                tensors, names, ops, reduce_op, pre, post, pset, wire))
         elif wire == meta.dtype and transport.can_reduce_many(pset, tensors):
             # Fused straight through the shared slots: no fusion-buffer copies.
             self._timed(row, "ALLREDUCE",
@@ -156,6 +163,33 @@ class CollectiveRunner:
             _scale_integers(tensors, int_post)
         return [None if req is None else req.output if req.output is not None else req.tensor
                 for req in requests]
+
+    def _allreduce_in_flight(self, tensors, names, ops, reduce_op, pre, post, pset, wire):
+        """A batch across a network: each large tensor reduced where it lies, the small ones
+        packed together ahead of them, a few on the wire at once; each is scaled (the small
+        ones unpacked) while the next crosses, so the link does not wait for copies."""
+        small = [i for i, t in enumerate(tensors) if not in_flight_size(ops, t)]
+        pieces = [t for t in tensors if in_flight_size(ops, t)]
+        packed = [tensors[i] for i in small]
+        packed_names = [names[i] for i in small]
+        buf = None
+        if packed:
+            total = sum(ops.numel(t) for t in packed)
+            buf = self._buffers.get(wire, total * DTYPE_SIZES[wire])
+            pack(packed, buf, pre, 0, packed_names)
+            pieces.insert(0, ops.view_buffer(buf, total))
+
+        def before(i: int) -> None:
+            if pre != 1.0 and not (buf is not None and i == 0):
+                ops.scale(pieces[i], pre)
+
+        def after(i: int) -> None:
+            if buf is not None and i == 0:
+                unpack(buf, packed, post, 0, packed_names)
+            elif post != 1.0:
+                ops.scale(pieces[i], post)
+
+        self.transport.allreduce_in_flight(pieces, reduce_op, pset, before, after)
 
     def _adasum(self, batch, requests, tensors, ops, pset):
         """The batch's tensors, each combined by Adasum across the set (engine.adasum)."""

@@ -10,6 +10,7 @@ shared-memory group of its own; other sets use their backend group.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +31,11 @@ from raytrain_x.engine.messages import DTYPE_SIZES
 # Hierarchical allreduce runs in chunks this size; with shared memory on the host, one
 # chunk's local sum overlaps the previous chunk's network transfer.
 PIPELINE_CHUNK_BYTES = 4 << 20
+# Over a network, the arrays of a fused batch that are this large or larger are reduced
+# where they lie, this many on the wire at once, rather than packed into a fusion buffer:
+# packing and unpacking them would run while the link idles (`allreduce_in_flight`).
+IN_FLIGHT_MIN_BYTES = 1 << 20
+IN_FLIGHT_DEPTH = 2
 
 
 class Transport:
@@ -134,6 +140,41 @@ class Transport:
     def can_reduce_many(self, pset: ProcessSetGroup, arrays: list[Any]) -> bool:
         """True when `allreduce_many` can reduce `arrays` straight from their memory."""
         return self._shm_of(pset) is not None and all(fits_shm(a) for a in arrays)
+
+    def can_reduce_in_flight(self, pset: ProcessSetGroup, arrays: list[Any], op: str,
+                             hierarchical: bool) -> bool:
+        """True when a fused batch of `arrays` goes by `allreduce_in_flight`: a network
+        group (no shared memory, no hierarchical stages), arrays in host memory, at least one
+        of them large (`in_flight_size`). Every rank decides alike."""
+        if len(arrays) < 2 or self._shm_of(pset) is not None:
+            return False
+        if (hierarchical and op == "sum" and pset.process_set_id == 0
+                and self.hierarchical_allreduce_applies):
+            return False
+        ops = ops_for(arrays[0])
+        return (all(ops.device(a) == "cpu" and ops.is_contiguous(a) for a in arrays)
+                and any(in_flight_size(ops, a) for a in arrays))
+
+    def allreduce_in_flight(self, arrays: list[Any], op: str, pset: ProcessSetGroup,
+                            before: Callable[[int], None],
+                            after: Callable[[int], None]) -> None:
+        """Reduces `arrays` where they lie over `pset`'s network group, in order,
+        `IN_FLIGHT_DEPTH` on the wire at once: `before(i)` runs just before array i is sent
+        and `after(i)` once it is reduced, while the next one crosses."""
+        waiting: deque[tuple[int, Callable[[], None]]] = deque()
+
+        def land() -> None:
+            i, finish = waiting.popleft()
+            finish()
+            after(i)
+
+        for i, array in enumerate(arrays):
+            before(i)
+            waiting.append((i, pset.group.allreduce_async(array, op)))
+            if len(waiting) >= IN_FLIGHT_DEPTH:
+                land()
+        while waiting:
+            land()
 
     def allreduce_many(self, arrays: list[Any], op: str, prescale: float,
                        postscale: float, pset: ProcessSetGroup) -> None:
@@ -260,6 +301,11 @@ def _same_memory(a: Any, b: Any) -> bool:
     if pointer is not None:
         return a.data_ptr() == b.data_ptr() and a.shape == b.shape
     return a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+
+
+def in_flight_size(ops: ArrayOps, array: Any) -> bool:
+    """True when `array` is large enough to cross a network on its own, in place."""
+    return ops.numel(array) * DTYPE_SIZES.get(ops.dtype(array), 1) >= IN_FLIGHT_MIN_BYTES
 
 
 def fits_shm(array: Any) -> bool:

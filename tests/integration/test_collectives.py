@@ -108,6 +108,48 @@ def test_every_op_and_dtype(size, transport):
     assert [r["transport"] for r in results] == [transport] * size
 
 
+def _large_batch() -> dict:
+    """Fused batches of separate tensors, some of a MB or more: how each batch was reduced
+    (its large tensors where they lie, or all packed) and whether the results are right."""
+    import raytrain_x.torch as rx
+    from raytrain_x.core import runtime
+
+    rx.init()
+    r, n = rx.rank(), rx.size()
+    stats = runtime.engine().stats
+    total = sum(range(1, n + 1))
+    big = [torch.full((300_000 + 17 * k,), float(r + 1)) for k in range(3)]  # 1.2 MB each
+    mixed = [torch.full((5,), float(r + 1)), big[0], torch.full((3, 7), float(r + 1)), big[1]]
+    before = stats.fused_in_place
+    averaged = rx.grouped_allreduce(big, name="big.avg")
+    summed = rx.grouped_allreduce(mixed, op=rx.Sum, prescale_factor=2.0, postscale_factor=0.25,
+                                  name="mixed.sum")
+    large_in_place = stats.fused_in_place - before
+    before = stats.fused_in_place
+    small = rx.grouped_allreduce([torch.full((10,), float(r + 1)), torch.ones(20) * (r + 1)],
+                                 op=rx.Sum, name="small")
+    return {
+        "average": all(torch.allclose(t, torch.full_like(t, total / n)) for t in averaged),
+        "scaled_sum": all(t.shape == m.shape and torch.allclose(t, torch.full_like(t, total / 2))
+                          for t, m in zip(summed, mixed)),
+        "inputs_kept": all(torch.equal(t, torch.full_like(t, float(r + 1))) for t in mixed),
+        "small": all(torch.equal(t, torch.full_like(t, float(total))) for t in small),
+        "large_in_place": large_in_place,
+        "small_in_place": stats.fused_in_place - before,
+    }
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_across_a_network_a_batchs_large_tensors_are_reduced_where_they_lie(size):
+    # Over a network the tensors of a MB or more in a fused batch are reduced in their own
+    # memory, a few in flight, the small ones packed together (no copies of the large ones
+    # while the link idles); a batch of small tensors only is packed as before.
+    results = run_workers(_large_batch, size, env={"RAYTRAIN_X_SHM": "0"})
+    for res in results:
+        assert res["average"] and res["scaled_sum"] and res["inputs_kept"] and res["small"]
+        assert res["large_in_place"] == 2 and res["small_in_place"] == 0
+
+
 def _transport() -> str:
     import raytrain_x.torch as rx
 
