@@ -115,6 +115,14 @@ class CollectiveRunner:
                         lambda: transport.allreduce(t, reduce_op, pset, hierarchical))
             if post != 1.0:
                 ops.scale(t, post)
+        elif wire == meta.dtype and transport.can_reduce_in_flight(
+                pset, [r.meta for r in batch], reduce_op, hierarchical):
+            # Across a network, a batch with tensors large enough to fill the link: those
+            # are reduced where they lie, a few on the wire at once (decided from the agreed
+            # sizes, so every rank goes this way, whatever its memory layout).
+            self.stats.fused_in_place += 1
+            self._timed(row, "ALLREDUCE", lambda: self._allreduce_in_flight(
+                batch, tensors, ops, reduce_op, pre, post, pset, wire))
         elif wire == meta.dtype and (span := ops.span(tensors)) is not None:
             # Views of one flat buffer, back to back in batch order (DistributedOptimizer's
             # gradients): the batch is reduced where it lies, no copies. The elements are in
@@ -126,12 +134,6 @@ class CollectiveRunner:
                         lambda: transport.allreduce(span, reduce_op, pset, hierarchical))
             if post != 1.0:
                 ops.scale(span, post)
-        elif wire == meta.dtype and transport.can_reduce_in_flight(pset, tensors, reduce_op,
-                                                                    hierarchical):
-            self.stats.fused_in_place += 1
-            names = [r.name for r in batch]
-            self._timed(row, "ALLREDUCE", lambda: self._allreduce_in_flight(
-                tensors, names, ops, reduce_op, pre, post, pset, wire))
         elif wire == meta.dtype and transport.can_reduce_many(pset, tensors):
             # Fused straight through the shared slots: no fusion-buffer copies.
             self._timed(row, "ALLREDUCE",
@@ -164,14 +166,14 @@ class CollectiveRunner:
         return [None if req is None else req.output if req.output is not None else req.tensor
                 for req in requests]
 
-    def _allreduce_in_flight(self, tensors, names, ops, reduce_op, pre, post, pset, wire):
+    def _allreduce_in_flight(self, batch, tensors, ops, reduce_op, pre, post, pset, wire):
         """A batch across a network: each large tensor reduced where it lies, the small ones
         packed together ahead of them, a few on the wire at once; each is scaled (the small
         ones unpacked) while the next crosses, so the link does not wait for copies."""
-        small = [i for i, t in enumerate(tensors) if not in_flight_size(ops, t)]
-        pieces = [t for t in tensors if in_flight_size(ops, t)]
-        packed = [tensors[i] for i in small]
-        packed_names = [names[i] for i in small]
+        large = [in_flight_size(r.meta.nbytes_on_wire()) for r in batch]
+        pieces = [t for t, big in zip(tensors, large) if big]
+        packed = [t for t, big in zip(tensors, large) if not big]
+        packed_names = [r.name for r, big in zip(batch, large) if not big]
         buf = None
         if packed:
             total = sum(ops.numel(t) for t in packed)

@@ -26,7 +26,7 @@ from raytrain_x.comm.shm import (
 )
 from raytrain_x.common.errors import InternalError
 from raytrain_x.engine.arrays import ArrayOps, ops_for
-from raytrain_x.engine.messages import DTYPE_SIZES
+from raytrain_x.engine.messages import DTYPE_SIZES, Meta
 
 # Hierarchical allreduce runs in chunks this size; with shared memory on the host, one
 # chunk's local sum overlaps the previous chunk's network transfer.
@@ -141,19 +141,19 @@ class Transport:
         """True when `allreduce_many` can reduce `arrays` straight from their memory."""
         return self._shm_of(pset) is not None and all(fits_shm(a) for a in arrays)
 
-    def can_reduce_in_flight(self, pset: ProcessSetGroup, arrays: list[Any], op: str,
+    def can_reduce_in_flight(self, pset: ProcessSetGroup, metas: list[Meta], op: str,
                              hierarchical: bool) -> bool:
-        """True when a fused batch of `arrays` goes by `allreduce_in_flight`: a network
-        group (no shared memory, no hierarchical stages), arrays in host memory, at least one
-        of them large (`in_flight_size`). Every rank decides alike."""
-        if len(arrays) < 2 or self._shm_of(pset) is not None:
+        """True when a fused batch goes by `allreduce_in_flight`: a network group (no shared
+        memory, no hierarchical stages), host memory, and at least one array large enough
+        to fill the link on its own. Decided from what every rank agreed (the requests'
+        sizes and device), never from this rank's memory, so every rank goes alike."""
+        if len(metas) < 2 or self._shm_of(pset) is not None:
             return False
         if (hierarchical and op == "sum" and pset.process_set_id == 0
                 and self.hierarchical_allreduce_applies):
             return False
-        ops = ops_for(arrays[0])
-        return (all(ops.device(a) == "cpu" and ops.is_contiguous(a) for a in arrays)
-                and any(in_flight_size(ops, a) for a in arrays))
+        return (all(m.device == "cpu" for m in metas)
+                and any(in_flight_size(m.nbytes_on_wire()) for m in metas))
 
     def allreduce_in_flight(self, arrays: list[Any], op: str, pset: ProcessSetGroup,
                             before: Callable[[int], None],
@@ -303,9 +303,9 @@ def _same_memory(a: Any, b: Any) -> bool:
     return a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
 
 
-def in_flight_size(ops: ArrayOps, array: Any) -> bool:
-    """True when `array` is large enough to cross a network on its own, in place."""
-    return ops.numel(array) * DTYPE_SIZES.get(ops.dtype(array), 1) >= IN_FLIGHT_MIN_BYTES
+def in_flight_size(nbytes: int) -> bool:
+    """True when an array of `nbytes` crosses a network on its own, in place."""
+    return nbytes >= IN_FLIGHT_MIN_BYTES
 
 
 def fits_shm(array: Any) -> bool:

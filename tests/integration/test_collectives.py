@@ -124,6 +124,12 @@ def _large_batch() -> dict:
     averaged = rx.grouped_allreduce(big, name="big.avg")
     summed = rx.grouped_allreduce(mixed, op=rx.Sum, prescale_factor=2.0, postscale_factor=0.25,
                                   name="mixed.sum")
+    # rank 0's tensors are views of one buffer, back to back (a span it could reduce as
+    # one), the others' separate: every rank must still take the same route
+    flat = torch.full((600_100,), float(r + 1))
+    parts = ([flat[:300_000], flat[300_000:300_100], flat[300_100:]] if r == 0 else
+             [torch.full((n_,), float(r + 1)) for n_ in (300_000, 100, 300_000)])
+    rx.grouped_allreduce_(parts, op=rx.Sum, name="layouts")
     large_in_place = stats.fused_in_place - before
     before = stats.fused_in_place
     small = rx.grouped_allreduce([torch.full((10,), float(r + 1)), torch.ones(20) * (r + 1)],
@@ -134,6 +140,7 @@ def _large_batch() -> dict:
                           for t, m in zip(summed, mixed)),
         "inputs_kept": all(torch.equal(t, torch.full_like(t, float(r + 1))) for t in mixed),
         "small": all(torch.equal(t, torch.full_like(t, float(total))) for t in small),
+        "layouts": all(torch.equal(p, torch.full_like(p, float(total))) for p in parts),
         "large_in_place": large_in_place,
         "small_in_place": stats.fused_in_place - before,
     }
@@ -143,11 +150,13 @@ def _large_batch() -> dict:
 def test_across_a_network_a_batchs_large_tensors_are_reduced_where_they_lie(size):
     # Over a network the tensors of a MB or more in a fused batch are reduced in their own
     # memory, a few in flight, the small ones packed together (no copies of the large ones
-    # while the link idles); a batch of small tensors only is packed as before.
+    # while the link idles), whether or not they lie back to back on a rank; a batch of
+    # small tensors only is packed as before.
     results = run_workers(_large_batch, size, env={"RAYTRAIN_X_SHM": "0"})
     for res in results:
         assert res["average"] and res["scaled_sum"] and res["inputs_kept"] and res["small"]
-        assert res["large_in_place"] == 2 and res["small_in_place"] == 0
+        assert res["layouts"]
+        assert res["large_in_place"] == 3 and res["small_in_place"] == 0
 
 
 def _transport() -> str:
