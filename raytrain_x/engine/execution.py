@@ -2,9 +2,10 @@
 
 Allreduce batches are fused (straight through shared memory, or packed by the native core
 into a persistent fusion buffer, or concatenated on the device for CUDA tensors), reduced
-once and scaled; across a network the large tensors of a batch are reduced where they lie,
-a few on the wire at once; the other collectives run one at a time. Arrays are whatever the caller
-sent (`raytrain_x.engine.arrays`), so this module knows no framework.
+once and scaled; across a network a large batch crosses in pieces, a few on the wire at
+once, each packed or scaled while another crosses; the other collectives run one at a
+time. Arrays are whatever the caller sent (`raytrain_x.engine.arrays`), so this module
+knows no framework.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from raytrain_x.engine.messages import (
 )
 from raytrain_x.engine.speculation import elements
 from raytrain_x.engine.timeline import Timeline
-from raytrain_x.engine.transport import Transport, in_flight_size
+from raytrain_x.engine.transport import IN_FLIGHT_DEPTH, Transport, in_flight_pieces
 
 
 class CollectiveRunner:
@@ -117,8 +118,8 @@ class CollectiveRunner:
                 ops.scale(t, post)
         elif wire == meta.dtype and transport.can_reduce_in_flight(
                 pset, [r.meta for r in batch], reduce_op, hierarchical):
-            # Across a network, a batch with tensors large enough to fill the link: those
-            # are reduced where they lie, a few on the wire at once (decided from the agreed
+            # Across a network, a batch of more than a piece: pieces on the wire a few at a
+            # time, their copies and scaling beside the transfers (decided from the agreed
             # sizes, so every rank goes this way, whatever its memory layout).
             self.stats.fused_in_place += 1
             self._timed(row, "ALLREDUCE", lambda: self._allreduce_in_flight(
@@ -167,31 +168,36 @@ class CollectiveRunner:
                 for req in requests]
 
     def _allreduce_in_flight(self, batch, tensors, ops, reduce_op, pre, post, pset, wire):
-        """A batch across a network: each large tensor reduced where it lies, the small ones
-        packed together ahead of them, a few on the wire at once; each is scaled (the small
-        ones unpacked) while the next crosses, so the link does not wait for copies."""
-        large = [in_flight_size(r.meta.nbytes_on_wire()) for r in batch]
-        pieces = [t for t, big in zip(tensors, large) if big]
-        packed = [t for t, big in zip(tensors, large) if not big]
-        packed_names = [r.name for r, big in zip(batch, large) if not big]
-        buf = None
-        if packed:
-            total = sum(ops.numel(t) for t in packed)
-            buf = self._buffers.get(wire, total * DTYPE_SIZES[wire])
-            pack(packed, buf, pre, 0, packed_names)
-            pieces.insert(0, ops.view_buffer(buf, total))
+        """A batch across a network, in pieces cut from the agreed sizes: a piece that is
+        one tensor, or tensors back to back in this rank's memory, is reduced where it lies,
+        any other is packed into a buffer of its own while the piece before it crosses, and
+        each is scaled (unpacked) while the next one crosses."""
+        pieces = in_flight_pieces([r.meta.nbytes_on_wire() for r in batch])
+        held: dict[int, tuple[Any, Any]] = {}  # piece -> (its flat array, its fusion buffer)
 
-        def before(i: int) -> None:
-            if pre != 1.0 and not (buf is not None and i == 0):
-                ops.scale(pieces[i], pre)
+        def before(k: int) -> Any:
+            members = [tensors[i] for i in pieces[k]]
+            whole = members[0] if len(members) == 1 else ops.span(members)
+            buf = None
+            if whole is None:
+                total = sum(ops.numel(t) for t in members)
+                buf = self._buffers.get(wire, total * DTYPE_SIZES[wire], slot=k % IN_FLIGHT_DEPTH)
+                pack(members, buf, pre, 0, [batch[i].name for i in pieces[k]])
+                whole = ops.view_buffer(buf, total)
+            elif pre != 1.0:
+                ops.scale(whole, pre)
+            held[k] = (whole, buf)
+            return whole
 
-        def after(i: int) -> None:
-            if buf is not None and i == 0:
-                unpack(buf, packed, post, 0, packed_names)
+        def after(k: int) -> None:
+            whole, buf = held.pop(k)
+            if buf is not None:
+                unpack(buf, [tensors[i] for i in pieces[k]], post, 0,
+                       [batch[i].name for i in pieces[k]])
             elif post != 1.0:
-                ops.scale(pieces[i], post)
+                ops.scale(whole, post)
 
-        self.transport.allreduce_in_flight(pieces, reduce_op, pset, before, after)
+        self.transport.allreduce_in_flight(len(pieces), reduce_op, pset, before, after)
 
     def _adasum(self, batch, requests, tensors, ops, pset):
         """The batch's tensors, each combined by Adasum across the set (engine.adasum)."""

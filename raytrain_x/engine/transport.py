@@ -31,10 +31,11 @@ from raytrain_x.engine.messages import DTYPE_SIZES, Meta
 # Hierarchical allreduce runs in chunks this size; with shared memory on the host, one
 # chunk's local sum overlaps the previous chunk's network transfer.
 PIPELINE_CHUNK_BYTES = 4 << 20
-# Over a network, the arrays of a fused batch that are this large or larger are reduced
-# where they lie, this many on the wire at once, rather than packed into a fusion buffer:
-# packing and unpacking them would run while the link idles (`allreduce_in_flight`).
-IN_FLIGHT_MIN_BYTES = 1 << 20
+# Over a network, a fused batch larger than a piece crosses in pieces of consecutive arrays
+# of about this many bytes, this many on the wire at once: a piece is packed, or unpacked
+# and scaled, while the one before it crosses, rather than the whole batch while the link
+# idles (`allreduce_in_flight`).
+IN_FLIGHT_PIECE_BYTES = 8 << 20
 IN_FLIGHT_DEPTH = 2
 
 
@@ -144,23 +145,23 @@ class Transport:
     def can_reduce_in_flight(self, pset: ProcessSetGroup, metas: list[Meta], op: str,
                              hierarchical: bool) -> bool:
         """True when a fused batch goes by `allreduce_in_flight`: a network group (no shared
-        memory, no hierarchical stages), host memory, and at least one array large enough
-        to fill the link on its own. Decided from what every rank agreed (the requests'
-        sizes and device), never from this rank's memory, so every rank goes alike."""
+        memory, no hierarchical stages), host memory, more than a piece of bytes. Decided
+        from what every rank agreed (the requests' sizes and device), never from this rank's
+        memory, so every rank goes alike."""
         if len(metas) < 2 or self._shm_of(pset) is not None:
             return False
         if (hierarchical and op == "sum" and pset.process_set_id == 0
                 and self.hierarchical_allreduce_applies):
             return False
         return (all(m.device == "cpu" for m in metas)
-                and any(in_flight_size(m.nbytes_on_wire()) for m in metas))
+                and sum(m.nbytes_on_wire() for m in metas) > IN_FLIGHT_PIECE_BYTES)
 
-    def allreduce_in_flight(self, arrays: list[Any], op: str, pset: ProcessSetGroup,
-                            before: Callable[[int], None],
+    def allreduce_in_flight(self, count: int, op: str, pset: ProcessSetGroup,
+                            before: Callable[[int], Any],
                             after: Callable[[int], None]) -> None:
-        """Reduces `arrays` where they lie over `pset`'s network group, in order,
-        `IN_FLIGHT_DEPTH` on the wire at once: `before(i)` runs just before array i is sent
-        and `after(i)` once it is reduced, while the next one crosses."""
+        """Reduces `count` arrays over `pset`'s network group, in order, `IN_FLIGHT_DEPTH`
+        on the wire at once: `before(i)` gives array i just before it is sent (while the
+        one before it crosses) and `after(i)` runs once it is reduced."""
         waiting: deque[tuple[int, Callable[[], None]]] = deque()
 
         def land() -> None:
@@ -168,9 +169,8 @@ class Transport:
             finish()
             after(i)
 
-        for i, array in enumerate(arrays):
-            before(i)
-            waiting.append((i, pset.group.allreduce_async(array, op)))
+        for i in range(count):
+            waiting.append((i, pset.group.allreduce_async(before(i), op)))
             if len(waiting) >= IN_FLIGHT_DEPTH:
                 land()
         while waiting:
@@ -303,9 +303,19 @@ def _same_memory(a: Any, b: Any) -> bool:
     return a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
 
 
-def in_flight_size(nbytes: int) -> bool:
-    """True when an array of `nbytes` crosses a network on its own, in place."""
-    return nbytes >= IN_FLIGHT_MIN_BYTES
+def in_flight_pieces(sizes: list[int]) -> list[list[int]]:
+    """A batch's arrays (their bytes, in batch order) cut into pieces for the wire:
+    consecutive arrays up to about `IN_FLIGHT_PIECE_BYTES`, a larger array alone."""
+    pieces: list[list[int]] = []
+    used = 0
+    for i, nbytes in enumerate(sizes):
+        if pieces and used + nbytes <= IN_FLIGHT_PIECE_BYTES:
+            pieces[-1].append(i)
+            used += nbytes
+        else:
+            pieces.append([i])
+            used = nbytes
+    return pieces
 
 
 def fits_shm(array: Any) -> bool:

@@ -109,8 +109,9 @@ def test_every_op_and_dtype(size, transport):
 
 
 def _large_batch() -> dict:
-    """Fused batches of separate tensors, some of a MB or more: how each batch was reduced
-    (its large tensors where they lie, or all packed) and whether the results are right."""
+    """Fused batches of separate tensors over 8 MB in all, and one of small tensors: how
+    each was reduced (in pieces on the wire, or packed whole) and whether the results are
+    right."""
     import raytrain_x.torch as rx
     from raytrain_x.core import runtime
 
@@ -118,17 +119,17 @@ def _large_batch() -> dict:
     r, n = rx.rank(), rx.size()
     stats = runtime.engine().stats
     total = sum(range(1, n + 1))
-    big = [torch.full((300_000 + 17 * k,), float(r + 1)) for k in range(3)]  # 1.2 MB each
-    mixed = [torch.full((5,), float(r + 1)), big[0], torch.full((3, 7), float(r + 1)), big[1]]
+    big = [torch.full((1_000_000 + 17 * k,), float(r + 1)) for k in range(3)]  # 4 MB each
+    mixed = [torch.full((5,), float(r + 1)), big[0], torch.full((3, 7), float(r + 1)), *big[1:]]
     before = stats.fused_in_place
     averaged = rx.grouped_allreduce(big, name="big.avg")
     summed = rx.grouped_allreduce(mixed, op=rx.Sum, prescale_factor=2.0, postscale_factor=0.25,
                                   name="mixed.sum")
-    # rank 0's tensors are views of one buffer, back to back (a span it could reduce as
-    # one), the others' separate: every rank must still take the same route
-    flat = torch.full((600_100,), float(r + 1))
-    parts = ([flat[:300_000], flat[300_000:300_100], flat[300_100:]] if r == 0 else
-             [torch.full((n_,), float(r + 1)) for n_ in (300_000, 100, 300_000)])
+    # rank 0's tensors are views of one buffer, back to back (a piece of them is reduced
+    # where it lies), the others' separate (packed): every rank must send the same pieces
+    flat = torch.full((2_500_100,), float(r + 1))
+    parts = ([flat[:1_000_000], flat[1_000_000:1_000_100], flat[1_000_100:]] if r == 0 else
+             [torch.full((n_,), float(r + 1)) for n_ in (1_000_000, 100, 1_500_000)])
     rx.grouped_allreduce_(parts, op=rx.Sum, name="layouts")
     large_in_place = stats.fused_in_place - before
     before = stats.fused_in_place
@@ -147,11 +148,10 @@ def _large_batch() -> dict:
 
 
 @pytest.mark.parametrize("size", [2, 3])
-def test_across_a_network_a_batchs_large_tensors_are_reduced_where_they_lie(size):
-    # Over a network the tensors of a MB or more in a fused batch are reduced in their own
-    # memory, a few in flight, the small ones packed together (no copies of the large ones
-    # while the link idles), whether or not they lie back to back on a rank; a batch of
-    # small tensors only is packed as before.
+def test_across_a_network_a_large_batch_crosses_in_pieces(size):
+    # Over a network a fused batch of more than 8 MB crosses in pieces, two on the wire at
+    # once, each packed (or reduced where it lies) and scaled beside the others' transfer,
+    # whether or not a rank's tensors lie back to back; a small batch is packed whole.
     results = run_workers(_large_batch, size, env={"RAYTRAIN_X_SHM": "0"})
     for res in results:
         assert res["average"] and res["scaled_sum"] and res["inputs_kept"] and res["small"]

@@ -10,6 +10,7 @@ from raytrain_x.engine.arrays import NUMPY, ops_for
 from raytrain_x.engine.coordinator import Coordinator, Report
 from raytrain_x.engine.messages import ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, Meta, Response
 from raytrain_x.engine.planner import plan_batches
+from raytrain_x.engine.transport import IN_FLIGHT_PIECE_BYTES, in_flight_pieces
 from raytrain_x.ray.elastic.rounds import plan_round
 from raytrain_x.ray.failures import root_cause
 
@@ -279,3 +280,12 @@ def test_hierarchical_chunks_cover_the_array_in_multiples_of_the_local_size(tota
     assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))  # contiguous, in order
     assert all((hi - lo) % parts == 0 for lo, hi in ranges)  # every part gets a shard
     assert all(hi - lo <= max(parts, chunk) for lo, hi in ranges)
+
+
+def test_a_batch_crosses_a_network_in_pieces_cut_from_its_sizes():
+    P = IN_FLIGHT_PIECE_BYTES
+    # consecutive arrays up to a piece's bytes; a larger array alone; the order kept
+    assert in_flight_pieces([P // 2, P // 2, 1, P // 4]) == [[0, 1], [2, 3]]
+    assert in_flight_pieces([10, 3 * P, 10, 10]) == [[0], [1], [2, 3]]
+    assert in_flight_pieces([P]) == [[0]]
+    assert in_flight_pieces([]) == []
