@@ -32,7 +32,7 @@ from raytrain_x.engine.messages import DTYPE_SIZES, Meta
 # chunk's local sum overlaps the previous chunk's network transfer.
 PIPELINE_CHUNK_BYTES = 4 << 20
 # Over a network, a fused batch larger than a piece crosses in pieces of consecutive arrays
-# of about this many bytes, this many on the wire at once: a piece is packed, or unpacked
+# of at least this many bytes, this many on the wire at once: a piece is packed, or unpacked
 # and scaled, while the one before it crosses, rather than the whole batch while the link
 # idles (`allreduce_in_flight`).
 IN_FLIGHT_PIECE_BYTES = 8 << 20
@@ -305,16 +305,16 @@ def _same_memory(a: Any, b: Any) -> bool:
 
 def in_flight_pieces(sizes: list[int]) -> list[list[int]]:
     """A batch's arrays (their bytes, in batch order) cut into pieces for the wire:
-    consecutive arrays up to about `IN_FLIGHT_PIECE_BYTES`, a larger array alone."""
+    consecutive arrays, a piece closed once it holds `IN_FLIGHT_PIECE_BYTES` (small arrays
+    ride with the next large one; the last piece may be short)."""
     pieces: list[list[int]] = []
-    used = 0
+    used = IN_FLIGHT_PIECE_BYTES  # closed: the first array opens a piece
     for i, nbytes in enumerate(sizes):
-        if pieces and used + nbytes <= IN_FLIGHT_PIECE_BYTES:
-            pieces[-1].append(i)
-            used += nbytes
-        else:
-            pieces.append([i])
-            used = nbytes
+        if used >= IN_FLIGHT_PIECE_BYTES:
+            pieces.append([])
+            used = 0
+        pieces[-1].append(i)
+        used += nbytes
     return pieces
 
 

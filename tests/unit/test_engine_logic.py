@@ -284,8 +284,10 @@ def test_hierarchical_chunks_cover_the_array_in_multiples_of_the_local_size(tota
 
 def test_a_batch_crosses_a_network_in_pieces_cut_from_its_sizes():
     P = IN_FLIGHT_PIECE_BYTES
-    # consecutive arrays up to a piece's bytes; a larger array alone; the order kept
+    # consecutive arrays, a piece closed once it holds P bytes; small ones ride with the
+    # next large one; the last piece may be short; the order kept
     assert in_flight_pieces([P // 2, P // 2, 1, P // 4]) == [[0, 1], [2, 3]]
-    assert in_flight_pieces([10, 3 * P, 10, 10]) == [[0], [1], [2, 3]]
+    assert in_flight_pieces([10, 3 * P, 10, 10]) == [[0, 1], [2, 3]]
+    assert in_flight_pieces([P, P, 5]) == [[0], [1], [2]]
     assert in_flight_pieces([P]) == [[0]]
     assert in_flight_pieces([]) == []
