@@ -21,7 +21,8 @@ class EngineStats:
     fused: int = 0  # allreduce batches of several tensors
     fused_tensors: int = 0  # ... and the tensors in them
     stalls: int = 0  # stall warnings (a tensor some rank did not submit for a while)
-    fused_in_place: int = 0  # ... of which were reduced where they lie, with no packing
+    # ... of which were reduced where they lie (no packing), or crossed a network in pieces
+    fused_in_place: int = 0
 
     def add(self, kind: str, nbytes: int, seconds: float) -> None:
         self.bytes[kind] = self.bytes.get(kind, 0) + nbytes
