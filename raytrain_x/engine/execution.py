@@ -2,8 +2,8 @@
 
 Allreduce batches are fused (straight through shared memory, or packed by the native core
 into a persistent fusion buffer, or concatenated on the device for CUDA tensors), reduced
-once and scaled; across a network a large batch crosses in pieces, a few on the wire at
-once, each packed or scaled while another crosses; the other collectives run one at a
+once and scaled; across a network a batch with large tensors crosses in pieces, a few on
+the wire at once, each scaled while another crosses; the other collectives run one at a
 time. Arrays are whatever the caller sent (`raytrain_x.engine.arrays`), so this module
 knows no framework.
 """
@@ -118,7 +118,7 @@ class CollectiveRunner:
                 ops.scale(t, post)
         elif wire == meta.dtype and transport.can_reduce_in_flight(
                 pset, [r.meta for r in batch], reduce_op, hierarchical):
-            # Across a network, a batch of more than a piece: pieces on the wire a few at a
+            # Across a network, a batch with large tensors: pieces on the wire a few at a
             # time, their copies and scaling beside the transfers (decided from the agreed
             # sizes, so every rank goes this way, whatever its memory layout).
             self.stats.fused_in_place += 1
@@ -168,10 +168,10 @@ class CollectiveRunner:
                 for req in requests]
 
     def _allreduce_in_flight(self, batch, tensors, ops, reduce_op, pre, post, pset, wire):
-        """A batch across a network, in pieces cut from the agreed sizes: a piece that is
-        one tensor, or tensors back to back in this rank's memory, is reduced where it lies,
-        any other is packed into a buffer of its own while the piece before it crosses, and
-        each is scaled (unpacked) while the next one crosses."""
+        """A batch across a network, in pieces cut from the agreed sizes: each large tensor
+        reduced where it lies, the small ones packed together (or taken where they lie, back
+        to back in this rank's memory); each piece is scaled (unpacked) while the next one
+        crosses."""
         pieces = in_flight_pieces([r.meta.nbytes_on_wire() for r in batch])
         held: dict[int, tuple[Any, Any]] = {}  # piece -> (its flat array, its fusion buffer)
 

@@ -31,11 +31,11 @@ from raytrain_x.engine.messages import DTYPE_SIZES, Meta
 # Hierarchical allreduce runs in chunks this size; with shared memory on the host, one
 # chunk's local sum overlaps the previous chunk's network transfer.
 PIPELINE_CHUNK_BYTES = 4 << 20
-# Over a network, a fused batch larger than a piece crosses in pieces of consecutive arrays
-# of at least this many bytes, this many on the wire at once: a piece is packed, or unpacked
-# and scaled, while the one before it crosses, rather than the whole batch while the link
-# idles (`allreduce_in_flight`).
-IN_FLIGHT_PIECE_BYTES = 8 << 20
+# Over a network, a fused batch with arrays of at least this many bytes crosses in pieces,
+# this many on the wire at once: each such array in its own memory, the smaller ones packed
+# together, a piece packed, or unpacked and scaled, while another crosses, rather than the
+# whole batch packed and unpacked while the link idles (`allreduce_in_flight`).
+IN_FLIGHT_MIN_BYTES = 1 << 20
 IN_FLIGHT_DEPTH = 2
 
 
@@ -145,16 +145,16 @@ class Transport:
     def can_reduce_in_flight(self, pset: ProcessSetGroup, metas: list[Meta], op: str,
                              hierarchical: bool) -> bool:
         """True when a fused batch goes by `allreduce_in_flight`: a network group (no shared
-        memory, no hierarchical stages), host memory, more than a piece of bytes. Decided
-        from what every rank agreed (the requests' sizes and device), never from this rank's
-        memory, so every rank goes alike."""
+        memory, no hierarchical stages), host memory, an array of `IN_FLIGHT_MIN_BYTES` or
+        more. Decided from what every rank agreed (the requests' sizes and device), never
+        from this rank's memory, so every rank goes alike."""
         if len(metas) < 2 or self._shm_of(pset) is not None:
             return False
         if (hierarchical and op == "sum" and pset.process_set_id == 0
                 and self.hierarchical_allreduce_applies):
             return False
         return (all(m.device == "cpu" for m in metas)
-                and sum(m.nbytes_on_wire() for m in metas) > IN_FLIGHT_PIECE_BYTES)
+                and any(m.nbytes_on_wire() >= IN_FLIGHT_MIN_BYTES for m in metas))
 
     def allreduce_in_flight(self, count: int, op: str, pset: ProcessSetGroup,
                             before: Callable[[int], Any],
@@ -304,18 +304,12 @@ def _same_memory(a: Any, b: Any) -> bool:
 
 
 def in_flight_pieces(sizes: list[int]) -> list[list[int]]:
-    """A batch's arrays (their bytes, in batch order) cut into pieces for the wire:
-    consecutive arrays, a piece closed once it holds `IN_FLIGHT_PIECE_BYTES` (small arrays
-    ride with the next large one; the last piece may be short)."""
-    pieces: list[list[int]] = []
-    used = IN_FLIGHT_PIECE_BYTES  # closed: the first array opens a piece
-    for i, nbytes in enumerate(sizes):
-        if used >= IN_FLIGHT_PIECE_BYTES:
-            pieces.append([])
-            used = 0
-        pieces[-1].append(i)
-        used += nbytes
-    return pieces
+    """A batch's arrays (their bytes, in batch order) as pieces for the wire: the arrays
+    under `IN_FLIGHT_MIN_BYTES` together first (packed), then each larger one alone (in its
+    own memory), in batch order."""
+    small = [i for i, nbytes in enumerate(sizes) if nbytes < IN_FLIGHT_MIN_BYTES]
+    large = [[i] for i, nbytes in enumerate(sizes) if nbytes >= IN_FLIGHT_MIN_BYTES]
+    return ([small] if small else []) + large
 
 
 def fits_shm(array: Any) -> bool:

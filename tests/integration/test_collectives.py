@@ -109,8 +109,8 @@ def test_every_op_and_dtype(size, transport):
 
 
 def _large_batch() -> dict:
-    """Fused batches of separate tensors over 8 MB in all, and one of small tensors: how
-    each was reduced (in pieces on the wire, or packed whole) and whether the results are
+    """Fused batches with tensors of a MB or more, and one of small tensors only: how each
+    was reduced (in pieces on the wire, or packed whole) and whether the results are
     right."""
     import raytrain_x.torch as rx
     from raytrain_x.core import runtime
@@ -125,8 +125,8 @@ def _large_batch() -> dict:
     averaged = rx.grouped_allreduce(big, name="big.avg")
     summed = rx.grouped_allreduce(mixed, op=rx.Sum, prescale_factor=2.0, postscale_factor=0.25,
                                   name="mixed.sum")
-    # rank 0's tensors are views of one buffer, back to back (a piece of them is reduced
-    # where it lies), the others' separate (packed): every rank must send the same pieces
+    # rank 0's tensors are views of one buffer, back to back (it could reduce them as one
+    # span), the others' separate: every rank must send the same pieces
     flat = torch.full((2_500_100,), float(r + 1))
     parts = ([flat[:1_000_000], flat[1_000_000:1_000_100], flat[1_000_100:]] if r == 0 else
              [torch.full((n_,), float(r + 1)) for n_ in (1_000_000, 100, 1_500_000)])
@@ -149,9 +149,10 @@ def _large_batch() -> dict:
 
 @pytest.mark.parametrize("size", [2, 3])
 def test_across_a_network_a_large_batch_crosses_in_pieces(size):
-    # Over a network a fused batch of more than 8 MB crosses in pieces, two on the wire at
-    # once, each packed (or reduced where it lies) and scaled beside the others' transfer,
-    # whether or not a rank's tensors lie back to back; a small batch is packed whole.
+    # Over a network a fused batch with tensors of a MB or more crosses in pieces, two on the
+    # wire at once: each such tensor where it lies, the small ones packed together, each
+    # piece scaled beside another's transfer, whether or not a rank's tensors lie back to
+    # back; a batch of small tensors only is packed whole.
     results = run_workers(_large_batch, size, env={"RAYTRAIN_X_SHM": "0"})
     for res in results:
         assert res["average"] and res["scaled_sum"] and res["inputs_kept"] and res["small"]

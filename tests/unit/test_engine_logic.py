@@ -10,7 +10,7 @@ from raytrain_x.engine.arrays import NUMPY, ops_for
 from raytrain_x.engine.coordinator import Coordinator, Report
 from raytrain_x.engine.messages import ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, Meta, Response
 from raytrain_x.engine.planner import plan_batches
-from raytrain_x.engine.transport import IN_FLIGHT_PIECE_BYTES, in_flight_pieces
+from raytrain_x.engine.transport import IN_FLIGHT_MIN_BYTES, in_flight_pieces
 from raytrain_x.ray.elastic.rounds import plan_round
 from raytrain_x.ray.failures import root_cause
 
@@ -283,11 +283,9 @@ def test_hierarchical_chunks_cover_the_array_in_multiples_of_the_local_size(tota
 
 
 def test_a_batch_crosses_a_network_in_pieces_cut_from_its_sizes():
-    P = IN_FLIGHT_PIECE_BYTES
-    # consecutive arrays, a piece closed once it holds P bytes; small ones ride with the
-    # next large one; the last piece may be short; the order kept
-    assert in_flight_pieces([P // 2, P // 2, 1, P // 4]) == [[0, 1], [2, 3]]
-    assert in_flight_pieces([10, 3 * P, 10, 10]) == [[0, 1], [2, 3]]
-    assert in_flight_pieces([P, P, 5]) == [[0], [1], [2]]
-    assert in_flight_pieces([P]) == [[0]]
+    M = IN_FLIGHT_MIN_BYTES
+    # the small arrays together first, then each large one alone, in batch order
+    assert in_flight_pieces([10, 3 * M, 20, M, M - 1]) == [[0, 2, 4], [1], [3]]
+    assert in_flight_pieces([M, 2 * M]) == [[0], [1]]
+    assert in_flight_pieces([5, 6]) == [[0, 1]]
     assert in_flight_pieces([]) == []
