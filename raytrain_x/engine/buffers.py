@@ -29,15 +29,14 @@ def dtype_name(dtype: Any) -> str:
 
 
 class FusionBufferPool:
-    """One persistent `FusionBuffer` per (device, dtype, slot), allocated once and reused
-    (slots: buffers of one dtype in use at once, as pieces in flight are)."""
+    """One persistent `FusionBuffer` per (device, dtype), allocated once and reused."""
 
     def __init__(self) -> None:
-        self._buffers: dict[tuple[str, str, int], FusionBuffer] = {}
+        self._buffers: dict[tuple[str, str], FusionBuffer] = {}
 
-    def get(self, dtype: Any, nbytes: int, device: str = "cpu", slot: int = 0) -> FusionBuffer:
-        """The buffer for (device, dtype, slot) with room for at least `nbytes`."""
-        key = (str(device), dtype_name(dtype), slot)
+    def get(self, dtype: Any, nbytes: int, device: str = "cpu") -> FusionBuffer:
+        """The buffer for (device, dtype) with room for at least `nbytes`."""
+        key = (str(device), dtype_name(dtype))
         buf = self._buffers.get(key)
         if buf is None:
             buf = self._buffers[key] = _create(key[1])

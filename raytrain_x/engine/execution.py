@@ -33,7 +33,7 @@ from raytrain_x.engine.messages import (
 )
 from raytrain_x.engine.speculation import elements
 from raytrain_x.engine.timeline import Timeline
-from raytrain_x.engine.transport import IN_FLIGHT_DEPTH, Transport, in_flight_pieces
+from raytrain_x.engine.transport import Transport, in_flight_pieces
 
 
 class CollectiveRunner:
@@ -181,7 +181,7 @@ class CollectiveRunner:
             buf = None
             if whole is None:
                 total = sum(ops.numel(t) for t in members)
-                buf = self._buffers.get(wire, total * DTYPE_SIZES[wire], slot=k % IN_FLIGHT_DEPTH)
+                buf = self._buffers.get(wire, total * DTYPE_SIZES[wire])
                 pack(members, buf, pre, 0, [batch[i].name for i in pieces[k]])
                 whole = ops.view_buffer(buf, total)
             elif pre != 1.0:

@@ -32,9 +32,10 @@ from raytrain_x.engine.messages import DTYPE_SIZES, Meta
 # chunk's local sum overlaps the previous chunk's network transfer.
 PIPELINE_CHUNK_BYTES = 4 << 20
 # Over a network, a fused batch with arrays of at least this many bytes crosses in pieces,
-# this many on the wire at once: each such array in its own memory, the smaller ones packed
-# together, a piece packed, or unpacked and scaled, while another crosses, rather than the
-# whole batch packed and unpacked while the link idles (`allreduce_in_flight`).
+# this many on the wire at once: the smaller arrays packed together first, then each large
+# one in its own memory, each piece scaled (the small ones unpacked) while the next crosses,
+# rather than the whole batch packed and unpacked while the link idles
+# (`allreduce_in_flight`).
 IN_FLIGHT_MIN_BYTES = 1 << 20
 IN_FLIGHT_DEPTH = 2
 
@@ -132,11 +133,16 @@ class Transport:
         shm = self._shm_of(pset)
         if shm is not None and fits_shm(array):
             _shm_call(shm.allreduce, array, op)
-        elif (hierarchical and op == "sum" and pset.process_set_id == 0
-              and self.hierarchical_allreduce_applies and fits_shm(array)):
+        elif self._goes_hierarchical(op, pset, hierarchical) and fits_shm(array):
             self._hierarchical_allreduce(array)
         else:
             pset.group.allreduce(array, op)
+
+    def _goes_hierarchical(self, op: str, pset: ProcessSetGroup, hierarchical: bool) -> bool:
+        """Whether an allreduce of host memory takes the hierarchical route: the knob on,
+        a sum over the world, a world where it applies."""
+        return (hierarchical and op == "sum" and pset.process_set_id == 0
+                and self.hierarchical_allreduce_applies)
 
     def can_reduce_many(self, pset: ProcessSetGroup, arrays: list[Any]) -> bool:
         """True when `allreduce_many` can reduce `arrays` straight from their memory."""
@@ -150,8 +156,7 @@ class Transport:
         from this rank's memory, so every rank goes alike."""
         if len(metas) < 2 or self._shm_of(pset) is not None:
             return False
-        if (hierarchical and op == "sum" and pset.process_set_id == 0
-                and self.hierarchical_allreduce_applies):
+        if self._goes_hierarchical(op, pset, hierarchical):
             return False
         return (all(m.device == "cpu" for m in metas)
                 and any(m.nbytes_on_wire() >= IN_FLIGHT_MIN_BYTES for m in metas))
