@@ -154,6 +154,14 @@ def _worker_log_tails(cluster: LocalAutoscalingCluster, lines: int = 6) -> str:
     return "\n" + "\n".join(parts) if parts else ""
 
 
+def _worker_log_lines(cluster: LocalAutoscalingCluster, text: str) -> list[str]:
+    """The lines of the workers' stderr logs that contain `text`."""
+    if cluster.temp_dir is None:
+        return []
+    return [line for log in Path(cluster.temp_dir).glob("session_latest/logs/worker-*.err")
+            for line in log.read_text(errors="replace").splitlines() if text in line]
+
+
 def _check_committed_history(job: dict) -> None:
     summary = job["summary"]
     assert summary["each_step_once"], [r["done_steps"][:20] for r in job["results"]]
@@ -185,7 +193,10 @@ def test_grows_to_max_workers_then_scales_down(cluster, tmp_path):
     sizes = [h["size"] for h in job["history"]]
     assert sizes[0] < 4 and sizes == sorted(sizes), job["history"]  # grew while training
     assert job["history"][0]["requested"] == 4
-    assert job["summary"]["restores"] == 0
+    # a restore here means a worker met an error while the job only grew: the history and
+    # the workers' last log lines say which
+    assert job["summary"]["restores"] == 0, (
+        f"{job['history']}\n" + "\n".join(_worker_log_lines(cluster, "restoring the last")))
     # scale-down: nothing asked of the autoscaler any more, idle nodes removed
     assert cluster.resource_request() == []
     wait_until(lambda: not cluster.worker_nodes(), 20,
