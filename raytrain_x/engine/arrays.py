@@ -83,6 +83,10 @@ class ArrayOps:
         of them is reduced in place, without packing. None otherwise."""
         return None
 
+    def follows(self, before: Any, after: Any) -> bool:
+        """True when `after` starts where `before` ends, in one buffer (what `span` joins)."""
+        return False
+
 
 class NumpyOps(ArrayOps):
     family = "numpy"

@@ -35,6 +35,9 @@ from raytrain_x.engine.speculation import elements
 from raytrain_x.engine.timeline import Timeline
 from raytrain_x.engine.transport import Transport, in_flight_pieces
 
+# pairs of names `_joined_on_all` remembers (a model's gradients: a few hundred)
+_JOINED_PAIRS = 1 << 16
+
 
 class CollectiveRunner:
     """Runs agreed batches on this rank; `run` returns one result per response."""
@@ -44,6 +47,9 @@ class CollectiveRunner:
         self.timeline = timeline
         self.stats = stats  # the engine's EngineStats: counts fused and in-place batches
         self._buffers = FusionBufferPool()
+        # (process set, name, next name) -> whether the next array lies right after the
+        # first on every rank: agreed once, then the batches that hold both cut alike
+        self._joined: dict[tuple[int, str, str], bool] = {}
         self._kinds = {ALLREDUCE: self._allreduce, ALLGATHER: self._allgather,
                        BROADCAST: self._broadcast, ALLTOALL: self._alltoall,
                        REDUCESCATTER: self._reducescatter, BARRIER: self._barrier}
@@ -168,12 +174,15 @@ class CollectiveRunner:
                 for req in requests]
 
     def _allreduce_in_flight(self, batch, tensors, ops, reduce_op, pre, post, pset, wire):
-        """A batch across a network, in pieces cut from the agreed sizes: each large tensor
-        reduced where it lies, the small ones packed together (or taken where they lie, back
-        to back in this rank's memory); each piece is scaled (unpacked) while the next one
-        crosses."""
-        pieces = in_flight_pieces([r.meta.nbytes_on_wire() for r in batch])
-        held: dict[int, tuple[Any, Any]] = {}  # piece -> (its flat array, its fusion buffer)
+        """A batch across a network, in pieces cut from the agreed sizes and memory layout
+        (`in_flight_pieces`): arrays back to back on every rank reduced where they lie, a
+        few MB at a time, the small rest packed together; each piece is scaled (unpacked)
+        while the next one crosses. A rank whose arrays no longer lie as agreed packs
+        that piece (same elements on the wire, in the same order)."""
+        pieces = in_flight_pieces([r.meta.nbytes_on_wire() for r in batch],
+                                  self._joined_on_all(batch, tensors, ops, pset))
+        self.stats.in_flight_pieces += len(pieces)
+        held: dict[int, tuple[Any, Any]] = {}  # piece -> (its flat array, what it was packed in)
 
         def before(k: int) -> Any:
             members = [tensors[i] for i in pieces[k]]
@@ -181,9 +190,12 @@ class CollectiveRunner:
             buf = None
             if whole is None:
                 total = sum(ops.numel(t) for t in members)
-                buf = self._buffers.get(wire, total * DTYPE_SIZES[wire])
+                # the first piece (the small arrays) packs into the fusion buffer; a later
+                # one, on the wire beside another, into its own array
+                buf = (self._buffers.get(wire, total * DTYPE_SIZES[wire]) if k == 0
+                       else ops.empty((total,), wire))
                 pack(members, buf, pre, 0, [batch[i].name for i in pieces[k]])
-                whole = ops.view_buffer(buf, total)
+                whole = ops.view_buffer(buf, total) if k == 0 else buf
             elif pre != 1.0:
                 ops.scale(whole, pre)
             held[k] = (whole, buf)
@@ -198,6 +210,23 @@ class CollectiveRunner:
                 ops.scale(whole, post)
 
         self.transport.allreduce_in_flight(len(pieces), reduce_op, pset, before, after)
+
+    def _joined_on_all(self, batch, tensors, ops, pset) -> list[bool]:
+        """For each array of `batch`, whether it lies right after the one before it on
+        every rank. Each pair of names is agreed once (a collective over the pairs this
+        batch is the first to hold: every rank meets the same pairs at the same batch) and
+        remembered for this round; a layout that changes later costs a copy, never a wrong
+        result (`_allreduce_in_flight`)."""
+        pid = pset.process_set_id
+        keys = [(pid, a.name, b.name) for a, b in zip(batch, batch[1:])]
+        if len(self._joined) + len(keys) > _JOINED_PAIRS:
+            self._joined.clear()  # on every rank at the same batch: the same pairs forgotten
+        unknown = [i for i, key in enumerate(keys) if key not in self._joined]
+        if unknown:
+            agreed = self.transport.agree_on_all(
+                pset, [ops.follows(tensors[i], tensors[i + 1]) for i in unknown])
+            self._joined.update(zip((keys[i] for i in unknown), agreed))
+        return [False] + [self._joined[key] for key in keys]
 
     def _adasum(self, batch, requests, tensors, ops, pset):
         """The batch's tensors, each combined by Adasum across the set (engine.adasum)."""

@@ -23,6 +23,7 @@ class EngineStats:
     stalls: int = 0  # stall warnings (a tensor some rank did not submit for a while)
     # ... of which were reduced where they lie (no packing), or crossed a network in pieces
     fused_in_place: int = 0
+    in_flight_pieces: int = 0  # pieces those batches crossed a network in
 
     def add(self, kind: str, nbytes: int, seconds: float) -> None:
         self.bytes[kind] = self.bytes.get(kind, 0) + nbytes

@@ -38,6 +38,10 @@ PIPELINE_CHUNK_BYTES = 4 << 20
 # (`allreduce_in_flight`).
 IN_FLIGHT_MIN_BYTES = 1 << 20
 IN_FLIGHT_DEPTH = 2
+# Arrays that lie back to back on every rank cross together, in pieces up to this size:
+# fewer, larger transfers than one per array (each costs a round of messages), still cut
+# finely enough for the transfers to overlap the scaling.
+IN_FLIGHT_PIECE_BYTES = 4 << 20
 
 
 class Transport:
@@ -161,25 +165,38 @@ class Transport:
         return (all(m.device == "cpu" for m in metas)
                 and any(m.nbytes_on_wire() >= IN_FLIGHT_MIN_BYTES for m in metas))
 
+    def agree_on_all(self, pset: ProcessSetGroup, flags: list[bool]) -> list[bool]:
+        """Each of `flags` and-ed over `pset`'s members (a collective on its group)."""
+        votes = np.array([1 if f else 0 for f in flags], dtype=np.int32)
+        pset.group.allreduce(votes, "min")
+        return [bool(v) for v in votes]
+
     def allreduce_in_flight(self, count: int, op: str, pset: ProcessSetGroup,
                             before: Callable[[int], Any],
                             after: Callable[[int], None]) -> None:
         """Reduces `count` arrays over `pset`'s network group, in order, `IN_FLIGHT_DEPTH`
-        on the wire at once: `before(i)` gives array i just before it is sent (while the
-        one before it crosses) and `after(i)` runs once it is reduced."""
+        on the wire at once: `before(i)` gives array i while the ones before it cross, and
+        `after(i)` runs once it is reduced. The next array is made ready before the oldest
+        lands, and sent as soon as it has: the link is never left with fewer transfers
+        than it can take while `after` runs."""
         waiting: deque[tuple[int, Callable[[], None]]] = deque()
-
-        def land() -> None:
-            i, finish = waiting.popleft()
-            finish()
-            after(i)
-
+        ready = before(0) if count else None
+        landed = None  # reduced, its `after` not run yet
         for i in range(count):
-            waiting.append((i, pset.group.allreduce_async(before(i), op)))
+            waiting.append((i, pset.group.allreduce_async(ready, op)))
+            if landed is not None:
+                after(landed)
+                landed = None
+            ready = before(i + 1) if i + 1 < count else None
             if len(waiting) >= IN_FLIGHT_DEPTH:
-                land()
+                landed, finish = waiting.popleft()
+                finish()
+        if landed is not None:
+            after(landed)
         while waiting:
-            land()
+            landed, finish = waiting.popleft()
+            finish()
+            after(landed)
 
     def allreduce_many(self, arrays: list[Any], op: str, prescale: float,
                        postscale: float, pset: ProcessSetGroup) -> None:
@@ -308,13 +325,34 @@ def _same_memory(a: Any, b: Any) -> bool:
     return a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
 
 
-def in_flight_pieces(sizes: list[int]) -> list[list[int]]:
-    """A batch's arrays (their bytes, in batch order) as pieces for the wire: the arrays
-    under `IN_FLIGHT_MIN_BYTES` together first (packed), then each larger one alone (in its
-    own memory), in batch order."""
-    small = [i for i, nbytes in enumerate(sizes) if nbytes < IN_FLIGHT_MIN_BYTES]
-    large = [[i] for i, nbytes in enumerate(sizes) if nbytes >= IN_FLIGHT_MIN_BYTES]
-    return ([small] if small else []) + large
+def in_flight_pieces(sizes: list[int], joined: list[bool] | None = None) -> list[list[int]]:
+    """A batch's arrays (their bytes, in batch order) as pieces for the wire, in batch order
+    after one packed piece of the small ones. `joined[i]`: array i lies right after array
+    i - 1 in memory on every rank (views of one buffer, as `DistributedOptimizer`'s
+    gradients are). Runs of joined arrays are cut into pieces of up to
+    `IN_FLIGHT_PIECE_BYTES` (a larger array alone), each reduced where it lies; a piece of
+    under `IN_FLIGHT_MIN_BYTES` gives its arrays to the packed piece, which goes first."""
+    joined = joined or [False] * len(sizes)
+    small: list[int] = []
+    pieces: list[list[int]] = []
+    piece: list[int] = []
+    nbytes = 0
+
+    def close() -> None:
+        if nbytes >= IN_FLIGHT_MIN_BYTES:
+            pieces.append(piece)
+        else:
+            small.extend(piece)
+
+    for i, size in enumerate(sizes):
+        if piece and (not joined[i] or nbytes + size > IN_FLIGHT_PIECE_BYTES):
+            close()
+            piece, nbytes = [], 0
+        piece.append(i)
+        nbytes += size
+    if piece:
+        close()
+    return ([small] if small else []) + pieces
 
 
 def fits_shm(array: Any) -> bool:

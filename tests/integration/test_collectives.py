@@ -132,6 +132,18 @@ def _large_batch() -> dict:
              [torch.full((n_,), float(r + 1)) for n_ in (1_000_000, 100, 1_500_000)])
     rx.grouped_allreduce_(parts, op=rx.Sum, name="layouts")
     large_in_place = stats.fused_in_place - before
+    # every rank's tensors views of one buffer (DistributedOptimizer's gradients): they
+    # cross together, a few MB a piece; then rank 1's lie apart under the same names (it
+    # packs those pieces, the others still send theirs in place)
+    arena = torch.full((3_000_000,), float(r + 1))
+    cuts = [0, 10, 1_000_010, 2_000_010, 2_000_020, 3_000_000]
+    views = [arena[a:b] for a, b in zip(cuts, cuts[1:])]
+    pieces = stats.in_flight_pieces
+    rx.grouped_allreduce_(views, op=rx.Sum, name="arena")
+    arena_pieces = stats.in_flight_pieces - pieces
+    apart = ([torch.full((b - a,), float(r + 1)) for a, b in zip(cuts, cuts[1:])] if r == 1
+             else [arena[a:b].fill_(float(r + 1)) for a, b in zip(cuts, cuts[1:])])
+    rx.grouped_allreduce_(apart, op=rx.Sum, name="arena")
     before = stats.fused_in_place
     small = rx.grouped_allreduce([torch.full((10,), float(r + 1)), torch.ones(20) * (r + 1)],
                                  op=rx.Sum, name="small")
@@ -141,7 +153,9 @@ def _large_batch() -> dict:
                           for t, m in zip(summed, mixed)),
         "inputs_kept": all(torch.equal(t, torch.full_like(t, float(r + 1))) for t in mixed),
         "small": all(torch.equal(t, torch.full_like(t, float(total))) for t in small),
-        "layouts": all(torch.equal(p, torch.full_like(p, float(total))) for p in parts),
+        "layouts": all(torch.equal(p, torch.full_like(p, float(total)))
+                       for p in [*parts, *views, *apart]),
+        "arena_pieces": arena_pieces,
         "large_in_place": large_in_place,
         "small_in_place": stats.fused_in_place - before,
     }
@@ -152,12 +166,14 @@ def test_across_a_network_a_large_batch_crosses_in_pieces(size):
     # Over a network a fused batch with tensors of a MB or more crosses in pieces, two on the
     # wire at once: each such tensor where it lies, the small ones packed together, each
     # piece scaled beside another's transfer, whether or not a rank's tensors lie back to
-    # back; a batch of small tensors only is packed whole.
+    # back; tensors that lie back to back on every rank cross together, a few MB a piece;
+    # a batch of small tensors only is packed whole.
     results = run_workers(_large_batch, size, env={"RAYTRAIN_X_SHM": "0"})
     for res in results:
         assert res["average"] and res["scaled_sum"] and res["inputs_kept"] and res["small"]
         assert res["layouts"]
         assert res["large_in_place"] == 3 and res["small_in_place"] == 0
+        assert res["arena_pieces"] == 3  # 12 MB back to back: 3 pieces, not 5 tensors
 
 
 def _transport() -> str:

@@ -10,7 +10,11 @@ from raytrain_x.engine.arrays import NUMPY, ops_for
 from raytrain_x.engine.coordinator import Coordinator, Report
 from raytrain_x.engine.messages import ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, Meta, Response
 from raytrain_x.engine.planner import plan_batches
-from raytrain_x.engine.transport import IN_FLIGHT_MIN_BYTES, in_flight_pieces
+from raytrain_x.engine.transport import (
+    IN_FLIGHT_MIN_BYTES,
+    IN_FLIGHT_PIECE_BYTES,
+    in_flight_pieces,
+)
 from raytrain_x.ray.elastic.rounds import plan_round
 from raytrain_x.ray.failures import root_cause
 
@@ -289,3 +293,19 @@ def test_a_batch_crosses_a_network_in_pieces_cut_from_its_sizes():
     assert in_flight_pieces([M, 2 * M]) == [[0], [1]]
     assert in_flight_pieces([5, 6]) == [[0, 1]]
     assert in_flight_pieces([]) == []
+
+
+def test_arrays_back_to_back_on_every_rank_cross_together_a_few_mb_at_a_time():
+    M, P = IN_FLIGHT_MIN_BYTES, IN_FLIGHT_PIECE_BYTES
+    # one buffer's views: cut at the piece size, a larger array alone
+    assert in_flight_pieces([M, M, M, M, M], [False, True, True, True, True]) == [
+        [0, 1, 2, 3], [4]]
+    assert in_flight_pieces([10, 2 * P, 10, 20], [False, True, True, True]) == [
+        [0, 2, 3], [1]]
+    # small arrays back to back with a large one ride in its piece
+    assert in_flight_pieces([10, M, 20], [False, True, True]) == [[0, 1, 2]]
+    # a run too small for a piece of its own joins the packed small arrays
+    assert in_flight_pieces([10, 20, 2 * M, 30], [False, True, False, False]) == [
+        [0, 1, 3], [2]]
+    # nothing joined: as cut from the sizes alone
+    assert in_flight_pieces([10, 3 * M, 20], [False] * 3) == in_flight_pieces([10, 3 * M, 20])
