@@ -29,14 +29,16 @@ def dtype_name(dtype: Any) -> str:
 
 
 class FusionBufferPool:
-    """One persistent `FusionBuffer` per (device, dtype), allocated once and reused."""
+    """Persistent `FusionBuffer`s per (device, dtype), allocated once and reused: slot 0
+    for a batch packed whole, the others for packed pieces still on the wire while the
+    next are packed (`CollectiveRunner`)."""
 
     def __init__(self) -> None:
-        self._buffers: dict[tuple[str, str], FusionBuffer] = {}
+        self._buffers: dict[tuple[str, str, int], FusionBuffer] = {}
 
-    def get(self, dtype: Any, nbytes: int, device: str = "cpu") -> FusionBuffer:
-        """The buffer for (device, dtype) with room for at least `nbytes`."""
-        key = (str(device), dtype_name(dtype))
+    def get(self, dtype: Any, nbytes: int, device: str = "cpu", slot: int = 0) -> FusionBuffer:
+        """The buffer for (device, dtype, slot) with room for at least `nbytes`."""
+        key = (str(device), dtype_name(dtype), slot)
         buf = self._buffers.get(key)
         if buf is None:
             buf = self._buffers[key] = _create(key[1])

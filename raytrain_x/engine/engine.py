@@ -248,6 +248,7 @@ class Engine:
             "pending; make every rank finish its collectives before shutdown()")
         for req in leftovers:
             req.handle.set_error(error)
+        self._runner.stream.fail(error)
         if self._join_handle is not None and not self._join_handle.done():
             self._join_handle.set_error(error)
 
@@ -276,6 +277,7 @@ class Engine:
         self._note_reported(agreement, knobs_wanted)
         negotiated = time.perf_counter()
         if agreement.all_joined:
+            self._runner.stream.drain()
             self._finish_join(agreement.joined_last)
         responses = agreement.responses
         timeline = self._timeline
@@ -288,6 +290,11 @@ class Engine:
 
         for batch in plan_batches(responses, self.knobs.fusion_threshold_bytes):
             self._execute(batch)
+        # the last pieces may cross during the next negotiation, if more work is coming
+        with self._cond:
+            more = bool(self._queue or self._pending)
+        if not (responses and more) or agreement.stop:
+            self._runner.stream.drain()
 
         if responses:
             self._ran(responses)
@@ -350,6 +357,7 @@ class Engine:
         requests = [self._pending.pop(r.name, None) for r in batch]
         results: list[Any] = [None] * len(batch)
         error: BaseException | None = None
+        handed = False  # to the stream, which completes the batch
         try:
             if first.error:
                 error = TensorMismatchError(first.error)
@@ -361,18 +369,19 @@ class Engine:
             results = self._runner.run(batch, requests, pset, self.knobs)
             self.stats.add(first.meta.kind, sum(r.meta.nbytes_on_wire() for r in batch),
                            time.perf_counter() - began)
-            timeline = self._timeline
-            if timeline is not None:
-                for req in requests:
-                    if req is not None:
-                        timeline.record(req.name, "QUEUE", _perf_from_mono(req.enqueued_at),
-                                        began)
+            if self._timeline is not None:
+                self._timeline.queued(requests, began)
+            # complete once its last pieces have landed (at once when nothing is crossing)
+            handed = True
+            self._runner.stream.close_batch(
+                lambda err: self._complete(batch, requests, results, err))
         except BaseException as exc:
             error = exc if isinstance(exc, RaytrainXError) else InternalError(
                 f"the raytrain-x engine failed: {exc!r}")
             raise
         finally:
-            self._complete(batch, requests, results, error)
+            if not handed:
+                self._complete(batch, requests, results, error)
 
     def _complete(self, batch: list[Response], requests: list[Request | None],
                   results: list[Any], error: BaseException | None) -> None:
@@ -389,10 +398,3 @@ class Engine:
                     req.handle.set_error(error)
                 else:
                     req.handle.set_result(result)
-
-
-_MONO_TO_PERF = time.perf_counter() - time.monotonic()
-
-
-def _perf_from_mono(t: float) -> float:
-    return t + _MONO_TO_PERF

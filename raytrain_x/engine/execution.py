@@ -31,9 +31,10 @@ from raytrain_x.engine.messages import (
     Request,
     Response,
 )
+from raytrain_x.engine.pieces import IN_FLIGHT_DEPTH, PieceStream, in_flight_pieces
 from raytrain_x.engine.speculation import elements
 from raytrain_x.engine.timeline import Timeline
-from raytrain_x.engine.transport import Transport, in_flight_pieces
+from raytrain_x.engine.transport import Transport
 
 # pairs of names `_joined_on_all` remembers (a model's gradients: a few hundred)
 _JOINED_PAIRS = 1 << 16
@@ -47,6 +48,10 @@ class CollectiveRunner:
         self.timeline = timeline
         self.stats = stats  # the engine's EngineStats: counts fused and in-place batches
         self._buffers = FusionBufferPool()
+        self._slot = 0  # the buffer slot the last packed piece took
+        # pieces on a network's wire across batches: the engine closes each batch on it
+        # (`PieceStream.close_batch`) and drains it before anything else runs
+        self.stream = PieceStream()
         # (process set, name, next name) -> whether the next array lies right after the
         # first on every rank: agreed once, then the batches that hold both cut alike
         self._joined: dict[tuple[int, str, str], bool] = {}
@@ -56,7 +61,11 @@ class CollectiveRunner:
 
     def run(self, batch: list[Response], requests: list[Request | None],
             pset: ProcessSetGroup, knobs: Knobs) -> list[Any]:
-        """Results of `batch` (None for a response this rank did not submit: it joined)."""
+        """Results of `batch` (None for a response this rank did not submit: it joined).
+        An allreduce batch across a network may still be crossing when this returns: its
+        results are ready once `stream.close_batch` says so."""
+        if batch[0].meta.kind != ALLREDUCE:
+            self.stream.drain()
         return self._kinds[batch[0].meta.kind](batch, requests, pset, knobs)
 
     def run_speculative(self, batch: list[Response], requests: list[Request],
@@ -65,6 +74,7 @@ class CollectiveRunner:
         `requests` is the batch's requests on a ready rank, empty on one that is not (it
         sends zeros). Returns the results when every member was ready, else None (the
         inputs are untouched)."""
+        self.stream.drain()  # it packs into slot 0 and waits for its own result
         meta = batch[0].meta
         counts = elements(batch)
         buf = self._buffers.get(meta.dtype, (sum(counts) + 1) * DTYPE_SIZES[meta.dtype])
@@ -96,24 +106,32 @@ class CollectiveRunner:
 
     def _allreduce(self, batch, requests, pset, knobs):
         meta = batch[0].meta
+        transport = self.transport
+        hierarchical = knobs.hierarchical_allreduce
+        reduce_op = "sum" if meta.op in ("sum", "average") else meta.op
+        wire = meta.wire_dtype or meta.dtype
+        # Across a network, a batch with large tensors: pieces on the wire a few at a time,
+        # their copies and scaling beside the transfers (decided from the agreed sizes, so
+        # every rank goes this way, whatever its memory layout).
+        in_flight = (len(batch) > 1 and wire == meta.dtype and meta.op != "adasum"
+                     and transport.can_reduce_in_flight(pset, [r.meta for r in batch],
+                                                        reduce_op, hierarchical))
+        if not in_flight:
+            self.stream.drain()
         tensors = [req.tensor if req is not None else _zeros(r.meta)
                    for r, req in zip(batch, requests)]
         ops = ops_for(tensors[0])
         if meta.op == "adasum":
             return self._adasum(batch, requests, tensors, ops, pset)
         floating = ops.is_floating(tensors[0])
-        reduce_op = "sum" if meta.op in ("sum", "average") else meta.op
         pre, post = _scales(meta, pset.size())
         if not floating:  # Horovod's rule: integers are scaled in float64, outside the sum
             _scale_integers(tensors, pre)
             int_post, pre, post = post, 1, 1
-        wire = meta.wire_dtype or meta.dtype
         row = batch[0].name if len(batch) == 1 else f"fused[{len(batch)}]"
         if len(batch) > 1:
             self.stats.fused += 1
             self.stats.fused_tensors += len(batch)
-        transport = self.transport
-        hierarchical = knobs.hierarchical_allreduce
         if len(tensors) == 1 and wire == meta.dtype:
             t = tensors[0]
             if pre != 1.0:
@@ -122,14 +140,12 @@ class CollectiveRunner:
                         lambda: transport.allreduce(t, reduce_op, pset, hierarchical))
             if post != 1.0:
                 ops.scale(t, post)
-        elif wire == meta.dtype and transport.can_reduce_in_flight(
-                pset, [r.meta for r in batch], reduce_op, hierarchical):
-            # Across a network, a batch with large tensors: pieces on the wire a few at a
-            # time, their copies and scaling beside the transfers (decided from the agreed
-            # sizes, so every rank goes this way, whatever its memory layout).
+        elif in_flight:
             self.stats.fused_in_place += 1
             self._timed(row, "ALLREDUCE", lambda: self._allreduce_in_flight(
                 batch, tensors, ops, reduce_op, pre, post, pset, wire))
+            if not floating:  # scaled in float64 once summed
+                self.stream.drain()
         elif wire == meta.dtype and (span := ops.span(tensors)) is not None:
             # Views of one flat buffer, back to back in batch order (DistributedOptimizer's
             # gradients): the batch is reduced where it lies, no copies. The elements are in
@@ -175,41 +191,36 @@ class CollectiveRunner:
 
     def _allreduce_in_flight(self, batch, tensors, ops, reduce_op, pre, post, pset, wire):
         """A batch across a network, in pieces cut from the agreed sizes and memory layout
-        (`in_flight_pieces`): arrays back to back on every rank reduced where they lie, a
-        few MB at a time, the small rest packed together; each piece is scaled (unpacked)
-        while the next one crosses. A rank whose arrays no longer lie as agreed packs
-        that piece (same elements on the wire, in the same order)."""
+        (`in_flight_pieces`) onto the stream: arrays back to back on every rank reduced
+        where they lie, a few MB at a time, the small rest packed together; each piece is
+        scaled (unpacked) while the next one crosses, and the batch's last pieces may still
+        cross when this returns (`PieceStream`). A rank whose arrays no longer lie as agreed
+        packs that piece (same elements on the wire, in the same order)."""
         pieces = in_flight_pieces([r.meta.nbytes_on_wire() for r in batch],
                                   self._joined_on_all(batch, tensors, ops, pset))
         self.stats.in_flight_pieces += len(pieces)
-        held: dict[int, tuple[Any, Any]] = {}  # piece -> (its flat array, what it was packed in)
 
-        def before(k: int) -> Any:
+        def prepare(k: int) -> tuple[Any, Callable[[], Any]]:
             members = [tensors[i] for i in pieces[k]]
+            names = [batch[i].name for i in pieces[k]]
             whole = members[0] if len(members) == 1 else ops.span(members)
-            buf = None
             if whole is None:
+                # packed pieces take turns over buffers enough for those still on the wire
+                self._slot = self._slot % (IN_FLIGHT_DEPTH + 1) + 1
                 total = sum(ops.numel(t) for t in members)
-                # the first piece (the small arrays) packs into the fusion buffer; a later
-                # one, on the wire beside another, into its own array
-                buf = (self._buffers.get(wire, total * DTYPE_SIZES[wire]) if k == 0
-                       else ops.empty((total,), wire))
-                pack(members, buf, pre, 0, [batch[i].name for i in pieces[k]])
-                whole = ops.view_buffer(buf, total) if k == 0 else buf
-            elif pre != 1.0:
+                buf = self._buffers.get(wire, total * DTYPE_SIZES[wire], slot=self._slot)
+                pack(members, buf, pre, 0, names)
+                return ops.view_buffer(buf, total), lambda: unpack(buf, members, post, 0, names)
+            if pre != 1.0:
                 ops.scale(whole, pre)
-            held[k] = (whole, buf)
-            return whole
+            return whole, (lambda: ops.scale(whole, post)) if post != 1.0 else _nothing
 
-        def after(k: int) -> None:
-            whole, buf = held.pop(k)
-            if buf is not None:
-                unpack(buf, [tensors[i] for i in pieces[k]], post, 0,
-                       [batch[i].name for i in pieces[k]])
-            elif post != 1.0:
-                ops.scale(whole, post)
-
-        self.transport.allreduce_in_flight(len(pieces), reduce_op, pset, before, after)
+        stream = self.stream
+        ready = prepare(0)
+        for k in range(len(pieces)):
+            stream.send(pset.group, ready[0], reduce_op, ready[1])
+            ready = prepare(k + 1) if k + 1 < len(pieces) else None
+            stream.make_room()
 
     def _joined_on_all(self, batch, tensors, ops, pset) -> list[bool]:
         """For each array of `batch`, whether it lies right after the one before it on
@@ -349,6 +360,10 @@ def _scale_integers(tensors: list[Any], factor: float) -> None:
     for t in tensors:
         ops = ops_for(t)
         t[...] = ops.cast(ops.cast(t, "float64") * factor, ops.dtype(t))
+
+
+def _nothing() -> None:
+    pass
 
 
 def _zeros(meta: Meta) -> Any:

@@ -6,6 +6,7 @@ import json
 import os
 import threading
 import time
+from typing import Any
 
 
 class Timeline:
@@ -44,6 +45,13 @@ class Timeline:
                 event["args"] = args
             self._file.write(json.dumps(event) + ",\n")
 
+    def queued(self, requests: list[Any], began: float) -> None:
+        """A QUEUE span for each request (None: not this rank's), from when it was enqueued
+        (`time.monotonic`) until its batch `began` (`perf_counter`)."""
+        for req in requests:
+            if req is not None:
+                self.record(req.name, "QUEUE", req.enqueued_at + _MONO_TO_PERF, began)
+
     def cycle_start(self, at: float) -> None:
         """An instant 'CYCLE_START' mark (only when the timeline marks cycles)."""
         if not self.mark_cycles:
@@ -59,3 +67,6 @@ class Timeline:
             if not self._file.closed:
                 self._file.write("{}]\n")
                 self._file.close()
+
+
+_MONO_TO_PERF = time.perf_counter() - time.monotonic()

@@ -10,7 +10,6 @@ shared-memory group of its own; other sets use their backend group.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -27,23 +26,11 @@ from raytrain_x.comm.shm import (
 from raytrain_x.common.errors import InternalError
 from raytrain_x.engine.arrays import ArrayOps, ops_for
 from raytrain_x.engine.messages import DTYPE_SIZES, Meta
+from raytrain_x.engine.pieces import IN_FLIGHT_MIN_BYTES
 
 # Hierarchical allreduce runs in chunks this size; with shared memory on the host, one
 # chunk's local sum overlaps the previous chunk's network transfer.
 PIPELINE_CHUNK_BYTES = 4 << 20
-# Over a network, a fused batch with arrays of at least this many bytes crosses in pieces,
-# this many on the wire at once: the smaller arrays packed together first, then each large
-# one in its own memory, each piece scaled (the small ones unpacked) while the next crosses,
-# rather than the whole batch packed and unpacked while the link idles
-# (`allreduce_in_flight`).
-IN_FLIGHT_MIN_BYTES = 1 << 20
-IN_FLIGHT_DEPTH = 2
-# Arrays that lie back to back on every rank cross together, in pieces up to this size:
-# fewer, larger transfers than one per array (each costs a round of messages), still cut
-# finely enough for the transfers to overlap the scaling.
-IN_FLIGHT_PIECE_BYTES = 4 << 20
-
-
 class Transport:
     """The routes of one rendezvous round; opened collectively (every rank, same order)."""
 
@@ -154,7 +141,7 @@ class Transport:
 
     def can_reduce_in_flight(self, pset: ProcessSetGroup, metas: list[Meta], op: str,
                              hierarchical: bool) -> bool:
-        """True when a fused batch goes by `allreduce_in_flight`: a network group (no shared
+        """True when a fused batch crosses in pieces (`PieceStream`): a network group (no shared
         memory, no hierarchical stages), host memory, an array of `IN_FLIGHT_MIN_BYTES` or
         more. Decided from what every rank agreed (the requests' sizes and device), never
         from this rank's memory, so every rank goes alike."""
@@ -170,33 +157,6 @@ class Transport:
         votes = np.array([1 if f else 0 for f in flags], dtype=np.int32)
         pset.group.allreduce(votes, "min")
         return [bool(v) for v in votes]
-
-    def allreduce_in_flight(self, count: int, op: str, pset: ProcessSetGroup,
-                            before: Callable[[int], Any],
-                            after: Callable[[int], None]) -> None:
-        """Reduces `count` arrays over `pset`'s network group, in order, `IN_FLIGHT_DEPTH`
-        on the wire at once: `before(i)` gives array i while the ones before it cross, and
-        `after(i)` runs once it is reduced. The next array is made ready before the oldest
-        lands, and sent as soon as it has: the link is never left with fewer transfers
-        than it can take while `after` runs."""
-        waiting: deque[tuple[int, Callable[[], None]]] = deque()
-        ready = before(0) if count else None
-        landed = None  # reduced, its `after` not run yet
-        for i in range(count):
-            waiting.append((i, pset.group.allreduce_async(ready, op)))
-            if landed is not None:
-                after(landed)
-                landed = None
-            ready = before(i + 1) if i + 1 < count else None
-            if len(waiting) >= IN_FLIGHT_DEPTH:
-                landed, finish = waiting.popleft()
-                finish()
-        if landed is not None:
-            after(landed)
-        while waiting:
-            landed, finish = waiting.popleft()
-            finish()
-            after(landed)
 
     def allreduce_many(self, arrays: list[Any], op: str, prescale: float,
                        postscale: float, pset: ProcessSetGroup) -> None:
@@ -323,36 +283,6 @@ def _same_memory(a: Any, b: Any) -> bool:
     if pointer is not None:
         return a.data_ptr() == b.data_ptr() and a.shape == b.shape
     return a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
-
-
-def in_flight_pieces(sizes: list[int], joined: list[bool] | None = None) -> list[list[int]]:
-    """A batch's arrays (their bytes, in batch order) as pieces for the wire, in batch order
-    after one packed piece of the small ones. `joined[i]`: array i lies right after array
-    i - 1 in memory on every rank (views of one buffer, as `DistributedOptimizer`'s
-    gradients are). Runs of joined arrays are cut into pieces of up to
-    `IN_FLIGHT_PIECE_BYTES` (a larger array alone), each reduced where it lies; a piece of
-    under `IN_FLIGHT_MIN_BYTES` gives its arrays to the packed piece, which goes first."""
-    joined = joined or [False] * len(sizes)
-    small: list[int] = []
-    pieces: list[list[int]] = []
-    piece: list[int] = []
-    nbytes = 0
-
-    def close() -> None:
-        if nbytes >= IN_FLIGHT_MIN_BYTES:
-            pieces.append(piece)
-        else:
-            small.extend(piece)
-
-    for i, size in enumerate(sizes):
-        if piece and (not joined[i] or nbytes + size > IN_FLIGHT_PIECE_BYTES):
-            close()
-            piece, nbytes = [], 0
-        piece.append(i)
-        nbytes += size
-    if piece:
-        close()
-    return ([small] if small else []) + pieces
 
 
 def fits_shm(array: Any) -> bool:

@@ -132,6 +132,14 @@ def _large_batch() -> dict:
              [torch.full((n_,), float(r + 1)) for n_ in (1_000_000, 100, 1_500_000)])
     rx.grouped_allreduce_(parts, op=rx.Sum, name="layouts")
     large_in_place = stats.fused_in_place - before
+    # batch after batch on the wire (each one's last pieces cross while the next is agreed),
+    # waited for in the opposite order
+    waves = [[torch.full((400_000 + k,), float((r + 1) * (w + 1))) for k in range(3)]
+             for w in range(4)]
+    handles = [rx.grouped_allreduce_async_(wave, op=rx.Sum, name=f"wave{w}")
+               for w, wave in enumerate(waves)]
+    for h in reversed(handles):
+        rx.synchronize(h)
     # every rank's tensors views of one buffer (DistributedOptimizer's gradients): they
     # cross together, a few MB a piece; then rank 1's lie apart under the same names (it
     # packs those pieces, the others still send theirs in place)
@@ -156,6 +164,8 @@ def _large_batch() -> dict:
         "layouts": all(torch.equal(p, torch.full_like(p, float(total)))
                        for p in [*parts, *views, *apart]),
         "arena_pieces": arena_pieces,
+        "waves": all(torch.equal(t, torch.full_like(t, float(total * (w + 1))))
+                     for w, wave in enumerate(waves) for t in wave),
         "large_in_place": large_in_place,
         "small_in_place": stats.fused_in_place - before,
     }
@@ -174,6 +184,7 @@ def test_across_a_network_a_large_batch_crosses_in_pieces(size):
         assert res["layouts"]
         assert res["large_in_place"] == 3 and res["small_in_place"] == 0
         assert res["arena_pieces"] == 3  # 12 MB back to back: 3 pieces, not 5 tensors
+        assert res["waves"]
 
 
 def _transport() -> str:

@@ -5,16 +5,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from raytrain_x.common.errors import ConfigError, WorkerError
+from raytrain_x.common.errors import ConfigError, InternalError, WorkerError
 from raytrain_x.engine.arrays import NUMPY, ops_for
 from raytrain_x.engine.coordinator import Coordinator, Report
 from raytrain_x.engine.messages import ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, Meta, Response
-from raytrain_x.engine.planner import plan_batches
-from raytrain_x.engine.transport import (
+from raytrain_x.engine.pieces import (
+    IN_FLIGHT_DEPTH,
     IN_FLIGHT_MIN_BYTES,
     IN_FLIGHT_PIECE_BYTES,
+    PieceStream,
     in_flight_pieces,
 )
+from raytrain_x.engine.planner import plan_batches
 from raytrain_x.ray.elastic.rounds import plan_round
 from raytrain_x.ray.failures import root_cause
 
@@ -309,3 +311,59 @@ def test_arrays_back_to_back_on_every_rank_cross_together_a_few_mb_at_a_time():
         [0, 1, 3], [2]]
     # nothing joined: as cut from the sizes alone
     assert in_flight_pieces([10, 3 * M, 20], [False] * 3) == in_flight_pieces([10, 3 * M, 20])
+
+
+class _Wire:
+    """A group whose transfers land when the test says (`land`), in any order; waiting
+    for one that has not landed is a test bug."""
+
+    def __init__(self) -> None:
+        self.sent: list[str] = []
+        self.landed: set[str] = set()
+        self.failed: set[str] = set()
+
+    def allreduce_async(self, array: str, op: str):
+        self.sent.append(array)
+
+        def finish() -> None:
+            if array in self.failed:
+                raise InternalError(f"{array} failed")
+            assert array in self.landed, f"waited for {array} before it landed"
+        return finish
+
+
+def test_pieces_stream_across_batches_and_each_batch_completes_after_its_last_piece():
+    wire, log = _Wire(), []
+    stream = PieceStream()
+    wire.landed.update(f"p{i}" for i in range(IN_FLIGHT_DEPTH + 2))
+    for i in range(IN_FLIGHT_DEPTH + 2):  # batch a: all but the last two; batch b: those
+        stream.send(wire, f"p{i}", "sum", lambda i=i: log.append(f"after p{i}"))
+        stream.make_room()
+        if i == IN_FLIGHT_DEPTH - 1:
+            stream.close_batch(lambda err: log.append(f"a done {err}"))
+    stream.close_batch(lambda err: log.append(f"b done {err}"))
+    # the oldest pieces were finished as later ones went out; batch b's are still crossing
+    assert len(wire.sent) == IN_FLIGHT_DEPTH + 2 and 0 < len(stream) <= IN_FLIGHT_DEPTH
+    assert "b done None" not in log
+    stream.drain()
+    afters = [e for e in log if e.startswith("after")]
+    assert afters == [f"after p{i}" for i in range(IN_FLIGHT_DEPTH + 2)]  # in order
+    assert log.index("a done None") == log.index(f"after p{IN_FLIGHT_DEPTH - 1}") + 1
+    assert log[-1] == "b done None" and len(stream) == 0
+    # nothing crossing: a batch completes as it closes
+    stream.close_batch(lambda err: log.append(f"c done {err}"))
+    assert log[-1] == "c done None"
+
+
+def test_a_failed_piece_fails_every_batch_still_crossing():
+    wire, log = _Wire(), []
+    stream = PieceStream()
+    wire.failed.add("p0")
+    stream.send(wire, "p0", "sum", lambda: log.append("after p0"))
+    stream.close_batch(lambda err: log.append(f"a {err}"))
+    stream.send(wire, "p1", "sum", lambda: log.append("after p1"))
+    stream.close_batch(lambda err: log.append(f"b {err}"))
+    with pytest.raises(InternalError):
+        stream.drain()
+    stream.fail(InternalError("p0 failed"))
+    assert log == ["a p0 failed", "b p0 failed"] and len(stream) == 0
