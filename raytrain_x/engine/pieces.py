@@ -11,11 +11,11 @@ from typing import Any
 # the smaller arrays packed together first, each piece scaled (the small ones unpacked)
 # while others cross, rather than the whole batch packed and unpacked while the link idles.
 IN_FLIGHT_MIN_BYTES = 1 << 20
-# Pieces handed to the group at once. Gloo's two threads send two at a time; the others
-# wait in its queue, so a thread that finishes one starts the next at once instead of
-# waiting for the engine to notice (4 against 2: 886 against 899 ms a step of the torch GPU
-# regime across 2 emulated hosts; 8: no better).
-IN_FLIGHT_DEPTH = 4
+# Pieces handed to the group at once: gloo's two threads, one for each. More wait in its
+# queue, which also holds the engine's next negotiation behind them: the torch face's
+# gradients across a network gained a little with 4, the TensorFlow face's chunks lost
+# more (each batch of chunks agreed later).
+IN_FLIGHT_DEPTH = 2
 # Arrays that lie back to back on every rank cross together, in pieces up to this size:
 # fewer, larger transfers than one per array (each costs a round of messages), still cut
 # finely enough for the transfers to overlap the scaling.
