@@ -85,7 +85,7 @@ class ArrayOps:
 
     def follows(self, before: Any, after: Any) -> bool:
         """True when `after` starts where `before` ends, in one buffer (what `span` joins)."""
-        return False
+        return self.span([before, after]) is not None
 
 
 class NumpyOps(ArrayOps):

@@ -113,7 +113,7 @@ class CollectiveRunner:
         # Across a network, a batch with large tensors: pieces on the wire a few at a time,
         # their copies and scaling beside the transfers (decided from the agreed sizes, so
         # every rank goes this way, whatever its memory layout).
-        in_flight = (len(batch) > 1 and wire == meta.dtype and meta.op != "adasum"
+        in_flight = (wire == meta.dtype and meta.op != "adasum"
                      and transport.can_reduce_in_flight(pset, [r.meta for r in batch],
                                                         reduce_op, hierarchical))
         if not in_flight:

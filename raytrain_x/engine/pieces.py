@@ -49,10 +49,7 @@ class PieceStream:
         """Waits for the oldest piece when `IN_FLIGHT_DEPTH` are on the wire; its `after`
         runs at the next `send` (or `drain`)."""
         while len(self._waiting) >= IN_FLIGHT_DEPTH:
-            self._finish_landed()
-            entry = self._waiting[0]
-            entry[0]()  # raises when the transfer failed: the entry stays for `fail`
-            self._landed = self._waiting.popleft()
+            self._land_oldest()
 
     def close_batch(self, done: Callable[[BaseException | None], None]) -> None:
         """`done(None)` once every piece sent so far has landed and been finished."""
@@ -65,11 +62,9 @@ class PieceStream:
 
     def drain(self) -> None:
         """Lands and finishes every piece."""
-        self._finish_landed()
         while self._waiting:
-            self._waiting[0][0]()
-            self._landed = self._waiting.popleft()
-            self._finish_landed()
+            self._land_oldest()
+        self._finish_landed()
 
     def fail(self, error: BaseException) -> None:
         """Gives `error` to every batch still on the wire and forgets them."""
@@ -79,6 +74,12 @@ class PieceStream:
         for entry in entries:
             if entry[2] is not None:
                 entry[2](error)
+
+    def _land_oldest(self) -> None:
+        """Finishes the piece that landed before, then waits for the oldest on the wire."""
+        self._finish_landed()
+        self._waiting[0][0]()  # raises when the transfer failed: the entry stays for `fail`
+        self._landed = self._waiting.popleft()
 
     def _finish_landed(self) -> None:
         entry, self._landed = self._landed, None

@@ -31,6 +31,8 @@ from raytrain_x.engine.pieces import IN_FLIGHT_MIN_BYTES
 # Hierarchical allreduce runs in chunks this size; with shared memory on the host, one
 # chunk's local sum overlaps the previous chunk's network transfer.
 PIPELINE_CHUNK_BYTES = 4 << 20
+
+
 class Transport:
     """The routes of one rendezvous round; opened collectively (every rank, same order)."""
 

@@ -75,13 +75,5 @@ class TorchOps(ArrayOps):
         return first.new_empty(0).set_(storage, first.storage_offset(), (count,))
 
 
-    def follows(self, before, after):
-        return (before.device.type == "cpu" and after.device.type == "cpu"
-                and before.dtype == after.dtype and before.is_contiguous()
-                and after.is_contiguous()
-                and after.data_ptr() == before.data_ptr() + before.numel() * before.element_size()
-                and after.untyped_storage().data_ptr() == before.untyped_storage().data_ptr())
-
-
 TORCH = TorchOps()
 register(TORCH, torch.Tensor)

@@ -314,8 +314,8 @@ def test_arrays_back_to_back_on_every_rank_cross_together_a_few_mb_at_a_time():
 
 
 class _Wire:
-    """A group whose transfers land when the test says (`land`), in any order; waiting
-    for one that has not landed is a test bug."""
+    """A group whose transfers have landed once the test puts them in `landed` (or failed,
+    in `failed`); waiting for one that has not landed is a test bug."""
 
     def __init__(self) -> None:
         self.sent: list[str] = []
