@@ -37,10 +37,15 @@ class Group:
         """In-place allreduce; `op` is sum, min, max, product or band."""
         raise NotImplementedError
 
-    def allreduce_async(self, array: Any, op: str = "sum") -> Callable[[], None]:
+    def allreduce_async(self, array: Any, op: str = "sum",
+                        landed: Callable[[], None] | None = None) -> Callable[[], None]:
         """Starts an in-place allreduce; returns the function that waits for it (and
-        raises as `allreduce` would). Backends that cannot overlap run it now."""
+        raises as `allreduce` would). `landed`, if given, is called once a started transfer
+        has finished or failed, from whichever thread saw it (not when starting it raised).
+        Backends that cannot overlap run it now."""
         self.allreduce(array, op)
+        if landed is not None:
+            landed()
         return lambda: None
 
     def broadcast(self, array: Any, root: int) -> None:

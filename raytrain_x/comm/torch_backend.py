@@ -109,6 +109,12 @@ def _gpu_operations() -> str:
     return value
 
 
+def _on_landed(work: Any, landed: Callable[[], None] | None) -> None:
+    """Calls `landed` once `work` finished or failed (from the backend's thread)."""
+    if landed is not None:
+        work.get_future().add_done_callback(lambda _: landed())
+
+
 class TorchGroup(Group):
     """A gloo group and, on first use by a CUDA tensor, an nccl one (gloo carries CUDA
     tensors too where `RAYTRAIN_X_GPU_OPERATIONS=gloo`: ranks sharing one GPU)."""
@@ -157,7 +163,8 @@ class TorchGroup(Group):
     def allreduce(self, array: Any, op: str = "sum") -> None:
         self.allreduce_async(array, op)()
 
-    def allreduce_async(self, array: Any, op: str = "sum") -> Callable[[], None]:
+    def allreduce_async(self, array: Any, op: str = "sum",
+                        landed: Callable[[], None] | None = None) -> Callable[[], None]:
         tensor = as_tensor(array)
         opts = dist.AllreduceOptions()
         opts.reduceOp = REDUCE_OPS[op]
@@ -167,12 +174,14 @@ class TorchGroup(Group):
         if wide is not None:
             work_tensor = tensor.to(wide)
             work = self._call("allreduce", lambda: pg.allreduce([work_tensor], opts))
+            _on_landed(work, landed)
 
             def finish() -> None:
                 self._call("allreduce", work.wait)
                 tensor.copy_(work_tensor)
             return finish
         work = self._call("allreduce", lambda: pg.allreduce([tensor], opts))
+        _on_landed(work, landed)
         return lambda: self._call("allreduce", lambda: (work.wait(), tensor))
 
     def broadcast(self, array: Any, root: int) -> None:

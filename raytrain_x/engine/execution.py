@@ -31,7 +31,7 @@ from raytrain_x.engine.messages import (
     Request,
     Response,
 )
-from raytrain_x.engine.pieces import IN_FLIGHT_DEPTH, PieceStream, in_flight_pieces
+from raytrain_x.engine.pieces import IN_FLIGHT_HELD, PieceStream, in_flight_pieces
 from raytrain_x.engine.speculation import elements
 from raytrain_x.engine.timeline import Timeline
 from raytrain_x.engine.transport import Transport
@@ -205,8 +205,8 @@ class CollectiveRunner:
             names = [batch[i].name for i in pieces[k]]
             whole = members[0] if len(members) == 1 else ops.span(members)
             if whole is None:
-                # packed pieces take turns over buffers enough for those still on the wire
-                self._slot = self._slot % (IN_FLIGHT_DEPTH + 1) + 1
+                # packed pieces take turns over buffers enough for those not finished
+                self._slot = self._slot % (IN_FLIGHT_HELD + 1) + 1
                 total = sum(ops.numel(t) for t in members)
                 buf = self._buffers.get(wire, total * DTYPE_SIZES[wire], slot=self._slot)
                 pack(members, buf, pre, 0, names)

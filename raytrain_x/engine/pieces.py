@@ -3,6 +3,7 @@ stream that keeps a few pieces on the wire at once, across batches (`PieceStream
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -11,88 +12,123 @@ from typing import Any
 # the smaller arrays packed together first, each piece scaled (the small ones unpacked)
 # while others cross, rather than the whole batch packed and unpacked while the link idles.
 IN_FLIGHT_MIN_BYTES = 1 << 20
-# Pieces handed to the group at once: gloo's two threads, one for each. More wait in its
-# queue, which also holds the engine's next negotiation behind them: the torch face's
-# gradients across a network gained a little with 4, the TensorFlow face's chunks lost
-# more (each batch of chunks agreed later).
+# Pieces crossing at once: gloo's two threads, one for each; the next piece goes out as
+# soon as either lands, whichever it is. More wait in gloo's queue, which also holds the
+# engine's next negotiation behind them: the torch face's gradients across a network gained
+# a little with 4, the TensorFlow face's chunks lost more (each batch of chunks agreed later).
 IN_FLIGHT_DEPTH = 2
+# Pieces sent and not yet finished (landed, then scaled or unpacked in order): a large piece
+# may still cross while smaller ones behind it land and more go out, up to this many.
+IN_FLIGHT_HELD = 2 * IN_FLIGHT_DEPTH
 # Arrays that lie back to back on every rank cross together, in pieces up to this size:
 # fewer, larger transfers than one per array (each costs a round of messages), still cut
 # finely enough for the transfers to overlap the scaling.
 IN_FLIGHT_PIECE_BYTES = 4 << 20
 
 
+class _Piece:
+    __slots__ = ("wait", "after", "done", "landed")
+
+    def __init__(self, after: Callable[[], None]) -> None:
+        self.wait: Callable[[], None] = _nothing  # raises when the transfer failed
+        self.after = after
+        self.done: Callable[[BaseException | None], None] | None = None  # its batch's
+        self.landed = False
+
+
 class PieceStream:
-    """Pieces of fused batches on a network group's wire, in order, `IN_FLIGHT_DEPTH` at
-    once, across batches: the last pieces of one batch are still crossing while the
-    engine agrees on the next one. Each piece's `after` (its scaling or unpacking) runs
-    once it has landed and the piece behind it is on the wire; a batch's `done` runs after
-    its last piece's `after`.
+    """Pieces of fused batches on a network group's wire, in order, `IN_FLIGHT_DEPTH`
+    crossing at once, across batches: the last pieces of one batch are still crossing
+    while the engine agrees on the next one. A piece goes out as soon as any crossing one
+    lands. Pieces are finished in the order they were sent: each piece's `after` (its
+    scaling or unpacking) runs once it and every piece before it have landed, at the next
+    `send` (so that the next piece is already on the wire) or `drain`; a batch's `done`
+    runs after its last piece's `after`.
 
     Every rank sends the same pieces in the same order (they are cut from agreed sizes), so
-    when this rank lands a piece says nothing the others must match."""
+    when this rank's pieces land says nothing the others must match."""
 
     def __init__(self) -> None:
-        # [finish, after, done]: on the wire, oldest first
-        self._waiting: deque[list[Any]] = deque()
-        self._landed: list[Any] | None = None  # reduced; its `after` not run yet
+        self._pieces: deque[_Piece] = deque()  # sent, not finished; oldest first
+        self._crossing = 0  # of those, not landed yet
+        self._cond = threading.Condition()
 
     def __len__(self) -> int:
-        return len(self._waiting) + (self._landed is not None)
+        return len(self._pieces)
 
     def send(self, group: Any, array: Any, op: str, after: Callable[[], None]) -> None:
-        """Puts `array` on the wire, then finishes the piece that landed before it."""
-        self._waiting.append([group.allreduce_async(array, op), after, None])
-        self._finish_landed()
+        """Puts `array` on the wire, then finishes the pieces that landed before it."""
+        piece = _Piece(after)
+        with self._cond:
+            self._crossing += 1
+        try:
+            piece.wait = group.allreduce_async(array, op, lambda: self._landed(piece))
+        except BaseException:
+            self._landed(piece)
+            raise
+        self._pieces.append(piece)
+        self._finish_landed(before=piece)
 
     def make_room(self) -> None:
-        """Waits for the oldest piece when `IN_FLIGHT_DEPTH` are on the wire; its `after`
-        runs at the next `send` (or `drain`)."""
-        while len(self._waiting) >= IN_FLIGHT_DEPTH:
+        """Waits until fewer than `IN_FLIGHT_DEPTH` pieces cross and fewer than
+        `IN_FLIGHT_HELD` are unfinished (finishing the oldest for room)."""
+        with self._cond:
+            while self._crossing >= IN_FLIGHT_DEPTH:
+                self._cond.wait()
+        while len(self._pieces) >= IN_FLIGHT_HELD:
             self._land_oldest()
 
     def close_batch(self, done: Callable[[BaseException | None], None]) -> None:
         """`done(None)` once every piece sent so far has landed and been finished."""
-        if self._waiting:
-            self._waiting[-1][2] = done
-        elif self._landed is not None and self._landed[2] is None:
-            self._landed[2] = done
+        if self._pieces:
+            self._pieces[-1].done = done
         else:
             done(None)
 
     def drain(self) -> None:
         """Lands and finishes every piece."""
-        while self._waiting:
+        while self._pieces:
             self._land_oldest()
-        self._finish_landed()
 
     def fail(self, error: BaseException) -> None:
         """Gives `error` to every batch still on the wire and forgets them."""
-        entries = ([self._landed] if self._landed is not None else []) + list(self._waiting)
-        self._landed = None
-        self._waiting.clear()
-        for entry in entries:
-            if entry[2] is not None:
-                entry[2](error)
+        pieces = list(self._pieces)
+        self._pieces.clear()
+        for piece in pieces:
+            if piece.done is not None:
+                piece.done(error)
+
+    def _landed(self, piece: _Piece) -> None:  # from the group's thread
+        with self._cond:
+            piece.landed = True
+            self._crossing -= 1
+            self._cond.notify_all()
 
     def _land_oldest(self) -> None:
-        """Finishes the piece that landed before, then waits for the oldest on the wire."""
+        oldest = self._pieces[0]
+        with self._cond:
+            while not oldest.landed:
+                self._cond.wait()
         self._finish_landed()
-        self._waiting[0][0]()  # raises when the transfer failed: the entry stays for `fail`
-        self._landed = self._waiting.popleft()
 
-    def _finish_landed(self) -> None:
-        entry, self._landed = self._landed, None
-        if entry is None:
-            return
-        try:
-            entry[1]()
-        except BaseException as exc:
-            if entry[2] is not None:
-                entry[2](exc)
-            raise
-        if entry[2] is not None:
-            entry[2](None)
+    def _finish_landed(self, before: _Piece | None = None) -> None:
+        """Finishes the landed pieces at the head, oldest first (up to `before`)."""
+        while self._pieces and self._pieces[0].landed and self._pieces[0] is not before:
+            piece = self._pieces[0]
+            piece.wait()  # raises when the transfer failed: the piece stays for `fail`
+            self._pieces.popleft()
+            try:
+                piece.after()
+            except BaseException as exc:
+                if piece.done is not None:
+                    piece.done(exc)
+                raise
+            if piece.done is not None:
+                piece.done(None)
+
+
+def _nothing() -> None:
+    pass
 
 
 def in_flight_pieces(sizes: list[int], joined: list[bool] | None = None) -> list[list[int]]:

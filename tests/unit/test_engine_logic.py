@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import pytest
 
@@ -11,6 +14,7 @@ from raytrain_x.engine.coordinator import Coordinator, Report
 from raytrain_x.engine.messages import ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, Meta, Response
 from raytrain_x.engine.pieces import (
     IN_FLIGHT_DEPTH,
+    IN_FLIGHT_HELD,
     IN_FLIGHT_MIN_BYTES,
     IN_FLIGHT_PIECE_BYTES,
     PieceStream,
@@ -314,22 +318,32 @@ def test_arrays_back_to_back_on_every_rank_cross_together_a_few_mb_at_a_time():
 
 
 class _Wire:
-    """A group whose transfers have landed once the test puts them in `landed` (or failed,
-    in `failed`); waiting for one that has not landed is a test bug."""
+    """A group whose transfers land when the test says (`land`; those named in `landed`
+    or `failed` land as they are sent); waiting for one that has not landed is a test
+    bug."""
 
     def __init__(self) -> None:
         self.sent: list[str] = []
         self.landed: set[str] = set()
         self.failed: set[str] = set()
+        self._callbacks: dict[str, object] = {}
 
-    def allreduce_async(self, array: str, op: str):
+    def allreduce_async(self, array: str, op: str, landed=None):
         self.sent.append(array)
+        self._callbacks[array] = landed
+        if array in self.landed | self.failed:
+            self.land(array)
 
         def finish() -> None:
             if array in self.failed:
                 raise InternalError(f"{array} failed")
             assert array in self.landed, f"waited for {array} before it landed"
         return finish
+
+    def land(self, array: str) -> None:
+        if array not in self.failed:
+            self.landed.add(array)
+        self._callbacks.pop(array)()
 
 
 def test_pieces_stream_across_batches_and_each_batch_completes_after_its_last_piece():
@@ -355,13 +369,53 @@ def test_pieces_stream_across_batches_and_each_batch_completes_after_its_last_pi
     assert log[-1] == "c done None"
 
 
+def test_a_piece_goes_out_as_soon_as_any_lands_and_pieces_finish_in_order():
+    wire, log = _Wire(), []
+    stream = PieceStream()
+    for i in range(IN_FLIGHT_DEPTH):
+        stream.send(wire, f"p{i}", "sum", lambda i=i: log.append(f"after p{i}"))
+    wire.land(f"p{IN_FLIGHT_DEPTH - 1}")  # the newest lands first: room for one more
+    stream.make_room()
+    stream.send(wire, "next", "sum", lambda: log.append("after next"))
+    stream.close_batch(lambda err: log.append(f"done {err}"))
+    assert log == []  # p0 still crosses: nothing behind it is finished before it
+    assert len(stream) == IN_FLIGHT_DEPTH + 1
+    wire.land("p0")
+    wire.land("next")
+    stream.drain()
+    assert log == [f"after p{i}" for i in range(IN_FLIGHT_DEPTH)] + ["after next", "done None"]
+    # however fast the later ones land, at most IN_FLIGHT_HELD wait behind the oldest: the
+    # next waits until it lands
+    order = []
+
+    def land_slow_once_the_stream_is_full() -> None:
+        while len(stream) < IN_FLIGHT_HELD:
+            time.sleep(0.01)
+        order.append("slow landed")
+        wire.land("slow")
+
+    stream.send(wire, "slow", "sum", lambda: None)
+    lander = threading.Thread(target=land_slow_once_the_stream_is_full)
+    lander.start()
+    for i in range(IN_FLIGHT_HELD):
+        wire.landed.add(f"q{i}")
+        stream.make_room()
+        order.append(f"q{i} sent")
+        stream.send(wire, f"q{i}", "sum", lambda: None)
+        assert len(stream) <= IN_FLIGHT_HELD
+    lander.join()
+    assert order.index("slow landed") == order.index(f"q{IN_FLIGHT_HELD - 1} sent") - 1
+    stream.drain()
+
+
 def test_a_failed_piece_fails_every_batch_still_crossing():
     wire, log = _Wire(), []
     stream = PieceStream()
     wire.failed.add("p0")
     stream.send(wire, "p0", "sum", lambda: log.append("after p0"))
     stream.close_batch(lambda err: log.append(f"a {err}"))
-    stream.send(wire, "p1", "sum", lambda: log.append("after p1"))
+    with pytest.raises(InternalError):  # p0's failure surfaces as the next piece goes out
+        stream.send(wire, "p1", "sum", lambda: log.append("after p1"))
     stream.close_batch(lambda err: log.append(f"b {err}"))
     with pytest.raises(InternalError):
         stream.drain()
