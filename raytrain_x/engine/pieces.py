@@ -30,7 +30,8 @@ class _Piece:
     __slots__ = ("wait", "after", "done", "landed")
 
     def __init__(self, after: Callable[[], None]) -> None:
-        self.wait: Callable[[], None] = _nothing  # raises when the transfer failed
+        # raises when the transfer failed; set as it is sent, before the stream holds it
+        self.wait: Callable[[], None] | None = None
         self.after = after
         self.done: Callable[[BaseException | None], None] | None = None  # its batch's
         self.landed = False
@@ -50,8 +51,7 @@ class PieceStream:
 
     def __init__(self) -> None:
         self._pieces: deque[_Piece] = deque()  # sent, not finished; oldest first
-        self._crossing = 0  # of those, not landed yet
-        self._cond = threading.Condition()
+        self._cond = threading.Condition()  # a piece landed
 
     def __len__(self) -> int:
         return len(self._pieces)
@@ -59,13 +59,7 @@ class PieceStream:
     def send(self, group: Any, array: Any, op: str, after: Callable[[], None]) -> None:
         """Puts `array` on the wire, then finishes the pieces that landed before it."""
         piece = _Piece(after)
-        with self._cond:
-            self._crossing += 1
-        try:
-            piece.wait = group.allreduce_async(array, op, lambda: self._landed(piece))
-        except BaseException:
-            self._landed(piece)
-            raise
+        piece.wait = group.allreduce_async(array, op, lambda: self._landed(piece))
         self._pieces.append(piece)
         self._finish_landed(before=piece)
 
@@ -73,8 +67,8 @@ class PieceStream:
         """Waits until fewer than `IN_FLIGHT_DEPTH` pieces cross and fewer than
         `IN_FLIGHT_HELD` are unfinished (finishing the oldest for room)."""
         with self._cond:
-            while self._crossing >= IN_FLIGHT_DEPTH:
-                self._cond.wait()
+            self._cond.wait_for(
+                lambda: sum(not p.landed for p in self._pieces) < IN_FLIGHT_DEPTH)
         while len(self._pieces) >= IN_FLIGHT_HELD:
             self._land_oldest()
 
@@ -101,14 +95,12 @@ class PieceStream:
     def _landed(self, piece: _Piece) -> None:  # from the group's thread
         with self._cond:
             piece.landed = True
-            self._crossing -= 1
             self._cond.notify_all()
 
     def _land_oldest(self) -> None:
         oldest = self._pieces[0]
         with self._cond:
-            while not oldest.landed:
-                self._cond.wait()
+            self._cond.wait_for(lambda: oldest.landed)
         self._finish_landed()
 
     def _finish_landed(self, before: _Piece | None = None) -> None:
@@ -125,10 +117,6 @@ class PieceStream:
                 raise
             if piece.done is not None:
                 piece.done(None)
-
-
-def _nothing() -> None:
-    pass
 
 
 def in_flight_pieces(sizes: list[int], joined: list[bool] | None = None) -> list[list[int]]:
