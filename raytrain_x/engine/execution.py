@@ -151,12 +151,16 @@ class CollectiveRunner:
             # gradients): the batch is reduced where it lies, no copies. The elements are in
             # the same order as a packed batch, so ranks that pack agree with this one.
             self.stats.fused_in_place += 1
-            if pre != 1.0:
-                ops.scale(span, pre)
-            self._timed(row, "ALLREDUCE",
-                        lambda: transport.allreduce(span, reduce_op, pset, hierarchical))
-            if post != 1.0:
-                ops.scale(span, post)
+            if transport.can_reduce_many(pset, [span]):  # scaled in the same pass
+                self._timed(row, "ALLREDUCE", lambda: transport.allreduce_many(
+                    [span], reduce_op, pre, post, pset))
+            else:
+                if pre != 1.0:
+                    ops.scale(span, pre)
+                self._timed(row, "ALLREDUCE",
+                            lambda: transport.allreduce(span, reduce_op, pset, hierarchical))
+                if post != 1.0:
+                    ops.scale(span, post)
         elif wire == meta.dtype and transport.can_reduce_many(pset, tensors):
             # Fused straight through the shared slots: no fusion-buffer copies.
             self._timed(row, "ALLREDUCE",
