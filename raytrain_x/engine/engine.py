@@ -83,6 +83,7 @@ class Engine:
                           if timeline_path and self.rank == 0 else None)
         self._runner = CollectiveRunner(self._transport, self._timeline, self.stats)
         self._cond = threading.Condition()
+        self._runner.stream.wakes = self._cond  # a landing wakes an idle engine too
         self._queue: list[Request] = []
         self._inflight: set[str] = set()
         self._pending: dict[str, Request] = {}
@@ -213,9 +214,7 @@ class Engine:
         busy = False  # work was waiting when the last cycle ended
         try:
             while True:
-                with self._cond:
-                    if not self._has_work():
-                        self._cond.wait(_IDLE_WAKE_S)
+                self._runner.stream.wait_for_work(self._has_work, _IDLE_WAKE_S)
                 # The cycle time paces cycles while work keeps coming (so tensors batch);
                 # the first request after an idle spell starts a cycle at once.
                 wait = last + self.knobs.cycle_time_ms / 1000.0 - time.perf_counter()
@@ -290,11 +289,12 @@ class Engine:
 
         for batch in plan_batches(responses, self.knobs.fusion_threshold_bytes):
             self._execute(batch)
-        # the last pieces may cross during the next negotiation, if more work is coming
-        with self._cond:
-            more = bool(self._queue or self._pending)
-        if not (responses and more) or agreement.stop:
+        # the last pieces cross while the next cycle negotiates or the engine waits for
+        # work; those that landed already complete their batches now
+        if agreement.stop:
             self._runner.stream.drain()
+        else:
+            self._runner.stream.finish_landed()
 
         if responses:
             self._ran(responses)

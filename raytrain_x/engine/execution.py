@@ -132,7 +132,7 @@ class CollectiveRunner:
         if len(batch) > 1:
             self.stats.fused += 1
             self.stats.fused_tensors += len(batch)
-        if len(tensors) == 1 and wire == meta.dtype:
+        if len(tensors) == 1 and wire == meta.dtype and not in_flight:
             t = tensors[0]
             if pre != 1.0:
                 ops.scale(t, pre)
@@ -141,7 +141,7 @@ class CollectiveRunner:
             if post != 1.0:
                 ops.scale(t, post)
         elif in_flight:
-            self.stats.fused_in_place += 1
+            self.stats.fused_in_place += len(batch) > 1
             self._timed(row, "ALLREDUCE", lambda: self._allreduce_in_flight(
                 batch, tensors, ops, reduce_op, pre, post, pset, wire))
             if not floating:  # scaled in float64 once summed
@@ -219,12 +219,14 @@ class CollectiveRunner:
                 ops.scale(whole, pre)
             return whole, (lambda: ops.scale(whole, post)) if post != 1.0 else _nothing
 
+        # room is made before each send, not after the last: the next cycle negotiates
+        # while this batch's last pieces cross
         stream = self.stream
         ready = prepare(0)
         for k in range(len(pieces)):
+            stream.make_room()
             stream.send(pset.group, ready[0], reduce_op, ready[1])
             ready = prepare(k + 1) if k + 1 < len(pieces) else None
-            stream.make_room()
 
     def _joined_on_all(self, batch, tensors, ops, pset) -> list[bool]:
         """For each array of `batch`, whether it lies right after the one before it on

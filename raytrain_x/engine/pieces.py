@@ -4,6 +4,7 @@ stream that keeps a few pieces on the wire at once, across batches (`PieceStream
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -52,6 +53,9 @@ class PieceStream:
     def __init__(self) -> None:
         self._pieces: deque[_Piece] = deque()  # sent, not finished; oldest first
         self._cond = threading.Condition()  # a piece landed
+        # notified (from the group's thread) whenever a piece lands: the condition an idle
+        # engine waits on in `wait_for_work`
+        self.wakes: threading.Condition | None = None
 
     def __len__(self) -> int:
         return len(self._pieces)
@@ -79,6 +83,24 @@ class PieceStream:
         else:
             done(None)
 
+    def finish_landed(self) -> None:
+        """Finishes the pieces that have landed, oldest first, without waiting."""
+        self._finish_landed()
+
+    def wait_for_work(self, has_work: Callable[[], bool], seconds: float) -> None:
+        """Until `has_work()` (asked under `wakes`, which whoever brings work notifies) or
+        `seconds` pass, finishing the pieces as they land (each landing notifies `wakes`
+        too), so their batches complete while the engine has nothing else to do."""
+        deadline = time.monotonic() + seconds
+        while True:
+            self._finish_landed()
+            with self.wakes:
+                left = deadline - time.monotonic()
+                if has_work() or left <= 0:
+                    return
+                if not (self._pieces and self._pieces[0].landed):  # else: finish it first
+                    self.wakes.wait(left)
+
     def drain(self) -> None:
         """Lands and finishes every piece."""
         while self._pieces:
@@ -96,6 +118,9 @@ class PieceStream:
         with self._cond:
             piece.landed = True
             self._cond.notify_all()
+        if self.wakes is not None:
+            with self.wakes:
+                self.wakes.notify_all()
 
     def _land_oldest(self) -> None:
         oldest = self._pieces[0]

@@ -143,11 +143,12 @@ class Transport:
 
     def can_reduce_in_flight(self, pset: ProcessSetGroup, metas: list[Meta], op: str,
                              hierarchical: bool) -> bool:
-        """True when a fused batch crosses in pieces (`PieceStream`): a network group (no shared
-        memory, no hierarchical stages), host memory, an array of `IN_FLIGHT_MIN_BYTES` or
-        more. Decided from what every rank agreed (the requests' sizes and device), never
-        from this rank's memory, so every rank goes alike."""
-        if len(metas) < 2 or self._shm_of(pset) is not None:
+        """True when a batch crosses in pieces on the stream (`PieceStream`), so the engine
+        goes on while it crosses: a network group (no shared memory, no hierarchical
+        stages), host memory, an array of `IN_FLIGHT_MIN_BYTES` or more (a single one too:
+        one piece). Decided from what every rank agreed (the requests' sizes and device),
+        never from this rank's memory, so every rank goes alike."""
+        if self._shm_of(pset) is not None:
             return False
         if self._goes_hierarchical(op, pset, hierarchical):
             return False

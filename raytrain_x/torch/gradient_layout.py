@@ -49,6 +49,12 @@ class GradientBuffer:
         for p in self.views:
             self.attach_one(p)
 
+    def attach_zeroed(self, p: torch.Tensor) -> None:
+        """Points `p.grad` at its view, zeroed: backward is about to add its gradient."""
+        view = self.views[p]
+        view.zero_()
+        p.grad = view
+
     def attach_one(self, p: torch.Tensor) -> None:
         """Points `p.grad` back at its view (after a `model.zero_grad()` set it to None
         and backward made a new tensor), keeping the gradient's value."""
@@ -204,11 +210,21 @@ class GradientLayout:
             del holder.views[p]
             p.grad = None
 
-    def zero(self) -> None:
-        """Zeroes every buffer; the gradients stay its views."""
-        for buffer in self.buffers():
+    def zero(self, set_to_none: bool) -> None:
+        """Zeroes every bucket; the gradients stay its views. Arenas too, or with
+        `set_to_none` their gradients become None and each view is zeroed just before
+        backward adds the next gradient to it (`attach_zeroed`): no pass over every
+        gradient's memory before the step's first gradient can go out."""
+        for buffer in self.buckets:
             buffer.flat.zero_()
             buffer.attach()
+        for buffer in self.arenas:
+            if set_to_none:
+                for p in buffer.views:
+                    p.grad = None
+            else:
+                buffer.flat.zero_()
+                buffer.attach()
 
 
 def _moved(p: torch.Tensor, old_of: dict, left: dict) -> None:

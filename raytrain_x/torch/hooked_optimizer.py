@@ -30,6 +30,20 @@ def grad_ready_hooks(optimizer: object, params: list[torch.Tensor]) -> list:
     return [p.register_post_accumulate_grad_hook(ready) for p in params]
 
 
+def grad_arriving_hooks(optimizer: object, params: list[torch.Tensor]) -> list:
+    """Gradient hooks (run before backward accumulates into `.grad`) that call
+    `optimizer._on_grad_arriving(p)` through a weak reference (see `grad_ready_hooks`)."""
+    me = weakref.ref(optimizer)
+
+    def hook(p: torch.Tensor) -> Callable[[torch.Tensor], None]:
+        def arriving(grad: torch.Tensor) -> None:
+            opt = me()
+            if opt is not None:
+                opt._on_grad_arriving(p)
+        return arriving
+    return [p.register_hook(hook(p)) for p in params]
+
+
 def first_gradient_probe(optimizer: object, p: torch.Tensor) -> Callable[[torch.Tensor], None]:
     """A gradient hook that shows `p`'s first gradient to `optimizer._look(p, grad)`
     (through a weak reference, as `grad_ready_hooks`)."""

@@ -30,6 +30,7 @@ from raytrain_x.torch.gradient_layout import GradientBuffer, GradientLayout, exp
 from raytrain_x.torch.hooked_optimizer import (
     HookedOptimizer,
     first_gradient_probe,
+    grad_arriving_hooks,
     grad_ready_hooks,
 )
 from raytrain_x.torch.requests import CompositeHandle
@@ -57,6 +58,7 @@ class GradientAllreduceOptimizer(HookedOptimizer):
         self._synchronized = False
         self._should_synchronize = True
         self._hooks = grad_ready_hooks(self, self._requires_update)
+        self._arriving = grad_arriving_hooks(self, self._requires_update)
         # A gradient's first arrival tells whether it is sparse (nn.Embedding(sparse=True)):
         # such a parameter leaves its bucket before its sparse gradient would be summed
         # into the bucket's dense view; each probe removes itself after that first look.
@@ -88,12 +90,19 @@ class GradientAllreduceOptimizer(HookedOptimizer):
         if grad.is_sparse:
             self._layout.make_sparse(p)
 
+    def _on_grad_arriving(self, p: torch.Tensor) -> None:
+        """Before backward adds `p`'s gradient: an arena gradient set to None by
+        `zero_grad()` gets its view back, zeroed (so it accumulates there, in place)."""
+        if p.grad is None:
+            arena = self._layout.arena_of.get(p)
+            if arena is not None:
+                arena.attach_zeroed(p)
+
     def _allreduce_grad(self, p: torch.Tensor) -> Handle:
         if p.grad is None:  # no gradient this step: zeros, as Horovod sends
             arena = self._layout.arena_of.get(p)
             if arena is not None:
-                arena.views[p].zero_()
-                arena.attach_one(p)
+                arena.attach_zeroed(p)
             else:
                 p.grad = torch.zeros_like(p)
         if p.grad.is_sparse:
@@ -217,13 +226,15 @@ class GradientAllreduceOptimizer(HookedOptimizer):
         return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zeroes gradients. Bucketed gradients stay views of their buffers (zeroed, never
-        set to None), as with DDP's gradient_as_bucket_view."""
+        """Zeroes gradients, or sets them to None (the default, as torch's). Gradients in
+        fixed buckets stay views of their buffers (zeroed, never None), as with DDP's
+        gradient_as_bucket_view; the others find their place in the arena again when
+        backward brings the next one, zeroed there just before it is added."""
         self._drop_finished()
         if self._handles or self._bucket_handles:
             raise ConfigError("zero_grad() called while gradient allreduces are in flight; "
                               "call step() or synchronize() first")
-        self._layout.zero()
+        self._layout.zero(set_to_none)
         if self._layout.holds_all():
             return None
         return super().zero_grad(set_to_none)

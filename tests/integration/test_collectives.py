@@ -152,6 +152,14 @@ def _large_batch() -> dict:
     apart = ([torch.full((b - a,), float(r + 1)) for a, b in zip(cuts, cuts[1:])] if r == 1
              else [arena[a:b].fill_(float(r + 1)) for a, b in zip(cuts, cuts[1:])])
     rx.grouped_allreduce_(apart, op=rx.Sum, name="arena")
+    # a single array of a MB or more is one piece on the stream (the engine goes on while
+    # it crosses), floats averaged as it lands, integers scaled after
+    pieces, before = stats.in_flight_pieces, stats.fused_in_place
+    single = torch.full((600_000,), float(r + 1))
+    rx.allreduce_(single, name="single")
+    ints = torch.full((300_000,), r + 1, dtype=torch.int64)
+    rx.allreduce_(ints, op=rx.Sum, postscale_factor=2.0, name="single.int")
+    single_pieces, single_fused = stats.in_flight_pieces - pieces, stats.fused_in_place - before
     before = stats.fused_in_place
     small = rx.grouped_allreduce([torch.full((10,), float(r + 1)), torch.ones(20) * (r + 1)],
                                  op=rx.Sum, name="small")
@@ -164,6 +172,9 @@ def _large_batch() -> dict:
         "layouts": all(torch.equal(p, torch.full_like(p, float(total)))
                        for p in [*parts, *views, *apart]),
         "arena_pieces": arena_pieces,
+        "singles": (torch.allclose(single, torch.full_like(single, total / n))
+                    and torch.equal(ints, torch.full_like(ints, 2 * total))),
+        "single_pieces": (single_pieces, single_fused),
         "waves": all(torch.equal(t, torch.full_like(t, float(total * (w + 1))))
                      for w, wave in enumerate(waves) for t in wave),
         "large_in_place": large_in_place,
@@ -184,6 +195,7 @@ def test_across_a_network_a_large_batch_crosses_in_pieces(size):
         assert res["layouts"]
         assert res["large_in_place"] == 3 and res["small_in_place"] == 0
         assert res["arena_pieces"] == 3  # 12 MB back to back: 3 pieces, not 5 tensors
+        assert res["singles"] and res["single_pieces"] == (2, 0)
         assert res["waves"]
 
 

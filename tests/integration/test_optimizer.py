@@ -144,6 +144,52 @@ def test_bucketed_gradients_are_views_and_match_unbucketed():
         assert torch.equal(bucketed[0]["state"][key], bucketed[1]["state"][key])
 
 
+def _zero_grad_each_way() -> list[dict]:
+    """Per step: the gradients after `zero_grad()` (None, or zeros with set_to_none=False),
+    then after backward (this step's average, in the arena), with a layer left out of
+    every other backward."""
+    import raytrain_x.torch as rx
+
+    rx.init()
+    torch.manual_seed(0)
+    used, skipped = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    named = [*(("used." + n, p) for n, p in used.named_parameters()),
+             *(("skipped." + n, p) for n, p in skipped.named_parameters())]
+    params = [p for _, p in named]
+    opt = rx.DistributedOptimizer(torch.optim.SGD(params, lr=0.0), named_parameters=named)
+    x = torch.full((2, 4), float(rx.rank() + 1))  # weight gradients 2 and 4: average 3
+    steps = []
+    for step in range(5):
+        to_none = step != 2
+        opt.zero_grad(set_to_none=to_none)
+        cleared = all(p.grad is None if to_none else not p.grad.any() for p in params)
+        loss = used(x).sum() + (skipped(x).sum() if step % 2 == 0 else 0.0)
+        loss.backward()
+        opt.step()
+        spans = [(a.flat.data_ptr(), a.flat.data_ptr() + a.flat.numel() * 4)
+                 for a in opt._layout.arenas]
+        steps.append({
+            "cleared": cleared,
+            "in_arena": all(any(lo <= p.grad.data_ptr() < hi for lo, hi in spans)
+                            for p in params),
+            "used": [float(used.weight.grad.unique()), float(used.bias.grad.unique())],
+            "skipped": [float(skipped.weight.grad.unique()),
+                        float(skipped.bias.grad.unique())],
+        })
+    return steps
+
+
+def test_zero_grad_clears_and_backward_refills_the_arena():
+    # zero_grad() sets the arena's gradients to None, as torch's does, and each finds its
+    # view again, zeroed, as backward brings it (set_to_none=False: zeros in place); a
+    # gradient that does not come is reduced as zeros, also in its view
+    for steps in run_workers(_zero_grad_each_way, 2):
+        for i, step in enumerate(steps):
+            assert step["cleared"] and step["in_arena"], i
+            assert step["used"] == [3.0, 2.0], i  # this step's only: nothing left to add to
+            assert step["skipped"] == ([3.0, 2.0] if i % 2 == 0 else [0.0, 0.0]), i
+
+
 # Bucket sizes rank 0 switches to mid-training: several buckets, every gradient alone, one.
 SWITCHES = {2: 4096, 5: 0, 8: 64 << 20}
 

@@ -408,6 +408,30 @@ def test_a_piece_goes_out_as_soon_as_any_lands_and_pieces_finish_in_order():
     stream.drain()
 
 
+def test_an_idle_engine_finishes_pieces_as_they_land():
+    # `finish_landed` never waits, and still finishes nothing behind the oldest first;
+    # `wait_for_work` sleeps until work comes, finishing pieces as they land (a landing
+    # wakes it: here the batch completes long before the wait's own end)
+    wire, log = _Wire(), []
+    stream = PieceStream()
+    stream.wakes = threading.Condition()
+    stream.send(wire, "p0", "sum", lambda: log.append("after p0"))
+    stream.send(wire, "p1", "sum", lambda: log.append("after p1"))
+    stream.close_batch(lambda err: log.append(f"done {err}"))
+    wire.land("p1")
+    stream.finish_landed()
+    assert log == [] and len(stream) == 2
+    lander = threading.Thread(target=lambda: wire.land("p0"))
+    began = time.monotonic()
+    lander.start()
+    stream.wait_for_work(lambda: bool(log), 60.0)
+    lander.join()
+    assert log == ["after p0", "after p1", "done None"] and len(stream) == 0
+    assert time.monotonic() - began < 30.0
+    # nothing crossing and no work: it returns when its time is up
+    stream.wait_for_work(lambda: False, 0.01)
+
+
 def test_a_failed_piece_fails_every_batch_still_crossing():
     wire, log = _Wire(), []
     stream = PieceStream()
