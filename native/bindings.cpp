@@ -376,5 +376,7 @@ NB_MODULE(_native, m) {
                  return out;
              },
              "bits"_a)
+        .def("names_for_bits", &ResponseCache::names_for_bits, "bits"_a)
+        .def("touch_bits", &ResponseCache::touch_bits, "bits"_a)
         .def("lru_order", &ResponseCache::lru_order);
 }

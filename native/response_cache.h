@@ -41,6 +41,11 @@ public:
     std::vector<uint64_t> bits(const std::vector<std::string> &names) const;
     // Entries whose slot bit is set, in slot order: the same order on every rank.
     std::vector<CacheEntry> entries_for_bits(const std::vector<uint64_t> &bits) const;
+    // The names of `entries_for_bits(bits)`, in the same order.
+    std::vector<std::string> names_for_bits(const std::vector<uint64_t> &bits) const;
+    // Marks the entries whose slot bit is set most recently used, in slot order: the same
+    // LRU order as `get` of each of `entries_for_bits(bits)` in turn.
+    void touch_bits(const std::vector<uint64_t> &bits);
     std::size_t words() const { return (capacity_ + 63) / 64; }
     // Names from least to most recently used.
     std::vector<std::string> lru_order() const;

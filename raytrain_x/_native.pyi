@@ -79,6 +79,10 @@ class ResponseCache:
         """One bit per slot, set for each cached name, as 64-bit words."""
     def entries_for_bits(self, bits: Sequence[int]) -> list[dict[str, Any]]:
         """Entries whose bits are set, in slot order (identical on every rank)."""
+    def names_for_bits(self, bits: Sequence[int]) -> list[str]:
+        """The names of `entries_for_bits(bits)`, in the same order."""
+    def touch_bits(self, bits: Sequence[int]) -> None:
+        """Marks the entries whose slot bit is set most recently used, in slot order."""
     def lru_order(self) -> list[str]: ...
 
 class ShmGroup:

@@ -9,7 +9,7 @@ decisions use ages carried in the reports, never a local clock.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,8 +48,10 @@ class Coordinator:
         self.table: dict[str, dict[int, Meta]] = {}
         self.joined: list[int] = []
 
-    def forget(self, names: list[str]) -> None:
+    def forget(self, names: Iterable[str]) -> None:
         """Drops names completed without negotiation (response-cache hits)."""
+        if not self.table:  # the steady state: nothing was ever reported for them
+            return
         for name in names:
             self.table.pop(name, None)
 

@@ -287,10 +287,10 @@ class Engine:
                     timeline.record(r.name, f"NEGOTIATE_{r.meta.kind.upper()}", start,
                                           negotiated)
 
-        for batch in plan_batches(responses, self.knobs.fusion_threshold_bytes):
+        plan = plan_batches(responses, self.knobs.fusion_threshold_bytes, agreement.plans)
+        for batch in plan:
             self._execute(batch)
-        # the last pieces cross while the next cycle negotiates or the engine waits for
-        # work; those that landed already complete their batches now
+        # the last pieces cross on while the engine goes on; those landed finish now
         if agreement.stop:
             self._runner.stream.drain()
         else:

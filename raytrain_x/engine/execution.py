@@ -134,12 +134,16 @@ class CollectiveRunner:
             self.stats.fused_tensors += len(batch)
         if len(tensors) == 1 and wire == meta.dtype and not in_flight:
             t = tensors[0]
-            if pre != 1.0:
-                ops.scale(t, pre)
-            self._timed(row, "ALLREDUCE",
-                        lambda: transport.allreduce(t, reduce_op, pset, hierarchical))
-            if post != 1.0:
-                ops.scale(t, post)
+            if transport.can_reduce_many(pset, tensors):  # scaled in the same pass
+                self._timed(row, "ALLREDUCE", lambda: transport.allreduce_many(
+                    tensors, reduce_op, pre, post, pset))
+            else:
+                if pre != 1.0:
+                    ops.scale(t, pre)
+                self._timed(row, "ALLREDUCE",
+                            lambda: transport.allreduce(t, reduce_op, pset, hierarchical))
+                if post != 1.0:
+                    ops.scale(t, post)
         elif in_flight:
             self.stats.fused_in_place += len(batch) > 1
             self._timed(row, "ALLREDUCE", lambda: self._allreduce_in_flight(

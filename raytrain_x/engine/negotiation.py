@@ -39,6 +39,9 @@ JOINED = 8
 # join states of this rank: none -> requested -> reported (joined)
 JOIN_NONE, JOIN_REQUESTED, JOIN_REPORTED = "none", "requested", "reported"
 
+# agreed bit vectors whose responses are kept (a training loop repeats a handful a step)
+_AGREED_KEPT = 64
+
 
 @dataclass
 class Agreement:
@@ -55,6 +58,9 @@ class Agreement:
         cache_hits: responses agreed from the response cache's bits.
         stalls: stall warnings the reports raised (rank 0 logs them).
         knobs_sent: this rank's knob request went out in this cycle's report.
+        plans: where the responses are exactly a set agreed before (the response cache
+            unchanged since), a dict kept with that set for what is derived from it alone
+            (`planner.plan_batches` keeps its plan there); else None.
     """
 
     responses: list[Response] = field(default_factory=list)
@@ -67,6 +73,7 @@ class Agreement:
     stalls: int = 0
     join_reported: bool = False
     knobs_sent: bool = False
+    plans: dict | None = None
 
 
 class Negotiator:
@@ -90,7 +97,13 @@ class Negotiator:
         self._world_allreduce = world_allreduce
         self._cache = _native.ResponseCache(cache_capacity)
         self._cache_version = 0  # bumped whenever entries may have changed
+        # while the cache stays at `_agreed_version`: each cached name's response (parsed
+        # once), and each agreed bit vector's responses and their plans
+        self._responses: dict[str, Response | None] = {}
+        self._agreed: dict[bytes, tuple[tuple[Response, ...], dict]] = {}
+        self._agreed_version = -1
         self._stall_warning_s = stall_warning_s
+        self._next_stall_scan = 0.0
         self._coordinator = Coordinator(
             lambda set_id: groups.process_set(set_id).ranks, stall_shutdown_s)
         self._speculate = speculate and groups.rdv.size > 1
@@ -127,8 +140,13 @@ class Negotiator:
         """One cycle's agreement over `pending` (this rank's requests not yet run)."""
         stalled = self._stalled(pending)
         joined = join_state == JOIN_REPORTED
-        cached = [n for n, r in pending.items() if self._cache_matches(r)]
-        to_report = any(not r.reported and n not in cached for n, r in pending.items())
+        cached: list[str] = []
+        to_report = False  # a request no rank has been told about yet, and not cached
+        for name, req in pending.items():
+            if self._cache_matches(req):
+                cached.append(name)
+            elif not req.reported:
+                to_report = True
         has_message = bool(stalled or knobs_wanted or join_state == JOIN_REQUESTED)
 
         status = NOT_SHUTTING_DOWN if not shutting_down else 0
@@ -145,28 +163,63 @@ class Negotiator:
                            all_joined=bool(agreed & JOINED))
 
         if not result.all_joined and len(words):
-            for entry in self._cache.entries_for_bits(vector[1:].tolist()):
-                name = entry["name"]
-                self._cache.get(name)  # same LRU touch on every rank
-                req = pending.get(name)  # its meta matched the entry: reuse it
-                result.responses.append(Response(name, req.meta if req is not None
-                                                 else Meta.from_cache(entry)))
-            result.cache_hits = len(result.responses)
-            self._coordinator.forget([r.name for r in result.responses])
+            responses, result.plans = self._agreed_for(vector[1:])
+            result.responses.extend(responses)
+            result.cache_hits = len(responses)
+            self._coordinator.forget(r.name for r in responses)
 
         if not (agreed & NOTHING_TO_REPORT and agreed & NO_MESSAGE):
             self._exchange_reports(result, pending, stalled, knobs_wanted, join_state)
         if self._speculate and not result.all_joined:
-            self.speculator.observe(result.responses, self._cache.capacity > 0 and all(
-                self._cache.peek(r.name) is not None for r in result.responses))
+            self.speculator.observe(result.responses, self._cache.capacity > 0 and (
+                not result.reports_exchanged  # all from the cache's bits
+                or all(self._cache.peek(r.name) is not None for r in result.responses)))
         if result.all_joined:
             coordinator = self._coordinator
             result.joined_last = coordinator.joined[-1] if coordinator.joined else self.rank
             coordinator.joined = []
         return result
 
+    def _current(self) -> None:
+        """Forgets what was derived from the cache's entries if they may have changed."""
+        if self._agreed_version != self._cache_version:
+            self._responses.clear()
+            self._agreed.clear()
+            self._agreed_version = self._cache_version
+
+    def _response(self, name: str) -> Response | None:
+        """`name`'s cached response (its entry parsed once per cache version), or None."""
+        self._current()
+        if name not in self._responses:
+            entry = self._cache.peek(name)
+            self._responses[name] = (Response(name, Meta.from_cache(entry))
+                                     if entry is not None else None)
+        return self._responses[name]
+
+    def _agreed_for(self, bits: np.ndarray) -> tuple[tuple[Response, ...], dict]:
+        """The cached responses whose bits every rank set, in slot order, marked most
+        recently used in that order (the same LRU touches on every rank). A bit vector met
+        before (the steady state repeats a few a step) reuses its responses and plans until
+        the cache changes; a new one takes each name's parsed response."""
+        self._current()
+        if len(self._agreed) >= _AGREED_KEPT:
+            self._agreed.clear()
+        words = bits.tolist()
+        key = bits.tobytes()
+        agreed = self._agreed.get(key)
+        if agreed is None:
+            agreed = self._agreed[key] = (tuple(
+                self._response(n) for n in self._cache.names_for_bits(words)), {})
+        self._cache.touch_bits(words)
+        return agreed
+
     def _stalled(self, pending: dict[str, Request]) -> dict[str, float]:
+        """Requests pending past the stall warning, each reported once per warning period;
+        looked for a few times per period, not every cycle."""
         now = time.monotonic()
+        if now < self._next_stall_scan:
+            return {}
+        self._next_stall_scan = now + min(1.0, self._stall_warning_s / 4)
         stalled = {}
         for name, req in pending.items():
             age = now - req.enqueued_at
@@ -180,8 +233,8 @@ class Negotiator:
             return False
         if req.cache_checked == self._cache_version:  # asked before, cache unchanged since
             return req.cache_hit
-        entry = self._cache.peek(req.name)
-        req.cache_hit = entry is not None and Meta.from_cache(entry) == req.meta
+        cached = self._response(req.name)
+        req.cache_hit = cached is not None and cached.meta == req.meta
         req.cache_checked = self._cache_version
         return req.cache_hit
 
@@ -189,6 +242,7 @@ class Negotiator:
                           stalled: dict[str, float], knobs_wanted: Knobs | None,
                           join_state: str) -> None:
         result.reports_exchanged = True
+        result.plans = None  # more responses than the agreed set's
         ready = {r.name for r in result.responses}
         report = Report(rank=self.rank, stalled=stalled,
                         knobs=knobs_wanted.to_dict() if knobs_wanted else None,

@@ -11,10 +11,14 @@ def fusion_key(response: Response) -> tuple:
     return (m.dtype, m.wire_dtype, m.op, m.prescale, m.postscale, m.process_set_id, m.device)
 
 
-def plan_batches(responses: list[Response], threshold_bytes: int) -> list[list[Response]]:
+def plan_batches(responses: list[Response], threshold_bytes: int,
+                 plans: dict | None = None) -> list[list[Response]]:
     """Greedy fusion in response order: an allreduce joins the open batch with its key while
     the batch stays within `threshold_bytes` (0 = no fusion); everything else runs alone.
-    Batches come out ordered by their first response, so every rank runs the same plan."""
+    Batches come out ordered by their first response, so every rank runs the same plan.
+    `plans` (`Agreement.plans`) keeps each threshold's plan of these same responses."""
+    if plans is not None and threshold_bytes in plans:
+        return plans[threshold_bytes]
     batches: list[list[Response]] = []
     open_batch: dict[tuple, tuple[int, int]] = {}  # key -> (batch index, bytes so far)
     for r in responses:
@@ -30,4 +34,6 @@ def plan_batches(responses: list[Response], threshold_bytes: int) -> list[list[R
         else:
             batches.append([r])
             open_batch[key] = (len(batches) - 1, size)
+    if plans is not None:
+        plans[threshold_bytes] = batches
     return batches

@@ -445,3 +445,46 @@ def test_a_failed_piece_fails_every_batch_still_crossing():
         stream.drain()
     stream.fail(InternalError("p0 failed"))
     assert log == ["a p0 failed", "b p0 failed"] and len(stream) == 0
+
+
+class _OneRank:
+    """The groups of a world of one rank, for the negotiation's pure logic: every
+    collective of one rank gives back its own input."""
+
+    class rdv:  # noqa: N801 - stands in for the Rendezvous attribute
+        rank, size = 0, 1
+
+    class world:  # noqa: N801 - stands in for the world group
+        @staticmethod
+        def allgather_bytes(blob: bytes) -> list[bytes]:
+            return [blob]
+
+    @staticmethod
+    def process_set(set_id: int):
+        class _Set:
+            ranks = [0]
+        return _Set
+
+
+def test_a_repeated_set_of_cache_hits_is_agreed_once_with_the_same_lru_touches():
+    from raytrain_x.engine.messages import Handle, Request
+    from raytrain_x.engine.negotiation import JOIN_NONE, Negotiator
+
+    def requests(names):
+        return {n: Request(n, Meta(ALLREDUCE, "float32", (4,), "sum"), None, Handle(n))
+                for n in names}
+
+    negotiator = Negotiator(_OneRank, lambda vector, op: None, 8, 60.0, 0.0)
+    first = negotiator.negotiate(requests("abc"), False, None, JOIN_NONE)
+    assert first.reports_exchanged and [r.name for r in first.responses] == list("abc")
+    assert first.plans is None  # agreed by reports, not by the cache's bits
+    agreed = [negotiator.negotiate(requests(names), False, None, JOIN_NONE)
+              for names in ("ca", "b", "ca")]
+    assert [[r.name for r in a.responses] for a in agreed] == [["a", "c"], ["b"], ["a", "c"]]
+    assert not any(a.reports_exchanged for a in agreed)
+    assert agreed[0].plans is agreed[2].plans is not None  # kept with the set it belongs to
+    assert agreed[0].responses[0] is agreed[2].responses[0]  # parsed once
+    # each hit touched in slot order, as a get of each name would
+    assert negotiator._cache.lru_order() == ["b", "a", "c"]
+    assert plan_batches(agreed[2].responses, 1 << 20, agreed[2].plans) is \
+        plan_batches(agreed[0].responses, 1 << 20, agreed[0].plans)

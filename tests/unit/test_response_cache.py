@@ -90,3 +90,18 @@ def test_peek_does_not_touch_lru_order():
     assert c.peek("a")["name"] == "a"
     assert c.lru_order() == ["a", "b"]
     assert c.peek("zz") is None
+
+
+def test_bits_give_names_and_lru_touches_in_slot_order():
+    # a cycle of cache hits reads the agreed names and touches them in one call each: the
+    # same names and the same LRU order as a get of each entry of the bits in turn
+    touched, got = ResponseCache(8), ResponseCache(8)
+    _fill(touched, list("abcdef"))
+    _fill(got, list("abcdef"))
+    bits = touched.bits(["e", "b", "d"])
+    assert touched.names_for_bits(bits) == ["b", "d", "e"]
+    assert [e["name"] for e in touched.entries_for_bits(bits)] == ["b", "d", "e"]
+    touched.touch_bits(bits)
+    for entry in got.entries_for_bits(bits):
+        got.get(entry["name"])
+    assert touched.lru_order() == got.lru_order() == ["a", "c", "f", "b", "d", "e"]
