@@ -76,36 +76,18 @@ std::vector<uint64_t> ResponseCache::bits(const std::vector<std::string> &names)
 
 std::vector<CacheEntry> ResponseCache::entries_for_bits(const std::vector<uint64_t> &bits) const {
     std::vector<CacheEntry> out;
-    const std::size_t n = std::min(bits.size(), words());
-    for (std::size_t w = 0; w < n; ++w) {
-        uint64_t word = bits[w];
-        while (word != 0) {
-            const int bit = __builtin_ctzll(word);
-            word &= word - 1;
-            const std::size_t slot = w * 64 + static_cast<std::size_t>(bit);
-            if (slot < capacity_ && slots_[slot]) out.push_back(*slots_[slot]);
-        }
-    }
+    for_each_slot(bits, [&](std::size_t slot) { out.push_back(*slots_[slot]); });
     return out;
 }
 
 std::vector<std::string> ResponseCache::names_for_bits(const std::vector<uint64_t> &bits) const {
     std::vector<std::string> out;
-    for (const CacheEntry &e : entries_for_bits(bits)) out.push_back(e.name);
+    for_each_slot(bits, [&](std::size_t slot) { out.push_back(slots_[slot]->name); });
     return out;
 }
 
 void ResponseCache::touch_bits(const std::vector<uint64_t> &bits) {
-    const std::size_t n = std::min(bits.size(), words());
-    for (std::size_t w = 0; w < n; ++w) {
-        uint64_t word = bits[w];
-        while (word != 0) {
-            const int bit = __builtin_ctzll(word);
-            word &= word - 1;
-            const std::size_t slot = w * 64 + static_cast<std::size_t>(bit);
-            if (slot < capacity_ && slots_[slot]) lru_.splice(lru_.end(), lru_, lru_pos_[slot]);
-        }
-    }
+    for_each_slot(bits, [&](std::size_t slot) { lru_.splice(lru_.end(), lru_, lru_pos_[slot]); });
 }
 
 std::vector<std::string> ResponseCache::lru_order() const {

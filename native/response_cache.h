@@ -2,6 +2,7 @@
 // exchange which names they hold as a bit vector instead of full descriptions.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <list>
 #include <optional>
@@ -51,6 +52,21 @@ public:
     std::vector<std::string> lru_order() const;
 
 private:
+    // Calls `fn(slot)` for each set bit whose slot holds an entry, in slot order.
+    template <class Fn>
+    void for_each_slot(const std::vector<uint64_t> &bits, Fn fn) const {
+        const std::size_t n = std::min(bits.size(), words());
+        for (std::size_t w = 0; w < n; ++w) {
+            uint64_t word = bits[w];
+            while (word != 0) {
+                const int bit = __builtin_ctzll(word);
+                word &= word - 1;
+                const std::size_t slot = w * 64 + static_cast<std::size_t>(bit);
+                if (slot < capacity_ && slots_[slot]) fn(slot);
+            }
+        }
+    }
+
     std::size_t capacity_;
     std::list<int64_t> lru_;  // slots, front = least recently used
     std::vector<std::optional<CacheEntry>> slots_;

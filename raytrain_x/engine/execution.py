@@ -133,17 +133,7 @@ class CollectiveRunner:
             self.stats.fused += 1
             self.stats.fused_tensors += len(batch)
         if len(tensors) == 1 and wire == meta.dtype and not in_flight:
-            t = tensors[0]
-            if transport.can_reduce_many(pset, tensors):  # scaled in the same pass
-                self._timed(row, "ALLREDUCE", lambda: transport.allreduce_many(
-                    tensors, reduce_op, pre, post, pset))
-            else:
-                if pre != 1.0:
-                    ops.scale(t, pre)
-                self._timed(row, "ALLREDUCE",
-                            lambda: transport.allreduce(t, reduce_op, pset, hierarchical))
-                if post != 1.0:
-                    ops.scale(t, post)
+            self._reduce_one(row, tensors[0], ops, reduce_op, pre, post, pset, hierarchical)
         elif in_flight:
             self.stats.fused_in_place += len(batch) > 1
             self._timed(row, "ALLREDUCE", lambda: self._allreduce_in_flight(
@@ -155,16 +145,7 @@ class CollectiveRunner:
             # gradients): the batch is reduced where it lies, no copies. The elements are in
             # the same order as a packed batch, so ranks that pack agree with this one.
             self.stats.fused_in_place += 1
-            if transport.can_reduce_many(pset, [span]):  # scaled in the same pass
-                self._timed(row, "ALLREDUCE", lambda: transport.allreduce_many(
-                    [span], reduce_op, pre, post, pset))
-            else:
-                if pre != 1.0:
-                    ops.scale(span, pre)
-                self._timed(row, "ALLREDUCE",
-                            lambda: transport.allreduce(span, reduce_op, pset, hierarchical))
-                if post != 1.0:
-                    ops.scale(span, post)
+            self._reduce_one(row, span, ops, reduce_op, pre, post, pset, hierarchical)
         elif wire == meta.dtype and transport.can_reduce_many(pset, tensors):
             # Fused straight through the shared slots: no fusion-buffer copies.
             self._timed(row, "ALLREDUCE",
@@ -196,6 +177,21 @@ class CollectiveRunner:
             _scale_integers(tensors, int_post)
         return [None if req is None else req.output if req.output is not None else req.tensor
                 for req in requests]
+
+    def _reduce_one(self, row, array, ops, reduce_op, pre, post, pset, hierarchical) -> None:
+        """One array reduced where it lies and scaled: in the shared-memory pass that sums
+        it where it can be, else before and after the transport's allreduce."""
+        transport = self.transport
+        if transport.can_reduce_many(pset, [array]):
+            self._timed(row, "ALLREDUCE", lambda: transport.allreduce_many(
+                [array], reduce_op, pre, post, pset))
+            return
+        if pre != 1.0:
+            ops.scale(array, pre)
+        self._timed(row, "ALLREDUCE",
+                    lambda: transport.allreduce(array, reduce_op, pset, hierarchical))
+        if post != 1.0:
+            ops.scale(array, post)
 
     def _allreduce_in_flight(self, batch, tensors, ops, reduce_op, pre, post, pset, wire):
         """A batch across a network, in pieces cut from the agreed sizes and memory layout
