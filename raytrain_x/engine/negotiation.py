@@ -138,6 +138,7 @@ class Negotiator:
     def negotiate(self, pending: dict[str, Request], shutting_down: bool,
                   knobs_wanted: Knobs | None, join_state: str) -> Agreement:
         """One cycle's agreement over `pending` (this rank's requests not yet run)."""
+        self._current()  # the cache changes only in the report exchange, after the bits
         stalled = self._stalled(pending)
         joined = join_state == JOIN_REPORTED
         cached: list[str] = []
@@ -189,7 +190,6 @@ class Negotiator:
 
     def _response(self, name: str) -> Response | None:
         """`name`'s cached response (its entry parsed once per cache version), or None."""
-        self._current()
         if name not in self._responses:
             entry = self._cache.peek(name)
             self._responses[name] = (Response(name, Meta.from_cache(entry))
@@ -201,7 +201,6 @@ class Negotiator:
         recently used in that order (the same LRU touches on every rank). A bit vector met
         before (the steady state repeats a few a step) reuses its responses and plans until
         the cache changes; a new one takes each name's parsed response."""
-        self._current()
         if len(self._agreed) >= _AGREED_KEPT:
             self._agreed.clear()
         words = bits.tolist()

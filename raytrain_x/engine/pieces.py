@@ -65,7 +65,7 @@ class PieceStream:
         piece = _Piece(after)
         piece.wait = group.allreduce_async(array, op, lambda: self._landed(piece))
         self._pieces.append(piece)
-        self._finish_landed(before=piece)
+        self.finish_landed(before=piece)
 
     def make_room(self) -> None:
         """Waits until fewer than `IN_FLIGHT_DEPTH` pieces cross and fewer than
@@ -83,17 +83,13 @@ class PieceStream:
         else:
             done(None)
 
-    def finish_landed(self) -> None:
-        """Finishes the pieces that have landed, oldest first, without waiting."""
-        self._finish_landed()
-
     def wait_for_work(self, has_work: Callable[[], bool], seconds: float) -> None:
         """Until `has_work()` (asked under `wakes`, which whoever brings work notifies) or
         `seconds` pass, finishing the pieces as they land (each landing notifies `wakes`
         too), so their batches complete while the engine has nothing else to do."""
         deadline = time.monotonic() + seconds
         while True:
-            self._finish_landed()
+            self.finish_landed()
             with self.wakes:
                 left = deadline - time.monotonic()
                 if has_work() or left <= 0:
@@ -126,10 +122,11 @@ class PieceStream:
         oldest = self._pieces[0]
         with self._cond:
             self._cond.wait_for(lambda: oldest.landed)
-        self._finish_landed()
+        self.finish_landed()
 
-    def _finish_landed(self, before: _Piece | None = None) -> None:
-        """Finishes the landed pieces at the head, oldest first (up to `before`)."""
+    def finish_landed(self, before: _Piece | None = None) -> None:
+        """Finishes the landed pieces at the head, oldest first (up to `before`); never
+        waits for one still crossing."""
         while self._pieces and self._pieces[0].landed and self._pieces[0] is not before:
             piece = self._pieces[0]
             piece.wait()  # raises when the transfer failed: the piece stays for `fail`

@@ -30,30 +30,18 @@ def grad_ready_hooks(optimizer: object, params: list[torch.Tensor]) -> list:
     return [p.register_post_accumulate_grad_hook(ready) for p in params]
 
 
-def grad_arriving_hooks(optimizer: object, params: list[torch.Tensor]) -> list:
-    """Gradient hooks (run before backward accumulates into `.grad`) that call
-    `optimizer._on_grad_arriving(p)` through a weak reference (see `grad_ready_hooks`)."""
+def gradient_hook(optimizer: object, p: torch.Tensor,
+                  method: str) -> Callable[[torch.Tensor], None]:
+    """A gradient hook for `p.register_hook` (it runs before backward accumulates into
+    `.grad`) that calls `optimizer.<method>(p, grad)` through a weak reference, as
+    `grad_ready_hooks`."""
     me = weakref.ref(optimizer)
 
-    def hook(p: torch.Tensor) -> Callable[[torch.Tensor], None]:
-        def arriving(grad: torch.Tensor) -> None:
-            opt = me()
-            if opt is not None:
-                opt._on_grad_arriving(p)
-        return arriving
-    return [p.register_hook(hook(p)) for p in params]
-
-
-def first_gradient_probe(optimizer: object, p: torch.Tensor) -> Callable[[torch.Tensor], None]:
-    """A gradient hook that shows `p`'s first gradient to `optimizer._look(p, grad)`
-    (through a weak reference, as `grad_ready_hooks`)."""
-    me = weakref.ref(optimizer)
-
-    def look(grad: torch.Tensor) -> None:
+    def hook(grad: torch.Tensor) -> None:
         opt = me()
         if opt is not None:
-            opt._look(p, grad)
-    return look
+            getattr(opt, method)(p, grad)
+    return hook
 
 
 def parameter_names(named_parameters: Iterable[tuple[str, torch.Tensor]] | None,

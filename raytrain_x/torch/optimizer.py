@@ -29,9 +29,8 @@ from raytrain_x.torch.compression import Compression, Compressor
 from raytrain_x.torch.gradient_layout import GradientBuffer, GradientLayout, explicit_groups
 from raytrain_x.torch.hooked_optimizer import (
     HookedOptimizer,
-    first_gradient_probe,
-    grad_arriving_hooks,
     grad_ready_hooks,
+    gradient_hook,
 )
 from raytrain_x.torch.requests import CompositeHandle
 from raytrain_x.torch.zero_optimizer import ShardedOptimizer
@@ -58,11 +57,12 @@ class GradientAllreduceOptimizer(HookedOptimizer):
         self._synchronized = False
         self._should_synchronize = True
         self._hooks = grad_ready_hooks(self, self._requires_update)
-        self._arriving = grad_arriving_hooks(self, self._requires_update)
+        self._arriving = [p.register_hook(gradient_hook(self, p, "_on_grad_arriving"))
+                          for p in self._requires_update]
         # A gradient's first arrival tells whether it is sparse (nn.Embedding(sparse=True)):
         # such a parameter leaves its bucket before its sparse gradient would be summed
         # into the bucket's dense view; each probe removes itself after that first look.
-        self._probes = {p: p.register_hook(first_gradient_probe(self, p))
+        self._probes = {p: p.register_hook(gradient_hook(self, p, "_look"))
                         for p in self._requires_update}
         # arenas by default, fixed buckets when the user sizes them (bucket_cap_mb > 0) or
         # lists them (groups)
@@ -90,7 +90,7 @@ class GradientAllreduceOptimizer(HookedOptimizer):
         if grad.is_sparse:
             self._layout.make_sparse(p)
 
-    def _on_grad_arriving(self, p: torch.Tensor) -> None:
+    def _on_grad_arriving(self, p: torch.Tensor, grad: torch.Tensor) -> None:
         """Before backward adds `p`'s gradient: an arena gradient set to None by
         `zero_grad()` gets its view back, zeroed (so it accumulates there, in place)."""
         if p.grad is None:
