@@ -14,9 +14,10 @@ requires; the other models are built outside its scope), interleaved round by ro
              Keras 3's `model.fit` does not run under this strategy (keras-team/keras#20585:
              "Attempt to convert a value (PerReplica...)"), so the loop is the fastest
              way TensorFlow itself offers a Keras 3 user across workers.
-Each way fits the same steps per round (`model.fit(..., steps_per_epoch=--steps)` after an
-untimed warm-up fit); samples/s counts every worker's samples; the time is the slowest
-worker's. Writes results/keras_networks[_emulated].json and a plot.
+Each way's model is built once; every round, each way fits one untimed step and then the
+same timed steps (`model.fit(..., steps_per_epoch=--steps)`); samples/s counts every
+worker's samples; the time is the slowest worker's. Writes
+results/keras_networks[_emulated].json and a plot.
 
 Where:
   --hosts 1 (default)   --workers ranks as processes on this machine (TensorFlow's cluster
@@ -149,33 +150,46 @@ def _fit(args, cluster: list[str], index: int) -> dict:
     for name in args.workloads:
         batch = BATCH[name]
         out[name] = {w: [] for w in WAYS}
+        # each way's model is built once and fitted again every round, as a job fits epoch
+        # after epoch: TensorFlow keeps what every traced training step captured (the
+        # weights and optimizer state of a model built afresh each round, ~400 MB for the
+        # GPT) after the model is gone, clear_session and gc.collect notwithstanding
+        # (tensorflow/tensorflow#61791), so 10 rounds of fresh models outgrew the VM
+        runs = {}
+        for way in WAYS:
+            if way == "mwms":
+                runs[way] = mirrored_loop(name, batch, 0)
+                continue
+            model = build(name, way)
+            data = dataset(name, batch, seed=1000 * rank)
+
+            def run(steps: int, model=model, data=data) -> None:
+                model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0)
+            runs[way] = run
+            run(2)  # builds, traces and warms up
+        runs["mwms"](2)
         for r in range(args.repeats):
             for way in WAYS:
-                if way == "mwms":
-                    run = mirrored_loop(name, batch, r)
-                else:
-                    model = build(name, way)
-                    data = dataset(name, batch, seed=1000 * rank + r)
-
-                    def run(steps: int, model=model, data=data) -> None:
-                        model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0)
-                run(2)  # builds, warms up
+                runs[way](1)  # this way's caches warm again after the others ran
                 slowest(0.0)  # a barrier
                 began = time.perf_counter()
-                run(args.steps)
+                runs[way](args.steps)
                 seconds = slowest((time.perf_counter() - began) / args.steps)
                 out[name][way].append(batch * size / seconds)
                 if rank == 0:
                     print(f"{name} round {r + 1}/{args.repeats} {way}: "
-                          f"{batch * size / seconds:.1f} samples/s ({seconds:.3f} s/step)",
-                          flush=True)
-                del run
-                model = data = None
-                keras.backend.clear_session()
-                gc.collect()  # the models' reference cycles: 10 rounds of 4 models each
-                # outgrew a 23 GiB VM without it
+                          f"{batch * size / seconds:.1f} samples/s ({seconds:.3f} s/step) "
+                          f"rss {_rss_mib():.0f} MiB", flush=True)
+        del runs, run, model, data
+        keras.backend.clear_session()
+        gc.collect()
     rx.shutdown()
     return out
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 # ----------------------------------------------------------------------------- emulated
