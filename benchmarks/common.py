@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -64,6 +65,12 @@ def samples_across_ranks(fn: Callable[[], Any], repeats: int, warmup: int = 1) -
     """Seconds of each of `repeats` runs of `fn`, each started after a barrier and taken
     from the slowest rank for that run. Needs torch.distributed's default group."""
     return _slowest(_timed_runs(fn, repeats, warmup))
+
+
+def rss_mib() -> float:
+    """This process's resident memory now, in MiB."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def write_json(name: str, payload: dict[str, Any], path: str | None = None) -> Path:

@@ -46,6 +46,7 @@ from common import (
     add_place_arguments,
     drive_worlds,
     print_table,
+    rss_mib,
     run_emulated,
     run_ranks,
     write_json,
@@ -146,6 +147,14 @@ def _fit(args, cluster: list[str], index: int) -> dict:
                 train_step()
         return run
 
+    def fitting(name: str, way: str):
+        model = build(name, way)
+        data = dataset(name, batch=BATCH[name], seed=1000 * rank)
+
+        def run(steps: int) -> None:
+            model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0)
+        return run
+
     out: dict[str, dict[str, list[float]]] = {}
     for name in args.workloads:
         batch = BATCH[name]
@@ -155,19 +164,10 @@ def _fit(args, cluster: list[str], index: int) -> dict:
         # weights and optimizer state of a model built afresh each round, ~400 MB for the
         # GPT) after the model is gone, clear_session and gc.collect notwithstanding
         # (tensorflow/tensorflow#61791), so 10 rounds of fresh models outgrew the VM
-        runs = {}
-        for way in WAYS:
-            if way == "mwms":
-                runs[way] = mirrored_loop(name, batch, 0)
-                continue
-            model = build(name, way)
-            data = dataset(name, batch, seed=1000 * rank)
-
-            def run(steps: int, model=model, data=data) -> None:
-                model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0)
-            runs[way] = run
+        runs = {way: mirrored_loop(name, batch, 0) if way == "mwms" else fitting(name, way)
+                for way in WAYS}
+        for run in runs.values():
             run(2)  # builds, traces and warms up
-        runs["mwms"](2)
         for r in range(args.repeats):
             for way in WAYS:
                 runs[way](1)  # this way's caches warm again after the others ran
@@ -179,17 +179,12 @@ def _fit(args, cluster: list[str], index: int) -> dict:
                 if rank == 0:
                     print(f"{name} round {r + 1}/{args.repeats} {way}: "
                           f"{batch * size / seconds:.1f} samples/s ({seconds:.3f} s/step) "
-                          f"rss {_rss_mib():.0f} MiB", flush=True)
-        del runs, run, model, data
+                          f"rss {rss_mib():.0f} MiB", flush=True)
+        del runs, run
         keras.backend.clear_session()
         gc.collect()
     rx.shutdown()
     return out
-
-
-def _rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 # ----------------------------------------------------------------------------- emulated

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import re
 import statistics
 import sys
@@ -63,6 +62,7 @@ from common import (
     multi_level_world,
     other_hierarchy_way,
     print_table,
+    rss_mib,
     run_emulated,
     run_ranks,
     say,
@@ -258,7 +258,7 @@ def _memory_worker(rank: int, size: int, port: int, args, way: str, queue) -> No
     rx.init()
     name = args.workloads[0]
     make_model, make_opt, data, loss_fn = _workload(name)
-    before = _rss_mb()
+    before = rss_mib()
     model = make_model()
     opt = make_opt(model)
     if way.startswith("ddp"):
@@ -277,11 +277,6 @@ def _memory_worker(rank: int, size: int, port: int, args, way: str, queue) -> No
     if rank == 0:
         queue.put({"peak_mb": got[0].item(), "training_mb": got[1].item()})
     rx.shutdown()
-
-
-def _rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def memory(args) -> dict:
