@@ -196,7 +196,9 @@ def test_grows_to_max_workers_then_scales_down(cluster, tmp_path):
     # a restore here means a worker met an error while the job only grew: the history and
     # the workers' last log lines say which
     assert job["summary"]["restores"] == 0, (
-        f"{job['history']}\n" + "\n".join(_worker_log_lines(cluster, "restoring the last")))
+        f"{job['history']}\n" + "\n".join(
+            [line for line in driver.lines if " failed (" in line]
+            + _worker_log_lines(cluster, "restoring the last")) + _worker_log_tails(cluster))
     # scale-down: nothing asked of the autoscaler any more, idle nodes removed
     assert cluster.resource_request() == []
     wait_until(lambda: not cluster.worker_nodes(), 20,

@@ -95,3 +95,14 @@ def other_holders_not_asked(mp) -> None:
 
 REVERTS["synced-newcomer-kept"] = synced_newcomers_restarted
 REVERTS["other-holder-asked"] = other_holders_not_asked
+
+
+def stale_joins_held(mp) -> None:
+    """A member's last answer that it was in its call to join counted as a held join,
+    though that join had begun before the member was given its rank (the rounds actor's
+    answer had not reached it yet)."""
+    mp.setattr(policies.Heartbeats, "joins",
+               lambda self: {w: s for w, s in self.joining.items() if s > 0})
+
+
+REVERTS["late-placed-answer"] = stale_joins_held

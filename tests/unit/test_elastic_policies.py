@@ -255,6 +255,30 @@ def test_heartbeats_count_silence_from_the_oldest_unanswered_call():
     assert set(beats.out_since) == set() and beats.failed == set() and set(beats.joining) == {"a"}
 
 
+def test_a_join_counts_only_when_it_began_after_the_members_last_rank():
+    beats = Heartbeats()
+    # a newcomer waits 4 s for a round; its answer to the call sent at 10.0 says so
+    beats.sent("new", 10.0)
+    beats.record({"new": 4.0}, failed=[], sent=[], now=10.5)
+    assert beats.joins() == {"new": 4.0}  # never given a rank: any join counts
+    beats.assigned(["new"], 11.0)  # its round is published: that join is over
+    assert beats.joins() == {}
+    # the actor's answer has not reached it yet: it still says it is joining, 5 s now
+    beats.sent("new", 11.5)
+    beats.record({"new": 5.0}, failed=[], sent=[], now=12.0)
+    assert beats.joins() == {}  # began by 6.5, before its rank at 11.0
+    # a later join, begun after its rank (sent 20.0, in it 3.5 s: began after 16.5)
+    beats.sent("new", 20.0)
+    beats.record({"new": 3.5}, failed=[], sent=[], now=20.1)
+    assert beats.joins() == {"new": 3.5}
+    beats.answered("new", 0.0)  # not joining
+    assert beats.joins() == {}
+    beats.answered("new", 9.0)  # when the call went out is unknown: it cannot count
+    assert beats.joins() == {}
+    beats.keep([])
+    assert not beats.join_began and not beats.assigned_at
+
+
 def test_a_round_is_needed_when_every_member_left_its_round_at_once():
     # a round that failed for all its members together (their rendezvous timed out at one
     # moment after a partition): they all wait within one poll, none is ever seen absent

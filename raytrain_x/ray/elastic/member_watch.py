@@ -124,8 +124,8 @@ class MemberWatch:
                 addresses))
         # absent ones that answer: in a join the rounds actor never received? (asked
         # again: one may have arrived since the first look)
-        answering = {w: beats.joining[w] for w in verdict.absent
-                     if w in beats.joining and w not in verdict.lost}
+        joins = beats.joins()
+        answering = {w: joins[w] for w in verdict.absent if w in joins and w not in verdict.lost}
         if answering:
             held = held_joins(answering, ctx.rounds_client.waiting(), JOIN_HELD_S)
             held = self.spare_last_holders(held)

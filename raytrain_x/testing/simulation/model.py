@@ -32,6 +32,9 @@ class WorldConfig:
     # how long a group's connect holds its members when a peer died after publishing its
     # address (None: timeout_s, raytrain-x's bound; torch's own tries took 5 x timeout_s)
     connect_wait_s: float | None = None
+    # a loaded machine: the rounds actor's answer to a join reaches its worker this many
+    # seconds after the round is published (None: at once, one call's time)
+    late_placed_s: tuple[float, float] | None = None
 
 
 @dataclass
@@ -78,6 +81,8 @@ class SimWorker:
         self.phase = "idle"  # idle, joining, rendezvous, sync, training, done
         self.joining_since: float | None = None
         self.join_arrived = False
+        self.placed_in: Group | None = None  # the round its join was given, heard or not
+        self.sent_away = False  # the driver sent it away (its node drains), heard or not
         self.holds = False  # synced the job's state in some round
         self.state_round = 0  # the round of the state it holds (what it reports at joins)
         self.step = 0  # its state: commits it includes

@@ -107,7 +107,12 @@ class SimPool(WorkerPool):
 
     def remove(self, member: Member) -> None:
         self.members.pop(member.worker_id, None)
-        self._kill(member.actor)
+        w: SimWorker = member.actor
+        if w.alive and w.outcome is None and w.phase == "joining" and w.join_arrived:
+            # its join reached the rounds actor: nothing holds it back; checked once the
+            # job ends (`runner`), as a drain may have given its round up
+            self.world.restarted_joins.append((w, w.placed_in, self.world.now))
+        self._kill(w)
 
     def ask(self, worker_ids: Iterable[str], method: str) -> dict[str, Any]:
         now = self.world.now

@@ -303,6 +303,7 @@ class WorkerSide:
         drain must not take the job's last copy of its committed state with it. A worker
         the driver still counts as a member (it has not seen its failure yet) counts as
         keeping the state: the driver decides on what it can know."""
+        w.sent_away = True
         last = self.commits[-1][2] if self.commits else 0
         if not self.commits or not (w.holds and w.saved == last):
             return

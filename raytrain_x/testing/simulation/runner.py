@@ -206,7 +206,7 @@ def _check_state_lost(world: World, job: ElasticJob, exc: Exception) -> None:
     A holder sent away because its node drains is checked when it is sent
     (`World.sent_away`)."""
     last = world.commits[-1][2] if world.commits else 0
-    holders = [w for w in world.workers if w.holds and w.saved == last]
+    holders = [w for w in world.workers if w.holds and w.saved == last and not w.sent_away]
     alive = [w for w in holders if w.alive and w.reachable(world.now)
              and w.worker_id in job.members]
     restarted = [w for w in holders if w.restarted]
@@ -249,6 +249,11 @@ def _check_events(world: World, job: ElasticJob) -> None:
             continue  # the policy's own clock check (unit-tested)
         if "left the cluster" in why and node is not None and not node.known_dead:
             world.violation(f"gave up on a worker on {e.host}: {why}, but Ray lists it")
+    given_up = {e.detail.get("round") for e in job.log.of("abandoned")}
+    for w, group, at in world.restarted_joins:
+        if group is None or group.round_id not in given_up:  # else `held_back`, by design
+            world.violation(f"at {at:.2f}s the driver restarted {w}, whose join the rounds "
+                            "actor had received")
     for w in world.workers:
         drained = w.node.drain_deadline is not None
         if drained and w.outcome and w.outcome[0] == "failed" and w.outcome[1] != "lost" \

@@ -25,7 +25,7 @@ import random
 from collections.abc import Callable
 from typing import Any
 
-from raytrain_x.testing.simulation.model import Group, Node, SimWorker, WorldConfig
+from raytrain_x.testing.simulation.model import RPC_S, Group, Node, SimWorker, WorldConfig
 from raytrain_x.testing.simulation.protocol import WorkerSide
 from raytrain_x.testing.simulation.rounds import SimRounds
 
@@ -44,6 +44,7 @@ class World(WorkerSide):
 
     def __init__(self, seed: int, config: WorldConfig, trace: Callable[[str], None]) -> None:
         self.rng = random.Random(seed)
+        self._late_rng = random.Random(seed + 1)
         self.config = config
         self.trace = trace
         self.now = 0.0
@@ -55,6 +56,9 @@ class World(WorkerSide):
         self.groups: dict[int, Group] = {}
         self.rounds = SimRounds(self)
         self.store_abandoned: list[str] = []
+        # workers the driver restarted while their join had reached the rounds actor:
+        # (worker, the round it was given or None, when)
+        self.restarted_joins: list[tuple[SimWorker, Group | None, float]] = []
         self.launching = 0  # nodes the autoscaler is launching
         self.requested = 0  # the job's standing request, in workers
         self.next_start: tuple[str, float] | None = None  # a slow or stuck start fault
@@ -88,6 +92,13 @@ class World(WorkerSide):
     def violation(self, text: str) -> None:
         self.violations.append(f"t={self.now:.2f}s: {text}")
         self.trace(f"VIOLATION {text}")
+
+    def placed_delay(self) -> float:
+        """How long the rounds actor's answer to a published join takes to reach its
+        worker (`WorldConfig.late_placed_s`); drawn from its own generator, so a world
+        with late answers meets the same other events as one without."""
+        late = self.config.late_placed_s
+        return RPC_S if late is None else self._late_rng.uniform(*late)
 
     # ------------------------------------------------------------------ nodes
     def add_node(self) -> Node:

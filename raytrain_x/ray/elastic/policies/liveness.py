@@ -62,11 +62,19 @@ class Heartbeats:
     that stalled does not make members look silent: answers are collected before they are
     judged, and a call answered while the driver was busy counts as answered. A call that
     failed (the process or its node gone, or Ray unable to reach it) leaves the member
-    silent from when it went out, and marks it `failed`."""
+    silent from when it went out, and marks it `failed`.
+
+    An answer says how long the member has been in its call to join a round; `joins` keeps
+    only joins that began after the member was last given a rank (`assigned`). A join that
+    began before ended with that round, though its worker may not have heard it yet: on a
+    loaded machine the rounds actor's answer can take seconds to come back, and until it
+    does the worker still says it is joining while the actor no longer lists it."""
 
     def __init__(self) -> None:
         self.out_since: dict[str, float] = {}  # member -> when its unanswered call went out
         self.joining: dict[str, float] = {}  # member -> its last answer (s in its join)
+        self.join_began: dict[str, float] = {}  # member -> earliest its join can have begun
+        self.assigned_at: dict[str, float] = {}  # member -> when it was last given a rank
         self.failed: set[str] = set()  # members whose last call failed
 
     def record(self, answers: Mapping[str, float], failed: Iterable[str],
@@ -74,7 +82,7 @@ class Heartbeats:
         """One round of the heartbeat (`WorkerPool.beat`): the answers collected, the calls
         that failed, the members a call went out to at `now`."""
         for worker_id, joining_s in answers.items():
-            self.answered(worker_id, joining_s)
+            self.answered(worker_id, joining_s, self.out_since.get(worker_id))
         for worker_id in failed:
             self.call_failed(worker_id)
         for worker_id in sent:
@@ -84,10 +92,24 @@ class Heartbeats:
         """A call went out to `worker_id` (the first unanswered one starts its silence)."""
         self.out_since.setdefault(worker_id, now)
 
-    def answered(self, worker_id: str, joining_s: float) -> None:
+    def answered(self, worker_id: str, joining_s: float, sent_at: float | None = None) -> None:
+        """`worker_id` answered the call that went out at `sent_at` (None: unknown): in its
+        join for `joining_s`, which began no earlier than `sent_at - joining_s`."""
         self.out_since.pop(worker_id, None)
         self.failed.discard(worker_id)
         self.joining[worker_id] = joining_s
+        self.join_began[worker_id] = -math.inf if sent_at is None else sent_at - joining_s
+
+    def assigned(self, worker_ids: Iterable[str], now: float) -> None:
+        """These members were given a rank in a round published at `now`."""
+        for worker_id in worker_ids:
+            self.assigned_at[worker_id] = now
+
+    def joins(self) -> dict[str, float]:
+        """Seconds each member was in its call to join at its last answer, for the joins
+        that surely began after it was last given a rank (a member never given one: any)."""
+        return {w: s for w, s in self.joining.items() if s > 0
+                and self.join_began.get(w, -math.inf) > self.assigned_at.get(w, -math.inf)}
 
     def call_failed(self, worker_id: str) -> None:
         self.failed.add(worker_id)
@@ -99,7 +121,7 @@ class Heartbeats:
     def keep(self, worker_ids: Iterable[str]) -> None:
         """Forgets members no longer in the job."""
         keep = set(worker_ids)
-        for table in (self.out_since, self.joining):
+        for table in (self.out_since, self.joining, self.join_began, self.assigned_at):
             for worker_id in set(table) - keep:
                 del table[worker_id]
         self.failed &= keep
