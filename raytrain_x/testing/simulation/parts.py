@@ -108,9 +108,11 @@ class SimPool(WorkerPool):
     def remove(self, member: Member) -> None:
         self.members.pop(member.worker_id, None)
         w: SimWorker = member.actor
-        if w.alive and w.outcome is None and w.phase == "joining" and w.join_arrived:
-            # its join reached the rounds actor: nothing holds it back; checked once the
-            # job ends (`runner`), as a drain may have given its round up
+        if w.alive and w.outcome is None and w.phase == "joining" and w.join_arrived \
+                and w.node.cut_until < w.join_arrived_at:
+            # its join reached the rounds actor and no partition has cut it off since:
+            # nothing holds it back; checked once the job ends (`runner`), as a drain may
+            # have given its round up
             self.world.restarted_joins.append((w, w.placed_in, self.world.now))
         self._kill(w)
 

@@ -68,6 +68,7 @@ class WorkerSide:
 
     def _join_arrives(self, w: SimWorker) -> None:
         w.join_arrived = True
+        w.join_arrived_at = self.now
         self.rounds.join(w)
 
     def placed(self, w: SimWorker, place: dict[str, Any]) -> None:
