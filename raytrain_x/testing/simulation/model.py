@@ -82,7 +82,7 @@ class SimWorker:
         self.joining_since: float | None = None
         self.join_arrived = False
         self.join_arrived_at = -math.inf
-        self.placed_in: Group | None = None  # the round its join was given, heard or not
+        self.placed_in: int | None = None  # the round its join was given, heard or not
         self.sent_away = False  # the driver sent it away (its node drains), heard or not
         self.holds = False  # synced the job's state in some round
         self.state_round = 0  # the round of the state it holds (what it reports at joins)

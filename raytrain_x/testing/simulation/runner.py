@@ -250,8 +250,8 @@ def _check_events(world: World, job: ElasticJob) -> None:
         if "left the cluster" in why and node is not None and not node.known_dead:
             world.violation(f"gave up on a worker on {e.host}: {why}, but Ray lists it")
     given_up = {e.detail.get("round") for e in job.log.of("abandoned")}
-    for w, group, at in world.restarted_joins:
-        if group is None or group.round_id not in given_up:  # else `held_back`, by design
+    for w, round_id, at in world.restarted_joins:
+        if round_id is None or round_id not in given_up:  # else `held_back`, by design
             world.violation(f"at {at:.2f}s the driver restarted {w}, whose join the rounds "
                             "actor had received")
     for w in world.workers:

@@ -58,7 +58,7 @@ class World(WorkerSide):
         self.store_abandoned: list[str] = []
         # workers the driver restarted while their join had reached the rounds actor:
         # (worker, the round it was given or None, when)
-        self.restarted_joins: list[tuple[SimWorker, Group | None, float]] = []
+        self.restarted_joins: list[tuple[SimWorker, int | None, float]] = []
         self.launching = 0  # nodes the autoscaler is launching
         self.requested = 0  # the job's standing request, in workers
         self.next_start: tuple[str, float] | None = None  # a slow or stuck start fault
