@@ -106,3 +106,11 @@ def stale_joins_held(mp) -> None:
 
 
 REVERTS["late-placed-answer"] = stale_joins_held
+
+
+def absence_outlives_placement(mp) -> None:
+    """A member's absence from the rendezvous counted from before a round placed it."""
+    mp.setattr(policies.StragglerRule, "forget", lambda self, worker_ids: None)
+
+
+REVERTS["placed-member-not-stuck"] = absence_outlives_placement

@@ -304,6 +304,18 @@ def test_a_member_that_answers_but_stays_away_from_the_rendezvous_is_stuck():
     assert rule.observe(["a"], ["a", "b"], clock(), in_round=["a", "b"]).stuck == []
 
 
+def test_an_absence_counts_from_the_members_last_placement():
+    # b was absent for 10 s, then a round placed it: the rounds actor's answer reaches it
+    # late, so it still looks absent while its peers wait again, but its absence starts anew
+    rule = StragglerRule(lost_after_s=5.0, stuck_after_s=15.0)
+    for now in range(0, 11):
+        rule.observe(["a"], ["a", "b"], float(now), in_round=["a", "b"], silent={"b": 0.1})
+    rule.forget(["a", "b"])
+    assert rule.observe(["a"], ["a", "b"], 12.0, in_round=["a", "b"]).stuck == []
+    assert rule.observe(["a"], ["a", "b"], 26.0, in_round=["a", "b"]).stuck == []
+    assert rule.observe(["a"], ["a", "b"], 27.0, in_round=["a", "b"]).stuck == ["b"]
+
+
 def test_a_join_that_the_rounds_actor_never_received_is_held():
     joining = {"a": 0.0, "b": 4.0, "c": 1.0, "d": 9.0}  # seconds in their join call
     # a is not joining, c only just began, d's join arrived: b's is held back by Ray

@@ -82,6 +82,7 @@ class RoundForming:
             ctx.members[worker_id].rank = place["rank"]
         ctx.rounds_client.publish(assignments)
         self.members.heartbeats.assigned(assignments, ctx.clock())
+        self.members.stragglers.forget(assignments)
         # newcomers still starting join at a later round, once they wait for one; members
         # kept on a draining node leave at the round after this one's first commit
         left_out = sum(m.rank < 0 for m in ctx.staying())

@@ -321,5 +321,13 @@ def scenarios() -> dict[str, Schedule]:
             Fault(2.0, "add_node"), Fault(13.4, "add_node")],
             "a loaded machine: a newcomer placed after waiting for the next commit hears of "
             "its place late, while the next newcomer already waits: it is not held back"),
+        _named("placed-member-not-stuck", replace(
+            THREE, nodes=4, slots=2, max_nodes=6, max_workers=8, late_placed_s=(0.0, 1.911)), [
+            [6.476, "kill_in_rendezvous", 0.0853, 0.0], [10.885, "kill_worker", 0.8816, 0.0],
+            [56.97, "kill_node", 0.5231, 0.0], [62.335, "drain_in_rendezvous", 0.3418, 2.067],
+            [68.711, "kill_in_rendezvous", 0.4759, 0.0], [68.825, "partition", 0.3814, 40.221]],
+            "a member absent from the rendezvous before a round placed it hears of its place "
+            "late: its absence counts from the round, and it is not restarted as stuck",
+            seed=19794),
     ]
     return {x.name: x for x in s}

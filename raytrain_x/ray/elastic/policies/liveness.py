@@ -182,6 +182,13 @@ class StragglerRule:
                  and now - self.absent_since[w] >= self.stuck_after_s]
         return Stragglers(True, lost, stuck, absent)
 
+    def forget(self, worker_ids: Iterable[str]) -> None:
+        """These members were given a rank in a new round: an absence seen before counts
+        no more (a worker whose answer from the rounds actor comes back late is absent from
+        the rendezvous until it does, and was not away from the round it was placed in)."""
+        for worker_id in worker_ids:
+            self.absent_since.pop(worker_id, None)
+
 
 def spare_last_holders(candidates: Iterable[str], members: Iterable[str],
                        holders: Iterable[str] | None) -> list[str]:
