@@ -60,7 +60,7 @@ def one_kill(limit_s: float = 60.0) -> dict:
             now = time.monotonic() - began
             if seen["process_gone_s"] is None and not _alive(pid):
                 seen["process_gone_s"] = now
-            calls.append(worker.joining.remote())
+            calls.append(worker.heartbeat.remote())
             ready, _ = ray.wait(calls, num_returns=len(calls), timeout=0)
             for ref in ready:
                 calls.remove(ref)

@@ -277,13 +277,16 @@ class WorkerActor:
         return os.getpid()
 
     @ray.method(concurrency_group="probe")
-    def joining(self) -> float:
-        """Seconds this worker has been in its call to join the next elastic round (0: not
-        in one). The elastic driver's probe, answered at once like `ping`; the driver
-        compares it with the joins the rounds actor received: a call Ray holds back never
-        arrives."""
+    def heartbeat(self) -> tuple[float, int]:
+        """The elastic driver's probe, answered at once like `ping`: the seconds this worker
+        has been in its call to join the next round (0: not in one), which the driver
+        compares with the joins the rounds actor received (a call Ray holds back never
+        arrives), and the round of the state it holds (`elastic.state.state_round`), which
+        tells the driver it holds the job's state before its next join can say so."""
+        from raytrain_x.elastic.state import state_round
+
         since = self.joining_since
-        return 0.0 if since is None else time.monotonic() - since
+        return (0.0 if since is None else time.monotonic() - since), state_round()
 
     @ray.method(concurrency_group="probe")
     def where(self, frames: int = 4) -> str:

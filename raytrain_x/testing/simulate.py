@@ -174,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {kind:24s} {_percentiles(values)}")
     wall = time.monotonic() - began
     if args.json:
+        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"schedules": total["schedules"], "faults": total["faults"],
                        "faults_scheduled": total["scheduled"],

@@ -114,3 +114,12 @@ def absence_outlives_placement(mp) -> None:
 
 
 REVERTS["placed-member-not-stuck"] = absence_outlives_placement
+
+
+def holders_only_from_joins(mp) -> None:
+    """The driver knew a worker held the state only from its joins (and the round that
+    committed last), not from its heartbeat."""
+    mp.setattr(policies.Heartbeats, "holders", lambda self, committed_round: set())
+
+
+REVERTS["synced-holder-heard-by-heartbeat"] = holders_only_from_joins

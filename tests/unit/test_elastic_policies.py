@@ -248,7 +248,7 @@ def test_heartbeats_count_silence_from_the_oldest_unanswered_call():
     assert beats.failed == set()
     assert beats.silent_for("never-asked", 100.0) == 0.0
     # one heartbeat round: a answered, b's call failed, a call went out to c
-    beats.record({"a": 1.5}, failed=["b"], sent=["c"], now=20.0)
+    beats.record({"a": (1.5, 0)}, failed=["b"], sent=["c"], now=20.0)
     assert beats.joining["a"] == 1.5 and beats.failed == {"b"}
     assert beats.silent_for("c", 26.0) == 6.0
     beats.keep(["a"])  # b and c left the job
@@ -259,17 +259,17 @@ def test_a_join_counts_only_when_it_began_after_the_members_last_rank():
     beats = Heartbeats()
     # a newcomer waits 4 s for a round; its answer to the call sent at 10.0 says so
     beats.sent("new", 10.0)
-    beats.record({"new": 4.0}, failed=[], sent=[], now=10.5)
+    beats.record({"new": (4.0, 0)}, failed=[], sent=[], now=10.5)
     assert beats.joins() == {"new": 4.0}  # never given a rank: any join counts
     beats.assigned(["new"], 11.0)  # its round is published: that join is over
     assert beats.joins() == {}
     # the actor's answer has not reached it yet: it still says it is joining, 5 s now
     beats.sent("new", 11.5)
-    beats.record({"new": 5.0}, failed=[], sent=[], now=12.0)
+    beats.record({"new": (5.0, 0)}, failed=[], sent=[], now=12.0)
     assert beats.joins() == {}  # began by 6.5, before its rank at 11.0
     # a later join, begun after its rank (sent 20.0, in it 3.5 s: began after 16.5)
     beats.sent("new", 20.0)
-    beats.record({"new": 3.5}, failed=[], sent=[], now=20.1)
+    beats.record({"new": (3.5, 0)}, failed=[], sent=[], now=20.1)
     assert beats.joins() == {"new": 3.5}
     beats.answered("new", 0.0)  # not joining
     assert beats.joins() == {}
@@ -277,6 +277,17 @@ def test_a_join_counts_only_when_it_began_after_the_members_last_rank():
     assert beats.joins() == {}
     beats.keep([])
     assert not beats.join_began and not beats.assigned_at
+
+
+def test_a_member_that_says_it_holds_the_latest_state_is_a_holder():
+    # a synced the state in round 6, which never committed (the last commit was in round
+    # 5); b holds round 4's state; c never synced
+    beats = Heartbeats()
+    beats.record({"a": (0.0, 6), "b": (2.0, 4), "c": (1.0, 0)}, failed=[], sent=[], now=1.0)
+    assert beats.holders(5) == {"a"}
+    assert beats.holders(7) == set()  # a later round committed without them
+    beats.keep(["b", "c"])
+    assert beats.holders(4) == {"b"}
 
 
 def test_a_round_is_needed_when_every_member_left_its_round_at_once():

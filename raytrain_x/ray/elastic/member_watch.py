@@ -161,7 +161,9 @@ class MemberWatch:
     def holders(self, committed_round: int | None = None) -> list[str] | None:
         """The workers that hold the job's latest committed state (None: it never
         committed): those that said so when they last joined a round, and the members of
-        the round that committed last (they report it only at their next join)."""
+        the round that committed last (they report it only at their next join), and those
+        whose last heartbeat says so (a join Ray holds back after a partition never says
+        it)."""
         ctx = self.ctx
         if committed_round is None:
             committed_round = ctx.rounds_client.committed_round()
@@ -171,6 +173,7 @@ class MemberWatch:
             del ctx.round_members[old]  # a later round committed: they are not needed
         holders = set(ctx.rounds_client.holders())
         holders |= ctx.round_members.get(committed_round, set()) & set(ctx.members)
+        holders |= self.heartbeats.holders(committed_round) & set(ctx.members)
         return sorted(holders)
 
     def present(self) -> list[str]:

@@ -34,7 +34,7 @@ class Member:
     leaving: bool = False  # told to leave (its node drains); gone when its call returns
     # its node drains and a round formed without it: sent away when it reaches the rendezvous
     departed: bool = False
-    beat: Any = None  # its heartbeat call out now (`WorkerActor.joining`)
+    beat: Any = None  # its heartbeat call out now (`WorkerActor.heartbeat`)
 
     def view(self) -> MemberView:
         return MemberView(self.worker_id, self.node, self.leaving, in_round=self.rank >= 0,
@@ -173,11 +173,12 @@ class WorkerPool:
                          method)
         return answers
 
-    def beat(self) -> tuple[dict[str, float], set[str], list[str]]:
-        """The driver's heartbeat: collects the members' answered `joining` calls and sends
-        one to each member without one out. Returns (the answers, the members whose call
-        failed, the members a call went out to); never waits."""
-        answers: dict[str, float] = {}
+    def beat(self) -> tuple[dict[str, tuple[float, int]], set[str], list[str]]:
+        """The driver's heartbeat: collects the members' answered `heartbeat` calls (seconds
+        in a join, the round of the state held) and sends one to each member without one
+        out. Returns (the answers, the members whose call failed, the members a call went
+        out to); never waits."""
+        answers: dict[str, tuple[float, int]] = {}
         failed: set[str] = set()
         out = {m.beat: m for m in self.members.values() if m.beat is not None}
         ready, _ = ray.wait(list(out), num_returns=len(out), timeout=0) if out else ([], [])
@@ -185,13 +186,13 @@ class WorkerPool:
             member = out[ref]
             member.beat = None
             try:
-                answers[member.worker_id] = ray.get(ref)
+                answers[member.worker_id] = tuple(ray.get(ref))
             except Exception:  # noqa: BLE001 - any error: no answer from this member
                 failed.add(member.worker_id)
         sent = []
         for member in self.members.values():
             if member.beat is None:
-                member.beat = member.actor.joining.remote()
+                member.beat = member.actor.heartbeat.remote()
                 sent.append(member.worker_id)
         return answers, failed, sent
 

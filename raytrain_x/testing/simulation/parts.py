@@ -121,9 +121,9 @@ class SimPool(WorkerPool):
         return {w: f"simulated {self.members[w].actor.phase}" for w in worker_ids
                 if w in self.members and self.members[w].actor.reachable(now)}
 
-    def beat(self) -> tuple[dict[str, float], set[str], list[str]]:
+    def beat(self) -> tuple[dict[str, tuple[float, int]], set[str], list[str]]:
         now = self.world.now
-        answers: dict[str, float] = {}
+        answers: dict[str, tuple[float, int]] = {}
         failed: set[str] = set()
         for m in self.members.values():
             if m.beat is None:
@@ -131,8 +131,8 @@ class SimPool(WorkerPool):
             w: SimWorker = m.actor
             if w.reachable(now) and m.beat < now:
                 m.beat = None
-                answers[m.worker_id] = 0.0 if w.joining_since is None \
-                    else now - w.joining_since
+                answers[m.worker_id] = (0.0 if w.joining_since is None
+                                        else now - w.joining_since, w.state_round)
             elif not w.alive and w.outcome_at <= now:
                 m.beat = None
                 failed.add(m.worker_id)

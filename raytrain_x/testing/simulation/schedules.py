@@ -329,5 +329,14 @@ def scenarios() -> dict[str, Schedule]:
             "a member absent from the rendezvous before a round placed it hears of its place "
             "late: its absence counts from the round, and it is not restarted as stuck",
             seed=19794),
+        _named("synced-holder-heard-by-heartbeat", replace(
+            THREE, max_nodes=3, min_workers=2, commit_s=0.2, late_placed_s=(0.0, 0.829)), [
+            [6.451, "kill_in_commit", 0.4618, 0.0],
+            [12.224, "node_kill_in_rendezvous", 0.3231, 0.0],
+            [19.006, "drain_kill", 0.3264, 4.001], [21.236, "kill_in_commit", 0.4827, 0.0],
+            [28.04, "partition", 0.5895, 2.496]],
+            "a newcomer syncs the state, its round never commits and its peer dies while a "
+            "partition holds its next join: the heartbeat says it holds the state, and it is "
+            "spared", seed=57782),
     ]
     return {x.name: x for x in s}

@@ -64,6 +64,11 @@ class Heartbeats:
     failed (the process or its node gone, or Ray unable to reach it) leaves the member
     silent from when it went out, and marks it `failed`.
 
+    An answer also says the round of the state the member holds (`holders`): a worker
+    that synced the state in a round that never committed, then lost its peers, holds the
+    job's state, and the driver learns it from the heartbeat while its join (which says so
+    too) may be held back after a partition.
+
     An answer says how long the member has been in its call to join a round; `joins` keeps
     only joins that began after the member was last given a rank (`assigned`). A join that
     began before ended with that round, though its worker may not have heard it yet: on a
@@ -75,14 +80,16 @@ class Heartbeats:
         self.joining: dict[str, float] = {}  # member -> its last answer (s in its join)
         self.join_began: dict[str, float] = {}  # member -> earliest its join can have begun
         self.assigned_at: dict[str, float] = {}  # member -> when it was last given a rank
+        self.state_rounds: dict[str, int] = {}  # member -> the round of the state it holds
         self.failed: set[str] = set()  # members whose last call failed
 
-    def record(self, answers: Mapping[str, float], failed: Iterable[str],
+    def record(self, answers: Mapping[str, tuple[float, int]], failed: Iterable[str],
                sent: Iterable[str], now: float) -> None:
-        """One round of the heartbeat (`WorkerPool.beat`): the answers collected, the calls
-        that failed, the members a call went out to at `now`."""
-        for worker_id, joining_s in answers.items():
-            self.answered(worker_id, joining_s, self.out_since.get(worker_id))
+        """One round of the heartbeat (`WorkerPool.beat`): the answers collected (seconds in
+        a join, the round of the state held), the calls that failed, the members a call
+        went out to at `now`."""
+        for worker_id, (joining_s, state_round) in answers.items():
+            self.answered(worker_id, joining_s, self.out_since.get(worker_id), state_round)
         for worker_id in failed:
             self.call_failed(worker_id)
         for worker_id in sent:
@@ -92,10 +99,13 @@ class Heartbeats:
         """A call went out to `worker_id` (the first unanswered one starts its silence)."""
         self.out_since.setdefault(worker_id, now)
 
-    def answered(self, worker_id: str, joining_s: float, sent_at: float | None = None) -> None:
+    def answered(self, worker_id: str, joining_s: float, sent_at: float | None = None,
+                 state_round: int = 0) -> None:
         """`worker_id` answered the call that went out at `sent_at` (None: unknown): in its
-        join for `joining_s`, which began no earlier than `sent_at - joining_s`."""
+        join for `joining_s`, which began no earlier than `sent_at - joining_s`, holding the
+        state of round `state_round` (0: none)."""
         self.out_since.pop(worker_id, None)
+        self.state_rounds[worker_id] = state_round
         self.failed.discard(worker_id)
         self.joining[worker_id] = joining_s
         self.join_began[worker_id] = -math.inf if sent_at is None else sent_at - joining_s
@@ -111,6 +121,11 @@ class Heartbeats:
         return {w: s for w, s in self.joining.items() if s > 0
                 and self.join_began.get(w, -math.inf) > self.assigned_at.get(w, -math.inf)}
 
+    def holders(self, committed_round: int) -> set[str]:
+        """The members whose last answer says they hold the job's latest committed state
+        (the rule of the rounds actor's `current_holders`)."""
+        return {w for w, r in self.state_rounds.items() if r > 0 and r >= committed_round}
+
     def call_failed(self, worker_id: str) -> None:
         self.failed.add(worker_id)
 
@@ -121,7 +136,8 @@ class Heartbeats:
     def keep(self, worker_ids: Iterable[str]) -> None:
         """Forgets members no longer in the job."""
         keep = set(worker_ids)
-        for table in (self.out_since, self.joining, self.join_began, self.assigned_at):
+        for table in (self.out_since, self.joining, self.join_began, self.assigned_at,
+                      self.state_rounds):
             for worker_id in set(table) - keep:
                 del table[worker_id]
         self.failed &= keep
