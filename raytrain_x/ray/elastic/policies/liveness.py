@@ -56,7 +56,7 @@ class FailurePolicy:
 class Heartbeats:
     """How long each member has not answered the driver.
 
-    The driver asks every member `joining` on its probe thread once a poll, one call out at
+    The driver asks every member `heartbeat` on its probe thread once a poll, one call out at
     a time each (`WorkerPool.beat`), so it knows who answers before anyone waits for them:
     a member is silent for as long as its oldest unanswered call has been out. A driver
     that stalled does not make members look silent: answers are collected before they are
@@ -64,16 +64,16 @@ class Heartbeats:
     failed (the process or its node gone, or Ray unable to reach it) leaves the member
     silent from when it went out, and marks it `failed`.
 
-    An answer also says the round of the state the member holds (`holders`): a worker
-    that synced the state in a round that never committed, then lost its peers, holds the
-    job's state, and the driver learns it from the heartbeat while its join (which says so
-    too) may be held back after a partition.
-
     An answer says how long the member has been in its call to join a round; `joins` keeps
     only joins that began after the member was last given a rank (`assigned`). A join that
     began before ended with that round, though its worker may not have heard it yet: on a
     loaded machine the rounds actor's answer can take seconds to come back, and until it
-    does the worker still says it is joining while the actor no longer lists it."""
+    does the worker still says it is joining while the actor no longer lists it.
+
+    An answer also says the round of the state the member holds (`holders`): a worker
+    that synced the state in a round that never committed, then lost its peers, holds the
+    job's state, and the driver learns it from the heartbeat while its join (which says so
+    too) may be held back after a partition."""
 
     def __init__(self) -> None:
         self.out_since: dict[str, float] = {}  # member -> when its unanswered call went out
