@@ -4,7 +4,13 @@ scenario fails without it."""
 
 from __future__ import annotations
 
-from raytrain_x.ray.elastic import drain_watch, member_watch, policies, round_forming
+from raytrain_x.ray.elastic import (
+    drain_watch,
+    member_watch,
+    policies,
+    round_forming,
+    worker_starts,
+)
 from raytrain_x.ray.elastic.policies import rounds as round_policy
 
 
@@ -123,3 +129,20 @@ def holders_only_from_joins(mp) -> None:
 
 
 REVERTS["synced-holder-heard-by-heartbeat"] = holders_only_from_joins
+
+
+def slow_nodes_forgotten(mp) -> None:
+    """A node where a worker did not start was placed last only for `start_timeout_s`."""
+    def scale_up(self) -> None:
+        ctx = self.ctx
+        usable = self.scaling.usable_slots(ctx.cluster.free_slots(self._used_slots()),
+                                           ctx.draining, ctx.blacklist)
+        recent = ctx.clock() - ctx.settings.start_timeout_s
+        slow = {h for at, h, why in ctx.log.gave_up if at >= recent and "start" in why}
+        for node in self.scaling.starts(usable, len(ctx.members), len(ctx.pending), slow):
+            ctx.log.add("place", node)
+            ctx.pool.start(node)
+    mp.setattr(worker_starts.WorkerStarts, "scale_up", scale_up)
+
+
+REVERTS["slow-node-not-forgotten"] = slow_nodes_forgotten

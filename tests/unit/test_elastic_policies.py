@@ -28,6 +28,7 @@ from raytrain_x.ray.elastic.policies import (
     held_back,
     held_joins,
     kept_on_drain,
+    last_resort_nodes,
     notice_drains,
     spare_last_holders,
     state_lost,
@@ -457,6 +458,20 @@ def test_nodes_where_a_worker_lately_did_not_start_are_tried_last():
     assert policy.starts(usable, members=1, pending=0) == ["n1", "n2"]
     assert policy.starts(usable, 1, 0, last_resort={"n1", "n2"}) == ["n3", "n4"]
     assert policy.starts({"n1": 2}, 0, 0, last_resort={"n1"}) == ["n1", "n1"]  # only one
+
+
+
+def test_a_node_where_a_worker_did_not_start_is_a_last_resort_until_one_does():
+    gave_up = [(10.0, "n1", "it did not start within start_timeout_s=30s"),
+               (12.0, "n2", "its actor died while starting: boom"),
+               (14.0, "n3", "its node left the cluster"),  # not the node's starts
+               (50.0, "n2", "it did not start within start_timeout_s=30s")]
+    # n1 failed long ago and has not started a worker since: still a last resort;
+    # n2 started one at 20 s, then failed again at 50 s
+    assert last_resort_nodes(gave_up, started=[(20.0, "n2")]) == {"n1", "n2"}
+    assert last_resort_nodes(gave_up, started=[(20.0, "n2"), (60.0, "n2"),
+                                               (11.0, "n1")]) == set()
+    assert last_resort_nodes([], started=[]) == set()
 
 
 def test_the_state_is_lost_once_no_staying_worker_holds_it():

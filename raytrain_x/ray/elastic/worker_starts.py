@@ -9,7 +9,12 @@ from typing import Any
 from raytrain_x.common.logs import progress_logger
 from raytrain_x.common.settings import PROGRESS_EVERY_S, short_node
 from raytrain_x.ray.elastic.context import JobContext
-from raytrain_x.ray.elastic.policies import MinimumWatch, ScalingPolicy, elastic_timeout_error
+from raytrain_x.ray.elastic.policies import (
+    MinimumWatch,
+    ScalingPolicy,
+    elastic_timeout_error,
+    last_resort_nodes,
+)
 from raytrain_x.ray.elastic.settings import GAVE_UP_WARNING_AT
 
 log = logging.getLogger("raytrain_x.elastic")
@@ -44,8 +49,7 @@ class WorkerStarts:
         ctx = self.ctx
         usable = self.scaling.usable_slots(ctx.cluster.free_slots(self._used_slots()),
                                            ctx.draining, ctx.blacklist)
-        recent = ctx.clock() - ctx.settings.start_timeout_s
-        slow = {host for at, host, why in ctx.log.gave_up if at >= recent and "start" in why}
+        slow = last_resort_nodes(ctx.log.gave_up, [(e.time, e.host) for e in ctx.log.of("start")])
         for node in self.scaling.starts(usable, len(ctx.members), len(ctx.pending), slow):
             ctx.log.add("place", node)
             ctx.pool.start(node)

@@ -338,5 +338,14 @@ def scenarios() -> dict[str, Schedule]:
             "a newcomer syncs the state, its round never commits and its peer dies while a "
             "partition holds its next join: the heartbeat says it holds the state, and it is "
             "spared", seed=57782),
+        _named("slow-node-not-forgotten", replace(THREE, slots=2, max_nodes=6, max_workers=4,
+                                                  commit_s=0.2), [
+            [6.094, "kill_in_rendezvous", 0.9073, 0.0], [72.361, "partition", 0.6178, 34.258],
+            [74.781, "slow_start", 0.7322, 32.28], [97.311, "slow_start", 0.594, 35.522],
+            [121.254, "add_node", 0.3545, 0.0], [142.235, "drain", 0.2557, -1.0],
+            [168.832, "drain", 0.7022, 13.825]],
+            "two nodes whose workers never start in time: each stays a last resort until a "
+            "worker starts there, so the job starts its workers on the node that can",
+            seed=133193),
     ]
     return {x.name: x for x in s}

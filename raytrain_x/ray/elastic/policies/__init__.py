@@ -33,6 +33,7 @@ from raytrain_x.ray.elastic.policies.scaling import (
     MinimumWatch,
     ScalingPolicy,
     elastic_timeout_error,
+    last_resort_nodes,
     shape,
 )
 from raytrain_x.ray.elastic.policies.views import (

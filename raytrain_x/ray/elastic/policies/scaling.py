@@ -96,6 +96,21 @@ class ScalingPolicy:
             "has them to the cluster config.")
 
 
+def last_resort_nodes(gave_up: Iterable[tuple[float, str, str]],
+                      started: Iterable[tuple[float, str]]) -> set[str]:
+    """The nodes to start workers on only after every other (`ScalingPolicy.starts`): those
+    where the driver gave up on a starting worker (`gave_up`: time, node, why) since a
+    worker last started there (`started`: time, node). A node whose workers never start
+    within `start_timeout_s` stays one until one does: forgotten after a while, it would
+    take every start again, each costing the timeout, while a node that can start them
+    idles."""
+    last_start: dict[str, float] = {}
+    for at, node in started:
+        last_start[node] = max(at, last_start.get(node, at))
+    return {node for at, node, why in gave_up
+            if "start" in why and at > last_start.get(node, float("-inf"))}
+
+
 class MinimumWatch:
     """`min_workers` over time: fewer staying workers than that are waited for up to
     `elastic_timeout`, then the job fails (`elastic_timeout_error`)."""
