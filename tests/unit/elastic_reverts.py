@@ -131,18 +131,36 @@ def holders_only_from_joins(mp) -> None:
 REVERTS["synced-holder-heard-by-heartbeat"] = holders_only_from_joins
 
 
-def slow_nodes_forgotten(mp) -> None:
-    """A node where a worker did not start was placed last only for `start_timeout_s`."""
+def _scale_up_as_before(mp, forget_slow_nodes: bool, count_draining: bool) -> None:
+    """`WorkerStarts.scale_up` with either old rule put back."""
     def scale_up(self) -> None:
         ctx = self.ctx
         usable = self.scaling.usable_slots(ctx.cluster.free_slots(self._used_slots()),
                                            ctx.draining, ctx.blacklist)
-        recent = ctx.clock() - ctx.settings.start_timeout_s
-        slow = {h for at, h, why in ctx.log.gave_up if at >= recent and "start" in why}
-        for node in self.scaling.starts(usable, len(ctx.members), len(ctx.pending), slow):
+        if forget_slow_nodes:
+            recent = ctx.clock() - ctx.settings.start_timeout_s
+            slow = {h for at, h, why in ctx.log.gave_up if at >= recent and "start" in why}
+        else:
+            slow = policies.last_resort_nodes(ctx.log.gave_up,
+                                              [(e.time, e.host) for e in ctx.log.of("start")])
+        staying = None if count_draining else len(ctx.staying())
+        for node in self.scaling.starts(usable, len(ctx.members), len(ctx.pending), slow,
+                                        staying=staying):
             ctx.log.add("place", node)
             ctx.pool.start(node)
     mp.setattr(worker_starts.WorkerStarts, "scale_up", scale_up)
 
 
+def slow_nodes_forgotten(mp) -> None:
+    """A node where a worker did not start was placed last only for `start_timeout_s`."""
+    _scale_up_as_before(mp, forget_slow_nodes=True, count_draining=False)
+
+
+def draining_members_fill_max_workers(mp) -> None:
+    """Members on draining nodes counted as staying: with max_workers all on draining
+    nodes, no replacement started until they left."""
+    _scale_up_as_before(mp, forget_slow_nodes=False, count_draining=True)
+
+
 REVERTS["slow-node-not-forgotten"] = slow_nodes_forgotten
+REVERTS["draining-members-replaced"] = draining_members_fill_max_workers

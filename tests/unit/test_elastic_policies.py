@@ -461,6 +461,18 @@ def test_nodes_where_a_worker_lately_did_not_start_are_tried_last():
 
 
 
+def test_members_on_draining_nodes_do_not_hold_back_min_workers_staying_ones():
+    policy = ScalingPolicy(settings(min_workers=2, max_workers=3))
+    usable = {"n5": 2, "n6": 2}
+    # 3 members, all on draining nodes (kept: they alone hold the state): max_workers is
+    # full, but none stays, so 2 replacements start to take the state over
+    assert policy.starts(usable, members=3, pending=0) == []
+    assert policy.starts(usable, members=3, pending=0, staying=0) == ["n5", "n5"]
+    assert policy.starts(usable, members=3, pending=1, staying=0) == ["n5"]
+    # enough stay: max_workers bounds the starts as before
+    assert policy.starts(usable, members=3, pending=0, staying=2) == []
+
+
 def test_a_node_where_a_worker_did_not_start_is_a_last_resort_until_one_does():
     gave_up = [(10.0, "n1", "it did not start within start_timeout_s=30s"),
                (12.0, "n2", "its actor died while starting: boom"),

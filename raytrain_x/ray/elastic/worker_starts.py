@@ -44,13 +44,15 @@ class WorkerStarts:
         return used
 
     def scale_up(self) -> None:
-        """Asks for workers on free slots up to max_workers. They join when they answer
-        (`poll_pending`), however long their start takes."""
+        """Asks for workers on free slots up to max_workers, and up to min_workers staying
+        ones (`ScalingPolicy.starts`). They join when they answer (`poll_pending`), however
+        long their start takes."""
         ctx = self.ctx
         usable = self.scaling.usable_slots(ctx.cluster.free_slots(self._used_slots()),
                                            ctx.draining, ctx.blacklist)
         slow = last_resort_nodes(ctx.log.gave_up, [(e.time, e.host) for e in ctx.log.of("start")])
-        for node in self.scaling.starts(usable, len(ctx.members), len(ctx.pending), slow):
+        for node in self.scaling.starts(usable, len(ctx.members), len(ctx.pending), slow,
+                                        staying=len(ctx.staying())):
             ctx.log.add("place", node)
             ctx.pool.start(node)
 

@@ -347,5 +347,15 @@ def scenarios() -> dict[str, Schedule]:
             "two nodes whose workers never start in time: each stays a last resort until a "
             "worker starts there, so the job starts its workers on the node that can",
             seed=133193),
+        _named("draining-members-replaced", replace(
+            THREE, nodes=5, slots=2, max_nodes=8, min_workers=2, commit_s=1.0,
+            late_placed_s=(0.0, 1.727)), [
+            [34.021, "slow_start", 0.3704, 21.743], [67.323, "drain", 0.1145, 13.696],
+            [87.905, "node_kill_in_connect", 0.657, 0.0], [105.364, "drain", 0.1257, -1.0],
+            [109.369, "kill_node", 0.0045, 0.0], [116.342, "slow_start", 0.5198, 28.948],
+            [123.386, "drain", 0.4349, -1.0], [155.954, "drain", 0.9577, -1.0]],
+            "every member is on a draining node, kept for the state, and they fill "
+            "max_workers: replacements start up to min_workers staying ones and take the "
+            "state over", seed=107684),
     ]
     return {x.name: x for x in s}

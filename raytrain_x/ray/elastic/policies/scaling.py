@@ -39,12 +39,17 @@ class ScalingPolicy:
                 and not blacklist.is_blacklisted(h)}
 
     def starts(self, usable: Mapping[str, int], members: int, pending: int,
-               last_resort: Iterable[str] = ()) -> list[str]:
+               last_resort: Iterable[str] = (), staying: int | None = None) -> list[str]:
         """The nodes to start workers on (one entry per worker), up to `max_workers`
-        counting those running and starting; nodes in id order, each filled in turn, the
-        `last_resort` ones (a worker lately did not start there) after every other: a node
-        that cannot start workers would otherwise take every start while others idle."""
+        counting those running and starting, and up to `min_workers` counting only the
+        members that stay (`staying`; those on draining nodes leave, though they may stay
+        a while holding the state: with `max_workers` all on draining nodes, nothing would
+        start to take it over); nodes in id order, each filled in turn, the `last_resort`
+        ones (a worker lately did not start there) after every other: a node that cannot
+        start workers would otherwise take every start while others idle."""
         room = self.settings.max_workers - members - pending
+        if staying is not None:
+            room = max(room, self.settings.min_workers - staying - pending)
         if room <= 0:
             return []
         last = set(last_resort)
