@@ -125,41 +125,32 @@ REVERTS["placed-member-not-stuck"] = absence_outlives_placement
 def holders_only_from_joins(mp) -> None:
     """The driver knew a worker held the state only from its joins (and the round that
     committed last), not from its heartbeat."""
-    mp.setattr(policies.Heartbeats, "holders", lambda self, committed_round: set())
+    mp.setattr(member_watch, "current_holders", lambda state_rounds, committed_round: [])
 
 
 REVERTS["synced-holder-heard-by-heartbeat"] = holders_only_from_joins
 
 
-def _scale_up_as_before(mp, forget_slow_nodes: bool, count_draining: bool) -> None:
-    """`WorkerStarts.scale_up` with either old rule put back."""
-    def scale_up(self) -> None:
-        ctx = self.ctx
-        usable = self.scaling.usable_slots(ctx.cluster.free_slots(self._used_slots()),
-                                           ctx.draining, ctx.blacklist)
-        if forget_slow_nodes:
-            recent = ctx.clock() - ctx.settings.start_timeout_s
-            slow = {h for at, h, why in ctx.log.gave_up if at >= recent and "start" in why}
-        else:
-            slow = policies.last_resort_nodes(ctx.log.gave_up,
-                                              [(e.time, e.host) for e in ctx.log.of("start")])
-        staying = None if count_draining else len(ctx.staying())
-        for node in self.scaling.starts(usable, len(ctx.members), len(ctx.pending), slow,
-                                        staying=staying):
-            ctx.log.add("place", node)
-            ctx.pool.start(node)
-    mp.setattr(worker_starts.WorkerStarts, "scale_up", scale_up)
-
-
 def slow_nodes_forgotten(mp) -> None:
     """A node where a worker did not start was placed last only for `start_timeout_s`."""
-    _scale_up_as_before(mp, forget_slow_nodes=True, count_draining=False)
+    recent = [0.0]  # give-ups since then count, as of the scale-up under way
+    scale_up = worker_starts.WorkerStarts.scale_up
+
+    def forgetting(self) -> None:
+        recent[0] = self.ctx.clock() - self.ctx.settings.start_timeout_s
+        scale_up(self)
+    mp.setattr(worker_starts.WorkerStarts, "scale_up", forgetting)
+    mp.setattr(worker_starts, "last_resort_nodes", lambda gave_up, started: {
+        h for at, h, why in gave_up if at >= recent[0] and "start" in why})
 
 
 def draining_members_fill_max_workers(mp) -> None:
     """Members on draining nodes counted as staying: with max_workers all on draining
     nodes, no replacement started until they left."""
-    _scale_up_as_before(mp, forget_slow_nodes=False, count_draining=True)
+    starts = policies.ScalingPolicy.starts
+    mp.setattr(policies.ScalingPolicy, "starts",
+               lambda self, usable, members, pending, last_resort=(), staying=None:
+               starts(self, usable, members, pending, last_resort))
 
 
 REVERTS["slow-node-not-forgotten"] = slow_nodes_forgotten

@@ -20,6 +20,7 @@ from raytrain_x.ray.elastic.policies import (
     state_lost_error,
 )
 from raytrain_x.ray.elastic.pool import Member
+from raytrain_x.ray.elastic.rounds import current_holders
 from raytrain_x.ray.elastic.settings import STRAGGLER_POLL_S
 from raytrain_x.ray.failures import held_join_error, stuck_error, unreachable_error
 
@@ -173,7 +174,8 @@ class MemberWatch:
             del ctx.round_members[old]  # a later round committed: they are not needed
         holders = set(ctx.rounds_client.holders())
         holders |= ctx.round_members.get(committed_round, set()) & set(ctx.members)
-        holders |= self.heartbeats.holders(committed_round) & set(ctx.members)
+        holders |= set(current_holders(self.heartbeats.state_rounds, committed_round)) \
+            & set(ctx.members)
         return sorted(holders)
 
     def present(self) -> list[str]:

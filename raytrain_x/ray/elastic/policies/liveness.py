@@ -70,7 +70,7 @@ class Heartbeats:
     loaded machine the rounds actor's answer can take seconds to come back, and until it
     does the worker still says it is joining while the actor no longer lists it.
 
-    An answer also says the round of the state the member holds (`holders`): a worker
+    An answer also says the round of the state the member holds (`state_rounds`): a worker
     that synced the state in a round that never committed, then lost its peers, holds the
     job's state, and the driver learns it from the heartbeat while its join (which says so
     too) may be held back after a partition."""
@@ -120,11 +120,6 @@ class Heartbeats:
         that surely began after it was last given a rank (a member never given one: any)."""
         return {w: s for w, s in self.joining.items() if s > 0
                 and self.join_began.get(w, -math.inf) > self.assigned_at.get(w, -math.inf)}
-
-    def holders(self, committed_round: int) -> set[str]:
-        """The members whose last answer says they hold the job's latest committed state
-        (the rule of the rounds actor's `current_holders`)."""
-        return {w for w, r in self.state_rounds.items() if r > 0 and r >= committed_round}
 
     def call_failed(self, worker_id: str) -> None:
         self.failed.add(worker_id)
