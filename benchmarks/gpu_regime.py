@@ -22,7 +22,9 @@ Reports per step time (--step-ms: 10 30 100) and way: seconds per step (median o
 rounds' medians), the overhead over the floor, and the share of communication hidden
 behind backward: 1 - (t - t_floor) / (t_serial - t_floor), with t_serial a step with one
 allreduce of every gradient after backward over the way's own transport (`serial`: gloo,
-as DDP; `rx-serial`: raytrain-x's, shared memory on one host), in the same rounds.
+as DDP; `rx-serial`: raytrain-x's, shared memory on one host), in the same rounds; and
+`cpu ms`, the CPU time a step takes in the busier rank's process (every thread: the
+framework's, the engine's, gloo's), median of the rounds.
 
 Places: one host (--workers ranks as processes; shared memory for raytrain-x, gloo over
 loopback for DDP and the serial reference), or an emulated cluster (--hosts 2: network
@@ -155,6 +157,7 @@ def measure(rank: int, size: int, args, tag: str) -> dict:
     # where hierarchical allreduce applies, the way with the other setting than the default
     other = [other_hierarchy_way()] if multi_level_world() else []
     out: dict[str, dict[str, list[float]]] = {}
+    cpu: dict[str, dict[str, list[float]]] = {}  # CPU seconds a step, the busier rank's
     engine: dict[str, list[dict[str, float]]] = {}
     tuned: dict[str, dict] = {}
     x = torch.ones(1, requires_grad=True)
@@ -167,6 +170,7 @@ def measure(rank: int, size: int, args, tag: str) -> dict:
         if args.autotune:
             tuned[str(step_ms)] = _tune(shapes, step_ms, x, tag)
         out[str(step_ms)] = {w: [] for w in ways}
+        cpu[str(step_ms)] = {w: [] for w in ways}
         for r in range(args.repeats):
             for way in ways:
                 model = sleeping_model(shapes, step_ms / 1000)
@@ -196,7 +200,11 @@ def measure(rank: int, size: int, args, tag: str) -> dict:
                     RESULTS_DIR.mkdir(exist_ok=True)
                     rx.start_timeline(str(RESULTS_DIR / f"{tag}_{step_ms:g}ms_timeline.json"),
                                       mark_cycles=True)
+                cpu_before = time.process_time()
                 seconds = median_across_ranks(step, args.steps, warmup=2)
+                cpu_step = torch.tensor([(time.process_time() - cpu_before) / (args.steps + 2)])
+                dist.all_reduce(cpu_step, op=dist.ReduceOp.MAX)
+                cpu[str(step_ms)][way].append(cpu_step.item())
                 if traced:
                     rx.stop_timeline()
                 out[str(step_ms)][way].append(seconds)
@@ -208,7 +216,7 @@ def measure(rank: int, size: int, args, tag: str) -> dict:
                     say(f"{step_ms:g} ms round {r + 1}/{args.repeats} {way}: "
                         f"{1000 * seconds:.1f} ms/step")
                 del model, opt, step
-    return {"times": out, "engine": engine, "autotune": tuned}
+    return {"times": out, "cpu": cpu, "engine": engine, "autotune": tuned}
 
 
 def _knobs_of(way: str, tuned: dict | None) -> dict:
@@ -280,7 +288,8 @@ def _name(args) -> str:
                      *([args.workload] if args.workload != "resnet50" else [])])
 
 
-def summarise(results: dict[str, dict[str, list[float]]]) -> list[dict]:
+def summarise(results: dict[str, dict[str, list[float]]],
+              cpu: dict[str, dict[str, list[float]]]) -> list[dict]:
     rows = []
     for step_ms, ways in results.items():
         med = {w: statistics.median(v) for w, v in ways.items()}
@@ -297,7 +306,8 @@ def summarise(results: dict[str, dict[str, list[float]]]) -> list[dict]:
                 "vs ddp25": med[way] / med["ddp25"] if "ddp25" in med else "",
                 "vs best ddp": med[way] / med[best],
                 "hidden": (1 - (med[way] - med["floor"]) / exposed
-                           if way != "floor" and exposed > 0 else "")})
+                           if way != "floor" and exposed > 0 else ""),
+                "cpu ms": 1000 * statistics.median(cpu[step_ms][way])})
     return rows
 
 
@@ -335,10 +345,10 @@ def main() -> None:
                   for k, v in raw.items()}
     payload: dict = {"args": vars(args), "worlds": {}}
     for title, got in worlds.items():
-        rows = summarise(got["results"]["times"])
+        rows = summarise(got["results"]["times"], got["results"]["cpu"])
         print(f"\n{args.workload}, {title}, transport {got['transport']}")
         print_table(rows, ["step ms", "way", "ms/step", "min", "max", "vs floor", "vs ddp25",
-                           "vs best ddp", "hidden"])
+                           "vs best ddp", "hidden", "cpu ms"])
         per_step = [{"step ms": step_ms, **{k: statistics.median(r[k] for r in rounds)
                                             for k in rounds[0]}}
                     for step_ms, rounds in got["results"]["engine"].items()]
