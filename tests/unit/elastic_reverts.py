@@ -55,8 +55,8 @@ def slow_nodes_first(mp) -> None:
     """Workers were placed in node id order, a node where starts failed included."""
     starts = policies.ScalingPolicy.starts
     mp.setattr(policies.ScalingPolicy, "starts",
-               lambda self, usable, members, pending, last_resort=():
-               starts(self, usable, members, pending))
+               lambda self, usable, members, pending, last_resort=(), **rest:
+               starts(self, usable, members, pending, **rest))
 
 
 REVERTS = {
@@ -149,9 +149,19 @@ def draining_members_fill_max_workers(mp) -> None:
     nodes, no replacement started until they left."""
     starts = policies.ScalingPolicy.starts
     mp.setattr(policies.ScalingPolicy, "starts",
-               lambda self, usable, members, pending, last_resort=(), staying=None:
-               starts(self, usable, members, pending, last_resort))
+               lambda self, usable, members, pending, last_resort=(), staying=None, **rest:
+               starts(self, usable, members, pending, last_resort, **rest))
+
+
+def starting_nodes_filled_first(mp) -> None:
+    """Replacements filled the nodes in id order, one where a worker was still starting
+    (and might never) included."""
+    starts = policies.ScalingPolicy.starts
+    mp.setattr(policies.ScalingPolicy, "starts",
+               lambda self, usable, members, pending, last_resort=(), staying=None,
+               starting=None: starts(self, usable, members, pending, last_resort, staying))
 
 
 REVERTS["slow-node-not-forgotten"] = slow_nodes_forgotten
 REVERTS["draining-members-replaced"] = draining_members_fill_max_workers
+REVERTS["starts-spread-off-unproven-node"] = starting_nodes_filled_first

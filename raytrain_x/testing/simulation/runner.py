@@ -49,6 +49,12 @@ class Outcome:
     def ok(self) -> bool:
         return not self.violations
 
+    @property
+    def first_violation_at(self) -> float:
+        """Virtual seconds when the first violation was seen (`World.violation` writes it
+        first); checks made after the run see it at the run's end."""
+        return float(self.violations[0][2:].split("s:", 1)[0])
+
 
 def settings_for(config: WorldConfig) -> ElasticSettings:
     return ElasticSettings(

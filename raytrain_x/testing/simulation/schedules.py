@@ -357,5 +357,15 @@ def scenarios() -> dict[str, Schedule]:
             "every member is on a draining node, kept for the state, and they fill "
             "max_workers: replacements start up to min_workers staying ones and take the "
             "state over", seed=107684),
+        _named("starts-spread-off-unproven-node", replace(
+            THREE, slots=2, max_nodes=3, min_workers=2, timeout_s=5.0, commit_s=0.2,
+            late_placed_s=(0.0, 0.921)), [
+            [6.308, "kill_node", 0.9937, 0.0], [15.091, "node_kill_in_rendezvous", 0.7456, 0.0],
+            [18.383, "stuck_start", 0.0968, 0.0], [27.472, "add_node", 0.0533, 0.0],
+            [28.351, "kill_worker", 0.4369, 0.0], [34.778, "stuck_start", 0.8376, 0.0],
+            [47.081, "drain", 0.2205, -1.0]],
+            "new nodes whose workers never start: a replacement goes to a node with no start "
+            "under way before one with one, so each such node holds up one start at a time "
+            "and the job starts on the node that can", seed=150375),
     ]
     return {x.name: x for x in s}

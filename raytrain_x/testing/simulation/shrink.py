@@ -21,9 +21,15 @@ def shrink(schedule: Schedule, max_examples: int = 300) -> Schedule:
     except ImportError:  # the `dev` extra brings it
         print("(install hypothesis to shrink failing schedules: pip install hypothesis)")
         return schedule
-    n = len(schedule.faults)
-    if n == 0 or run_schedule(schedule).ok:
+    outcome = run_schedule(schedule)
+    if not schedule.faults or outcome.ok:
         return schedule
+    # Faults after the first violation could not have caused it; without them the run is
+    # the same up to there (a fault draws nothing before it fires), which this checks.
+    before = [f.at <= outcome.first_violation_at for f in schedule.faults]
+    if not all(before) and not run_schedule(schedule.without(before)).ok:
+        schedule = schedule.without(before)
+    n = len(schedule.faults)
 
     def fails(keep: list[bool]) -> bool:
         return not run_schedule(schedule.without(keep)).ok
