@@ -464,12 +464,12 @@ def test_a_node_with_a_worker_still_starting_takes_more_only_after_the_others():
     policy = ScalingPolicy(settings(min_workers=2, max_workers=3))
     usable = {"n5": 1, "n6": 2}
     # a worker has been starting on n5 for a while (it may never): the next goes to n6
-    assert policy.starts(usable, members=1, pending=1, starting={"n5": 1}) == ["n6"]
-    assert policy.starts(usable, members=0, pending=1, starting={"n5": 1}) == ["n6", "n6"]
-    assert policy.starts({"n5": 1}, members=1, pending=1, starting={"n5": 1}) == ["n5"]
+    assert policy.starts(usable, members=1, pending=1, starting={"n5"}) == ["n6"]
+    assert policy.starts(usable, members=0, pending=1, starting={"n5"}) == ["n6", "n6"]
+    assert policy.starts({"n5": 1}, members=1, pending=1, starting={"n5"}) == ["n5"]
     # a last resort still comes after a node with a start under way
     assert policy.starts({"n5": 1, "n4": 1}, 1, 1, last_resort={"n4"},
-                         starting={"n5": 1}) == ["n5"]
+                         starting={"n5"}) == ["n5"]
     assert policy.starts(usable, members=1, pending=0) == ["n5", "n6"]  # none starting
 
 

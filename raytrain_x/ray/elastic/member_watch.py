@@ -172,10 +172,10 @@ class MemberWatch:
             return None
         for old in [r for r in ctx.round_members if r < committed_round]:
             del ctx.round_members[old]  # a later round committed: they are not needed
+        members = set(ctx.members)
         holders = set(ctx.rounds_client.holders())
-        holders |= ctx.round_members.get(committed_round, set()) & set(ctx.members)
-        holders |= set(current_holders(self.heartbeats.state_rounds, committed_round)) \
-            & set(ctx.members)
+        holders |= ctx.round_members.get(committed_round, set()) & members
+        holders |= set(current_holders(self.heartbeats.state_rounds, committed_round)) & members
         return sorted(holders)
 
     def present(self) -> list[str]:

@@ -51,9 +51,7 @@ class WorkerStarts:
         usable = self.scaling.usable_slots(ctx.cluster.free_slots(self._used_slots()),
                                            ctx.draining, ctx.blacklist)
         slow = last_resort_nodes(ctx.log.gave_up, [(e.time, e.host) for e in ctx.log.of("start")])
-        starting: dict[str, int] = {}
-        for p in ctx.pending.values():
-            starting[p.node] = starting.get(p.node, 0) + 1
+        starting = {p.node for p in ctx.pending.values()}
         for node in self.scaling.starts(usable, len(ctx.members), len(ctx.pending), slow,
                                         staying=len(ctx.staying()), starting=starting):
             ctx.log.add("place", node)

@@ -40,13 +40,13 @@ class ScalingPolicy:
 
     def starts(self, usable: Mapping[str, int], members: int, pending: int,
                last_resort: Iterable[str] = (), staying: int | None = None,
-               starting: Mapping[str, int] | None = None) -> list[str]:
+               starting: Iterable[str] = ()) -> list[str]:
         """The nodes to start workers on (one entry per worker), up to `max_workers`
         counting those running and starting, and up to `min_workers` counting only the
         members that stay (`staying`; those on draining nodes leave, though they may stay
         a while holding the state: with `max_workers` all on draining nodes, nothing would
         start to take it over). Nodes in id order, each filled in turn; after them those
-        where a worker is still starting (`starting`: node -> workers), and after every
+        where a worker is still starting (`starting`), and after every
         other the `last_resort` ones (a worker lately did not start there). A node that
         cannot start workers is found out only when a start there times out: it would
         otherwise take every start, one after the other, while others idle."""
@@ -55,10 +55,9 @@ class ScalingPolicy:
             room = max(room, self.settings.min_workers - staying - pending)
         if room <= 0:
             return []
-        last = set(last_resort)
-        starting = starting or {}
-        order = sorted(usable.items(),
-                       key=lambda item: (item[0] in last, starting.get(item[0], 0) > 0, item[0]))
+        last, busy = set(last_resort), set(starting)
+        order = sorted(usable.items(), key=lambda item: (item[0] in last, item[0] in busy,
+                                                         item[0]))
         return [node for node, slots in order for _ in range(slots)][:room]
 
     def bundles(self, staying: int, pending: int, unusable_slots: int) -> int:
