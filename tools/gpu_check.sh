@@ -24,4 +24,7 @@ timeout 150 $py benchmarks/zero_step.py --device cuda --layers 8 --width 1024 --
 # each bucket's step and allgather as its reduction lands (rx1, rx2) against after them all
 timeout 120 $py benchmarks/zero_step.py --device cuda --layers 8 --width 1024 --batch 8 \
   --ways rx1_sync rx1 rx2_sync rx2 2>&1 | tee "$out/zero_step_cuda_by_bucket.txt"
+# an elastic commit's cost and device memory: host snapshots against deep copies on the GPU
+timeout 240 $py benchmarks/elastic_commit.py --device cuda --layers 8 --width 1024 --batch 8 \
+  --json "$out/elastic_commit_cuda.json" 2>&1
 echo "all checks in $((SECONDS - began)) s"

@@ -74,8 +74,14 @@ class Group:
     def barrier(self) -> None:
         raise NotImplementedError
 
-    def close(self) -> None:
-        """Releases the communicator now, while the interpreter is fully alive."""
+    def close(self, abort: bool = False) -> None:
+        """Releases the communicator now, while the interpreter is fully alive.
+
+        Args:
+            abort: a peer or this rank failed: end this rank's collectives still under way
+                on the device at once (an NCCL communicator's abort) rather than let them
+                wait for a peer that will not come until the collective timeout.
+        """
 
     # Control plane, the same for every backend.
     def allgather_bytes(self, payload: bytes) -> list[bytes]:

@@ -86,14 +86,15 @@ class ProcessGroups:
                                          ranks.index(self.rdv.rank), len(ranks), ranks,
                                          self.rdv.timeout_s, self.rdv.address)
 
-    def close(self) -> None:
-        """Releases every communicator of this round (the store last)."""
+    def close(self, abort: bool = False) -> None:
+        """Releases every communicator of this round (the store last); `abort`: a peer or
+        this rank failed (`Group.close`)."""
         for ps in self._sets.values():
             if ps.group is not None and ps.group is not self.world:
-                ps.group.close()
+                ps.group.close(abort)
         for group in (self._local, self._cross, self.world):
             if group is not None:
-                group.close()
+                group.close(abort)
         self._sets.clear()
         self._local = self._cross = None
 

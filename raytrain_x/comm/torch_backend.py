@@ -9,6 +9,7 @@ tensors are wrapped as torch tensors over the same memory (no copy).
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -22,6 +23,8 @@ from raytrain_x.comm.backend import Backend, Group, writable_alias
 from raytrain_x.comm.torch_store import as_torch_store
 from raytrain_x.common.errors import ConfigError, InternalError, RendezvousTimeout
 from raytrain_x.common.settings import GPU_OPERATIONS
+
+log = logging.getLogger("raytrain_x.comm")
 
 # torch.distributed exports every collective's options class but this one
 _AllgatherOptions = getattr(dist, "AllgatherOptions", None) or \
@@ -282,9 +285,22 @@ class TorchGroup(Group):
         opts.timeout = self._timeout
         self._call("barrier", lambda: self._gloo.barrier(opts).wait())
 
-    def close(self) -> None:
+    def close(self, abort: bool = False) -> None:
+        nccl, self._nccl = self._nccl, None
         self._gloo = None
-        self._nccl = None
+        if nccl is not None and abort:
+            _abort_nccl(nccl)
+
+
+def _abort_nccl(group: Any) -> None:
+    """Aborts an NCCL communicator (TorchFT does the same when a peer dies): the kernels of
+    its collectives still on this rank's streams end, instead of waiting for the peer until
+    NCCL's timeout. Dropping the reference does not: the communicator lives on, its
+    kernels spinning."""
+    try:
+        group.abort()
+    except Exception as exc:  # noqa: BLE001 - the group is being dropped either way
+        log.warning("raytrain-x: aborting an NCCL communicator failed: %s", exc)
 
 
 class TorchBackend(Backend):

@@ -103,7 +103,7 @@ class Transport:
         for shm in (self._shm, self._local_shm, *self._set_shm.values()):
             if shm is not None:
                 shm.abort()
-        self.groups.close()
+        self.groups.close(abort=True)
 
     def close(self) -> None:
         self.groups.close()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import math
 import random
 from collections.abc import Iterator
@@ -20,6 +19,7 @@ from raytrain_x.torch.functions import (
     broadcast_optimizer_state,
     broadcast_parameters,
 )
+from raytrain_x.torch.snapshot import Snapshot, Snapshots
 from raytrain_x.torch.zero_elastic import ShardedCommits
 from raytrain_x.torch.zero_optimizer import ShardedOptimizer
 
@@ -127,7 +127,13 @@ def _kind(value: Any) -> str:
 
 
 class TorchState(ObjectState):
-    """Models, optimizers, `ElasticSampler`s and plain attributes, committed by deep copy.
+    """Models, optimizers, `ElasticSampler`s and plain attributes, committed to host memory.
+
+    A commit copies the models' and optimizers' tensors into host buffers that later
+    commits reuse (`raytrain_x.torch.snapshot`): no device memory, no allocation once warm.
+    CUDA tensors go to pinned memory on a side stream and the step does not wait: the next
+    forward and backward run beside the copy, and the next `optimizer.step()` (and, for a
+    model with buffers, the next forward) is queued after it.
 
     A sharded optimizer (`DistributedOptimizer(..., zero_stage=1 | 2)`) is committed as
     shards: each rank keeps its own and copies of `replicas` peers' (on other nodes first),
@@ -140,13 +146,18 @@ class TorchState(ObjectState):
         replicas: how many peers keep a copy of each rank's optimizer shard (sharded
             optimizers only): the job survives the loss of that many workers at once, or
             of a node's workers when the copies sit on other nodes.
+        overlap_commits: let a CUDA commit's copy run beside the next forward and
+            backward (ordered before the next `optimizer.step()`). Set False when the
+            parameters or the optimizer state are changed outside `optimizer.step()` between
+            a commit and the next step (a weight average by hand): each commit's copy is
+            then ordered before any later work on the device.
         **kwargs: more modules, optimizers or samplers (by any name: a GAN's two models),
             and plain attributes (epoch, batch, ...), as in `ObjectState`.
     """
 
     def __init__(self, model: torch.nn.Module | None = None,
                  optimizer: torch.optim.Optimizer | None = None, replicas: int = 1,
-                 **kwargs: Any) -> None:
+                 overlap_commits: bool = True, **kwargs: Any) -> None:
         self.model = model
         self.optimizer = optimizer
         handled = {"model": model, "optimizer": optimizer,
@@ -165,7 +176,11 @@ class TorchState(ObjectState):
                     raise ConfigError(f"elastic training re-shards {name!r} over the whole "
                                       "world: build it without a process_set")
             self._commits = ShardedCommits(sharded, replicas)
-        self._handled_state: dict[str, Any] = {}
+        self._snapshots = Snapshots()
+        self._committed: Snapshot | None = None
+        self._unordered: Snapshot | None = None  # copies not yet ordered before a change
+        # a sharded optimizer steps buckets as their reductions land, during backward
+        self._overlap = bool(overlap_commits) and not sharded and self._hook_modifications()
         super().__init__(bcast_object=broadcast_object, get_rank=rank,
                          **{k: v for k, v in kwargs.items() if k not in self._handled})
         self._save_handled()
@@ -173,20 +188,47 @@ class TorchState(ObjectState):
     def syncs_after_every_reset(self) -> bool:
         return self._commits is not None
 
-    def _copies(self) -> dict[str, Any]:
-        """A deep copy of everything but the sharded optimizers' state: the modules',
-        unsharded optimizers' and samplers' state dicts, the sharded optimizers' param
-        groups (their settings: an lr scheduler changes them), the plain attributes."""
+    def _hook_modifications(self) -> bool:
+        """Orders a pending commit's copy before the handled tensors' next change: every
+        optimizer's step and, for a model with buffers (changed by forward), its forward.
+        False (no overlap) when there is no optimizer to hook."""
+        optimizers = [v for v in self._handled.values() if _kind(v) == "optimizer"]
+        if not optimizers:
+            return False
+        for opt in optimizers:
+            opt.register_step_pre_hook(lambda *_: self._order_pending())
+        for module in (v for v in self._handled.values() if _kind(v) == "model"):
+            if any(True for _ in module.buffers()):
+                module.register_forward_pre_hook(lambda *_: self._order_pending())
+        return True
+
+    def _order_pending(self) -> None:
+        if self._unordered is not None:
+            self._unordered.order_before_modification()
+            self._unordered = None
+
+    def _tree(self) -> dict[str, Any]:
+        """The state to commit: the modules', unsharded optimizers' and samplers' state
+        dicts, the sharded optimizers' param groups (their settings: an lr scheduler
+        changes them), the plain attributes."""
         handled = {}
         for name, value in self._handled.items():
             if isinstance(value, ShardedOptimizer):
                 handled[name] = value.group_settings()
             else:
                 handled[name] = value.state_dict()
-        return copy.deepcopy({"handled": handled, "attributes": self._values()})
+        return {"handled": handled, "attributes": self._values()}
 
-    def _load(self, copies: dict[str, Any]) -> None:
-        copies = copy.deepcopy(copies)
+    def _snapshot(self) -> Snapshot:
+        self._order_pending()
+        snap = self._snapshots.take(self._tree(), order=not self._overlap)
+        if self._overlap:
+            self._unordered = snap
+        return snap
+
+    def _load(self, snap: Snapshot) -> None:
+        self._order_pending()
+        copies = snap.copy()
         for name, value in self._handled.items():
             saved = copies["handled"].get(name)
             if saved is None:
@@ -199,29 +241,31 @@ class TorchState(ObjectState):
         for name, value in copies["attributes"].items():
             setattr(self, name, value)
 
+    def committed(self) -> Snapshot:
+        """The last commit as a host snapshot (models, optimizers, samplers, attributes;
+        a sharded optimizer's own shard is kept by `ShardedCommits`)."""
+        if self._commits is not None:
+            return self._commits.taken.copies
+        assert self._committed is not None
+        return self._committed
+
     def _save_handled(self) -> None:
         if self._commits is not None:
-            self._commits.taken.copies = self._copies()
+            self._commits.taken.copies = self._snapshot()
             return
-        self._handled_state = {name: copy.deepcopy(value.state_dict())
-                               for name, value in self._handled.items()}
+        self._committed = self._snapshot()
 
     def save(self) -> None:
         if self._commits is not None:
-            self._commits.commit(self._copies())
+            self._commits.commit(self._snapshot())
             return
         self._save_handled()
-        super().save()
 
     def restore(self) -> None:
         if self._commits is not None:  # the shards come back at the next round's sync
             self._load(self._commits.taken.copies)
             return
-        for name, value in self._handled.items():
-            saved = self._handled_state.get(name)
-            if saved is not None:
-                value.load_state_dict(copy.deepcopy(saved))
-        super().restore()
+        self._load(self.committed())
 
     def sync(self) -> None:
         """Everything from one rank, then a commit: rank 0 (the oldest survivor); with
@@ -229,6 +273,7 @@ class TorchState(ObjectState):
         optimizers are re-sharded from the survivors' copies (whose commit in the new world
         then places the copies anew)."""
         root = 0
+        self._order_pending()
         if self._commits is not None:
             root = self._commits.restore().root
             if rank() == root:
