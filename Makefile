@@ -49,7 +49,7 @@ $(BUILD_STAMP): $(DEMO_STAMP) $(NATIVE_SOURCES) $(MODULE_LIST)
 # TensorFlow's asynchronous kernel is built here too (it is built on first use otherwise).
 $(TEST_STAMP): $(BUILD_STAMP) $(CONSTRAINTS) pyproject.toml
 	$(INSTALL) -r pyproject.toml --extra dev --extra torch --extra examples --extra tensorflow \
-		--extra tune --extra train --extra job
+		--extra tune --extra train --extra job --extra checkpoint
 	$(BIN)/python -m raytrain_x.tensorflow.kernels
 	touch $@
 

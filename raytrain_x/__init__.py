@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from raytrain_x.common.checkpoint_config import CheckpointConfig
 from raytrain_x.common.errors import (
     ConfigError,
     ElasticStateLost,
@@ -22,6 +23,7 @@ from raytrain_x.common.training import training_settings
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointConfig",
     "ConfigError",
     "ElasticStateLost",
     "ElasticTimeout",

@@ -92,10 +92,14 @@ STATUS_FILE = Setting(
     "RAYTRAIN_X_STATUS_FILE", "", str,
     "set by `raytrain-x run` for the processes it launches: where each writes its status "
     "for its worker actor to export")
+CHECKPOINT = Setting(
+    "RAYTRAIN_X_CHECKPOINT", "", str,
+    "set by the executor for its workers: the job's `CheckpointConfig` as JSON (where and "
+    "how often durable checkpoints are written)")
 
 ALL = (TIMEOUT_S, START_TIMEOUT_S, SHM, STALL_WARNING_S, STALL_SHUTDOWN_S, TIMELINE,
        TIMELINE_MARK_CYCLES, GPU_OPERATIONS, CONFIG_FILE, DRAIN_POLL_S, STRAGGLER_POLL_S,
-       METRICS, METRICS_INTERVAL_S, JOB_NAME, STATUS_FILE)
+       METRICS, METRICS_INTERVAL_S, JOB_NAME, STATUS_FILE, CHECKPOINT)
 
 # The driver's fixed intervals: not settings, each follows from what it waits for.
 # A worker's `ping` runs on a thread of its own, so a reachable worker answers in

@@ -92,14 +92,29 @@ class State:
 
     def check_host_updates(self) -> None:
         """Raises `HostsUpdatedInterrupt` when the driver has new hosts for this job. Rank 0
-        asks and broadcasts the answer, so every rank raises at the same commit."""
+        asks and broadcasts the answer, so every rank raises at the same commit. With
+        durable checkpoints, rank 0's answer also says whether this commit is written to
+        storage, and every rank writes its part of it first."""
         probe = runtime.host_update_probe()
-        if probe is None:
+        durable = self.checkpoint_due()  # None on every rank, or a bool on every rank
+        if probe is None and durable is None:
             return
-        version = probe() if self._get_rank() == 0 else None
-        version = self._bcast_object(version, 0, name="elastic.hosts_version")
-        if version != runtime.rendezvous().hosts_version:
+        ask = None
+        if self._get_rank() == 0:
+            ask = (probe() if probe is not None else None, bool(durable))
+        version, due = self._bcast_object(ask, 0, name="elastic.hosts_version")
+        if due:
+            self.write_checkpoint()
+        if probe is not None and version != runtime.rendezvous().hosts_version:
             raise HostsUpdatedInterrupt(skip_sync=False)
+
+    def checkpoint_due(self) -> bool | None:
+        """Whether the commit being taken is due to be written to durable storage (asked on
+        rank 0 only); None when the state writes no durable checkpoints."""
+        return None
+
+    def write_checkpoint(self) -> None:
+        """Starts writing this rank's part of the commit just taken to durable storage."""
 
     def save(self) -> None:
         raise NotImplementedError

@@ -9,6 +9,7 @@ from typing import Any
 import ray
 
 from raytrain_x.common.autotune_config import AutotuneConfig
+from raytrain_x.common.checkpoint_config import CheckpointConfig
 from raytrain_x.common.errors import ConfigError
 from raytrain_x.common.knobs import Knobs
 from raytrain_x.common.settings import (
@@ -106,6 +107,10 @@ class RayExecutor:
             Ray's alive nodes and their free resources).
         name: the job's name in its metrics (their `job` tag, docs/metrics.md); default:
             `RAYTRAIN_X_JOB_NAME`, else the Ray job's id and this executor's number in it.
+        checkpoint: elastic: durable checkpoints of the workers' `TorchState`
+            (`CheckpointConfig`): written in the background; the job restores from the
+            latest when no worker holds its state in memory, instead of stopping with
+            `ElasticStateLost`, and the same command run again resumes from it.
 
     With `min_workers`/`max_workers` the executor is elastic: `run` keeps the job going
     while workers fail or hosts come and go (see docs/elastic.md).
@@ -144,6 +149,7 @@ class RayExecutor:
         resources_per_worker: dict[str, float] | None = None,
         host_discovery_script: str | None = None,
         name: str | None = None,
+        checkpoint: CheckpointConfig | None = None,
     ) -> None:
         elastic = min_workers is not None or max_workers is not None
         if elastic:
@@ -205,6 +211,13 @@ class RayExecutor:
         if name is not None and (not isinstance(name, str) or not name.strip()):
             raise ConfigError(f"name must be a non-empty string, got {name!r}")
         self.name = name
+        if checkpoint is not None and not isinstance(checkpoint, CheckpointConfig):
+            raise ConfigError(f"checkpoint must be a raytrain_x.CheckpointConfig, got "
+                              f"{type(checkpoint).__name__}")
+        # a name the user gave (not the Ray job's id) names the checkpoints' folder, so that
+        # the same command resumes the same job
+        self.checkpoint = (checkpoint.named(name or JOB_NAME.read() or None)
+                           if checkpoint is not None else None)
         self.metrics: DriverMetrics | None = None
         self.last_elastic_job = None
         self._elastic_env: dict[str, str] | None = None
@@ -239,7 +252,8 @@ class RayExecutor:
         # the workers export metrics where the driver does, under the job's name
         env = {**(extra_env_vars or {}), "RAYTRAIN_X_TIMEOUT": str(self.settings.timeout_s),
                JOB_NAME.env: self.name, METRICS.env: "1" if metrics.enabled() else "0",
-               **(knob_env(self.knobs) if self.knobs else {})}
+               **(knob_env(self.knobs) if self.knobs else {}),
+               **(self.checkpoint.to_env() if self.checkpoint is not None else {})}
         if metrics.enabled():
             self.metrics = DriverMetrics(self.name, metrics.RayRecorder()).start(
                 METRICS_INTERVAL_S.read())
@@ -308,7 +322,7 @@ class RayExecutor:
             cooldown_range=self.cooldown_range, elastic_timeout=self.elastic_timeout,
             timeout_s=self.settings.timeout_s, discovery_script=self.host_discovery_script,
             env=self._elastic_env, autotune_actor=self.autotune_controller,
-            start_timeout_s=self.start_timeout_s)
+            start_timeout_s=self.start_timeout_s, checkpoint=self.checkpoint)
         job = self.last_elastic_job = ElasticJob(settings, fn, tuple(args or ()),
                                                  dict(kwargs or {}))
         if self.metrics is not None:

@@ -76,6 +76,13 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
         Panel("Hosts on the blacklist", "blacklisted_hosts", "value"),
         Panel("Recovery time p50", "recovery_seconds", "quantile", unit="s", q=0.5),
     )),
+    ("Durable checkpoints", (
+        Panel("Checkpoints written", "checkpoints_written", "increase"),
+        Panel("Failed writes", "checkpoint_failures", "increase"),
+        Panel("Restores from storage", "checkpoint_restores", "increase"),
+        Panel("Last write or restore", "checkpoint_seconds", "value", ("what",), unit="s"),
+        Panel("Commit checkpointed or restored", "checkpoint_commit", "value", ("what",)),
+    )),
 )
 PANELS = tuple(p for _, panels in ROWS for p in panels)
 

@@ -89,6 +89,17 @@ METRICS: tuple[Spec, ...] = (
          (*JOB_TAGS, "knob"), group="autotune"),
     Spec("autotune_phase", "gauge", "1 for autotune's current phase, 0 for the others",
          (*JOB_TAGS, "phase"), group="autotune"),
+    # durable checkpoints, from the workers
+    Spec("checkpoints_written", "counter", "durable checkpoints completed (by the rank that "
+         "writes the manifest)", RANK_TAGS, group="checkpoints"),
+    Spec("checkpoint_failures", "counter", "durable checkpoint writes that failed or were "
+         "given up (training went on)", RANK_TAGS, group="checkpoints"),
+    Spec("checkpoint_restores", "counter", "restores from a durable checkpoint (no worker "
+         "held the state in memory)", RANK_TAGS, group="checkpoints"),
+    Spec("checkpoint_seconds", "gauge", "the last checkpoint's write, or the last restore's, "
+         "in seconds, by what", (*RANK_TAGS, "what"), group="checkpoints"),
+    Spec("checkpoint_commit", "gauge", "the commit number of the last checkpoint written, "
+         "or restored, by what", (*RANK_TAGS, "what"), group="checkpoints"),
     # the job, from the driver
     Spec("world_size", "gauge", "workers in the job's current round", JOB_TAGS,
          group="elastic"),
@@ -191,7 +202,24 @@ class WorkerExporter:
             self._engine(snap["engine"], last.get("engine"), tags)
         if snap.get("autotune") is not None:
             self._autotune(snap["autotune"])
+        if snap.get("checkpoints") is not None:
+            self._checkpoints(snap["checkpoints"], last.get("checkpoints"), tags)
         self._last = snap
+
+    def _checkpoints(self, now: dict[str, Any], last: dict[str, Any] | None,
+                     tags: dict[str, str]) -> None:
+        record = self.recorder.record
+        last = last or {}
+        for name, key in (("checkpoints_written", "written_count"),
+                          ("checkpoint_failures", "failed_count"),
+                          ("checkpoint_restores", "restored_count")):
+            record(name, max(0, now[key] - last.get(key, 0)), tags)
+        for what in ("written", "restored"):
+            if now[f"{what}_count"]:
+                what_tags = {**tags, "what": what}
+                seconds = now["last_write_s" if what == "written" else "last_restore_s"]
+                record("checkpoint_seconds", seconds, what_tags)
+                record("checkpoint_commit", now[f"last_{what}"], what_tags)
 
     def _training(self, snap: dict[str, Any], last: dict[str, Any],
                   tags: dict[str, str]) -> None:

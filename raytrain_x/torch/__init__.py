@@ -5,6 +5,7 @@ A Horovod script ports by changing `import horovod.torch as hvd` to this import.
 
 from __future__ import annotations
 
+from raytrain_x.common.checkpoint_config import CheckpointConfig
 from raytrain_x.common.errors import (
     ConfigError,
     HostsUpdatedInterrupt,

@@ -9,11 +9,14 @@ from typing import Any
 
 import torch
 
-from raytrain_x.common.errors import ConfigError
+from raytrain_x.common.checkpoint_config import CheckpointConfig, from_env
+from raytrain_x.common.errors import ConfigError, ElasticStateLost
+from raytrain_x.common.settings import JOB_NAME
 from raytrain_x.core.objects import allgather_object
 from raytrain_x.core.process_sets import global_process_set
 from raytrain_x.core.runtime import rank, size
 from raytrain_x.elastic.state import ObjectState, State, restore_count, run
+from raytrain_x.torch.durable import DurableCheckpoints, restore_from_storage, write_parts
 from raytrain_x.torch.functions import (
     broadcast_object,
     broadcast_optimizer_state,
@@ -146,6 +149,10 @@ class TorchState(ObjectState):
         replicas: how many peers keep a copy of each rank's optimizer shard (sharded
             optimizers only): the job survives the loss of that many workers at once, or
             of a node's workers when the copies sit on other nodes.
+        checkpoint: durable checkpoints of the commits (`CheckpointConfig`): written in the
+            background, restored from when no worker holds the state in memory (every
+            holder lost, or the job started again). Default: the executor's
+            (`RayExecutor(checkpoint=...)`, `raytrain-x run --checkpoint-path`), else none.
         overlap_commits: let a CUDA commit's copy run beside the next forward and
             backward (ordered before the next `optimizer.step()`). Set False when the
             parameters or the optimizer state are changed outside `optimizer.step()` between
@@ -157,7 +164,8 @@ class TorchState(ObjectState):
 
     def __init__(self, model: torch.nn.Module | None = None,
                  optimizer: torch.optim.Optimizer | None = None, replicas: int = 1,
-                 overlap_commits: bool = True, **kwargs: Any) -> None:
+                 checkpoint: CheckpointConfig | None = None, overlap_commits: bool = True,
+                 **kwargs: Any) -> None:
         self.model = model
         self.optimizer = optimizer
         handled = {"model": model, "optimizer": optimizer,
@@ -176,6 +184,8 @@ class TorchState(ObjectState):
                     raise ConfigError(f"elastic training re-shards {name!r} over the whole "
                                       "world: build it without a process_set")
             self._commits = ShardedCommits(sharded, replicas)
+        config = checkpoint.named(JOB_NAME.read() or None) if checkpoint else from_env()
+        self._durable = DurableCheckpoints(config) if config is not None else None
         self._snapshots = Snapshots()
         self._committed: Snapshot | None = None
         self._unordered: Snapshot | None = None  # copies not yet ordered before a change
@@ -228,7 +238,10 @@ class TorchState(ObjectState):
 
     def _load(self, snap: Snapshot) -> None:
         self._order_pending()
-        copies = snap.copy()
+        self._load_tree(snap.copy())
+
+    def _load_tree(self, copies: dict[str, Any]) -> None:
+        """Loads a tree of `_tree`'s shape (a fresh copy: it may be kept)."""
         for name, value in self._handled.items():
             saved = copies["handled"].get(name)
             if saved is None:
@@ -255,7 +268,33 @@ class TorchState(ObjectState):
             return
         self._committed = self._snapshot()
 
+    def checkpoint_due(self) -> bool | None:
+        return None if self._durable is None else self._durable.due()
+
+    def write_checkpoint(self) -> None:
+        if self._durable is not None:
+            write_parts(self._durable, self)
+
+    def checkpoint(self, timeout_s: float | None = None) -> None:
+        """Writes the last commit to durable storage now and waits until the checkpoint is
+        complete (at the end of training, before a planned stop). A collective: call it on
+        every rank at the same place.
+
+        Raises:
+            ConfigError: the state writes no durable checkpoints (give `checkpoint=`).
+        """
+        if self._durable is None:
+            raise ConfigError("this TorchState has no durable checkpoints: give "
+                              "TorchState(..., checkpoint=CheckpointConfig(storage_path=...)) "
+                              "or RayExecutor(..., checkpoint=...)")
+        self._durable.wait(timeout_s)  # one write at a time on each rank
+        self.write_checkpoint()
+        self._durable.wait(timeout_s)
+        broadcast_object(None, 0, name="elastic.durable.written")  # rank 0 completed it
+
     def save(self) -> None:
+        if self._durable is not None:
+            self._durable.number += 1
         if self._commits is not None:
             self._commits.commit(self._snapshot())
             return
@@ -274,10 +313,20 @@ class TorchState(ObjectState):
         then places the copies anew)."""
         root = 0
         self._order_pending()
-        if self._commits is not None:
-            root = self._commits.restore().root
-            if rank() == root:
-                self._load(self._commits.taken.copies)
+        if self._durable is not None and restore_from_storage(self._durable, self):
+            pass  # no worker held the state: rank 0 loaded it, and each rank its shards
+        elif self._commits is not None:
+            try:
+                root = self._commits.restore().root
+                if rank() == root:
+                    self._load(self._commits.taken.copies)
+            except ElasticStateLost:  # every rank finds the same: fall back to storage
+                if self._durable is None or not restore_from_storage(self._durable, self,
+                                                                     force=True):
+                    raise
+        if self._durable is not None:
+            self._durable.number = broadcast_object(self._durable.number, root,
+                                                    name="elastic.durable.number")
         for name, value in self._handled.items():
             kind = _kind(value)
             if kind == "model":
@@ -309,4 +358,5 @@ class TorchState(ObjectState):
         value.load_state_dict(broadcast_object(state, root, name=f"elastic.{name}"))
 
 
-__all__ = ["ElasticSampler", "ObjectState", "State", "TorchState", "restore_count", "run"]
+__all__ = ["CheckpointConfig", "ElasticSampler", "ObjectState", "State", "TorchState",
+           "restore_count", "run"]

@@ -16,7 +16,9 @@ from raytrain_x import ResetLimitExceeded
 from raytrain_x.comm.groups import round_prefix
 from raytrain_x.comm.store import ActorStore
 from raytrain_x.comm.store_actor import StoreActor
+from raytrain_x.common.checkpoint_config import CheckpointConfig
 from raytrain_x.common.errors import ElasticStateLost, InternalError, RendezvousTimeout
+from raytrain_x.elastic.storage import CheckpointStore
 from raytrain_x.ray import RayExecutor
 from raytrain_x.ray.elastic import pool as worker_pool
 from raytrain_x.ray.placement import stable_node_strategy
@@ -340,6 +342,30 @@ def test_losing_every_worker_that_holds_the_state_stops_the_job_naming_it(elasti
     assert not job.thread.is_alive(), "the job went on without its state"
     assert isinstance(job.error, ElasticStateLost), repr(job.error)
     assert "every worker that held the job's committed state was lost" in str(job.error)
+
+
+@pytest.mark.parametrize("zero_stage", [0, 2])
+def test_losing_every_worker_with_durable_checkpoints_resumes_from_the_latest(
+        elastic_nodes, tmp_path, zero_stage):
+    """As above, with `CheckpointConfig`: the round of newcomers restores the latest durable
+    checkpoint (at whatever size it has) and the job finishes with every step once."""
+    elastic_nodes(2)
+    config = CheckpointConfig(str(tmp_path / "checkpoints"), name="job", every_s=0.3)
+    executor = _executor(1, 2, cooldown_range=(1.0, 1.0), checkpoint=config)
+    progress = tmp_path / "progress"
+    store = CheckpointStore(config)
+    job = _Job(executor, 30, 0.05, None, str(progress), zero_stage)
+    job.wait_until(lambda: job.trained(progress, 5, 2) and store.checkpoints(),
+                   "a durable checkpoint after 5 steps with 2 workers")
+    for member in list(executor.last_elastic_job.members.values()):
+        ray.kill(member.actor, no_restart=True)
+    results = job.join(work_s=60)
+    executor.shutdown()
+    _check_committed_history(results, 30)
+    restored = [e for e in executor.elastic_history if e["restored_from"] is not None]
+    assert len(restored) == 1 and "restore" in restored[0]["reason"], executor.elastic_history
+    assert restored[0]["restored_from"]["number"] is not None
+    assert all(r["restores_from_storage"] == 1 for r in results), results
 
 
 def test_losing_both_copies_of_a_shard_stops_the_job_naming_it(elastic_nodes, tmp_path):

@@ -12,7 +12,7 @@ from typing import Any
 from raytrain_x.ray.elastic.history import RoundHistory
 
 KINDS = ("place", "start", "gave_up", "failure", "lost_draining", "left", "drain",
-         "abandoned", "scale_up", "round")
+         "abandoned", "scale_up", "round", "restore_storage")
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,12 @@ class EventLog:
 
     def is_reset(self) -> bool:
         return self.rounds.is_reset()
+
+    def restoring(self, checkpoint: dict[str, Any]) -> None:
+        """The next round restores from a durable checkpoint: no worker holds the state."""
+        self.rounds.note("restore")
+        self.rounds.restoring = checkpoint
+        self.add("restore_storage", "", **checkpoint)
 
     def record_round(self, round_id: int, size: int, hosts: int, starting: int,
                      requested: int, draining_nodes: int) -> dict[str, Any]:

@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-REASONS = ("start", "scale_up", "failure", "drain")
+REASONS = ("start", "scale_up", "failure", "drain", "restore")
 
 
 class RoundHistory:
@@ -23,6 +23,8 @@ class RoundHistory:
         self.entries: list[dict[str, Any]] = []
         self.reasons: set[str] = {"start"}
         self.since_round = {"joined": 0, "failed": 0, "left": 0}
+        # the durable checkpoint the next round restores from (no worker holds the state)
+        self.restoring: dict[str, Any] | None = None
 
     def note(self, reason: str, joined: int = 0, failed: int = 0, left: int = 0) -> None:
         """Something the next round answers: `reason` is one of REASONS."""
@@ -49,10 +51,12 @@ class RoundHistory:
             "starting": starting,
             "requested": requested,
             "draining_nodes": draining_nodes,
+            "restored_from": self.restoring,
         }
         self.entries.append(entry)
         self.reasons = set()
         self.since_round = {"joined": 0, "failed": 0, "left": 0}
+        self.restoring = None
         return entry
 
 
@@ -62,4 +66,13 @@ def round_line(entry: dict[str, Any]) -> str:
              if entry["requested"] else "")
     return (f"round {entry['round']} at {entry['time_s']:.1f}s: {entry['size']} workers on "
             f"{entry['hosts']} host(s) ({entry['reason']}); {entry['starting']} "
-            f"starting{asked}")
+            f"starting{asked}{_restored(entry.get('restored_from'))}")
+
+
+def _restored(checkpoint: dict[str, Any] | None) -> str:
+    if checkpoint is None:
+        return ""
+    if checkpoint.get("number") is None:
+        return "; no worker holds the state: restoring from the latest durable checkpoint"
+    return (f"; no worker holds the state: restoring from durable checkpoint "
+            f"{checkpoint['number']} ({checkpoint['describe']})")

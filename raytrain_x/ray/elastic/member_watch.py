@@ -99,7 +99,7 @@ class MemberWatch:
         failure = self.ctx.last_failure
         if not failure.process_lost or self.ctx.settings.cooldown_range is None:
             raise failure
-        if self.ctx.rounds_client.committed():
+        if self.ctx.rounds_client.committed() and self.ctx.settings.checkpoint is None:
             raise state_lost_error(failure, self.lost_workers())
 
     def lost_workers(self) -> int:

@@ -7,6 +7,7 @@ import logging
 
 from raytrain_x.common.logs import progress_logger
 from raytrain_x.common.settings import short_node
+from raytrain_x.elastic.storage import latest_checkpoint
 from raytrain_x.ray.elastic.context import JobContext
 from raytrain_x.ray.elastic.drain_watch import note_left
 from raytrain_x.ray.elastic.history import round_line
@@ -70,7 +71,10 @@ class RoundForming:
             ctx.log.note("scale_up" if ctx.rounds else "start", joined=newcomers)
         holders = self.members.holders()  # None: the job never committed, there is no state
         if holders is not None and state_lost(staying, holders, committed=True):
-            raise state_lost_error(ctx.last_failure, self.members.lost_workers())
+            if ctx.settings.checkpoint is None:
+                raise state_lost_error(ctx.last_failure, self.members.lost_workers())
+            ctx.log.restoring(latest_checkpoint(ctx.settings.checkpoint))
+            holders = None  # the round's workers load the state from storage
         self.members.failures.count_round(ctx.log.is_reset(), ctx.last_failure)
         version = ctx.rounds_client.hosts_version()
         ctx.rounds += 1

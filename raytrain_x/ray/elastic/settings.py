@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from raytrain_x.common import settings
+from raytrain_x.common.checkpoint_config import CheckpointConfig
 from raytrain_x.common.settings import START_TIMEOUT_S
 
 DRAIN_POLL_S = settings.DRAIN_POLL_S.read()  # one small RPC to the GCS each time
@@ -34,6 +35,9 @@ class ElasticSettings:
     # with one core busy, and no start within minutes with both cores saturated; 300 s
     # leaves room for loaded nodes, large runtime_envs and image pulls.
     start_timeout_s: float = START_TIMEOUT_S.default
+    # durable checkpoints: with every holder of the state lost, the next round restores
+    # from storage instead of the job stopping with ElasticStateLost
+    checkpoint: CheckpointConfig | None = None
 
     @property
     def per_worker(self) -> dict[str, float]:

@@ -25,6 +25,7 @@ def ledger_train(steps: int | None = None, pause: float = 0.05, *, stop: str | N
     import torch
 
     import raytrain_x.torch as rx
+    from raytrain_x.core import status
 
     rx.init()
     torch.manual_seed(0)
@@ -76,7 +77,8 @@ def ledger_train(steps: int | None = None, pause: float = 0.05, *, stop: str | N
                   "sizes": list(state.sizes), "rank": rx.rank(), "seen": dict(state.seen),
                   "weight": [x for p in model.parameters()
                              for x in p.detach().flatten().tolist()],
-                  "restores": rx.elastic.restore_count()}
+                  "restores": rx.elastic.restore_count(),
+                  "restores_from_storage": status.checkpoints.restored_count}
         if zero_stage:  # every rank calls the consolidated state_dict
             result["optimizer_steps"] = sorted(
                 {int(s["step"]) for s in opt.state_dict()["state"].values()})

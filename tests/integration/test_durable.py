@@ -1,0 +1,217 @@
+"""Durable checkpoints of an elastic `TorchState`, between real processes: written in the
+background to a local path and to an S3-compatible server (moto's, on loopback), complete
+only with their manifest, read back at another world size, the damaged ones skipped, and
+training going on while storage is down."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from raytrain_x.common.checkpoint_config import CheckpointConfig
+from raytrain_x.elastic.storage import CheckpointStore
+from raytrain_x.testing.waiting import free_port
+from tests.workers import run_workers
+
+
+def _train(storage: str, steps: int, stage: int, every_s: float = 1e9,
+           checkpoint_at: tuple[int, ...] = (), signals: str = "") -> dict:
+    """Trains a small model to `steps` with a commit each step (from a durable checkpoint,
+    where one exists), calls `state.checkpoint()` after the steps in `checkpoint_at`, and
+    returns what it ended with."""
+    import raytrain_x.torch as rx
+    from raytrain_x.core import status
+
+    rx.init()
+    torch.manual_seed(100 + rx.rank())  # the ranks start apart: the sync or restore shows
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    opt = rx.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.05),
+                                  named_parameters=model.named_parameters(), zero_stage=stage)
+    config = CheckpointConfig(storage, name="job", every_s=every_s)
+    state = rx.elastic.TorchState(model, opt, checkpoint=config, step=0, seen=[])
+    started_at: list[int] = []
+
+    @rx.elastic.run
+    def train(state):
+        started_at.append(state.step)
+        while state.step < steps:
+            g = torch.Generator().manual_seed(1000 * state.step + rx.rank())
+            x = torch.randn(8, 6, generator=g)
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+            state.step += 1
+            state.seen = [*state.seen, state.step]
+            state.commit()
+            if state.step in checkpoint_at:
+                state.checkpoint()
+            if signals and rx.rank() == 0 and state.step == 3:
+                _storage_outage(signals)
+
+    train(state)
+    restored = getattr(state, "restored_from", None)
+    full = opt.state_dict()  # consolidated on every rank (a collective with sharding)
+    out = {"started_at": started_at[0], "restored": None if restored is None else
+           restored.number, "restored_values": None if restored is None else restored.values,
+           "step": state.step, "seen": state.seen,
+           "model": {k: v.clone() for k, v in model.state_dict().items()},
+           "opt": full, "counters": dict(vars(status.checkpoints))}
+    rx.shutdown()
+    return out
+
+
+def _storage_outage(signals: str) -> None:
+    """Rank 0 of `_train`: storage goes away, two checkpoints fail, and it comes back."""
+    import raytrain_x.torch as rx  # noqa: F401 - the caller's world
+    from raytrain_x.core import status
+
+    _ask(signals, "stop")
+    failed = status.checkpoints.failed_count
+    deadline = time.monotonic() + 60
+    while status.checkpoints.failed_count < failed + 1 and time.monotonic() < deadline:
+        time.sleep(0.05)  # the writer thread, due every commit, meets the outage
+    _ask(signals, "start")
+
+
+def _ask(signals: str, what: str) -> None:
+    """Asks the test for `what` and waits until it is done (an order of events, not a
+    sleep)."""
+    Path(signals, what).touch()
+    deadline = time.monotonic() + 60
+    while not Path(signals, f"{what}.done").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def s3_server():
+    """moto's S3 server on loopback, started and stopped by the test; yields a function
+    that gives a storage URI under a fresh bucket, and the server (to stop and start)."""
+    pytest.importorskip("moto")
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    keys = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
+    saved = {k: os.environ.get(k) for k in keys}
+    os.environ.update(keys)
+
+    def uri(bucket: str) -> str:
+        return (f"s3://{bucket}/runs?endpoint_override=127.0.0.1:{port}&scheme=http"
+                "&allow_bucket_creation=true")
+
+    holder = {"server": server}
+    try:
+        yield uri, holder, port
+    finally:
+        holder["server"].stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _same(a: dict, b: dict) -> None:
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    assert a["opt"]["state"].keys() == b["opt"]["state"].keys()
+    for i, s in a["opt"]["state"].items():
+        for name, value in s.items():
+            other = b["opt"]["state"][i][name]
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(other)), (i, name)
+
+
+def test_a_checkpoint_written_by_2_ranks_resumes_a_new_job_of_3(tmp_path):
+    storage = str(tmp_path / "store")
+    first = run_workers(_train, 2, storage, 4, 0, 1e9, (4,), work_s=40)
+    store = CheckpointStore(CheckpointConfig(storage, name="job"))
+    [manifest] = store.checkpoints()
+    assert manifest.values["step"] == 4 and manifest.world_size == 2
+    assert set(manifest.parts) == {"common"}
+    # plain torch reads it
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(store.where(manifest.number, "common"), tmp_path / "plain.pt")
+    plain = torch.load(tmp_path / "plain.pt", weights_only=False)
+    weight = plain["state"]["handled"]["model"]["0.weight"]
+    assert torch.equal(weight, first[0]["model"]["0.weight"])
+
+    second = run_workers(_train, 3, storage, 6, 0, work_s=40)
+    for out in second:
+        assert out["started_at"] == 4 and out["restored"] == manifest.number
+        assert out["seen"] == [1, 2, 3, 4, 5, 6]  # every step before the checkpoint once
+        assert out["counters"]["restored_count"] == 1
+    assert all(torch.equal(second[0]["model"][k], o["model"][k])
+               for o in second[1:] for k in o["model"])
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_sharded_state_written_at_3_ranks_is_restored_at_2_equal_to_the_consolidated(
+        tmp_path, stage):
+    storage = str(tmp_path / "store")
+    first = run_workers(_train, 3, storage, 3, stage, 1e9, (3,), work_s=40)
+    [manifest] = CheckpointStore(CheckpointConfig(storage, name="job")).checkpoints()
+    assert set(manifest.parts) == {"common", "shard_00000", "shard_00001", "shard_00002"}
+    second = run_workers(_train, 2, storage, 3, stage, work_s=40)
+    for out in second:
+        assert out["restored"] == manifest.number and out["step"] == 3
+        _same(first[0], out)
+
+
+def test_a_damaged_checkpoint_is_skipped_for_the_one_before(tmp_path, caplog):
+    storage = str(tmp_path / "store")
+    run_workers(_train, 2, storage, 4, 0, 1e9, (2, 4), work_s=40)
+    store = CheckpointStore(CheckpointConfig(storage, name="job", keep=5))
+    newest, older = store.checkpoints()
+    assert (newest.values["step"], older.values["step"]) == (4, 2)
+    # cut off mid-write: a data file shorter than its manifest says
+    data = next(Path(store.where(newest.number, "common")).glob("*.distcp"))
+    data.write_bytes(data.read_bytes()[:10])
+    [left] = store.checkpoints()
+    assert left.number == older.number
+    # and one with no manifest at all, newer still, as a killed writer leaves it
+    Path(store.where(newest.number + 5, "common")).mkdir(parents=True)
+    out = run_workers(_train, 2, storage, 4, 0, work_s=40)
+    assert [o["started_at"] for o in out] == [2, 2]
+    assert out[0]["restored"] == older.number and out[0]["seen"] == [1, 2, 3, 4]
+
+
+def test_checkpoints_on_s3_keep_the_last_two_and_survive_an_outage(s3_server, tmp_path):
+    uri, holder, port = s3_server
+    signals = tmp_path / "signals"
+    signals.mkdir()
+    from moto.server import ThreadedMotoServer
+
+    def serve() -> None:  # the test's side of `_storage_outage`
+        for what in ("stop", "start"):
+            while not (signals / what).exists():
+                time.sleep(0.05)
+            if what == "stop":
+                holder["server"].stop()
+            else:
+                holder["server"] = ThreadedMotoServer(ip_address="127.0.0.1", port=port,
+                                                      verbose=False)
+                holder["server"].start()
+            (signals / f"{what}.done").touch()
+
+    watcher = threading.Thread(target=serve, daemon=True)
+    watcher.start()
+    storage = uri("ckpts")
+    # every commit is due (every_s tiny): writes overlap the steps and the outage
+    out = run_workers(_train, 2, storage, 12, 0, 0.001, (12,), str(signals), work_s=60)
+    watcher.join(5)
+    counters = out[0]["counters"]
+    assert out[0]["step"] == 12 and counters["failed_count"] >= 1
+    store = CheckpointStore(CheckpointConfig(storage, name="job"))
+    kept = store.checkpoints()
+    assert len(kept) == 2 and kept[0].values["step"] == 12  # the last one, after the outage
+    assert counters["last_written"] == kept[0].number
+    resumed = run_workers(_train, 2, storage, 13, 0, work_s=40)
+    assert resumed[0]["started_at"] == 12 and resumed[0]["seen"][-1] == 13
