@@ -72,6 +72,16 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds between progress lines (default 30)")
     run.add_argument("--job-name", help="the job's name in its metrics (the `job` tag; "
                      "default: the Ray job's id)")
+    durable = run.add_argument_group("durable checkpoints of rx.elastic.TorchState "
+                                     "(docs/elastic.md)")
+    durable.add_argument("--checkpoint-path", metavar="PATH_OR_URI",
+                         help="write the state's commits here in the background (a folder, "
+                         "s3://bucket/prefix, gs://...); the same command run again resumes "
+                         "from the latest; the folder is named by --job-name")
+    durable.add_argument("--checkpoint-every", type=float, default=300.0, metavar="S",
+                         help="seconds between checkpoints (default 300)")
+    durable.add_argument("--checkpoint-keep", type=int, default=2, metavar="N",
+                         help="complete checkpoints kept (default 2)")
     elastic = run.add_argument_group("elastic (any of these makes the job elastic)")
     elastic.add_argument("--min-np", type=int, help="fewest workers to train with")
     elastic.add_argument("--max-np", type=int, help="most workers to scale up to")
@@ -203,7 +213,8 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if elastic:
         return _run_elastic(args, command, settings, knobs, fixed, autotune)
     executor = RayExecutor(settings, num_workers=args.np, cpus_per_worker=args.cpus_per_worker,
-                           use_gpu=args.use_gpu, name=args.job_name)
+                           use_gpu=args.use_gpu, name=args.job_name,
+                           checkpoint=_checkpoint(args))
     # Only the knobs the user fixed travel as env, so the launched ranks see the same fixed
     # set; rank 0 of a launched script runs the autotune controller in-process.
     env = {**fixed_knob_env(knobs, fixed), **_training_env(args)}
@@ -268,6 +279,16 @@ def _training_env(args: argparse.Namespace) -> dict[str, str]:
     return {**env, **training.to_env(read_training_settings(args.config_file))}
 
 
+def _checkpoint(args: argparse.Namespace):
+    """The `CheckpointConfig` of `--checkpoint-path` (None without it)."""
+    from raytrain_x.common.checkpoint_config import CheckpointConfig
+
+    if not args.checkpoint_path:
+        return None
+    return CheckpointConfig(args.checkpoint_path, every_s=args.checkpoint_every,
+                            keep=args.checkpoint_keep)
+
+
 def _run_elastic(args, command, settings, knobs, fixed, autotune) -> int:
     """Elastic jobs run the script inside each worker actor (so every rank can reach the
     rendezvous coordinator); Ray forwards the output with its worker prefix."""
@@ -287,7 +308,7 @@ def _run_elastic(args, command, settings, knobs, fixed, autotune) -> int:
         if args.blacklist_cooldown_range else None,
         elastic_timeout=args.elastic_timeout, start_timeout_s=args.start_timeout,
         host_discovery_script=args.host_discovery_script, autotune=autotune,
-        name=args.job_name)
+        name=args.job_name, checkpoint=_checkpoint(args))
     executor.start(extra_env_vars=env)
     reporter = _start_reporter(args, executor)
     try:

@@ -79,6 +79,17 @@ class CheckpointConfig:
         return {CHECKPOINT.env: json.dumps(asdict(self))}
 
 
+def for_job(config: object, job_name: str | None) -> CheckpointConfig | None:
+    """An executor's `checkpoint=` checked, its folder named after the job's name where the
+    user gave one (not the Ray job's id: the same command must find the same folder)."""
+    if config is None:
+        return None
+    if not isinstance(config, CheckpointConfig):
+        raise ConfigError(f"checkpoint must be a raytrain_x.CheckpointConfig, got "
+                          f"{type(config).__name__}")
+    return config.named(job_name)
+
+
 def from_env(env: dict[str, str] | None = None) -> CheckpointConfig | None:
     """The config the driver gave this worker (`CheckpointConfig.to_env`), or None."""
     raw = CHECKPOINT.read(env)

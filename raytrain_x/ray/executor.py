@@ -9,7 +9,7 @@ from typing import Any
 import ray
 
 from raytrain_x.common.autotune_config import AutotuneConfig
-from raytrain_x.common.checkpoint_config import CheckpointConfig
+from raytrain_x.common.checkpoint_config import CheckpointConfig, for_job
 from raytrain_x.common.errors import ConfigError
 from raytrain_x.common.knobs import Knobs
 from raytrain_x.common.settings import (
@@ -107,10 +107,8 @@ class RayExecutor:
             Ray's alive nodes and their free resources).
         name: the job's name in its metrics (their `job` tag, docs/metrics.md); default:
             `RAYTRAIN_X_JOB_NAME`, else the Ray job's id and this executor's number in it.
-        checkpoint: elastic: durable checkpoints of the workers' `TorchState`
-            (`CheckpointConfig`): written in the background; the job restores from the
-            latest when no worker holds its state in memory, instead of stopping with
-            `ElasticStateLost`, and the same command run again resumes from it.
+        checkpoint: durable checkpoints of the workers' `TorchState` (`CheckpointConfig`):
+            restored from when no worker holds the state, and by the same command run again.
 
     With `min_workers`/`max_workers` the executor is elastic: `run` keeps the job going
     while workers fail or hosts come and go (see docs/elastic.md).
@@ -211,13 +209,7 @@ class RayExecutor:
         if name is not None and (not isinstance(name, str) or not name.strip()):
             raise ConfigError(f"name must be a non-empty string, got {name!r}")
         self.name = name
-        if checkpoint is not None and not isinstance(checkpoint, CheckpointConfig):
-            raise ConfigError(f"checkpoint must be a raytrain_x.CheckpointConfig, got "
-                              f"{type(checkpoint).__name__}")
-        # a name the user gave (not the Ray job's id) names the checkpoints' folder, so that
-        # the same command resumes the same job
-        self.checkpoint = (checkpoint.named(name or JOB_NAME.read() or None)
-                           if checkpoint is not None else None)
+        self.checkpoint = for_job(checkpoint, name or JOB_NAME.read() or None)
         self.metrics: DriverMetrics | None = None
         self.last_elastic_job = None
         self._elastic_env: dict[str, str] | None = None
@@ -332,11 +324,9 @@ class RayExecutor:
 
     @property
     def elastic_history(self) -> list[dict[str, Any]]:
-        """The last elastic run's rounds, one dict each: `round`, `time_s` (since the run
-        began), `size`, `hosts`, `reason` (`start`, `scale_up`, `failure`, `drain`, joined
-        by `+` when one round had several), how many workers `joined`, `failed` and `left`
-        since the round before, how many were still `starting`, how many worker bundles the
-        job was `requested` of the autoscaler and how many nodes were draining."""
+        """The last elastic run's rounds, one dict each (docs/elastic.md, "The
+        cluster's shape"): `round`, `time_s`, `size`, `hosts`, `reason`, `joined`, `failed`, `left`,
+        `starting`, `requested`, `draining_nodes`, `restored_from`."""
         job = self.last_elastic_job
         return [dict(entry) for entry in job.history] if job is not None else []
 

@@ -221,3 +221,79 @@ def test_launched_jobs_store_refuses_a_process_without_the_jobs_secret(ray_clust
     assert "[0]<stdout>:sum [3.0, 3.0, 3.0]" in out and "[1]<stdout>:sum [3.0, 3.0, 3.0]" in out
     refused = re.search(r"refused (\d+) intruder key (\w+)", out)
     assert refused and int(refused.group(1)) >= 2 and refused.group(2) == "False", out
+
+
+_RESUMABLE = """
+import os, sys, time, torch, raytrain_x.torch as rx
+out, steps = sys.argv[1], int(sys.argv[2])
+rx.init()
+with open(os.path.join(out, f"pid{rx.rank()}.{os.getpid()}"), "w"):
+    pass
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 2)
+opt = rx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                              named_parameters=model.named_parameters())
+state = rx.elastic.TorchState(model, opt, step=0, done=[])
+began = []
+
+@rx.elastic.run
+def train(state):
+    began.append(state.step)
+    while state.step < steps:
+        opt.zero_grad()
+        model(torch.full((2, 4), float(state.step))).sum().backward()
+        opt.step()
+        state.done = [*state.done, state.step]
+        state.step += 1
+        state.commit()
+        if rx.rank() == 0:
+            with open(os.path.join(out, "step.tmp"), "w") as f:
+                f.write(str(state.step))
+            os.replace(os.path.join(out, "step.tmp"), os.path.join(out, "step"))
+        time.sleep(0.05)
+
+train(state)
+print("began", began[0], "done", state.done == list(range(steps)))
+"""
+
+
+def test_a_killed_driver_resumes_from_its_checkpoint_when_the_command_runs_again(
+        ray_cluster, tmp_path):
+    """`raytrain-x run --checkpoint-path` is killed (SIGKILL) mid-training: its workers go
+    with it, and the same command run again resumes from the latest checkpoint, doing every
+    step once in the state it ends with."""
+    from raytrain_x.common.checkpoint_config import CheckpointConfig
+    from raytrain_x.elastic.storage import CheckpointStore
+
+    script = tmp_path / "job.py"
+    script.write_text(_RESUMABLE)
+    store_path = str(tmp_path / "checkpoints")
+    command = [str(BIN / "raytrain-x"), "run", "-np", "2", "--address", ray_cluster,
+               "--job-name", "resumable", "--checkpoint-path", store_path,
+               "--checkpoint-every", "0.2", "python", str(script), str(tmp_path)]
+    store = CheckpointStore(CheckpointConfig(store_path, name="resumable"))
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    first = subprocess.Popen([*command, "100000"], cwd=REPO, env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        def checkpointed() -> bool:
+            assert first.poll() is None, first.stderr.read()[-3000:]
+            kept = store.checkpoints()
+            return bool(kept) and kept[0].values.get("step", 0) >= 5
+        limits.wait_until(checkpointed, 30, "a checkpoint after 5 steps")
+    finally:
+        first.kill()  # SIGKILL: no cleanup of its own
+        first.wait()
+    pids = [int(p.name.split(".")[1]) for p in tmp_path.glob("pid*")]
+    assert len(pids) == 2
+
+    def gone() -> bool:
+        return not any(Path(f"/proc/{pid}").exists() for pid in pids)
+    limits.wait_until(gone, 30, "the killed run's ranks to exit")
+    resumed_from = store.checkpoints()[0].values["step"]
+    second = _cli(*command[1:], "40", work_s=40)
+    assert second.returncode == 0, second.stderr[-3000:]
+    began = re.findall(r"<stdout>:began (\d+) done (\w+)", second.stdout)
+    assert len(began) == 2, second.stdout[-3000:]
+    assert all(int(b) >= resumed_from and ok == "True" for b, ok in began), began
+    assert "restored checkpoint" in second.stderr + second.stdout
