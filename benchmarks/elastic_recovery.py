@@ -19,7 +19,16 @@ first step with 3 workers.
 Writes results/elastic_recovery.json. With --zero, only the elastic recovery with AdamW
 unsharded and sharded (zero_stage 0, 1, 2; results/elastic_recovery_zero.json).
 
+With --storage, the whole job lost (every worker's process exits at step 20), two ways on
+the same model (AdamW) and the same 2 workers, each checkpointing to a local storage path:
+  durable        RayExecutor(min_workers=2, checkpoint=CheckpointConfig(every_s=0.5)):
+                 new workers restore the latest durable checkpoint (no holder is left)
+  torch_trainer  Ray Train's TorchTrainer(FailureConfig(max_failures=1)), a checkpoint
+                 reported every step: Ray Train restarts the worker group from it
+Time from the loss to the first step after it (results/elastic_recovery_storage.json).
+
 Run: .venv/bin/python benchmarks/elastic_recovery.py [--repeats 3] [--no-nodes] [--zero]
+     [--storage]
 """
 
 from __future__ import annotations
@@ -357,6 +366,140 @@ def _zero_recovery(args) -> None:
     print(f"wrote {write_json('elastic_recovery_zero', payload, args.json)}")
 
 
+# ---------------------------------------------------------------------- storage
+def _model_and_optimizer(rx=None):
+    import torch
+
+    from raytrain_x.common.workloads import resnet50_parameter_shapes
+    from raytrain_x.torch.workloads import shaped_model
+
+    torch.set_num_threads(1)
+    model = shaped_model(resnet50_parameter_shapes()[:60])  # ~3M parameters
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if rx is None:
+        return model, inner
+    return model, rx.DistributedOptimizer(inner, named_parameters=model.named_parameters())
+
+
+def _lose_everything(rank: int, step: int, marks: str) -> None:
+    """At step 20 of a job's first life every rank's process exits (rank 0 notes when)."""
+    if step == 20 and not os.path.exists(f"{marks}.lost"):
+        if rank == 0:
+            Path(f"{marks}.lost").write_text(str(time.time()))
+        else:
+            wait_until(lambda: os.path.exists(f"{marks}.lost"), 30, "rank 0's mark")
+        os._exit(1)
+
+
+def _durable_train(progress: str, marks: str) -> int:
+    import torch
+
+    import raytrain_x.torch as rx
+
+    rx.init()
+    model, opt = _model_and_optimizer(rx)
+    state = rx.elastic.TorchState(model, opt, step=0)
+
+    @rx.elastic.run
+    def train(state):
+        while state.step < 40:
+            _lose_everything(rx.rank(), state.step, marks)
+            opt.zero_grad()
+            model(torch.ones(())).backward()
+            opt.step()
+            state.step += 1
+            state.commit()
+            if rx.rank() == 0:
+                with open(progress, "a") as f:
+                    f.write(f"{time.time()} {state.step} {rx.size()}\n")
+        return state.step
+
+    return train(state)
+
+
+def _trainer_loop(config: dict) -> None:
+    import ray.train
+    import torch
+    import torch.distributed as dist
+
+    model, opt = _model_and_optimizer()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    step = 0
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as folder:
+            saved = torch.load(os.path.join(folder, "state.pt"))
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        step = saved["step"]
+    rank = dist.get_rank()
+    while step < 40:
+        _lose_everything(rank, step, config["marks"])
+        opt.zero_grad()
+        ddp(torch.ones(())).backward()
+        opt.step()
+        step += 1
+        with tempfile.TemporaryDirectory() as folder:
+            if rank == 0:
+                torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
+                            "step": step}, os.path.join(folder, "state.pt"))
+                with open(config["progress"], "a") as f:
+                    f.write(f"{time.time()} {step} {dist.get_world_size()}\n")
+                ray.train.report({"step": step},
+                                 checkpoint=ray.train.Checkpoint.from_directory(folder))
+            else:
+                ray.train.report({"step": step})
+
+
+def measure_storage(tmp: Path, way: str) -> float:
+    progress, marks = tmp / f"{way}.txt", str(tmp / f"{way}.marks")
+    storage = str(tmp / f"{way}-storage")
+    if way == "durable":
+        from raytrain_x import CheckpointConfig
+        from raytrain_x.ray import RayExecutor
+
+        executor = RayExecutor(RayExecutor.create_settings(timeout_s=20), min_workers=2,
+                               max_workers=2, cpus_per_worker=1, cooldown_range=(0.1, 0.1),
+                               checkpoint=CheckpointConfig(storage, name="job", every_s=0.5))
+        executor.start()
+        executor.run(_durable_train, args=(str(progress), marks))
+        executor.shutdown()
+    else:
+        from ray.train import FailureConfig, RunConfig, ScalingConfig
+        from ray.train.torch import TorchConfig, TorchTrainer
+
+        TorchTrainer(_trainer_loop, torch_config=TorchConfig(backend="gloo"),
+                     train_loop_config={"progress": str(progress), "marks": marks},
+                     scaling_config=ScalingConfig(num_workers=2),
+                     run_config=RunConfig(name="job", storage_path=storage,
+                                          failure_config=FailureConfig(max_failures=1))).fit()
+    lost = float(Path(f"{marks}.lost").read_text())
+    return _first_step_after(progress, lost)
+
+
+def _storage_recovery(args) -> None:
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parent)}})
+    runs: dict[str, list[float]] = {"durable": [], "torch_trainer": []}
+    try:
+        for i in range(args.repeats):
+            for way in (runs if i % 2 == 0 else list(runs)[::-1]):
+                with tempfile.TemporaryDirectory() as tmp:
+                    runs[way].append(measure_storage(Path(tmp), way))
+            print(f"repeat {i + 1}/{args.repeats}: durable {runs['durable'][-1]:.2f}s, "
+                  f"TorchTrainer {runs['torch_trainer'][-1]:.2f}s", flush=True)
+    finally:
+        ray.shutdown()
+    medians = {k: statistics.median(v) for k, v in runs.items()}
+    print_table([{"whole job lost": k, "median s (loss -> first step)": v}
+                 for k, v in medians.items()], ["whole job lost", "median s (loss -> first step)"])
+    ratio = medians["durable"] / medians["torch_trainer"]
+    print(f"durable / TorchTrainer: {ratio:.2f}x")
+    payload = {"runs": runs, "medians": medians, "durable_over_torch_trainer": ratio}
+    print(f"wrote {write_json('elastic_recovery_storage', payload, args.json)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
@@ -368,7 +511,13 @@ def main() -> None:
     parser.add_argument("--zero", action="store_true",
                         help="only the elastic recovery with AdamW unsharded and sharded "
                              "(zero_stage 0, 1, 2)")
+    parser.add_argument("--storage", action="store_true",
+                        help="only the whole job lost: durable checkpoints against Ray "
+                             "Train's TorchTrainer restarting from its checkpoint")
     args = parser.parse_args()
+    if args.storage:
+        _storage_recovery(args)
+        return
     if args.zero:
         _zero_recovery(args)
         return
