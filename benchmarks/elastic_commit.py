@@ -1,5 +1,5 @@
-"""What an elastic commit costs on the GPT workload, 2 processes, one way per fresh pair of
-processes (so each peak memory is its own), for each ZeRO stage (0: unsharded):
+"""What an elastic commit costs on the GPT workload, --workers processes (2), one way per
+fresh set of processes (so each peak memory is its own), for each ZeRO stage (0: unsharded):
 
   none       training steps with no commit at all (the baseline)
   deepcopy   a commit every step as a deep copy of the state dicts on their own device (the
@@ -12,7 +12,7 @@ device synchronisation at the end, the median of --repeats such runs, the slower
 a commit's own time (device synchronised before and after, so a CUDA copy counts whole);
 the peak memory (the CUDA allocator's peak with --device cuda, both ranks sharing GPU 0 over
 gloo; resident memory on a CPU). Ratios: commit time host / deepcopy, step time with host
-commits / none. Writes results/elastic_commit.json (elastic_commit_cuda.json on CUDA).
+commits / none. Writes results/elastic_commit_<device>_<workers>.json.
 
 Run: .venv/bin/python benchmarks/elastic_commit.py [--device cuda --layers 8 --width 1024]
 """
@@ -57,7 +57,8 @@ def _worker(rank: int, size: int, port: int, stage: int, way: str, args, queue) 
     from raytrain_x.torch.workloads import GPTDecoder, synthetic_tokens
 
     cuda = args.device == "cuda"
-    join_world(rank, size, port, {"RAYTRAIN_X_GPU_OPERATIONS": "gloo"} if cuda else None)
+    join_world(rank, size, port, {"RAYTRAIN_X_GPU_OPERATIONS": "gloo"}
+               if cuda and size > 1 else None)  # one rank: NCCL
     rx.init()
     model = GPTDecoder(layers=args.layers, width=args.width).to(args.device)
     ids, targets = (t.to(args.device) for t in synthetic_tokens(args.batch, seed=rank))
@@ -130,6 +131,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--workers", type=int, default=2,
+                        help="ranks (on CUDA: 2 share the GPU over gloo, 1 runs NCCL)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -138,7 +141,7 @@ def main() -> None:
     peak = "peak CUDA MB" if args.device == "cuda" else "peak RSS MB"
     for stage in args.stages:
         for way in WAYS:
-            r = run_ranks(_worker, 2, stage, way, args)
+            r = run_ranks(_worker, args.workers, stage, way, args)
             results[f"stage{stage}_{way}"] = r
             print(f"stage {stage} {way}: {r}", flush=True)
             rows.append({"stage": stage, "way": way, "step ms": 1000 * r["step_s"],
@@ -159,7 +162,7 @@ def main() -> None:
                                                                - of["none"]["peak_mb"])
     for k, v in ratios.items():
         print(f"{k}: {round(v, 3)}")
-    name = "elastic_commit_cuda" if args.device == "cuda" else "elastic_commit"
+    name = f"elastic_commit_{args.device}_{args.workers}"
     print(f"wrote {write_json(name, {'results': results, 'ratios': ratios}, args.json)}")
 
 

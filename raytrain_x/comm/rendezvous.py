@@ -29,6 +29,8 @@ class Rendezvous:
         round: rendezvous round (elastic resets start a new one).
         hosts: optional host id of every rank (rank order), for hierarchical groups.
         hosts_version: the elastic driver's host-set version this round was formed at.
+        restore_from_storage: the elastic driver found no worker holding the job's latest
+            committed state: the round restores the latest durable checkpoint.
         address: the IP address this worker's collectives listen on (its Ray node's
             address); empty: the backend's default (gloo: `GLOO_SOCKET_IFNAME`, else what
             the hostname resolves to, which is loopback on many machines).
@@ -46,6 +48,7 @@ class Rendezvous:
     hosts: list[str] = field(default_factory=list)
     hosts_version: int = 0
     address: str = ""
+    restore_from_storage: bool = False
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:

@@ -80,7 +80,8 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
         Panel("Checkpoints written", "checkpoints_written", "increase"),
         Panel("Failed writes", "checkpoint_failures", "increase"),
         Panel("Restores from storage", "checkpoint_restores", "increase"),
-        Panel("Last write or restore", "checkpoint_seconds", "value", ("what",), unit="s"),
+        Panel("Write or restore time p50", "checkpoint_seconds", "quantile", ("what",),
+              unit="s", q=0.5),
         Panel("Commit checkpointed or restored", "checkpoint_commit", "value", ("what",)),
     )),
 )

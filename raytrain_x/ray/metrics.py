@@ -96,15 +96,16 @@ METRICS: tuple[Spec, ...] = (
          "given up (training went on)", RANK_TAGS, group="checkpoints"),
     Spec("checkpoint_restores", "counter", "restores from a durable checkpoint (no worker "
          "held the state in memory)", RANK_TAGS, group="checkpoints"),
-    Spec("checkpoint_seconds", "gauge", "the last checkpoint's write, or the last restore's, "
-         "in seconds, by what", (*RANK_TAGS, "what"), group="checkpoints"),
+    Spec("checkpoint_seconds", "histogram", "seconds each checkpoint's write (from its start "
+         "to its manifest) or restore took, by what", (*RANK_TAGS, "what"), RECOVERY_BUCKETS,
+         group="checkpoints"),
     Spec("checkpoint_commit", "gauge", "the commit number of the last checkpoint written, "
          "or restored, by what", (*RANK_TAGS, "what"), group="checkpoints"),
     # the job, from the driver
     Spec("world_size", "gauge", "workers in the job's current round", JOB_TAGS,
          group="elastic"),
-    Spec("rounds", "counter", "rounds formed, by why (start, scale_up, failure, drain; "
-         "joined by + when one round had several)",
+    Spec("rounds", "counter", "rounds formed, by why (start, scale_up, failure, drain, "
+         "restore; joined by + when one round had several)",
          (*JOB_TAGS, "reason"), group="elastic"),
     Spec("resets", "counter", "rounds that count against the reset limit", JOB_TAGS,
          group="elastic"),
@@ -217,8 +218,9 @@ class WorkerExporter:
         for what in ("written", "restored"):
             if now[f"{what}_count"]:
                 what_tags = {**tags, "what": what}
-                seconds = now["last_write_s" if what == "written" else "last_restore_s"]
-                record("checkpoint_seconds", seconds, what_tags)
+                if now[f"{what}_count"] > last.get(f"{what}_count", 0):  # a new one: its time
+                    seconds = now["last_write_s" if what == "written" else "last_restore_s"]
+                    record("checkpoint_seconds", seconds, what_tags)
                 record("checkpoint_commit", now[f"last_{what}"], what_tags)
 
     def _training(self, snap: dict[str, Any], last: dict[str, Any],

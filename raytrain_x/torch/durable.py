@@ -213,16 +213,20 @@ def write_parts(durable: DurableCheckpoints, state: Any) -> None:
 
 
 def restore_from_storage(durable: DurableCheckpoints, state: Any, force: bool = False) -> bool:
-    """At a sync where no rank holds the state in memory (all holders lost, or a new job
-    with the same storage): loads the latest complete checkpoint, rank 0 the common part
-    and every rank the optimizer shards it owns in this world's layout. Returns False (and
-    loads nothing) when some rank holds the state (unless `force`: part of a sharded state
-    was lost with every copy) or there is no checkpoint."""
+    """At a sync where no rank holds the state in memory (all holders lost: the driver says
+    so; or a new job with the same storage): loads the latest complete checkpoint, rank 0
+    the common part and every rank the optimizer shards it owns in this world's layout.
+    Returns False (and loads nothing) when some rank holds the state (unless `force`: part
+    of a sharded state was lost with every copy) or there is no checkpoint."""
     from raytrain_x.elastic.state import holds_state
     from raytrain_x.torch.functions import broadcast_object
     from raytrain_x.torch.zero_elastic import Generation
 
-    if not force and any(allgather_object(holds_state(), name="elastic.durable.holders")):
+    # the driver says so when no worker holds the latest commit (a survivor may hold an
+    # older one); without a driver, or at a new job's start, no rank holding any state
+    told = runtime.rendezvous().restore_from_storage
+    if not (force or told) and any(allgather_object(holds_state(),
+                                                    name="elastic.durable.holders")):
         return False
     rank = runtime.rank()
     manifest = broadcast_object(durable.latest() if rank == 0 else None, 0,

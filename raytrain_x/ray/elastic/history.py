@@ -72,7 +72,5 @@ def round_line(entry: dict[str, Any]) -> str:
 def _restored(checkpoint: dict[str, Any] | None) -> str:
     if checkpoint is None:
         return ""
-    if checkpoint.get("number") is None:
-        return "; no worker holds the state: restoring from the latest durable checkpoint"
     return (f"; no worker holds the state: restoring from durable checkpoint "
             f"{checkpoint['number']} ({checkpoint['describe']})")

@@ -99,8 +99,17 @@ class MemberWatch:
         failure = self.ctx.last_failure
         if not failure.process_lost or self.ctx.settings.cooldown_range is None:
             raise failure
-        if self.ctx.rounds_client.committed() and self.ctx.settings.checkpoint is None:
+        if self.ctx.rounds_client.committed() and self.durable_floor() is None:
             raise state_lost_error(failure, self.lost_workers())
+
+    def durable_floor(self) -> dict | None:
+        """The durable checkpoint a round with no holder of the state restores (None: the
+        job has no `CheckpointConfig`, or no checkpoint of it is complete yet: the state
+        is lost)."""
+        if self.ctx.settings.checkpoint is None:
+            return None
+        latest = self.ctx.parts.latest_checkpoint()
+        return latest if latest.get("number") is not None else None
 
     def lost_workers(self) -> int:
         log_ = self.ctx.log

@@ -13,6 +13,7 @@ from typing import Any
 import ray
 
 from raytrain_x.comm.store_actor import StoreActor
+from raytrain_x.elastic.storage import latest_checkpoint
 from raytrain_x.ray.elastic.cluster import ClusterView
 from raytrain_x.ray.elastic.pool import WorkerPool
 from raytrain_x.ray.elastic.rounds import ElasticRounds
@@ -74,6 +75,9 @@ class JobParts:
     sleep: Callable[[float], None]  # waits on the job's clock
     wall_clock: Callable[[], float]  # time.time(): drain deadlines are wall-clock times
     close: Callable[[], None]  # ends the rounds and store actors
+    # the latest complete durable checkpoint, as the driver describes it (`number` None:
+    # none); only asked when the job has a `CheckpointConfig`
+    latest_checkpoint: Callable[[], dict[str, Any]] = lambda: {"number": None}
 
 
 def ray_parts(settings: ElasticSettings, clock: Callable[[], float]) -> JobParts:
@@ -90,5 +94,9 @@ def ray_parts(settings: ElasticSettings, clock: Callable[[], float]) -> JobParts
             except Exception:  # noqa: BLE001 - it may be gone already
                 pass
 
+    def latest() -> dict[str, Any]:
+        return latest_checkpoint(settings.checkpoint) if settings.checkpoint else \
+            {"number": None}
+
     return JobParts(WorkerPool(settings, clock), ClusterView(settings), RoundsClient(rounds),
-                    StoreClient(store), time.sleep, time.time, close)
+                    StoreClient(store), time.sleep, time.time, close, latest)

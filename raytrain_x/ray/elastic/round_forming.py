@@ -7,7 +7,6 @@ import logging
 
 from raytrain_x.common.logs import progress_logger
 from raytrain_x.common.settings import short_node
-from raytrain_x.elastic.storage import latest_checkpoint
 from raytrain_x.ray.elastic.context import JobContext
 from raytrain_x.ray.elastic.drain_watch import note_left
 from raytrain_x.ray.elastic.history import round_line
@@ -70,16 +69,18 @@ class RoundForming:
         if newcomers:
             ctx.log.note("scale_up" if ctx.rounds else "start", joined=newcomers)
         holders = self.members.holders()  # None: the job never committed, there is no state
+        restore = False
         if holders is not None and state_lost(staying, holders, committed=True):
-            if ctx.settings.checkpoint is None:
+            checkpoint = self.members.durable_floor()
+            if checkpoint is None:
                 raise state_lost_error(ctx.last_failure, self.members.lost_workers())
-            ctx.log.restoring(latest_checkpoint(ctx.settings.checkpoint))
-            holders = None  # the round's workers load the state from storage
+            ctx.log.restoring(checkpoint)
+            holders, restore = None, True  # the round's workers load it from storage
         self.members.failures.count_round(ctx.log.is_reset(), ctx.last_failure)
         version = ctx.rounds_client.hosts_version()
         ctx.rounds += 1
         assignments = plan_round({m.worker_id: (m.node, m.age) for m in staying.values()},
-                                 ctx.rounds, version, holders or ())
+                                 ctx.rounds, version, holders or (), restore)
         ctx.round_newcomers = [w for w, m in staying.items() if m.rank < 0]
         ctx.round_members[ctx.rounds] = set(staying)
         for worker_id, place in assignments.items():

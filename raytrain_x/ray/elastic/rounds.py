@@ -87,7 +87,8 @@ def current_holders(state_rounds: dict[str, int], committed_round: int) -> list[
 
 
 def plan_round(members: dict[str, tuple[str, int]], round_id: int,
-               hosts_version: int, holders: Iterable[str] = ()) -> dict[str, dict[str, Any]]:
+               hosts_version: int, holders: Iterable[str] = (),
+               restore_from_storage: bool = False) -> dict[str, dict[str, Any]]:
     """Every member's place in a new round.
 
     Args:
@@ -96,6 +97,8 @@ def plan_round(members: dict[str, tuple[str, int]], round_id: int,
         hosts_version: the host-set version the round is formed at.
         holders: the workers that hold the job's state (they synced it in an earlier
             round); empty before the job's first commit.
+        restore_from_storage: no worker holds the state: the round restores the latest
+            durable checkpoint (every worker is told, a stale holder too).
 
     The oldest member that holds the state becomes rank 0, since every rank syncs from
     rank 0 (an older member that joined but never synced holds only its initial state);
@@ -109,5 +112,6 @@ def plan_round(members: dict[str, tuple[str, int]], round_id: int,
     return {worker_id: {"rank": slot.rank, "size": len(by_age), "local_rank": slot.local_rank,
                         "local_size": slot.local_size, "cross_rank": slot.cross_rank,
                         "cross_size": slot.cross_size, "round": round_id, "hosts": hosts,
-                        "hosts_version": hosts_version}
+                        "hosts_version": hosts_version,
+                        "restore_from_storage": restore_from_storage}
             for worker_id, slot in zip(by_age, slots)}

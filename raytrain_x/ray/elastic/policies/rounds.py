@@ -25,9 +25,10 @@ def state_lost_error(last_failure: object, workers_lost: int) -> ElasticStateLos
     return ElasticStateLost(
         f"every worker that held the job's committed state was lost ({workers_lost} "
         f"workers failed in all; the last: {_failure_summary(last_failure)}). A new round "
-        "would start over from the initial state, so the job stops instead. Restart it "
-        "(from a checkpoint, if it saves one); with faults this frequent, run more "
-        "workers or a higher min_workers so that one of them survives.")
+        "would start over from the initial state, so the job stops instead (with "
+        "RayExecutor(checkpoint=CheckpointConfig(...)) it restores the latest complete "
+        "durable checkpoint; none was complete, or none is configured). With faults this "
+        "frequent, run more workers or a higher min_workers so that one of them survives.")
 
 
 def _failure_summary(value: object) -> str:
