@@ -17,7 +17,8 @@ from raytrain_x.ray.elastic.policies import rounds as round_policy
 def rank0_by_age_only(mp) -> None:
     """Rank 0 was the oldest member, whether or not it held the state."""
     plan = round_forming.plan_round
-    mp.setattr(round_forming, "plan_round", lambda members, r, v, holders=(): plan(members, r, v))
+    mp.setattr(round_forming, "plan_round",
+               lambda members, r, v, holders=(), *rest: plan(members, r, v, (), *rest))
 
 
 def drained_holders_leave(mp) -> None:
@@ -142,6 +143,7 @@ def slow_nodes_forgotten(mp) -> None:
     mp.setattr(worker_starts.WorkerStarts, "scale_up", forgetting)
     mp.setattr(worker_starts, "last_resort_nodes", lambda gave_up, started: {
         h for at, h, why in gave_up if at >= recent[0] and "start" in why})
+    unproven_nodes_filled(mp)  # the later rule alone spreads these starts too
 
 
 def draining_members_fill_max_workers(mp) -> None:
@@ -165,3 +167,31 @@ def starting_nodes_filled_first(mp) -> None:
 REVERTS["slow-node-not-forgotten"] = slow_nodes_forgotten
 REVERTS["draining-members-replaced"] = draining_members_fill_max_workers
 REVERTS["starts-spread-off-unproven-node"] = starting_nodes_filled_first
+
+
+def durable_floor_ignored(mp) -> None:
+    """Before durable checkpoints: losing every holder stopped the job with
+    `ElasticStateLost`, though a complete checkpoint was there to restore."""
+    mp.setattr(member_watch.MemberWatch, "durable_floor", lambda self: None)
+
+
+def restore_not_told(mp) -> None:
+    """The round restoring from storage did not say so: its workers synced from rank 0,
+    which held no state (or an older one)."""
+    plan = round_forming.plan_round
+    mp.setattr(round_forming, "plan_round",
+               lambda members, r, v, holders=(), restore=False: plan(members, r, v, holders))
+
+
+REVERTS["durable-whole-job-lost"] = durable_floor_ignored
+REVERTS["durable-lost-twice"] = restore_not_told
+
+
+def unproven_nodes_filled(mp) -> None:
+    """Starts filled each node in turn, nodes no worker had started on too."""
+    starts = policies.ScalingPolicy.starts
+    mp.setattr(policies.ScalingPolicy, "starts",
+               lambda self, *args, proven=(), **rest: starts(self, *args, **rest))
+
+
+REVERTS["starts-one-per-unproven-node"] = unproven_nodes_filled

@@ -474,6 +474,22 @@ def test_a_node_with_a_worker_still_starting_takes_more_only_after_the_others():
 
 
 
+def test_a_node_no_worker_started_on_takes_one_start_before_any_takes_a_second():
+    policy = ScalingPolicy(settings(min_workers=2, max_workers=4))
+    usable = {"n3": 2, "n4": 2, "n5": 2}
+    # the job's first placement packs: no node is proven yet
+    assert policy.starts(usable, members=0, pending=0) == ["n3", "n3", "n4", "n4"]
+    # replacements once n1 and n2 ran workers: the unproven nodes one start each first (two
+    # starts on a node whose starts never end would hold both up for start_timeout_s)
+    assert policy.starts(usable, members=1, pending=0, proven={"n1", "n2"}) == \
+        ["n3", "n4", "n5"]
+    assert policy.starts(usable, members=0, pending=0, proven={"n1", "n2"}) == \
+        ["n3", "n4", "n5", "n3"]
+    # a proven node is filled as before
+    assert policy.starts(usable, members=0, pending=0, proven={"n4"}) == \
+        ["n3", "n4", "n4", "n5"]
+
+
 def test_members_on_draining_nodes_do_not_hold_back_min_workers_staying_ones():
     policy = ScalingPolicy(settings(min_workers=2, max_workers=3))
     usable = {"n5": 2, "n6": 2}

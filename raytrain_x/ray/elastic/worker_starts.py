@@ -52,8 +52,10 @@ class WorkerStarts:
                                            ctx.draining, ctx.blacklist)
         slow = last_resort_nodes(ctx.log.gave_up, [(e.time, e.host) for e in ctx.log.of("start")])
         starting = {p.node for p in ctx.pending.values()}
+        proven = {e.host for e in ctx.log.of("start")}
         for node in self.scaling.starts(usable, len(ctx.members), len(ctx.pending), slow,
-                                        staying=len(ctx.staying()), starting=starting):
+                                        staying=len(ctx.staying()), starting=starting,
+                                        proven=proven):
             ctx.log.add("place", node)
             ctx.pool.start(node)
 

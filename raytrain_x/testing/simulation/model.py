@@ -35,6 +35,11 @@ class WorldConfig:
     # a loaded machine: the rounds actor's answer to a join reaches its worker this many
     # seconds after the round is published (None: at once, one call's time)
     late_placed_s: tuple[float, float] | None = None
+    # durable checkpoints (`CheckpointConfig`): rank 0 marks a commit for writing every this
+    # many seconds (None: the job has none); a write takes `storage_write_s`, fails while
+    # storage is down, and never completes if rank 0's process ends before it does
+    checkpoint_every_s: float | None = None
+    storage_write_s: tuple[float, float] = (0.2, 3.0)
 
 
 @dataclass
@@ -63,6 +68,7 @@ class Group:
     arrived: set[str] = field(default_factory=set)
     phase: str = "rendezvous"  # rendezvous, connect, sync, training, broken, done
     stalled_since: float | None = None  # a member is cut off since
+    restore_from_storage: bool = False  # the driver found no holder: restore the checkpoint
     commit_due: bool = False  # a commit is scheduled
 
 

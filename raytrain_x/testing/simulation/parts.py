@@ -265,6 +265,12 @@ class SimStoreClient:
 
 
 def sim_parts(settings: ElasticSettings, world: World) -> JobParts:
+    def latest_checkpoint() -> dict[str, Any]:
+        if not world.durable:
+            return {"number": None}
+        step = world.durable[-1][1]
+        return {"number": step, "describe": f"checkpoint {step}", "values": {"step": step}}
+
     return JobParts(SimPool(settings, world), SimCluster(world), SimRoundsClient(world),
                     SimStoreClient(world), lambda s: world.advance(world.now + s),
-                    lambda: world.now, lambda: None)
+                    lambda: world.now, lambda: None, latest_checkpoint)

@@ -33,6 +33,11 @@ class WorkerSide:
     rounds: SimRounds
     store_abandoned: list[str]
     commits: list[tuple[float, int, int]]
+    durable: list[tuple[float, int]]
+    storage_restores: list[tuple[float, int]]
+    storage_down_until: float
+    writing: bool
+    last_write: float
     finish_after: float
     phase_faults: list[tuple[str, Callable[[list[SimWorker]], None]]]
     driver_members: Callable[[], Any]
@@ -159,11 +164,61 @@ class WorkerSide:
         rank0 = next((w for w in self._members(group) if group.ranks[w.worker_id] == 0), None)
         if rank0 is None:
             return
-        last = self.commits[-1][2] if self.commits else 0
+        if group.restore_from_storage:
+            self._restore_from_storage(group)
+            return
+        last = self.job_step()
         if self.commits and rank0.step != last:
             self.violation(f"round {group.round_id} syncs from {rank0} (rank 0), whose state "
                            f"is at commit {rank0.step}, not the job's latest {last}")
         self.after(self.rng.uniform(0.05, 0.3), lambda: self._synced(group, rank0.step))
+
+    def job_step(self) -> int:
+        """The job's latest committed step: its last commit, or the durable checkpoint
+        restored after it (the steps after that one are done again)."""
+        last = self.commits[-1] if self.commits else (0.0, 0, 0)
+        restored = self.storage_restores[-1] if self.storage_restores else (-1.0, 0)
+        return restored[1] if restored[0] >= last[0] else last[2]
+
+    def _restore_from_storage(self, group: Group) -> None:
+        """The driver found no holder: the round loads the latest complete checkpoint."""
+        if not self.durable:
+            self.violation(f"round {group.round_id} restores from storage, but no durable "
+                           "checkpoint is complete")
+            return
+        step = self.durable[-1][1]
+        if step < max(s for _, s in self.durable):
+            self.violation(f"round {group.round_id} restores checkpoint {step}, not the "
+                           "latest complete one")
+        self.trace(f"round {group.round_id} restores durable checkpoint {step}")
+        self.after(self.rng.uniform(0.3, 2.0), lambda: self._restored(group, step))
+
+    def _restored(self, group: Group, step: int) -> None:
+        if group.phase != "sync" or group.stalled_since is not None:
+            return
+        self.storage_restores.append((self.now, step))
+        self._synced(group, step)
+
+    def _maybe_checkpoint(self, rank0: SimWorker, step: int) -> None:
+        """Rank 0 marks the commit for a durable checkpoint when one is due and its last
+        write has ended; the write completes (the manifest) later, unless storage is down
+        or rank 0's process ends first."""
+        every = self.config.checkpoint_every_s
+        if every is None or self.writing or self.now - self.last_write < every:
+            return
+        self.writing, self.last_write = True, self.now
+        down_at_start = self.now < self.storage_down_until
+
+        def done() -> None:
+            self.writing = False
+            if not rank0.alive:
+                self.trace(f"checkpoint {step} cut off: its writer is gone")
+            elif down_at_start or self.now < self.storage_down_until:
+                self.trace(f"checkpoint {step} failed: storage down")
+            else:
+                self.durable.append((self.now, step))
+                self.trace(f"checkpoint {step} complete")
+        self.after(self.rng.uniform(*self.config.storage_write_s), done)
 
     def _connect_failed(self, group: Group) -> None:
         group.phase = "broken"
@@ -200,7 +255,7 @@ class WorkerSide:
         if group.phase != "training":
             return
         step = rank0.step + 1
-        last = self.commits[-1][2] if self.commits else 0
+        last = self.job_step()
         if step != last + 1:
             self.violation(f"round {group.round_id} commits step {step} after the job's "
                            f"step {last}")
@@ -209,6 +264,7 @@ class WorkerSide:
             w.step = w.saved = step
             w.state_round = group.round_id
         version = self.rounds.commit(group.round_id)
+        self._maybe_checkpoint(rank0, step)
         if self.now >= self.finish_after:
             group.phase = "done"
             for w in members:
@@ -246,6 +302,8 @@ class WorkerSide:
         group.stalled_since = None
         if group.phase == "training":
             self._schedule_commit(group)
+        elif group.restore_from_storage:
+            self._restore_from_storage(group)  # the restore starts over
         else:
             self.after(0.05, lambda: self._synced(group, self._rank0_step(group)))
 
@@ -305,7 +363,7 @@ class WorkerSide:
         the driver still counts as a member (it has not seen its failure yet) counts as
         keeping the state: the driver decides on what it can know."""
         w.sent_away = True
-        last = self.commits[-1][2] if self.commits else 0
+        last = self.job_step()
         if not self.commits or not (w.holds and w.saved == last):
             return
         known = self.driver_members()

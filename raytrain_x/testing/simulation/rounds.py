@@ -52,7 +52,10 @@ class SimRounds:
                                 f"{sorted(sizes)}: not 0..n-1 of n")
             version = next(p["hosts_version"] for p in assignments.values()
                            if p.get("round") == round_id)
-            world.rendezvous_published(Group(round_id, ranks, version))
+            restore = any(p.get("restore_from_storage") for p in assignments.values()
+                          if p.get("round") == round_id)
+            world.rendezvous_published(Group(round_id, ranks, version,
+                                             restore_from_storage=restore))
         leaving = {w for w, p in assignments.items() if p.get("leave")}
         for worker_id, place in assignments.items():
             w = self.waiting.pop(worker_id, None)

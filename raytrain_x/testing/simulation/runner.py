@@ -9,6 +9,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+from raytrain_x.common.checkpoint_config import CheckpointConfig
 from raytrain_x.common.errors import ElasticStateLost, ElasticTimeout
 from raytrain_x.common.settings import SILENT_LOST_S, STUCK_GRACE_S
 from raytrain_x.ray.elastic.job import ElasticJob
@@ -62,7 +63,9 @@ def settings_for(config: WorldConfig) -> ElasticSettings:
         gpus_per_worker=0, resources_per_worker={}, reset_limit=None,
         cooldown_range=config.cooldown_range, elastic_timeout=config.elastic_timeout,
         timeout_s=config.timeout_s, discovery_interval_s=1.0,
-        start_timeout_s=config.start_timeout_s)
+        start_timeout_s=config.start_timeout_s,
+        checkpoint=(CheckpointConfig("simulated", name="job", every_s=config.checkpoint_every_s)
+                    if config.checkpoint_every_s is not None else None))
 
 
 class Watchdog:
@@ -103,11 +106,19 @@ class Watchdog:
                                 f"{self.bound:.0f}s) with {self.usable_slots()} usable slots; "
                                 f"the driver's members: {self._members()}")
                 raise Hang()
-        if now > self.end_by:
+        if now > self.end_by and self._owes_its_end(now):
             world.violation(f"liveness: the job did not end {self.bound:.0f}s after it was "
                             "asked to")
             raise Hang()
         world.after(1.0, self.tick)
+
+    def _owes_its_end(self, now: float) -> bool:
+        """Past `end_by`: the job should have ended, unless its usable slots fell short of
+        `min_workers` within the last bound (it waits for capacity, up to its
+        `elastic_timeout`, as at its start: a job restored from storage can be there)."""
+        short_recently = self.usable_since is None or now - self.usable_since <= self.bound
+        return not short_recently or \
+            now > self.end_by + self.schedule.config.elastic_timeout + self.bound
 
     def _members(self) -> str:
         return ", ".join(f"{w}(rank {m.rank}{', leaving' if m.leaving else ''}"
@@ -211,7 +222,10 @@ def _check_state_lost(world: World, job: ElasticJob, exc: Exception) -> None:
     holder is gone or failed (its process ended, or it was cut off and failed as lost).
     A holder sent away because its node drains is checked when it is sent
     (`World.sent_away`)."""
-    last = world.commits[-1][2] if world.commits else 0
+    last = world.job_step()
+    if world.durable and world.config.checkpoint_every_s is not None:
+        world.violation(f"ElasticStateLost while durable checkpoint {world.durable[-1][1]} "
+                        "was complete: the job should have restored it")
     holders = [w for w in world.workers if w.holds and w.saved == last and not w.sent_away]
     alive = [w for w in holders if w.alive and w.reachable(world.now)
              and w.worker_id in job.members]

@@ -16,7 +16,7 @@ from raytrain_x.testing.simulation.world import World
 KINDS = ("kill_worker", "kill_node", "drain", "drain_kill", "raylet", "partition",
          "slow_start", "stuck_start", "add_node", "kill_in_rendezvous", "kill_in_sync",
          "kill_in_commit", "node_kill_in_rendezvous", "node_kill_in_connect",
-         "drain_in_rendezvous")
+         "drain_in_rendezvous", "storage_outage", "lose_everything")
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,10 @@ class Schedule:
         head = (f"schedule {self.name or f'seed {self.seed}'}: {c.nodes} nodes x {c.slots} "
                 f"slots (autoscaler up to {c.max_nodes}), min_workers={c.min_workers}, "
                 f"max_workers={c.max_workers}, timeout_s={c.timeout_s:g}, "
-                f"commit every {c.commit_s:g}s")
+                f"commit every {c.commit_s:g}s"
+                + (f", a durable checkpoint every {c.checkpoint_every_s:g}s (writes "
+                   f"{c.storage_write_s[0]:g}-{c.storage_write_s[1]:g}s)"
+                   if c.checkpoint_every_s is not None else ""))
         return "\n".join([head, *(f"  {f}" for f in self.faults)])
 
 
@@ -86,7 +89,25 @@ def random_schedule(seed: int, faults: int = 20, mean_gap_s: float | None = None
         out.append(Fault(round(at, 3), kind, round(rng.random(), 4),
                          round(_value(kind, rng), 3)))
         at += rng.expovariate(1.0 / mean_gap_s)
-    return Schedule(seed, config, tuple(out))
+    config, storage_faults = _durable(seed, config, out[0].at if out else 3.0, at)
+    return Schedule(seed, config, tuple(sorted(out + storage_faults, key=lambda f: f.at)))
+
+
+def _durable(seed: int, config: WorldConfig, first: float, last: float,
+             ) -> tuple[WorldConfig, list[Fault]]:
+    """Half the jobs write durable checkpoints; they also meet storage outages and the loss
+    of every worker at once. Drawn from generators of their own, so the other half's
+    schedules are the same as before checkpoints were simulated."""
+    rng = random.Random(seed + 3)
+    if rng.random() >= 0.5:
+        return config, []
+    config = replace(config, checkpoint_every_s=rng.choice([0.5, 1.0, 2.0, 5.0]),
+                     storage_write_s=(0.1, rng.uniform(0.3, 4.0)))
+    faults = [Fault(round(rng.uniform(first, last), 3), "storage_outage", 0.0,
+                    round(rng.uniform(1.0, 20.0), 3)) for _ in range(rng.randint(0, 2))]
+    faults += [Fault(round(rng.uniform(first, last), 3), "lose_everything")
+               for _ in range(rng.randint(1, 2))]
+    return config, faults
 
 
 def _late_placed(seed: int) -> tuple[float, float] | None:
@@ -160,6 +181,10 @@ def apply(world: World, fault: Fault) -> None:
     elif kind == "add_node":
         if len(_up_nodes(world)) < world.config.max_nodes:
             world.add_node()
+    elif kind == "storage_outage":
+        world.storage_outage(value)
+    elif kind == "lose_everything":
+        world.lose_everything()
     else:
         phase, what = {
             "kill_in_rendezvous": ("rendezvous", "worker"),
@@ -184,188 +209,3 @@ def _phase_fault(world: World, members: list[SimWorker], what: str, pick: float,
         world.kill_node(w.node)
     else:
         _drain_then_kill(world, w.node, value)
-
-
-# ----------------------------------------------------------------------------- scenarios
-def _named(name: str, config: WorldConfig, faults: list, note: str, seed: int = 0) -> Schedule:
-    return Schedule(seed, config, tuple(f if isinstance(f, Fault) else Fault(*f)
-                                        for f in faults), name=name, notes=(note,))
-
-
-THREE = WorldConfig(nodes=3, slots=1, max_nodes=4, min_workers=1, max_workers=3,
-                    timeout_s=10.0, commit_s=0.5)
-# the real drain-then-kill test: 3 one-slot nodes, no node joins, the example's 30 s timeout
-DRAIN_TEST = WorldConfig(nodes=3, slots=1, max_nodes=3, min_workers=1, max_workers=3,
-                         timeout_s=30.0, commit_s=0.5, autoscaler=False, respawn=False)
-TWO_MIN = WorldConfig(nodes=4, slots=1, max_nodes=5, min_workers=2, max_workers=4,
-                      timeout_s=10.0, commit_s=0.5)
-
-
-def scenarios() -> dict[str, Schedule]:
-    """The faults real runs found, one schedule each (docs/elastic.md, "Chaos soak")."""
-    s = [
-        _named("drain-then-kill", DRAIN_TEST, [
-            Fault(6.0, "drain", 0.99, 60.0), Fault(6.0, "node_kill_in_connect", 0.0)],
-            "the hang of real runs: one node drained (60 s deadline), then rank 0's node "
-            "killed as the drain's round connected (no node may join, as in the real test)"),
-        _named("drain-then-kill-apart", THREE, [
-            Fault(6.0, "drain_kill", 0.99, 2.0), Fault(8.5, "kill_node", 0.0)],
-            "a drain notice, its node killed 2 s later, then another node"),
-        _named("1-peer-lost-in-first-round", THREE, [Fault(0.0, "kill_in_rendezvous", 0.5)],
-               "a peer lost while the first rx.init() formed the world"),
-        _named("2-dead-peer-in-rendezvous", THREE, [Fault(5.0, "kill_worker", 0.0),
-                                                    Fault(5.0, "kill_in_rendezvous", 0.6)],
-               "peers forming a round with a worker that died"),
-        _named("3-every-holder-dies", THREE, [Fault(5.0, "kill_node", 0.0),
-                                              Fault(5.0, "kill_node", 0.5),
-                                              Fault(5.0, "kill_node", 0.99)],
-               "every state holder dies: the job stops with ElasticStateLost"),
-        _named("4-killed-worker-in-a-ring", TWO_MIN, [Fault(5.0, "kill_worker", 0.4)],
-               "a killed worker: every rank fails at once (the engine side is a real test)"),
-        _named("5-raylet-dies", THREE, [Fault(5.0, "raylet", 0.3)],
-               "a worker whose raylet died with it"),
-        _named("6-commit-race", THREE, [Fault(5.0, "kill_in_commit", 0.0)],
-               "a peer lost at a commit (the sampler's union is a real test)"),
-        _named("7-recovery-while-newcomer-starts", THREE, [
-            Fault(4.0, "slow_start", 0.0, 20.0), Fault(4.0, "add_node", 0.0),
-            Fault(5.0, "kill_worker", 0.5)],
-            "a failure while a replacement worker is still starting"),
-        _named("8-9-faults-before-first-commit", THREE, [
-            Fault(0.5, "kill_worker", 0.2), Fault(1.0, "kill_worker", 0.2),
-            Fault(1.5, "kill_in_sync", 0.2)],
-            "faults before the first commit (the soak's own checks are real tests)"),
-        _named("10-drain-on-forming-round", THREE, [
-            Fault(4.0, "slow_start", 0.0, 6.0), Fault(4.0, "add_node", 0.0),
-            Fault(5.0, "drain_in_rendezvous", 0.0, 30.0)],
-            "a drain lands on a round still forming"),
-        _named("11-12-newcomer-held-back", TWO_MIN, [
-            Fault(4.0, "add_node", 0.0), Fault(4.5, "drain_in_rendezvous", 0.2, 30.0),
-            Fault(9.0, "drain", 0.1, 5.0)],
-            "a given-up round's newcomer, and newcomers asked over before a commit"),
-        _named("13-14-partition-longer-than-timeout", THREE, [
-            Fault(5.0, "partition", 0.0, 3.0), Fault(15.0, "partition", 0.0, 14.0)],
-            "a 3 s then a 14 s partition of rank 0's host"),
-        _named("15-drain-gives-round-up", TWO_MIN, [
-            Fault(4.0, "add_node", 0.0), Fault(4.2, "slow_start", 0.0, 3.0),
-            Fault(5.0, "drain_in_rendezvous", 0.9, 30.0)],
-            "a drain gives a round up while a newcomer makes its groups"),
-        _named("16-partition-near-timeout", THREE, [Fault(5.0, "partition", 0.5, 14.0)],
-               "a partition just over the collective timeout"),
-        _named("17-raylet-killed-workers-exit", THREE, [Fault(5.0, "raylet", 0.0),
-                                                        Fault(5.5, "kill_worker", 0.9)],
-               "a raylet killed: its workers exit with it"),
-        _named("18-drained-member-late-to-rendezvous", THREE, [
-            Fault(5.0, "drain", 0.0, -1.0), Fault(5.05, "partition", 0.0, 1.0)],
-            "a drained member reaches the rendezvous after its peers formed the round"),
-        _named("drained-only-holder", WorldConfig(nodes=1, slots=1, max_nodes=3,
-                                                  min_workers=1, max_workers=2),
-               [Fault(3.0, "add_node", 0.0), Fault(8.0, "drain", 0.0, -1.0)],
-               "the only worker holding the state drains while a newcomer joins"),
-        # Found by the simulator (shrunk by Hypothesis from random schedules; the seed is
-        # the world's: start delays, launch delays and Ray's timings)
-        _named("drained-holder-kept", replace(THREE, nodes=6, max_nodes=6, max_workers=4,
-                                              timeout_s=5.0, commit_s=1.0), [
-            [3.737, "kill_in_sync", 0.6622, 0.0], [7.256, "drain_in_rendezvous", 0.0931, 0.102],
-            [37.38, "kill_in_commit", 0.4821, 0.0], [44.419, "drain_kill", 0.2132, 3.746]],
-            "kills and drains leave one holder, on a draining node: it stays until a staying "
-            "worker has synced", seed=31),
-        _named("drained-last-round-waited", replace(THREE, slots=2, max_workers=5,
-                                                    commit_s=0.2), [
-            [52.69, "drain_in_rendezvous", 0.664, 1.249],
-            [116.138, "kill_in_rendezvous", 0.5042, 0.0], [123.071, "drain_kill", 0.2438, 4.37]],
-            "a round left all on draining nodes is waited for, not formed beside", seed=71),
-        _named("slow-node-last-resort", replace(
-            THREE, nodes=6, max_nodes=10, min_workers=2, commit_s=0.2), [
-            [81.431, "slow_start", 0.2729, 38.878], [105.703, "drain_kill", 0.5999, 0.793],
-            [110.137, "slow_start", 0.5551, 33.392], [116.675, "kill_node", 0.6169, 0.0]],
-            "nodes that cannot start workers sort first: the job must still use the others",
-            seed=706),
-        _named("last-holder-spared", replace(
-            THREE, nodes=4, max_nodes=5, min_workers=2, max_workers=6, commit_s=1.0), [
-            [7.739, "drain_kill", 0.4568, 3.279], [8.918, "raylet", 0.067, 0.0],
-            [13.846, "add_node", 0.4144, 0.0], [15.344, "partition", 0.1823, 32.132],
-            [22.22, "node_kill_in_connect", 0.8864, 0.0], [23.85, "kill_node", 0.9036, 0.0],
-            [32.23, "kill_worker", 0.21, 0.0], [37.089, "raylet", 0.2678, 0.0],
-            [43.886, "kill_worker", 0.4596, 0.0], [43.993, "partition", 0.0402, 3.723]],
-            "after a partition the only holder's join is held: it is waited for, not "
-            "restarted", seed=117),
-        _named("given-up-round-trains-on", replace(THREE, max_nodes=7, max_workers=4,
-                                                   timeout_s=5.0, commit_s=1.0), [
-            [3.168, "add_node", 0.9134, 0.0], [7.402, "drain_kill", 0.7418, 1.461],
-            [16.415, "drain_in_rendezvous", 0.9022, 0.124], [16.671, "kill_node", 0.1691, 0.0],
-            [19.957, "kill_node", 0.866, 0.0], [27.85, "drain", 0.0148, -1.0],
-            [29.025, "partition", 0.6083, 3.711], [29.305, "drain", 0.388, -1.0]],
-            "a drain gives up a round past its store waits: the round trains on to its "
-            "first commit, and the next round waits for it", seed=530),
-        _named("newcomer-holds-the-state", replace(
-            THREE, nodes=2, max_nodes=3, autoscaler=False, respawn=False), [
-            Fault(3.0, "add_node"), Fault(15.0, "kill_node", 0.0),
-            Fault(15.0, "kill_node", 0.0)],
-            "a worker that joined and synced holds the state: both older workers' nodes die "
-            "and the job goes on with it from the committed step"),
-        _named("synced-newcomer-kept", replace(THREE, max_workers=7, commit_s=1.0), [
-            [5.497, "kill_worker", 0.18, 0.0], [5.647, "drain", 0.8213, -1.0]],
-            "a drain gives up a round whose veteran died unseen: its newcomers synced the "
-            "state and are its only copy; they are not restarted", seed=49701),
-        _named("other-holder-asked", replace(
-            THREE, nodes=5, slots=2, max_nodes=6, max_workers=8), [
-            [64.347, "drain", 0.324, -1.0], [87.341, "partition", 0.21, 2.766],
-            [88.991, "kill_node", 0.3737, 0.0], [90.494, "drain", 0.569, 13.207],
-            [92.673, "kill_node", 0.5757, 0.0]],
-            "held joins after a partition are restarted only when another holder answers "
-            "a ping now: the one that answered the last heartbeat had just lost its node",
-            seed=85470),
-        _named("late-placed-answer", replace(
-            THREE, nodes=1, commit_s=6.0, start_s=(1.0, 1.0), autoscaler=False,
-            respawn=False, late_placed_s=(1.0, 2.0)), [
-            Fault(2.0, "add_node"), Fault(13.4, "add_node")],
-            "a loaded machine: a newcomer placed after waiting for the next commit hears of "
-            "its place late, while the next newcomer already waits: it is not held back"),
-        _named("placed-member-not-stuck", replace(
-            THREE, nodes=4, slots=2, max_nodes=6, max_workers=8, late_placed_s=(0.0, 1.911)), [
-            [6.476, "kill_in_rendezvous", 0.0853, 0.0], [10.885, "kill_worker", 0.8816, 0.0],
-            [56.97, "kill_node", 0.5231, 0.0], [62.335, "drain_in_rendezvous", 0.3418, 2.067],
-            [68.711, "kill_in_rendezvous", 0.4759, 0.0], [68.825, "partition", 0.3814, 40.221]],
-            "a member absent from the rendezvous before a round placed it hears of its place "
-            "late: its absence counts from the round, and it is not restarted as stuck",
-            seed=19794),
-        _named("synced-holder-heard-by-heartbeat", replace(
-            THREE, max_nodes=3, min_workers=2, commit_s=0.2, late_placed_s=(0.0, 0.829)), [
-            [6.451, "kill_in_commit", 0.4618, 0.0],
-            [12.224, "node_kill_in_rendezvous", 0.3231, 0.0],
-            [19.006, "drain_kill", 0.3264, 4.001], [21.236, "kill_in_commit", 0.4827, 0.0],
-            [28.04, "partition", 0.5895, 2.496]],
-            "a newcomer syncs the state, its round never commits and its peer dies while a "
-            "partition holds its next join: the heartbeat says it holds the state, and it is "
-            "spared", seed=57782),
-        _named("slow-node-not-forgotten", replace(THREE, slots=2, max_nodes=6, max_workers=4,
-                                                  commit_s=0.2), [
-            [6.094, "kill_in_rendezvous", 0.9073, 0.0], [72.361, "partition", 0.6178, 34.258],
-            [74.781, "slow_start", 0.7322, 32.28], [97.311, "slow_start", 0.594, 35.522],
-            [121.254, "add_node", 0.3545, 0.0], [142.235, "drain", 0.2557, -1.0],
-            [168.832, "drain", 0.7022, 13.825]],
-            "two nodes whose workers never start in time: each stays a last resort until a "
-            "worker starts there, so the job starts its workers on the node that can",
-            seed=133193),
-        _named("draining-members-replaced", replace(
-            THREE, nodes=5, slots=2, max_nodes=8, min_workers=2, commit_s=1.0,
-            late_placed_s=(0.0, 1.727)), [
-            [34.021, "slow_start", 0.3704, 21.743], [67.323, "drain", 0.1145, 13.696],
-            [87.905, "node_kill_in_connect", 0.657, 0.0], [105.364, "drain", 0.1257, -1.0],
-            [109.369, "kill_node", 0.0045, 0.0], [116.342, "slow_start", 0.5198, 28.948],
-            [123.386, "drain", 0.4349, -1.0], [155.954, "drain", 0.9577, -1.0]],
-            "every member is on a draining node, kept for the state, and they fill "
-            "max_workers: replacements start up to min_workers staying ones and take the "
-            "state over", seed=107684),
-        _named("starts-spread-off-unproven-node", replace(
-            THREE, slots=2, max_nodes=3, min_workers=2, timeout_s=5.0, commit_s=0.2,
-            late_placed_s=(0.0, 0.921)), [
-            [6.308, "kill_node", 0.9937, 0.0], [15.091, "node_kill_in_rendezvous", 0.7456, 0.0],
-            [18.383, "stuck_start", 0.0968, 0.0], [27.472, "add_node", 0.0533, 0.0],
-            [28.351, "kill_worker", 0.4369, 0.0], [34.778, "stuck_start", 0.8376, 0.0],
-            [47.081, "drain", 0.2205, -1.0]],
-            "new nodes whose workers never start: a replacement goes to a node with no start "
-            "under way before one with one, so each such node holds up one start at a time "
-            "and the job starts on the node that can", seed=150375),
-    ]
-    return {x.name: x for x in s}

@@ -64,6 +64,13 @@ class World(WorkerSide):
         self.next_start: tuple[str, float] | None = None  # a slow or stuck start fault
         # what the invariants read
         self.commits: list[tuple[float, int, int]] = []  # (time, round, step)
+        # durable checkpoints: complete ones (time, step), restores from them (time, step),
+        # storage down until, a write under way, when the last one started
+        self.durable: list[tuple[float, int]] = []
+        self.storage_restores: list[tuple[float, int]] = []
+        self.storage_down_until = -math.inf
+        self.writing = False
+        self.last_write = 0.0
         self.violations: list[str] = []
         self.finish_after: float = math.inf  # workers finish at the first commit after it
         self.phase_faults: list[tuple[str, Callable[[list[SimWorker]], None]]] = []
@@ -250,6 +257,17 @@ class World(WorkerSide):
         else:
             w.ready_at = self.now + self.rng.uniform(*(node.slow_starts or self.config.start_s))
         return w
+
+    def storage_outage(self, seconds: float) -> None:
+        """Storage refuses every write for `seconds` (the server stopped)."""
+        self.storage_down_until = max(self.storage_down_until, self.now + seconds)
+        self.trace(f"storage down for {seconds:.1f}s")
+
+    def lose_everything(self) -> None:
+        """Every worker process of the job ends at once (a whole spot pool reclaimed)."""
+        self.trace("every worker process lost")
+        for w in [w for w in self.workers if w.alive]:
+            self.process_dies(w, visible_in=0.3)
 
     def process_dies(self, w: SimWorker, visible_in: float) -> None:
         """`w`'s process ends; its driver sees the call fail `visible_in` later."""

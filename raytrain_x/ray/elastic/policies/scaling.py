@@ -40,7 +40,7 @@ class ScalingPolicy:
 
     def starts(self, usable: Mapping[str, int], members: int, pending: int,
                last_resort: Iterable[str] = (), staying: int | None = None,
-               starting: Iterable[str] = ()) -> list[str]:
+               starting: Iterable[str] = (), proven: Iterable[str] = ()) -> list[str]:
         """The nodes to start workers on (one entry per worker), up to `max_workers`
         counting those running and starting, and up to `min_workers` counting only the
         members that stay (`staying`; those on draining nodes leave, though they may stay
@@ -49,16 +49,25 @@ class ScalingPolicy:
         where a worker is still starting (`starting`), and after every
         other the `last_resort` ones (a worker lately did not start there). A node that
         cannot start workers is found out only when a start there times out: it would
-        otherwise take every start, one after the other, while others idle."""
+        otherwise take every start, one after the other, while others idle. For the same
+        reason, once some node is `proven` (a worker of the job started there), a node
+        where none has takes one start before any node takes a second: its other slots
+        come after every node's first (a job's first placement still packs nodes)."""
         room = self.settings.max_workers - members - pending
         if staying is not None:
             room = max(room, self.settings.min_workers - staying - pending)
         if room <= 0:
             return []
-        last, busy = set(last_resort), set(starting)
+        last, busy, known = set(last_resort), set(starting), set(proven)
         order = sorted(usable.items(), key=lambda item: (item[0] in last, item[0] in busy,
                                                          item[0]))
-        return [node for node, slots in order for _ in range(slots)][:room]
+        if not known:
+            return [node for node, slots in order for _ in range(slots)][:room]
+        first = [node for node, slots in order
+                 for _ in range(slots if node in known else min(slots, 1))]
+        rest = [node for node, slots in order if node not in known
+                for _ in range(slots - 1)]
+        return (first + rest)[:room]
 
     def bundles(self, staying: int, pending: int, unusable_slots: int) -> int:
         """How many worker bundles to ask the autoscaler for: room for `max_workers` while
