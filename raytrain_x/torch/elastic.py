@@ -208,7 +208,8 @@ class TorchState(ObjectState):
         for opt in optimizers:
             opt.register_step_pre_hook(lambda *_: self._order_pending())
         for module in (v for v in self._handled.values() if _kind(v) == "model"):
-            if any(True for _ in module.buffers()):
+            params = {name for name, _ in module.named_parameters(remove_duplicate=False)}
+            if any(name not in params for name in module.state_dict()):  # committed buffers
                 module.register_forward_pre_hook(lambda *_: self._order_pending())
         return True
 
