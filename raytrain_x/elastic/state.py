@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import functools
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -100,11 +101,11 @@ class State:
         if probe is None and durable is None:
             return
         ask = None
-        if self._get_rank() == 0:
-            ask = (probe() if probe is not None else None, bool(durable))
-        version, due = self._bcast_object(ask, 0, name="elastic.hosts_version")
-        if due:
-            self.write_checkpoint()
+        if self._get_rank() == 0:  # a due checkpoint gets a write id, the same on every rank
+            ask = (probe() if probe is not None else None, time.time_ns() if durable else 0)
+        version, write_id = self._bcast_object(ask, 0, name="elastic.hosts_version")
+        if write_id:
+            self.write_checkpoint(write_id)
         if probe is not None and version != runtime.rendezvous().hosts_version:
             raise HostsUpdatedInterrupt(skip_sync=False)
 
@@ -113,8 +114,9 @@ class State:
         rank 0 only); None when the state writes no durable checkpoints."""
         return None
 
-    def write_checkpoint(self) -> None:
-        """Starts writing this rank's part of the commit just taken to durable storage."""
+    def write_checkpoint(self, write_id: int) -> None:
+        """Starts writing this rank's part of the commit just taken to durable storage
+        (`write_id`: rank 0's, naming this attempt's parts)."""
 
     def save(self) -> None:
         raise NotImplementedError

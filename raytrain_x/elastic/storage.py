@@ -100,9 +100,16 @@ class CheckpointStore:
         return f"{path}/{part}" if part else path
 
     # ------------------------------------------------------------------ writing
+    def local_folder(self, number: int, part: str) -> str | None:
+        """Where a part can be written in place: storage on this machine's file system (a
+        local or shared folder); None for object stores, which take `upload`."""
+        import pyarrow.fs as pafs
+
+        return self.where(number, part) if isinstance(self.fs, pafs.LocalFileSystem) else None
+
     def upload(self, number: int, part: str, local_dir: str) -> dict[str, int]:
-        """Copies the part's files from `local_dir` and records them (`part.json`);
-        returns {file: bytes}."""
+        """Copies the part's files from `local_dir` (unless it is the part's own folder,
+        written in place) and records them (`part.json`); returns {file: bytes}."""
         import pyarrow.fs as pafs
 
         files = {}
@@ -111,9 +118,10 @@ class CheckpointStore:
                 path = os.path.join(folder, file)
                 files[os.path.relpath(path, local_dir)] = os.path.getsize(path)
         dest = self.where(number, part)
-        self.fs.create_dir(dest, recursive=True)
-        pafs.copy_files(local_dir, dest, source_filesystem=pafs.LocalFileSystem(),
-                        destination_filesystem=self.fs)
+        if os.path.abspath(local_dir) != dest:
+            self.fs.create_dir(dest, recursive=True)
+            pafs.copy_files(local_dir, dest, source_filesystem=pafs.LocalFileSystem(),
+                            destination_filesystem=self.fs)
         self._write_json(f"{self.where(number)}/{part}.json", files)
         return files
 

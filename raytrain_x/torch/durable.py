@@ -43,6 +43,17 @@ def shard_part(rank: int) -> str:
     return f"shard_{rank:05d}"
 
 
+def part_name(part: str, write_id: int) -> str:
+    """A part's folder in one write attempt: a commit's number can be written twice (after
+    a restore from storage the job commits it again), and attempts never share files."""
+    return f"{part}.{write_id}"
+
+
+def part_kind(folder: str) -> str:
+    """`common` or `shard_<rank>`: what a manifest's part folder holds."""
+    return folder.split(".")[0]
+
+
 class DurableCheckpoints:
     """A job's durable checkpoints, from one rank's side."""
 
@@ -92,7 +103,9 @@ class DurableCheckpoints:
         try:
             with tempfile.TemporaryDirectory(prefix="raytrain-x-checkpoint-") as tmp:
                 for part, tree in parts.items():
-                    local = os.path.join(tmp, part)
+                    # a folder on this machine is written in place; object stores from a
+                    # local copy
+                    local = self.store.local_folder(number, part) or os.path.join(tmp, part)
                     save(tree(), local)
                     self.store.upload(number, part, local)
             if last_writer:
@@ -184,7 +197,7 @@ def _plain_values(values: dict[str, Any]) -> dict[str, Any]:
             if isinstance(v, (int, float, str, bool)) and (not isinstance(v, str) or len(v) < 80)}
 
 
-def write_parts(durable: DurableCheckpoints, state: Any) -> None:
+def write_parts(durable: DurableCheckpoints, state: Any, write_id: int) -> None:
     """Starts writing this rank's parts of `state`'s commit just taken (a `TorchState`):
     rank 0 the common part (and the manifest, last), and with sharded optimizers each rank
     its own shard. The snapshot is held by the writer, so later commits do not reuse its
@@ -192,9 +205,9 @@ def write_parts(durable: DurableCheckpoints, state: Any) -> None:
     rank, size = runtime.rank(), runtime.size()
     snap = state.committed()
     parts: dict[str, Callable[[], Any]] = {}
-    every = [COMMON]
+    every = [part_name(COMMON, write_id)]
     if rank == 0:
-        parts[COMMON] = snap.tree
+        parts[part_name(COMMON, write_id)] = snap.tree
     commits = state._commits
     if commits is not None:
         owners = {(name, i): r for name, opt in commits.optimizers.items()
@@ -203,8 +216,8 @@ def write_parts(durable: DurableCheckpoints, state: Any) -> None:
         for (name, index), shard in commits.taken.shards.items():
             if owners.get((name, index)) == rank:
                 own.setdefault(name, {})[index] = shard
-        parts[shard_part(rank)] = lambda: {"rank": rank, "shards": own}
-        every += [shard_part(r) for r in range(size)]
+        parts[part_name(shard_part(rank), write_id)] = lambda: {"rank": rank, "shards": own}
+        every += [part_name(shard_part(r), write_id) for r in range(size)]
     if not parts:
         return
     layout = "sharded" if commits is not None else "unsharded"
@@ -235,11 +248,12 @@ def restore_from_storage(durable: DurableCheckpoints, state: Any, force: bool = 
         return False
     began = time.perf_counter()
     if rank == 0:
-        state._load_tree(durable.load(manifest, COMMON))
+        common = next(p for p in manifest.parts if part_kind(p) == COMMON)
+        state._load_tree(durable.load(manifest, common))
     commits = state._commits
     if commits is not None:
         shards: dict[str, dict[int, Any]] = {}
-        for part in sorted(p for p in manifest.parts if p != COMMON):
+        for part in sorted(p for p in manifest.parts if part_kind(p) != COMMON):
             for name, states in durable.load(manifest, part)["shards"].items():
                 shards.setdefault(name, {}).update(states)
         for name, opt in commits.optimizers.items():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -272,9 +273,9 @@ class TorchState(ObjectState):
     def checkpoint_due(self) -> bool | None:
         return None if self._durable is None else self._durable.due()
 
-    def write_checkpoint(self) -> None:
+    def write_checkpoint(self, write_id: int) -> None:
         if self._durable is not None:
-            write_parts(self._durable, self)
+            write_parts(self._durable, self, write_id)
 
     def checkpoint(self, timeout_s: float | None = None) -> None:
         """Writes the last commit to durable storage now and waits until the checkpoint is
@@ -289,7 +290,7 @@ class TorchState(ObjectState):
                               "TorchState(..., checkpoint=CheckpointConfig(storage_path=...)) "
                               "or RayExecutor(..., checkpoint=...)")
         self._durable.wait(timeout_s)  # one write at a time on each rank
-        self.write_checkpoint()
+        self.write_checkpoint(broadcast_object(time.time_ns(), 0, name="elastic.durable.id"))
         self._durable.wait(timeout_s)
         broadcast_object(None, 0, name="elastic.durable.written")  # rank 0 completed it
 
