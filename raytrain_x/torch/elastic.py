@@ -23,6 +23,7 @@ from raytrain_x.torch.functions import (
     broadcast_optimizer_state,
     broadcast_parameters,
 )
+from raytrain_x.torch.global_batch import GlobalBatch
 from raytrain_x.torch.snapshot import Snapshot, Snapshots
 from raytrain_x.torch.zero_elastic import ShardedCommits
 from raytrain_x.torch.zero_optimizer import ShardedOptimizer
@@ -360,5 +361,5 @@ class TorchState(ObjectState):
         value.load_state_dict(broadcast_object(state, root, name=f"elastic.{name}"))
 
 
-__all__ = ["CheckpointConfig", "ElasticSampler", "ObjectState", "State", "TorchState",
-           "restore_count", "run"]
+__all__ = ["CheckpointConfig", "ElasticSampler", "GlobalBatch", "ObjectState", "State",
+           "TorchState", "restore_count", "run"]
