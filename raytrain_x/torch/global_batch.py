@@ -44,8 +44,8 @@ class GlobalBatch:
                 raise ConfigError(f"GlobalBatch({name}=...) must be an int >= 1, got "
                                   f"{value!r}")
         if optimizer is not None and not hasattr(optimizer, "set_backward_passes_per_step"):
-            raise ConfigError("GlobalBatch(optimizer=...) takes a DistributedOptimizer "
-                              "without zero_stage (one with backward_passes_per_step)")
+            raise ConfigError("GlobalBatch(optimizer=...) takes a DistributedOptimizer (one "
+                              "with set_backward_passes_per_step)")
         self.global_batch_size = global_batch_size
         self.micro_batch_size = micro_batch_size
         self.optimizer = optimizer

@@ -10,14 +10,14 @@ from tests.workers import run_workers
 GLOBAL, MICRO = 8, 2
 
 
-def _steps(global_batch: int, steps: int) -> dict:
+def _steps(global_batch: int, steps: int, stage: int = 0) -> dict:
     import raytrain_x.torch as rx
 
     rx.init()
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 1)
     opt = rx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                  named_parameters=model.named_parameters())
+                                  named_parameters=model.named_parameters(), zero_stage=stage)
     gb = rx.elastic.GlobalBatch(global_batch, micro_batch_size=MICRO, optimizer=opt)
     data = torch.Generator().manual_seed(1)
     x = torch.randn(steps * gb.effective_batch_size, 3, generator=data)
@@ -36,8 +36,9 @@ def _steps(global_batch: int, steps: int) -> dict:
     return out
 
 
-def test_the_same_global_batch_trains_to_the_same_weights_at_1_2_and_4_workers():
-    runs = {n: run_workers(_steps, n, GLOBAL, 3, work_s=30)[0] for n in (1, 2, 4)}
+@pytest.mark.parametrize("stage", [0, 1])
+def test_the_same_global_batch_trains_to_the_same_weights_at_1_2_and_4_workers(stage):
+    runs = {n: run_workers(_steps, n, GLOBAL, 3, stage, work_s=30)[0] for n in (1, 2, 4)}
     assert [runs[n]["accumulation"] for n in (1, 2, 4)] == [4, 2, 1]
     for n in (2, 4):
         assert torch.allclose(runs[n]["weight"], runs[1]["weight"], atol=1e-6), n
