@@ -96,9 +96,8 @@ METRICS: tuple[Spec, ...] = (
          "given up (training went on)", RANK_TAGS, group="checkpoints"),
     Spec("checkpoint_restores", "counter", "restores from a durable checkpoint (no worker "
          "held the state in memory)", RANK_TAGS, group="checkpoints"),
-    Spec("checkpoint_seconds", "histogram", "seconds each checkpoint's write (from its start "
-         "to its manifest) or restore took, by what", (*RANK_TAGS, "what"), RECOVERY_BUCKETS,
-         group="checkpoints"),
+    Spec("checkpoint_seconds", "histogram", "seconds each checkpoint's write or restore "
+         "took, by what", (*RANK_TAGS, "what"), RECOVERY_BUCKETS, group="checkpoints"),
     Spec("checkpoint_commit", "gauge", "the commit number of the last checkpoint written, "
          "or restored, by what", (*RANK_TAGS, "what"), group="checkpoints"),
     # the job, from the driver
