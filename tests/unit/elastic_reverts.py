@@ -195,3 +195,14 @@ def unproven_nodes_filled(mp) -> None:
 
 
 REVERTS["starts-one-per-unproven-node"] = unproven_nodes_filled
+
+
+def last_resorts_by_id(mp) -> None:
+    """Last-resort nodes were taken in node id order: two that kept failing starved one
+    whose only failure was long ago."""
+    last = worker_starts.last_resort_nodes
+    mp.setattr(worker_starts, "last_resort_nodes",
+               lambda gave_up, started: set(last(gave_up, started)))
+
+
+REVERTS["last-resorts-take-turns"] = last_resorts_by_id

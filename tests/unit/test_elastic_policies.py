@@ -509,10 +509,18 @@ def test_a_node_where_a_worker_did_not_start_is_a_last_resort_until_one_does():
                (50.0, "n2", "it did not start within start_timeout_s=30s")]
     # n1 failed long ago and has not started a worker since: still a last resort;
     # n2 started one at 20 s, then failed again at 50 s
-    assert last_resort_nodes(gave_up, started=[(20.0, "n2")]) == {"n1", "n2"}
+    assert last_resort_nodes(gave_up, started=[(20.0, "n2")]) == {"n1": 10.0, "n2": 50.0}
     assert last_resort_nodes(gave_up, started=[(20.0, "n2"), (60.0, "n2"),
-                                               (11.0, "n1")]) == set()
-    assert last_resort_nodes([], started=[]) == set()
+                                               (11.0, "n1")]) == {}
+    assert last_resort_nodes([], started=[]) == {}
+
+
+def test_the_last_resort_given_up_on_longest_ago_goes_first():
+    policy = ScalingPolicy(settings(min_workers=2, max_workers=3))
+    usable = {"n4": 1, "n7": 1, "n9": 1}
+    # n4 and n7 keep failing (their starts never end); n9 failed once, long ago
+    assert policy.starts(usable, 1, 0, last_resort={"n4": 208.0, "n7": 220.0,
+                                                     "n9": 111.0}) == ["n9", "n4"]
 
 
 def test_the_state_is_lost_once_no_staying_worker_holds_it():

@@ -199,6 +199,27 @@ def scenarios() -> dict[str, Schedule]:
             "whose starts never end, then to another: ElasticTimeout with a free node "
             "never tried. A node no worker started on takes one start before any takes a "
             "second", seed=129),
+        _named("last-resorts-take-turns", replace(
+            THREE, nodes=5, max_nodes=8, min_workers=2, commit_s=1.0,
+            late_placed_s=(0.0, 0.8757), checkpoint_every_s=5.0, storage_write_s=(0.1, 2.228)),
+            [[3.286, "stuck_start", 0.5066, 0.0], [5.163, "drain_kill", 0.2663, 1.254],
+             [9.229, "add_node", 0.3331, 0.0], [11.581, "kill_node", 0.684, 0.0],
+             [21.357, "drain_in_rendezvous", 0.5778, 1.35],
+             [42.243, "drain_in_rendezvous", 0.9056, 2.234],
+             [43.536, "stuck_start", 0.5808, 0.0], [60.073, "add_node", 0.479, 0.0],
+             [62.7, "drain_kill", 0.2934, 2.455], [72.161, "kill_in_commit", 0.8427, 0.0],
+             [75.111, "kill_worker", 0.8461, 0.0], [81.495, "drain_kill", 0.6156, 0.791],
+             [90.222, "kill_worker", 0.4157, 0.0], [91.871, "partition", 0.258, 32.059],
+             [93.28, "kill_worker", 0.5234, 0.0], [99.118, "kill_in_rendezvous", 0.3409, 0.0],
+             [106.592, "kill_in_commit", 0.9153, 0.0], [110.971, "lose_everything", 0.0, 0.0],
+             [111.259, "kill_in_sync", 0.3766, 0.0], [114.88, "kill_in_sync", 0.6733, 0.0],
+             [122.894, "drain", 0.9847, 1.807], [136.451, "kill_in_commit", 0.7639, 0.0],
+             [139.296, "add_node", 0.2953, 0.0], [139.907, "kill_in_sync", 0.3565, 0.0],
+             [145.515, "node_kill_in_rendezvous", 0.6032, 0.0]],
+            "two nodes whose starts never end and a third whose one start died with every "
+            "worker at once: the last resorts took turns in node id order and the third "
+            "was never tried again. The one given up on longest ago goes first",
+            seed=23891),
     ]
     return {x.name: x for x in [*s, *durable_scenarios()]}
 

@@ -39,7 +39,8 @@ class ScalingPolicy:
                 and not blacklist.is_blacklisted(h)}
 
     def starts(self, usable: Mapping[str, int], members: int, pending: int,
-               last_resort: Iterable[str] = (), staying: int | None = None,
+               last_resort: Iterable[str] | Mapping[str, float] = (),
+               staying: int | None = None,
                starting: Iterable[str] = (), proven: Iterable[str] = ()) -> list[str]:
         """The nodes to start workers on (one entry per worker), up to `max_workers`
         counting those running and starting, and up to `min_workers` counting only the
@@ -47,7 +48,9 @@ class ScalingPolicy:
         a while holding the state: with `max_workers` all on draining nodes, nothing would
         start to take it over). Nodes in id order, each filled in turn; after them those
         where a worker is still starting (`starting`), and after every
-        other the `last_resort` ones (a worker lately did not start there). A node that
+        other the `last_resort` ones (a worker lately did not start there; given as node ->
+        the last give-up's time, the oldest first: a node whose only failure was long ago
+        is not starved by two that keep failing). A node that
         cannot start workers is found out only when a start there times out: it would
         otherwise take every start, one after the other, while others idle. For the same
         reason, once some node is `proven` (a worker of the job started there), a node
@@ -58,9 +61,11 @@ class ScalingPolicy:
             room = max(room, self.settings.min_workers - staying - pending)
         if room <= 0:
             return []
-        last, busy, known = set(last_resort), set(starting), set(proven)
-        order = sorted(usable.items(), key=lambda item: (item[0] in last, item[0] in busy,
-                                                         item[0]))
+        last = dict(last_resort) if isinstance(last_resort, Mapping) else \
+            dict.fromkeys(last_resort, 0.0)
+        busy, known = set(starting), set(proven)
+        order = sorted(usable.items(), key=lambda item: (
+            item[0] in last, item[0] in busy, last.get(item[0], 0.0), item[0]))
         if not known:
             return [node for node, slots in order for _ in range(slots)][:room]
         first = [node for node, slots in order
@@ -115,18 +120,22 @@ class ScalingPolicy:
 
 
 def last_resort_nodes(gave_up: Iterable[tuple[float, str, str]],
-                      started: Iterable[tuple[float, str]]) -> set[str]:
+                      started: Iterable[tuple[float, str]]) -> dict[str, float]:
     """The nodes to start workers on only after every other (`ScalingPolicy.starts`): those
     where the driver gave up on a starting worker (`gave_up`: time, node, why) since a
     worker last started there (`started`: time, node). A node whose workers never start
     within `start_timeout_s` stays one until one does: forgotten after a while, it would
     take every start again, each costing the timeout, while a node that can start them
-    idles."""
+    idles. Each with the time of its last give-up: among them, the one given up on
+    longest ago goes first, so every one gets its turn."""
     last_start: dict[str, float] = {}
     for at, node in started:
         last_start[node] = max(at, last_start.get(node, at))
-    return {node for at, node, why in gave_up
-            if "start" in why and at > last_start.get(node, float("-inf"))}
+    out: dict[str, float] = {}
+    for at, node, why in gave_up:
+        if "start" in why and at > last_start.get(node, float("-inf")):
+            out[node] = max(at, out.get(node, at))
+    return out
 
 
 class MinimumWatch:
