@@ -327,3 +327,25 @@ def drive_worlds(hosts: int, per_host: list[int], out: str,
             Path(out).write_text(json.dumps(done))
     finally:
         ray.shutdown()
+
+
+def report_slowest(queue: Any, out: dict[str, float], rank: int, size: int) -> None:
+    """Rank 0 puts each of `out`'s values at its largest over the ranks (the slower rank's
+    step time, the larger peak) on the queue. Needs torch.distributed's default group."""
+    import torch.distributed as dist
+
+    every: list[Any] = [None] * size
+    dist.all_gather_object(every, out)
+    if rank == 0:
+        queue.put({k: max(o[k] for o in every) for k in out})
+
+
+def lm_step(model: Any, optimizer: Any, ids: Any, targets: Any) -> None:
+    """One training step of a language model: next-token cross entropy, backward, step."""
+    import torch
+
+    optimizer.zero_grad()
+    logits = model(ids)
+    torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                      targets.reshape(-1)).backward()
+    optimizer.step()

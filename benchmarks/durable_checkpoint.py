@@ -21,7 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from common import join_world, print_table, run_ranks, write_json
+from common import join_world, lm_step, print_table, run_ranks, write_json
 
 WAYS = ("none", "durable")
 
@@ -44,11 +44,7 @@ def _worker(rank: int, size: int, port: int, way: str, storage: str, args, queue
     state = rx.elastic.TorchState(model, opt, checkpoint=config, step=0)
 
     def train_step() -> None:
-        opt.zero_grad()
-        logits = model(ids)
-        torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                          targets.reshape(-1)).backward()
-        opt.step()
+        lm_step(model, opt, ids, targets)
         state.step += 1
         state.commit()
 

@@ -28,7 +28,15 @@ import time
 import torch
 import torch.distributed as dist
 
-from common import join_world, median_across_ranks, print_table, run_ranks, write_json
+from common import (
+    join_world,
+    lm_step,
+    median_across_ranks,
+    print_table,
+    report_slowest,
+    run_ranks,
+    write_json,
+)
 
 WAYS = ("none", "deepcopy", "host")
 
@@ -78,11 +86,7 @@ def _worker(rank: int, size: int, port: int, stage: int, way: str, args, queue) 
             torch.cuda.synchronize()
 
     def train_step() -> None:
-        opt.zero_grad()
-        logits = model(ids)
-        torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                          targets.reshape(-1)).backward()
-        opt.step()
+        lm_step(model, opt, ids, targets)
         if state is not None:
             state.step += 1
             state.commit()
@@ -115,10 +119,7 @@ def _worker(rank: int, size: int, port: int, stage: int, way: str, args, queue) 
             resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     out = {"step_s": step_s, "peak_mb": peak,
            "commit_ms": statistics.median(commit_ms) if commit_ms else 0.0}
-    every = [None] * size
-    dist.all_gather_object(every, out)
-    if rank == 0:
-        queue.put({k: max(o[k] for o in every) for k in out})
+    report_slowest(queue, out, rank, size)
     rx.shutdown()
     dist.destroy_process_group()
 

@@ -29,7 +29,14 @@ import time
 import torch
 import torch.distributed as dist
 
-from common import join_world, median_across_ranks, print_table, run_ranks, write_json
+from common import (
+    join_world,
+    median_across_ranks,
+    print_table,
+    report_slowest,
+    run_ranks,
+    write_json,
+)
 
 
 def _state_bytes(optimizer) -> int:
@@ -121,10 +128,7 @@ def _worker(rank: int, size: int, port: int, way: str, args, queue) -> None:
     out = {"step_s": seconds, "state_bytes": _state_bytes(opt),
            "grad_bytes": _grad_bytes(model, opt), "peak_mb": peak,
            **{f"{k} ms": 1000 * statistics.median(v) for k, v in phases.items() if v}}
-    every = [None] * size
-    dist.all_gather_object(every, out)
-    if rank == 0:
-        queue.put({k: max(o[k] for o in every) for k in out})
+    report_slowest(queue, out, rank, size)
     rx.shutdown()
     dist.destroy_process_group()
 
