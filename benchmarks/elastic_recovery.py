@@ -480,6 +480,13 @@ def measure_storage(tmp: Path, way: str) -> float:
     return _first_step_after(progress, lost)
 
 
+def _print_medians(runs: dict[str, list[float]], way: str, value: str) -> dict[str, float]:
+    """Each way's median, printed as a table of two columns named `way` and `value`."""
+    medians = {k: statistics.median(v) for k, v in runs.items()}
+    print_table([{way: k, value: v} for k, v in medians.items()], [way, value])
+    return medians
+
+
 def _storage_recovery(args) -> None:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False,
@@ -494,9 +501,7 @@ def _storage_recovery(args) -> None:
                   f"TorchTrainer {runs['torch_trainer'][-1]:.2f}s", flush=True)
     finally:
         ray.shutdown()
-    medians = {k: statistics.median(v) for k, v in runs.items()}
-    print_table([{"whole job lost": k, "median s (loss -> first step)": v}
-                 for k, v in medians.items()], ["whole job lost", "median s (loss -> first step)"])
+    medians = _print_medians(runs, "whole job lost", "median s (loss -> first step)")
     ratio = medians["durable"] / medians["torch_trainer"]
     print(f"durable / TorchTrainer: {ratio:.2f}x")
     payload = {"runs": runs, "medians": medians, "durable_over_torch_trainer": ratio}
@@ -538,9 +543,7 @@ def main() -> None:
             results["checkpoint"].append(measure_checkpoint(Path(tmp)))
         print(f"repeat {i + 1}/{args.repeats}: elastic {results['elastic'][-1]:.2f}s, "
               f"restart from checkpoint {results['checkpoint'][-1]:.2f}s", flush=True)
-    medians = {k: statistics.median(v) for k, v in results.items()}
-    print_table([{"recovery": k, "median s (kill -> first step)": v}
-                 for k, v in medians.items()], ["recovery", "median s (kill -> first step)"])
+    medians = _print_medians(results, "recovery", "median s (kill -> first step)")
     ratio = medians["checkpoint"] / medians["elastic"]
     print(f"restart-from-checkpoint / elastic: {ratio:.1f}x")
     payload = {"runs": results, "medians": medians, "checkpoint_over_elastic": ratio}

@@ -20,7 +20,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -169,26 +169,22 @@ class CheckpointStore:
     # ------------------------------------------------------------------ reading
     def checkpoints(self, warn: bool = False) -> list[Manifest]:
         """The complete checkpoints, newest first. With `warn`, each folder skipped (no
-        manifest, or a listed file missing or of another size) is logged once."""
-        found = []
-        for number in sorted(self._numbers(), reverse=True):
-            manifest, why = self._check(number)
-            if manifest is not None:
-                found.append(manifest)
-            elif warn:
-                log.warning("raytrain-x checkpoint: skipping %s: %s", self.where(number), why)
-        return found
+        manifest, or a listed file missing or of another size) is logged."""
+        return list(self._complete(warn))
 
     def latest(self, warn: bool = True) -> Manifest | None:
         """The newest complete checkpoint (the ones after it that are not, skipped)."""
+        return next(self._complete(warn), None)
+
+    def _complete(self, warn: bool) -> Iterator[Manifest]:
+        """The complete checkpoints, newest first, each checked only when asked for."""
         for number in sorted(self._numbers(), reverse=True):
             manifest, why = self._check(number)
             if manifest is not None:
-                return manifest
-            if warn:
+                yield manifest
+            elif warn:
                 log.warning("raytrain-x checkpoint: skipping %s: %s; trying the one before",
                             self.where(number), why)
-        return None
 
     def download(self, manifest: Manifest, part: str, local_dir: str) -> str:
         """Copies a part's files into `local_dir/part`; returns that folder."""

@@ -28,6 +28,7 @@ from raytrain_x.common.checkpoint_config import CheckpointConfig
 from raytrain_x.core import runtime, status
 from raytrain_x.core.objects import allgather_object
 from raytrain_x.elastic.storage import CheckpointStore, Manifest
+from raytrain_x.torch.snapshot import map_paths
 
 log = logging.getLogger("raytrain_x.elastic")
 
@@ -143,16 +144,10 @@ class DurableCheckpoints:
 _AT = "__raytrain_x_tensor_at__"  # a skeleton's placeholder: where the tensor sits
 
 
-def _skeleton(tree: Any, path: tuple[Any, ...] = ()) -> Any:
+def _skeleton(tree: Any) -> Any:
     """The tree with each tensor replaced by its path: the tree's exact shape, which DCP
     does not keep (it drops empty containers and turns keys into strings)."""
-    if isinstance(tree, torch.Tensor):
-        return {_AT: list(path)}
-    if isinstance(tree, dict):
-        return {k: _skeleton(v, (*path, k)) for k, v in tree.items()}
-    if type(tree) in (list, tuple):
-        return type(tree)(_skeleton(v, (*path, i)) for i, v in enumerate(tree))
-    return tree
+    return map_paths(tree, (), lambda path, _: {_AT: list(path)})
 
 
 def _filled(skeleton: Any, saved: Any) -> Any:

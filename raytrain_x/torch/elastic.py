@@ -304,9 +304,7 @@ class TorchState(ObjectState):
         self._save_handled()
 
     def restore(self) -> None:
-        if self._commits is not None:  # the shards come back at the next round's sync
-            self._load(self._commits.taken.copies)
-            return
+        # a sharded optimizer's shards come back at the next round's sync
         self._load(self.committed())
 
     def sync(self) -> None:

@@ -110,7 +110,7 @@ class Snapshots:
                 buf.copy_(src)
             return buf
 
-        out = _map_paths(tree, (), host_copy)
+        out = map_paths(tree, (), host_copy)
         event = self._copy_from_devices(cuda, order) if cuda else None
         nbytes = sum(b.numel() * b.element_size() for b in used.values())
         snap = Snapshot(out, event, nbytes)
@@ -149,13 +149,15 @@ def _container(tree: Any, items: Any) -> Any:
     return out
 
 
-def _map_paths(tree: Any, path: Path, fn: Callable[[Path, torch.Tensor], torch.Tensor]) -> Any:
+def map_paths(tree: Any, path: Path, fn: Callable[[Path, torch.Tensor], Any]) -> Any:
+    """`tree` with each dense tensor replaced by `fn(its path, it)` (other leaves
+    deep-copied; dicts keep their kind and a `state_dict`'s `_metadata`)."""
     if _plain(tree):
         return fn(path, tree)
     if isinstance(tree, dict):
-        return _container(tree, ((k, _map_paths(v, (*path, k), fn)) for k, v in tree.items()))
+        return _container(tree, ((k, map_paths(v, (*path, k), fn)) for k, v in tree.items()))
     if type(tree) in (list, tuple):
-        return type(tree)(_map_paths(v, (*path, i), fn) for i, v in enumerate(tree))
+        return type(tree)(map_paths(v, (*path, i), fn) for i, v in enumerate(tree))
     return copy.deepcopy(tree)
 
 
