@@ -34,7 +34,8 @@ _fixed_knobs: frozenset[str] = frozenset()
 _sampler: AutotuneSampler | None = None
 AdvisorFactory = Callable[[AutotuneConfig, Knobs, frozenset], Advisor]
 _advisor_factory: AdvisorFactory | None = None
-_host_update_probe: Callable[[], int] | None = None
+# rank 0's probe at each commit: (the host-set version, whether a durable checkpoint is asked)
+_host_update_probe: Callable[[], tuple[int, bool]] | None = None
 _batch_size: int | None = None
 _batching: set[str] = set()
 # This process's latest sampler: it stays the record of the tuning when a reset makes no new
@@ -77,13 +78,14 @@ def batch_size() -> int | None:
     return _batch_size
 
 
-def set_host_update_probe(probe: Callable[[], int] | None) -> None:
-    """Installs how rank 0 reads the elastic driver's host-set version."""
+def set_host_update_probe(probe: Callable[[], tuple[int, bool]] | None) -> None:
+    """Installs how rank 0 reads the elastic driver's host-set version and whether the
+    driver asks for a durable checkpoint of this commit."""
     global _host_update_probe
     _host_update_probe = probe
 
 
-def host_update_probe() -> Callable[[], int] | None:
+def host_update_probe() -> Callable[[], tuple[int, bool]] | None:
     return _host_update_probe
 
 

@@ -95,14 +95,17 @@ class State:
         """Raises `HostsUpdatedInterrupt` when the driver has new hosts for this job. Rank 0
         asks and broadcasts the answer, so every rank raises at the same commit. With
         durable checkpoints, rank 0's answer also says whether this commit is written to
-        storage, and every rank writes its part of it first."""
+        storage (it is due, or the driver asked for it), and every rank writes its part of it
+        first."""
         probe = runtime.host_update_probe()
-        durable = self.checkpoint_due()  # None on every rank, or a bool on every rank
-        if probe is None and durable is None:
+        if probe is None and self.checkpoint_due() is None:  # the same on every rank
             return
         ask = None
         if self._get_rank() == 0:  # a due checkpoint gets a write id, the same on every rank
-            ask = (probe() if probe is not None else None, time.time_ns() if durable else 0)
+            version, asked = probe() if probe is not None else (None, False)
+            if asked:
+                self.ask_checkpoint()
+            ask = (version, time.time_ns() if self.checkpoint_due() else 0)
         version, write_id = self._bcast_object(ask, 0, name="elastic.hosts_version")
         if write_id:
             self.write_checkpoint(write_id)
@@ -113,6 +116,14 @@ class State:
         """Whether the commit being taken is due to be written to durable storage (asked on
         rank 0 only); None when the state writes no durable checkpoints."""
         return None
+
+    def ask_checkpoint(self) -> None:
+        """The driver asks for a durable checkpoint of this commit (every holder of the
+        state is draining): it is due at once, or as soon as the write under way ends."""
+
+    def finish_writes(self) -> None:
+        """Waits for this rank's durable write under way, if any (before leaving the job),
+        up to the checkpoint's `write_timeout_s`."""
 
     def write_checkpoint(self, write_id: int) -> None:
         """Starts writing this rank's part of the commit just taken to durable storage
@@ -180,7 +191,13 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
         while True:
             try:  # a peer may die during the reset and the sync too: same recovery
                 if reset_required:
-                    world.reset()
+                    try:
+                        world.reset()
+                    except (InternalError, HostsUpdatedInterrupt):
+                        raise
+                    except BaseException:  # it leaves the job (a drain) or the job stopped
+                        state.finish_writes()
+                        raise
                     state.on_reset()
                 if not skip_sync or (reset_required and state.syncs_after_every_reset()):
                     state.sync()

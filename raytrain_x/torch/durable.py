@@ -66,6 +66,7 @@ class DurableCheckpoints:
         self._thread: threading.Thread | None = None
         self._last_start = clock()  # the first checkpoint comes every_s after the start
         self.number = 0  # the job's commits, counted over its whole life (synced)
+        self._asked = False  # the driver asked for one (a drain of every holder)
 
     def busy(self) -> bool:
         """A write of this rank is still under way."""
@@ -73,7 +74,12 @@ class DurableCheckpoints:
 
     def due(self) -> bool:
         """Whether the commit being taken should be written (rank 0 decides for all)."""
-        return not self.busy() and self._clock() - self._last_start >= self.config.every_s
+        return not self.busy() and (
+            self._asked or self._clock() - self._last_start >= self.config.every_s)
+
+    def ask(self) -> None:
+        """Makes the next commit due, or the first one after the write under way."""
+        self._asked = True
 
     def write(self, parts: dict[str, Callable[[], Any]], last_writer: bool,
               every_part: list[str], world_size: int, values: dict[str, Any],
@@ -85,7 +91,7 @@ class DurableCheckpoints:
             log.warning("raytrain-x checkpoint: the write before checkpoint %d is still "
                         "under way on this rank; skipping this one", self.number)
             return
-        self._last_start = self._clock()
+        self._last_start, self._asked = self._clock(), False
         manifest = Manifest(self.number, {}, world_size, values, 0.0, info)
         self._thread = threading.Thread(target=self._write,
                                         args=(manifest, parts, last_writer, every_part),

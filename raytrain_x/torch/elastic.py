@@ -274,6 +274,14 @@ class TorchState(ObjectState):
     def checkpoint_due(self) -> bool | None:
         return None if self._durable is None else self._durable.due()
 
+    def ask_checkpoint(self) -> None:
+        if self._durable is not None:
+            self._durable.ask()
+
+    def finish_writes(self) -> None:
+        if self._durable is not None:
+            self._durable.wait(self._durable.config.write_timeout_s)
+
     def write_checkpoint(self, write_id: int) -> None:
         if self._durable is not None:
             write_parts(self._durable, self, write_id)

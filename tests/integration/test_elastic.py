@@ -23,6 +23,7 @@ from raytrain_x.ray import RayExecutor
 from raytrain_x.ray.elastic import pool as worker_pool
 from raytrain_x.ray.placement import stable_node_strategy
 from raytrain_x.ray.worker import WORKER_OPTIONS, WorkerActor
+from raytrain_x.testing import drain_node
 from raytrain_x.testing.jobs.ledger import ledger_errors, read_progress
 from tests.conftest import ELASTIC_RESOURCE
 from tests.limits import limit, wait_until
@@ -366,6 +367,45 @@ def test_losing_every_worker_with_durable_checkpoints_resumes_from_the_latest(
     assert len(restored) == 1 and "restore" in restored[0]["reason"], executor.elastic_history
     assert restored[0]["restored_from"]["number"] is not None
     assert all(r["restores_from_storage"] == 1 for r in results), results
+
+
+def test_a_drain_of_the_whole_pool_writes_a_checkpoint_before_the_workers_go(
+        cluster, elastic_nodes, tmp_path):
+    """A spot notice for the whole pool (both nodes drain at once, 60 s deadline) with the
+    periodic checkpoint an hour away: rank 0 writes one at its next commit. The nodes then
+    go (as at the deadline); the job restores that checkpoint on a fresh node and finishes
+    with every step once."""
+    nodes = elastic_nodes(2, rtx_spot_pool=1)  # drained: removed after the test
+    config = CheckpointConfig(str(tmp_path / "checkpoints"), name="job", every_s=3600)
+    executor = _executor(1, 2, cooldown_range=(1.0, 1.0), checkpoint=config)
+    progress, stop = tmp_path / "progress", tmp_path / "stop"
+    store = CheckpointStore(config)
+    job = _Job(executor, None, 0.05, None, str(progress), 0, str(stop), fn=_until_stopped)
+    try:
+        job.wait_until(lambda: job.trained(progress, 5, 2), "5 steps with 2 workers")
+        for node in nodes:
+            drain_node(cluster.address, node.node_id, deadline_s=60)
+        job.wait_until(lambda: store.latest() is not None,
+                       "the durable checkpoint the drain asks for")
+        written = store.latest()
+        assert written.number >= 5 and written.world_size == 2, written
+        events = executor.last_elastic_job.log.of("checkpoint_asked")
+        assert len(events) == 1, executor.last_elastic_job.events
+        for node in nodes:  # the deadline: the pool is gone
+            cluster.remove_node(node)
+        elastic_nodes(1)
+        job.wait_until(lambda: any(e["restored_from"] for e in executor.elastic_history),
+                       "a round restoring from storage", work_s=60)
+        job.wait_until(lambda: job.trained(progress, written.number + 55, 1),
+                       "55 steps past the checkpoint on the fresh node (an epoch)")
+        stop.touch()
+        results = job.join()
+    finally:
+        stop.touch()
+        executor.shutdown()
+    restored = [e["restored_from"] for e in executor.elastic_history if e["restored_from"]]
+    assert [r["number"] for r in restored] == [written.number], executor.elastic_history
+    _check_committed_history(results, results[0]["step"])
 
 
 def test_losing_both_copies_of_a_shard_stops_the_job_naming_it(elastic_nodes, tmp_path):

@@ -206,3 +206,38 @@ def last_resorts_by_id(mp) -> None:
 
 
 REVERTS["last-resorts-take-turns"] = last_resorts_by_id
+
+
+def starts_never_hedged(mp) -> None:
+    """Below min_workers, starts that hung or were slow held the job's whole room until
+    start_timeout_s."""
+    mp.setattr(policies.ScalingPolicy, "stale", lambda self, pending, now: [])
+
+
+REVERTS["hedged-start-below-minimum"] = starts_never_hedged
+
+
+def unhedged(revert):
+    """`revert`, with no hedged starts either. Where starts go (these fixes) and hedging a
+    start that waits too long are two defences against the same loss, a job below
+    min_workers whose starts hang: each alone keeps these scenarios' jobs, so each is
+    shown on them with the other off."""
+    def both(mp) -> None:
+        revert(mp)
+        starts_never_hedged(mp)
+    both.__doc__ = revert.__doc__
+    return both
+
+
+for _name in ("slow-node-last-resort", "slow-node-not-forgotten",
+              "starts-one-per-unproven-node", "last-resorts-take-turns"):
+    REVERTS[_name] = unhedged(REVERTS[_name])
+
+
+def pool_drain_not_written(mp) -> None:
+    """A drain of every holder asked for no checkpoint: the job restored the last periodic
+    one."""
+    mp.setattr(drain_watch, "asks_checkpoint", lambda *args: False)
+
+
+REVERTS["durable-whole-pool-drain"] = pool_drain_not_written

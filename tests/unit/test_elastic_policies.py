@@ -14,6 +14,7 @@ from raytrain_x.common.errors import ConfigError, ElasticTimeout, ResetLimitExce
 from raytrain_x.ray.elastic.blacklist import Blacklist
 from raytrain_x.ray.elastic.events import EventLog
 from raytrain_x.ray.elastic.policies import (
+    DrainNotice,
     FailurePolicy,
     Heartbeats,
     MemberView,
@@ -22,6 +23,7 @@ from raytrain_x.ray.elastic.policies import (
     ScalingPolicy,
     StragglerRule,
     abandons_forming_round,
+    asks_checkpoint,
     decide_round,
     drain_line,
     elastic_timeout_error,
@@ -488,6 +490,48 @@ def test_a_node_no_worker_started_on_takes_one_start_before_any_takes_a_second()
     # a proven node is filled as before
     assert policy.starts(usable, members=0, pending=0, proven={"n4"}) == \
         ["n3", "n4", "n4", "n5"]
+
+
+def test_a_drain_of_every_holder_asks_for_a_durable_checkpoint():
+    nodes = {"w0": "n1", "w1": "n2", "w2": "n3"}
+    pool = DrainNotice(new={"n1": 60.0, "n2": 60.0}, leaving={"n1": 1, "n2": 1})
+    # every holder drains: asked, only with durable checkpoints
+    assert asks_checkpoint(pool, ["w0", "w1"], nodes, {"n1", "n2"}, durable=True)
+    assert not asks_checkpoint(pool, ["w0", "w1"], nodes, {"n1", "n2"}, durable=False)
+    # a holder stays (its node does not drain): it keeps the state, nothing to write
+    assert not asks_checkpoint(pool, ["w0", "w1", "w2"], nodes, {"n1", "n2"}, durable=True)
+    # the last holder's node drains after the others did: this notice asks
+    last = DrainNotice(new={"n3": 60.0}, leaving={"n3": 1})
+    assert asks_checkpoint(last, ["w0", "w2"], nodes, {"n1", "n3"}, durable=True)
+    # a drain of nodes that hold nothing asks nothing; nor does a job that never committed
+    other = DrainNotice(new={"n3": 60.0}, leaving={"n3": 1})
+    assert not asks_checkpoint(other, ["w0"], nodes, {"n1", "n3"}, durable=True)
+    assert not asks_checkpoint(pool, None, nodes, {"n1", "n2"}, durable=True)
+
+
+def test_below_min_workers_a_start_waiting_past_half_its_timeout_is_hedged():
+    policy = ScalingPolicy(settings(min_workers=2, max_workers=3, start_timeout_s=30.0))
+    assert policy.hedge_after_s == 15.0
+    pending = [PendingView("hung", "n2", 0.0), PendingView("slow", "n3", 5.0),
+               PendingView("new", "n5", 18.0)]
+    assert [p.key for p in policy.stale(pending, now=21.0)] == ["hung", "slow"]
+    usable = {"n4": 1}
+    # one worker stays and two start: max_workers is full, min_workers is not yet met
+    assert policy.starts(usable, members=1, pending=2, staying=1) == []
+    # both starts waited past 15 s: they no longer count toward min_workers
+    assert policy.starts(usable, members=1, pending=2, staying=1, stale=2) == ["n4"]
+    # at min_workers there is nothing to hedge
+    assert policy.starts(usable, members=2, pending=1, staying=2, stale=1) == []
+
+
+def test_once_hedges_joined_the_oldest_stale_starts_past_max_workers_are_given_up():
+    policy = ScalingPolicy(settings(min_workers=2, max_workers=3, start_timeout_s=30.0))
+    pending = [PendingView("slow", "n3", 5.0), PendingView("hung", "n2", 0.0)]
+    # the hedge joined: 2 stay, 2 still starting, one too many for max_workers=3
+    assert [p.key for p in policy.surplus(pending, staying=2, now=21.0)] == ["hung"]
+    assert policy.surplus(pending, staying=1, now=21.0) == []
+    # a start not yet stale is never given up on for this
+    assert policy.surplus(pending, staying=3, now=10.0) == []
 
 
 def test_members_on_draining_nodes_do_not_hold_back_min_workers_staying_ones():

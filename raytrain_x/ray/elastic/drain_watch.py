@@ -13,6 +13,7 @@ from raytrain_x.ray.elastic.member_watch import MemberWatch
 from raytrain_x.ray.elastic.policies import (
     DrainNotice,
     abandons_forming_round,
+    asks_checkpoint,
     drain_line,
     held_back,
     notice_drains,
@@ -48,11 +49,25 @@ class DrainWatch:
         for node, workers in notice.leaving.items():
             progress.info("raytrain-x elastic: %s",
                           drain_line(node, notice.new[node], ctx.parts.wall_clock(), workers))
+        self._ask_checkpoint(notice)
         if notice.interrupt:
             ctx.log.note("drain")
             ctx.needs_round = True
             ctx.rounds_client.bump_hosts()
             self._abandon_forming_round(notice)
+
+    def _ask_checkpoint(self, notice: DrainNotice) -> None:
+        """Every holder of the state is now draining: rank 0 writes a durable checkpoint at
+        its next commit (asked before the hosts change, so that commit writes it)."""
+        ctx = self.ctx
+        nodes = {w: m.node for w, m in ctx.members.items()}
+        if not asks_checkpoint(notice, self.members.holders(), nodes, ctx.draining,
+                               ctx.settings.checkpoint is not None):
+            return
+        ctx.rounds_client.ask_checkpoint()
+        ctx.log.add("checkpoint_asked", "", nodes=sorted(notice.new))
+        progress.info("raytrain-x elastic: every worker holding the state is on a draining "
+                      "node; rank 0 writes a durable checkpoint at its next commit")
 
     def _abandon_forming_round(self, notice: DrainNotice) -> None:
         """A member of the round still forming is on a draining node: the round is given

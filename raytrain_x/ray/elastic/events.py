@@ -12,7 +12,7 @@ from typing import Any
 from raytrain_x.ray.elastic.history import RoundHistory
 
 KINDS = ("place", "start", "gave_up", "failure", "lost_draining", "left", "drain",
-         "abandoned", "scale_up", "round", "restore_storage")
+         "abandoned", "scale_up", "round", "restore_storage", "checkpoint_asked")
 
 
 @dataclass(frozen=True)

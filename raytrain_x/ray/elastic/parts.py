@@ -51,6 +51,9 @@ class RoundsClient:
     def bump_hosts(self) -> int:
         return self._get("bump_hosts")
 
+    def ask_checkpoint(self) -> None:
+        self._get("ask_checkpoint")
+
     def fail(self, message: str) -> None:
         self._get("fail", message, timeout=5)
 

@@ -23,6 +23,7 @@ class ElasticRounds:
         self._error: str | None = None
         self._committed_round = 0  # the last round rank 0 committed in (rounds count from 1)
         self._state_rounds: dict[str, int] = {}  # worker -> the round of the state it holds
+        self._checkpoint_asked = False  # the driver wants the next commit written durably
 
     async def join(self, worker_id: str, state_round: int = 0) -> dict[str, Any]:
         """Blocks until the driver puts this worker in a round; returns its place.
@@ -59,11 +60,17 @@ class ElasticRounds:
     async def hosts_version(self) -> int:
         return self._hosts_version
 
-    async def commit(self, round_id: int) -> int:
+    async def ask_checkpoint(self) -> None:
+        """Rank 0 writes its next commit to durable storage (a drain of every holder)."""
+        self._checkpoint_asked = True
+
+    async def commit(self, round_id: int) -> tuple[int, bool]:
         """Rank 0 committed in round `round_id`: the job has progress to lose, and that
-        round has formed. Returns the host-set version, which it checks at each commit."""
+        round has formed. Returns the host-set version, which it checks at each commit,
+        and whether the driver asked for a durable checkpoint (told once)."""
         self._committed_round = max(self._committed_round, round_id)
-        return self._hosts_version
+        asked, self._checkpoint_asked = self._checkpoint_asked, False
+        return self._hosts_version, asked
 
     async def committed_round(self) -> int:
         """The last round rank 0 committed in (0: none yet); a later round is still

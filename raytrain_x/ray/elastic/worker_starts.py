@@ -53,9 +53,10 @@ class WorkerStarts:
         slow = last_resort_nodes(ctx.log.gave_up, [(e.time, e.host) for e in ctx.log.of("start")])
         starting = {p.node for p in ctx.pending.values()}
         proven = {e.host for e in ctx.log.of("start")}
+        stale = self.scaling.stale([p.view() for p in ctx.pending.values()], ctx.clock())
         for node in self.scaling.starts(usable, len(ctx.members), len(ctx.pending), slow,
                                         staying=len(ctx.staying()), starting=starting,
-                                        proven=proven):
+                                        proven=proven, stale=len(stale)):
             ctx.log.add("place", node)
             ctx.pool.start(node)
 
@@ -90,6 +91,13 @@ class WorkerStarts:
         for member in joined:
             ctx.needs_round = True
             ctx.log.add("start", member.node)
+        # a hedged start and the one it hedged may both join: the later ones past
+        # max_workers go
+        for member in joined[::-1][:max(0, len(ctx.staying()) - settings.max_workers)]:
+            log.info("raytrain-x elastic: a worker on %s started past max_workers=%d (a "
+                     "hedged start and the one it hedged both did); it leaves",
+                     short_node(member.node), settings.max_workers)
+            ctx.pool.remove(member)
 
     def check_pending(self) -> None:
         """Gives up on starting workers that cannot start (`ScalingPolicy.give_ups`) and
@@ -102,6 +110,9 @@ class WorkerStarts:
                                          ctx.cluster.nodes(), now)
         for key, why in verdicts:
             self.give_up(key, why)
+        for p in self.scaling.surplus([p.view() for p in ctx.pending.values()],
+                                      len(ctx.staying()), now):
+            self.give_up(p.key, "a hedged start took its place")
         if ctx.pending and now - self._progress_at >= PROGRESS_EVERY_S:
             self._progress_at = now
             oldest = max(now - p.asked_at for p in ctx.pending.values())

@@ -250,6 +250,9 @@ class SimRoundsClient:
         self.rounds.version += 1
         return self.rounds.version
 
+    def ask_checkpoint(self) -> None:
+        self.rounds.checkpoint_asked = True
+
     def fail(self, message: str) -> None:
         self.rounds.fail(message)
 

@@ -38,6 +38,7 @@ class WorkerSide:
     storage_down_until: float
     writing: bool
     last_write: float
+    write_asked: bool
     finish_after: float
     phase_faults: list[tuple[str, Callable[[list[SimWorker]], None]]]
     driver_members: Callable[[], Any]
@@ -199,14 +200,17 @@ class WorkerSide:
         self.storage_restores.append((self.now, step))
         self._synced(group, step)
 
-    def _maybe_checkpoint(self, rank0: SimWorker, step: int) -> None:
-        """Rank 0 marks the commit for a durable checkpoint when one is due and its last
-        write has ended; the write completes (the manifest) later, unless storage is down
-        or rank 0's process ends first."""
+    def _maybe_checkpoint(self, rank0: SimWorker, step: int, asked: bool) -> None:
+        """Rank 0 marks the commit for a durable checkpoint when one is due (or the driver
+        asked for one) and its last write has ended; the write completes (the manifest)
+        later, unless storage is down or rank 0's process ends first."""
         every = self.config.checkpoint_every_s
-        if every is None or self.writing or self.now - self.last_write < every:
+        if every is None:
             return
-        self.writing, self.last_write = True, self.now
+        self.write_asked = self.write_asked or asked
+        if self.writing or (self.now - self.last_write < every and not self.write_asked):
+            return
+        self.writing, self.last_write, self.write_asked = True, self.now, False
         down_at_start = self.now < self.storage_down_until
 
         def done() -> None:
@@ -263,8 +267,8 @@ class WorkerSide:
         for w in members:
             w.step = w.saved = step
             w.state_round = group.round_id
-        version = self.rounds.commit(group.round_id)
-        self._maybe_checkpoint(rank0, step)
+        version, asked = self.rounds.commit(group.round_id)
+        self._maybe_checkpoint(rank0, step, asked)
         if self.now >= self.finish_after:
             group.phase = "done"
             for w in members:

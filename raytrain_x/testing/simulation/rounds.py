@@ -30,6 +30,7 @@ class SimRounds:
         self.error: str | None = None
         self.committed_round = 0
         self.state_rounds: dict[str, int] = {}  # as workers report them at their joins
+        self.checkpoint_asked = False  # the driver asked for a durable checkpoint
 
     def join(self, w: SimWorker) -> None:
         if self.error:
@@ -75,6 +76,7 @@ class SimRounds:
             self.world.after(RPC_S, lambda w=w: self.world.placed(w, {"error": message}))
         self.waiting.clear()
 
-    def commit(self, round_id: int) -> int:
+    def commit(self, round_id: int) -> tuple[int, bool]:
         self.committed_round = max(self.committed_round, round_id)
-        return self.version
+        asked, self.checkpoint_asked = self.checkpoint_asked, False
+        return self.version, asked

@@ -150,6 +150,7 @@ def run_schedule(schedule: Schedule, keep_trace: bool = False) -> Outcome:
         def fire(f=fault) -> None:
             fired[0] += 1
             dog.last_fault = world.now
+            world.fault_times.append(world.now)
             apply(world, f)
             _measure_recovery(world, f.kind, recoveries)
         world.at(fault.at, fire)
@@ -182,6 +183,7 @@ def run_schedule(schedule: Schedule, keep_trace: bool = False) -> Outcome:
     finally:
         logger.level, progress.handlers, progress.propagate = saved
     _check_events(world, job)
+    _check_pool_drains(world, stop)
     if keep_trace:
         lines += [f"driver: {line}" for line in driver_lines]
     return Outcome(schedule, list(world.violations), stop, world.now, fired[0],
@@ -243,6 +245,43 @@ def _check_timeout(world: World, dog: Watchdog, exc: Exception) -> None:
     if not any(t >= world.now - window - 2.0 for t in dog.short_at):
         world.violation(f"ElasticTimeout though usable slots never fell below min_workers "
                         f"in the last {window:g}s: {exc}")
+
+
+# the driver sees a drain within its poll (`DRAIN_POLL_S`) and a loop's work
+NOTICE_S = 1.0
+
+
+def _check_pool_drains(world: World, stop: str) -> None:
+    """A whole-pool drain whose deadline leaves time for the next commit and a write (two,
+    if one was under way) loses no step from before its notice: the job restores a
+    checkpoint at least as new, it does not stop with `ElasticStateLost`. Checked where
+    nothing else happened from a while before the notice until the deadline (no other
+    fault, storage up, a commit within the second before it: the job was training, not in
+    a rendezvous or a restore, whose step is not yet the job's)."""
+    config = world.config
+    if config.checkpoint_every_s is None:
+        return
+    for at, step, deadline_s in world.pool_drains:
+        ends = at + deadline_s
+        if not any(at - NOTICE_S <= t <= at for t, _, _ in world.commits):
+            continue
+        commit = next((t for t, _, _ in world.commits if t >= at + NOTICE_S), None)
+        if commit is None:
+            continue
+        written_by = commit + config.commit_s + 2 * config.storage_write_s[1]
+        quiet_from = at - config.timeout_s - NOTICE_S  # a fault before may still be settling
+        if written_by >= ends or any(quiet_from <= t <= ends and t != at
+                                     for t in world.fault_times) \
+                or any(a < written_by and b > at for a, b in world.outages):
+            continue
+        restored = [s for t, s in world.storage_restores if t > at]
+        if restored and restored[0] < step:
+            world.violation(f"the pool drained at {at:.2f}s (step {step}, deadline "
+                            f"{deadline_s:.1f}s), yet the job restored checkpoint "
+                            f"{restored[0]}")
+        elif stop == "ElasticStateLost" and not restored:
+            world.violation(f"the pool drained at {at:.2f}s (step {step}, deadline "
+                            f"{deadline_s:.1f}s), yet the job stopped with ElasticStateLost")
 
 
 def _check_events(world: World, job: ElasticJob) -> None:

@@ -220,6 +220,19 @@ def scenarios() -> dict[str, Schedule]:
             "worker at once: the last resorts took turns in node id order and the third "
             "was never tried again. The one given up on longest ago goes first",
             seed=23891),
+        _named("hedged-start-below-minimum", replace(
+            THREE, nodes=6, slots=2, max_nodes=7, min_workers=2, timeout_s=5.0,
+            commit_s=0.5, checkpoint_every_s=5.0, storage_write_s=(0.1, 3.922)),
+            [[5.289, "stuck_start", 0.0786, 0.0], [9.226, "drain_kill", 0.3225, 3.808],
+             [13.331, "add_node", 0.1981, 0.0], [24.649, "slow_start", 0.972, 36.985],
+             [42.757, "lose_everything", 0.0, 0.0], [47.241, "kill_worker", 0.4452, 0.0],
+             [49.158, "lose_everything", 0.0, 0.0], [52.686, "drain", 0.946, 6.09],
+             [54.676, "kill_node", 0.2322, 0.0], [76.499, "kill_node", 0.1288, 0.0]],
+            "one worker left, below min_workers, while its two replacements wait on a node "
+            "whose starts hang and then on one whose starts are slow: they held the whole "
+            "max_workers room until start_timeout_s, the free slot beside the survivor "
+            "idled and the job ran out its elastic_timeout. A start waiting past half of "
+            "start_timeout_s is hedged on another node", seed=71724),
     ]
     return {x.name: x for x in [*s, *durable_scenarios()]}
 
@@ -246,6 +259,12 @@ def durable_scenarios() -> list[Schedule]:
                [Fault(9.0, "kill_worker", 0.0), Fault(9.5, "lose_everything")],
                "rank 0 lost while it wrote a checkpoint (never complete), then every "
                "worker: the one before is restored"),
+        _named("durable-whole-pool-drain", replace(
+            DURABLE, checkpoint_every_s=30.0, launch_s=(6.0, 8.0)),
+            [Fault(40.0, "drain_pool", 0.0, 3.0)],
+            "every node of the job drains at once with a 3 s deadline, too short for a "
+            "replacement to start and sync: the driver asks rank 0 for a checkpoint at its "
+            "next commit, and the job restores it, not the one from 10 s before"),
         _named("durable-lost-twice", DURABLE, [
             Fault(8.0, "lose_everything"), Fault(20.0, "lose_everything"),
             Fault(21.0, "kill_node", 0.5)],

@@ -16,7 +16,7 @@ from raytrain_x.testing.simulation.world import World
 KINDS = ("kill_worker", "kill_node", "drain", "drain_kill", "raylet", "partition",
          "slow_start", "stuck_start", "add_node", "kill_in_rendezvous", "kill_in_sync",
          "kill_in_commit", "node_kill_in_rendezvous", "node_kill_in_connect",
-         "drain_in_rendezvous", "storage_outage", "lose_everything")
+         "drain_in_rendezvous", "storage_outage", "lose_everything", "drain_pool")
 
 
 @dataclass(frozen=True)
@@ -107,6 +107,9 @@ def _durable(seed: int, config: WorldConfig, first: float, last: float,
                     round(rng.uniform(1.0, 20.0), 3)) for _ in range(rng.randint(0, 2))]
     faults += [Fault(round(rng.uniform(first, last), 3), "lose_everything")
                for _ in range(rng.randint(1, 2))]
+    # a whole-pool spot notice: every node with a worker drains at once, with a deadline
+    faults += [Fault(round(rng.uniform(first, last), 3), "drain_pool", 0.0,
+                     round(rng.uniform(1.0, 15.0), 3)) for _ in range(rng.randint(0, 1))]
     return config, faults
 
 
@@ -185,6 +188,8 @@ def apply(world: World, fault: Fault) -> None:
         world.storage_outage(value)
     elif kind == "lose_everything":
         world.lose_everything()
+    elif kind == "drain_pool":
+        world.drain_pool(value)
     else:
         phase, what = {
             "kill_in_rendezvous": ("rendezvous", "worker"),
@@ -203,6 +208,7 @@ def _phase_fault(world: World, members: list[SimWorker], what: str, pick: float,
     if w is None:
         return
     world.trace(f"FAULT fires in its phase on {w}")
+    world.fault_times.append(world.now)
     if what == "worker":
         world.process_dies(w, visible_in=0.3)
     elif what == "node":

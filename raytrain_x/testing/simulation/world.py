@@ -71,6 +71,11 @@ class World(WorkerSide):
         self.storage_down_until = -math.inf
         self.writing = False
         self.last_write = 0.0
+        self.write_asked = False  # the driver asked; rank 0 writes after the write under way
+        self.outages: list[tuple[float, float]] = []  # storage down (from, until)
+        # whole-pool drains: (when, the job's step then, the deadline in seconds)
+        self.pool_drains: list[tuple[float, int, float]] = []
+        self.fault_times: list[float] = []  # every fault's firing, phase faults too
         self.violations: list[str] = []
         self.finish_after: float = math.inf  # workers finish at the first commit after it
         self.phase_faults: list[tuple[str, Callable[[list[SimWorker]], None]]] = []
@@ -261,7 +266,17 @@ class World(WorkerSide):
     def storage_outage(self, seconds: float) -> None:
         """Storage refuses every write for `seconds` (the server stopped)."""
         self.storage_down_until = max(self.storage_down_until, self.now + seconds)
+        self.outages.append((self.now, self.now + seconds))
         self.trace(f"storage down for {seconds:.1f}s")
+
+    def drain_pool(self, deadline_s: float) -> None:
+        """Every node with a worker of the job drains at once (a spot notice for the whole
+        pool), each with `deadline_s`."""
+        nodes = {w.node.node_id: w.node for w in self.workers if w.alive}
+        if nodes:
+            self.pool_drains.append((self.now, self.job_step(), deadline_s))
+        for node in nodes.values():
+            self.drain(node, deadline_s)
 
     def lose_everything(self) -> None:
         """Every worker process of the job ends at once (a whole spot pool reclaimed)."""

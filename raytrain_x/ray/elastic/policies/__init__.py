@@ -9,6 +9,7 @@ from __future__ import annotations
 from raytrain_x.ray.elastic.policies.drains import (
     DrainNotice,
     abandons_forming_round,
+    asks_checkpoint,
     drain_line,
     held_back,
     notice_drains,
@@ -44,7 +45,7 @@ from raytrain_x.ray.elastic.policies.views import (
 __all__ = [
     'DrainNotice', 'FailurePolicy', 'FailureVerdict', 'Heartbeats', 'MemberView',
     'MinimumWatch', 'PendingView', 'RoundDecision', 'ScalingPolicy', 'StragglerRule',
-    'Stragglers', 'abandons_forming_round', 'decide_round', 'drain_line',
+    'Stragglers', 'abandons_forming_round', 'asks_checkpoint', 'decide_round', 'drain_line',
     'elastic_timeout_error', 'held_back', 'held_joins', 'kept_on_drain', 'notice_drains',
     'shape', 'spare_last_holders', 'state_lost', 'state_lost_error',
 ]

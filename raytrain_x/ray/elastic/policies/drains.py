@@ -41,6 +41,22 @@ def notice_drains(draining: Mapping[str, float], known: Iterable[str],
     return notice
 
 
+def asks_checkpoint(notice: DrainNotice, holders: Iterable[str] | None,
+                    member_nodes: Mapping[str, str], draining: Iterable[str],
+                    durable: bool) -> bool:
+    """Whether a drain asks rank 0 for a durable checkpoint at its next commit: the job
+    writes them (`durable`), and this drain (`notice`) leaves every holder of the committed
+    state (`holders`, on their `member_nodes`) on a draining node. The holders stay until
+    others have synced from them, but a whole pool that drains at once (a spot notice for
+    one instance type or zone) may be gone before any replacement starts; then the job
+    restores from storage, and the checkpoint written at the notice loses nothing since."""
+    holders = list(holders or ())
+    draining = set(draining)
+    return (durable and bool(notice.new) and bool(holders)
+            and bool(set(notice.new) & {member_nodes.get(h) for h in holders})
+            and all(member_nodes.get(h) in draining for h in holders))
+
+
 def abandons_forming_round(notice: DrainNotice, in_round: Iterable[str], round_id: int,
                            committed_round: int) -> bool:
     """Whether a drain gives up the round now forming: a member of that round (`in_round`:

@@ -41,7 +41,8 @@ class ScalingPolicy:
     def starts(self, usable: Mapping[str, int], members: int, pending: int,
                last_resort: Iterable[str] | Mapping[str, float] = (),
                staying: int | None = None,
-               starting: Iterable[str] = (), proven: Iterable[str] = ()) -> list[str]:
+               starting: Iterable[str] = (), proven: Iterable[str] = (),
+               stale: int = 0) -> list[str]:
         """The nodes to start workers on (one entry per worker), up to `max_workers`
         counting those running and starting, and up to `min_workers` counting only the
         members that stay (`staying`; those on draining nodes leave, though they may stay
@@ -55,10 +56,16 @@ class ScalingPolicy:
         otherwise take every start, one after the other, while others idle. For the same
         reason, once some node is `proven` (a worker of the job started there), a node
         where none has takes one start before any node takes a second: its other slots
-        come after every node's first (a job's first placement still packs nodes)."""
+        come after every node's first (a job's first placement still packs nodes).
+
+        Below `min_workers`, the `stale` starts (waiting past `hedge_after_s`) do not count
+        toward it: one more starts beside each, on another node when one has room (a
+        hedge; `surplus` gives up on the stale one once enough have joined). Without it, a
+        node whose starts hang holds the job's whole room until `start_timeout_s`, while a
+        node that could start one idles and the job runs out its `elastic_timeout`."""
         room = self.settings.max_workers - members - pending
         if staying is not None:
-            room = max(room, self.settings.min_workers - staying - pending)
+            room = max(room, self.settings.min_workers - staying - (pending - stale))
         if room <= 0:
             return []
         last = dict(last_resort) if isinstance(last_resort, Mapping) else \
@@ -73,6 +80,24 @@ class ScalingPolicy:
         rest = [node for node, slots in order if node not in known
                 for _ in range(slots - 1)]
         return (first + rest)[:room]
+
+    @property
+    def hedge_after_s(self) -> float:
+        """How long a start may wait before a job below `min_workers` hedges it."""
+        return self.settings.start_timeout_s / 2
+
+    def stale(self, pending: Iterable[PendingView], now: float) -> list[PendingView]:
+        """The starts waiting past `hedge_after_s`, the oldest first."""
+        return sorted((p for p in pending if now - p.asked_at > self.hedge_after_s),
+                      key=lambda p: p.asked_at)
+
+    def surplus(self, pending: Iterable[PendingView], staying: int,
+                now: float) -> list[PendingView]:
+        """The stale starts to give up on because hedges took their place: those that
+        would take the job past `max_workers`, the oldest first."""
+        pending = list(pending)
+        excess = staying + len(pending) - self.settings.max_workers
+        return self.stale(pending, now)[:max(0, excess)]
 
     def bundles(self, staying: int, pending: int, unusable_slots: int) -> int:
         """How many worker bundles to ask the autoscaler for: room for `max_workers` while
