@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from raytrain_x.common.errors import HostsUpdatedInterrupt, InternalError
+from raytrain_x.common.errors import ConfigError, HostsUpdatedInterrupt, InternalError
 from raytrain_x.core import runtime, world
 from raytrain_x.core.objects import broadcast_object
 
@@ -63,6 +63,9 @@ class State:
             no framework.
         get_rank: this worker's rank (default: the core's).
     """
+
+    # durable checkpoints (`raytrain_x.elastic.durable`), where a framework's state has them
+    _durable: Any = None
 
     def __init__(self, *, bcast_object: BroadcastObject | None = None,
                  get_rank: Callable[[], int] | None = None) -> None:
@@ -115,19 +118,41 @@ class State:
     def checkpoint_due(self) -> bool | None:
         """Whether the commit being taken is due to be written to durable storage (asked on
         rank 0 only); None when the state writes no durable checkpoints."""
-        return None
+        return None if self._durable is None else self._durable.due()
 
     def ask_checkpoint(self) -> None:
         """The driver asks for a durable checkpoint of this commit (every holder of the
         state is draining): it is due at once, or as soon as the write under way ends."""
+        if self._durable is not None:
+            self._durable.ask()
 
     def finish_writes(self) -> None:
         """Waits for this rank's durable write under way, if any (before leaving the job),
         up to the checkpoint's `write_timeout_s`."""
+        if self._durable is not None:
+            self._durable.wait(self._durable.config.write_timeout_s)
 
     def write_checkpoint(self, write_id: int) -> None:
         """Starts writing this rank's part of the commit just taken to durable storage
         (`write_id`: rank 0's, naming this attempt's parts)."""
+
+    def checkpoint(self, timeout_s: float | None = None) -> None:
+        """Writes the last commit to durable storage now and waits until the checkpoint is
+        complete (at the end of training, before a planned stop). A collective: call it on
+        every rank at the same place.
+
+        Raises:
+            ConfigError: the state writes no durable checkpoints (give `checkpoint=`).
+        """
+        if self._durable is None:
+            kind = type(self).__name__
+            raise ConfigError(f"this {kind} has no durable checkpoints: give {kind}(..., "
+                              "checkpoint=CheckpointConfig(storage_path=...)) or "
+                              "RayExecutor(..., checkpoint=...)")
+        self._durable.wait(timeout_s)  # one write at a time on each rank
+        self.write_checkpoint(self._bcast_object(time.time_ns(), 0, name="elastic.durable.id"))
+        self._durable.wait(timeout_s)
+        self._bcast_object(None, 0, name="elastic.durable.written")  # rank 0 completed it
 
     def save(self) -> None:
         raise NotImplementedError

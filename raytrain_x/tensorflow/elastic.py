@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from raytrain_x.common.checkpoint_config import CheckpointConfig, from_env
+from raytrain_x.common.settings import JOB_NAME
 from raytrain_x.core.runtime import rank
 from raytrain_x.elastic.state import ObjectState, State, restore_count
 from raytrain_x.elastic.state import run as _run
@@ -31,17 +33,34 @@ class TensorFlowState(ObjectState):
     Args:
         variables: the `tf.Variable`s committed, restored and synced (e.g.
             `model.variables + optimizer.variables`).
+        checkpoint: durable checkpoints of the commits (`CheckpointConfig`), written by
+            rank 0 in the background in `tf.train.Checkpoint` format and restored when no
+            worker holds the state (default: the one `RayExecutor(checkpoint=...)` or
+            `raytrain-x run --checkpoint-path` gives, else none).
         **kwargs: plain attributes, as in `ObjectState`.
     """
 
-    def __init__(self, variables: Iterable[Any] | None = None, **kwargs: Any) -> None:
+    def __init__(self, variables: Iterable[Any] | None = None, *,
+                 checkpoint: CheckpointConfig | None = None, **kwargs: Any) -> None:
         self.variables = list(variables or [])
         self._saved_values = _values(self.variables)
+        config = checkpoint.named(JOB_NAME.read() or None) if checkpoint else from_env()
+        if config is not None:
+            from raytrain_x.tensorflow.durable import open_checkpoints
+
+            self._durable = open_checkpoints(config)
         super().__init__(bcast_object=broadcast_object, get_rank=rank, **kwargs)
 
     def save(self) -> None:
+        if self._durable is not None:
+            self._durable.number += 1
         self._saved_values = _values(self.variables)
         super().save()
+
+    def write_checkpoint(self, write_id: int) -> None:
+        from raytrain_x.tensorflow.durable import write_parts
+
+        write_parts(self._durable, self, write_id)
 
     def restore(self) -> None:
         for var, value in zip(self.variables, self._saved_values):
@@ -49,6 +68,12 @@ class TensorFlowState(ObjectState):
         super().restore()
 
     def sync(self) -> None:
+        if self._durable is not None:
+            from raytrain_x.tensorflow.durable import restore_from_storage
+
+            restore_from_storage(self._durable, self)  # rank 0 loads; broadcast below
+            self._durable.number = broadcast_object(self._durable.number, 0,
+                                                    name="elastic.durable.number")
         if self.variables:
             broadcast_variables(self.variables, root_rank=0)
         super().sync()  # plain attributes, then save() commits everything
@@ -63,7 +88,7 @@ class TensorFlowKerasState(TensorFlowState):
     Args:
         model: a built Keras model.
         optimizer: its optimizer (default: `model.optimizer`).
-        **kwargs: plain attributes, as in `ObjectState`.
+        **kwargs: `checkpoint=` and plain attributes, as in `TensorFlowState`.
     """
 
     def __init__(self, model: Any, optimizer: Any = None, **kwargs: Any) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import random
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,7 +16,7 @@ from raytrain_x.core.objects import allgather_object
 from raytrain_x.core.process_sets import global_process_set
 from raytrain_x.core.runtime import rank, size
 from raytrain_x.elastic.state import ObjectState, State, restore_count, run
-from raytrain_x.torch.durable import DurableCheckpoints, restore_from_storage, write_parts
+from raytrain_x.torch.durable import open_checkpoints, restore_from_storage, write_parts
 from raytrain_x.torch.functions import (
     broadcast_object,
     broadcast_optimizer_state,
@@ -187,7 +186,7 @@ class TorchState(ObjectState):
                                       "world: build it without a process_set")
             self._commits = ShardedCommits(sharded, replicas)
         config = checkpoint.named(JOB_NAME.read() or None) if checkpoint else from_env()
-        self._durable = DurableCheckpoints(config) if config is not None else None
+        self._durable = open_checkpoints(config) if config is not None else None
         self._snapshots = Snapshots()
         self._committed: Snapshot | None = None
         self._unordered: Snapshot | None = None  # copies not yet ordered before a change
@@ -271,37 +270,9 @@ class TorchState(ObjectState):
             return
         self._committed = self._snapshot()
 
-    def checkpoint_due(self) -> bool | None:
-        return None if self._durable is None else self._durable.due()
-
-    def ask_checkpoint(self) -> None:
-        if self._durable is not None:
-            self._durable.ask()
-
-    def finish_writes(self) -> None:
-        if self._durable is not None:
-            self._durable.wait(self._durable.config.write_timeout_s)
-
     def write_checkpoint(self, write_id: int) -> None:
         if self._durable is not None:
             write_parts(self._durable, self, write_id)
-
-    def checkpoint(self, timeout_s: float | None = None) -> None:
-        """Writes the last commit to durable storage now and waits until the checkpoint is
-        complete (at the end of training, before a planned stop). A collective: call it on
-        every rank at the same place.
-
-        Raises:
-            ConfigError: the state writes no durable checkpoints (give `checkpoint=`).
-        """
-        if self._durable is None:
-            raise ConfigError("this TorchState has no durable checkpoints: give "
-                              "TorchState(..., checkpoint=CheckpointConfig(storage_path=...)) "
-                              "or RayExecutor(..., checkpoint=...)")
-        self._durable.wait(timeout_s)  # one write at a time on each rank
-        self.write_checkpoint(broadcast_object(time.time_ns(), 0, name="elastic.durable.id"))
-        self._durable.wait(timeout_s)
-        broadcast_object(None, 0, name="elastic.durable.written")  # rank 0 completed it
 
     def save(self) -> None:
         if self._durable is not None:

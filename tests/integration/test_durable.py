@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from raytrain_x.common.checkpoint_config import CheckpointConfig
+from raytrain_x.elastic.durable import part_kind
 from raytrain_x.elastic.storage import CheckpointStore
 from raytrain_x.testing.waiting import free_port
-from raytrain_x.torch.durable import part_kind
 from tests.workers import run_workers
 
 
