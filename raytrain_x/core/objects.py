@@ -48,12 +48,14 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
     """`root_rank`'s object on every member (pickled with cloudpickle).
 
     Args:
-        obj: the object to send (the root's); cloudpickle pickles it. Other members may pass None.
+        obj: the object to send (the root's); cloudpickle pickles it. Other members may
+            pass anything (None): what they pass is not looked at.
         root_rank: the global rank whose value every member receives.
-        name: the collective's name, the same on every member; automatic if None.
+        name: the collective's name, the same on every member; automatic if None (unnamed
+            calls match by their order on each member, as every unnamed collective).
         process_set: the ranks that take part (default: every rank).
     """
-    name = f"broadcast_object.{name or type(obj).__name__}"
+    name = f"broadcast_object.{name}" if name else auto_name("broadcast_object")
     is_root = rendezvous().rank == root_rank
     data = broadcast_bytes(cloudpickle.dumps(obj) if is_root else None, root_rank, name,
                            process_set)
@@ -65,11 +67,12 @@ def allgather_object(obj: Any, name: str | None = None,
     """Every member's object, in rank order.
 
     Args:
-        obj: any object cloudpickle can pickle.
-        name: the collective's name, the same on every member; automatic if None.
+        obj: any object cloudpickle can pickle, of any type on each member.
+        name: the collective's name, the same on every member; automatic if None (unnamed
+            calls match by their order on each member, as every unnamed collective).
         process_set: the ranks that take part (default: every rank).
     """
-    name = f"allgather_object.{name or type(obj).__name__}"
+    name = f"allgather_object.{name}" if name else auto_name("allgather_object")
     return [cloudpickle.loads(b) for b in allgather_bytes(cloudpickle.dumps(obj), name,
                                                           process_set)]
 

@@ -54,3 +54,24 @@ def test_numpy_arrays_go_through_the_engine_in_place_without_a_framework_face(sh
         assert out["broadcast"] == "hello from 1"
         assert out["state"] == (0, "from 0")
         assert not out["torch_face_loaded"]
+
+
+def _objects_of_any_type() -> dict:
+    from raytrain_x import core
+
+    core.init()
+    rank = core.rank()
+    config = {"lr": 0.1} if rank == 0 else None  # as documented: the others pass None
+    out = {"config": core.broadcast_object(config),
+           "mixed": core.allgather_object({"rank": rank} if rank == 0 else [rank]),
+           "named": core.broadcast_object(3.5 if rank == 1 else "ignored", root_rank=1,
+                                          name="x")}
+    core.shutdown()
+    return out
+
+
+def test_objects_are_broadcast_and_gathered_whatever_type_each_rank_passes():
+    """Unnamed object collectives were named after the object's type, so `None` on the
+    others and a dict on the root never met (a stall)."""
+    for out in run_workers(_objects_of_any_type, 2, work_s=30):
+        assert out == {"config": {"lr": 0.1}, "mixed": [{"rank": 0}, [1]], "named": 3.5}
