@@ -115,11 +115,14 @@ void combine_native(T *out, const T *a, const T *b, std::size_t n, ReduceOp op) 
         case ReduceOp::Product:
             for (std::size_t i = 0; i < n; ++i) out[i] = Arith<T>::mul(a[i], b[i]);
             break;
+        // a NaN from either side wins (b != b: b is NaN; a NaN in a is kept by the compare)
         case ReduceOp::Min:
-            for (std::size_t i = 0; i < n; ++i) out[i] = b[i] < a[i] ? b[i] : a[i];
+            for (std::size_t i = 0; i < n; ++i)
+                out[i] = (b[i] < a[i] || b[i] != b[i]) ? b[i] : a[i];
             break;
         case ReduceOp::Max:
-            for (std::size_t i = 0; i < n; ++i) out[i] = a[i] < b[i] ? b[i] : a[i];
+            for (std::size_t i = 0; i < n; ++i)
+                out[i] = (a[i] < b[i] || b[i] != b[i]) ? b[i] : a[i];
             break;
         case ReduceOp::BAnd:
             if constexpr (std::is_integral_v<T>) {
@@ -139,8 +142,8 @@ void combine16(std::uint16_t *out, const std::uint16_t *a, const std::uint16_t *
         switch (op) {
             case ReduceOp::Sum: r = x + y; break;
             case ReduceOp::Product: r = x * y; break;
-            case ReduceOp::Min: r = y < x ? y : x; break;
-            default: r = x < y ? y : x; break;
+            case ReduceOp::Min: r = (y < x || y != y) ? y : x; break;
+            default: r = (x < y || y != y) ? y : x; break;
         }
         out[i] = FromF(r);
     }

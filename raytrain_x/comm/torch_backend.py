@@ -61,6 +61,32 @@ def as_tensor(array: Any) -> torch.Tensor:
 GLOO_WIDENED = {torch.int16: torch.int32}
 
 
+# Max and Min of floats through integers of the same width whose order is the floats',
+# with NaN above (Max) or below (Min) every number: gloo's and NCCL's own Max/Min keep a NaN
+# only from some ranks, and a divergence check by `allreduce(x, op=Max)` would miss it
+ORDERED_INTS = {torch.float64: torch.int64, torch.float32: torch.int32,
+                torch.float16: torch.int16, torch.bfloat16: torch.int16}
+
+
+def to_ordered(tensor: torch.Tensor, op: str) -> torch.Tensor:
+    """`tensor` (floating) as integers ordered as its values, every NaN the greatest (Max)
+    or the least (Min) of them (both still NaN bit patterns when turned back)."""
+    ints = ORDERED_INTS[tensor.dtype]
+    end = torch.iinfo(ints).max if op == "max" else torch.iinfo(ints).min
+    return torch.where(torch.isnan(tensor), end, _flip_negatives(tensor.view(ints)))
+
+
+def from_ordered(ordered: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The floats `to_ordered` turned into `ordered`."""
+    return _flip_negatives(ordered).view(dtype)
+
+
+def _flip_negatives(bits: torch.Tensor) -> torch.Tensor:
+    """Sign-magnitude bits to two's complement order and back (the same map both ways)."""
+    mask = torch.iinfo(bits.dtype).max
+    return torch.where(bits < 0, bits ^ mask, bits)
+
+
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A uint8 view of `tensor`'s memory with the same first dimension (rows stay rows, so
     alltoall's row splits still hold); writes through it land in `tensor`."""
@@ -169,6 +195,14 @@ class TorchGroup(Group):
     def allreduce_async(self, array: Any, op: str = "sum",
                         landed: Callable[[], None] | None = None) -> Callable[[], None]:
         tensor = as_tensor(array)
+        if op in ("max", "min") and tensor.dtype in ORDERED_INTS:
+            ordered = to_ordered(tensor, op)
+            reduced = self.allreduce_async(ordered, op, landed)
+
+            def unordered() -> None:
+                reduced()
+                tensor.copy_(from_ordered(ordered, tensor.dtype))
+            return unordered
         opts = dist.AllreduceOptions()
         opts.reduceOp = REDUCE_OPS[op]
         opts.timeout = self._timeout

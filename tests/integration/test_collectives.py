@@ -510,3 +510,41 @@ def test_reduce_scatter_and_allgather_write_into_a_callers_buffer_that_fits(tran
                                                   else "0"}):
         assert out == [("fits", True, True, False), ("too_long", False, True, None),
                        ("other_dtype", False, True, None), ("allgather", True, True, None)]
+
+
+def _nan_max_min() -> dict:
+    """Max and Min where a NaN comes from one rank only: element 0 from the last rank,
+    element 1 from rank 0, element 2 from none (a large tensor too, one NaN deep inside)."""
+    import raytrain_x.torch as rx
+
+    rx.init()
+    rank, last = rx.rank(), rx.size() - 1
+    out = {}
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        x = torch.tensor([1.0, -2.0, -0.5 - rank], dtype=dtype)
+        x[0] = float("nan") if rank == last else x[0]
+        x[1] = float("nan") if rank == 0 else x[1]
+        for op in (rx.Max, rx.Min):
+            got = rx.allreduce(x, op=op, name=f"nan.{dtype}.{op}")
+            out[f"{dtype}.{op}"] = [torch.isnan(got[:2]).tolist(), got[2].item()]
+    big = torch.arange(100_003, dtype=torch.float32)
+    if rank == last:
+        big[77_777] = float("nan")
+    got = rx.allreduce(big, op=rx.Max, name="nan.big")
+    out["big"] = [torch.isnan(got).nonzero().flatten().tolist(), got[5].item()]
+    out["transport"] = rx.transport()
+    rx.shutdown()
+    return out
+
+
+@pytest.mark.parametrize("size,transport", [(2, "shm"), (3, "shm"), (2, "gloo")])
+def test_max_and_min_keep_a_nan_from_any_rank(size, transport):
+    """A divergence check by `allreduce(x, op=Max)` sees a NaN whichever rank has it (it was
+    kept only when it came from rank 0: the shared-memory combine and gloo's compare)."""
+    env = {"RAYTRAIN_X_SHM": "1" if transport == "shm" else "0"}
+    for out in run_workers(_nan_max_min, size, env=env, work_s=60):
+        assert out.pop("transport") == transport
+        assert out.pop("big") == [[77_777], 5.0]
+        for key, (nans, third) in out.items():
+            assert nans == [True, True], key
+            assert third == (-0.5 if key.endswith("max") else -0.5 - (size - 1)), key
