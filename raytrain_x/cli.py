@@ -15,7 +15,7 @@ from typing import Any
 from raytrain_x.common.autotune_config import AutotuneConfig
 from raytrain_x.common.errors import ConfigError, RaytrainXError
 from raytrain_x.common.knobs import Knobs, load_knobs
-from raytrain_x.common.settings import START_TIMEOUT_S, TIMEOUT_S
+from raytrain_x.common.settings import START_TIMEOUT_S, TIMEOUT_S, check_seconds
 
 
 class _Parser(argparse.ArgumentParser):
@@ -193,9 +193,11 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("run needs a command, e.g. raytrain-x run -np 2 python train.py")
     if args.np < 1:
         parser.error(f"-np must be >= 1, got {args.np}")
-    if args.progress_every <= 0:
-        parser.error(f"--progress-every must be a positive number of seconds, got "
-                     f"{args.progress_every}")
+    try:
+        for flag in ("timeout", "progress_every", "elastic_timeout", "start_timeout"):
+            check_seconds("--" + flag.replace("_", "-"), getattr(args, flag))
+    except ConfigError as exc:
+        parser.error(str(exc))
     knobs, fixed = resolve_knobs(args)
     autotune = resolve_autotune(args)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,

@@ -33,9 +33,21 @@ class SamplerReport:
             return f"{score / 1e6:.1f} MB/s"
         return f"{score:.3g} {unit}"
 
+    def _logged(self, write: Callable[[], object]) -> object:
+        """Runs a write to the log file; one that fails (a full disk, a removed folder)
+        warns once and ends the log, never the tuning: the best knobs are still chosen."""
+        if self.log is None:
+            return None
+        try:
+            return write()
+        except OSError as exc:
+            self.emit(f"raytrain-x autotune: could not write the log {self.log.path} ({exc}); "
+                      "tuning goes on without it")
+            self.log = None
+            return None
+
     def warmup(self, sample: Sample) -> None:
-        if self.log:
-            self.log.append(sample, "warmup")
+        self._logged(lambda: self.log.append(sample, "warmup"))
         self.emit(f"raytrain-x autotune: warmup sample {sample.index}: {describe(sample.knobs)} "
                   f"-> {self.fmt(sample.score, sample.unit)} (discarded)")
 
@@ -46,8 +58,7 @@ class SamplerReport:
 
     def sample(self, sample: Sample, kind: str, scored: int, best: float, left: int,
                cut: bool) -> None:
-        if self.log:
-            self.log.append(sample, kind)
+        self._logged(lambda: self.log.append(sample, kind))
         again = " (a candidate measured again)" if kind == "confirm" else ""
         stopped = " (stopped early: far below the best)" if cut else ""
         unit = sample.unit
@@ -56,15 +67,14 @@ class SamplerReport:
                   f"{stopped} (best {self.fmt(best, unit)}, {left} left)")
 
     def decided(self, best: Sample, samples: int, verdict: str) -> None:
-        if self.log:
-            knobs_file = self.log.finish(best)
+        knobs_file = self._logged(lambda: self.log.finish(best))
+        if knobs_file is not None:
             self.emit(f"raytrain-x autotune: log {self.log.path}, knobs {knobs_file}")
         self.emit(f"raytrain-x autotune: done after {samples} samples; keeping "
                   f"{describe(best.knobs)} ({self.fmt(best.score, best.unit)} mean, {verdict})")
 
     def cost(self, best: Sample, cost: TuningCost, per_step: float) -> None:
-        if self.log:
-            self.log.finish_cost(best, cost)
+        self._logged(lambda: self.log.finish_cost(best, cost))
         self.emit(f"raytrain-x autotune: tuning took {cost.tuning_s:.1f} s for "
                   f"{cost.tuning_steps} steps; the same steps at the chosen knobs take "
                   f"{cost.tuning_steps * per_step:.1f} s (measured after tuning): cost "

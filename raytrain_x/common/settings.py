@@ -8,6 +8,7 @@ function that takes one as an argument uses its `default`, so no default is writ
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -18,12 +19,33 @@ from raytrain_x.common.errors import ConfigError
 _FALSE = ("0", "false", "off", "no")
 
 
+def check_seconds(what: str, value: Any, minimum: float = 0.0, zero: str | None = None,
+                  ) -> float:
+    """`value` as a number of seconds: finite and above `minimum` (at least it, where
+    `minimum` > 0), or 0 where `zero` says what 0 means. Else a one-line `ConfigError`
+    naming `what` and the range."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{what} must be a number of seconds, got {value!r}")
+    value = float(value)
+    if value == 0 and zero is not None:
+        return value
+    ok = math.isfinite(value) and (value >= minimum if minimum > 0 else value > 0)
+    if not ok:
+        bound = f"at least {minimum:g}" if minimum > 0 else "above 0"
+        also = f" (or 0: {zero})" if zero is not None else ""
+        raise ConfigError(f"{what} must be a finite number of seconds {bound}{also}, got "
+                          f"{value!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class Setting:
     env: str  # the environment variable
     default: Any
     kind: type  # float, bool or str
     doc: str
+    minimum: float = 0.0  # a float setting: finite and at least this (above 0 where 0)
+    zero: str | None = None  # what 0 means, where 0 is allowed below `minimum`
 
     def read(self, env: Mapping[str, str] | None = None) -> Any:
         """The value in `env` (default: the process's environment), else the default."""
@@ -34,9 +56,14 @@ class Setting:
             return raw.strip().lower() not in _FALSE
         if self.kind is float:
             try:
-                return float(raw)
+                value = float(raw)
             except ValueError:
                 raise ConfigError(f"environment {self.env}={raw!r} is not a number") from None
+            try:
+                return check_seconds(f"environment {self.env}", value, self.minimum, self.zero)
+            except ConfigError as exc:
+                raise ConfigError(f"{exc}; unset it for the default "
+                                  f"{self.default:g}") from None
         return raw
 
 
@@ -53,10 +80,10 @@ SHM = Setting(
     "ranks on one host reduce through shared memory; 0 forces gloo")
 STALL_WARNING_S = Setting(
     "RAYTRAIN_X_STALL_CHECK_TIME_SECONDS", 60.0, float,
-    "seconds a collective may wait for a rank before a warning names it")
+    "seconds a collective may wait for a rank before a warning names it", minimum=1.0)
 STALL_SHUTDOWN_S = Setting(
     "RAYTRAIN_X_STALL_SHUTDOWN_TIME_SECONDS", 0.0, float,
-    "seconds of such a stall before the job stops (0: never)")
+    "seconds of such a stall before the job stops (0: never)", minimum=1.0, zero="never")
 TIMELINE = Setting(
     "RAYTRAIN_X_TIMELINE", "", str,
     "a path: rank 0 writes a Chrome trace of every collective there")
@@ -74,17 +101,17 @@ CONFIG_FILE = Setting(
 DRAIN_POLL_S = Setting(
     "RAYTRAIN_X_DRAIN_POLL_S", 0.2, float,
     "how often an elastic job asks the GCS for draining nodes (a preemption notice may give "
-    "only seconds)")
+    "only seconds)", minimum=0.01)
 STRAGGLER_POLL_S = Setting(
     "RAYTRAIN_X_STRAGGLER_POLL_S", 1.0, float,
-    "how often an elastic job looks for workers missing from a rendezvous")
+    "how often an elastic job looks for workers missing from a rendezvous", minimum=0.01)
 METRICS = Setting(
     "RAYTRAIN_X_METRICS", True, bool,
     "export the job's metrics through Ray's metrics API (docs/metrics.md); 0 turns them off")
 METRICS_INTERVAL_S = Setting(
     "RAYTRAIN_X_METRICS_INTERVAL_S", 5.0, float,
     "how often each worker reads its counters and exports them (nothing is done per step "
-    "beyond counting it)")
+    "beyond counting it)", minimum=0.1)
 JOB_NAME = Setting(
     "RAYTRAIN_X_JOB_NAME", "", str,
     "the job's name in its metrics (the `job` tag); the executor sets it from its `name`")

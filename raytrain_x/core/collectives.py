@@ -5,6 +5,7 @@ and converts its tensors, builds the `Meta`, and calls `submit`."""
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 from typing import Any
 
@@ -37,6 +38,18 @@ def named(kind: str, name: str) -> str:
     """Horovod's naming of a named collective: `<kind>.<name>` (kept when already so)."""
     name = str(name)
     return name if name.startswith(kind + ".") else f"{kind}.{name}"
+
+
+def scale_factor(what: str, value: Any) -> float:
+    """A prescale or postscale factor as a float: a finite number, else a `ConfigError` (a
+    NaN never equals itself, and the ranks would be told they disagree)."""
+    try:
+        factor = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{what} must be a number, got {value!r}") from None
+    if not math.isfinite(factor):
+        raise ConfigError(f"{what} must be a finite number, got {value!r}")
+    return factor
 
 
 def check_dtype(name: str, shown: Any = None) -> str:

@@ -18,6 +18,7 @@ from raytrain_x.common.settings import (
     METRICS_INTERVAL_S,
     START_TIMEOUT_S,
     TIMEOUT_S,
+    check_seconds,
 )
 from raytrain_x.ray import metrics
 from raytrain_x.ray.autotune_actor import knob_env, start_autotune
@@ -122,9 +123,8 @@ class RayExecutor:
         if unsupported:
             raise ConfigError(f"create_settings does not take {sorted(unsupported)}: Ray places "
                               "and connects the workers itself")
-        if timeout_s <= 0 or placement_group_timeout_s <= 0:
-            raise ConfigError("timeouts must be positive numbers of seconds")
-        return Settings(float(timeout_s), float(placement_group_timeout_s))
+        return Settings(check_seconds("timeout_s", timeout_s),
+                        check_seconds("placement_group_timeout_s", placement_group_timeout_s))
 
     def __init__(
         self,
@@ -160,16 +160,15 @@ class RayExecutor:
                               f"{max_workers}")
         if reset_limit is not None and reset_limit < 0:
             raise ConfigError(f"reset_limit must be >= 0, got {reset_limit}")
-        if cooldown_range is not None:
-            if len(cooldown_range) != 2 or not 0 < cooldown_range[0] <= cooldown_range[1]:
-                raise ConfigError(f"cooldown_range must be (lo, hi) with 0 < lo <= hi, got "
-                                  f"{cooldown_range}")
-        if elastic_timeout <= 0:
-            raise ConfigError(f"elastic_timeout must be positive, got {elastic_timeout}")
-        if start_timeout_s is None:
-            start_timeout_s = START_TIMEOUT_S.read()
-        if start_timeout_s <= 0:
-            raise ConfigError(f"start_timeout_s must be positive, got {start_timeout_s}")
+        if cooldown_range is not None and (
+                len(cooldown_range) != 2 or
+                not 0 < check_seconds("cooldown_range", cooldown_range[0])
+                <= check_seconds("cooldown_range", cooldown_range[1])):
+            raise ConfigError(f"cooldown_range must be (lo, hi) with 0 < lo <= hi, got "
+                              f"{cooldown_range}")
+        elastic_timeout = check_seconds("elastic_timeout", elastic_timeout)
+        start_timeout_s = check_seconds("start_timeout_s", START_TIMEOUT_S.read()
+                                        if start_timeout_s is None else start_timeout_s)
         if knobs is not None and not isinstance(knobs, Knobs):
             raise ConfigError(f"knobs must be a raytrain_x.Knobs, got {type(knobs).__name__}")
         if autotune is True:

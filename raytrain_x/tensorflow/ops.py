@@ -43,6 +43,8 @@ FRAMEWORK = "tensorflow"
 def reduce_scales(op: str, prescale: float, postscale: float,
                   tensors: Sequence[tf.Tensor]) -> tuple[float, float]:
     """The factors of a reduction, checked against its op and dtypes."""
+    prescale = _core.scale_factor("prescale_factor", prescale)
+    postscale = _core.scale_factor("postscale_factor", postscale)
     if any(t.dtype == tf.bool for t in tensors):
         if op == Average or prescale != 1.0 or postscale != 1.0:
             raise ConfigError("a bool allreduce takes Sum or Max (logical or), Min or Product "

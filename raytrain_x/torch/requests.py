@@ -118,8 +118,10 @@ def allreduce_request(
         else:
             work, compressor_ctx = compression.compress(work)
             target = tensor
-    meta = Meta(ALLREDUCE, checked_dtype(work), tuple(work.shape), op, 0, float(prescale_factor),
-                float(postscale_factor), registered_id(process_set), wire, work.device.type,
+    meta = Meta(ALLREDUCE, checked_dtype(work), tuple(work.shape), op, 0,
+                _core.scale_factor("prescale_factor", prescale_factor),
+                _core.scale_factor("postscale_factor", postscale_factor),
+                registered_id(process_set), wire, work.device.type,
                 fuse=fuse, framework="torch")
     request = _core.request(name, meta, work, output=tensor if target is None else None)
     if target is not None:
@@ -157,7 +159,9 @@ def reducescatter_request(tensor: torch.Tensor, name: str, op: str | None,
     if tensor.dim() == 0:
         raise ConfigError("reducescatter needs a tensor with at least one dimension")
     meta = Meta(REDUCESCATTER, checked_dtype(tensor), tuple(tensor.shape), op, 0,
-                float(prescale_factor), float(postscale_factor), registered_id(process_set),
+                _core.scale_factor("prescale_factor", prescale_factor),
+                _core.scale_factor("postscale_factor", postscale_factor),
+                registered_id(process_set),
                 device=tensor.device.type, framework="torch")
     request = _core.request(name, meta, tensor)
     request.output = output
