@@ -23,12 +23,18 @@ import threading
 import time
 from collections.abc import Sequence
 
+from raytrain_x.comm.key_table import KeyTable
 from raytrain_x.common.errors import RendezvousTimeout, StoreAuthError
 from raytrain_x.common.settings import TIMEOUT_S
 
 MAGIC = b"RTXS1"
 NONCE_BYTES = 32
-HANDSHAKE_TIMEOUT_S = 30.0  # an outsider that connects and says nothing is dropped after it
+# A connection that has not proved the secret is dropped after this long in all (however
+# slowly it trickles bytes), and at most this many are served at once: a flood of them
+# from anyone who reaches the port never starves the job's own ranks of threads, and
+# those beyond it are closed at once
+HANDSHAKE_TIMEOUT_S = 10.0
+MAX_UNPROVEN = 64
 SECRET_MIN_BYTES = 16
 _LEN = struct.Struct("!I")
 _MAX_FRAME = 1 << 30
@@ -48,9 +54,15 @@ def _check_secret(secret: bytes) -> bytes:
     return secret
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
+    """`n` bytes; with `deadline` (monotonic), a `TimeoutError` once it passes."""
     chunks, left = [], n
     while left:
+        if deadline is not None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError("the store handshake took too long")
+            sock.settimeout(remaining)
         chunk = sock.recv(left)
         if not chunk:
             raise ConnectionError("the store connection closed")
@@ -77,58 +89,6 @@ def _recv_fields(sock: socket.socket) -> list[bytes]:
     return fields
 
 
-class KeyTable:
-    """Keys and values with blocking waits; the semantics of torch's `Store`."""
-
-    def __init__(self) -> None:
-        self._data: dict[str, bytes] = {}
-        self._changed = threading.Condition()
-
-    def set(self, key: str, value: bytes) -> None:
-        with self._changed:
-            self._data[key] = value
-            self._changed.notify_all()
-
-    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
-        with self._changed:
-            current = self._data.get(key)
-            if (current is None and expected == b"") or current == expected:
-                self._data[key] = desired
-                self._changed.notify_all()
-                return desired
-            return current if current is not None else expected
-
-    def add(self, key: str, amount: int) -> int:
-        with self._changed:
-            value = int(self._data.get(key, b"0")) + amount
-            self._data[key] = str(value).encode()
-            self._changed.notify_all()
-            return value
-
-    def wait(self, keys: Sequence[str], timeout_s: float) -> bool:
-        with self._changed:
-            return self._changed.wait_for(lambda: all(k in self._data for k in keys),
-                                          timeout_s)
-
-    def get(self, key: str, timeout_s: float) -> bytes | None:
-        with self._changed:
-            if not self._changed.wait_for(lambda: key in self._data, timeout_s):
-                return None
-            return self._data[key]
-
-    def check(self, keys: Sequence[str]) -> bool:
-        with self._changed:
-            return all(k in self._data for k in keys)
-
-    def delete_key(self, key: str) -> bool:
-        with self._changed:
-            return self._data.pop(key, None) is not None
-
-    def num_keys(self) -> int:
-        with self._changed:
-            return len(self._data)
-
-
 class JobStoreServer:
     """Serves a `KeyTable` on `host:port` to clients that prove `secret`.
 
@@ -138,10 +98,16 @@ class JobStoreServer:
         port: the port; 0 picks a free one (`self.port` says which).
     """
 
-    def __init__(self, host: str, secret: bytes | str, port: int = 0) -> None:
+    def __init__(self, host: str, secret: bytes | str, port: int = 0,
+                 handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
+                 max_unproven: int = MAX_UNPROVEN) -> None:
         self._secret = _check_secret(secret)
         self.table = KeyTable()
-        self.refused = 0  # connections dropped for a missing or wrong proof
+        self.refused = 0  # connections dropped for a missing or wrong proof, or too many
+        self.unproven = 0  # connections that have not proved the secret yet
+        self._handshake_timeout_s = handshake_timeout_s
+        self._max_unproven = max_unproven
+        self._count_lock = threading.Lock()
         self._sock = socket.create_server((host, port), reuse_port=False)
         self.host, self.port = host, self._sock.getsockname()[1]
         self._closed = False
@@ -158,20 +124,45 @@ class JobStoreServer:
         self._sock.close()
 
     def _accept(self) -> None:
+        """Accepts until closed. Nothing a connection does stops it: too many unproven
+        ones are closed at once, and a failure to accept (no file descriptors left) or to
+        start a thread (none left) drops that one connection and goes on."""
         while not self._closed:
             try:
                 conn, _ = self._sock.accept()
             except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+                if self._closed:
+                    return
+                time.sleep(0.05)  # EMFILE and the like: later accepts may succeed
+                continue
+            with self._count_lock:
+                full = self.unproven >= self._max_unproven
+                if not full:
+                    self.unproven += 1
+            if full:
+                self.refused += 1
+                conn.close()
+                continue
+            try:
+                threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            except RuntimeError:  # can't start new thread
+                self._proven_or_dropped()
+                self.refused += 1
+                conn.close()
+                time.sleep(0.05)
+
+    def _proven_or_dropped(self) -> None:
+        with self._count_lock:
+            self.unproven -= 1
 
     def _serve(self, conn: socket.socket) -> None:
         with conn:
             try:
-                conn.settimeout(HANDSHAKE_TIMEOUT_S)
                 proved = self._handshake(conn)
             except (ConnectionError, OSError):
                 proved = False
+            finally:
+                self._proven_or_dropped()
             if not proved:
                 self.refused += 1
                 return
@@ -183,10 +174,12 @@ class JobStoreServer:
                 return
 
     def _handshake(self, conn: socket.socket) -> bool:
+        deadline = time.monotonic() + self._handshake_timeout_s
+        conn.settimeout(self._handshake_timeout_s)
         server_nonce = os.urandom(NONCE_BYTES)
         conn.sendall(MAGIC + server_nonce)
-        client_nonce = _recv_exact(conn, NONCE_BYTES)
-        proof = _recv_exact(conn, hashlib.sha256().digest_size)
+        client_nonce = _recv_exact(conn, NONCE_BYTES, deadline)
+        proof = _recv_exact(conn, hashlib.sha256().digest_size, deadline)
         if not hmac.compare_digest(proof, _proof(self._secret, b"client", server_nonce,
                                                  client_nonce)):
             return False
@@ -293,13 +286,24 @@ class JobStoreClient:
             raise StoreAuthError(f"the store at {self.host}:{self.port} does not know "
                                  "this job's secret; it is not this job's store")
 
-    def _request(self, *fields: bytes) -> list[bytes]:
+    def _request(self, *fields: bytes, wait_s: float = 0.0) -> list[bytes]:
+        """One request and its answer, within the store's timeout beyond the `wait_s` the
+        server itself may wait (`get`, `wait`): a rank 0 whose host vanished mid-request
+        (no FIN, no RST) is a `ConnectionError` then, not a wait that never ends."""
         sock = getattr(self._local, "sock", None)
         if sock is None:
             sock = self._local.sock = self._connect()
         try:
+            sock.settimeout(self.timeout_s + wait_s)
             _send_fields(sock, fields)
             return _recv_fields(sock)
+        except TimeoutError as exc:
+            self._local.sock = None
+            sock.close()
+            raise ConnectionError(
+                f"the job's store at {self.host}:{self.port} did not answer within "
+                f"{self.timeout_s + wait_s:.0f}s; rank 0 stalled or its host is unreachable"
+            ) from exc
         except OSError as exc:
             self._local.sock = None
             sock.close()
@@ -316,7 +320,8 @@ class JobStoreClient:
         self._request(b"set", key.encode(), _as_bytes(value))
 
     def get(self, key: str) -> bytes:
-        reply = self._request(b"get", key.encode(), repr(self.timeout_s).encode())
+        reply = self._request(b"get", key.encode(), repr(self.timeout_s).encode(),
+                              wait_s=self.timeout_s)
         if reply[0] == _MISSING:
             raise RendezvousTimeout(f"rendezvous key {key!r} did not appear within "
                                     f"{self.timeout_s:.0f}s; a worker did not start or died")
@@ -331,7 +336,8 @@ class JobStoreClient:
 
     def wait(self, keys: Sequence[str], timeout_s: float | None = None) -> None:
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        reply = self._request(b"wait", repr(timeout_s).encode(), *(k.encode() for k in keys))
+        reply = self._request(b"wait", repr(timeout_s).encode(), *(k.encode() for k in keys),
+                              wait_s=timeout_s)
         if reply[0] == _MISSING:
             raise RendezvousTimeout(f"rendezvous keys {list(keys)} did not all appear within "
                                     f"{timeout_s:.0f}s; a worker did not start or died")

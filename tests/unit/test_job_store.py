@@ -135,3 +135,116 @@ def test_env_rendezvous_needs_a_secret_unless_the_store_is_on_loopback():
     given = rendezvous_from_env({**env, "RAYTRAIN_X_STORE_ADDR": "10.0.0.5",
                                  "RAYTRAIN_X_STORE_SECRET": SECRET})
     assert given.store.secret == SECRET
+
+
+def test_a_flood_of_unproven_connections_is_capped_and_the_job_still_gets_in():
+    """Anyone who reaches rank 0's port could hold a thread per connection for 30 s, with
+    no cap: the extra ones are now closed at once, and the job's clients still connect."""
+    server = JobStoreServer("127.0.0.1", SECRET, max_unproven=8, handshake_timeout_s=30)
+    flood = [socket.create_connection((server.host, server.port), timeout=5)
+             for _ in range(40)]
+    try:
+        deadline = time.monotonic() + 10
+        while server.refused < 32 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert server.unproven <= 8 and server.refused >= 32
+        assert flood[-1].recv(100) == b""  # one beyond the cap: closed at once
+        for raw in flood[:8]:  # those served only wait for their handshake
+            raw.close()
+        client = _client(server, timeout_s=5)
+        client.set("k", b"v")
+        assert client.get("k") == b"v"
+    finally:
+        for raw in flood:
+            raw.close()
+        server.close()
+
+
+def test_an_unproven_connection_is_dropped_after_the_handshake_timeout_however_it_trickles():
+    server = JobStoreServer("127.0.0.1", SECRET, handshake_timeout_s=1.0)
+    try:
+        with socket.create_connection((server.host, server.port), timeout=5) as raw:
+            raw.recv(len(MAGIC) + 32)
+            began = time.monotonic()
+            closed = False
+            while time.monotonic() - began < 5 and not closed:
+                try:
+                    raw.sendall(b"\x00")  # a byte at a time, never a whole proof
+                    raw.settimeout(0.2)
+                    closed = raw.recv(1) == b""
+                except TimeoutError:
+                    pass
+                except OSError:
+                    closed = True
+            assert closed and time.monotonic() - began < 3
+    finally:
+        server.close()
+
+
+def test_a_failed_thread_start_drops_one_connection_and_the_store_keeps_accepting(monkeypatch):
+    """A `RuntimeError` from starting a connection's thread ended the accept loop for good:
+    every later rank got `RendezvousTimeout`."""
+    server = JobStoreServer("127.0.0.1", SECRET)
+    start = threading.Thread.start
+    failed = []
+
+    def once(self):
+        if self.name != "raytrain-x-store" and not failed:
+            failed.append(self)
+            raise RuntimeError("can't start new thread")
+        return start(self)
+
+    try:
+        monkeypatch.setattr(threading.Thread, "start", once)
+        with socket.create_connection((server.host, server.port), timeout=5) as raw:
+            raw.settimeout(5)
+            assert raw.recv(100) == b""  # that one is dropped
+        monkeypatch.setattr(threading.Thread, "start", start)
+        client = _client(server, timeout_s=5)
+        client.set("k", b"v")
+        assert client.get("k") == b"v" and failed
+    finally:
+        server.close()
+
+
+def _serve_forever(port_file: str) -> None:
+    server = JobStoreServer("127.0.0.1", SECRET)
+    with open(port_file + ".tmp", "w") as f:
+        f.write(str(server.port))
+    import os
+
+    os.replace(port_file + ".tmp", port_file)
+    while True:
+        time.sleep(1)
+
+
+def test_a_request_to_a_rank_0_that_vanished_mid_request_ends_within_the_timeout(tmp_path):
+    """After its handshake the client set no timeout: a rank 0 whose host vanished (no FIN:
+    here the server process is stopped, SIGSTOP) held group creation forever."""
+    import multiprocessing
+    import os
+    import signal
+
+    port_file = str(tmp_path / "port")
+    proc = multiprocessing.get_context("spawn").Process(target=_serve_forever,
+                                                        args=(port_file,), daemon=True)
+    proc.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(port_file) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        port = int(open(port_file).read())
+        client = JobStoreClient("127.0.0.1", port, SECRET, timeout_s=1.0)
+        client.set("k", b"v")  # connected and proved
+        os.kill(proc.pid, signal.SIGSTOP)
+        while open(f"/proc/{proc.pid}/stat").read().split(") ")[1][0] != "T":
+            time.sleep(0.01)  # stopped: it answers nothing from here on
+        began = time.monotonic()
+        with pytest.raises(ConnectionError, match="did not answer within 1s"):
+            client.set("k", b"w")
+        assert time.monotonic() - began < 5
+        with pytest.raises((ConnectionError, RendezvousTimeout)):
+            client.get("k")  # its own wait plus the timeout, then the same
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(10)

@@ -1,0 +1,59 @@
+"""The job store's keys and values, with blocking waits (torch's `Store` semantics): what
+`JobStoreServer` serves, apart from how it is reached."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+
+class KeyTable:
+    """Keys and values with blocking waits; the semantics of torch's `Store`."""
+
+    def __init__(self) -> None:
+        self._data: dict[str, bytes] = {}
+        self._changed = threading.Condition()
+
+    def set(self, key: str, value: bytes) -> None:
+        with self._changed:
+            self._data[key] = value
+            self._changed.notify_all()
+
+    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        with self._changed:
+            current = self._data.get(key)
+            if (current is None and expected == b"") or current == expected:
+                self._data[key] = desired
+                self._changed.notify_all()
+                return desired
+            return current if current is not None else expected
+
+    def add(self, key: str, amount: int) -> int:
+        with self._changed:
+            value = int(self._data.get(key, b"0")) + amount
+            self._data[key] = str(value).encode()
+            self._changed.notify_all()
+            return value
+
+    def wait(self, keys: Sequence[str], timeout_s: float) -> bool:
+        with self._changed:
+            return self._changed.wait_for(lambda: all(k in self._data for k in keys),
+                                          timeout_s)
+
+    def get(self, key: str, timeout_s: float) -> bytes | None:
+        with self._changed:
+            if not self._changed.wait_for(lambda: key in self._data, timeout_s):
+                return None
+            return self._data[key]
+
+    def check(self, keys: Sequence[str]) -> bool:
+        with self._changed:
+            return all(k in self._data for k in keys)
+
+    def delete_key(self, key: str) -> bool:
+        with self._changed:
+            return self._data.pop(key, None) is not None
+
+    def num_keys(self) -> int:
+        with self._changed:
+            return len(self._data)
