@@ -236,6 +236,7 @@ ShmGroup::ShmGroup(const std::string &name, int rank, int size, std::size_t slot
 
 ShmGroup::~ShmGroup() {
     if (base_ != nullptr) munmap(base_, mapped_bytes_);
+    unlink();  // a creator dropped before the others mapped it: its name goes with it
 }
 
 void ShmGroup::unlink() {

@@ -12,7 +12,9 @@ hierarchical allreduce and allgather; a process set whose members share a host o
 of its own. A group is opened collectively at engine start; if any rank cannot
 create, open or see its peers (no /dev/shm, separate PID namespaces, `RAYTRAIN_X_SHM=0` on
 some rank), every rank keeps using gloo. The segment's name is removed as soon as all
-ranks have mapped it, so a crash never leaves it behind in /dev/shm.
+ranks have mapped it, and by its creator on every way out of the opening (a peer that dies
+mid-vote, an error), so /dev/shm keeps no name of it unless its creator itself is killed in
+the moment between creating and the others' mapping it.
 """
 
 from __future__ import annotations
@@ -67,14 +69,16 @@ def _open_for(comm: Group, timeout_s: float) -> _native.ShmGroup | None:
     group, reason = None, ""
     if comm.rank == 0:
         group, reason = _open(name, comm.rank, comm.size, True, timeout_s)
-    if not comm.vote_all(comm.rank != 0 or group is not None):
-        return _give_up(comm.rank, reason or "rank 0 could not create the segment")
-    if comm.rank != 0:
-        group, reason = _open(name, comm.rank, comm.size, False, timeout_s)
-    opened = comm.vote_all(group is not None)
-    visible = opened and comm.vote_all(group.peers_visible())
-    if group is not None:
-        group.unlink()  # everyone has mapped it (or given up): drop the name now
+    try:
+        if not comm.vote_all(comm.rank != 0 or group is not None):
+            return _give_up(comm.rank, reason or "rank 0 could not create the segment")
+        if comm.rank != 0:
+            group, reason = _open(name, comm.rank, comm.size, False, timeout_s)
+        opened = comm.vote_all(group is not None)
+        visible = opened and comm.vote_all(group.peers_visible())
+    finally:
+        if group is not None:
+            group.unlink()  # everyone has mapped it, given up or died: drop the name now
     if not visible:
         reason = reason or ("a rank could not open the segment" if not opened
                             else "ranks cannot see each other's processes")

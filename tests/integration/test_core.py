@@ -75,3 +75,35 @@ def test_objects_are_broadcast_and_gathered_whatever_type_each_rank_passes():
     others and a dict on the root never met (a stall)."""
     for out in run_workers(_objects_of_any_type, 2, work_s=30):
         assert out == {"config": {"lr": 0.1}, "mixed": [{"rank": 0}, [1]], "named": 3.5}
+
+
+def _peer_dies_while_shared_memory_opens() -> dict:
+    import glob
+    import os
+
+    from raytrain_x import core
+    from raytrain_x.comm import shm
+    from raytrain_x.core import runtime
+
+    core.init()  # without shared memory of its own (RAYTRAIN_X_SHM=0), then with it
+    os.environ["RAYTRAIN_X_SHM"] = "1"
+    comm = runtime.engine().groups.world
+    if core.rank() == 1:  # takes the segment's name, then dies before mapping it
+        comm.vote_all(True)
+        comm.broadcast_object(None)
+        os._exit(0)
+    try:
+        shm.open_group(comm, 5.0)
+        outcome = "opened"
+    except Exception as exc:  # noqa: BLE001 - the peer's death, as the engine meets it
+        outcome = type(exc).__name__
+    return {"outcome": outcome, "left": glob.glob(f"/dev/shm/rtx-{os.getpid()}-*")}
+
+
+def test_a_peer_dying_while_shared_memory_opens_leaves_nothing_in_dev_shm():
+    """The creator's vote failed and skipped the unlink: each such start left a segment
+    (Docker's default 64 MiB /dev/shm fills after a few)."""
+    results = run_workers(_peer_dies_while_shared_memory_opens, 2, allow_failures=True,
+                          env={"RAYTRAIN_X_SHM": "0", "RAYTRAIN_X_TIMEOUT": "5"}, work_s=30)
+    assert results[0]["outcome"] == "InternalError", results
+    assert results[0]["left"] == [], results
