@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -22,53 +21,11 @@ from raytrain_x.common.settings import (
 )
 from raytrain_x.ray import metrics
 from raytrain_x.ray.autotune_actor import knob_env, start_autotune
+from raytrain_x.ray.connect import Settings, ensure_ray, job_name
 from raytrain_x.ray.elastic import ElasticJob, ElasticSettings
 from raytrain_x.ray.metrics import DriverMetrics
 from raytrain_x.ray.placement import Slot, validate_shape
 from raytrain_x.ray.static_job import StaticJob, StaticShape
-
-
-@dataclass
-class Settings:
-    """Executor timeouts.
-
-    Attributes:
-        timeout_s: rendezvous and collective timeout; after one rank fails, the others are
-            given this long to stop before they are killed.
-        placement_group_timeout_s: how long to wait for the cluster to fit the workers.
-    """
-
-    timeout_s: float = TIMEOUT_S.default
-    placement_group_timeout_s: float = 100.0
-
-
-def ensure_ray(address: str | None = None, **init_kwargs: Any) -> None:
-    """Connects to Ray: `address`, else a running cluster (`auto`), else a local one.
-
-    Args:
-        address: a Ray address (`auto`, `ray://...`, `host:port`, `local`); None tries a running
-            cluster, then starts a local one.
-    """
-    if ray.is_initialized():
-        return
-    if address:
-        ray.init(address=address, **init_kwargs)
-        return
-    try:
-        ray.init(address="auto", **init_kwargs)
-    except ConnectionError:
-        ray.init(**init_kwargs)
-
-
-_executors_started = 0  # in this process: numbers the default job names
-
-
-def job_name() -> str:
-    """`RAYTRAIN_X_JOB_NAME`, else the Ray job's id and this executor's number in it
-    (`02000000.1`): distinct for every executor a driver (or a Tune trial) starts."""
-    global _executors_started
-    _executors_started += 1
-    return JOB_NAME.read() or f"{ray.get_runtime_context().get_job_id()}.{_executors_started}"
 
 
 class RayExecutor:
@@ -235,9 +192,24 @@ class RayExecutor:
     def start(self, executable_cls: type | None = None, executable_args: Sequence | None = None,
               executable_kwargs: dict | None = None,
               extra_env_vars: dict[str, str] | None = None) -> None:
-        """Places the workers, forms the world's rendezvous and builds the executables."""
+        """Places the workers, forms the world's rendezvous and builds the executables. A
+        start that fails frees what it had started (workers, placement group, autotune
+        actor, metrics) before it raises, and the executor can be started again."""
         if self._static is not None or self._elastic_env is not None:
             raise ConfigError("this executor is already started; call shutdown() first")
+        bad = {k: v for k, v in (extra_env_vars or {}).items()
+               if not isinstance(k, str) or not isinstance(v, str)}
+        if bad:
+            raise ConfigError(f"extra_env_vars takes strings, as os.environ does; got {bad} "
+                              "(pass str(value))")
+        try:
+            self._start(executable_cls, executable_args, executable_kwargs, extra_env_vars)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start(self, executable_cls: type | None, executable_args: Sequence | None,
+               executable_kwargs: dict | None, extra_env_vars: dict[str, str] | None) -> None:
         ensure_ray()
         self.name = self.name or job_name()
         # the workers export metrics where the driver does, under the job's name

@@ -85,7 +85,7 @@ class StaticJob:
                 shape.num_workers_per_host, shape.cpus_per_worker, shape.gpus,
                 shape.placement_group_timeout_s, shape.resources_per_worker)
             self._owns_pg = True
-        workers = [
+        self.workers = workers = [  # held at once: a failed start kills what it started
             Worker.options(
                 num_cpus=shape.cpus_per_worker, num_gpus=shape.gpus,
                 resources=shape.resources_per_worker or None,
@@ -108,8 +108,15 @@ class StaticJob:
         ])
 
     def create_executables(self, cls: type, args: Sequence, kwargs: dict) -> None:
-        ray.get([w.create_executable.remote(cls, tuple(args), dict(kwargs))
-                 for w in self.workers])
+        """Builds `cls(*args, **kwargs)` on every worker; the first failure, as the
+        `WorkerError` of its rank."""
+        refs = [w.create_executable.remote(cls, tuple(args), dict(kwargs))
+                for w in self.workers]
+        for rank, ref in enumerate(refs):
+            try:
+                ray.get(ref)
+            except (RayActorError, RayTaskError) as exc:
+                raise worker_error(rank, exc) from None
 
     def _rendezvous_args(self, slot: Slot) -> dict[str, Any]:
         return {"rank": slot.rank, "size": len(self.slots), "local_rank": slot.local_rank,

@@ -126,6 +126,49 @@ def test_bad_arguments(ray_cluster):
         executor.start()
 
 
+class _FailsToBuild:
+    def __init__(self) -> None:
+        raise RuntimeError("no model today")
+
+
+def _leftovers() -> tuple[list, set]:
+    """Placement groups not removed, and live actors of an executor's classes."""
+    import ray
+
+    from raytrain_x.ray import internals
+
+    groups = [pg["placement_group_id"] for pg in ray.util.placement_group_table().values()
+              if pg["state"] != "REMOVED"]
+    return groups, set().union(*(internals.alive_actor_ids(c) for c in
+                                 ("WorkerActor", "StoreActor", "BackgroundController")))
+
+
+def test_a_failed_start_leaves_nothing_and_can_start_again(ray_cluster):
+    """A start that failed leaked its placement group, workers and autotune actor, and the
+    next `start()` said "already started"; in a `with` block `__exit__` never ran."""
+    from raytrain_x.common.autotune_config import AutotuneConfig
+
+    before = _leftovers()
+    with pytest.raises(ConfigError, match="extra_env_vars takes strings"):
+        RayExecutor(num_workers=2).start(extra_env_vars={"X": 1})
+    executor = RayExecutor(num_workers=2)
+    with pytest.raises(WorkerError, match="no model today"):
+        executor.start(executable_cls=_FailsToBuild)  # after the workers and their group
+    assert executor.workers == []
+    assert _leftovers() == before
+    with pytest.raises(Exception, match="could not place 50 workers"):
+        with RayExecutor(RayExecutor.create_settings(placement_group_timeout_s=2),
+                         num_workers=50, autotune=AutotuneConfig()):
+            pass  # never: the placement fails in __enter__
+    assert _leftovers() == before
+    executor.start()  # the same executor again, as if it had never started
+    try:
+        assert [r["sum"] for r in executor.run(_identity, args=("again",))] == [1.0, 1.0]
+    finally:
+        executor.shutdown()
+    assert _leftovers() == before
+
+
 def test_num_hosts_spreads_over_nodes_with_cross_ranks(elastic_nodes):
     from tests.conftest import ELASTIC_RESOURCE
 
