@@ -31,6 +31,14 @@ class InternalError(RaytrainXError, RuntimeError):
     """A peer or the transport failed; elastic training restores the last commit."""
 
 
+class LocalError(RaytrainXError, RuntimeError):
+    """This rank's engine failed on its own (a full disk under the timeline, out of memory
+    in a fusion buffer, a bug), not because a peer did: raised as itself, never taken for
+    a lost peer. An elastic job does not retry it in place; its peers lose this rank and
+    recover, the driver sees the real cause, and a job whose every rank meets it stops with
+    it. The error it wraps is its `__cause__`."""
+
+
 class WorkerError(RaytrainXError):
     """A worker's function raised or its process exited; carries the rank and traceback.
 
@@ -123,6 +131,7 @@ __all__ = [
     "TensorMismatchError",
     "UnsupportedOperationError",
     "InternalError",
+    "LocalError",
     "WorkerError",
     "HostsUpdatedInterrupt",
     "RendezvousTimeout",
@@ -130,6 +139,14 @@ __all__ = [
     "ResetLimitExceeded",
     "ElasticTimeout",
 ]
+
+
+def local_error(exc: BaseException) -> LocalError:
+    """`exc`, raised in this rank's own engine, as a `LocalError` chained to it."""
+    error = LocalError(f"this rank failed on its own (not a lost peer): "
+                       f"{type(exc).__name__}: {exc}")
+    error.__cause__ = exc
+    return error
 
 
 def drop_tracebacks(exc: BaseException) -> None:

@@ -25,6 +25,7 @@ from raytrain_x.common.errors import (
     RaytrainXError,
     TensorMismatchError,
     drop_tracebacks,
+    local_error,
 )
 from raytrain_x.common.knobs import Knobs
 from raytrain_x.engine.execution import CollectiveRunner
@@ -228,7 +229,7 @@ class Engine:
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the handles
             if not isinstance(exc, RaytrainXError):
                 log.exception("raytrain-x engine failed")
-                exc = InternalError(f"the raytrain-x engine failed: {exc!r}")
+                exc = local_error(exc)
             self._error = exc
             drop_tracebacks(exc)  # the failed call's frames hold its groups: let them close
             self._transport.abort()  # peers waiting on this rank fail now, not at the timeout
@@ -376,8 +377,7 @@ class Engine:
             self._runner.stream.close_batch(
                 lambda err: self._complete(batch, requests, results, err))
         except BaseException as exc:
-            error = exc if isinstance(exc, RaytrainXError) else InternalError(
-                f"the raytrain-x engine failed: {exc!r}")
+            error = exc if isinstance(exc, RaytrainXError) else local_error(exc)
             raise
         finally:
             if not handed:

@@ -8,21 +8,38 @@ import threading
 import time
 from typing import Any
 
+_END = "{}]\n"
+_ORIGIN = time.perf_counter()  # every engine of this process on one time axis
+_engines: dict[str, int] = {}  # path -> engines of this process that wrote it
+
 
 class Timeline:
-    """Streams complete ('X') events, one row per tensor name, to a JSON array file."""
+    """Streams complete ('X') events, one row per tensor name, to a JSON array file. A
+    later engine of the same process (`init()` again, an elastic reset) adds its events
+    to the file as a process of its own ("raytrain-x rank 0, engine 2"), so the trace of
+    the round that failed stays."""
 
     def __init__(self, path: str | os.PathLike, mark_cycles: bool = False) -> None:
         self.path = os.fspath(path)
         self.mark_cycles = mark_cycles
-        self._file = open(path, "w")  # noqa: SIM115 - closed in close()
+        key = os.path.abspath(self.path)
+        self._pid = _engines.get(key, 0)
+        _engines[key] = self._pid + 1
+        self._file = open(path, "w" if self._pid == 0 else "r+")  # noqa: SIM115 - close()
+        if self._pid:  # reopen the array where the engine before closed it
+            end = self._file.seek(0, os.SEEK_END)
+            self._file.seek(max(0, end - len(_END)))
+            if self._file.read() == _END:
+                self._file.seek(end - len(_END))
+                self._file.truncate()
         self._rows: dict[str, int] = {}
         self._lock = threading.Lock()
-        self._origin = time.perf_counter()
-        start = {"name": "process_name", "ph": "M", "pid": 0,
-                 "args": {"name": "raytrain-x rank 0",
+        self._origin = _ORIGIN
+        name = "raytrain-x rank 0" + (f", engine {self._pid + 1}" if self._pid else "")
+        start = {"name": "process_name", "ph": "M", "pid": self._pid,
+                 "args": {"name": name,
                           "start_time_since_epoch_in_micros": int(time.time() * 1e6)}}
-        self._file.write("[\n" + json.dumps(start) + ",\n")
+        self._file.write(("[\n" if self._pid == 0 else "") + json.dumps(start) + ",\n")
 
     def now(self) -> float:
         return time.perf_counter()
@@ -35,10 +52,10 @@ class Timeline:
             tid = self._rows.get(row)
             if tid is None:
                 tid = self._rows[row] = len(self._rows) + 1
-                meta = {"name": "thread_name", "ph": "M", "pid": 0, "tid": tid,
+                meta = {"name": "thread_name", "ph": "M", "pid": self._pid, "tid": tid,
                         "args": {"name": row}}
                 self._file.write(json.dumps(meta) + ",\n")
-            event = {"name": activity, "ph": "X", "pid": 0, "tid": tid,
+            event = {"name": activity, "ph": "X", "pid": self._pid, "tid": tid,
                      "ts": round((start - self._origin) * 1e6, 1),
                      "dur": round((end - start) * 1e6, 1)}
             if args:
@@ -58,14 +75,14 @@ class Timeline:
             return
         with self._lock:
             if not self._file.closed:
-                event = {"name": "CYCLE_START", "ph": "i", "s": "g", "pid": 0, "tid": 0,
+                event = {"name": "CYCLE_START", "ph": "i", "s": "g", "pid": self._pid, "tid": 0,
                          "ts": round((at - self._origin) * 1e6, 1)}
                 self._file.write(json.dumps(event) + ",\n")
 
     def close(self) -> None:
         with self._lock:
             if not self._file.closed:
-                self._file.write("{}]\n")
+                self._file.write(_END)
                 self._file.close()
 
 

@@ -198,6 +198,49 @@ def test_timeline_is_written_on_rank_0(tmp_path, transport):
         assert not copies & names
 
 
+def _two_engines(path: str) -> None:
+    import raytrain_x.torch as rx
+
+    for engine in range(2):  # init() again after shutdown(), as an elastic reset does
+        rx.init()
+        rx.allreduce(torch.ones(4), name=f"engine{engine}")
+        rx.shutdown()
+
+
+def test_a_later_engine_adds_to_the_timeline_and_keeps_the_one_before(tmp_path):
+    """Each new engine reopened the timeline with "w": the trace of the round that failed
+    was erased by the next."""
+    path = tmp_path / "timeline.json"
+    run_workers(_two_engines, 2, str(path), env={"RAYTRAIN_X_TIMELINE": str(path)})
+    events = json.loads(path.read_text())
+    processes = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    assert processes == {0: "raytrain-x rank 0", 1: "raytrain-x rank 0, engine 2"}
+    rows = {(e["pid"], e["args"]["name"]) for e in events if e.get("name") == "thread_name"}
+    assert {(0, "allreduce.engine0"), (1, "allreduce.engine1")} <= rows
+
+
+def _full_disk_under_the_timeline() -> str:
+    import raytrain_x.torch as rx
+
+    rx.init()
+    try:
+        for i in range(10_000):  # until rank 0's timeline flushes to the full disk
+            rx.allreduce(torch.ones(4), name=f"step{i}")
+    except Exception as exc:  # noqa: BLE001 - what each rank meets, by type
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_a_local_error_is_raised_as_itself_and_the_peer_loses_a_peer():
+    """A full disk under rank 0's timeline was an `InternalError`, a lost peer: an elastic
+    job reset forever on it, and the real culprit was ranked last."""
+    out = run_workers(_full_disk_under_the_timeline, 2, work_s=60,
+                      env={"RAYTRAIN_X_TIMELINE": "/dev/full", "RAYTRAIN_X_SHM": "0"})
+    assert out[0].startswith("LocalError: this rank failed on its own"), out
+    assert "No space left on device" in out[0], out
+    assert out[1].startswith("InternalError"), out  # the peer: a lost peer, as before
+
+
 def _bad_calls() -> list[str]:
     import raytrain_x.torch as rx
 
