@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
 from raytrain_x import ConfigError
 from raytrain_x.ray.elastic.blacklist import Blacklist, cooldown_seconds
-from raytrain_x.ray.elastic.discovery import ScriptDiscovery, parse_host_slots, slots_from_resources
+from raytrain_x.ray.elastic.discovery import (
+    DiscoveryHealth,
+    ScriptDiscovery,
+    parse_host_slots,
+    slots_from_resources,
+)
 
 
 def test_cooldown_doubles_from_lo_and_caps_at_hi():
@@ -70,7 +76,87 @@ def test_script_must_exist_and_be_executable(tmp_path):
     failing.write_text("#!/bin/sh\necho oops >&2\nexit 3\n")
     failing.chmod(0o755)
     with pytest.raises(ConfigError, match="exited with 3: oops"):
-        ScriptDiscovery(str(failing)).hosts()
+        ScriptDiscovery(str(failing)).hosts()  # before any success: the script is wrong
+
+
+def _script(tmp_path, body: str):
+    script = tmp_path / "hosts.sh"
+    script.write_text("#!/bin/sh\n" + body)
+    script.chmod(0o755)
+    return str(script)
+
+
+def _until(discovery: ScriptDiscovery, expected, seconds: float = 20.0) -> dict:
+    deadline = time.monotonic() + seconds
+    hosts = discovery.hosts()
+    while hosts != expected and time.monotonic() < deadline:
+        time.sleep(0.05)
+        hosts = discovery.hosts()
+    return hosts
+
+
+def test_a_discovery_failure_after_a_success_keeps_the_last_hosts_and_warns(tmp_path,
+                                                                             caplog):
+    """One failed run of the script (a timeout, an exit code, a bad line) stopped a running
+    elastic job: every in-memory commit was lost."""
+    mode = tmp_path / "mode"
+    mode.write_text("ok")
+    script = _script(tmp_path, f"""m=$(cat {mode})
+[ "$m" = fail ] && {{ echo 'cloud API down' >&2; exit 3; }}
+[ "$m" = junk ] && {{ echo 'not a host line'; exit 0; }}
+[ "$m" = more ] && {{ echo a:2; echo b:2; exit 0; }}
+echo a:2
+""")
+    discovery = ScriptDiscovery(script)
+    assert discovery.hosts() == {"a": 2}
+    for broken in ("fail", "junk"):
+        mode.write_text(broken)
+        deadline = time.monotonic() + 20
+        while discovery.health.failures < 3 and time.monotonic() < deadline:
+            assert discovery.hosts() == {"a": 2}  # the last hosts stand meanwhile
+            time.sleep(0.05)
+        assert discovery.health.failures >= 3
+        mode.write_text("more" if broken == "junk" else "ok")
+        deadline = time.monotonic() + 20
+        while discovery.health.failures and time.monotonic() < deadline:
+            discovery.hosts()  # until a run after the fix has succeeded
+            time.sleep(0.05)
+        assert discovery.health.failures == 0
+    assert _until(discovery, {"a": 2, "b": 2}) == {"a": 2, "b": 2}
+    warnings = [r.getMessage() for r in caplog.records if "keeping the 1 host" in r.getMessage()]
+    assert any("exited with 3: cloud API down" in w for w in warnings), warnings
+    assert any("is not 'host:slots'" in w for w in warnings), warnings
+
+
+def test_a_discovery_script_failing_for_too_long_stops_the_job_naming_it():
+    clock = [0.0]
+    health = DiscoveryHealth(failing_for_s=60)
+    with pytest.raises(ConfigError, match="exited with 1"):  # before any success: fatal
+        health.failed(ConfigError("script exited with 1"), clock[0])
+    health.succeeded({"a": 1})
+    assert health.failed(ConfigError("script exited with 1"), 10.0).startswith(
+        "script exited with 1; keeping the 1 host(s)")
+    assert health.failed(ConfigError("script exited with 1"), 11.0) is None  # not every run
+    with pytest.raises(ConfigError, match="failing every run for 61s"):
+        health.failed(ConfigError("script exited with 1"), 71.0)
+    health.succeeded({"a": 1})  # a success starts the count again
+    assert health.failed(ConfigError("x"), 200.0) is not None
+
+
+def test_a_slow_discovery_script_never_holds_up_the_driver(tmp_path):
+    """The driver ran the script inline every second: a slow one blocked the loop up to
+    its 30 s timeout."""
+    first = tmp_path / "first"
+    script = _script(tmp_path, f"""[ -e {first} ] && sleep 5
+touch {first}
+echo a:1
+""")
+    discovery = ScriptDiscovery(script)
+    assert discovery.hosts() == {"a": 1}  # the first run is waited for
+    began = time.monotonic()
+    for _ in range(5):
+        assert discovery.hosts() == {"a": 1}
+    assert time.monotonic() - began < 1.0
 
 
 def test_slots_from_resources():

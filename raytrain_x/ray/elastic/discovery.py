@@ -3,13 +3,18 @@ Ray's own nodes are discovered in `raytrain_x.ray.elastic.ray_nodes`."""
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import subprocess
-from collections.abc import Mapping
+import threading
+import time
+from collections.abc import Callable, Mapping
 
 from raytrain_x.common.errors import ConfigError
 from raytrain_x.common.settings import TIMEOUT_S
+
+log = logging.getLogger("raytrain_x.elastic")
 
 
 def parse_host_slots(text: str, source: str = "discovery script") -> dict[str, int]:
@@ -27,11 +32,55 @@ def parse_host_slots(text: str, source: str = "discovery script") -> dict[str, i
     return hosts
 
 
+# After the script's first success, how long it may keep failing (every run) before the job
+# stops: a script that reads a cloud API meets its outages, and the hosts it last reported
+# are used meanwhile; a script broken for good still stops the job, naming its error
+FAILING_FOR_S = 300.0
+WARN_EVERY = 10  # a warning at the first failure in a row, then every this many
+
+
+class DiscoveryHealth:
+    """What a failed run of the discovery script means (pure; the clock is passed in):
+    before any success, a `ConfigError` (nothing to go on: the script or its setup is
+    wrong); after one, the last hosts stand, with a warning, until it has failed for
+    `failing_for_s` in a row."""
+
+    def __init__(self, failing_for_s: float = FAILING_FOR_S) -> None:
+        self.failing_for_s = failing_for_s
+        self.last: dict[str, int] | None = None
+        self.failing_since: float | None = None
+        self.failures = 0  # in a row
+
+    def succeeded(self, hosts: dict[str, int]) -> None:
+        self.last, self.failing_since, self.failures = hosts, None, 0
+
+    def failed(self, error: ConfigError, now: float) -> str | None:
+        """Raises `error` when it is fatal; else the warning to log (None: stay quiet)."""
+        if self.last is None:
+            raise error
+        if self.failing_since is None:
+            self.failing_since = now
+        self.failures += 1
+        if now - self.failing_since > self.failing_for_s:
+            raise ConfigError(f"{error} (failing every run for {now - self.failing_since:.0f}s "
+                              "since its last success; fix the script)")
+        if self.failures % WARN_EVERY != 1:
+            return None
+        return (f"{error}; keeping the {len(self.last)} host(s) it last reported (failure "
+                f"{self.failures} in a row; the job stops after {self.failing_for_s:.0f}s of "
+                "failures)")
+
+
 class ScriptDiscovery:
     """Runs an executable that prints `host:slots` lines; hosts are matched to Ray nodes by
-    IP address, hostname or node id."""
+    IP address, hostname or node id. The first run is waited for; later ones run in the
+    background (`hosts()` starts one when none is under way and returns the latest
+    answer), so a slow script never holds up the driver, and a failure after a success
+    is transient (`DiscoveryHealth`)."""
 
-    def __init__(self, script: str, timeout_s: float = TIMEOUT_S.default) -> None:
+    def __init__(self, script: str, timeout_s: float = TIMEOUT_S.default,
+                 failing_for_s: float = FAILING_FOR_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if not os.path.isfile(script):
             raise ConfigError(f"host discovery script {script!r} does not exist")
         if not os.access(script, os.X_OK):
@@ -39,18 +88,58 @@ class ScriptDiscovery:
                               f"run: chmod +x {script}")
         self.script = script
         self.timeout_s = timeout_s
+        self.health = DiscoveryHealth(failing_for_s)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._outcome: dict[str, int] | ConfigError | None = None  # the last run's, unread
+        self._running: threading.Thread | None = None
 
     def hosts(self) -> dict[str, int]:
+        """The hosts of the latest run: the first is waited for; later calls start the
+        next run in the background when none is under way."""
+        if self.health.last is None:
+            self._take(self.run_once())
+            return dict(self.health.last)
+        with self._lock:
+            outcome, self._outcome = self._outcome, None
+            if self._running is None or not self._running.is_alive():
+                self._running = threading.Thread(target=self._run_in_background, daemon=True,
+                                                 name="raytrain-x-discovery")
+                self._running.start()
+        if outcome is not None:
+            self._take(outcome)
+        return dict(self.health.last)
+
+    def _take(self, outcome: dict[str, int] | ConfigError) -> None:
+        if isinstance(outcome, ConfigError):
+            warning = self.health.failed(outcome, self._clock())
+            if warning:
+                log.warning("raytrain-x elastic: %s", warning)
+        else:
+            self.health.succeeded(outcome)
+
+    def _run_in_background(self) -> None:
+        outcome = self.run_once()
+        with self._lock:
+            self._outcome = outcome
+
+    def run_once(self) -> dict[str, int] | ConfigError:
+        """One run of the script: its hosts, or the error that says why there are none."""
         try:
             out = subprocess.run([self.script], capture_output=True, text=True,
-                                 timeout=self.timeout_s)
+                                 errors="backslashreplace", timeout=self.timeout_s)
         except subprocess.TimeoutExpired:
-            raise ConfigError(f"host discovery script {self.script!r} did not finish in "
-                              f"{self.timeout_s:g}s") from None
+            return ConfigError(f"host discovery script {self.script!r} did not finish in "
+                               f"{self.timeout_s:g}s")
+        except OSError as exc:
+            return ConfigError(f"host discovery script {self.script!r} could not run: {exc}")
         if out.returncode != 0:
-            raise ConfigError(f"host discovery script {self.script!r} exited with "
-                              f"{out.returncode}: {out.stderr.strip()[:300]}")
-        return parse_host_slots(out.stdout, f"host discovery script {self.script!r}")
+            return ConfigError(f"host discovery script {self.script!r} exited with "
+                               f"{out.returncode}: {out.stderr.strip()[:300]}")
+        try:
+            return parse_host_slots(out.stdout, f"host discovery script {self.script!r}")
+        except ConfigError as exc:
+            return exc
 
 
 def slots_from_resources(available: Mapping[str, float], per_worker: Mapping[str, float]) -> int:
