@@ -138,10 +138,11 @@ std::size_t pack_into(const std::vector<AnyArray> &tensors, Target buf, double p
     const DType dt = check_tensors(tensors, names);
     check_conversion(dt, buf.dtype, prescale, "pack");
     const std::size_t n = total_elements(tensors);
-    if (offset + n > buf.capacity)
-        throw nb::value_error(("pack: buffer too small: needs " + std::to_string(offset + n) +
-                               " elements, holds " + std::to_string(buf.capacity) +
-                               "; call reserve() first").c_str());
+    // compared so that it cannot wrap: offset + n overflows for offsets near 2^64
+    if (offset > buf.capacity || n > buf.capacity - offset)
+        throw nb::value_error(("pack: buffer too small: needs " + std::to_string(n) +
+                               " elements at offset " + std::to_string(offset) + ", holds " +
+                               std::to_string(buf.capacity) + "; call reserve() first").c_str());
     std::vector<Segment> segs;
     segs.reserve(tensors.size());
     char *dst = static_cast<char *>(buf.data) + offset * itemsize(buf.dtype);
@@ -161,9 +162,10 @@ std::size_t unpack_from(Target buf, const std::vector<OutArray> &tensors, double
     const DType dt = check_tensors(tensors, names);
     check_conversion(dt, buf.dtype, postscale, "unpack");
     const std::size_t n = total_elements(tensors);
-    if (offset + n > buf.capacity)
-        throw nb::value_error(("unpack: buffer too small: needs " + std::to_string(offset + n) +
-                               " elements, holds " + std::to_string(buf.capacity)).c_str());
+    if (offset > buf.capacity || n > buf.capacity - offset)
+        throw nb::value_error(("unpack: buffer too small: needs " + std::to_string(n) +
+                               " elements at offset " + std::to_string(offset) + ", holds " +
+                               std::to_string(buf.capacity)).c_str());
     std::vector<Segment> segs;
     segs.reserve(tensors.size());
     const char *src = static_cast<const char *>(buf.data) + offset * itemsize(buf.dtype);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <system_error>
 #include <thread>
 
 namespace rtx {
@@ -108,11 +109,19 @@ void copy_segments(const std::vector<Segment> &segments, DType from, DType to, d
     const std::size_t chunk = ((total + parts - 1) / parts + align - 1) / align * align;
     std::vector<std::thread> pool;
     pool.reserve(parts - 1);
-    for (std::size_t p = 1; p < parts; ++p) {
-        const std::size_t b = std::min(total, p * chunk), e = std::min(total, (p + 1) * chunk);
-        if (b < e) pool.emplace_back(copy_range, std::cref(segments), b, e, from, to, scale);
+    std::size_t done_by_pool = std::min(total, chunk);  // this thread copies the rest
+    try {
+        for (std::size_t p = 1; p < parts; ++p) {
+            const std::size_t b = std::min(total, p * chunk), e = std::min(total, (p + 1) * chunk);
+            if (b < e) pool.emplace_back(copy_range, std::cref(segments), b, e, from, to, scale);
+            done_by_pool = e;
+        }
+    } catch (const std::system_error &) {
+        // no thread to be had (a process at its limit): this thread copies what the pool
+        // did not take, rather than std::terminate on the joinable threads' destructors
     }
     copy_range(segments, 0, std::min(total, chunk), from, to, scale);
+    if (done_by_pool < total) copy_range(segments, done_by_pool, total, from, to, scale);
     for (std::thread &t : pool) t.join();
 }
 

@@ -194,3 +194,51 @@ def test_a_batch_back_to_back_in_one_buffer_is_one_span_and_anything_else_is_non
     assert TORCH.span([torch.ones(3), torch.ones(3)]) is None  # two buffers
     assert TORCH.span([flat[0:6].view(3, 2).t(), flat[6:]]) is None  # not contiguous
     assert TORCH.span([flat[0:2], flat.to(torch.float64)[2:]]) is None
+
+
+@pytest.mark.parametrize("offset", [2**64 - 1, 2**64 - 3, 11])
+def test_an_offset_past_the_buffer_is_refused_without_wrapping(offset):
+    """`offset + n > capacity` wrapped for offsets near 2^64: a write before the buffer
+    through the public `offset=`."""
+    dest = np.zeros(10, dtype=np.float64)
+    guard = dest.copy()
+    with pytest.raises(ValueError, match="buffer too small"):
+        pack([np.ones(5)], dest, offset=offset)
+    with pytest.raises(ValueError, match="buffer too small"):
+        unpack(dest, [np.empty(5)], offset=offset)
+    assert np.array_equal(dest, guard)
+
+
+_NO_THREADS = """
+import resource
+import numpy as np
+from raytrain_x import _native
+from raytrain_x.engine import FusionBuffer, pack, unpack
+rng = np.random.default_rng(0)
+arrays = [rng.standard_normal(n).astype(np.float32) for n in (3_000_001, 17, 2_500_000, 1)]
+buf = FusionBuffer("float32", sum(a.size for a in arrays) * 4)
+_native.set_num_threads(4)
+resource.setrlimit(resource.RLIMIT_NPROC, (1, 1))  # no thread can start from here on
+pack(arrays, buf, prescale=2.0)
+outs = [np.empty_like(a) for a in arrays]
+unpack(buf, outs, postscale=0.5)
+assert all(np.array_equal(o, a) for o, a in zip(outs, arrays))
+print("exact")
+"""
+
+
+def test_a_copy_that_cannot_start_its_threads_does_it_on_one():
+    """A failed thread start in `copy_segments` called std::terminate on the process. Run
+    as an unprivileged user (root is not held to RLIMIT_NPROC)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    runner = ([] if os.getuid() != 0 else
+              [shutil.which("setpriv") or "setpriv", "--reuid=65534", "--regid=65534",
+               "--clear-groups"])
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # torch's own pool starts none either
+    out = subprocess.run([*runner, sys.executable, "-c", _NO_THREADS], capture_output=True,
+                         text=True, timeout=120, cwd="/", env=env)
+    assert out.returncode == 0 and out.stdout.strip() == "exact", out.stderr[-2000:]
