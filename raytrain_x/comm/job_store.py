@@ -357,7 +357,13 @@ def open_job_store(host: str, port: int, secret: bytes | str, timeout_s: float,
     """The client of a job's store; with `serve`, this process serves it first (rank 0)."""
     if serve and not any(s.host == host and s.port == port and not s._closed
                          for s in _servers):  # init() again after shutdown(): same store
-        server = JobStoreServer(host, secret, port)
+        try:
+            server = JobStoreServer(host, secret, port)
+        except OSError as exc:  # the launcher picked the port free; another took it since
+            raise RendezvousTimeout(
+                f"rank 0 could not listen on {host}:{port} for the job's store ({exc}); "
+                "another process took the port after it was picked: start the job again"
+            ) from None
         _servers.append(server)
     return JobStoreClient(host, port, secret, timeout_s)
 

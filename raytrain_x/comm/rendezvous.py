@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import secrets
+import stat
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -103,8 +106,36 @@ def next_rendezvous() -> Rendezvous:
     return rendezvous_from_env(os.environ)
 
 
-LOOPBACK_SECRET = "raytrain-x loopback store, no secret given"
 _env_rounds = 0  # rendezvous made from the environment by this process
+
+
+def loopback_secret() -> str:
+    """This user's secret for jobs on one machine whose store is on loopback and that were
+    given none: made once, in a file only this user can read
+    (`<tmp>/raytrain-x-<uid>/store-secret`), so any process of this user joins and no other
+    local user's process can (a fixed secret let every local user read and write the
+    keys)."""
+    folder = os.path.join(tempfile.gettempdir(), f"raytrain-x-{os.getuid()}")
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    info = os.lstat(folder)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() \
+            or stat.S_IMODE(info.st_mode) & 0o077:
+        raise ConfigError(f"{folder} is not this user's private folder (another user made "
+                          f"it, or others may read it); remove it, or give every process "
+                          f"the same {ENV_PREFIX}STORE_SECRET")
+    path = os.path.join(folder, "store-secret")
+    if not os.path.exists(path):
+        fd, tmp = tempfile.mkstemp(dir=folder)  # 0600
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+        try:
+            os.link(tmp, path)  # whole or not at all: the first process's secret wins
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(tmp)
+    with open(path) as f:
+        return f.read().strip()
 
 
 def _is_loopback(addr: str) -> bool:
@@ -138,9 +169,9 @@ def rendezvous_from_env(env: Any) -> Rendezvous:
                               "launch with raytrain-x run or RayExecutor")
         secret = env.get(ENV_PREFIX + "STORE_SECRET") or ""
         if not secret and _is_loopback(addr):
-            # One machine, a store on loopback only: like torch's env:// rendezvous, any
-            # local process may reach it; nothing off the machine can.
-            secret = LOOPBACK_SECRET
+            # One machine, a store on loopback only: nothing off the machine reaches it,
+            # and this user's own secret keeps other local users out
+            secret = loopback_secret()
         if not secret:
             raise ConfigError(f"{ENV_PREFIX}SIZE={size} but no {ENV_PREFIX}STORE_SECRET: the "
                               "job's store answers only processes that know the job's secret; "

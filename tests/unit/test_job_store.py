@@ -123,7 +123,7 @@ def test_short_secrets_and_absent_servers_are_clear_errors():
 
 
 def test_env_rendezvous_needs_a_secret_unless_the_store_is_on_loopback():
-    from raytrain_x.comm.rendezvous import LOOPBACK_SECRET, rendezvous_from_env
+    from raytrain_x.comm.rendezvous import loopback_secret, rendezvous_from_env
     from raytrain_x.common.errors import ConfigError
 
     env = {"RAYTRAIN_X_SIZE": "2", "RAYTRAIN_X_RANK": "1", "RAYTRAIN_X_STORE_PORT": "29500"}
@@ -131,7 +131,7 @@ def test_env_rendezvous_needs_a_secret_unless_the_store_is_on_loopback():
         rendezvous_from_env({**env, "RAYTRAIN_X_STORE_ADDR": "10.0.0.5"})
     for local in ("127.0.0.1", "localhost", "::1"):
         rdv = rendezvous_from_env({**env, "RAYTRAIN_X_STORE_ADDR": local})
-        assert rdv.store.secret == LOOPBACK_SECRET and rdv.rank == 1
+        assert rdv.store.secret == loopback_secret() and rdv.rank == 1
     given = rendezvous_from_env({**env, "RAYTRAIN_X_STORE_ADDR": "10.0.0.5",
                                  "RAYTRAIN_X_STORE_SECRET": SECRET})
     assert given.store.secret == SECRET
@@ -248,3 +248,49 @@ def test_a_request_to_a_rank_0_that_vanished_mid_request_ends_within_the_timeout
     finally:
         os.kill(proc.pid, signal.SIGKILL)
         proc.join(10)
+
+
+_OTHER_USER = """
+import sys
+from raytrain_x.comm.job_store import JobStoreClient
+from raytrain_x.comm.rendezvous import rendezvous_from_env
+rdv = rendezvous_from_env({"RAYTRAIN_X_SIZE": "2", "RAYTRAIN_X_RANK": "1",
+                           "RAYTRAIN_X_STORE_ADDR": "127.0.0.1",
+                           "RAYTRAIN_X_STORE_PORT": sys.argv[1]})
+try:
+    JobStoreClient("127.0.0.1", int(sys.argv[1]), rdv.store.secret, 5).set("k", b"stolen")
+    print("got in")
+except Exception as exc:
+    print(type(exc).__name__)
+"""
+
+
+def test_a_loopback_store_is_this_users_and_no_other_local_users():
+    """Without a secret a loopback store used a fixed public one: any local user could
+    read and write a running job's keys."""
+    import os
+    import stat
+    import subprocess
+    import sys
+
+    from raytrain_x.comm.rendezvous import loopback_secret
+
+    secret = loopback_secret()
+    assert secret == loopback_secret() and len(secret) == 64  # one per user, kept
+    path = os.path.join(os.path.dirname(os.path.realpath(__file__)), "..")  # the checkout
+    folder = os.path.join(__import__("tempfile").gettempdir(), f"raytrain-x-{os.getuid()}")
+    info = os.stat(os.path.join(folder, "store-secret"))
+    assert stat.S_IMODE(info.st_mode) == 0o600 and info.st_uid == os.getuid()
+    server = JobStoreServer("127.0.0.1", secret)
+    try:
+        runner = ([] if os.getuid() != 0 else
+                  ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"])
+        if runner:  # another user's process (as root: nobody's; an unprivileged run can
+            # only check the file's mode above)
+            out = subprocess.run([*runner, sys.executable, "-c", _OTHER_USER, str(server.port)],
+                                 capture_output=True, text=True, timeout=60, cwd="/",
+                                 env={**os.environ, "PYTHONPATH": os.path.abspath(path)})
+            assert out.stdout.strip() == "StoreAuthError", out.stderr[-2000:]
+        assert server.table.num_keys() == 0
+    finally:
+        server.close()
