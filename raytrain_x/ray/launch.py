@@ -12,6 +12,9 @@ from ray.exceptions import RayActorError
 
 from raytrain_x.ray.executor import RayExecutor
 
+# after the job's timeout, what a rank that outlived a failed one gets to end by itself
+STOP_GRACE_S = 10.0
+
 
 def run_script(command: list[str], cwd: str | None = None) -> int:
     """Runs `python script.py args` (or `python -m module args`) inside this process, as
@@ -71,7 +74,10 @@ def run_command_on_workers(executor: RayExecutor, command: list[str], env: dict[
     only processes that prove this job's secret, a fresh one per call, which reaches the
     workers through Ray and each process through its environment. Returns per rank a dict with
     `code`, `ended` (time) and `lost_peer` (it failed only because a peer did); a worker
-    whose actor died reports code 1.
+    whose actor died reports code 1. Once a rank failed, the others get the job's timeout
+    and `STOP_GRACE_S` to end (a peer waiting in a collective fails within the timeout); a
+    rank still running then (stuck outside any collective) has its worker killed, and its
+    command with it, and reports `stopped`.
     """
     rank0 = executor.workers[0]
     addr, port = ray.get([rank0.node_ip.remote(), rank0.free_port.remote()])
@@ -97,6 +103,22 @@ def run_command_on_workers(executor: RayExecutor, command: list[str], env: dict[
                for r in range(len(executor.workers))]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join()
+    deadline = float("inf")
+    while any(t.is_alive() for t in threads):
+        for t in threads:
+            t.join(timeout=0.2)
+        failed = any(r["code"] not in (0, None) and not t.is_alive()
+                     for r, t in zip(results, threads))
+        if failed and deadline == float("inf"):
+            deadline = time.monotonic() + executor.settings.timeout_s + STOP_GRACE_S
+        if time.monotonic() > deadline:
+            for rank, t in enumerate(threads):
+                if t.is_alive():
+                    emit(rank, "raytrain-x: still running after another rank failed; "
+                               "stopping it")
+                    ray.kill(executor.workers[rank], no_restart=True)
+                    t.join(timeout=30)
+                    results[rank] = {"code": 1, "ended": time.time(), "lost_peer": True,
+                                     "stopped": True}
+            break
     return results

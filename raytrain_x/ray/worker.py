@@ -112,6 +112,26 @@ def exit_with_raylet(poll_s: float = RAYLET_POLL_S) -> threading.Thread | None:
     return thread
 
 
+def die_with_parent() -> None:
+    """In a child between fork and exec: the kernel sends it SIGKILL when the thread that
+    started it ends (Linux's PR_SET_PDEATHSIG), so a launched script never outlives its
+    worker, whose collectives and GPU it would hold."""
+    import ctypes
+    import signal
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
+def _kill_group(pid: int) -> None:
+    import signal
+
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 class WorkerActor:
     """Runs user functions and commands for one rank (the plain class behind `Worker`)."""
 
@@ -240,7 +260,10 @@ class WorkerActor:
         raytrain-x process that ends on a lost peer exits with `LOST_PEER_EXIT_CODE`).
 
         It runs in `cwd` (the launcher's folder, as horovodrun runs a command in the same
-        folder on every host) where this node has that folder, else in the worker's own."""
+        folder on every host) where this node has that folder, else in the worker's own.
+        It goes with this worker: the kernel kills it when this process ends (its raylet
+        died, the actor was killed), and its process group when the call ends early.
+        Output bytes that are not UTF-8 are shown escaped (`\\xff`), never lost."""
         if command and command[0] in ("python", "python3"):
             command = [sys.executable, *command[1:]]  # the interpreter Ray runs us with
         # the command's rank writes its status there; this actor exports it
@@ -252,11 +275,17 @@ class WorkerActor:
                               "RAYTRAIN_X_LAUNCHED": "1",
                               settings.STATUS_FILE.env: self.status_file},
                 cwd=cwd if cwd and os.path.isdir(cwd) else None,
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                start_new_session=True, preexec_fn=die_with_parent)
             assert proc.stdout is not None
-            for line in proc.stdout:
-                yield line.rstrip("\n")
-            code = proc.wait()
+            try:
+                for raw in proc.stdout:
+                    yield raw.decode("utf-8", "backslashreplace").rstrip("\n")
+                code = proc.wait()
+            finally:
+                if proc.poll() is None:  # the call ended early (cancelled, closed)
+                    _kill_group(proc.pid)
+                    proc.wait()
             if self.metrics is not None:
                 self.metrics.once()  # its last status, written as it exited
         finally:

@@ -49,6 +49,37 @@ def test_cli_reports_the_failing_rank(ray_cluster, tmp_path):
     assert "rank 1 exited with code 7" in out.stderr
 
 
+def test_a_failed_rank_ends_the_launch_even_with_a_stuck_peer_and_leaves_no_process(
+        ray_cluster, tmp_path):
+    """The launcher joined every rank with no deadline: one rank failing while another was
+    stuck outside any collective hung the CLI; the stuck script outlived its worker; and
+    one byte that is not UTF-8 in a rank's output killed its reader thread."""
+    import subprocess
+
+    marker = f"rtx-stuck-{os.getpid()}"
+    script = tmp_path / "stuck.py"
+    script.write_text(
+        "import os, sys, time, raytrain_x.torch as rx\n"
+        "rx.init()\n"
+        "sys.stdout.buffer.write(b'bytes \\xff\\xfe from ' + str(rx.rank()).encode() + b'\\n')\n"
+        "sys.stdout.flush()\n"
+        "if rx.rank() == 1:\n"
+        "    sys.exit(3)\n"
+        "os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(1000)', "
+        f"'{marker}'])  # stuck, outside any collective\n")
+    began = time.monotonic()
+    out = _cli("run", "-np", "2", "--address", ray_cluster, "--timeout", "2", "python",
+               str(script), work_s=40)
+    assert out.returncode == 3, out.stderr[-2000:]
+    assert time.monotonic() - began < limits.limit(40)
+    assert "[0]<stdout>:bytes \\xff\\xfe from 0" in out.stdout, out.stdout
+    assert "[1]<stdout>:bytes \\xff\\xfe from 1" in out.stdout, out.stdout
+    assert "rank 1 exited with code 3" in out.stderr
+    assert "still running after another rank failed; stopping it" in out.stdout + out.stderr
+    left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True)
+    assert left.stdout.strip() == "", f"the stuck script outlived its worker: {left.stdout}"
+
+
 @pytest.mark.parametrize(
     "args,message",
     [
