@@ -136,8 +136,49 @@ def test_ray_job_submit():
             (submit.stdout[-3000:], submit.stderr[-3000:])
         assert re.search(r"\[0\]<stdout>:test accuracy 0\.[89]", submit.stdout), submit.stdout
         assert "succeeded" in submit.stdout
+        _a_stopped_job_resumes_when_submitted_again(dash, env)
     finally:
         _stop_cluster(temp, gcs)
+
+
+def _a_stopped_job_resumes_when_submitted_again(dash: int, env: dict) -> None:
+    """`ray job stop` ends a job's entrypoint (its driver) mid-training; the same job
+    submitted again resumes from its latest durable checkpoint."""
+    from raytrain_x.common.checkpoint_config import CheckpointConfig
+    from raytrain_x.elastic.storage import CheckpointStore
+
+    out = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}resume", dir="/tmp"))
+    try:
+        (out / "job.py").write_text(_RESUMABLE)
+        store_path = str(out / "checkpoints")
+        address = f"--address=http://127.0.0.1:{dash}"
+        job = ["--", "raytrain-x", "run", "-np", "2", "--job-name", "submitted",
+               "--checkpoint-path", store_path, "--checkpoint-every", "0.2", "python",
+               str(out / "job.py"), str(out)]
+        first = limits.run([str(BIN / "ray"), "job", "submit", address, "--no-wait",
+                            "--submission-id", "resumable-1", *job, "100000"], 20,
+                           "ray job submit --no-wait", env=env, cwd=REPO)
+        assert first.returncode == 0, first.stderr[-2000:]
+        store = CheckpointStore(CheckpointConfig(store_path, name="submitted"))
+        limits.wait_until(lambda: any(c.values.get("step", 0) >= 5
+                                      for c in store.checkpoints()), 60,
+                          "a checkpoint of the submitted job after 5 steps")
+        stop = limits.run([str(BIN / "ray"), "job", "stop", address, "resumable-1"], 30,
+                          "ray job stop", env=env, cwd=REPO)
+        assert stop.returncode == 0, stop.stderr[-2000:]
+        pids = [int(p.name.split(".")[1]) for p in out.glob("pid*")]
+        assert len(pids) == 2
+        limits.wait_until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in pids),
+                          30, "the stopped job's ranks to exit")
+        resumed_from = store.checkpoints()[0].values["step"]
+        again = limits.run([str(BIN / "ray"), "job", "submit", address, *job, "40"], 40,
+                           "ray job submit, resumed", env=env, cwd=REPO)
+        assert again.returncode == 0, again.stdout[-3000:]
+        began = re.findall(r"<stdout>:began (\d+) done (\w+)", again.stdout)
+        assert len(began) == 2, again.stdout[-3000:]
+        assert all(int(b) >= resumed_from and ok == "True" for b, ok in began), began
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
 
 
 def _stop_cluster(temp: Path, gcs_port: int) -> None:
