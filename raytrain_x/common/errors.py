@@ -90,6 +90,11 @@ class RendezvousTimeout(RaytrainXError):
     """Workers did not all arrive at a rendezvous in time."""
 
 
+class PlacementTimeout(RendezvousTimeout, TimeoutError):
+    """The cluster could not fit the workers within `placement_group_timeout_s` (a
+    `TimeoutError`, as Horovod's Ray executor raises)."""
+
+
 class StoreAuthError(RaytrainXError, RuntimeError):
     """A job's rendezvous store and a process disagree on the job's secret (one of them is
     not of this job)."""
@@ -135,6 +140,7 @@ __all__ = [
     "WorkerError",
     "HostsUpdatedInterrupt",
     "RendezvousTimeout",
+    "PlacementTimeout",
     "StoreAuthError",
     "ResetLimitExceeded",
     "ElasticTimeout",

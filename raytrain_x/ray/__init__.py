@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from raytrain_x.common.checkpoint_config import CheckpointConfig
+from raytrain_x.ray.elastic_executor import ElasticRayExecutor
 from raytrain_x.ray.executor import RayExecutor, Settings, ensure_ray
 
-__all__ = ["CheckpointConfig", "RayExecutor", "Settings", "ensure_ray"]
+__all__ = ["CheckpointConfig", "ElasticRayExecutor", "RayExecutor", "Settings", "ensure_ray"]

@@ -3,12 +3,16 @@ and the job's name."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 import ray
 
-from raytrain_x.common.settings import JOB_NAME, TIMEOUT_S
+from raytrain_x.common.errors import ConfigError
+from raytrain_x.common.settings import JOB_NAME, TIMEOUT_S, check_seconds
+
+log = logging.getLogger("raytrain_x")
 
 
 @dataclass
@@ -23,6 +27,43 @@ class Settings:
 
     timeout_s: float = TIMEOUT_S.default
     placement_group_timeout_s: float = 100.0
+    verbose: int = 0  # Horovod's: 1 logs the job's progress (INFO), 2 its details (DEBUG)
+
+
+# Horovod's create_settings arguments for ssh and network interfaces: Ray starts and
+# connects the workers itself, so they are taken and not used
+NOT_USED_ON_RAY = ("ssh_identity_file", "ssh_str", "nics")
+
+
+def make_settings(timeout_s: float = TIMEOUT_S.default,
+                  placement_group_timeout_s: float = 100.0, verbose: Any = None,
+                  **others: Any) -> Settings:
+    """`RayExecutor.create_settings`: Horovod's arguments, checked at the call."""
+    unknown = sorted(set(others) - set(NOT_USED_ON_RAY))
+    if unknown:
+        raise ConfigError(f"create_settings does not take {unknown}; it takes timeout_s, "
+                          "placement_group_timeout_s, verbose and Horovod's "
+                          f"{', '.join(NOT_USED_ON_RAY)}")
+    ignored = sorted(k for k, v in others.items() if v is not None)
+    if ignored:
+        log.warning("raytrain-x: create_settings(%s): not used; Ray places and connects the "
+                    "workers itself", ", ".join(ignored))
+    if verbose is None or verbose is False:
+        level = 0
+    elif verbose is True or (isinstance(verbose, int) and not isinstance(verbose, bool)
+                             and verbose >= 0):
+        level = int(verbose)
+    else:
+        raise ConfigError(f"verbose must be a bool or an int >= 0, got {verbose!r}")
+    return Settings(check_seconds("timeout_s", timeout_s),
+                    check_seconds("placement_group_timeout_s", placement_group_timeout_s),
+                    level)
+
+
+def apply_verbose(level: int) -> None:
+    """Horovod's `verbose`: the job's loggers at INFO (1) or DEBUG (2 and more)."""
+    if level:
+        logging.getLogger("raytrain_x").setLevel(logging.INFO if level == 1 else logging.DEBUG)
 
 
 def ensure_ray(address: str | None = None, **init_kwargs: Any) -> None:
@@ -52,3 +93,25 @@ def job_name() -> str:
     global _executors_started
     _executors_started += 1
     return JOB_NAME.read() or f"{ray.get_runtime_context().get_job_id()}.{_executors_started}"
+
+
+def horovod_shape(num_workers: Any, min_workers: Any, num_workers_per_host: Any,
+                  cpus_per_worker: Any, gpus_per_worker: Any, cpus_per_slot: Any,
+                  gpus_per_slot: Any) -> tuple[int, float, float | None]:
+    """`RayExecutor`'s shape with Horovod's spellings: `None` for `num_workers_per_host`
+    (one), `cpus_per_slot`/`gpus_per_slot` (older names of `cpus_per_worker`/
+    `gpus_per_worker`). Both `num_workers` and `min_workers` is a `ConfigError` (a
+    `ValueError`, as Horovod's): a job is fixed or elastic."""
+    if num_workers is not None and min_workers is not None:
+        raise ConfigError("give num_workers for a fixed-size job or min_workers/max_workers "
+                          "for an elastic one, not both")
+    for new, old, value, alias in (("cpus_per_worker", "cpus_per_slot", cpus_per_worker,
+                                    cpus_per_slot),
+                                   ("gpus_per_worker", "gpus_per_slot", gpus_per_worker,
+                                    gpus_per_slot)):
+        if value is not None and alias is not None:
+            raise ConfigError(f"give {new} or {old} (Horovod's older name), not both")
+    cpus = cpus_per_slot if cpus_per_slot is not None else cpus_per_worker
+    gpus = gpus_per_slot if gpus_per_slot is not None else gpus_per_worker
+    return (1 if num_workers_per_host is None else num_workers_per_host,
+            1 if cpus is None else cpus, gpus)

@@ -21,7 +21,14 @@ from raytrain_x.common.settings import (
 )
 from raytrain_x.ray import metrics
 from raytrain_x.ray.autotune_actor import knob_env, start_autotune
-from raytrain_x.ray.connect import Settings, ensure_ray, job_name
+from raytrain_x.ray.connect import (
+    Settings,
+    apply_verbose,
+    ensure_ray,
+    horovod_shape,
+    job_name,
+    make_settings,
+)
 from raytrain_x.ray.elastic import ElasticJob, ElasticSettings
 from raytrain_x.ray.metrics import DriverMetrics
 from raytrain_x.ray.placement import Slot, validate_shape
@@ -67,6 +74,9 @@ class RayExecutor:
             `RAYTRAIN_X_JOB_NAME`, else the Ray job's id and this executor's number in it.
         checkpoint: durable checkpoints of the workers' `TorchState` (`CheckpointConfig`):
             restored from when no worker holds the state, and by the same command run again.
+        override_discovery, cpus_per_slot, gpus_per_slot: Horovod's; the discovery is Ray's
+            unless `host_discovery_script` is given, and the `_slot` names are those of
+            `cpus_per_worker`/`gpus_per_worker` (give one or the other).
 
     With `min_workers`/`max_workers` the executor is elastic: `run` keeps the job going
     while workers fail or hosts come and go (see docs/elastic.md).
@@ -74,22 +84,21 @@ class RayExecutor:
 
     @staticmethod
     def create_settings(timeout_s: float = TIMEOUT_S.default,
-                        placement_group_timeout_s: float = 100.0,
-                        **unsupported: Any) -> Settings:
-        """Executor settings; Horovod's ssh/nics arguments do not apply on Ray."""
-        if unsupported:
-            raise ConfigError(f"create_settings does not take {sorted(unsupported)}: Ray places "
-                              "and connects the workers itself")
-        return Settings(check_seconds("timeout_s", timeout_s),
-                        check_seconds("placement_group_timeout_s", placement_group_timeout_s))
+                        placement_group_timeout_s: float = 100.0, verbose: Any = None,
+                        **horovod_ssh_and_nics: Any) -> Settings:
+        """Executor settings, with Horovod's arguments: `timeout_s`, `placement_group_timeout_s`,
+        `verbose` (1: the job's progress at INFO, 2: DEBUG); `ssh_identity_file`, `ssh_str`
+        and `nics` are taken with a warning (Ray places and connects the workers)."""
+        return make_settings(timeout_s, placement_group_timeout_s, verbose,
+                             **horovod_ssh_and_nics)
 
     def __init__(
         self,
         settings: Settings | None = None,
         num_workers: int | None = None,
         num_hosts: int | None = None,
-        num_workers_per_host: int = 1,
-        cpus_per_worker: float = 1,
+        num_workers_per_host: int | None = 1,
+        cpus_per_worker: float | None = None,
         use_gpu: bool = False,
         gpus_per_worker: float | None = None,
         use_current_placement_group: bool = True,
@@ -105,7 +114,16 @@ class RayExecutor:
         host_discovery_script: str | None = None,
         name: str | None = None,
         checkpoint: CheckpointConfig | None = None,
+        override_discovery: bool = True,
+        cpus_per_slot: float | None = None,
+        gpus_per_slot: float | None = None,
     ) -> None:
+        num_workers_per_host, cpus_per_worker, gpus_per_worker = horovod_shape(
+            num_workers, min_workers, num_workers_per_host, cpus_per_worker, gpus_per_worker,
+            cpus_per_slot, gpus_per_slot)
+        if settings is not None and not isinstance(settings, Settings):
+            raise ConfigError("settings must come from RayExecutor.create_settings(...), got "
+                              f"{type(settings).__name__}")
         elastic = min_workers is not None or max_workers is not None
         if elastic:
             num_workers = num_workers if num_workers is not None else (min_workers or 1)
@@ -210,6 +228,7 @@ class RayExecutor:
 
     def _start(self, executable_cls: type | None, executable_args: Sequence | None,
                executable_kwargs: dict | None, extra_env_vars: dict[str, str] | None) -> None:
+        apply_verbose(self.settings.verbose)
         ensure_ray()
         self.name = self.name or job_name()
         # the workers export metrics where the driver does, under the job's name

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group
 
-from raytrain_x.common.errors import ConfigError, RendezvousTimeout
+from raytrain_x.common.errors import ConfigError, PlacementTimeout
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ def create_placement_group(
     if not ready:
         ray.util.remove_placement_group(pg)
         total = {k: sum(b.get(k, 0) for b in bundles) for k in ("CPU", "GPU")}
-        raise RendezvousTimeout(
+        raise PlacementTimeout(
             f"the cluster could not place {len(indexes)} workers ({strategy}, needs "
             f"{total['CPU']:g} CPU, {total['GPU']:g} GPU) within {timeout_s:g}s; available: "
             f"{ray.available_resources()}. Lower num_workers/cpus_per_worker or add nodes.")

@@ -9,6 +9,7 @@ import torch
 
 from raytrain_x import ConfigError, Knobs, WorkerError
 from raytrain_x.ray import RayExecutor
+from tests.conftest import ELASTIC_RESOURCE
 
 
 def _identity(tag: str) -> dict:
@@ -109,7 +110,7 @@ def test_failing_rank_is_reported_and_others_released(ray_cluster, kind):
 
 def test_bad_arguments(ray_cluster):
     with pytest.raises(ConfigError, match="does not take"):
-        RayExecutor.create_settings(ssh_identity_file="x")
+        RayExecutor.create_settings(ssh_port=22)
     with pytest.raises(ConfigError, match="exactly one"):
         RayExecutor(num_workers=2, num_hosts=2)
     with pytest.raises(ConfigError, match="cooldown_range"):
@@ -124,6 +125,59 @@ def test_bad_arguments(ray_cluster):
                            num_workers=50)
     with pytest.raises(Exception, match="could not place 50 workers"):
         executor.start()
+
+
+def test_horovods_arguments_as_horovods_docs_write_them(ray_cluster, caplog):
+    """Horovod's guide: `create_settings(verbose=True)`, `RayExecutor(settings,
+    min_workers=1, use_gpu=True, cpus_per_slot=2)`; its tests pass the unused shape
+    arguments as None; its users catch ValueError and TimeoutError."""
+    settings = RayExecutor.create_settings(verbose=True)
+    assert settings.verbose == 1
+    executor = RayExecutor(settings, min_workers=1, use_gpu=True, cpus_per_slot=2)
+    assert (executor.cpus_per_worker, executor.gpus_per_worker) == (2, 1)
+    fixed = RayExecutor(settings, num_workers=4, num_hosts=None, num_workers_per_host=None)
+    assert (fixed.num_workers, fixed.num_workers_per_host) == (4, 1)
+    hosts = RayExecutor(settings, num_workers=None, num_hosts=2, num_workers_per_host=3)
+    assert (hosts.num_hosts, hosts.num_workers_per_host) == (2, 3)
+    with caplog.at_level("WARNING", logger="raytrain_x"):
+        RayExecutor.create_settings(ssh_identity_file="~/.ssh/id", nics={"eth0"})
+    assert "create_settings(nics, ssh_identity_file): not used; Ray places" in caplog.text
+    with pytest.raises(ValueError, match="not both"):
+        RayExecutor(settings, num_workers=2, min_workers=1)
+    with pytest.raises(ValueError, match="cpus_per_worker or cpus_per_slot"):
+        RayExecutor(settings, num_workers=2, cpus_per_worker=1, cpus_per_slot=2)
+    with pytest.raises(ConfigError, match="verbose must be"):
+        RayExecutor.create_settings(verbose="loud")
+    with pytest.raises(ConfigError, match="settings must come from"):
+        RayExecutor({"timeout_s": 5}, num_workers=1)
+    infeasible = RayExecutor(RayExecutor.create_settings(placement_group_timeout_s=1),
+                             num_workers=50)
+    with pytest.raises(TimeoutError, match="could not place 50 workers"):
+        infeasible.start()
+
+
+def _hostname_and_rank() -> tuple[int, int]:
+    import raytrain_x.torch as rx
+
+    rx.init()
+    return rx.rank(), rx.size()
+
+
+def test_horovods_deprecated_elastic_ray_executor_runs(elastic_nodes):
+    from raytrain_x.ray import ElasticRayExecutor
+
+    elastic_nodes(2)
+    settings = ElasticRayExecutor.create_settings(min_np=1, max_np=2, verbose=True,
+                                                  elastic_timeout=60)
+    with pytest.warns(DeprecationWarning, match="use RayExecutor"):
+        executor = ElasticRayExecutor(settings, cpus_per_slot=1, env_vars={"X": "1"})
+    executor.executor.resources_per_worker = {ELASTIC_RESOURCE: 1}
+    executor.start()
+    try:
+        results = executor.run(_hostname_and_rank)
+    finally:
+        executor.shutdown()
+    assert sorted(results) == [(0, 2), (1, 2)] or results == [(0, 1)], results
 
 
 class _FailsToBuild:
