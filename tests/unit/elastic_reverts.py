@@ -217,6 +217,18 @@ def starts_never_hedged(mp) -> None:
 REVERTS["hedged-start-below-minimum"] = starts_never_hedged
 
 
+def hedges_replace_slow_starts(mp) -> None:
+    """A hedge gave up the stale start it hedged at once, below min_workers too."""
+    def surplus(self, pending, staying, now):
+        pending = list(pending)
+        excess = staying + len(pending) - self.settings.max_workers
+        return self.stale(pending, now)[:max(0, excess)]
+    mp.setattr(policies.ScalingPolicy, "surplus", surplus)
+
+
+REVERTS["hedges-keep-slow-starts"] = hedges_replace_slow_starts
+
+
 def unhedged(revert):
     """`revert`, with no hedged starts either. Where starts go (these fixes) and hedging a
     start that waits too long are two defences against the same loss, a job below

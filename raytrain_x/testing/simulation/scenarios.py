@@ -233,6 +233,21 @@ def scenarios() -> dict[str, Schedule]:
             "max_workers room until start_timeout_s, the free slot beside the survivor "
             "idled and the job ran out its elastic_timeout. A start waiting past half of "
             "start_timeout_s is hedged on another node", seed=71724),
+        _named("hedges-keep-slow-starts", replace(
+            THREE, nodes=6, slots=2, max_nodes=7, min_workers=2, timeout_s=5.0,
+            commit_s=0.5, checkpoint_every_s=5.0, storage_write_s=(0.1, 3.922)),
+            [[5.289, "stuck_start", 0.0786, 0.0], [9.226, "drain_kill", 0.3225, 3.808],
+             [24.649, "slow_start", 0.972, 36.985], [49.158, "lose_everything", 0.0, 0.0],
+             [52.686, "drain", 0.946, 6.09], [125.064, "drain", 0.321, -1.0],
+             [128.623, "node_kill_in_rendezvous", 0.2254, 0.0],
+             [133.871, "kill_in_commit", 0.7671, 0.0], [153.918, "add_node", 0.461, 0.0],
+             [218.128, "partition", 0.8251, 31.748], [233.84, "slow_start", 0.811, 22.356],
+             [243.127, "drain_kill", 0.1084, 0.974],
+             [249.336, "node_kill_in_rendezvous", 0.4282, 0.0]],
+            "every worker lost; the only nodes left start workers slowly (22 s) or never: "
+            "each hedge gave up a slow start seconds before it would have joined, and the "
+            "job never formed a round again. Stale starts are given up for a hedge only "
+            "once the job has min_workers", seed=71724),
     ]
     return {x.name: x for x in [*s, *durable_scenarios()]}
 

@@ -93,9 +93,13 @@ class ScalingPolicy:
 
     def surplus(self, pending: Iterable[PendingView], staying: int,
                 now: float) -> list[PendingView]:
-        """The stale starts to give up on because hedges took their place: those that
-        would take the job past `max_workers`, the oldest first."""
+        """The stale starts to give up on because hedges took their place: once the job
+        has `min_workers` again (the hedges joined: none is given up before, however many
+        are starting, since a slow start may still be the first to arrive), those that
+        would take it past `max_workers`, the oldest first."""
         pending = list(pending)
+        if staying < self.settings.min_workers:
+            return []
         excess = staying + len(pending) - self.settings.max_workers
         return self.stale(pending, now)[:max(0, excess)]
 
