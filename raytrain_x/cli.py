@@ -301,8 +301,8 @@ def _run_elastic(args, command, settings, knobs, fixed, autotune) -> int:
     env = {**fixed_knob_env(knobs, fixed), **_training_env(args)}
     if args.timeline_filename:
         env["RAYTRAIN_X_TIMELINE"] = os.path.abspath(args.timeline_filename)
-    executor = RayExecutor(
-        settings, num_workers=args.np, cpus_per_worker=args.cpus_per_worker,
+    executor = RayExecutor(  # -np bounds max_workers below (horovodrun's meaning)
+        settings, cpus_per_worker=args.cpus_per_worker,
         use_gpu=args.use_gpu, min_workers=args.min_np or 1,
         max_workers=args.max_np or max(args.np, args.min_np or 1),
         reset_limit=args.reset_limit,

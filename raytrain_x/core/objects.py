@@ -13,6 +13,11 @@ from raytrain_x.core.process_sets import ProcessSet, global_process_set, registe
 from raytrain_x.core.runtime import rendezvous
 from raytrain_x.engine.messages import ALLGATHER, BROADCAST, Meta
 
+# The name of unnamed object collectives: never the object's type (the root's object and
+# the others' None would never meet) and never a per-process counter (a worker that joined
+# an elastic job later would count from 0 while the others count on)
+UNNAMED = "noname"
+
 
 def broadcast_bytes(payload: bytes | None, root_rank: int = 0, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> bytes:
@@ -51,11 +56,12 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
         obj: the object to send (the root's); cloudpickle pickles it. Other members may
             pass anything (None): what they pass is not looked at.
         root_rank: the global rank whose value every member receives.
-        name: the collective's name, the same on every member; automatic if None (unnamed
-            calls match by their order on each member, as every unnamed collective).
+        name: the collective's name, the same on every member; if None, one fixed name
+            for every unnamed object broadcast (they complete one at a time on a thread,
+            in the same order on every member, an elastic newcomer's included).
         process_set: the ranks that take part (default: every rank).
     """
-    name = f"broadcast_object.{name}" if name else auto_name("broadcast_object")
+    name = f"broadcast_object.{name or UNNAMED}"
     is_root = rendezvous().rank == root_rank
     data = broadcast_bytes(cloudpickle.dumps(obj) if is_root else None, root_rank, name,
                            process_set)
@@ -68,11 +74,11 @@ def allgather_object(obj: Any, name: str | None = None,
 
     Args:
         obj: any object cloudpickle can pickle, of any type on each member.
-        name: the collective's name, the same on every member; automatic if None (unnamed
-            calls match by their order on each member, as every unnamed collective).
+        name: the collective's name, the same on every member; if None, one fixed name
+            (as for `broadcast_object`).
         process_set: the ranks that take part (default: every rank).
     """
-    name = f"allgather_object.{name}" if name else auto_name("allgather_object")
+    name = f"allgather_object.{name or UNNAMED}"
     return [cloudpickle.loads(b) for b in allgather_bytes(cloudpickle.dumps(obj), name,
                                                           process_set)]
 

@@ -30,7 +30,16 @@ class ElasticRayExecutor:
     """Horovod's deprecated elastic executor: `create_settings(min_np, max_np, ...)`, then
     `ElasticRayExecutor(settings, use_gpu, cpus_per_slot, gpus_per_slot, env_vars)`,
     `start()` and `run(worker_fn)`. Use `RayExecutor(settings, min_workers=...,
-    max_workers=...)` in new code."""
+    max_workers=...)` in new code.
+
+    Args:
+        settings: from `ElasticRayExecutor.create_settings`.
+        use_gpu: a GPU per worker (`gpus_per_slot` of them).
+        cpus_per_slot: CPUs per worker.
+        gpus_per_slot: GPUs per worker, with `use_gpu`.
+        env_vars: environment variables for every worker (strings).
+        override_discovery: Horovod's; taken (the discovery is Ray's).
+    """
 
     @staticmethod
     def create_settings(min_np: int = 1, max_np: int | None = None,

@@ -74,9 +74,10 @@ class RayExecutor:
             `RAYTRAIN_X_JOB_NAME`, else the Ray job's id and this executor's number in it.
         checkpoint: durable checkpoints of the workers' `TorchState` (`CheckpointConfig`):
             restored from when no worker holds the state, and by the same command run again.
-        override_discovery, cpus_per_slot, gpus_per_slot: Horovod's; the discovery is Ray's
-            unless `host_discovery_script` is given, and the `_slot` names are those of
-            `cpus_per_worker`/`gpus_per_worker` (give one or the other).
+        override_discovery: Horovod's; taken, the discovery is Ray's unless
+            `host_discovery_script` is given.
+        cpus_per_slot: Horovod's older name of `cpus_per_worker` (give one or the other).
+        gpus_per_slot: Horovod's older name of `gpus_per_worker`.
 
     With `min_workers`/`max_workers` the executor is elastic: `run` keeps the job going
     while workers fail or hosts come and go (see docs/elastic.md).

@@ -250,47 +250,35 @@ def test_a_request_to_a_rank_0_that_vanished_mid_request_ends_within_the_timeout
         proc.join(10)
 
 
-_OTHER_USER = """
-import sys
-from raytrain_x.comm.job_store import JobStoreClient
-from raytrain_x.comm.rendezvous import rendezvous_from_env
-rdv = rendezvous_from_env({"RAYTRAIN_X_SIZE": "2", "RAYTRAIN_X_RANK": "1",
-                           "RAYTRAIN_X_STORE_ADDR": "127.0.0.1",
-                           "RAYTRAIN_X_STORE_PORT": sys.argv[1]})
-try:
-    JobStoreClient("127.0.0.1", int(sys.argv[1]), rdv.store.secret, 5).set("k", b"stolen")
-    print("got in")
-except Exception as exc:
-    print(type(exc).__name__)
-"""
-
-
-def test_a_loopback_store_is_this_users_and_no_other_local_users():
+def test_a_loopback_store_is_this_users_and_no_other_local_users(monkeypatch):
     """Without a secret a loopback store used a fixed public one: any local user could
-    read and write a running job's keys."""
+    read and write a running job's keys. Each user now has a secret of its own in a file
+    only it can read; another user's process holds another secret and is refused."""
     import os
     import stat
-    import subprocess
-    import sys
+    import tempfile
 
+    from raytrain_x.comm import rendezvous
     from raytrain_x.comm.rendezvous import loopback_secret
 
     secret = loopback_secret()
     assert secret == loopback_secret() and len(secret) == 64  # one per user, kept
-    path = os.path.join(os.path.dirname(os.path.realpath(__file__)), "..")  # the checkout
-    folder = os.path.join(__import__("tempfile").gettempdir(), f"raytrain-x-{os.getuid()}")
-    info = os.stat(os.path.join(folder, "store-secret"))
-    assert stat.S_IMODE(info.st_mode) == 0o600 and info.st_uid == os.getuid()
+    folder = os.path.join(tempfile.gettempdir(), f"raytrain-x-{os.getuid()}")
+    for path, mode in ((folder, 0o700), (os.path.join(folder, "store-secret"), 0o600)):
+        info = os.stat(path)
+        assert stat.S_IMODE(info.st_mode) == mode and info.st_uid == os.getuid(), path
     server = JobStoreServer("127.0.0.1", secret)
+    other = tempfile.mkdtemp()
     try:
-        runner = ([] if os.getuid() != 0 else
-                  ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"])
-        if runner:  # another user's process (as root: nobody's; an unprivileged run can
-            # only check the file's mode above)
-            out = subprocess.run([*runner, sys.executable, "-c", _OTHER_USER, str(server.port)],
-                                 capture_output=True, text=True, timeout=60, cwd="/",
-                                 env={**os.environ, "PYTHONPATH": os.path.abspath(path)})
-            assert out.stdout.strip() == "StoreAuthError", out.stderr[-2000:]
+        # another user's process: its own uid, so its own folder and secret
+        monkeypatch.setattr(rendezvous.tempfile, "gettempdir", lambda: other)
+        theirs = loopback_secret()
+        assert theirs != secret
+        with pytest.raises(StoreAuthError):
+            JobStoreClient("127.0.0.1", server.port, theirs, 5).set("k", b"stolen")
         assert server.table.num_keys() == 0
     finally:
         server.close()
+        import shutil
+
+        shutil.rmtree(other, ignore_errors=True)
