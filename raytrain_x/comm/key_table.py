@@ -7,6 +7,16 @@ import threading
 from collections.abc import Sequence
 
 
+def compare_set_answer(current: bytes | None, expected: bytes,
+                       desired: bytes) -> tuple[bool, bytes]:
+    """torch's `compare_set`: (whether to store `desired`, the value to answer): it is
+    stored when the key holds `expected` (or is absent and `expected` is empty); the
+    answer is the value the key then holds, or `expected` for an absent key."""
+    if (current is None and expected == b"") or current == expected:
+        return True, desired
+    return False, current if current is not None else expected
+
+
 class KeyTable:
     """Keys and values with blocking waits; the semantics of torch's `Store`."""
 
@@ -21,12 +31,11 @@ class KeyTable:
 
     def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
         with self._changed:
-            current = self._data.get(key)
-            if (current is None and expected == b"") or current == expected:
+            store, answer = compare_set_answer(self._data.get(key), expected, desired)
+            if store:
                 self._data[key] = desired
                 self._changed.notify_all()
-                return desired
-            return current if current is not None else expected
+            return answer
 
     def add(self, key: str, amount: int) -> int:
         with self._changed:

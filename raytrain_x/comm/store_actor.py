@@ -7,6 +7,7 @@ import asyncio
 
 import ray
 
+from raytrain_x.comm.key_table import compare_set_answer
 from raytrain_x.comm.store import ABANDONED
 
 
@@ -37,12 +38,11 @@ class StoreActor:
 
     async def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
         async with self._changed:
-            current = self._data.get(key)
-            if (current is None and expected == b"") or current == expected:
+            store, answer = compare_set_answer(self._data.get(key), expected, desired)
+            if store:
                 self._data[key] = desired
                 self._changed.notify_all()
-                return desired
-            return current if current is not None else expected
+            return answer
 
     async def add(self, key: str, amount: int) -> int:
         async with self._changed:
