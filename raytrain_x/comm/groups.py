@@ -124,6 +124,10 @@ class ProcessGroups:
         if self._sets.pop(process_set_id, None) is None:
             raise ConfigError(f"no process set with id {process_set_id}")
 
+    def process_set_ids(self) -> frozenset[int]:
+        """The ids of the registered process sets."""
+        return frozenset(self._sets)
+
     def process_set(self, process_set_id: int) -> ProcessSetGroup:
         try:
             return self._sets[process_set_id]

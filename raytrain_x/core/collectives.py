@@ -22,15 +22,18 @@ Product = "product"
 Adasum = "adasum"
 REDUCE_OPS = (Average, Sum, Adasum, Min, Max, Product)
 
-_counters: dict[str, itertools.count] = {}
+_counters: dict[tuple[str, int], itertools.count] = {}
 _counter_lock = threading.Lock()
 
 
-def auto_name(kind: str) -> str:
-    """A name for an unnamed collective: the same on every rank that submits the same
-    unnamed collectives in the same order (as in Horovod)."""
+def auto_name(kind: str, process_set: ProcessSet = global_process_set) -> str:
+    """A name for an unnamed collective: the same on every member of `process_set` that
+    submits the same unnamed collectives on it in the same order (as in Horovod). Counted
+    per set, so a rank's collectives on the sets it alone is in leave the others' names
+    unchanged."""
+    key = (kind, registered_id(process_set))
     with _counter_lock:
-        counter = _counters.setdefault(kind, itertools.count())
+        counter = _counters.setdefault(key, itertools.count())
         return f"{kind}.noname.{next(counter)}"
 
 
@@ -85,7 +88,14 @@ def predivided(op: str, factor: float, size: int) -> tuple[str, float, float]:
 
 
 def request(name: str, meta: Meta, array: Any, output: Any = None) -> Request:
-    """A request for the engine; each process set has its own name space, as in Horovod."""
+    """A request for the engine; each process set has its own name space, as in Horovod.
+    A rank outside the set is refused here, at once, as Horovod refuses it (an
+    invalid-argument error), instead of failing the set's negotiation later."""
+    members = engine().groups.process_set(meta.process_set_id)  # unknown id: ConfigError
+    if not members.included():
+        raise ConfigError(f"{meta.kind}: rank {engine().rank} is not a member of "
+                          f"process set {meta.process_set_id} (ranks {members.ranks}); call "
+                          "it on the set's members only, or pass a set this rank is in")
     if meta.process_set_id:
         name = f"{name}@set{meta.process_set_id}"
     return Request(name, meta, array, Handle(name), output)
@@ -130,7 +140,7 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
         process_set: the ranks that take part (default: every rank).
     """
     meta = Meta(BARRIER, "uint8", (0,), process_set_id=registered_id(process_set))
-    synchronize(submit(auto_name(BARRIER), meta, None))
+    synchronize(submit(auto_name(BARRIER, process_set), meta, None))
 
 
 def join(device: int = -1) -> int:

@@ -22,7 +22,7 @@ UNNAMED = "noname"
 def broadcast_bytes(payload: bytes | None, root_rank: int = 0, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> bytes:
     """`root_rank`'s bytes on every member (others pass None)."""
-    name = name or auto_name("broadcast_bytes")
+    name = name or auto_name("broadcast_bytes", process_set)
     is_root = rendezvous().rank == root_rank
     length = np.array([len(payload or b"") if is_root else 0], dtype=np.int64)
     _broadcast(length, root_rank, f"{name}.length", process_set)
@@ -37,7 +37,7 @@ def broadcast_bytes(payload: bytes | None, root_rank: int = 0, name: str | None 
 def allgather_bytes(payload: bytes, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> list[bytes]:
     """Every member's bytes, in rank order."""
-    name = name or auto_name("allgather_bytes")
+    name = name or auto_name("allgather_bytes", process_set)
     sizes = _allgather(np.array([len(payload)], dtype=np.int64), f"{name}.sizes", process_set)
     data = _allgather(np.frombuffer(payload, dtype=np.uint8).copy(), f"{name}.data",
                       process_set)

@@ -102,6 +102,7 @@ class Negotiator:
         self._responses: dict[str, Response | None] = {}
         self._agreed: dict[bytes, tuple[tuple[Response, ...], dict]] = {}
         self._agreed_version = -1
+        self._outside: tuple[Any, list[str]] = (None, [])
         self._stall_warning_s = stall_warning_s
         self._next_stall_scan = 0.0
         self._coordinator = Coordinator(
@@ -154,7 +155,8 @@ class Negotiator:
         status |= NOTHING_TO_REPORT if not to_report else 0
         status |= NO_MESSAGE if not has_message else 0
         status |= JOINED if joined else 0
-        words = self._cache.bits(self._cache.lru_order() if joined else cached)
+        words = self._cache.bits(self._cache.lru_order() if joined
+                                 else cached + self._outside_names())
         vector = np.empty(1 + len(words), dtype=np.uint64)
         vector[0] = status
         vector[1:] = words
@@ -187,6 +189,23 @@ class Negotiator:
             self._responses.clear()
             self._agreed.clear()
             self._agreed_version = self._cache_version
+
+    def _outside_names(self) -> list[str]:
+        """Cached names of process sets this rank is not in. Their bits are set here, as
+        agreement that asks nothing of this rank, so the AND across the world is the
+        members' agreement alone (a set's cached collective otherwise waits for ranks that
+        never submit it). Recomputed when the cache or the registered sets change."""
+        key = (self._cache_version, self._groups.process_set_ids())
+        if self._outside[0] != key:
+            names = []
+            for name in self._cache.lru_order():
+                cached = self._response(name)
+                set_id = cached.meta.process_set_id if cached is not None else 0
+                if set_id and set_id in key[1] and \
+                        not self._groups.process_set(set_id).included():
+                    names.append(name)
+            self._outside = (key, names)
+        return self._outside[1]
 
     def _response(self, name: str) -> Response | None:
         """`name`'s cached response (its entry parsed once per cache version), or None."""

@@ -22,6 +22,7 @@ import tensorflow as tf
 from raytrain_x.comm.backend import writable_alias
 from raytrain_x.common.errors import ConfigError, RaytrainXError
 from raytrain_x.core import collectives as _core
+from raytrain_x.core.process_sets import ProcessSet, registered_id
 from raytrain_x.tensorflow import kernels
 from raytrain_x.tensorflow.errors import as_tf_error, graph_error, original
 
@@ -110,24 +111,28 @@ def as_tensor(value: Any, what: str) -> tf.Tensor:
     return tensor
 
 
-def op_name(kind: str, name: str | None) -> str:
+def op_name(kind: str, name: str | None, process_set: ProcessSet) -> str:
     """The collective's name. Eagerly: numbered per call, as the core does. Inside
     `tf.function`: fixed when the function is traced (the graph's name and the collective's
     place in it), so every call of the function reuses the same names and the engine's
     response cache serves them. In a `tf.compat.v1` graph the same, with the graph's
-    number in this process in place of a function's name."""
+    number in this process in place of a function's name. Unnamed ones are counted per
+    process set, so that ranks in different sets still agree on each set's names."""
     if name:
         return _core.named(kind, name)  # as the torch face names it
     if tf.executing_eagerly():
-        return _core.auto_name(kind)
+        return _core.auto_name(kind, process_set)
     graph = tf.compat.v1.get_default_graph()
     label = getattr(graph, "name", None)
     if label is None:  # a tf.Graph, which has no name
         label = getattr(graph, "_raytrain_x_label", None)
         if label is None:
             label = graph._raytrain_x_label = f"graph{next(_graph_numbers)}"
-    count = getattr(graph, "_raytrain_x_collectives", 0)
-    graph._raytrain_x_collectives = count + 1
+    counts = getattr(graph, "_raytrain_x_collectives", None)
+    if counts is None:
+        counts = graph._raytrain_x_collectives = {}
+    set_id = registered_id(process_set)
+    count = counts[set_id] = counts.get(set_id, -1) + 1
     return f"{kind}.{label}.{count}"
 
 

@@ -62,7 +62,7 @@ def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "",
         ignore_name_scope: accepted for Horovod's signature; names never include scopes.
     """
     op = _core.resolve_op(op, average)
-    return _grouped_allreduce([tensor], op_name(ALLREDUCE, name), device_dense,
+    return _grouped_allreduce([tensor], op_name(ALLREDUCE, name, process_set), device_dense,
                               device_sparse, compression, op, prescale_factor,
                               postscale_factor, process_set)[0]
 
@@ -93,9 +93,10 @@ def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None,
     """
     if not tensors:
         return []
-    return _grouped_allreduce(tensors, op_name("grouped_allreduce", name), device_dense,
-                              device_sparse, compression, _core.resolve_op(op, average),
-                              prescale_factor, postscale_factor, process_set)
+    return _grouped_allreduce(tensors, op_name("grouped_allreduce", name, process_set),
+                              device_dense, device_sparse, compression,
+                              _core.resolve_op(op, average), prescale_factor,
+                              postscale_factor, process_set)
 
 
 def _grouped_allreduce(tensors: Sequence[Any], name: str, device_dense: str,
@@ -139,8 +140,8 @@ def _reduce(tensors: list[tf.Tensor], name: str, op: str, pre: float, post: floa
         return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, pairs)]
 
     def backward(dys: list[tf.Tensor]) -> list[tf.Tensor]:
-        return _reduce(dys, op_name("grouped_allreduce", None), op, pre, post, process_set,
-                       compression)
+        return _reduce(dys, op_name("grouped_allreduce", None, process_set), op, pre, post,
+                       process_set, compression)
 
     return differentiable(forward, backward, tensors)
 
@@ -159,7 +160,7 @@ def allgather(tensor: Any, name: str | None = None, ignore_name_scope: bool = Fa
         process_set: the ranks that take part (default: every rank).
     """
     tensor = as_tensor(tensor, "allgather")
-    return _allgather([tensor], op_name(ALLGATHER, name), process_set)[0]
+    return _allgather([tensor], op_name(ALLGATHER, name, process_set), process_set)[0]
 
 
 @raises_tf_errors
@@ -178,7 +179,7 @@ def grouped_allgather(tensors: Sequence[Any], name: str | None = None,
     if not tensors:
         return []
     tensors = [as_tensor(t, "grouped_allgather") for t in tensors]
-    return _allgather(tensors, op_name("grouped_allgather", name), process_set)
+    return _allgather(tensors, op_name("grouped_allgather", name, process_set), process_set)
 
 
 def _allgather(tensors: list[tf.Tensor], name: str,
@@ -223,7 +224,7 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None,
         process_set: the ranks that take part (default: every rank).
     """
     tensor = as_tensor(tensor, "broadcast")
-    base = op_name(BROADCAST, name)
+    base = op_name(BROADCAST, name, process_set)
 
     def forward(x: tf.Tensor) -> list[tf.Tensor]:
         return ops.grouped_broadcast([x], root_rank, base, process_set)
@@ -252,7 +253,7 @@ def broadcast_(variables: Sequence[Any], root_rank: int, name: str | None = None
     """
     variables = list(variables)
     values = ops.grouped_broadcast([tf.convert_to_tensor(v) for v in variables], root_rank,
-                                   op_name("broadcast_", name), process_set)
+                                   op_name("broadcast_", name, process_set), process_set)
     updates = [_assign(v, x) for v, x in zip(variables, values)]
     with tf.control_dependencies([u for u in updates if u is not None]):
         return [tf.identity(tf.convert_to_tensor(v)) for v in variables]
@@ -283,7 +284,7 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
         process_set: the ranks that take part (default: every rank).
     """
     tensor = as_tensor(tensor, "alltoall")
-    base = op_name(ALLTOALL, name)
+    base = op_name(ALLTOALL, name, process_set)
     received: list[tf.Tensor] = []
 
     def forward(x: tf.Tensor) -> list[tf.Tensor]:
@@ -322,7 +323,7 @@ def reducescatter(tensor: Any, device_dense: str = "", compression: Any = Compre
     """
     tensor = as_tensor(tensor, "reducescatter")
     with tf.device(device_dense):
-        return _reducescatter([tensor], op_name(REDUCESCATTER, name), op, process_set,
+        return _reducescatter([tensor], op_name(REDUCESCATTER, name, process_set), op, process_set,
                               prescale_factor, postscale_factor, compression)[0]
 
 
@@ -348,7 +349,7 @@ def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "",
         return []
     tensors = [as_tensor(t, "grouped_reducescatter") for t in tensors]
     with tf.device(device_dense):
-        return _reducescatter(tensors, op_name("grouped_reducescatter", name), op,
+        return _reducescatter(tensors, op_name("grouped_reducescatter", name, process_set), op,
                               process_set, prescale_factor, postscale_factor, compression)
 
 

@@ -78,6 +78,10 @@ class GradientReducer:
         """Every rank's gradients combined by the op (None stays None); `step` marks the
         end of a training step for autotune."""
         grads = list(grads)
+        if not _reduces(self.process_set):  # Horovod's rule: the rank's own gradients
+            if step:
+                runtime.mark_step()
+            return grads
         local = [sources is not None and _ref(s) in self.local_sources
                  for s in (sources or [None] * len(grads))]
         out: list[Any] = list(grads)
@@ -147,6 +151,13 @@ class GradientReducer:
 def _ref(source: Any) -> Any:
     """A hashable key for a variable or tensor (TensorFlow's `.ref()`)."""
     return source.ref() if hasattr(source, "ref") else id(source)
+
+
+def _reduces(process_set: ProcessSet) -> bool:
+    """Whether gradients are combined over `process_set` on this rank: a rank outside the
+    set, or a set of one, keeps its own (as Horovod's tape and optimizers do), so every
+    rank can build the same training step whichever sets it is in."""
+    return process_set.included() and process_set.size() > 1
 
 
 def _divided(grad: Any, size: int) -> Any:

@@ -89,7 +89,7 @@ def allreduce_sparse(slices: tf.IndexedSlices, name: str | None, op: str,
     if op not in (Average, Sum):
         raise NotSupportedError("an IndexedSlices allreduce supports Average and Sum only; use "
                           "sparse_as_dense=True for other ops")
-    base = op_name("sparse_allreduce", name)
+    base = op_name("sparse_allreduce", name, process_set)
     values, indices = grouped_allgather([slices.values, slices.indices], base, process_set)
     if op == Average:
         values = values / tf.cast(process_set.size(), values.dtype)

@@ -86,7 +86,7 @@ def _grouped_allreduce_handles(tensors, average, name, op, prescale_factor, post
                                process_set, compression) -> list[Handle]:
     if not isinstance(tensors, (list, tuple)) or not tensors:
         raise ConfigError("grouped collectives need a non-empty list of tensors")
-    base = op_name("grouped_allreduce", name)
+    base = op_name("grouped_allreduce", name, process_set)
     pairs = [allreduce_request(t, average, f"{base}.{i}", op, prescale_factor,
                                 postscale_factor, process_set, compression)
              for i, t in enumerate(tensors)]
@@ -163,7 +163,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None,
     op = _core.resolve_op(op, None)
     if op not in (Average, Sum):
         raise ConfigError("sparse_allreduce_async supports rx.Average and rx.Sum")
-    base = op_name("sparse_allreduce", name)
+    base = op_name("sparse_allreduce", name, process_set)
     tensor = tensor.coalesce()
     indices = allgather_async(tensor.indices().t().contiguous(), f"{base}.indices", process_set)
     values = allgather_async(tensor.values().contiguous(), f"{base}.values", process_set)
@@ -187,7 +187,7 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
         name: the collective's name, the same on every member; automatic if None.
         process_set: the ranks that take part (default: every rank).
     """
-    request = allgather_request(tensor, op_name(ALLGATHER, name), process_set)
+    request = allgather_request(tensor, op_name(ALLGATHER, name, process_set), process_set)
     _core.submit_many([request])
     return request.handle
 
@@ -197,7 +197,8 @@ def allgather_into_async(tensor: torch.Tensor, output: torch.Tensor, name: str,
     """An allgather of equally shaped tensors written into `output` (`tensor` may be this
     member's own slice of it); the handle gives `output`, or a new tensor where the engine
     took a route that cannot write in place (the caller copies it then)."""
-    request = allgather_request(tensor, op_name(ALLGATHER, name), process_set, output=output)
+    request = allgather_request(tensor, op_name(ALLGATHER, name, process_set), process_set,
+                                output=output)
     _core.submit_many([request])
     return request.handle
 
@@ -214,7 +215,7 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
     """
     if not isinstance(tensors, (list, tuple)) or not tensors:
         raise ConfigError("grouped collectives need a non-empty list of tensors")
-    base = op_name("grouped_allgather", name)
+    base = op_name("grouped_allgather", name, process_set)
     requests = [allgather_request(t, f"{base}.{i}", process_set)
                 for i, t in enumerate(tensors)]
     _core.submit_many(requests)
@@ -240,7 +241,7 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
     meta = Meta(BROADCAST, checked_dtype(tensor), tuple(tensor.shape), root=int(root_rank),
                 process_set_id=registered_id(process_set), device=tensor.device.type,
                 framework="torch")
-    return _core.submit(op_name(BROADCAST, name), meta, tensor.detach(), output=tensor)
+    return _core.submit(op_name(BROADCAST, name, process_set), meta, tensor.detach(), output=tensor)
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -288,7 +289,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | 
                 process_set_id=registered_id(process_set), device=tensor.device.type,
                 framework="torch",
                 splits=tuple(split_list))
-    return _core.submit(op_name(ALLTOALL, name), meta, tensor)
+    return _core.submit(op_name(ALLTOALL, name, process_set), meta, tensor)
 
 
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: str | None = Average,
@@ -304,8 +305,8 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: str |
         prescale_factor: multiplies the input before the reduction (Sum and Average).
         postscale_factor: multiplies the result after the reduction (Sum and Average).
     """
-    request = reducescatter_request(tensor, op_name(REDUCESCATTER, name), op, process_set,
-                                     prescale_factor, postscale_factor)
+    request = reducescatter_request(tensor, op_name(REDUCESCATTER, name, process_set), op,
+                                    process_set, prescale_factor, postscale_factor)
     _core.submit_many([request])
     return request.handle
 
@@ -317,8 +318,9 @@ def reducescatter_into_async(tensor: torch.Tensor, output: torch.Tensor, name: s
     """A reduce-scatter whose share is written into `output` where the shares are equal;
     the handle gives `output`, or a new tensor where the engine took a route that cannot
     write there (the caller copies it then)."""
-    request = reducescatter_request(tensor, op_name(REDUCESCATTER, name), op, process_set,
-                                     prescale_factor, postscale_factor, output=output)
+    request = reducescatter_request(tensor, op_name(REDUCESCATTER, name, process_set), op,
+                                    process_set, prescale_factor, postscale_factor,
+                                    output=output)
     _core.submit_many([request])
     return request.handle
 
@@ -340,7 +342,7 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
     """
     if not isinstance(tensors, (list, tuple)) or not tensors:
         raise ConfigError("grouped collectives need a non-empty list of tensors")
-    base = op_name("grouped_reducescatter", name)
+    base = op_name("grouped_reducescatter", name, process_set)
     requests = [reducescatter_request(t, f"{base}.{i}", op, process_set, prescale_factor,
                                        postscale_factor) for i, t in enumerate(tensors)]
     _core.submit_many(requests)

@@ -18,9 +18,10 @@ from raytrain_x.torch.arrays import dtype_name  # (importing it registers torch 
 from raytrain_x.torch.compression import Compression, Compressor
 
 
-def op_name(kind: str, name: str | None) -> str:
-    """Horovod's naming: `<kind>.<name>`, or `<kind>.noname.<n>` for an unnamed one."""
-    return _core.auto_name(kind) if name is None else _core.named(kind, name)
+def op_name(kind: str, name: str | None, process_set: ProcessSet) -> str:
+    """Horovod's naming: `<kind>.<name>`, or `<kind>.noname.<n>` for an unnamed one (`n`
+    counted per process set)."""
+    return _core.auto_name(kind, process_set) if name is None else _core.named(kind, name)
 
 
 def checked_dtype(tensor: torch.Tensor) -> str:
@@ -107,7 +108,7 @@ def allreduce_request(
         adasum.check_size(process_set.size())
         if not tensor.is_floating_point():
             raise ConfigError(f"op=Adasum needs floating point tensors, got {tensor.dtype}")
-    name = op_name(ALLREDUCE, name)
+    name = op_name(ALLREDUCE, name, process_set)
     wire = ""
     target = None
     compressor_ctx = None

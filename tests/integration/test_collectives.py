@@ -405,28 +405,37 @@ def test_process_sets_on_one_host_use_shared_memory():
     assert results[0]["across_sum"] == results[2]["across_sum"] == [2.0, 2.0]
 
 
-def _process_sets() -> list:
+def _process_sets() -> dict:
     import raytrain_x.torch as rx
 
     evens = rx.ProcessSet([0, 2])
     rx.init(process_sets=[evens])
-    out = []
-    if evens.included():
-        out.append(rx.allreduce(torch.ones(2) * rx.rank(), op=rx.Sum, process_set=evens))
     odd = rx.add_process_set([1])
-    if rx.rank() == 1:
-        out.append(rx.allreduce(torch.ones(2) * 5, op=rx.Sum, process_set=odd))
-    out.append(rx.allreduce(torch.ones(1), op=rx.Sum))
+    out: dict = {"sets": [], "world": []}
+    # unnamed: each set counts its own names, and the repeats come from the response cache
+    # (whose bits a rank outside a set agrees to without submitting anything)
+    for _ in range(3):
+        if evens.included():
+            out["sets"].append(rx.allreduce(torch.ones(2) * rx.rank(), op=rx.Sum,
+                                            process_set=evens))
+        if odd.included():
+            out["sets"].append(rx.allreduce(torch.ones(2) * 5, op=rx.Sum, process_set=odd))
+        out["world"].append(rx.allreduce(torch.ones(1), op=rx.Sum))
+    try:  # refused at once, on this rank alone
+        rx.allreduce(torch.ones(1), process_set=evens if odd.included() else odd)
+    except ValueError as exc:
+        out["outside"] = str(exc)
     assert rx.remove_process_set(odd)
     return out
 
 
 def test_process_sets():
     results = run_workers(_process_sets, 3)
-    assert torch.equal(results[0][0], torch.full((2,), 2.0))
-    assert torch.equal(results[2][0], torch.full((2,), 2.0))
-    assert torch.equal(results[1][0], torch.full((2,), 5.0))
-    assert all(torch.equal(r[-1], torch.full((1,), 3.0)) for r in results)
+    for r, out in enumerate(results):
+        want = torch.full((2,), 5.0 if r == 1 else 2.0)
+        assert len(out["sets"]) == 3 and all(torch.equal(t, want) for t in out["sets"])
+        assert all(torch.equal(t, torch.full((1,), 3.0)) for t in out["world"])
+        assert f"rank {r} is not a member of process set" in out["outside"]
 
 
 def _join() -> tuple:

@@ -465,6 +465,10 @@ class _OneRank:
             ranks = [0]
         return _Set
 
+    @staticmethod
+    def process_set_ids() -> frozenset[int]:
+        return frozenset({0})
+
 
 def test_a_repeated_set_of_cache_hits_is_agreed_once_with_the_same_lru_touches():
     from raytrain_x.engine.messages import Handle, Request
