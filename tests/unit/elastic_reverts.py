@@ -5,6 +5,7 @@ scenario fails without it."""
 from __future__ import annotations
 
 from raytrain_x.ray.elastic import (
+    discovery,
     drain_watch,
     member_watch,
     policies,
@@ -12,6 +13,7 @@ from raytrain_x.ray.elastic import (
     worker_starts,
 )
 from raytrain_x.ray.elastic.policies import rounds as round_policy
+from raytrain_x.testing.simulation.world import World
 
 
 def rank0_by_age_only(mp) -> None:
@@ -177,10 +179,13 @@ def durable_floor_ignored(mp) -> None:
 
 def restore_not_told(mp) -> None:
     """The round restoring from storage did not say so: its workers synced from rank 0,
-    which held no state (or an older one)."""
+    which held no state (or an older one). The workers' own check (no member holds any
+    state: restore, as a new driver's first round does) is taken out too: it covers this
+    scenario's rounds, where nobody survives, but not a survivor with an older state."""
     plan = round_forming.plan_round
     mp.setattr(round_forming, "plan_round",
                lambda members, r, v, holders=(), restore=False: plan(members, r, v, holders))
+    mp.setattr(World, "_restores", lambda self, group: group.restore_from_storage)
 
 
 REVERTS["durable-whole-job-lost"] = durable_floor_ignored
@@ -253,3 +258,22 @@ def pool_drain_not_written(mp) -> None:
 
 
 REVERTS["durable-whole-pool-drain"] = pool_drain_not_written
+
+
+def resume_not_checked(mp) -> None:
+    """A new driver's first round (every worker new, none holding any state) synced from
+    rank 0 instead of restoring the latest checkpoint: the job started over."""
+    mp.setattr(World, "_restores", lambda self, group: group.restore_from_storage)
+
+
+REVERTS["durable-driver-killed"] = resume_not_checked
+
+
+def discovery_failure_fatal(mp) -> None:
+    """One failed run of the discovery script stopped the job."""
+    def failed(self, error, now):
+        raise error
+    mp.setattr(discovery.DiscoveryHealth, "failed", failed)
+
+
+REVERTS["scripted-discovery-fails-and-recovers"] = discovery_failure_fatal

@@ -40,6 +40,9 @@ class WorldConfig:
     # storage is down, and never completes if rank 0's process ends before it does
     checkpoint_every_s: float | None = None
     storage_write_s: tuple[float, float] = (0.2, 3.0)
+    # hosts come from a discovery script (`ScriptDiscovery`): it reports the nodes that are
+    # up with their total slots, and fails on every run while discovery is down
+    scripted_discovery: bool = False
 
 
 @dataclass

@@ -7,7 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from raytrain_x.common.errors import WorkerError
+from raytrain_x.common.errors import ConfigError, WorkerError
+from raytrain_x.ray.elastic.discovery import DiscoveryHealth
 from raytrain_x.ray.elastic.parts import JobParts
 from raytrain_x.ray.elastic.pool import Member, Outcomes, Pending, WorkerPool
 from raytrain_x.ray.elastic.rounds import current_holders
@@ -31,6 +32,7 @@ class SimPool(WorkerPool):
     def __init__(self, settings: ElasticSettings, world: World) -> None:
         super().__init__(settings, lambda: world.now)
         self.world = world
+        self._ids = world.worker_ids  # unique across drivers, as the world keeps them all
 
     def start(self, node: str) -> None:
         w = self.world.start_worker(self.world.nodes[node])
@@ -181,21 +183,45 @@ class SimCapacity:
         self.ask(0)
 
 
+class SimScript:
+    """A discovery script over the simulated nodes, read as `ScriptDiscovery` reads one
+    (its `DiscoveryHealth`): it reports the nodes that are up with their total slots, and
+    while discovery is down every run fails and the hosts of the last success stand."""
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.health = DiscoveryHealth()
+
+    def hosts(self) -> dict[str, int]:
+        world = self.world
+        if world.now < world.discovery_down_until:
+            self.health.failed(ConfigError("discovery script exited with 1"), world.now)
+        else:
+            self.health.succeeded({n: node.slots for n, node in world.alive_nodes().items()
+                                   if node.up})
+        return dict(self.health.last or {})
+
+
 class SimCluster:
     """`ClusterView` over the simulated nodes."""
-
-    scripted = False
 
     def __init__(self, world: World) -> None:
         self.world = world
         self.capacity = SimCapacity(world)
+        self.scripted = world.config.scripted_discovery
+        self.script = SimScript(world) if self.scripted else None
 
     def nodes(self) -> dict[str, dict[str, float]]:
         return {n: {"CPU": float(node.slots)} for n, node in self.world.alive_nodes().items()}
 
     def free_slots(self, used: dict[str, int]) -> dict[str, int]:
         """Ray's available resources: a node it still lists but that is gone or cut off
-        shows what it last reported."""
+        shows what it last reported. With a discovery script, its hosts that Ray lists,
+        less the job's own workers there (as `ClusterView` counts them)."""
+        if self.script is not None:
+            listed = self.world.alive_nodes()
+            return {n: slots - used.get(n, 0) for n, slots in self.script.hosts().items()
+                    if n in listed}
         free = {}
         for n, node in self.world.alive_nodes().items():
             if not node.up or node.raylet_dead:

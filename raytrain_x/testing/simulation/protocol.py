@@ -165,7 +165,7 @@ class WorkerSide:
         rank0 = next((w for w in self._members(group) if group.ranks[w.worker_id] == 0), None)
         if rank0 is None:
             return
-        if group.restore_from_storage:
+        if self._restores(group):
             self._restore_from_storage(group)
             return
         last = self.job_step()
@@ -173,6 +173,15 @@ class WorkerSide:
             self.violation(f"round {group.round_id} syncs from {rank0} (rank 0), whose state "
                            f"is at commit {rank0.step}, not the job's latest {last}")
         self.after(self.rng.uniform(0.05, 0.3), lambda: self._synced(group, rank0.step))
+
+    def _restores(self, group: Group) -> bool:
+        """Whether the round loads the latest durable checkpoint (`checkpoint_to_restore`):
+        the driver said no worker holds the state, or no member holds any (a new driver's
+        first round, after the last one was killed) and a checkpoint is complete."""
+        if group.restore_from_storage:
+            return True
+        return (self.config.checkpoint_every_s is not None and bool(self.durable)
+                and not any(w.holds for w in self._members(group)))
 
     def job_step(self) -> int:
         """The job's latest committed step: its last commit, or the durable checkpoint
@@ -306,7 +315,7 @@ class WorkerSide:
         group.stalled_since = None
         if group.phase == "training":
             self._schedule_commit(group)
-        elif group.restore_from_storage:
+        elif self._restores(group):
             self._restore_from_storage(group)  # the restore starts over
         else:
             self.after(0.05, lambda: self._synced(group, self._rank0_step(group)))

@@ -10,14 +10,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from raytrain_x.common.checkpoint_config import CheckpointConfig
-from raytrain_x.common.errors import ElasticStateLost, ElasticTimeout
+from raytrain_x.common.errors import ConfigError, ElasticStateLost, ElasticTimeout
 from raytrain_x.common.settings import SILENT_LOST_S, STUCK_GRACE_S
 from raytrain_x.ray.elastic.job import ElasticJob
 from raytrain_x.ray.elastic.settings import ElasticSettings
 from raytrain_x.testing.simulation.model import WorldConfig
 from raytrain_x.testing.simulation.parts import sim_parts
 from raytrain_x.testing.simulation.schedules import Schedule, apply
-from raytrain_x.testing.simulation.world import NODE_DEATH_S, World
+from raytrain_x.testing.simulation.world import NODE_DEATH_S, DriverKilled, World
 
 
 class Hang(BaseException):
@@ -139,11 +139,8 @@ def run_schedule(schedule: Schedule, keep_trace: bool = False) -> Outcome:
     world = World(schedule.seed, schedule.config, trace)
     world_box.append(world)
     settings = settings_for(schedule.config)
-    job = ElasticJob(settings, _never_called, (), {}, clock=lambda: world.now,
-                     parts=sim_parts(settings, world))
-    job.blacklist.rng = random.Random(schedule.seed)  # the cooldowns' jitter
-    world.driver_members = lambda: job.members
-    dog = Watchdog(world, job, schedule)
+    jobs = [_driver(world, settings, schedule.seed)]
+    dog = Watchdog(world, jobs[0], schedule)
     recoveries: dict[str, list[float]] = {}
     fired = [0]
     for fault in schedule.faults:
@@ -158,7 +155,6 @@ def run_schedule(schedule: Schedule, keep_trace: bool = False) -> Outcome:
     world.finish_after = ask_end
     dog.end_by = ask_end + dog.bound
     world.after(1.0, dog.tick)
-    stop = "finished"
     # the driver's log is silenced and its progress lines kept for the trace
     driver_lines: list[str] = []
     logger = logging.getLogger("raytrain_x.elastic")
@@ -167,27 +163,78 @@ def run_schedule(schedule: Schedule, keep_trace: bool = False) -> Outcome:
     logger.setLevel(logging.CRITICAL)
     progress.handlers, progress.propagate = [_Lines(driver_lines)], False
     try:
-        job.run()
-    except Hang:
-        stop = "hang"
-    except ElasticStateLost as exc:
-        stop = "ElasticStateLost"
-        _check_state_lost(world, job, exc)
-    except ElasticTimeout as exc:
-        stop = "ElasticTimeout"
-        _check_timeout(world, dog, exc)
-    except Exception as exc:  # noqa: BLE001 - any other stop is a violation
-        stop = type(exc).__name__
-        world.violation(f"the driver raised {type(exc).__name__}, not a documented stop: "
-                        f"{str(exc).splitlines()[0] if str(exc) else ''}")
+        stop = _run_drivers(world, settings, schedule, jobs, dog)
     finally:
         logger.level, progress.handlers, progress.propagate = saved
-    _check_events(world, job)
+    for job in jobs:
+        _check_events(world, job)
+    _check_restarts(world, jobs)
     _check_pool_drains(world, stop)
     if keep_trace:
         lines += [f"driver: {line}" for line in driver_lines]
     return Outcome(schedule, list(world.violations), stop, world.now, fired[0],
                    len(world.commits), recoveries, lines)
+
+
+def _driver(world: World, settings: ElasticSettings, seed: int) -> ElasticJob:
+    """A driver process's job. A later driver (the same command run again) numbers its
+    rounds on from the last one's, so the world's records of both stay apart."""
+    job = ElasticJob(settings, _never_called, (), {}, clock=lambda: world.now,
+                     parts=sim_parts(settings, world))
+    job.blacklist.rng = random.Random(seed)  # the cooldowns' jitter
+    job.ctx.rounds = max(world.groups, default=0)
+    world.driver_members = lambda: job.members
+    return job
+
+
+def _run_drivers(world: World, settings: ElasticSettings, schedule: Schedule,
+                 jobs: list[ElasticJob], dog: Watchdog) -> str:
+    """Runs the job to its stop; a killed driver's command runs again (a new `ElasticJob`)
+    after the fault's delay, while the faults go on. Returns how the job stopped."""
+    while True:
+        job = jobs[-1]
+        try:
+            job.run()
+            return "finished"
+        except DriverKilled as killed:
+            try:
+                world.advance(world.now + killed.restart_s)
+            except Hang:
+                return "hang"
+            world.new_driver()
+            jobs.append(_driver(world, settings, schedule.seed + len(jobs)))
+            dog.job = jobs[-1]
+            dog.last_fault = world.now  # the new driver's start counts from here
+        except Hang:
+            return "hang"
+        except ElasticStateLost as exc:
+            _check_state_lost(world, job, exc)
+            return "ElasticStateLost"
+        except ElasticTimeout as exc:
+            _check_timeout(world, dog, exc)
+            return "ElasticTimeout"
+        except ConfigError as exc:
+            if len(jobs) > 1 and job.ctx.rounds == max(world.groups, default=0) \
+                    and world.now < world.discovery_down_until:
+                # a new driver whose discovery script fails before its first success:
+                # nothing to go on, the documented stop of a script that does not work
+                return "ConfigError"
+            world.violation(f"the driver raised ConfigError, not a documented stop: {exc}")
+            return "ConfigError"
+        except Exception as exc:  # noqa: BLE001 - any other stop is a violation
+            world.violation(f"the driver raised {type(exc).__name__}, not a documented "
+                            f"stop: {str(exc).splitlines()[0] if str(exc) else ''}")
+            return type(exc).__name__
+
+
+def _check_restarts(world: World, jobs: list[ElasticJob]) -> None:
+    """The driver restarts a worker whose join reached the rounds actor only when it gave
+    its round up (`held_back`, by design); rounds are numbered on across drivers."""
+    given_up = {e.detail.get("round") for job in jobs for e in job.log.of("abandoned")}
+    for w, round_id, at in world.restarted_joins:
+        if round_id is None or round_id not in given_up:
+            world.violation(f"at {at:.2f}s the driver restarted {w}, whose join the rounds "
+                            "actor had received")
 
 
 class _Lines(logging.Handler):
@@ -308,11 +355,6 @@ def _check_events(world: World, job: ElasticJob) -> None:
             continue  # the policy's own clock check (unit-tested)
         if "left the cluster" in why and node is not None and not node.known_dead:
             world.violation(f"gave up on a worker on {e.host}: {why}, but Ray lists it")
-    given_up = {e.detail.get("round") for e in job.log.of("abandoned")}
-    for w, round_id, at in world.restarted_joins:
-        if round_id is None or round_id not in given_up:  # else `held_back`, by design
-            world.violation(f"at {at:.2f}s the driver restarted {w}, whose join the rounds "
-                            "actor had received")
     for w in world.workers:
         drained = w.node.drain_deadline is not None
         if drained and w.outcome and w.outcome[0] == "failed" and w.outcome[1] != "lost" \

@@ -280,6 +280,19 @@ def durable_scenarios() -> list[Schedule]:
             "every node of the job drains at once with a 3 s deadline, too short for a "
             "replacement to start and sync: the driver asks rank 0 for a checkpoint at its "
             "next commit, and the job restores it, not the one from 10 s before"),
+        _named("durable-driver-killed", DURABLE, [
+            Fault(8.0, "kill_driver", 0.0, 5.0), Fault(9.0, "kill_node", 0.5),
+            Fault(20.0, "kill_driver", 0.0, 1.0)],
+            "the driver process killed (its workers end with it) and the same command run "
+            "5 s later, a node lost while no driver runs, then the second driver killed: "
+            "each new driver's first round restores the latest complete checkpoint"),
+        _named("scripted-discovery-fails-and-recovers", replace(
+            THREE, scripted_discovery=True, autoscaler=False), [
+            Fault(5.0, "discovery_outage", 0.0, 40.0), Fault(8.0, "kill_node", 0.0),
+            Fault(30.0, "add_node")],
+            "the discovery script fails on every run for 40 s while a node dies and another "
+            "joins: its last hosts stand (a start on the dead node fails), the job trains on, "
+            "and the new node is used once the script answers again"),
         _named("durable-lost-twice", DURABLE, [
             Fault(8.0, "lose_everything"), Fault(20.0, "lose_everything"),
             Fault(21.0, "kill_node", 0.5)],

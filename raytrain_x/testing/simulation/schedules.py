@@ -16,7 +16,8 @@ from raytrain_x.testing.simulation.world import World
 KINDS = ("kill_worker", "kill_node", "drain", "drain_kill", "raylet", "partition",
          "slow_start", "stuck_start", "add_node", "kill_in_rendezvous", "kill_in_sync",
          "kill_in_commit", "node_kill_in_rendezvous", "node_kill_in_connect",
-         "drain_in_rendezvous", "storage_outage", "lose_everything", "drain_pool")
+         "drain_in_rendezvous", "storage_outage", "lose_everything", "drain_pool",
+         "kill_driver", "discovery_outage")
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,8 @@ class Schedule:
                 f"commit every {c.commit_s:g}s"
                 + (f", a durable checkpoint every {c.checkpoint_every_s:g}s (writes "
                    f"{c.storage_write_s[0]:g}-{c.storage_write_s[1]:g}s)"
-                   if c.checkpoint_every_s is not None else ""))
+                   if c.checkpoint_every_s is not None else "")
+                + (", hosts from a discovery script" if c.scripted_discovery else ""))
         return "\n".join([head, *(f"  {f}" for f in self.faults)])
 
 
@@ -89,8 +91,11 @@ def random_schedule(seed: int, faults: int = 20, mean_gap_s: float | None = None
         out.append(Fault(round(at, 3), kind, round(rng.random(), 4),
                          round(_value(kind, rng), 3)))
         at += rng.expovariate(1.0 / mean_gap_s)
-    config, storage_faults = _durable(seed, config, out[0].at if out else 3.0, at)
-    return Schedule(seed, config, tuple(sorted(out + storage_faults, key=lambda f: f.at)))
+    first = out[0].at if out else 3.0
+    config, storage_faults = _durable(seed, config, first, at)
+    config, discovery_faults = _scripted(seed, config, first, at)
+    return Schedule(seed, config, tuple(sorted(out + storage_faults + discovery_faults,
+                                               key=lambda f: f.at)))
 
 
 def _durable(seed: int, config: WorldConfig, first: float, last: float,
@@ -110,7 +115,25 @@ def _durable(seed: int, config: WorldConfig, first: float, last: float,
     # a whole-pool spot notice: every node with a worker drains at once, with a deadline
     faults += [Fault(round(rng.uniform(first, last), 3), "drain_pool", 0.0,
                      round(rng.uniform(1.0, 15.0), 3)) for _ in range(rng.randint(0, 1))]
+    # the driver process killed (its worker and control actors end with it), the same
+    # command run again after `value` seconds (a generator of its own again)
+    rng = random.Random(seed + 4)
+    faults += [Fault(round(rng.uniform(first, last), 3), "kill_driver", 0.0,
+                     round(rng.uniform(1.0, 20.0), 3)) for _ in range(rng.randint(0, 2))]
     return config, faults
+
+
+def _scripted(seed: int, config: WorldConfig, first: float, last: float,
+              ) -> tuple[WorldConfig, list[Fault]]:
+    """One job in three finds its hosts with a discovery script, which fails on every run
+    for a while now and then (shorter than `FAILING_FOR_S`: a transient failure)."""
+    rng = random.Random(seed + 5)
+    if rng.random() >= 1 / 3:
+        return config, []
+    # a cluster its user manages: no autoscaler requests, lost nodes are replaced
+    return replace(config, scripted_discovery=True, autoscaler=False, respawn=True), [
+        Fault(round(rng.uniform(first, last), 3), "discovery_outage", 0.0,
+              round(rng.uniform(1.0, 60.0), 3)) for _ in range(rng.randint(0, 2))]
 
 
 def _late_placed(seed: int) -> tuple[float, float] | None:
@@ -190,6 +213,10 @@ def apply(world: World, fault: Fault) -> None:
         world.lose_everything()
     elif kind == "drain_pool":
         world.drain_pool(value)
+    elif kind == "kill_driver":
+        world.kill_driver(value)
+    elif kind == "discovery_outage":
+        world.discovery_outage(value)
     else:
         phase, what = {
             "kill_in_rendezvous": ("rendezvous", "worker"),

@@ -39,6 +39,16 @@ RESPAWN_S = (3.0, 10.0)  # without an autoscaler, a lost node's replacement join
 AUTOSCALER_PERIOD_S = 2.0  # how often the autoscaler reconciles the job's request
 
 
+class DriverKilled(BaseException):
+    """The driver process was killed (a fault): raised out of the job's loop, as the
+    process's end is; the runner starts the same job again `restart_s` later (a
+    BaseException: the controller's own error handling must not swallow it)."""
+
+    def __init__(self, restart_s: float) -> None:
+        super().__init__(f"the driver was killed; run again in {restart_s:.1f}s")
+        self.restart_s = restart_s
+
+
 class World(WorkerSide):
     """The clock, the queue, the cluster and the job's actors."""
 
@@ -51,6 +61,7 @@ class World(WorkerSide):
         self._queue: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
         self._node_ids = itertools.count(1)
+        self.worker_ids = itertools.count()  # the pools' (one per driver)
         self.nodes: dict[str, Node] = {}
         self.workers: list[SimWorker] = []
         self.groups: dict[int, Group] = {}
@@ -73,6 +84,9 @@ class World(WorkerSide):
         self.last_write = 0.0
         self.write_asked = False  # the driver asked; rank 0 writes after the write under way
         self.outages: list[tuple[float, float]] = []  # storage down (from, until)
+        self.discovery_down_until = -math.inf  # the discovery script fails until then
+        self.driver_up = True  # a driver process runs the job
+        self.driver_kills: list[tuple[float, int]] = []  # (when, the job's step then)
         # whole-pool drains: (when, the job's step then, the deadline in seconds)
         self.pool_drains: list[tuple[float, int, float]] = []
         self.fault_times: list[float] = []  # every fault's firing, phase faults too
@@ -277,6 +291,32 @@ class World(WorkerSide):
             self.pool_drains.append((self.now, self.job_step(), deadline_s))
         for node in nodes.values():
             self.drain(node, deadline_s)
+
+    def discovery_outage(self, seconds: float) -> None:
+        """Every run of the discovery script fails for `seconds`."""
+        self.discovery_down_until = max(self.discovery_down_until, self.now + seconds)
+        self.trace(f"discovery script failing for {seconds:.1f}s")
+
+    def kill_driver(self, restart_s: float) -> None:
+        """The driver process is killed: Ray ends the actors it owns (every worker, the
+        rounds and store actors) and the same command runs again `restart_s` later
+        (`DriverKilled`, which the runner catches). Only once a durable checkpoint is
+        complete: before it, a new run starts the job over, which is no resume."""
+        if not self.driver_up or not self.durable:
+            self.trace("no driver to kill, or no checkpoint to resume from: skipped")
+            return
+        self.trace("the driver process is killed")
+        self.driver_up = False
+        self.driver_kills.append((self.now, self.job_step()))
+        for w in [w for w in self.workers if w.alive]:
+            self.process_dies(w, visible_in=0.0)
+        raise DriverKilled(restart_s)
+
+    def new_driver(self) -> None:
+        """The same command again: a new driver with new rounds and store actors."""
+        self.trace("a new driver starts the job again")
+        self.rounds = SimRounds(self)
+        self.driver_up = True
 
     def lose_everything(self) -> None:
         """Every worker process of the job ends at once (a whole spot pool reclaimed)."""
