@@ -5,6 +5,7 @@ from __future__ import annotations
 from raytrain_x.common.checkpoint_config import CheckpointConfig
 from raytrain_x.common.errors import (
     ConfigError,
+    ControlActorLost,
     ElasticStateLost,
     ElasticTimeout,
     HostsUpdatedInterrupt,
@@ -26,6 +27,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckpointConfig",
     "ConfigError",
+    "ControlActorLost",
     "ElasticStateLost",
     "ElasticTimeout",
     "HostsUpdatedInterrupt",

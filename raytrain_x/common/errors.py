@@ -109,6 +109,12 @@ class ElasticStateLost(RaytrainXError):
     in their memory, and a new round would silently start over from the initial state."""
 
 
+class ControlActorLost(ElasticStateLost):
+    """An elastic job's rounds or store actor (on the head node) died: no round can form
+    without it, so every worker is ended with it. A job with durable checkpoints starts
+    again from its latest one; without, this is where it stops."""
+
+
 class ElasticTimeout(RaytrainXError):
     """An elastic job had fewer than `min_workers` workers for longer than
     `elastic_timeout`."""

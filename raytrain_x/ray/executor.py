@@ -29,7 +29,7 @@ from raytrain_x.ray.connect import (
     job_name,
     make_settings,
 )
-from raytrain_x.ray.elastic import ElasticJob, ElasticSettings
+from raytrain_x.ray.elastic import ElasticJob, ElasticSettings, run_job
 from raytrain_x.ray.metrics import DriverMetrics
 from raytrain_x.ray.placement import Slot, validate_shape
 from raytrain_x.ray.static_job import StaticJob, StaticShape
@@ -306,12 +306,15 @@ class RayExecutor:
             timeout_s=self.settings.timeout_s, discovery_script=self.host_discovery_script,
             env=self._elastic_env, autotune_actor=self.autotune_controller,
             start_timeout_s=self.start_timeout_s, checkpoint=self.checkpoint)
-        job = self.last_elastic_job = ElasticJob(settings, fn, tuple(args or ()),
-                                                 dict(kwargs or {}))
-        if self.metrics is not None:
-            self.metrics.blacklisted = lambda: len(job.blacklist.blacklisted())
-            job.log.listeners.append(metrics.safe(self.metrics.on_event))
-        return job.run()
+
+        def new_job() -> ElasticJob:
+            job = self.last_elastic_job = ElasticJob(settings, fn, tuple(args or ()),
+                                                     dict(kwargs or {}))
+            if self.metrics is not None:
+                self.metrics.blacklisted = lambda: len(job.blacklist.blacklisted())
+                job.log.listeners.append(metrics.safe(self.metrics.on_event))
+            return job
+        return run_job(settings, new_job)
 
     @property
     def elastic_history(self) -> list[dict[str, Any]]:

@@ -345,11 +345,13 @@ def test_losing_every_worker_that_holds_the_state_stops_the_job_naming_it(elasti
     assert "every worker that held the job's committed state was lost" in str(job.error)
 
 
-@pytest.mark.parametrize("zero_stage", [0, 2])
+@pytest.mark.parametrize("zero_stage,lost", [(0, "the rounds actor"), (2, "every worker")])
 def test_losing_every_worker_with_durable_checkpoints_resumes_from_the_latest(
-        elastic_nodes, tmp_path, zero_stage):
+        elastic_nodes, tmp_path, zero_stage, lost):
     """As above, with `CheckpointConfig`: the round of newcomers restores the latest durable
-    checkpoint (at whatever size it has) and the job finishes with every step once."""
+    checkpoint (at whatever size it has) and the job finishes with every step once. Losing
+    the head's rounds actor instead (no round can form without it) ends every worker the
+    same way: the driver starts the job again, with a new one, from the latest checkpoint."""
     elastic_nodes(2)
     config = CheckpointConfig(str(tmp_path / "checkpoints"), name="job", every_s=0.3)
     executor = _executor(1, 2, cooldown_range=(1.0, 1.0), checkpoint=config)
@@ -358,10 +360,15 @@ def test_losing_every_worker_with_durable_checkpoints_resumes_from_the_latest(
     job = _Job(executor, 30, 0.05, None, str(progress), zero_stage)
     job.wait_until(lambda: job.trained(progress, 5, 2) and store.checkpoints(),
                    "a durable checkpoint after 5 steps with 2 workers")
-    for member in list(executor.last_elastic_job.members.values()):
-        ray.kill(member.actor, no_restart=True)
+    first = executor.last_elastic_job
+    if lost == "the rounds actor":
+        ray.kill(first.ctx.rounds_client.actor, no_restart=True)
+    else:
+        for member in list(first.members.values()):
+            ray.kill(member.actor, no_restart=True)
     results = job.join(work_s=60)
     executor.shutdown()
+    assert (executor.last_elastic_job is not first) == (lost == "the rounds actor")
     _check_committed_history(results, 30)
     restored = [e for e in executor.elastic_history if e["restored_from"] is not None]
     assert len(restored) == 1 and "restore" in restored[0]["reason"], executor.elastic_history

@@ -12,7 +12,9 @@ from raytrain_x.ray.elastic import (
     round_forming,
     worker_starts,
 )
+from raytrain_x.ray.elastic import job as job_module
 from raytrain_x.ray.elastic.policies import rounds as round_policy
+from raytrain_x.testing.simulation import runner
 from raytrain_x.testing.simulation.world import World
 
 
@@ -262,8 +264,10 @@ REVERTS["durable-whole-pool-drain"] = pool_drain_not_written
 
 def resume_not_checked(mp) -> None:
     """A new driver's first round (every worker new, none holding any state) synced from
-    rank 0 instead of restoring the latest checkpoint: the job started over."""
+    rank 0 instead of restoring the latest checkpoint: the job started over (neither the
+    driver nor the workers looked for one)."""
     mp.setattr(World, "_restores", lambda self, group: group.restore_from_storage)
+    mp.setattr(round_forming.RoundForming, "_resumes", lambda self: None)
 
 
 REVERTS["durable-driver-killed"] = resume_not_checked
@@ -277,3 +281,14 @@ def discovery_failure_fatal(mp) -> None:
 
 
 REVERTS["scripted-discovery-fails-and-recovers"] = discovery_failure_fatal
+
+
+def control_loss_fatal(mp) -> None:
+    """A dead rounds or store actor stopped the job, checkpoint or not."""
+    def run_once(settings, new_job):
+        return new_job().run()
+    mp.setattr(job_module, "run_job", run_once)
+    mp.setattr(runner, "run_job", run_once)
+
+
+REVERTS["durable-control-actors-killed"] = control_loss_fatal

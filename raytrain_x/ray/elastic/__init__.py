@@ -2,7 +2,8 @@
 policies that make them, a worker pool and a cluster view that talk to Ray, and one event
 log.
 
-    job.py             ElasticJob: the loop (poll, then each collaborator acts)
+    job.py             ElasticJob: the loop (poll, then each collaborator acts); run_job:
+                       a new job when the control actors died (with a checkpoint)
     context.py         JobContext: what the collaborators share
     member_watch.py    members' outcomes, failures, heartbeats, stragglers, state holders
     worker_starts.py   starting workers, the autoscaler's request, give-ups, min_workers
@@ -17,7 +18,7 @@ log.
     parts.py           JobParts: what the job acts through (Ray's, or a simulation's)
 """
 
-from raytrain_x.ray.elastic.job import ElasticJob
+from raytrain_x.ray.elastic.job import ElasticJob, run_job
 from raytrain_x.ray.elastic.settings import ElasticSettings
 
-__all__ = ["ElasticJob", "ElasticSettings"]
+__all__ = ["ElasticJob", "ElasticSettings", "run_job"]

@@ -15,10 +15,12 @@ happens goes to one event log (`events.py`). What they share is a `JobContext`.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
+from raytrain_x.common.errors import ControlActorLost
 from raytrain_x.ray.elastic.blacklist import Blacklist
 from raytrain_x.ray.elastic.context import JobContext
 from raytrain_x.ray.elastic.drain_watch import DrainWatch
@@ -29,6 +31,8 @@ from raytrain_x.ray.elastic.pool import Member, Pending
 from raytrain_x.ray.elastic.round_forming import RoundForming
 from raytrain_x.ray.elastic.settings import DRAIN_POLL_S, STRAGGLER_POLL_S, ElasticSettings
 from raytrain_x.ray.elastic.worker_starts import WorkerStarts
+
+log = logging.getLogger("raytrain_x.elastic")
 
 
 class ElasticJob:
@@ -130,6 +134,7 @@ class ElasticJob:
                     self.drains.check()
                     next_drain_check = self.clock() + DRAIN_POLL_S
                 if self.clock() >= next_discovery:
+                    ctx.store.check_alive()
                     self.starts.scale_up()
                     self.starts.check_pending()
                     self.starts.update_request()
@@ -140,10 +145,15 @@ class ElasticJob:
                 self.starts.check_minimum()
                 self.forming.step()
         except BaseException as exc:
+            # a worker that failed calling a dead control actor: their death is the cause
+            lost = ctx.parts.control_lost() if isinstance(exc, Exception) and \
+                not isinstance(exc, ControlActorLost) else None
             try:
                 ctx.rounds_client.fail(f"the elastic job stopped: {exc}")
             except Exception:  # noqa: BLE001 - the original error matters more
                 pass
+            if lost is not None:
+                raise ControlActorLost(lost) from exc
             raise
         finally:
             ctx.cluster.capacity.clear()
@@ -156,3 +166,27 @@ class ElasticJob:
         finished = self.ctx.pool.collect(finished, self.settings.timeout_s)
         order = sorted(finished, key=lambda w: members[w].rank if w in members else 1 << 30)
         return [finished[w] for w in order]
+
+
+# how often one run starts again after its control actors died (they live on the head: a
+# head that keeps losing them has a problem no restart fixes)
+CONTROL_RESTARTS = 3
+
+
+def run_job(settings: ElasticSettings, new_job: Callable[[], ElasticJob]) -> list[Any]:
+    """Runs the job `new_job()` makes. When its rounds or store actor dies
+    (`ControlActorLost`), a job with a `CheckpointConfig` starts again with new ones from
+    its latest checkpoint (a new `new_job()`), up to `CONTROL_RESTARTS` times; without
+    one, the error stops it."""
+    restarts = 0
+    while True:
+        job = new_job()
+        try:
+            return job.run()
+        except ControlActorLost as exc:
+            if settings.checkpoint is None or restarts >= CONTROL_RESTARTS:
+                raise
+            restarts += 1
+            log.warning("raytrain-x elastic: %s; starting the job again from its latest "
+                        "checkpoint (restart %d of at most %d)", exc, restarts,
+                        CONTROL_RESTARTS)

@@ -11,8 +11,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
+from ray.exceptions import RayActorError
 
 from raytrain_x.comm.store_actor import StoreActor
+from raytrain_x.common.errors import ControlActorLost
 from raytrain_x.elastic.storage import latest_checkpoint
 from raytrain_x.ray.elastic.cluster import ClusterView
 from raytrain_x.ray.elastic.pool import WorkerPool
@@ -28,7 +30,10 @@ class RoundsClient:
         self.actor = actor  # handed to workers, which join rounds through it
 
     def _get(self, method: str, *args: Any, timeout: float | None = None) -> Any:
-        return ray.get(getattr(self.actor, method).remote(*args), timeout=timeout)
+        try:
+            return ray.get(getattr(self.actor, method).remote(*args), timeout=timeout)
+        except RayActorError as exc:
+            raise ControlActorLost(control_lost_message("rounds", exc)) from None
 
     def waiting(self) -> list[str]:
         return self._get("waiting")
@@ -59,14 +64,37 @@ class RoundsClient:
 
 
 class StoreClient:
-    """The controller's side of the rendezvous store actor: it only gives rounds up."""
+    """The controller's side of the rendezvous store actor: it gives rounds up, and is
+    asked now and then whether it still answers (`check_alive`)."""
 
     def __init__(self, actor: Any) -> None:
         self.actor = actor  # handed to workers, which meet through it
+        self._probe: Any = None
 
     def abandon(self, prefix: str) -> None:
         """Answers every wait under `prefix` at once (not waited for)."""
         self.actor.abandon.remote(prefix)
+
+    def check_alive(self) -> None:
+        """Raises `ControlActorLost` once the store actor has died; never waits (the answer
+        to the last probe is read when it is there, and the next probe sent)."""
+        if self._probe is not None:
+            ready, _ = ray.wait([self._probe], timeout=0)
+            if not ready:
+                return
+            try:
+                ray.get(self._probe)
+            except RayActorError as exc:
+                raise ControlActorLost(control_lost_message("store", exc)) from None
+        self._probe = self.actor.check.remote([])
+
+
+def control_lost_message(which: str, cause: Any) -> str:
+    """The message of a `ControlActorLost`."""
+    reason = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+    return (f"the job's {which} actor on the head node died ({reason}); no round can form "
+            "without it, so every worker was ended. A job with a CheckpointConfig starts "
+            "again from its latest checkpoint; give the job one to outlive this")
 
 
 @dataclass
@@ -81,6 +109,9 @@ class JobParts:
     # the latest complete durable checkpoint, as the driver describes it (`number` None:
     # none); only asked when the job has a `CheckpointConfig`
     latest_checkpoint: Callable[[], dict[str, Any]] = lambda: {"number": None}
+    # the message of a `ControlActorLost` when the rounds or store actor has died, else
+    # None: asked when the job fails, whose cause their death may be (a worker's call)
+    control_lost: Callable[[], str | None] = lambda: None
 
 
 def ray_parts(settings: ElasticSettings, clock: Callable[[], float]) -> JobParts:
@@ -101,5 +132,15 @@ def ray_parts(settings: ElasticSettings, clock: Callable[[], float]) -> JobParts
         return latest_checkpoint(settings.checkpoint) if settings.checkpoint else \
             {"number": None}
 
+    def control_lost() -> str | None:
+        for which, call in (("rounds", rounds.committed_round), ("store", store.check)):
+            try:
+                ray.get(call.remote(*([] if which == "rounds" else [[]])), timeout=10)
+            except RayActorError as exc:
+                return control_lost_message(which, exc)
+            except ray.exceptions.GetTimeoutError:
+                continue  # slow, not dead
+        return None
+
     return JobParts(WorkerPool(settings, clock), ClusterView(settings), RoundsClient(rounds),
-                    StoreClient(store), time.sleep, time.time, close, latest)
+                    StoreClient(store), time.sleep, time.time, close, latest, control_lost)

@@ -63,6 +63,12 @@ class RoundForming:
             member.departed = True
         self._form({w: ctx.members[w] for w in decision.ranks}, kept=len(decision.kept))
 
+    def _resumes(self) -> dict | None:
+        """The checkpoint a job that never committed starts from: the latest of its name,
+        when it is run again (after its driver or its control actors died); its workers
+        would find it on their own, and this way the round's history says so."""
+        return self.members.durable_floor()
+
     def _form(self, staying: dict, kept: int) -> None:
         ctx = self.ctx
         newcomers = sum(m.rank < 0 for m in staying.values())
@@ -76,6 +82,9 @@ class RoundForming:
                 raise state_lost_error(ctx.last_failure, self.members.lost_workers())
             ctx.log.restoring(checkpoint)
             holders, restore = None, True  # the round's workers load it from storage
+        elif holders is None and (checkpoint := self._resumes()) is not None:
+            ctx.log.restoring(checkpoint)
+            restore = True
         self.members.failures.count_round(ctx.log.is_reset(), ctx.last_failure)
         version = ctx.rounds_client.hosts_version()
         ctx.rounds += 1

@@ -7,14 +7,15 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from raytrain_x.common.errors import ConfigError, WorkerError
+from raytrain_x.common.errors import ConfigError, ControlActorLost, WorkerError
 from raytrain_x.ray.elastic.discovery import DiscoveryHealth
-from raytrain_x.ray.elastic.parts import JobParts
+from raytrain_x.ray.elastic.parts import JobParts, control_lost_message
 from raytrain_x.ray.elastic.pool import Member, Outcomes, Pending, WorkerPool
 from raytrain_x.ray.elastic.rounds import current_holders
 from raytrain_x.ray.elastic.settings import ElasticSettings
 from raytrain_x.ray.worker import Left
 from raytrain_x.testing.simulation.model import SimWorker
+from raytrain_x.testing.simulation.rounds import SimRounds
 from raytrain_x.testing.simulation.world import World
 
 LOST = ("the worker process exited (sys.exit, a crash or a killed node); its output is in "
@@ -246,7 +247,8 @@ class SimCluster:
 
 
 class SimRoundsClient:
-    """`RoundsClient` over the simulated rounds actor."""
+    """`RoundsClient` over the simulated rounds actor; a call to it once it died raises
+    `ControlActorLost`, as the real client does."""
 
     actor = None
 
@@ -254,33 +256,38 @@ class SimRoundsClient:
         self.world = world
         self.rounds = world.rounds
 
+    def _actor(self) -> SimRounds:
+        if self.rounds.dead:
+            raise ControlActorLost(control_lost_message("rounds", "killed by a fault"))
+        return self.rounds
+
     def waiting(self) -> list[str]:
-        return list(self.rounds.waiting)
+        return list(self._actor().waiting)
 
     def committed_round(self) -> int:
-        return self.rounds.committed_round
+        return self._actor().committed_round
 
     def committed(self) -> bool:
-        return self.rounds.committed_round > 0
+        return self._actor().committed_round > 0
 
     def holders(self) -> list[str]:
-        return current_holders(self.rounds.state_rounds, self.rounds.committed_round)
+        return current_holders(self._actor().state_rounds, self._actor().committed_round)
 
     def hosts_version(self) -> int:
-        return self.rounds.version
+        return self._actor().version
 
     def publish(self, assignments: dict[str, dict[str, Any]]) -> None:
-        self.rounds.publish(assignments)
+        self._actor().publish(assignments)
 
     def bump_hosts(self) -> int:
-        self.rounds.version += 1
-        return self.rounds.version
+        self._actor().version += 1
+        return self._actor().version
 
     def ask_checkpoint(self) -> None:
-        self.rounds.checkpoint_asked = True
+        self._actor().checkpoint_asked = True
 
     def fail(self, message: str) -> None:
-        self.rounds.fail(message)
+        self._actor().fail(message)
 
 
 class SimStoreClient:
@@ -290,7 +297,12 @@ class SimStoreClient:
         self.world = world
 
     def abandon(self, prefix: str) -> None:
-        self.world.abandon(prefix)
+        if not self.world.store_dead:
+            self.world.abandon(prefix)
+
+    def check_alive(self) -> None:
+        if self.world.store_dead:
+            raise ControlActorLost(control_lost_message("store", "killed by a fault"))
 
 
 def sim_parts(settings: ElasticSettings, world: World) -> JobParts:
@@ -300,6 +312,13 @@ def sim_parts(settings: ElasticSettings, world: World) -> JobParts:
         step = world.durable[-1][1]
         return {"number": step, "describe": f"checkpoint {step}", "values": {"step": step}}
 
+    def control_lost() -> str | None:
+        if world.rounds.dead:
+            return control_lost_message("rounds", "killed by a fault")
+        if world.store_dead:
+            return control_lost_message("store", "killed by a fault")
+        return None
+
     return JobParts(SimPool(settings, world), SimCluster(world), SimRoundsClient(world),
                     SimStoreClient(world), lambda s: world.advance(world.now + s),
-                    lambda: world.now, lambda: None, latest_checkpoint)
+                    lambda: world.now, lambda: None, latest_checkpoint, control_lost)

@@ -32,6 +32,7 @@ class WorkerSide:
     groups: dict[int, Group]
     rounds: SimRounds
     store_abandoned: list[str]
+    store_dead: bool
     commits: list[tuple[float, int, int]]
     durable: list[tuple[float, int]]
     storage_restores: list[tuple[float, int]]
@@ -148,6 +149,8 @@ class WorkerSide:
     def _formed(self, group: Group) -> None:
         """Every member's keys are in the store: they connect to each other. A peer that
         died after publishing its address refuses them: they wait the connect out."""
+        if self.store_dead:
+            return  # the keys never meet: each member's own rendezvous timeout ends it
         group.phase = "connect"
         self._fire_phase_faults("connect", group)
         if group.phase != "connect":
@@ -276,6 +279,9 @@ class WorkerSide:
         for w in members:
             w.step = w.saved = step
             w.state_round = group.round_id
+        if self.rounds.dead:  # saved; telling the rounds actor fails: the driver ends them
+            group.phase = "broken"
+            return
         version, asked = self.rounds.commit(group.round_id)
         self._maybe_checkpoint(rank0, step, asked)
         if self.now >= self.finish_after:

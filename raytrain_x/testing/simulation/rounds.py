@@ -31,8 +31,11 @@ class SimRounds:
         self.committed_round = 0
         self.state_rounds: dict[str, int] = {}  # as workers report them at their joins
         self.checkpoint_asked = False  # the driver asked for a durable checkpoint
+        self.dead = False  # the actor died (a fault): nothing it is asked is answered
 
     def join(self, w: SimWorker) -> None:
+        if self.dead:
+            return  # the call fails; the driver ends the worker when it learns
         if self.error:
             self.world.after(RPC_S, lambda: self.world.placed(w, {"error": self.error}))
             return

@@ -10,9 +10,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from raytrain_x.common.checkpoint_config import CheckpointConfig
-from raytrain_x.common.errors import ConfigError, ElasticStateLost, ElasticTimeout
+from raytrain_x.common.errors import (
+    ConfigError,
+    ControlActorLost,
+    ElasticStateLost,
+    ElasticTimeout,
+)
 from raytrain_x.common.settings import SILENT_LOST_S, STUCK_GRACE_S
-from raytrain_x.ray.elastic.job import ElasticJob
+from raytrain_x.ray.elastic.job import ElasticJob, run_job
 from raytrain_x.ray.elastic.settings import ElasticSettings
 from raytrain_x.testing.simulation.model import WorldConfig
 from raytrain_x.testing.simulation.parts import sim_parts
@@ -148,8 +153,8 @@ def run_schedule(schedule: Schedule, keep_trace: bool = False) -> Outcome:
             fired[0] += 1
             dog.last_fault = world.now
             world.fault_times.append(world.now)
+            _measure_recovery(world, f.kind, recoveries)  # a driver kill raises out of apply
             apply(world, f)
-            _measure_recovery(world, f.kind, recoveries)
         world.at(fault.at, fire)
     ask_end = schedule.last_fault + (schedule.tail_s or dog.bound / 2)
     world.finish_after = ask_end
@@ -165,7 +170,8 @@ def run_schedule(schedule: Schedule, keep_trace: bool = False) -> Outcome:
     try:
         stop = _run_drivers(world, settings, schedule, jobs, dog)
     finally:
-        logger.level, progress.handlers, progress.propagate = saved
+        logger.setLevel(saved[0])  # through setLevel: it clears logging's level cache
+        progress.handlers, progress.propagate = saved[1:]
     for job in jobs:
         _check_events(world, job)
     _check_restarts(world, jobs)
@@ -189,12 +195,24 @@ def _driver(world: World, settings: ElasticSettings, seed: int) -> ElasticJob:
 
 def _run_drivers(world: World, settings: ElasticSettings, schedule: Schedule,
                  jobs: list[ElasticJob], dog: Watchdog) -> str:
-    """Runs the job to its stop; a killed driver's command runs again (a new `ElasticJob`)
-    after the fault's delay, while the faults go on. Returns how the job stopped."""
+    """Runs the job to its stop through the driver's own `run_job` (a new job with new
+    control actors when they died); a killed driver's command runs again after the
+    fault's delay, while the faults go on. Returns how the job stopped."""
+    fresh = [True]
+
+    def new_job() -> ElasticJob:
+        if fresh[0]:  # the job the watchdog was made with
+            fresh[0] = False
+            return jobs[-1]
+        world.new_control()
+        jobs.append(_driver(world, settings, schedule.seed + len(jobs)))
+        dog.job = jobs[-1]
+        dog.last_fault = world.now  # the new job's start counts from here
+        return jobs[-1]
+
     while True:
-        job = jobs[-1]
         try:
-            job.run()
+            run_job(settings, new_job)
             return "finished"
         except DriverKilled as killed:
             try:
@@ -202,19 +220,22 @@ def _run_drivers(world: World, settings: ElasticSettings, schedule: Schedule,
             except Hang:
                 return "hang"
             world.new_driver()
-            jobs.append(_driver(world, settings, schedule.seed + len(jobs)))
-            dog.job = jobs[-1]
-            dog.last_fault = world.now  # the new driver's start counts from here
+            fresh[0] = False
         except Hang:
             return "hang"
+        except ControlActorLost:
+            if settings.checkpoint is not None:
+                world.violation("ControlActorLost stopped a job with durable checkpoints: "
+                                "it should have started again from its latest")
+            return "ControlActorLost"
         except ElasticStateLost as exc:
-            _check_state_lost(world, job, exc)
+            _check_state_lost(world, jobs[-1], exc)
             return "ElasticStateLost"
         except ElasticTimeout as exc:
             _check_timeout(world, dog, exc)
             return "ElasticTimeout"
         except ConfigError as exc:
-            if len(jobs) > 1 and job.ctx.rounds == max(world.groups, default=0) \
+            if len(jobs) > 1 and jobs[-1].ctx.rounds == max(world.groups, default=0) \
                     and world.now < world.discovery_down_until:
                 # a new driver whose discovery script fails before its first success:
                 # nothing to go on, the documented stop of a script that does not work

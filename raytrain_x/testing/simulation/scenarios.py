@@ -293,6 +293,14 @@ def durable_scenarios() -> list[Schedule]:
             "the discovery script fails on every run for 40 s while a node dies and another "
             "joins: its last hosts stand (a start on the dead node fails), the job trains on, "
             "and the new node is used once the script answers again"),
+        _named("durable-control-actors-killed", DURABLE, [
+            Fault(8.0, "kill_control", 0.0), Fault(20.0, "kill_control", 0.9)],
+            "the head's rounds actor dies, later the store actor: each time the driver ends "
+            "every worker and starts the job again, with new ones, from the latest checkpoint"),
+        _named("control-actor-killed-without-checkpoints", THREE, [
+            Fault(8.0, "kill_control", 0.0)],
+            "the rounds actor dies in a job without durable checkpoints: it stops with "
+            "ControlActorLost, which says to give the job a checkpoint"),
         _named("durable-lost-twice", DURABLE, [
             Fault(8.0, "lose_everything"), Fault(20.0, "lose_everything"),
             Fault(21.0, "kill_node", 0.5)],

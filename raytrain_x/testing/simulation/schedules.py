@@ -17,7 +17,7 @@ KINDS = ("kill_worker", "kill_node", "drain", "drain_kill", "raylet", "partition
          "slow_start", "stuck_start", "add_node", "kill_in_rendezvous", "kill_in_sync",
          "kill_in_commit", "node_kill_in_rendezvous", "node_kill_in_connect",
          "drain_in_rendezvous", "storage_outage", "lose_everything", "drain_pool",
-         "kill_driver", "discovery_outage")
+         "kill_driver", "discovery_outage", "kill_control")
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,17 @@ def _durable(seed: int, config: WorldConfig, first: float, last: float,
     rng = random.Random(seed + 4)
     faults += [Fault(round(rng.uniform(first, last), 3), "kill_driver", 0.0,
                      round(rng.uniform(1.0, 20.0), 3)) for _ in range(rng.randint(0, 2))]
-    return config, faults
+    return config, faults + _control_kills(seed, first, last)
+
+
+def _control_kills(seed: int, first: float, last: float) -> list[Fault]:
+    """One job in four (of those with checkpoints, which outlive it) loses its rounds or
+    its store actor once or twice (a generator of its own)."""
+    rng = random.Random(seed + 6)
+    if rng.random() >= 0.25:
+        return []
+    return [Fault(round(rng.uniform(first, last), 3), "kill_control", round(rng.random(), 4))
+            for _ in range(rng.randint(1, 2))]
 
 
 def _scripted(seed: int, config: WorldConfig, first: float, last: float,
@@ -217,6 +227,8 @@ def apply(world: World, fault: Fault) -> None:
         world.kill_driver(value)
     elif kind == "discovery_outage":
         world.discovery_outage(value)
+    elif kind == "kill_control":
+        world.kill_control(pick)
     else:
         phase, what = {
             "kill_in_rendezvous": ("rendezvous", "worker"),

@@ -67,6 +67,7 @@ class World(WorkerSide):
         self.groups: dict[int, Group] = {}
         self.rounds = SimRounds(self)
         self.store_abandoned: list[str] = []
+        self.store_dead = False
         # workers the driver restarted while their join had reached the rounds actor:
         # (worker, the round it was given or None, when)
         self.restarted_joins: list[tuple[SimWorker, int | None, float]] = []
@@ -315,8 +316,25 @@ class World(WorkerSide):
     def new_driver(self) -> None:
         """The same command again: a new driver with new rounds and store actors."""
         self.trace("a new driver starts the job again")
-        self.rounds = SimRounds(self)
         self.driver_up = True
+        self.new_control()
+
+    def kill_control(self, pick: float) -> None:
+        """The rounds actor (`pick` < 0.5) or the store actor dies (the head's control
+        actors: the driver learns at its next call to it, `ControlActorLost`)."""
+        if not self.driver_up:
+            return
+        if pick < 0.5:
+            self.trace("the rounds actor dies")
+            self.rounds.dead = True
+        else:
+            self.trace("the store actor dies")
+            self.store_dead = True
+
+    def new_control(self) -> None:
+        """New rounds and store actors (a new job of the same or a new driver)."""
+        self.rounds = SimRounds(self)
+        self.store_dead = False
 
     def lose_everything(self) -> None:
         """Every worker process of the job ends at once (a whole spot pool reclaimed)."""
