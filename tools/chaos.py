@@ -35,6 +35,16 @@ fewer then is an error):
   in_rendezvous    a worker killed while the job re-forms after a fault (its state sync)
   partition_short  (emulated) a host's link down for 3 s, less than the collective timeout
   partition_long   (emulated) a host's link down for the collective timeout plus 4 s
+  control_kill     (local, not by default) SIGKILL of the job's rounds or store actor on
+                   the head: the driver ends every worker and starts the job again from
+                   its latest durable checkpoint
+  driver_kill      (local, not by default) SIGKILL of the driver process; the same command
+                   runs again --respawn s later and resumes from the latest checkpoint
+
+With control_kill or driver_kill among --kinds the job writes a durable checkpoint every
+second to the run's temp dir (`CheckpointConfig`); a step sequence going back to a
+restored checkpoint is then by design. --slots 2 gives each node two worker slots, so the
+workers of a node meet in shared memory (and a node fault takes two at once).
 
 Checked at the end; the run fails (exit 1) when any does not hold:
   every committed step done exactly once on every rank of a finished job (the step
@@ -81,7 +91,10 @@ LOCAL_KINDS = ("worker_kill", "node_kill", "drain", "raylet_kill", "while_starti
                "in_rendezvous")
 EMULATED_KINDS = ("worker_kill", "partition_short", "partition_long", "raylet_kill",
                   "while_starting", "in_rendezvous")
-KINDS = tuple(dict.fromkeys(LOCAL_KINDS + EMULATED_KINDS))
+DURABLE_KINDS = ("control_kill", "driver_kill")  # the job then writes checkpoints
+KINDS = tuple(dict.fromkeys(LOCAL_KINDS + EMULATED_KINDS + DURABLE_KINDS))
+DEFAULT_KINDS = tuple(k for k in KINDS if k not in DURABLE_KINDS)
+CONTROL_ACTORS = ("ray::ElasticRounds", "ray::StoreActor")  # their processes' titles
 RESOURCE = "rtx_chaos"
 TIMEOUT_S = 10.0  # the job's collective timeout
 RENDEZVOUS_S = 10.0  # one rendezvous, a new worker's start included, on this machine
@@ -113,6 +126,7 @@ class Monitor(threading.Thread):
         self.progress, self.status, self.executor = progress, status, executor
         self.samples: list[tuple[float, int, int, int]] = []
         self.below: list[tuple[float, bool]] = []  # (t, fewer than min_workers from then)
+        self.restores: list[float] = []  # when a round restoring from storage was seen
         self.stop = threading.Event()
         self.error: str | None = None  # what stopped it early (the soak then fails)
 
@@ -126,9 +140,18 @@ class Monitor(threading.Thread):
         from raytrain_x.testing.jobs.ledger import read_progress
 
         last = None
+        seen, offset, restored = None, 0, 0  # a job started again numbers rounds from 1
         while not self.stop.wait(0.02):
             job = self.executor.last_elastic_job
-            rounds = job.rounds if job is not None else 0
+            if job is not seen:
+                offset += seen.rounds if seen is not None else 0
+                seen, restored = job, 0
+            rounds = offset + (job.rounds if job is not None else 0)
+            if job is not None:
+                now_restored = sum(1 for e in job.history if e.get("restored_from"))
+                if now_restored > restored:
+                    restored = now_restored
+                    self.restores.append(time.monotonic())
             starting = len(job.pending) if job is not None else 0
             if job is not None:
                 below = len(job.staying()) < job.settings.min_workers
@@ -156,10 +179,15 @@ def drive(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
     ray.init(log_to_driver=False)
     out: dict = {}
+    from raytrain_x import CheckpointConfig
+
+    checkpoint = (CheckpointConfig(args.checkpoint, name="chaos", every_s=1.0)
+                  if args.checkpoint else None)
     executor = RayExecutor(RayExecutor.create_settings(timeout_s=TIMEOUT_S), min_workers=2,
-                           max_workers=args.nodes, cpus_per_worker=1,
+                           max_workers=args.nodes * args.slots, cpus_per_worker=1,
                            resources_per_worker={RESOURCE: 1} if args.resource else None,
-                           cooldown_range=tuple(args.cooldown), elastic_timeout=120)
+                           cooldown_range=tuple(args.cooldown), elastic_timeout=120,
+                           checkpoint=checkpoint)
     monitor = Monitor(args.progress, args.status, executor)
     try:
         env = {"TF_CPP_MIN_LOG_LEVEL": "3", "OMP_NUM_THREADS": "1"}
@@ -182,6 +210,7 @@ def drive(args: argparse.Namespace) -> int:
         out["samples"] = monitor.samples
         out["monitor_error"] = monitor.error
         out["below"] = monitor.below
+        out["restores_seen"] = monitor.restores
         out["history"] = executor.elastic_history
         job = executor.last_elastic_job
         # the driver's events (monotonic time: one clock with the injector's) show where a
@@ -200,10 +229,11 @@ class LocalNodes:
 
     kinds = LOCAL_KINDS
 
-    def __init__(self, nodes: int, temp: str) -> None:
+    def __init__(self, nodes: int, temp: str, slots: int = 1) -> None:
         from ray._common.utils import get_ray_address_file
         from ray.cluster_utils import Cluster
 
+        self.slots = slots
         # Ray writes the head's address to /tmp/ray whatever the head's temp_dir; on a
         # machine where no Ray ran yet that folder does not exist
         Path(get_ray_address_file(None)).parent.mkdir(parents=True, exist_ok=True)
@@ -215,7 +245,14 @@ class LocalNodes:
         self.address = self.cluster.address
 
     def add(self) -> None:
-        self.cluster.add_node(num_cpus=1, resources={RESOURCE: 1})
+        self.cluster.add_node(num_cpus=self.slots, resources={RESOURCE: self.slots})
+
+    def control_pids(self) -> list[int]:
+        """The processes of the job's rounds and store actors (on the head)."""
+        from raytrain_x.testing.processes import processes
+
+        return sorted(p for p, (_, cmd) in processes().items()
+                      if cmd.startswith(CONTROL_ACTORS))
 
     def hosts(self) -> list[Any]:
         return list(self.cluster.worker_nodes)
@@ -356,6 +393,8 @@ class Chaos:
         self.nodes, self.rng, self.respawn_s = nodes, rng, respawn_s
         self.log: list[dict] = []
         self.due: list[tuple[float, str, Any]] = []  # (when, action, host)
+        self.driver: subprocess.Popen | None = None  # the job's driver process
+        self.driver_killed = False
 
     def _with_workers(self, hosts: list[Any]) -> list[Any]:
         busy = [host for _, action, host in self.due if action != "add"]  # going, cut off
@@ -364,6 +403,8 @@ class Chaos:
     def fault(self, kind: str) -> bool:
         """Injects one fault; False when nothing it applies to exists right now."""
         nodes = self.nodes
+        if kind in DURABLE_KINDS:
+            return self._durable_fault(kind)
         node_kind = kind not in ("worker_kill", "while_starting", "in_rendezvous")
         hosts = self._with_workers(nodes.node_hosts() if node_kind else nodes.hosts())
         if not hosts:
@@ -400,6 +441,25 @@ class Chaos:
         self.log.append({"kind": kind, "t": t, "end": end, "host": nodes.name(host)})
         return True
 
+    def _durable_fault(self, kind: str) -> bool:
+        """A kill of the rounds or store actor, or of the driver process."""
+        t = time.monotonic()
+        if kind == "control_kill":
+            pids = self.nodes.control_pids()
+            if not pids:
+                return False
+            try:
+                os.kill(self.rng.choice(pids), signal.SIGKILL)
+            except ProcessLookupError:
+                return False
+        else:
+            if self.driver is None or self.driver.poll() is not None:
+                return False
+            self.driver.kill()
+            self.driver_killed = True
+        self.log.append({"kind": kind, "t": t, "end": t, "host": "head"})
+        return True
+
     def tick(self, final: bool = False) -> None:
         """Carries out what is due (everything, when `final`)."""
         now = time.monotonic()
@@ -430,13 +490,14 @@ def _status(path: Path) -> tuple[int, int]:
         return 0, 0
 
 
-NAMED_STOPS = ("ElasticStateLost", "ElasticTimeout")  # a job may stop with these, by design
+# a job may stop with these, by design (the driver killed by the schedule, too)
+NAMED_STOPS = ("ElasticStateLost", "ElasticTimeout", "ControlActorLost", "driver killed")
 
 
 def soak(seed: int, minutes: float, cluster: str, nodes: int, framework: str,
          kinds: list[str], mean_gap: float, burst: float, respawn_s: float,
          cooldown: tuple[float, float], out_dir: Path = RESULTS_DIR,
-         bound_scale: float = 1.0, min_faults: int = 0) -> dict:
+         bound_scale: float = 1.0, min_faults: int = 0, slots: int = 1) -> dict:
     """One seed's run: a cluster and the schedule for `minutes` from the first committed
     step (longer while fewer than `min_faults` faults were injected), against one job after
     another: a job the schedule stops with a named cause (it killed every worker holding
@@ -448,8 +509,11 @@ def soak(seed: int, minutes: float, cluster: str, nodes: int, framework: str,
     out: dict = {"seed": seed, "cluster": cluster, "framework": framework, "faults": [],
                  "errors": [], "jobs": [], "progress": [], "steps": 0, "restores": 0}
     began = time.monotonic()
-    kinds = [k for k in kinds if k in (LOCAL_KINDS if cluster == "local" else EMULATED_KINDS)]
-    world = (LocalNodes if cluster == "local" else EmulatedNodes)(nodes, temp)
+    kinds = [k for k in kinds if k in (LOCAL_KINDS + DURABLE_KINDS if cluster == "local"
+                                       else EMULATED_KINDS)]
+    world = LocalNodes(nodes, temp, slots) if cluster == "local" else \
+        EmulatedNodes(nodes, temp)
+    checkpoint = str(Path(temp) / "checkpoints") if set(kinds) & set(DURABLE_KINDS) else ""
     namespaces = getattr(world.cluster, "_created", [])[:]
     chaos = Chaos(world, rng, respawn_s)
     window = Window(minutes * 60, min_faults)
@@ -457,8 +521,10 @@ def soak(seed: int, minutes: float, cluster: str, nodes: int, framework: str,
     try:
         # a new job only where the window leaves it time to start and commit (20 s)
         while not out["jobs"] or not window.over(time.monotonic() + 20, len(chaos.log)):
+            if out["jobs"] and out["jobs"][-1]["outcome"] == "driver killed":
+                time.sleep(respawn_s)  # the same command, run again
             job = _job(len(out["jobs"]), world, chaos, rng, temp, framework, nodes, kinds,
-                       mean_gap, burst, cooldown, window)
+                       mean_gap, burst, cooldown, window, slots, checkpoint)
             job["faults"] = _judge(job, chaos.log[job["first_fault"]:], began, respawn_s,
                                    bound_scale)
             out["jobs"].append({k: v for k, v in job.items() if k not in ("faults", "ranks")})
@@ -491,7 +557,8 @@ def soak(seed: int, minutes: float, cluster: str, nodes: int, framework: str,
 
 def _job(index: int, world: Any, chaos: Chaos, rng: random.Random, temp: str,
          framework: str, nodes: int, kinds: list[str], mean_gap: float, burst: float,
-         cooldown: tuple[float, float], window: Window) -> dict:
+         cooldown: tuple[float, float], window: Window, slots: int = 1,
+         checkpoint: str = "") -> dict:
     """One job's driver under the schedule until it exits; what it returned."""
     from raytrain_x.testing.jobs.ledger import ledger_errors, read_progress
 
@@ -501,11 +568,14 @@ def _job(index: int, world: Any, chaos: Chaos, rng: random.Random, temp: str,
     job: dict = {"index": index, "errors": [], "first_fault": len(chaos.log),
                  "log": files["log"], "began": time.monotonic()}
     cmd = [sys.executable, __file__, "drive", "--framework", framework,
-           "--nodes", str(nodes), "--steps", str(steps), "--cooldown", *map(str, cooldown),
+           "--nodes", str(nodes), "--slots", str(slots), "--steps", str(steps),
+           "--cooldown", *map(str, cooldown),
            *(["--resource"] if isinstance(world, LocalNodes) else []),
+           *([f"--checkpoint={checkpoint}"] if checkpoint else []),
            *[f"--{n}={files[n]}" for n in ("progress", "status", "stop", "out")]]
     with open(files["log"], "w") as log:
         driver = world.driver(cmd, log)
+    chaos.driver, chaos.driver_killed = driver, False
     try:
         # the schedule starts once the job committed its first step, however long its start
         # took on this machine: faults before it would test starting, not recovering
@@ -546,7 +616,9 @@ def _job(index: int, world: Any, chaos: Chaos, rng: random.Random, temp: str,
     error = result.get("error", "")
     job["outcome"] = "finished" if "ranks" in result else (
         error.split(":", 1)[0] if error else "no result")
-    if driver.returncode != 0 or not result:
+    if chaos.driver_killed:
+        job["outcome"] = "driver killed"
+    elif driver.returncode != 0 or not result:
         job["errors"].append(f"the driver exited {driver.returncode}: {_tail(files['log'])}")
     if error and job["outcome"] not in NAMED_STOPS:
         job["errors"].append(f"the job failed: {error}")
@@ -554,6 +626,7 @@ def _job(index: int, world: Any, chaos: Chaos, rng: random.Random, temp: str,
         job["errors"].append(f"the driver's monitor stopped: {result['monitor_error']}")
     job["samples"] = result.get("samples", [])
     job["below"] = result.get("below", [])
+    job["restores_seen"] = result.get("restores_seen", [])
     ranks = result.get("ranks") or []
     if job["outcome"] == "finished":
         job["errors"] += ledger_errors(ranks, steps if framework == "keras" else None)
@@ -571,6 +644,12 @@ def _judge(job: dict, injected: list[dict], began: float, respawn_s: float,
     that held the job too long and committed steps lost go to the job's errors."""
     samples, errors = job["samples"], job["errors"]
     bound = (TIMEOUT_S + respawn_s + RENDEZVOUS_S) * bound_scale
+    if job["outcome"] == "driver killed" and not samples:
+        # its monitor went with it: the next job's ledger judges the resume
+        job["progress"] = []
+        return [{**f, "job": job["index"], "recovery_s": None, "hold_s": 0.0,
+                 "phases": {}, "t": f["t"] - began, "end": f["end"] - began}
+                for f in injected]
     faults = []
     for fault in injected:
         f = {**fault, "job": job["index"]}
@@ -617,8 +696,11 @@ def _judge(job: dict, injected: list[dict], began: float, respawn_s: float,
                           f"(bound {bound:.0f}s)")
     # rank 0 writes each step it committed: after a restore it writes that step again (or
     # the one before, where a peer died between two ranks' commits), never less
-    for (_, a, _, _), (t1, b, _, _) in zip(samples, samples[1:]):
-        if b < a - 1:
+    restores = job.get("restores_seen", [])
+    for (t0, a, _, _), (t1, b, _, _) in zip(samples, samples[1:]):
+        # a restore from storage goes back to its checkpoint (the monitor sees the
+        # restoring round within its 20 ms samples of either step; 2 s of slack)
+        if b < a - 1 and not any(t0 - 2.0 < t <= t1 + 2.0 for t in restores):
             errors.append(f"committed steps lost at {t1 - began:.1f}s: the job went back "
                           f"from step {a} to {b}")
     job["progress"] = [(t - began, s, n) for t, s, n, _ in samples]
@@ -766,7 +848,9 @@ def main() -> int:
     parser.add_argument("--cluster", choices=["local", "emulated"], default="local")
     parser.add_argument("--nodes", type=int, default=4)
     parser.add_argument("--framework", choices=["torch", "keras"], default="torch")
-    parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
+    parser.add_argument("--kinds", nargs="+", default=list(DEFAULT_KINDS), choices=KINDS)
+    parser.add_argument("--slots", type=int, default=1,
+                        help="worker slots per node (2: a node's workers share memory)")
     parser.add_argument("--mean-gap", type=float, default=6.0, help="seconds between faults")
     parser.add_argument("--burst", type=float, default=0.2,
                         help="the chance that a fault comes with a second one at once")
@@ -785,7 +869,7 @@ def main() -> int:
         out_dir = Path(args.json).parent if args.json else RESULTS_DIR
         run = soak(seed, args.minutes, args.cluster, args.nodes, args.framework, args.kinds,
                    args.mean_gap, args.burst, args.respawn, tuple(args.cooldown), out_dir,
-                   args.bound_scale, args.min_faults)
+                   args.bound_scale, args.min_faults, args.slots)
         runs.append(run)
         verdict = "ok" if not run["errors"] else "FAILED: " + "; ".join(run["errors"])
         print(f"chaos: seed {seed}: {len(run['faults'])} faults in {run['seconds']:.0f}s, "
@@ -808,6 +892,8 @@ def drive_main() -> int:
         parser.add_argument(f"--{name}", required=True)
     parser.add_argument("--framework", default="torch")
     parser.add_argument("--nodes", type=int, required=True)
+    parser.add_argument("--slots", type=int, default=1)
+    parser.add_argument("--checkpoint", default="")
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--cooldown", type=float, nargs=2, required=True)
     parser.add_argument("--resource", action="store_true")
