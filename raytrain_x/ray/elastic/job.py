@@ -175,16 +175,17 @@ CONTROL_RESTARTS = 3
 
 def run_job(settings: ElasticSettings, new_job: Callable[[], ElasticJob]) -> list[Any]:
     """Runs the job `new_job()` makes. When its rounds or store actor dies
-    (`ControlActorLost`), a job with a `CheckpointConfig` starts again with new ones from
-    its latest checkpoint (a new `new_job()`), up to `CONTROL_RESTARTS` times; without
-    one, the error stops it."""
+    (`ControlActorLost`), a job with a `CheckpointConfig` and a complete checkpoint starts
+    again with new ones from it (a new `new_job()`), up to `CONTROL_RESTARTS` times;
+    without one, the error stops it (a new job would silently start over)."""
     restarts = 0
     while True:
         job = new_job()
         try:
             return job.run()
         except ControlActorLost as exc:
-            if settings.checkpoint is None or restarts >= CONTROL_RESTARTS:
+            if settings.checkpoint is None or restarts >= CONTROL_RESTARTS or \
+                    job.ctx.parts.latest_checkpoint().get("number") is None:
                 raise
             restarts += 1
             log.warning("raytrain-x elastic: %s; starting the job again from its latest "

@@ -94,7 +94,7 @@ def control_lost_message(which: str, cause: Any) -> str:
     reason = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
     return (f"the job's {which} actor on the head node died ({reason}); no round can form "
             "without it, so every worker was ended. A job with a CheckpointConfig starts "
-            "again from its latest checkpoint; give the job one to outlive this")
+            "again from its latest complete checkpoint; give the job one to outlive this")
 
 
 @dataclass

@@ -385,6 +385,9 @@ class WorkerSide:
         last = self.job_step()
         if not self.commits or not (w.holds and w.saved == last):
             return
+        if self.durable and max(s for _, s in self.durable) >= last:
+            return  # nothing of it is lost: a complete checkpoint holds it (a job run
+            # again, or started again after its control actors died, committed nothing yet)
         known = self.driver_members()
         others = [o for o in self.workers if o.worker_id and o.worker_id not in leaving
                   and o.holds and o.saved == last
