@@ -75,8 +75,9 @@ def settings_for(config: WorldConfig) -> ElasticSettings:
 
 class Watchdog:
     """Liveness, checked every virtual second: with at least `min_workers` usable slots
-    (nodes up, reachable, not draining, not blacklisted, starting workers) since the last
-    fault, a commit comes within `recovery_bound`."""
+    (nodes up, reachable, not draining, not blacklisted, starting workers; while a
+    discovery script fails, only among the hosts it last reported) since the last fault, a
+    commit comes within `recovery_bound`."""
 
     def __init__(self, world: World, job: ElasticJob, schedule: Schedule) -> None:
         self.world, self.job, self.schedule = world, job, schedule
@@ -88,9 +89,13 @@ class Watchdog:
 
     def usable_slots(self) -> int:
         now = self.world.now
+        script = self.job.ctx.cluster.script
+        seen = (script.health.last or {}) if script is not None and \
+            now < self.world.discovery_down_until else None  # the job sees no other node
         return sum(n.slots for n in self.world.nodes.values()
-                   if n.up and not n.known_dead and not n.cut(now) and not n.raylet_dead
-                   and n.drain_deadline is None and not n.stuck_starts
+                   if (seen is None or n.node_id in seen) and n.up and not n.known_dead
+                   and not n.cut(now) and not n.raylet_dead and n.drain_deadline is None
+                   and not n.stuck_starts
                    and not (n.slow_starts and n.slow_starts[0] > self.world.config.start_timeout_s)
                    and not self.job.blacklist.is_blacklisted(n.node_id))
 
