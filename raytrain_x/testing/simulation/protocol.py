@@ -178,9 +178,8 @@ class WorkerSide:
         self.after(self.rng.uniform(0.05, 0.3), lambda: self._synced(group, rank0.step))
 
     def _restores(self, group: Group) -> bool:
-        """Whether the round loads the latest durable checkpoint (`checkpoint_to_restore`):
-        the driver said no worker holds the state, or no member holds any (a new driver's
-        first round, after the last one was killed) and a checkpoint is complete."""
+        """Whether the round loads the latest checkpoint (`checkpoint_to_restore`): the
+        driver said so, or no member holds any state and a checkpoint is complete."""
         if group.restore_from_storage:
             return True
         return (self.config.checkpoint_every_s is not None and bool(self.durable)
@@ -386,8 +385,7 @@ class WorkerSide:
         if not self.commits or not (w.holds and w.saved == last):
             return
         if self.durable and max(s for _, s in self.durable) >= last:
-            return  # nothing of it is lost: a complete checkpoint holds it (a job run
-            # again, or started again after its control actors died, committed nothing yet)
+            return  # a complete checkpoint holds it (a new job that committed nothing yet)
         known = self.driver_members()
         others = [o for o in self.workers if o.worker_id and o.worker_id not in leaving
                   and o.holds and o.saved == last
