@@ -63,8 +63,10 @@ TEST_PROCESSES ?= 2
 test: lint
 	$(BIN)/python -m pytest $(if $(filter-out 0,$(TEST_PROCESSES)),-n $(TEST_PROCESSES) --dist loadfile)
 
+# The benchmarks behind the README's and docs/performance.md's figures, one at a time
+# (about 90 minutes; `benchmarks/claims.py --list`, `--only NAME`).
 bench: setup
-	$(BIN)/python benchmarks/pack_bench.py
+	$(BIN)/python benchmarks/claims.py
 
 # The elastic job in the deterministic simulator: 100,000 random fault schedules on every
 # core, then the named scenarios (docs/elastic.md, "Simulation").

@@ -2,7 +2,7 @@
 
 Each works eagerly, inside `tf.function` and in a `tf.compat.v1` graph run by a session.
 The forward values come from the zero-copy kernels of `raytrain_x.tensorflow.ops`; the
-gradients follow Horovod's rules (the same as the PyTorch face's, `raytrain_x.torch.autograd`):
+gradients follow Horovod's rules (the same as the PyTorch face's, `raytrain_x.torch.ops`):
 
 - allreduce: the allreduce of the gradient, with the same op and factors;
 - allgather: this rank's rows of the members' averaged gradient;

@@ -24,7 +24,7 @@ from raytrain_x.core.process_sets import ProcessSet, global_process_set
 from raytrain_x.engine.adasum import check_size
 from raytrain_x.engine.messages import Handle
 from raytrain_x.torch.adasum_optimizer import AdasumOptimizer
-from raytrain_x.torch.async_ops import allreduce_async_, sparse_allreduce_async
+from raytrain_x.torch.async_ops import CompositeHandle, allreduce_async_, sparse_allreduce_async
 from raytrain_x.torch.compression import Compression, Compressor
 from raytrain_x.torch.gradient_layout import GradientBuffer, GradientLayout, explicit_groups
 from raytrain_x.torch.hooked_optimizer import (
@@ -32,7 +32,6 @@ from raytrain_x.torch.hooked_optimizer import (
     grad_ready_hooks,
     gradient_hook,
 )
-from raytrain_x.torch.requests import CompositeHandle
 from raytrain_x.torch.zero_optimizer import ShardedOptimizer
 
 

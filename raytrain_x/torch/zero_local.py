@@ -1,18 +1,14 @@
 """The local optimizer of a sharded `DistributedOptimizer` (`zero_stage` 1 or 2): an
 instance of the user's optimizer class over the parameters a rank owns, how it steps some
-of them at a time, and the clipping of the reduced gradients a rank holds."""
+of them at a time."""
 
 from __future__ import annotations
 
 import inspect
-import math
 
 import torch
 
 from raytrain_x.common.errors import ConfigError
-from raytrain_x.core.collectives import Max, Sum, synchronize
-from raytrain_x.core.process_sets import ProcessSet
-from raytrain_x.torch.async_ops import allreduce_async_
 
 # an optimizer's settings that choose how it computes, not what
 IMPLEMENTATIONS = ("fused", "foreach")
@@ -72,23 +68,3 @@ def _fused_on_cpu(cls: type, groups: list[dict], defaults: dict) -> torch.optim.
         return cls([{**g, "fused": True} for g in groups], **{**defaults, "fused": True})
     except (RuntimeError, ValueError, TypeError):  # dtypes or settings fused cannot take
         return None
-
-
-def clip_by_total_norm(grads: list[torch.Tensor], max_norm: float, norm_type: float,
-                       name: str, process_set: ProcessSet) -> torch.Tensor:
-    """Scales `grads` (this rank's share of all the gradients) so that the norm over every
-    rank's share is at most `max_norm`; returns that total norm."""
-    if norm_type == math.inf:
-        local = max((float(g.abs().max()) for g in grads), default=0.0)
-        total = synchronize(allreduce_async_(torch.tensor([local], dtype=torch.float64),
-                                             name=name, op=Max, process_set=process_set))[0]
-    else:
-        local = sum(float((g.double().abs() ** norm_type).sum()) for g in grads)
-        summed = synchronize(allreduce_async_(torch.tensor([local], dtype=torch.float64),
-                                              name=name, op=Sum, process_set=process_set))[0]
-        total = summed ** (1.0 / norm_type)
-    scale = max_norm / (float(total) + 1e-6)
-    if scale < 1.0:
-        for g in grads:
-            g.mul_(scale)
-    return torch.tensor(float(total))

@@ -18,17 +18,20 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from typing import Any
 
 import torch
 
 from raytrain_x.common.errors import ConfigError
 from raytrain_x.core import runtime
-from raytrain_x.core.collectives import predivided, synchronize
+from raytrain_x.core.collectives import Max, Sum, predivided, synchronize
 from raytrain_x.core.objects import allgather_object
+from raytrain_x.core.process_sets import ProcessSet
 from raytrain_x.engine.messages import Handle
 from raytrain_x.torch.async_ops import (
     allgather_into_async,
+    allreduce_async_,
     reducescatter_async,
     reducescatter_into_async,
 )
@@ -37,7 +40,6 @@ from raytrain_x.torch.zero_layout import PassBuffers, ShardedBucket, make_bucket
 from raytrain_x.torch.zero_local import (
     IMPLEMENTATIONS,
     build_local,
-    clip_by_total_norm,
     step_only,
     steps_each_parameter,
 )
@@ -384,3 +386,23 @@ class ShardedOptimizer(HookedOptimizer):
         grads = [p.grad for p in self._owned if p.grad is not None]
         return clip_by_total_norm(grads, max_norm, norm_type, f"zero.{self._prefix}.norm",
                                   self._process_set)
+
+
+def clip_by_total_norm(grads: list[torch.Tensor], max_norm: float, norm_type: float,
+                       name: str, process_set: ProcessSet) -> torch.Tensor:
+    """Scales `grads` (this rank's share of all the gradients) so that the norm over every
+    rank's share is at most `max_norm`; returns that total norm."""
+    if norm_type == math.inf:
+        local = max((float(g.abs().max()) for g in grads), default=0.0)
+        total = synchronize(allreduce_async_(torch.tensor([local], dtype=torch.float64),
+                                             name=name, op=Max, process_set=process_set))[0]
+    else:
+        local = sum(float((g.double().abs() ** norm_type).sum()) for g in grads)
+        summed = synchronize(allreduce_async_(torch.tensor([local], dtype=torch.float64),
+                                              name=name, op=Sum, process_set=process_set))[0]
+        total = summed ** (1.0 / norm_type)
+    scale = max_norm / (float(total) + 1e-6)
+    if scale < 1.0:
+        for g in grads:
+            g.mul_(scale)
+    return torch.tensor(float(total))

@@ -84,10 +84,12 @@ def test_each_old_inversion_breaks_a_contract(tmp_path, inversion):
     assert "BROKEN" in out.stdout
 
 
-MAX_MODULE_LINES = 400  # docs/architecture.md: each module one job, a few hundred lines
+# docs/architecture.md: a module is one concept, however long that takes; past this ceiling
+# it is almost surely two
+MAX_MODULE_LINES = 700
 
 
-def test_no_module_of_the_package_is_over_400_lines():
+def test_no_module_of_the_package_is_over_the_ceiling():
     sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines())
              for p in PACKAGE.rglob("*.py")}
     assert not {p: n for p, n in sizes.items() if n > MAX_MODULE_LINES}

@@ -1,7 +1,8 @@
 """What the elastic job's collaborators share: its settings, clock and parts, the event log,
 the blacklist and what it knows of its rounds. One `JobContext` per job; the loop
 (`job.ElasticJob`) and each collaborator (`member_watch`, `worker_starts`, `drain_watch`,
-`round_forming`) read and update it."""
+`round_forming`) read it; a collaborator returns what it decided to the loop rather than
+setting a flag another reads (`needs_round`)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,9 @@ class JobContext:
     log: EventLog
     blacklist: Blacklist
     rounds: int = 0  # the rounds formed so far (the latest's id)
-    needs_round: bool = True  # a change the next round must take in
+    # a change the next round must take in; the loop (`ElasticJob.run`) alone writes it,
+    # from what each collaborator returns
+    needs_round: bool = True
     last_failure: WorkerError | None = None
     draining: dict[str, float] = field(default_factory=dict)  # node -> deadline (wall clock)
     round_newcomers: list[str] = field(default_factory=list)  # first round is the latest

@@ -33,8 +33,9 @@ class DrainWatch:
         self.members = members
         self.starts = starts
 
-    def check(self) -> None:
-        """Takes in the nodes that started draining since the last look."""
+    def check(self) -> bool:
+        """Takes in the nodes that started draining since the last look; returns whether
+        the job needs a round for them (its members must leave draining nodes)."""
         ctx = self.ctx
         draining = ctx.cluster.draining()
         notice = notice_drains(draining, ctx.draining,
@@ -52,9 +53,9 @@ class DrainWatch:
         self._ask_checkpoint(notice)
         if notice.interrupt:
             ctx.log.note("drain")
-            ctx.needs_round = True
             ctx.rounds_client.bump_hosts()
             self._abandon_forming_round(notice)
+        return notice.interrupt
 
     def _ask_checkpoint(self, notice: DrainNotice) -> None:
         """Every holder of the state is now draining: rank 0 writes a durable checkpoint at

@@ -115,7 +115,7 @@ class ElasticJob:
         ctx = self.ctx
         try:
             self.starts.check_feasible()
-            self.drains.check()
+            ctx.needs_round |= self.drains.check()
             self.starts.scale_up()
             self.starts.update_request()
             now = self.clock()
@@ -123,15 +123,16 @@ class ElasticJob:
             next_drain_check = now + DRAIN_POLL_S
             next_straggler_check = now + STRAGGLER_POLL_S
             while True:
-                finished = self.member_watch.poll()
-                if finished:
-                    return self._finish(finished)
+                polled = self.member_watch.poll()
+                if polled.finished:
+                    return self._finish(polled.finished)
+                ctx.needs_round |= polled.needs_round
                 if not ctx.members and ctx.last_failure is not None:
                     self.member_watch.check_all_failed()
                 # newcomers are asked over once they wait to join
-                self.starts.poll_pending(self.fn, self.args, self.kwargs)
+                ctx.needs_round |= self.starts.poll_pending(self.fn, self.args, self.kwargs)
                 if self.clock() >= next_drain_check:
-                    self.drains.check()
+                    ctx.needs_round |= self.drains.check()
                     next_drain_check = self.clock() + DRAIN_POLL_S
                 if self.clock() >= next_discovery:
                     ctx.store.check_alive()
@@ -140,10 +141,10 @@ class ElasticJob:
                     self.starts.update_request()
                     next_discovery = self.clock() + self.settings.discovery_interval_s
                 if self.clock() >= next_straggler_check:
-                    self.member_watch.check_stragglers()
+                    ctx.needs_round |= self.member_watch.check_stragglers()
                     next_straggler_check = self.clock() + STRAGGLER_POLL_S
                 self.starts.check_minimum()
-                self.forming.step()
+                ctx.needs_round = self.forming.step(ctx.needs_round)
         except BaseException as exc:
             # a worker that failed calling a dead control actor: their death is the cause
             lost = ctx.parts.control_lost() if isinstance(exc, Exception) and \

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 from raytrain_x.comm.groups import round_prefix
 from raytrain_x.common.errors import ElasticStateLost, WorkerError
@@ -27,6 +27,13 @@ from raytrain_x.ray.failures import held_join_error, stuck_error, unreachable_er
 log = logging.getLogger("raytrain_x.elastic")
 
 
+class Polled(NamedTuple):
+    """What one poll of the members found."""
+
+    finished: dict[str, Any]  # worker id -> the result of a member that finished
+    needs_round: bool  # a member failed: its round forms again without it
+
+
 class MemberWatch:
     """Polls the members and carries out what `FailurePolicy` and `StragglerRule` decide."""
 
@@ -37,24 +44,27 @@ class MemberWatch:
                                         stuck_after_s=ctx.settings.timeout_s + STUCK_GRACE_S)
         self.heartbeats = Heartbeats()
 
-    def poll(self) -> dict[str, Any]:
+    def poll(self) -> Polled:
         """Waits briefly for outcomes; handles failures and departures; returns the
-        results of members that finished."""
+        results of members that finished, and whether a failure needs a round."""
         ctx = self.ctx
         if not any(m.ref is not None for m in ctx.members.values()):
             ctx.parts.sleep(0.1)
-            return {}
+            return Polled({}, False)
         outcomes = ctx.pool.poll(timeout_s=0.1)
+        needs_round = False
         for member, error in outcomes.failed:
-            self.on_failure(member, error)
+            needs_round |= self.on_failure(member, error)
         for member, left in outcomes.left:
             ctx.pool.remove(member)
             ctx.log.add("left", member.node)
             log.info("raytrain-x elastic: worker %s left the job (%s)", member.worker_id,
                      left.reason)
-        return outcomes.finished
+        return Polled(outcomes.finished, needs_round)
 
-    def on_failure(self, member: Member, error: WorkerError) -> None:
+    def on_failure(self, member: Member, error: WorkerError) -> bool:
+        """Takes a member's failure in; returns whether its round must form again without
+        it (not for a member that had left the job's rounds)."""
         ctx = self.ctx
         if member.leaving or member.departed:
             # it had left the job's rounds (its node drains): no round waits for it
@@ -62,7 +72,7 @@ class MemberWatch:
             ctx.log.add("left", member.node, lost=True)
             log.info("raytrain-x elastic: worker %s, which had left the job, was lost with its "
                      "draining node", member.worker_id)
-            return
+            return False
         if error.state_lost is not None:
             # it found part of the committed state gone with every copy (a sharded
             # optimizer's shard): every member of its round finds the same, and another
@@ -74,7 +84,6 @@ class MemberWatch:
         ctx.pool.remove(member)
         ctx.log.note("failure", failed=1)
         ctx.last_failure = error
-        ctx.needs_round = True
         verdict = self.failures.on_failure(member.node)
         if verdict.kind == "lost_draining":
             ctx.log.add("lost_draining", member.node)
@@ -89,6 +98,7 @@ class MemberWatch:
                         short_node(member.node), _last_line(error.detail),
                         "good" if verdict.cooldown_s == float("inf")
                         else f"{verdict.cooldown_s:.1f}s")
+        return True
 
     def check_all_failed(self) -> None:
         """No worker is left, the last one having failed. A function that raised fails the
@@ -115,7 +125,9 @@ class MemberWatch:
         log_ = self.ctx.log
         return len(log_.of("failure")) + len(log_.of("lost_draining"))
 
-    def check_stragglers(self) -> None:
+    def check_stragglers(self) -> bool:
+        """Looks at who is absent from the rendezvous (`StragglerRule`) and fails the lost,
+        held and stuck; returns whether the job needs a round for what it found."""
         ctx = self.ctx
         beats, now = self.heartbeats, ctx.clock()
         beats.record(*ctx.pool.beat(), now)
@@ -125,11 +137,10 @@ class MemberWatch:
         verdict = self.stragglers.observe(
             waiting, present, now, [w for w in present if ctx.members[w].rank >= 0],
             silent={w: beats.silent_for(w, now) for w in present}, failed=beats.failed)
-        if verdict.needs_round:
-            ctx.needs_round = True
+        needs_round = verdict.needs_round
         if verdict.lost:
             addresses = ctx.cluster.addresses()
-            self.fail_all(verdict.lost, lambda ranks, nodes: unreachable_error(
+            needs_round |= self.fail_all(verdict.lost, lambda ranks, nodes: unreachable_error(
                 ranks, nodes, "while their peers waited for them at the rendezvous",
                 addresses))
         # absent ones that answer: in a join the rounds actor never received? (asked
@@ -140,13 +151,14 @@ class MemberWatch:
             held = held_joins(answering, ctx.rounds_client.waiting(), JOIN_HELD_S)
             held = self.spare_last_holders(held)
             if held:
-                self.fail_all(held, held_join_error)
+                needs_round |= self.fail_all(held, held_join_error)
         stuck = self.spare_last_holders(verdict.stuck)
         if stuck:
             where = ctx.pool.ask(stuck, "where")
-            self.fail_all(stuck, lambda ranks, nodes: stuck_error(
+            needs_round |= self.fail_all(stuck, lambda ranks, nodes: stuck_error(
                 ranks, nodes, self.stragglers.stuck_after_s,
                 {ctx.members[w].rank: at for w, at in where.items()}))
+        return needs_round
 
     def spare_last_holders(self, candidates: list[str]) -> list[str]:
         """`spare_last_holders` of the members about to be restarted, the other holders
@@ -179,8 +191,6 @@ class MemberWatch:
             committed_round = ctx.rounds_client.committed_round()
         if not committed_round:
             return None
-        for old in [r for r in ctx.round_members if r < committed_round]:
-            del ctx.round_members[old]  # a later round committed: they are not needed
         members = set(ctx.members)
         holders = set(ctx.rounds_client.holders())
         holders |= ctx.round_members.get(committed_round, set()) & members
@@ -194,14 +204,17 @@ class MemberWatch:
         training in that round look stuck)."""
         return [w for w, m in self.ctx.members.items() if not m.leaving and not m.departed]
 
-    def fail_all(self, worker_ids: Iterable[str], errors_of: Callable) -> None:
-        """Fails these members with one error naming them all: `errors_of(ranks, nodes)`."""
+    def fail_all(self, worker_ids: Iterable[str], errors_of: Callable) -> bool:
+        """Fails these members with one error naming them all: `errors_of(ranks, nodes)`;
+        returns whether a round must form again without them."""
         members = [self.ctx.members[w] for w in worker_ids if w in self.ctx.members]
         if not members:
-            return
+            return False
         errors = errors_of(sorted(m.rank for m in members), [m.node for m in members])
+        needs_round = False
         for member in members:
-            self.on_failure(member, errors[member.rank])
+            needs_round |= self.on_failure(member, errors[member.rank])
+        return needs_round
 
 
 def _last_line(text: str) -> str:

@@ -26,15 +26,19 @@ class RoundForming:
         self.members = members
         self._asked_over = False  # the round's members were asked to a round for newcomers
 
-    def step(self) -> None:
-        """Sends drained members away and forms a round when one is needed and ready."""
+    def step(self, needs_round: bool) -> bool:
+        """Sends drained members away and forms a round when one is needed (`needs_round`:
+        a change the next round must take in) and ready. Returns whether a round is still
+        needed after this look."""
         ctx = self.ctx
         # a drained member the last round formed without is sent away when it arrives
         departing = any(m.departed and not m.leaving for m in ctx.members.values())
-        if not ctx.needs_round and not departing:
-            return
+        if not needs_round and not departing:
+            return False
         waiting = ctx.rounds_client.waiting()
         committed_round = ctx.rounds_client.committed_round()
+        for old in [r for r in ctx.round_members if r < committed_round]:
+            del ctx.round_members[old]  # a later round committed: they are not needed
         holders = self.members.holders(committed_round)
         decision = decide_round(waiting, [m.view() for m in ctx.members.values()],
                                 ctx.draining, ctx.settings.min_workers,
@@ -48,20 +52,20 @@ class RoundForming:
             note_left(ctx, leaving)
             for member in leaving:
                 member.leaving = True
-        if not ctx.needs_round:
-            return
+        if not needs_round:
+            return False
         if (decision.interrupt or decision.release) and not self._asked_over:
             self._asked_over = True
             ctx.rounds_client.bump_hosts()
             if decision.interrupt:
                 ctx.log.add("scale_up")
         if not decision.form:
-            return  # survivors are still on their way to the rendezvous
+            return True  # survivors are still on their way to the rendezvous
         departed = [ctx.members[w] for w in decision.departed]
         note_left(ctx, departed)  # the round forms without them: they left with it
         for member in departed:
             member.departed = True
-        self._form({w: ctx.members[w] for w in decision.ranks}, kept=len(decision.kept))
+        return self._form({w: ctx.members[w] for w in decision.ranks}, kept=len(decision.kept))
 
     def _resumes(self) -> dict | None:
         """The checkpoint a job that never committed starts from: the latest of its name,
@@ -69,7 +73,9 @@ class RoundForming:
         would find it on their own, and this way the round's history says so."""
         return self.members.durable_floor()
 
-    def _form(self, staying: dict, kept: int) -> None:
+    def _form(self, staying: dict, kept: int) -> bool:
+        """Forms and publishes the round of `staying`; returns whether another is needed
+        (newcomers it left out, members kept on a draining node)."""
         ctx = self.ctx
         newcomers = sum(m.rank < 0 for m in staying.values())
         if newcomers:
@@ -100,7 +106,7 @@ class RoundForming:
         # newcomers still starting join at a later round, once they wait for one; members
         # kept on a draining node leave at the round after this one's first commit
         left_out = sum(m.rank < 0 for m in ctx.staying())
-        ctx.needs_round = left_out > 0 or bool(kept)
+        needs_round = left_out > 0 or bool(kept)
         if kept:
             log.info("raytrain-x elastic: %d worker(s) on draining nodes stay one more round: "
                      "they hold the job's state and no staying worker does yet", kept)
@@ -109,3 +115,4 @@ class RoundForming:
             ctx.rounds, len(staying), len({m.node for m in staying.values()}),
             len(ctx.pending) + left_out, ctx.cluster.capacity.bundles, len(ctx.draining))
         progress.info("raytrain-x elastic: %s", round_line(entry))
+        return needs_round

@@ -72,8 +72,9 @@ class WorkerStarts:
                 set(ctx.draining) | set(ctx.blacklist.blacklisted()))
         ctx.cluster.capacity.ask(self.scaling.bundles(staying, starting, unusable))
 
-    def poll_pending(self, fn: Any, args: tuple, kwargs: dict) -> None:
-        """Turns workers that answered into members (they run `fn(*args, **kwargs)`)."""
+    def poll_pending(self, fn: Any, args: tuple, kwargs: dict) -> bool:
+        """Turns workers that answered into members (they run `fn(*args, **kwargs)`);
+        returns whether any did (a round must take them in)."""
         ctx = self.ctx
         settings = ctx.settings
 
@@ -89,7 +90,6 @@ class WorkerStarts:
             self.give_up(pending.ref, "its node left the cluster" if gone
                          else f"its actor died while starting: {_first_line(exc)}")
         for member in joined:
-            ctx.needs_round = True
             ctx.log.add("start", member.node)
         # a hedged start and the one it hedged may both join: the later ones past
         # max_workers go
@@ -98,6 +98,7 @@ class WorkerStarts:
                      "hedged start and the one it hedged both did); it leaves",
                      short_node(member.node), settings.max_workers)
             ctx.pool.remove(member)
+        return bool(joined)
 
     def check_pending(self) -> None:
         """Gives up on starting workers that cannot start (`ScalingPolicy.give_ups`) and
