@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import sys
@@ -12,10 +11,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from raytrain_x.common import settings
 from raytrain_x.common.autotune_config import AutotuneConfig
 from raytrain_x.common.errors import ConfigError, RaytrainXError
 from raytrain_x.common.knobs import Knobs, load_knobs
-from raytrain_x.common.settings import START_TIMEOUT_S, TIMEOUT_S, check_seconds
+from raytrain_x.common.settings import START_TIMEOUT_S, TIMEOUT_S, Setting, check_seconds
 
 
 class _Parser(argparse.ArgumentParser):
@@ -26,30 +26,33 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+def _add_flag(group: Any, setting: Setting, dest: str, default: Any = None) -> None:
+    """A flag for `setting` (its type, unit and meaning from `raytrain_x.common.settings`)."""
+    if setting.kind is bool:
+        group.add_argument(setting.flag, dest=dest, action=argparse.BooleanOptionalAction,
+                           default=default, help=setting.doc)
+        return
+    kind = float if setting.flag_scale != 1 else setting.kind
+    metavar = "MB" if setting.flag_scale != 1 else \
+        {str: "PATH", int: "N"}.get(kind, "S" if setting.seconds else "X")
+    group.add_argument(setting.flag, dest=dest, type=kind, default=default, metavar=metavar,
+                       help=setting.doc)
+
+
 def _add_knob_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("communication knobs (flag > env > config file)")
     for name, spec in Knobs.specs().items():
-        if spec.kind is bool:
-            group.add_argument(spec.flag, dest=name, action=argparse.BooleanOptionalAction,
-                               default=None, help=spec.help)
-        else:
-            group.add_argument(spec.flag, dest=name, type=float, default=None,
-                               metavar="MB" if spec.flag_scale != 1 else "N", help=spec.help)
-    group.add_argument("--config-file", help="YAML/JSON file of knobs (and training settings: "
-                       "zero_stage, micro_batch_size, gradient_accumulation_steps; "
-                       "autotune_experiments' best_config.json is one)")
-    group.add_argument("--timeline-filename", help="Chrome trace written by rank 0")
+        _add_flag(group, spec.var, name)
+    _add_flag(group, settings.CONFIG_FILE, "config_file")
+    _add_flag(group, settings.TIMELINE, "timeline_filename")
 
 
 def _add_autotune_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("autotune (flag > RAYTRAIN_X_AUTOTUNE* env)")
-    group.add_argument("--autotune", action="store_true", default=None,
-                       help="tune the free knobs while training")
-    kinds = {"log_file": str, "resume_from": str, "gaussian_process_noise": float,
-             "warmup_time_s": float, "sampling_time_s": float, "early_stop_ratio": float}
-    for name, flag in AutotuneConfig.flag_names().items():
-        group.add_argument(flag, dest=f"autotune_{name}", type=kinds.get(name, int),
-                           default=None)
+    group.add_argument(settings.AUTOTUNE.flag, action="store_true", default=None,
+                       help=settings.AUTOTUNE.doc)
+    for name, setting in AutotuneConfig.field_settings().items():
+        _add_flag(group, setting, f"autotune_{name}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,8 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "a local one)")
     run.add_argument("--cpus-per-worker", type=float, default=1.0)
     run.add_argument("--use-gpu", action="store_true")
-    run.add_argument("--timeout", type=float, default=TIMEOUT_S.default,
-                     help="rendezvous/collective timeout in seconds")
+    _add_flag(run, TIMEOUT_S, "timeout", TIMEOUT_S.default)
     run.add_argument("--verbose", action="store_true")
     run.add_argument("--quiet", action="store_true",
                      help="no progress lines (steps/s, world size, autotune's phase)")
@@ -92,8 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     elastic.add_argument("--reset-limit", type=int, help="most resets before the job fails")
     elastic.add_argument("--elastic-timeout", type=float, default=600.0,
                          help="seconds to wait for min-np workers")
-    elastic.add_argument("--start-timeout", type=float, default=START_TIMEOUT_S.read(),
-                         help="seconds a new worker may take to start before it is given up on")
+    _add_flag(elastic, START_TIMEOUT_S, "start_timeout", START_TIMEOUT_S.read())
     _add_knob_flags(run)
     _add_autotune_flags(run)
     run.add_argument("command", nargs=argparse.REMAINDER, help="the command to run")
@@ -140,13 +141,14 @@ def build_parser() -> argparse.ArgumentParser:
 def resolve_autotune(args: argparse.Namespace) -> AutotuneConfig | None:
     """Autotune settings from flags over env; None when autotune is off."""
     from_env = AutotuneConfig.from_env()
-    flags = {name: getattr(args, f"autotune_{name}") for name in AutotuneConfig.flag_names()
+    flags = {name: getattr(args, f"autotune_{name}")
+             for name in AutotuneConfig.field_settings()
              if getattr(args, f"autotune_{name}") is not None}
     if not (args.autotune or from_env or flags.get("resume_from")):
         if flags:
             raise ConfigError(f"{sorted(flags)} need --autotune (or RAYTRAIN_X_AUTOTUNE=1)")
         return None
-    base = dataclasses.asdict(from_env) if from_env else {}
+    base = from_env.fields() if from_env else {}
     base.pop("initial_knobs", None)
     return AutotuneConfig(**{**base, **flags})
 
@@ -211,10 +213,10 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     start = time.monotonic()
     ensure_ray(args.address, log_to_driver=args.verbose or elastic)
     _progress(f"Ray ready in {time.monotonic() - start:.1f}s")
-    settings = RayExecutor.create_settings(timeout_s=args.timeout)
+    run_settings = RayExecutor.create_settings(timeout_s=args.timeout)
     if elastic:
-        return _run_elastic(args, command, settings, knobs, fixed, autotune)
-    executor = RayExecutor(settings, num_workers=args.np, cpus_per_worker=args.cpus_per_worker,
+        return _run_elastic(args, command, run_settings, knobs, fixed, autotune)
+    executor = RayExecutor(run_settings, num_workers=args.np, cpus_per_worker=args.cpus_per_worker,
                            use_gpu=args.use_gpu, name=args.job_name,
                            checkpoint=_checkpoint(args))
     # Only the knobs the user fixed travel as env, so the launched ranks see the same fixed
@@ -223,7 +225,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if autotune is not None:
         env.update(autotune.to_env())
     if args.timeline_filename:
-        env["RAYTRAIN_X_TIMELINE"] = os.path.abspath(args.timeline_filename)
+        env[settings.TIMELINE.env] = os.path.abspath(args.timeline_filename)
     start = time.monotonic()
     executor.start(extra_env_vars=env)
     reporter = None
@@ -271,11 +273,15 @@ def _training_env(args: argparse.Namespace) -> dict[str, str]:
     `raytrain-x run` runs, as horovodrun passes its environment on, and the config file's
     training settings (ZeRO stage, micro-batch, accumulation; `raytrain_x.training_settings()`
     reads them there)."""
-    from raytrain_x.common import settings, training
+    from raytrain_x.common import training
     from raytrain_x.common.knobs import read_training_settings
 
-    env = {s.env: os.environ[s.env] for s in settings.ALL
-           if s.env in os.environ and s is not settings.STATUS_FILE}
+    # the knobs and autotune's settings travel resolved (flags over env), not as found here
+    resolved = {spec.var for spec in Knobs.specs().values()} | {settings.AUTOTUNE} | \
+        set(AutotuneConfig.field_settings().values())
+    passed = [s for s in settings.ALL if s not in resolved and (
+        s.scope == settings.USER or s in (settings.JOB_NAME, settings.CHECKPOINT))]
+    env = {s.env: os.environ[s.env] for s in passed if s.env in os.environ}
     if not args.config_file:
         return env
     return {**env, **training.to_env(read_training_settings(args.config_file))}
@@ -291,7 +297,7 @@ def _checkpoint(args: argparse.Namespace):
                             keep=args.checkpoint_keep)
 
 
-def _run_elastic(args, command, settings, knobs, fixed, autotune) -> int:
+def _run_elastic(args, command, run_settings, knobs, fixed, autotune) -> int:
     """Elastic jobs run the script inside each worker actor (so every rank can reach the
     rendezvous coordinator); Ray forwards the output with its worker prefix."""
     from raytrain_x.ray.autotune_actor import fixed_knob_env
@@ -300,9 +306,9 @@ def _run_elastic(args, command, settings, knobs, fixed, autotune) -> int:
 
     env = {**fixed_knob_env(knobs, fixed), **_training_env(args)}
     if args.timeline_filename:
-        env["RAYTRAIN_X_TIMELINE"] = os.path.abspath(args.timeline_filename)
+        env[settings.TIMELINE.env] = os.path.abspath(args.timeline_filename)
     executor = RayExecutor(  # -np bounds max_workers below (horovodrun's meaning)
-        settings, cpus_per_worker=args.cpus_per_worker,
+        run_settings, cpus_per_worker=args.cpus_per_worker,
         use_gpu=args.use_gpu, min_workers=args.min_np or 1,
         max_workers=args.max_np or max(args.np, args.min_np or 1),
         reset_limit=args.reset_limit,

@@ -551,8 +551,22 @@ def soak(seed: int, minutes: float, cluster: str, nodes: int, framework: str,
     kept = out_dir / f"chaos_{cluster}_{framework}_seed{seed}.log"
     kept.write_text("\n".join(Path(p).read_text() for p in logs if Path(p).exists()))
     out["log"] = str(kept)
+    if out["errors"]:  # the workers' own logs, for whoever looks into it
+        out["worker_logs"] = _keep_worker_logs(temp, kept.with_suffix(""))
     out["errors"] += _leftovers(before, temp, namespaces)
     return out
+
+
+def _keep_worker_logs(temp: str, dest: Path) -> str:
+    """Copies the Ray workers' logs of the run's sessions into `dest` (a failed run's
+    temp dir is removed like any other's)."""
+    import shutil
+
+    for log in Path(temp).glob("**/logs/worker-*"):
+        target = dest / log.parent.parent.name / log.name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(log, target)
+    return str(dest)
 
 
 def _job(index: int, world: Any, chaos: Chaos, rng: random.Random, temp: str,

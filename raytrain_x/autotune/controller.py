@@ -150,7 +150,7 @@ class AutotuneController:
         confirmed = {k: m for k, m in means.items() if len(scores[k]) > 1 or k == self.start}
         pool = confirmed if len(confirmed) > 1 else means
         knobs, score = max(pool.items(), key=lambda item: item[1])
-        if score <= means[self.start] * (1 + max(self.config.min_improvement, self.noise())):
+        if score <= means[self.start] * (1 + max(self.config.rules.min_improvement, self.noise())):
             return self.start, means[self.start]
         return knobs, score
 
@@ -168,16 +168,16 @@ class AutotuneController:
         self.samples.append((self.current, score))
         if self._reference is None:
             self._reference = score or 1.0
-        if score > previous_best * (1 + self.config.min_improvement):
+        if score > previous_best * (1 + self.config.rules.min_improvement):
             self._since_best = 0
         else:
             self._since_best += 1
         budget = self.config.bayes_opt_max_samples
+        patience = self.config.rules.convergence_patience
         if not self._confirming:
             self._confirming = (len(self.samples) >= budget - self._reserved()
                                 or self._searcher is None
-                                or bool(self.config.convergence_patience
-                                        and self._since_best >= self.config.convergence_patience))
+                                or bool(patience and self._since_best >= patience))
             if not self._confirming:
                 if len(self.samples) == 1 or self._probed(self.current):
                     # the start and the probes were measured outside the searcher
@@ -212,7 +212,7 @@ class AutotuneController:
     def _reserved(self) -> int:
         """Samples kept for confirming leaders: 2 x `confirm_top`, at most a quarter of the
         budget."""
-        return min(2 * self.config.confirm_top, self.config.bayes_opt_max_samples // 4)
+        return min(2 * self.config.rules.confirm_top, self.config.bayes_opt_max_samples // 4)
 
     def _next_confirmation(self) -> Knobs | None:
         """The best-ranked leader still measured only once, or None when the top
@@ -221,7 +221,7 @@ class AutotuneController:
         speeds up over its first minutes would make any later setting look better."""
         scores = self._scores()
         top = sorted(scores, key=lambda k: _mean(scores[k]), reverse=True)
-        top = top[: self.config.confirm_top]
+        top = top[: self.config.rules.confirm_top]
         for knobs in top:
             if len(scores[knobs]) < 2 and not (knobs == self.start and len(top) == 1):
                 return knobs

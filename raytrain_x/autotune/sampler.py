@@ -245,10 +245,10 @@ class AutotuneSampler:
                 self._finish_after(now)
             return
         if self.config.sampling_time_s:
-            per_window = self.config.sampling_time_s / self.config.sub_windows
+            per_window = self.config.sampling_time_s / self.config.rules.sub_windows
             window_full = now - w.start >= per_window
         else:
-            per_window = max(1, self.config.steps_per_sample // self.config.sub_windows)
+            per_window = max(1, self.config.steps_per_sample // self.config.rules.sub_windows)
             window_full = w.steps % per_window == 0
         elapsed = max(now - w.start, 1e-9)
         if self._step_mode:
@@ -261,7 +261,7 @@ class AutotuneSampler:
         if self._clearly_worse(rate, window_full):
             self._finish_sample(knobs, step, rate, now, cut=True)
             return
-        if len(w.rates) >= self.config.sub_windows:
+        if len(w.rates) >= self.config.rules.sub_windows:
             self._finish_sample(knobs, step, statistics.median(w.rates), now)
 
     def _in_warmup_time(self, now: float) -> bool:
@@ -272,7 +272,7 @@ class AutotuneSampler:
         only cost training time: below `early_stop_ratio` of the best mean after its first
         sub-window, or below `early_stop_ratio - 0.3` after any step before that (a setting
         several times slower is seen in one step). Leaders being confirmed are never cut."""
-        ratio = self.config.early_stop_ratio
+        ratio = self.config.rules.early_stop_ratio
         if not ratio or self._phase is not Phase.SCORING or self.best is None:
             return False
         if window_full:
@@ -281,7 +281,7 @@ class AutotuneSampler:
 
     def _severely_worse(self, rate: float) -> bool:
         """Several times slower than the best so far: one step shows it."""
-        ratio = self.config.early_stop_ratio
+        ratio = self.config.rules.early_stop_ratio
         return bool(ratio) and self.best is not None and rate < (ratio - 0.3) * self.best.score
 
     # ------------------------------------------------------------------ samples

@@ -15,7 +15,6 @@ from raytrain_x.common import settings
 from raytrain_x.common.errors import ConfigError
 
 DEFAULT_TIMEOUT_S = settings.TIMEOUT_S.default
-ENV_PREFIX = "RAYTRAIN_X_"
 
 
 @dataclass
@@ -122,7 +121,7 @@ def loopback_secret() -> str:
             or stat.S_IMODE(info.st_mode) & 0o077:
         raise ConfigError(f"{folder} is not this user's private folder (another user made "
                           f"it, or others may read it); remove it, or give every process "
-                          f"the same {ENV_PREFIX}STORE_SECRET")
+                          f"the same {settings.STORE_SECRET.env}")
     path = os.path.join(folder, "store-secret")
     if not os.path.exists(path):
         fd, tmp = tempfile.mkstemp(dir=folder)  # 0600
@@ -145,40 +144,35 @@ def _is_loopback(addr: str) -> bool:
         return addr == "localhost"
 
 
+def _or(value: int | None, default: int) -> int:
+    return default if value is None else value
+
+
 def rendezvous_from_env(env: Any) -> Rendezvous:
     """Builds a Rendezvous from RAYTRAIN_X_* variables with a TCP store (rank 0 hosts it)."""
 
-    def num(name: str, default: float) -> float:
-        raw = env.get(ENV_PREFIX + name)
-        if raw in (None, ""):
-            return default
-        try:
-            return float(raw)
-        except ValueError:
-            raise ConfigError(f"environment {ENV_PREFIX}{name}={raw!r} is not a number") from None
-
-    size = int(num("SIZE", 1))
-    rank = int(num("RANK", 0))
+    size = settings.SIZE.read(env)
+    rank = settings.RANK.read(env)
     timeout_s = settings.TIMEOUT_S.read(env)
     store = None
     if size > 1:
-        addr = env.get(ENV_PREFIX + "STORE_ADDR")
-        port = int(num("STORE_PORT", 0))
+        addr = settings.STORE_ADDR.read(env)
+        port = settings.STORE_PORT.read(env)
         if not addr or not port:
-            raise ConfigError(f"{ENV_PREFIX}SIZE={size} but no {ENV_PREFIX}STORE_ADDR/PORT; "
-                              "launch with raytrain-x run or RayExecutor")
-        secret = env.get(ENV_PREFIX + "STORE_SECRET") or ""
+            raise ConfigError(f"{settings.SIZE.env}={size} but no {settings.STORE_ADDR.env}/"
+                              "PORT; launch with raytrain-x run or RayExecutor")
+        secret = settings.STORE_SECRET.read(env)
         if not secret and _is_loopback(addr):
             # One machine, a store on loopback only: nothing off the machine reaches it,
             # and this user's own secret keeps other local users out
             secret = loopback_secret()
         if not secret:
-            raise ConfigError(f"{ENV_PREFIX}SIZE={size} but no {ENV_PREFIX}STORE_SECRET: the "
-                              "job's store answers only processes that know the job's secret; "
-                              "launch with raytrain-x run, or give every process the same "
-                              "random value (python -c 'import secrets; "
+            raise ConfigError(f"{settings.SIZE.env}={size} but no {settings.STORE_SECRET.env}: "
+                              "the job's store answers only processes that know the job's "
+                              "secret; launch with raytrain-x run, or give every process the "
+                              "same random value (python -c 'import secrets; "
                               "print(secrets.token_hex(32))'); a job on one machine may "
-                              f"instead use {ENV_PREFIX}STORE_ADDR=127.0.0.1")
+                              f"instead use {settings.STORE_ADDR.env}=127.0.0.1")
         store = TcpStoreAddress(addr, port, size, rank == 0, timeout_s, secret)
     global _env_rounds
     _env_rounds += 1  # init() after shutdown(): a fresh key space in the same store
@@ -186,10 +180,10 @@ def rendezvous_from_env(env: Any) -> Rendezvous:
         rank=rank,
         size=size,
         round=_env_rounds,
-        local_rank=int(num("LOCAL_RANK", rank)),
-        local_size=int(num("LOCAL_SIZE", size)),
-        cross_rank=int(num("CROSS_RANK", 0)),
-        cross_size=int(num("CROSS_SIZE", 1)),
+        local_rank=_or(settings.LOCAL_RANK.read(env), rank),
+        local_size=_or(settings.LOCAL_SIZE.read(env), size),
+        cross_rank=settings.CROSS_RANK.read(env),
+        cross_size=settings.CROSS_SIZE.read(env),
         store=store,
         timeout_s=timeout_s,
     )

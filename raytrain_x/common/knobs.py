@@ -1,6 +1,8 @@
-"""The communication knobs: one source of truth for defaults, ranges, flags and env names.
+"""The communication knobs: what autotune moves, and how it searches each.
 
-Flags, environment variables, config files and the autotuner all read and write `Knobs`.
+Each knob's variable, flag, config key, default and range are its setting's
+(`raytrain_x.common.settings`). Flags, environment variables, config files and the
+autotuner all read and write `Knobs`.
 Precedence when resolving: flag > env > config file > default.
 """
 
@@ -17,11 +19,9 @@ from typing import Any
 
 import yaml
 
-from raytrain_x.common import training
+from raytrain_x.common import settings, training
 from raytrain_x.common.errors import ConfigError
-from raytrain_x.common.horovod_env import with_horovod_aliases
-
-MB = 1024 * 1024
+from raytrain_x.common.settings import MB, Setting
 
 
 @dataclass(frozen=True)
@@ -63,22 +63,50 @@ class SearchScale:
 
 @dataclass(frozen=True)
 class KnobSpec:
-    """How one knob is named, bounded, parsed and searched."""
+    """How one knob is searched, and its setting (`raytrain_x.common.settings`): its
+    variable, flag, config key, range and meaning."""
 
-    env: str
-    flag: str
-    lo: float
-    hi: float
-    help: str
-    kind: type
-    # The CLI flag and config alias may use another unit (MB for the fusion threshold).
-    flag_scale: int = 1
-    alias: str | None = None
+    var: Setting
     search: SearchScale | None = None
 
+    @property
+    def env(self) -> str:
+        return self.var.env
 
-def _knob(default: Any, spec: KnobSpec) -> Any:
-    return field(default=default, metadata={"spec": spec})
+    @property
+    def flag(self) -> str:
+        return self.var.flag or ""
+
+    @property
+    def lo(self) -> float:
+        return 0 if self.var.kind is bool else self.var.minimum
+
+    @property
+    def hi(self) -> float:
+        return 1 if self.var.kind is bool else self.var.maximum
+
+    @property
+    def kind(self) -> type:
+        return self.var.kind
+
+    @property
+    def help(self) -> str:
+        return self.var.doc
+
+    @property
+    def flag_scale(self) -> int:
+        """The flag and the config alias may use another unit (MB for the fusion
+        threshold)."""
+        return self.var.flag_scale
+
+    @property
+    def alias(self) -> str | None:
+        """The config key in the flag's unit (`fusion_threshold_mb`)."""
+        return "fusion_threshold_mb" if self.var.flag_scale == MB else None
+
+
+def _knob(var: Setting, search: SearchScale) -> Any:
+    return field(default=var.default, metadata={"spec": KnobSpec(var, search)})
 
 
 @dataclass(frozen=True)
@@ -98,73 +126,19 @@ class Knobs:
         hierarchical_allgather: two-level allgather (local, then cross).
     """
 
+    # 1 MiB .. 256 MiB, in quarter MiBs; below 2^20 "0" (every gradient on its own). Sizes
+    # under 1 MiB put nearly every ResNet or transformer gradient in its own bucket anyway,
+    # so they only add poor points to explore.
     fusion_threshold_bytes: int = _knob(
-        64 * MB,
-        KnobSpec(
-            env="RAYTRAIN_X_FUSION_THRESHOLD",
-            flag="--fusion-threshold-mb",
-            lo=0,
-            hi=4096 * MB,
-            help="gradient bucket size and largest fused batch (flag in MB, env in bytes); "
-                 "0: every gradient on its own",
-            kind=int,
-            flag_scale=MB,
-            alias="fusion_threshold_mb",
-            # 1 MiB .. 256 MiB, in quarter MiBs; below 2^20 "0" (every gradient on its own).
-            # Sizes under 1 MiB put nearly every ResNet or transformer gradient in its own
-            # bucket anyway, so they only add poor points to explore.
-            search=SearchScale(2, 19.0, 28.0, off_below=20.0, quantum=MB / 4),
-        ),
-    )
-    cycle_time_ms: float = _knob(
-        1.0,
-        KnobSpec(
-            env="RAYTRAIN_X_CYCLE_TIME",
-            flag="--cycle-time-ms",
-            lo=0.0,
-            hi=1000.0,
-            help="pause between engine cycles in milliseconds while work keeps arriving",
-            kind=float,
-            search=SearchScale(10, -1.0, math.log10(25.0), digits=3),  # 0.1 .. 25 ms
-        ),
-    )
-    cache_capacity: int = _knob(
-        1024,
-        KnobSpec(
-            env="RAYTRAIN_X_CACHE_CAPACITY",
-            flag="--cache-capacity",
-            lo=0,
-            hi=1 << 20,
-            help="response-cache entries; 0 turns the cache off",
-            kind=int,
-            search=SearchScale(2, -1.0, 12.0, off_below=0.0, quantum=1),  # off, 1 .. 4096
-        ),
-    )
+        settings.FUSION_THRESHOLD, SearchScale(2, 19.0, 28.0, off_below=20.0, quantum=MB / 4))
+    cycle_time_ms: float = _knob(  # 0.1 .. 25 ms
+        settings.CYCLE_TIME, SearchScale(10, -1.0, math.log10(25.0), digits=3))
+    cache_capacity: int = _knob(  # off, 1 .. 4096
+        settings.CACHE_CAPACITY, SearchScale(2, -1.0, 12.0, off_below=0.0, quantum=1))
     hierarchical_allreduce: bool = _knob(
-        True,
-        KnobSpec(
-            env="RAYTRAIN_X_HIERARCHICAL_ALLREDUCE",
-            flag="--hierarchical-allreduce",
-            lo=0,
-            hi=1,
-            help="several hosts with several workers each: sum on each host in shared "
-                 "memory, one shard per local rank across hosts",
-            kind=bool,
-            search=SearchScale(0, 0.0, 1.0),
-        ),
-    )
+        settings.HIERARCHICAL_ALLREDUCE, SearchScale(0, 0.0, 1.0))
     hierarchical_allgather: bool = _knob(
-        False,
-        KnobSpec(
-            env="RAYTRAIN_X_HIERARCHICAL_ALLGATHER",
-            flag="--hierarchical-allgather",
-            lo=0,
-            hi=1,
-            help="two-level allgather: local, then across hosts",
-            kind=bool,
-            search=SearchScale(0, 0.0, 1.0),
-        ),
-    )
+        settings.HIERARCHICAL_ALLGATHER, SearchScale(0, 0.0, 1.0))
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -221,11 +195,11 @@ def parse_knob_value(name: str, raw: Any, source: str) -> Any:
 
 
 def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
-    env = with_horovod_aliases(env)
     out: dict[str, Any] = {}
     for name, spec in Knobs.specs().items():
-        if spec.env in env and env[spec.env] != "":
-            out[name] = parse_knob_value(name, env[spec.env], f"environment {spec.env}")
+        raw = spec.var.raw(env)
+        if raw is not None:
+            out[name] = spec.var.parse(raw, f"environment {spec.env}")
     return out
 
 

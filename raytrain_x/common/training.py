@@ -15,11 +15,12 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from raytrain_x.common import settings
 from raytrain_x.common.errors import ConfigError
 
-ENV = {"zero_stage": "RAYTRAIN_X_ZERO_STAGE",
-       "micro_batch_size": "RAYTRAIN_X_MICRO_BATCH_SIZE",
-       "gradient_accumulation_steps": "RAYTRAIN_X_GRADIENT_ACCUMULATION_STEPS"}
+# config key -> the variable that hands it to the workers
+ENV = {s.config_key: s.env for s in (settings.ZERO_STAGE, settings.MICRO_BATCH_SIZE,
+                                     settings.GRADIENT_ACCUMULATION_STEPS)}
 
 
 def check(name: str, value: Any, source: str) -> int:

@@ -125,7 +125,7 @@ def start(
         elif config is not None and config.initial_knobs is not None:
             knobs = config.initial_knobs.replace(
                 **{n: getattr(knobs, n) for n in _fixed_knobs})
-        if os.environ.get("RAYTRAIN_X_LAUNCHED") == "1":
+        if settings.LAUNCHED.read():
             _exit_with_code_on_lost_peer()
         rdv, groups, knobs = _form_world(rendezvous, knobs)
         env = with_horovod_aliases(os.environ)

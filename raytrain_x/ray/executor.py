@@ -233,7 +233,7 @@ class RayExecutor:
         ensure_ray()
         self.name = self.name or job_name()
         # the workers export metrics where the driver does, under the job's name
-        env = {**(extra_env_vars or {}), "RAYTRAIN_X_TIMEOUT": str(self.settings.timeout_s),
+        env = {**(extra_env_vars or {}), TIMEOUT_S.env: str(self.settings.timeout_s),
                JOB_NAME.env: self.name, METRICS.env: "1" if metrics.enabled() else "0",
                **(knob_env(self.knobs) if self.knobs else {}),
                **(self.checkpoint.to_env() if self.checkpoint is not None else {})}

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import ray
 from ray.exceptions import RayActorError
 
+from raytrain_x.common import settings
 from raytrain_x.ray.executor import RayExecutor
 
 # after the job's timeout, what a rank that outlived a failed one gets to end by itself
@@ -50,19 +51,15 @@ def run_script(command: list[str], cwd: str | None = None) -> int:
 
 def command_env(executor: RayExecutor, rank: int, store_addr: str, store_port: int,
                 store_secret: str) -> dict:
-    """The RAYTRAIN_X_* variables `rx.init()` reads in a launched process."""
+    """The rendezvous variables (`settings.LAUNCHER`) `rx.init()` reads in a launched
+    process."""
     slot = executor.slots[rank]
-    return {
-        "RAYTRAIN_X_RANK": str(slot.rank),
-        "RAYTRAIN_X_SIZE": str(len(executor.slots)),
-        "RAYTRAIN_X_LOCAL_RANK": str(slot.local_rank),
-        "RAYTRAIN_X_LOCAL_SIZE": str(slot.local_size),
-        "RAYTRAIN_X_CROSS_RANK": str(slot.cross_rank),
-        "RAYTRAIN_X_CROSS_SIZE": str(slot.cross_size),
-        "RAYTRAIN_X_STORE_ADDR": store_addr,
-        "RAYTRAIN_X_STORE_PORT": str(store_port),
-        "RAYTRAIN_X_STORE_SECRET": store_secret,
-    }
+    values = {settings.RANK: slot.rank, settings.SIZE: len(executor.slots),
+              settings.LOCAL_RANK: slot.local_rank, settings.LOCAL_SIZE: slot.local_size,
+              settings.CROSS_RANK: slot.cross_rank, settings.CROSS_SIZE: slot.cross_size,
+              settings.STORE_ADDR: store_addr, settings.STORE_PORT: store_port,
+              settings.STORE_SECRET: store_secret}
+    return {s.env: str(v) for s, v in values.items()}
 
 
 def run_command_on_workers(executor: RayExecutor, command: list[str], env: dict[str, str],

@@ -167,7 +167,7 @@ class RaytrainXBackend(Backend):
             if place["rank"] != index:
                 raise ConfigError(f"Ray Train gave worker {index} world rank {place['rank']}: "
                                   "the worker group is not in rank order")
-        env = {"RAYTRAIN_X_TIMEOUT": str(backend_config.timeout_s)}
+        env = {TIMEOUT_S.env: str(backend_config.timeout_s)}
         if backend_config.knobs is not None:
             env.update(knob_env(backend_config.knobs))
         env.update(backend_config._file_env)

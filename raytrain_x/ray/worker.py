@@ -272,7 +272,7 @@ class WorkerActor:
         try:
             proc = subprocess.Popen(
                 command, env={**os.environ, **env, "PYTHONUNBUFFERED": "1",
-                              "RAYTRAIN_X_LAUNCHED": "1",
+                              settings.LAUNCHED.env: "1",
                               settings.STATUS_FILE.env: self.status_file},
                 cwd=cwd if cwd and os.path.isdir(cwd) else None,
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -37,10 +37,11 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from raytrain_x.common import settings
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "async_kernel.cc"
-CACHE_ENV = "RAYTRAIN_X_TF_KERNEL_CACHE"  # where built kernels go (default ~/.cache)
 
 _DISPATCH = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
                              ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int),
@@ -58,7 +59,8 @@ def library_path() -> Path:
     """Where the kernel built for this TensorFlow and this source is cached."""
     key = hashlib.sha256(SOURCE.read_bytes() + tf.__version__.encode()
                          + " ".join(tf.sysconfig.get_compile_flags()).encode()).hexdigest()
-    root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "raytrain-x")
+    # the user's cache folder, as the XDG base directories name it
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "raytrain-x"
     return root / f"tf_async_kernel-{tf.__version__}-{key[:16]}.so"
 
 
@@ -110,7 +112,7 @@ def _load() -> Any:
 
 def available() -> bool:
     """Whether graphs run collectives through the asynchronous kernel."""
-    return os.environ.get("RAYTRAIN_X_TF_ASYNC", "1") != "0" and _load() is not None
+    return settings.TF_ASYNC.read() and _load() is not None
 
 
 def run_async(kernel: Callable[..., list[np.ndarray]], inputs: Sequence[tf.Tensor],

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from raytrain_x import Knobs
-from raytrain_x.common.autotune_config import AutotuneConfig
+from raytrain_x.common.autotune_config import AutotuneConfig, SearchRules
 from raytrain_x.ray import RayExecutor
 from tests import limits
 from tests.conftest import REPO
@@ -49,8 +49,8 @@ def test_autotune_chooses_the_confirmed_best_over_the_start(ray_cluster, tmp_pat
     log_path = tmp_path / "autotune.csv"
     start = Knobs(fusion_threshold_bytes=0)  # far from the best for this workload
     config = AutotuneConfig(log_file=str(log_path), warmup_samples=1, steps_per_sample=3,
-                            bayes_opt_max_samples=6, convergence_patience=0,
-                            initial_knobs=start)
+                            bayes_opt_max_samples=6,
+                            initial_knobs=start, rules=SearchRules(convergence_patience=0))
     settings = RayExecutor.create_settings(timeout_s=30)
     executor = RayExecutor(settings, num_workers=2, autotune=config)
     # gloo, as between hosts: there every unfused tensor is a network round trip, so the
@@ -123,7 +123,7 @@ def _optimizer_with_autotune(log: str, bucket_cap_mb) -> dict:
     from raytrain_x.torch.workloads import shaped_model
 
     config = AutotuneConfig(log_file=log, warmup_samples=1, steps_per_sample=3,
-                            bayes_opt_max_samples=5, convergence_patience=0)
+                            bayes_opt_max_samples=5, rules=SearchRules(convergence_patience=0))
     rx.init(autotune=config)
     rx.autotune_batch_size(16)
     model = shaped_model([(256, 64)] * 6 + [(64,)] * 6)

@@ -11,7 +11,7 @@ import threading
 
 import ray
 
-from raytrain_x.common.autotune_config import AutotuneConfig
+from raytrain_x.common.autotune_config import AutotuneConfig, SearchRules
 from raytrain_x.ray.executor import RayExecutor
 from raytrain_x.testing.prometheus import Series, scrape_cluster, total
 from tests.conftest import ELASTIC_RESOURCE
@@ -74,7 +74,8 @@ def test_an_elastic_jobs_metrics_reach_prometheus(elastic_nodes, tmp_path):
                            max_workers=2, cpus_per_worker=1,
                            resources_per_worker={ELASTIC_RESOURCE: 1}, name="metrics-test",
                            autotune=AutotuneConfig(warmup_samples=1, steps_per_sample=4,
-                                                   sub_windows=1, bayes_opt_max_samples=4))
+                                                   bayes_opt_max_samples=4,
+                                                   rules=SearchRules(sub_windows=1)))
     executor.start(extra_env_vars={"RAYTRAIN_X_METRICS_INTERVAL_S": "0.2"})  # the workers
     outcome: dict = {}
     thread = threading.Thread(target=lambda: outcome.update(

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from raytrain_x import ConfigError, Knobs
-from raytrain_x.common.autotune_config import AutotuneConfig
+from raytrain_x.common.autotune_config import AutotuneConfig, SearchRules
 
 ROWS = 40  # the Ray Data dataset's rows; 2 workers see 20 each per epoch
 # Ray Train's controller polls its workers this often (Ray's default 2 s): each fit waits up
@@ -242,7 +242,7 @@ def test_autotune_through_the_config_writes_its_log(ray_cluster, tmp_path):
     log = tmp_path / "autotune.csv"
     config = HorovodConfig(timeout_s=30, autotune=AutotuneConfig(
         log_file=str(log), warmup_samples=0, steps_per_sample=2, bayes_opt_max_samples=3,
-        convergence_patience=0, confirm_top=0, sub_windows=1))
+        rules=SearchRules(convergence_patience=0, confirm_top=0, sub_windows=1)))
     result = HorovodTrainer(_autotuned_loop, horovod_config=config,
                             scaling_config=ScalingConfig(num_workers=2),
                             run_config=RunConfig(name="tuned", storage_path=str(tmp_path))).fit()

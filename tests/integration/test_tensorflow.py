@@ -344,13 +344,14 @@ def _tape_with_autotune(log: str, timeline: str) -> dict:
     import tensorflow as tf
 
     import raytrain_x.tensorflow as rx
-    from raytrain_x.common.autotune_config import AutotuneConfig
+    from raytrain_x.common.autotune_config import AutotuneConfig, SearchRules
     from raytrain_x.core import runtime
 
     os.environ["RAYTRAIN_X_TIMELINE"] = timeline if os.environ["RAYTRAIN_X_RANK"] == "0" \
         else ""
     rx.init(autotune=AutotuneConfig(log_file=log, warmup_samples=1, steps_per_sample=3,
-                                    bayes_opt_max_samples=5, convergence_patience=0))
+                                    bayes_opt_max_samples=5,
+                                    rules=SearchRules(convergence_patience=0)))
     # 4 MB each: one chunk per variable (CHUNK_BYTES), so the engine has chunks to fuse
     variables = [tf.Variable(tf.ones([1024, 1024])) for _ in range(6)] + \
         [tf.Variable(tf.ones([64])) for _ in range(6)]

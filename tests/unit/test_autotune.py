@@ -12,7 +12,7 @@ import pytest
 from raytrain_x import ConfigError, Knobs
 from raytrain_x.autotune.controller import AutotuneController, SearchSpace
 from raytrain_x.autotune.sampler import AutotuneSampler
-from raytrain_x.common.autotune_config import AutotuneConfig
+from raytrain_x.common.autotune_config import AutotuneConfig, SearchRules
 from raytrain_x.common.autotune_log import COLUMNS, AutotuneLog, Sample, load_best_knobs
 from raytrain_x.common.knobs import MB
 from raytrain_x.engine.messages import Meta, Response
@@ -68,15 +68,15 @@ def test_first_sample_is_the_start_and_the_result_never_worse():
 
 def test_start_wins_ties_within_the_noise_floor():
     start = Knobs()
-    controller = AutotuneController(AutotuneConfig(bayes_opt_max_samples=5,
-                                                   min_improvement=0.05), start, frozenset())
+    config = AutotuneConfig(bayes_opt_max_samples=5, rules=SearchRules(min_improvement=0.05))
+    controller = AutotuneController(config, start, frozenset())
     _drive(controller, score=lambda k: 100.0 if k == start else 103.0)  # +3% is noise
     assert controller.best()[0] == start
 
 
 def test_search_improves_a_bad_start_and_stops_at_max_samples():
     start = Knobs(fusion_threshold_bytes=0, cycle_time_ms=40.0)
-    config = AutotuneConfig(bayes_opt_max_samples=12, convergence_patience=0)
+    config = AutotuneConfig(bayes_opt_max_samples=12, rules=SearchRules(convergence_patience=0))
     controller = AutotuneController(config, start, frozenset({"hierarchical_allreduce",
                                                               "hierarchical_allgather"}))
     measured = _drive(controller)
@@ -104,7 +104,7 @@ def test_a_lucky_sample_does_not_win_once_measured_again():
             return 130.0 if times[k] == 1 else 80.0
         return {0: 100.0, 2: 110.0}.get(role, 50.0)  # start 100, "steady" 110, rest 50
 
-    config = AutotuneConfig(bayes_opt_max_samples=8, convergence_patience=0)
+    config = AutotuneConfig(bayes_opt_max_samples=8, rules=SearchRules(convergence_patience=0))
     controller = AutotuneController(config, start, frozenset())
     _drive(controller, score=noisy)
     lucky, steady = order[1], order[2]
@@ -114,7 +114,7 @@ def test_a_lucky_sample_does_not_win_once_measured_again():
 
 
 def test_convergence_stops_early():
-    config = AutotuneConfig(bayes_opt_max_samples=50, convergence_patience=3)
+    config = AutotuneConfig(bayes_opt_max_samples=50, rules=SearchRules(convergence_patience=3))
     controller = AutotuneController(config, Knobs(), frozenset())
     measured = _drive(controller, score=lambda k: 1.0)  # nothing ever improves
     # the start, 3 samples without a gain, then the top 2 (tied) measured again
@@ -134,7 +134,8 @@ def _response(name: str, n: int = 256) -> Response:
 def test_sampler_scores_steps_and_switches_knobs(tmp_path):
     log_path = tmp_path / "tune.csv"
     config = AutotuneConfig(log_file=str(log_path), warmup_samples=1, steps_per_sample=3,
-                            sub_windows=3, bayes_opt_max_samples=2, convergence_patience=0)
+                            bayes_opt_max_samples=2,
+                            rules=SearchRules(sub_windows=3, convergence_patience=0))
     controller = AutotuneController(config, Knobs(), frozenset({"hierarchical_allreduce",
                                                                 "hierarchical_allgather"}))
     requested: list[Knobs] = []
@@ -231,9 +232,10 @@ def _run_marked(sampler, clock, step_s, cycles=2000, stop=lambda s: s.finished):
     raise AssertionError("the sampler never finished")
 
 
-def _marked_sampler(tmp_path, **config_kwargs):
+def _marked_sampler(tmp_path, bayes_opt_max_samples, **rules):
     config = AutotuneConfig(log_file=str(tmp_path / "tune.csv"), warmup_samples=1,
-                            steps_per_sample=3, sub_windows=3, **config_kwargs)
+                            steps_per_sample=3, bayes_opt_max_samples=bayes_opt_max_samples,
+                            rules=SearchRules(sub_windows=3, **rules))
     clock = _Clock()
     lines: list[str] = []
     sampler = AutotuneSampler(config, AutotuneController(config, Knobs(), frozenset()), [].append,
@@ -337,7 +339,7 @@ def test_a_missing_extra_is_a_config_error_naming_it():
 
 def test_switches_are_probed_flipped_right_after_the_start():
     start = Knobs()
-    config = AutotuneConfig(bayes_opt_max_samples=10, convergence_patience=0)
+    config = AutotuneConfig(bayes_opt_max_samples=10, rules=SearchRules(convergence_patience=0))
     controller = AutotuneController(config, start, frozenset({"cache_capacity"}))
 
     def score(k: Knobs) -> float:  # flat allreduce is a step up here, at any bucket size

@@ -100,20 +100,42 @@ def test_unknown_flag_rejected():
         load_knobs(flags={"fusion": 1}, env={})
 
 
-def test_every_setting_that_is_not_a_knob_is_documented_with_its_default():
+def test_docs_hold_the_tables_the_settings_make():
+    """docs/api.md's tables of variables are `settings.table(...)`, generated from the one
+    registry (`python tools/settings_tables.py` prints them)."""
     from pathlib import Path
 
     from raytrain_x.common import settings
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text()
-    for setting in settings.ALL:
-        rows = [line for line in doc.splitlines() if line.startswith(f"| `{setting.env}` |")]
-        assert rows, f"{setting.env} is not in docs/api.md"
-        shown = rows[0].split("|")[2].strip()
-        default = setting.default
-        expected = ("1" if default else "0") if isinstance(default, bool) else \
-            (f"{default:g}" if isinstance(default, float) else (default or "none"))
-        assert shown == expected, f"{setting.env}: docs say {shown}, the code {expected}"
+    for scope in (settings.USER, settings.LAUNCHER, settings.INTERNAL):
+        assert settings.table(scope) in doc, f"docs/api.md's {scope} table is stale: " \
+            "paste `python tools/settings_tables.py` into it"
+
+
+def test_every_variable_the_package_names_is_in_the_registry():
+    """No RAYTRAIN_X_ variable is read or set outside `raytrain_x.common.settings`, and
+    at most 25 are for users."""
+    import re
+    from pathlib import Path
+
+    from raytrain_x.common import settings
+
+    root = Path(__file__).resolve().parents[2] / "raytrain_x"
+    known = {s.env for s in settings.ALL}
+    named = {m for path in root.rglob("*.py")
+             for m in re.findall(r"RAYTRAIN_X_[A-Z0-9_]*[A-Z0-9]", path.read_text())}
+    assert named <= known, sorted(named - known)
+    assert len(settings.of_scope(settings.USER)) <= 25
+
+
+def test_the_cli_takes_every_flag_the_registry_names():
+    from raytrain_x.cli import build_parser
+    from raytrain_x.common import settings
+
+    run = build_parser()._subparsers._group_actions[0].choices["run"]
+    taken = {option for action in run._actions for option in action.option_strings}
+    assert {s.flag for s in settings.flagged()} <= taken
 
 
 def test_a_setting_reads_its_variable_or_its_default_and_rejects_bad_numbers():

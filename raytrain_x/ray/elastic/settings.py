@@ -5,12 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from raytrain_x.common import settings
 from raytrain_x.common.checkpoint_config import CheckpointConfig
-from raytrain_x.common.settings import START_TIMEOUT_S
+from raytrain_x.common.settings import DRAIN_POLL_S, START_TIMEOUT_S, STRAGGLER_POLL_S
 
-DRAIN_POLL_S = settings.DRAIN_POLL_S.read()  # one small RPC to the GCS each time
-STRAGGLER_POLL_S = settings.STRAGGLER_POLL_S.read()
+__all__ = ["DRAIN_POLL_S", "STRAGGLER_POLL_S", "ElasticSettings"]
 GAVE_UP_WARNING_AT = 3  # give-ups after which the job warns once that it keeps giving up
 
 

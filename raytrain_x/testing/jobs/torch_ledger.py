@@ -25,7 +25,7 @@ def ledger_train(steps: int | None = None, pause: float = 0.05, *, stop: str | N
     import torch
 
     import raytrain_x.torch as rx
-    from raytrain_x.core import status
+    from raytrain_x.core import runtime, status
 
     rx.init()
     torch.manual_seed(0)
@@ -46,6 +46,10 @@ def ledger_train(steps: int | None = None, pause: float = 0.05, *, stop: str | N
 
     @rx.elastic.run
     def train(state):
+        # in the worker's log (the chaos soak keeps those of a failed run): where each
+        # round starts it from
+        print(f"ledger: rank {rx.rank()} of {rx.size()} starts at step {state.step} "
+              f"(round {runtime.rendezvous().round})", flush=True)
         batches = enumerate(state.sampler)
         while (steps is None or state.step < steps) and not stopping():
             batch = next(batches, None)
