@@ -8,12 +8,7 @@ from __future__ import annotations
 
 from raytrain_x.comm.backend import Backend, Group, get_backend, register_backend
 from raytrain_x.comm.groups import ProcessGroups, ProcessSetGroup
-from raytrain_x.comm.rendezvous import (
-    Rendezvous,
-    next_rendezvous,
-    rendezvous_from_env,
-    set_rendezvous_provider,
-)
+from raytrain_x.comm.rendezvous import Rendezvous, rendezvous_from_env
 
 __all__ = [
     "Backend",
@@ -22,8 +17,6 @@ __all__ = [
     "ProcessSetGroup",
     "Rendezvous",
     "get_backend",
-    "next_rendezvous",
     "register_backend",
     "rendezvous_from_env",
-    "set_rendezvous_provider",
 ]

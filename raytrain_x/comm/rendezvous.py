@@ -7,7 +7,6 @@ import os
 import secrets
 import stat
 import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,28 +85,6 @@ class TcpStoreAddress:
     opened: Any = field(default=None, repr=False, compare=False)
 
 
-# A provider returns the next round's Rendezvous; the Ray executor installs one in each actor.
-_provider: Callable[[], Rendezvous] | None = None
-
-
-def set_rendezvous_provider(provider: Callable[[], Rendezvous] | None) -> None:
-    """Installs (or removes) the function `init()` calls to join the next round."""
-    global _provider
-    _provider = provider
-
-
-def next_rendezvous() -> Rendezvous:
-    """The rendezvous for this process: the installed provider, else the environment
-    (`RAYTRAIN_X_RANK`, `_SIZE`, `_LOCAL_RANK`, ..., `_STORE_ADDR`, `_STORE_PORT`), else a
-    world of one."""
-    if _provider is not None:
-        return _provider()
-    return rendezvous_from_env(os.environ)
-
-
-_env_rounds = 0  # rendezvous made from the environment by this process
-
-
 def loopback_secret() -> str:
     """This user's secret for jobs on one machine whose store is on loopback and that were
     given none: made once, in a file only this user can read
@@ -148,8 +125,10 @@ def _or(value: int | None, default: int) -> int:
     return default if value is None else value
 
 
-def rendezvous_from_env(env: Any) -> Rendezvous:
-    """Builds a Rendezvous from RAYTRAIN_X_* variables with a TCP store (rank 0 hosts it)."""
+def rendezvous_from_env(env: Any, round_id: int = 1) -> Rendezvous:
+    """Builds round `round_id`'s Rendezvous from the launcher's variables
+    (`settings.LAUNCHER`) with a TCP store (rank 0 hosts it); a world of one without
+    them."""
 
     size = settings.SIZE.read(env)
     rank = settings.RANK.read(env)
@@ -174,12 +153,10 @@ def rendezvous_from_env(env: Any) -> Rendezvous:
                               "print(secrets.token_hex(32))'); a job on one machine may "
                               f"instead use {settings.STORE_ADDR.env}=127.0.0.1")
         store = TcpStoreAddress(addr, port, size, rank == 0, timeout_s, secret)
-    global _env_rounds
-    _env_rounds += 1  # init() after shutdown(): a fresh key space in the same store
     return Rendezvous(
         rank=rank,
         size=size,
-        round=_env_rounds,
+        round=round_id,
         local_rank=_or(settings.LOCAL_RANK.read(env), rank),
         local_size=_or(settings.LOCAL_SIZE.read(env), size),
         cross_rank=settings.CROSS_RANK.read(env),

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import itertools
 import math
-import threading
 from typing import Any
 
 from raytrain_x.common.errors import ConfigError
+from raytrain_x.core.process import PROCESS
 from raytrain_x.core.process_sets import ProcessSet, global_process_set, registered_id
 from raytrain_x.core.runtime import engine
 from raytrain_x.engine.messages import BARRIER, DTYPE_SIZES, Handle, Meta, Request
@@ -22,18 +22,17 @@ Product = "product"
 Adasum = "adasum"
 REDUCE_OPS = (Average, Sum, Adasum, Min, Max, Product)
 
-_counters: dict[tuple[str, int], itertools.count] = {}
-_counter_lock = threading.Lock()
-
-
 def auto_name(kind: str, process_set: ProcessSet = global_process_set) -> str:
     """A name for an unnamed collective: the same on every member of `process_set` that
     submits the same unnamed collectives on it in the same order (as in Horovod). Counted
     per set, so a rank's collectives on the sets it alone is in leave the others' names
-    unchanged."""
+    unchanged. Counted per world (`core.process.World.names`): every rank of a round an
+    elastic reset made numbers them from 0, a worker that just joined as the others."""
     key = (kind, registered_id(process_set))
-    with _counter_lock:
-        counter = _counters.setdefault(key, itertools.count())
+    with PROCESS.lock:
+        world = PROCESS.world
+        names = world.names if world is not None else {}  # before init(): it fails there
+        counter = names.setdefault(key, itertools.count())
         return f"{kind}.noname.{next(counter)}"
 
 

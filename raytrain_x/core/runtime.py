@@ -1,6 +1,6 @@
-"""Process-wide state behind `init()`: the rendezvous, the process groups, the engine and
-rank 0's autotune sampler. Framework faces (`raytrain_x.torch`, ...) call into this
-module; it knows no framework."""
+"""What `init()` does and what the world answers: the rendezvous, the process groups, the
+engine and rank 0's autotune sampler, kept in this process's state (`core.process`).
+Framework faces (`raytrain_x.torch`, ...) call into this module; it knows no framework."""
 
 from __future__ import annotations
 
@@ -8,92 +8,72 @@ import atexit
 import logging
 import os
 import sys
-import threading
-import time
-from collections import deque
 from collections.abc import Callable
 
 from raytrain_x.autotune.host import local_controller
 from raytrain_x.autotune.observer import BATCHING_FIXED_BUCKETS, JobShape
-from raytrain_x.autotune.sampler import Advisor, AutotuneSampler
+from raytrain_x.autotune.sampler import AutotuneSampler
 from raytrain_x.comm.groups import ProcessGroups
-from raytrain_x.comm.rendezvous import Rendezvous, next_rendezvous
+from raytrain_x.comm.rendezvous import Rendezvous, rendezvous_from_env
 from raytrain_x.common import settings
 from raytrain_x.common.autotune_config import AutotuneConfig
 from raytrain_x.common.autotune_log import load_best_knobs
 from raytrain_x.common.errors import LOST_PEER_ERRORS, LOST_PEER_EXIT_CODE, ConfigError
-from raytrain_x.common.horovod_env import with_horovod_aliases
 from raytrain_x.common.knobs import Knobs, load_knobs
+from raytrain_x.core.process import PROCESS, StepClock, World
 from raytrain_x.engine.engine import Engine
 from raytrain_x.engine.stats import EngineStats
 
 log = logging.getLogger("raytrain_x.elastic")
-_lock = threading.RLock()
-_engine: Engine | None = None
-_fixed_knobs: frozenset[str] = frozenset()
-_sampler: AutotuneSampler | None = None
-AdvisorFactory = Callable[[AutotuneConfig, Knobs, frozenset], Advisor]
-_advisor_factory: AdvisorFactory | None = None
-# rank 0's probe at each commit: (the host-set version, whether a durable checkpoint is asked)
-_host_update_probe: Callable[[], tuple[int, bool]] | None = None
-_batch_size: int | None = None
-_batching: set[str] = set()
-# This process's latest sampler: it stays the record of the tuning when a reset makes no new
-# one (the job's search is over), and the samples of those before it
-_latest_sampler: AutotuneSampler | None = None
-_retired_samples: list = []
+_P = PROCESS
 
 
-class StepClock:
-    """Counts training steps (the marks `mark_step` sets) and keeps the latest durations
-    between marks (`core.status` reads them)."""
-
-    def __init__(self, keep: int = 1024) -> None:
-        self.steps = 0
-        self._last: float | None = None
-        self._durations: deque[float] = deque(maxlen=keep)
-
-    def mark(self) -> None:
-        now = time.perf_counter()
-        if self._last is not None:
-            self._durations.append(now - self._last)
-        self._last = now
-        self.steps += 1
-
-    def recent(self) -> list[float]:
-        """The latest step durations, oldest first (the last one ends at step `steps`)."""
-        return list(self._durations)
+def _engine() -> Engine | None:
+    world = _P.world
+    return world.engine if world is not None else None
 
 
-_steps = StepClock()
+def set_rendezvous_provider(provider: Callable[[], Rendezvous] | None) -> None:
+    """Installs (or removes) the function `init()` calls to join the next round."""
+    _P.rendezvous_provider = provider
+
+
+def next_rendezvous() -> Rendezvous:
+    """The rendezvous for this process: the installed provider's, else the environment's
+    (`RAYTRAIN_X_RANK`, `_SIZE`, `_LOCAL_RANK`, ..., `_STORE_ADDR`, `_STORE_PORT`), else a
+    world of one."""
+    if _P.rendezvous_provider is not None:
+        return _P.rendezvous_provider()
+    with _P.lock:
+        _P.env_rounds += 1  # init() after shutdown(): a fresh key space in the same store
+        return rendezvous_from_env(os.environ, _P.env_rounds)
 
 
 def step_clock() -> StepClock:
     """This process's training steps (every round's, since it started)."""
-    return _steps
+    return _P.steps
 
 
 def batch_size() -> int | None:
     """Each rank's batch size, where the job told autotune (`autotune_batch_size`)."""
-    return _batch_size
+    return _P.batch_size
 
 
 def set_host_update_probe(probe: Callable[[], tuple[int, bool]] | None) -> None:
     """Installs how rank 0 reads the elastic driver's host-set version and whether the
     driver asks for a durable checkpoint of this commit."""
-    global _host_update_probe
-    _host_update_probe = probe
+    _P.host_update_probe = probe
 
 
 def host_update_probe() -> Callable[[], tuple[int, bool]] | None:
-    return _host_update_probe
+    return _P.host_update_probe
 
 
-def set_autotune_advisor_factory(factory: AdvisorFactory | None) -> None:
+def set_autotune_advisor_factory(factory: Callable | None) -> None:
     """Installs how rank 0 reaches the autotune controller (the Ray executor installs a
-    client of its controller actor); without one, rank 0 runs the controller in-process."""
-    global _advisor_factory
-    _advisor_factory = factory
+    client of its controller actor); without one, rank 0 runs the controller in-process:
+    `factory(config, knobs, fixed_knobs)` returns an `Advisor`."""
+    _P.advisor_factory = factory
 
 
 def start(
@@ -103,16 +83,16 @@ def start(
 ) -> bool:
     """Joins the world and starts the engine (`raytrain_x.core.world.init` is the public
     form); returns False when it was running already."""
-    global _engine, _fixed_knobs, _sampler, _latest_sampler
-    with _lock:
-        if _engine is not None and _engine.error is None:
+    with _P.lock:
+        old = _engine()
+        if old is not None and old.error is None:
             return False
-        if _engine is not None:
+        if old is not None:
             shutdown()
         if knobs is None:
-            knobs, _fixed_knobs = load_knobs(config_file=settings.CONFIG_FILE.read() or None)
+            knobs, fixed = load_knobs(config_file=settings.CONFIG_FILE.read() or None)
         else:
-            _fixed_knobs = frozenset(Knobs.specs())
+            fixed = frozenset(Knobs.specs())
         if autotune is False:
             config = None
         else:
@@ -120,36 +100,36 @@ def start(
         if config is not None and config.resume_from:
             # resume at a finished search's best knobs; knobs fixed by the user still win
             best = load_best_knobs(config.resume_from)
-            knobs = best.replace(**{n: getattr(knobs, n) for n in _fixed_knobs})
+            knobs = best.replace(**{n: getattr(knobs, n) for n in fixed})
             config = None
         elif config is not None and config.initial_knobs is not None:
             knobs = config.initial_knobs.replace(
-                **{n: getattr(knobs, n) for n in _fixed_knobs})
+                **{n: getattr(knobs, n) for n in fixed})
         if settings.LAUNCHED.read():
             _exit_with_code_on_lost_peer()
         rdv, groups, knobs = _form_world(rendezvous, knobs)
-        env = with_horovod_aliases(os.environ)
-        _engine = Engine(
+        engine = Engine(
             groups,
             knobs,
-            timeline_path=settings.TIMELINE.read(env) or None,
-            stall_warning_s=settings.STALL_WARNING_S.read(env),
-            stall_shutdown_s=settings.STALL_SHUTDOWN_S.read(env),
-            timeline_mark_cycles=settings.TIMELINE_MARK_CYCLES.read(env),
+            timeline_path=settings.TIMELINE.read() or None,
+            stall_warning_s=settings.STALL_WARNING_S.read(),
+            stall_shutdown_s=settings.STALL_SHUTDOWN_S.read(),
+            timeline_mark_cycles=settings.TIMELINE_MARK_CYCLES.read(),
         )
-        _sampler = None
+        world = World(engine, fixed)
         if config is not None and rdv.rank == 0:
-            advisor = (_advisor_factory or local_controller)(config, knobs, _fixed_knobs)
-            shape = JobShape(size=rdv.size, multi_level=_engine.multi_level(),
-                             hierarchical_allreduce=_engine.hierarchical_allreduce_applies)
-            if _latest_sampler is not None:  # a reset: what it scored stays on record
-                _retired_samples.extend(_latest_sampler.samples)
-            _sampler = _latest_sampler = AutotuneSampler(config, advisor,
-                                                         _engine.request_knobs, shape=shape)
-            _sampler.batching.update(_batching)
-            if _batch_size:
-                _sampler.samples_per_step = _batch_size * rdv.size
-            _engine.add_cycle_hook(_sampler.on_cycle)
+            advisor = (_P.advisor_factory or local_controller)(config, knobs, fixed)
+            shape = JobShape(size=rdv.size, multi_level=engine.multi_level(),
+                             hierarchical_allreduce=engine.hierarchical_allreduce_applies)
+            if _P.latest_sampler is not None:  # a reset: what it scored stays on record
+                _P.retired_samples.extend(_P.latest_sampler.samples)
+            sampler = AutotuneSampler(config, advisor, engine.request_knobs, shape=shape)
+            world.sampler = _P.latest_sampler = sampler
+            sampler.batching.update(_P.batching)
+            if _P.batch_size:
+                sampler.samples_per_step = _P.batch_size * rdv.size
+            engine.add_cycle_hook(sampler.on_cycle)
+        _P.world = world  # the whole world at once: a reset replaced the one before
         return True
 
 
@@ -170,7 +150,7 @@ def _form_world(rendezvous: Rendezvous | None,
         except LOST_PEER_ERRORS as exc:
             if groups is not None:
                 groups.close()
-            if rendezvous is not None or _host_update_probe is None:
+            if rendezvous is not None or _P.host_update_probe is None:
                 raise
             log.warning("raytrain-x elastic: a peer was lost while round %d formed (%s); "
                         "joining the next round", rdv.round, str(exc).splitlines()[0])
@@ -198,11 +178,10 @@ def _exit_with_code_on_lost_peer() -> None:
 
 def shutdown() -> None:
     """Stops the engine (on every rank at the same cycle) and drops the process groups."""
-    global _engine
-    with _lock:
-        if _engine is not None:
-            _engine.shutdown()
-            _engine = None
+    with _P.lock:
+        world, _P.world = _P.world, None
+        if world is not None:
+            world.engine.shutdown()
 
 
 atexit.register(shutdown)
@@ -210,12 +189,12 @@ atexit.register(shutdown)
 
 def is_initialized() -> bool:
     """Whether `init()` has run in this process (and `shutdown()` has not since)."""
-    return _engine is not None
+    return _P.world is not None
 
 
 def engine() -> Engine:
     """The running engine; raises a clear error before `init()`."""
-    eng = _engine
+    eng = _engine()
     if eng is None:
         raise ConfigError("raytrain-x is not initialised; call init() first "
                           "(import raytrain_x.torch as rx; rx.init())")
@@ -227,7 +206,7 @@ def engine() -> Engine:
 def rendezvous() -> Rendezvous:
     """This round's rendezvous; still answers after a collective failed (as Horovod's
     `rank()`/`size()` do), so an elastic state can restore itself before the reset."""
-    eng = _engine
+    eng = _engine()
     if eng is None:
         return engine().groups.rdv  # the clear "call init() first" error
     return eng.groups.rdv
@@ -236,7 +215,7 @@ def rendezvous() -> Rendezvous:
 def engine_stats() -> EngineStats:
     """The running engine's counters (it need not be healthy: they are read after a
     failure too)."""
-    eng = _engine
+    eng = _engine()
     if eng is None:
         return engine().stats  # the clear "call init() first" error
     return eng.stats
@@ -244,28 +223,29 @@ def engine_stats() -> EngineStats:
 
 def autotune_sampler() -> AutotuneSampler | None:
     """Rank 0's autotune sampler while tuning is configured (None elsewhere)."""
-    return _sampler
+    world = _P.world
+    return world.sampler if world is not None else None
 
 
 def latest_autotune_sampler() -> AutotuneSampler | None:
     """The sampler this process made last as rank 0: the current one, or the one before an
     elastic reset that made none (None if it never tuned)."""
-    return _latest_sampler
+    return _P.latest_sampler
 
 
 def autotune_samples() -> list:
     """Every autotune sample this process scored as rank 0, in order: those of the samplers
     before an elastic reset, then the latest one's."""
-    sampler = _latest_sampler
-    return [*_retired_samples, *(sampler.samples if sampler is not None else [])]
+    sampler = _P.latest_sampler
+    return [*_P.retired_samples, *(sampler.samples if sampler is not None else [])]
 
 
 def mark_step() -> None:
     """Marks the end of a training step; autotune scores steps between marks, and the
     job's metrics count them. `DistributedOptimizer.step()` calls it; a loop without one
     may call it by hand."""
-    _steps.mark()
-    sampler = _sampler
+    _P.steps.mark()
+    sampler = autotune_sampler()
     if sampler is not None:
         sampler.mark_step()
 
@@ -277,12 +257,11 @@ def autotune_batch_size(batch_size: int) -> None:
     Args:
         batch_size: samples per step on this rank, a positive whole number.
     """
-    global _batch_size
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ConfigError(f"autotune_batch_size needs a positive whole number, got "
                           f"{batch_size!r}")
-    _batch_size = batch_size
-    sampler = _sampler
+    _P.batch_size = batch_size
+    sampler = autotune_sampler()
     if sampler is not None:
         sampler.samples_per_step = batch_size * rendezvous().size
 
@@ -290,8 +269,8 @@ def autotune_batch_size(batch_size: int) -> None:
 def note_fixed_buckets() -> None:
     """A framework batches its gradients in buckets of a size the user fixed: autotune
     leaves out the fusion threshold when nothing it governs is used."""
-    _batching.add(BATCHING_FIXED_BUCKETS)
-    sampler = _sampler
+    _P.batching.add(BATCHING_FIXED_BUCKETS)
+    sampler = autotune_sampler()
     if sampler is not None:
         sampler.batching.add(BATCHING_FIXED_BUCKETS)
 
@@ -335,7 +314,8 @@ def knobs() -> Knobs:
 def last_knobs() -> Knobs | None:
     """The knobs of the engine, even one that failed (None before `init`): what an
     elastic reset carries into the next round."""
-    return _engine.knobs if _engine is not None else None
+    eng = _engine()
+    return eng.knobs if eng is not None else None
 
 
 def set_knobs(new_knobs: Knobs) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 from raytrain_x.common import settings
 from raytrain_x.common.periodic import Every
 from raytrain_x.core import runtime
+from raytrain_x.core.process import PROCESS
 
 
 def engine_counters() -> dict[str, Any] | None:
@@ -115,18 +116,16 @@ class StatusFileWriter:
             pass
 
 
-_writer: StatusFileWriter | None = None
-
-
 def start_status_file() -> None:
     """In a process `raytrain-x run` launched (`RAYTRAIN_X_STATUS_FILE` set): starts writing
     its status there, once per process, and a last time at exit."""
-    global _writer
     path = settings.STATUS_FILE.read()
-    if not path or _writer is not None:
+    if not path or PROCESS.status_writer is not None:
         return
-    _writer = StatusFileWriter(path, settings.METRICS_INTERVAL_S.read()).start()
-    atexit.register(_writer.stop)
+    writer = PROCESS.status_writer = StatusFileWriter(path,
+                                                       settings.METRICS_INTERVAL_S.read())
+    writer.start()
+    atexit.register(writer.stop)
 
 
 def read_status_file(path: str) -> dict[str, Any] | None:

@@ -16,15 +16,12 @@ from typing import Any
 from raytrain_x.common.errors import ConfigError, HostsUpdatedInterrupt, InternalError
 from raytrain_x.core import runtime, world
 from raytrain_x.core.objects import broadcast_object
+from raytrain_x.core.process import PROCESS
 
 log = logging.getLogger("raytrain_x.elastic")
 
 
 BroadcastObject = Callable[..., Any]  # (obj, root_rank, name=...) -> root's obj
-
-_restores = 0  # how many times `run` restored a commit in this process
-_state_round = 0  # the round whose state this process holds (0: none yet)
-
 
 def state_round() -> int:
     """The rendezvous round of the state this process holds: the round in which it last
@@ -32,25 +29,24 @@ def state_round() -> int:
     holds only its initial state). The elastic driver reads it at each rendezvous: a
     worker holds the job's latest state when this is no older than the last round that
     committed; it needs one such holder in every round, or the state is lost."""
-    return _state_round
+    return PROCESS.state_round
 
 
 def holds_state() -> bool:
     """Whether this process holds the job's state (synced inside `run`; `state_round`)."""
-    return _state_round > 0
+    return PROCESS.state_round > 0
 
 
 def _note_state_round() -> None:
-    global _state_round
     if runtime.is_initialized():
-        _state_round = max(1, runtime.rendezvous().round)
+        PROCESS.state_round = max(1, runtime.rendezvous().round)
 
 
 def restore_count() -> int:
     """How many times `run` restored the last commit in this process (each time a peer
     or the transport failed). A job whose workers only come and go through commits, as
     when a draining node's workers leave, restores nothing."""
-    return _restores
+    return PROCESS.restores
 
 
 class State:
@@ -90,7 +86,7 @@ class State:
         """Saves the state in memory, then checks for added or removed hosts (raising
         `HostsUpdatedInterrupt` on every rank at once when the world should change)."""
         self.save()
-        if _state_round:  # it synced inside `run`: this commit is the job's progress
+        if PROCESS.state_round:  # it synced inside `run`: this commit is the job's progress
             _note_state_round()
         self.check_host_updates()
 
@@ -229,9 +225,8 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
                     _note_state_round()
                 return func(state, *args, **kwargs)
             except InternalError as exc:
-                global _restores
                 log.warning("raytrain-x elastic: %s; restoring the last commit", exc)
-                _restores += 1
+                PROCESS.restores += 1
                 state.restore()
                 skip_sync = False
             except HostsUpdatedInterrupt as exc:

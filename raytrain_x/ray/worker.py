@@ -17,7 +17,7 @@ from typing import Any
 
 import ray
 
-from raytrain_x.comm.rendezvous import Rendezvous, set_rendezvous_provider
+from raytrain_x.comm.rendezvous import Rendezvous
 from raytrain_x.comm.store import ActorStore, call_actor
 from raytrain_x.common import settings
 from raytrain_x.common.errors import LOST_PEER_EXIT_CODE
@@ -59,10 +59,10 @@ def install_world(rdv: dict[str, Any], store_actor: Any, env: dict[str, str],
     """In a worker process: sets `env` and installs the rendezvous of a fixed world, so that
     `rx.init()` meets the other ranks through `store_actor` in the key space `next_round()`
     gives (every rank must count alike); rank 0 gets the autotune controller's client."""
+    from raytrain_x.core import runtime
+
     os.environ.update(env)
     if autotune_actor is not None:
-        from raytrain_x.core import runtime
-
         runtime.set_autotune_advisor_factory(
             lambda config, start, fixed: ActorAdvisor(autotune_actor))
     address = ray.util.get_node_ip_address()
@@ -71,7 +71,7 @@ def install_world(rdv: dict[str, Any], store_actor: Any, env: dict[str, str],
         return Rendezvous(store=ActorStore(store_actor, rdv["timeout_s"]), round=next_round(),
                           address=address, **rdv)
 
-    set_rendezvous_provider(provider)
+    runtime.set_rendezvous_provider(provider)
 
 
 # How often a worker looks whether its node's raylet is still its parent.
@@ -195,10 +195,10 @@ class WorkerActor:
     def setup_elastic(self, worker_id: str, rounds_actor: Any, store_actor: Any,
                       timeout_s: float, env: dict[str, str], autotune_actor: Any = None) -> None:
         """Elastic worker: every `rx.init()` joins the next round the driver forms."""
+        from raytrain_x.core import runtime
+
         os.environ.update(env)
         if autotune_actor is not None:  # whoever becomes rank 0 reports to the controller
-            from raytrain_x.core import runtime
-
             runtime.set_autotune_advisor_factory(
                 lambda config, start, fixed: ActorAdvisor(autotune_actor))
 
@@ -216,9 +216,7 @@ class WorkerActor:
             return Rendezvous(store=ActorStore(store_actor, timeout_s), timeout_s=timeout_s,
                               address=self.node_ip(), **place)
 
-        set_rendezvous_provider(provider)
-        from raytrain_x.core import runtime
-
+        runtime.set_rendezvous_provider(provider)
         # rank 0 asks at every commit; the driver learns the job has progress to lose, and
         # that this round has formed
         runtime.set_host_update_probe(

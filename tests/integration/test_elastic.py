@@ -267,7 +267,7 @@ def _dies_in_its_first_round(bad_node: str, marker: str, steps: int, pause: floa
     forms, inside their first `rx.init()`."""
     import os
 
-    from raytrain_x.comm.rendezvous import next_rendezvous
+    from raytrain_x.core.runtime import next_rendezvous
     from raytrain_x.testing.jobs.torch_ledger import ledger_train
 
     if ray.get_runtime_context().get_node_id() == bad_node and not os.path.exists(marker):

@@ -1,0 +1,96 @@
+"""This process's state, in one object.
+
+`PROCESS` holds everything raytrain-x keeps in a worker process; no other module keeps
+state of its own between calls (the registries of array types, backends and kernels hold
+code, not state). Its `world` is what `init()` makes: the engine, the knobs the user fixed,
+rank 0's autotune sampler and the numbering of unnamed collectives. An elastic reset
+replaces it whole, so a worker that joins a running job and the veterans start the new
+round alike (the unnamed collectives of the round are numbered from 0 on every rank). The
+rest lives as long as the process: what drives it (the elastic driver's probe, the
+autotune controller's client), what the job told it (the batch size), its training steps,
+its tuning record and its elastic history.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from raytrain_x.autotune.sampler import Advisor, AutotuneSampler
+    from raytrain_x.comm.rendezvous import Rendezvous
+    from raytrain_x.common.autotune_config import AutotuneConfig
+    from raytrain_x.common.knobs import Knobs
+    from raytrain_x.engine.engine import Engine
+
+    AdvisorFactory = Callable[[AutotuneConfig, Knobs, frozenset], Advisor]
+
+
+class StepClock:
+    """Counts training steps (the marks `mark_step` sets) and keeps the latest durations
+    between marks (`core.status` reads them)."""
+
+    def __init__(self, keep: int = 1024) -> None:
+        self.steps = 0
+        self._last: float | None = None
+        self._durations: deque[float] = deque(maxlen=keep)
+
+    def mark(self) -> None:
+        now = time.perf_counter()
+        if self._last is not None:
+            self._durations.append(now - self._last)
+        self._last = now
+        self.steps += 1
+
+    def recent(self) -> list[float]:
+        """The latest step durations, oldest first (the last one ends at step `steps`)."""
+        return list(self._durations)
+
+
+@dataclass
+class World:
+    """One round's world: what `init()` makes, and an elastic reset replaces whole."""
+
+    engine: Engine
+    fixed_knobs: frozenset[str]  # the knobs the user fixed (autotune leaves them)
+    sampler: AutotuneSampler | None = None  # rank 0's, while tuning
+    # (collective kind, process set id) -> the next number of an unnamed collective
+    names: dict[tuple[str, int], itertools.count] = field(default_factory=dict)
+
+
+@dataclass
+class ProcessState:
+    """Everything raytrain-x keeps in this process."""
+
+    world: World | None = None  # None before `init()` and after `shutdown()`
+    # what drives this process: rank 0's probe at each commit (the elastic driver's
+    # host-set version, whether it asks for a durable checkpoint), and how rank 0 reaches
+    # the autotune controller (the executor's actor; else one in this process)
+    host_update_probe: Callable[[], tuple[int, bool]] | None = None
+    advisor_factory: AdvisorFactory | None = None
+    # what the job told it, kept across worlds
+    batch_size: int | None = None  # each rank's samples per step (`autotune_batch_size`)
+    batching: set[str] = field(default_factory=set)  # how its gradients are batched
+    steps: StepClock = field(default_factory=StepClock)  # every round's
+    # its latest sampler (the record of the tuning when a reset makes no new one) and the
+    # samples of those before it
+    latest_sampler: AutotuneSampler | None = None
+    retired_samples: list = field(default_factory=list)
+    # elastic: how often `run` restored the last commit here, and the round of the state
+    # this process holds (0: none; `elastic.state.state_round`)
+    restores: int = 0
+    state_round: int = 0
+    status_writer: Any = None  # a launched process's status file (`core.status`)
+    # how `init()` joins the next round: the executor's actor installs a provider; else
+    # the launcher's variables, each `init()` after a `shutdown()` a fresh round of keys
+    rendezvous_provider: Callable[[], Rendezvous] | None = None
+    env_rounds: int = 0
+    lock: threading.RLock = field(default_factory=threading.RLock)
+
+
+PROCESS = ProcessState()
