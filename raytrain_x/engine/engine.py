@@ -79,7 +79,8 @@ class Engine:
         # trip, which speculative cycles save for small batches that repeat every step.
         self._negotiator = Negotiator(groups, self._transport.world_allreduce,
                                       knobs.cache_capacity, stall_warning_s, stall_shutdown_s,
-                                      speculate=self._transport.name != "shm")
+                                      speculate=not self._transport.links(
+                                          groups.process_set(0)).shm)
         self._timeline = (Timeline(timeline_path, timeline_mark_cycles)
                           if timeline_path and self.rank == 0 else None)
         self._runner = CollectiveRunner(self._transport, self._timeline, self.stats)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from raytrain_x.comm.groups import ProcessSetGroup
@@ -32,12 +33,32 @@ from raytrain_x.engine.messages import (
     Response,
 )
 from raytrain_x.engine.pieces import IN_FLIGHT_HELD, PieceStream, in_flight_pieces
+from raytrain_x.engine.routes import Batch, Route, allreduce_route, flat_route
 from raytrain_x.engine.speculation import elements
 from raytrain_x.engine.timeline import Timeline
-from raytrain_x.engine.transport import Transport
+from raytrain_x.engine.transport import Transport, fits_shm
 
 # pairs of names `_joined_on_all` remembers (a model's gradients: a few hundred)
 _JOINED_PAIRS = 1 << 16
+
+
+@dataclass
+class Move:
+    """What a route's mover needs of an allreduce batch on this rank."""
+
+    batch: list[Response]
+    tensors: list[Any]  # this rank's arrays (zeros for a joined rank's)
+    ops: Any  # their `ArrayOps`
+    reduce_op: str  # on the wire: sum for sum and average
+    pre: float  # scaling on the way in and out (integers: 1, scaled outside)
+    post: float
+    pset: ProcessSetGroup
+    wire: str  # the dtype on the wire
+
+    @property
+    def row(self) -> str:
+        """The timeline's row."""
+        return self.batch[0].name if len(self.batch) == 1 else f"fused[{len(self.batch)}]"
 
 
 class CollectiveRunner:
@@ -58,6 +79,13 @@ class CollectiveRunner:
         self._kinds = {ALLREDUCE: self._allreduce, ALLGATHER: self._allgather,
                        BROADCAST: self._broadcast, ALLTOALL: self._alltoall,
                        REDUCESCATTER: self._reducescatter, BARRIER: self._barrier}
+        self._movers = {Route.SHM: self._shm, Route.HIERARCHICAL: self._hierarchical,
+                        Route.NETWORK: self._network, Route.IN_FLIGHT: self._in_flight,
+                        Route.DEVICE: self._device}
+        self._flat_movers = {
+            Route.SHM: lambda flat, pset: transport.shm_allreduce(flat, "sum", pset),
+            Route.HIERARCHICAL: lambda flat, pset: transport.hierarchical_allreduce(flat),
+            Route.NETWORK: lambda flat, pset: transport.network_allreduce(flat, "sum", pset)}
 
     def run(self, batch: list[Response], requests: list[Request | None],
             pset: ProcessSetGroup, knobs: Knobs) -> list[Any]:
@@ -96,8 +124,8 @@ class CollectiveRunner:
             flat[1:] = 0
         flat[0] = 1 if ready else 0
         row = batch[0].name if len(batch) == 1 else f"fused[{len(batch)}]"
-        self._timed(row, "ALLREDUCE", lambda: self.transport.allreduce(
-            flat, "sum", pset, knobs.hierarchical_allreduce))
+        route = flat_route(meta.dtype, self.transport.links(pset), knobs.hierarchical_allreduce)
+        self._timed(row, "ALLREDUCE", lambda: self._flat_movers[route](flat, pset))
         if int(flat[0]) != pset.size() or not ready:
             return None
         unpack(buf, tensors, post, 1, [r.name for r in batch])
@@ -106,92 +134,113 @@ class CollectiveRunner:
 
     def _allreduce(self, batch, requests, pset, knobs):
         meta = batch[0].meta
-        transport = self.transport
-        hierarchical = knobs.hierarchical_allreduce
-        reduce_op = "sum" if meta.op in ("sum", "average") else meta.op
-        wire = meta.wire_dtype or meta.dtype
-        # Across a network, a batch with large tensors: pieces on the wire a few at a time,
-        # their copies and scaling beside the transfers (decided from the agreed sizes, so
-        # every rank goes this way, whatever its memory layout).
-        in_flight = (wire == meta.dtype and meta.op != "adasum"
-                     and transport.can_reduce_in_flight(pset, [r.meta for r in batch],
-                                                        reduce_op, hierarchical))
-        if not in_flight:
+        route = allreduce_route(Batch.of([r.meta for r in batch]),
+                                self.transport.links(pset), knobs.hierarchical_allreduce)
+        if route is not Route.IN_FLIGHT:
             self.stream.drain()
         tensors = [req.tensor if req is not None else _zeros(r.meta)
                    for r, req in zip(batch, requests)]
         ops = ops_for(tensors[0])
-        if meta.op == "adasum":
+        if route is Route.ADASUM:
             return self._adasum(batch, requests, tensors, ops, pset)
         floating = ops.is_floating(tensors[0])
         pre, post = _scales(meta, pset.size())
         if not floating:  # Horovod's rule: integers are scaled in float64, outside the sum
             _scale_integers(tensors, pre)
             int_post, pre, post = post, 1, 1
-        row = batch[0].name if len(batch) == 1 else f"fused[{len(batch)}]"
         if len(batch) > 1:
             self.stats.fused += 1
             self.stats.fused_tensors += len(batch)
-        if len(tensors) == 1 and wire == meta.dtype and not in_flight:
-            self._reduce_one(row, tensors[0], ops, reduce_op, pre, post, pset, hierarchical)
-        elif in_flight:
-            self.stats.fused_in_place += len(batch) > 1
-            self._timed(row, "ALLREDUCE", lambda: self._allreduce_in_flight(
-                batch, tensors, ops, reduce_op, pre, post, pset, wire))
-            if not floating:  # scaled in float64 once summed
-                self.stream.drain()
-        elif wire == meta.dtype and (span := ops.span(tensors)) is not None:
-            # Views of one flat buffer, back to back in batch order (DistributedOptimizer's
-            # gradients): the batch is reduced where it lies, no copies. The elements are in
-            # the same order as a packed batch, so ranks that pack agree with this one.
-            self.stats.fused_in_place += 1
-            self._reduce_one(row, span, ops, reduce_op, pre, post, pset, hierarchical)
-        elif wire == meta.dtype and transport.can_reduce_many(pset, tensors):
-            # Fused straight through the shared slots: no fusion-buffer copies.
-            self._timed(row, "ALLREDUCE",
-                        lambda: transport.allreduce_many(tensors, reduce_op, pre, post, pset))
-        elif ops.device(tensors[0]) == "cpu":
-            total = sum(ops.numel(t) for t in tensors)
-            buf = self._buffers.get(wire, total * DTYPE_SIZES[wire])
-            names = [r.name for r in batch]
-            self._timed(row, "MEMCPY_IN_FUSION_BUFFER", lambda: pack(tensors, buf, pre, 0, names))
-            flat = ops.view_buffer(buf, total)
-            self._timed(row, "ALLREDUCE",
-                        lambda: transport.allreduce(flat, reduce_op, pset, hierarchical))
-            self._timed(row, "MEMCPY_OUT_FUSION_BUFFER",
-                        lambda: unpack(buf, tensors, post, 0, names))
-        else:  # device memory: the native core packs host memory, so fuse on the device
-            flat = ops.cast(ops.concat([t.reshape(-1) for t in tensors]), wire)
-            if pre != 1.0:
-                ops.scale(flat, pre)
-            transport.allreduce(flat, reduce_op, pset, hierarchical)
-            offset = 0
-            for t in tensors:
-                n = ops.numel(t)
-                t[...] = flat[offset:offset + n].reshape(t.shape)
-                offset += n
-            if post != 1.0:
-                for t in tensors:
-                    ops.scale(t, post)
+        move = Move(batch, tensors, ops, "sum" if meta.op in ("sum", "average") else meta.op,
+                    pre, post, pset, meta.wire_dtype or meta.dtype)
+        self._movers[route](move)
         if not floating:
+            if route is Route.IN_FLIGHT:  # scaled in float64 once summed
+                self.stream.drain()
             _scale_integers(tensors, int_post)
         return [None if req is None else req.output if req.output is not None else req.tensor
                 for req in requests]
 
-    def _reduce_one(self, row, array, ops, reduce_op, pre, post, pset, hierarchical) -> None:
-        """One array reduced where it lies and scaled: in the shared-memory pass that sums
-        it where it can be, else before and after the transport's allreduce."""
-        transport = self.transport
-        if transport.can_reduce_many(pset, [array]):
-            self._timed(row, "ALLREDUCE", lambda: transport.allreduce_many(
-                [array], reduce_op, pre, post, pset))
+    # ----------------------------------------------------------------- one mover per route
+    def _shm(self, m: Move) -> None:
+        """Summed in the set's shared slots straight from the arrays (scaled on the way in
+        and out), or from a packed buffer where the wire dtype differs or an array is not
+        contiguous."""
+        arrays = m.tensors
+        if len(arrays) > 1 and (span := m.ops.span(arrays)) is not None:
+            arrays = [span]
+            self.stats.fused_in_place += 1
+        if m.wire == m.ops.dtype(arrays[0]) and all(fits_shm(a) for a in arrays):
+            self._timed(m.row, "ALLREDUCE", lambda: self.transport.shm_allreduce_many(
+                arrays, m.reduce_op, m.pre, m.post, m.pset))
+        else:
+            self._packed(m, lambda flat: self.transport.shm_allreduce(flat, m.reduce_op,
+                                                                      m.pset))
+
+    def _hierarchical(self, m: Move) -> None:
+        self._flat(m, self.transport.hierarchical_allreduce)
+
+    def _network(self, m: Move) -> None:
+        self._flat(m, lambda flat: self.transport.network_allreduce(flat, m.reduce_op,
+                                                                    m.pset))
+
+    def _in_flight(self, m: Move) -> None:
+        self.stats.fused_in_place += len(m.batch) > 1
+        self._timed(m.row, "ALLREDUCE", lambda: self._allreduce_in_flight(
+            m.batch, m.tensors, m.ops, m.reduce_op, m.pre, m.post, m.pset, m.wire))
+
+    def _device(self, m: Move) -> None:
+        """Device memory: the native core packs host memory, so fuse on the device."""
+        ops = m.ops
+        if len(m.tensors) == 1 and m.wire == ops.dtype(m.tensors[0]):
+            self._scaled(m, m.tensors[0], lambda a: self.transport.network_allreduce(
+                a, m.reduce_op, m.pset))
             return
-        if pre != 1.0:
-            ops.scale(array, pre)
-        self._timed(row, "ALLREDUCE",
-                    lambda: transport.allreduce(array, reduce_op, pset, hierarchical))
-        if post != 1.0:
-            ops.scale(array, post)
+        flat = ops.cast(ops.concat([t.reshape(-1) for t in m.tensors]), m.wire)
+        if m.pre != 1.0:
+            ops.scale(flat, m.pre)
+        self._timed(m.row, "ALLREDUCE",
+                    lambda: self.transport.network_allreduce(flat, m.reduce_op, m.pset))
+        offset = 0
+        for t in m.tensors:
+            n = ops.numel(t)
+            t[...] = flat[offset:offset + n].reshape(t.shape)
+            offset += n
+        if m.post != 1.0:
+            for t in m.tensors:
+                ops.scale(t, m.post)
+
+    def _flat(self, m: Move, reduce: Callable[[Any], None]) -> None:
+        """The batch as one flat host array: its one array, or its arrays where they lie
+        back to back (DistributedOptimizer's gradients: no copies), else packed into a
+        fusion buffer (cast to the wire dtype). The elements are in batch order each way,
+        so ranks that pack agree with ranks that do not."""
+        ops = m.ops
+        if m.wire == ops.dtype(m.tensors[0]):
+            whole = m.tensors[0] if len(m.tensors) == 1 else ops.span(m.tensors)
+            if whole is not None and ops.is_contiguous(whole):
+                self.stats.fused_in_place += len(m.tensors) > 1
+                self._scaled(m, whole, reduce)
+                return
+        self._packed(m, reduce)
+
+    def _scaled(self, m: Move, array: Any, reduce: Callable[[Any], None]) -> None:
+        if m.pre != 1.0:
+            m.ops.scale(array, m.pre)
+        self._timed(m.row, "ALLREDUCE", lambda: reduce(array))
+        if m.post != 1.0:
+            m.ops.scale(array, m.post)
+
+    def _packed(self, m: Move, reduce: Callable[[Any], None]) -> None:
+        total = sum(m.ops.numel(t) for t in m.tensors)
+        buf = self._buffers.get(m.wire, total * DTYPE_SIZES[m.wire])
+        names = [r.name for r in m.batch]
+        self._timed(m.row, "MEMCPY_IN_FUSION_BUFFER",
+                    lambda: pack(m.tensors, buf, m.pre, 0, names))
+        flat = m.ops.view_buffer(buf, total)
+        self._timed(m.row, "ALLREDUCE", lambda: reduce(flat))
+        self._timed(m.row, "MEMCPY_OUT_FUSION_BUFFER",
+                    lambda: unpack(buf, m.tensors, m.post, 0, names))
 
     def _allreduce_in_flight(self, batch, tensors, ops, reduce_op, pre, post, pset, wire):
         """A batch across a network, in pieces cut from the agreed sizes and memory layout

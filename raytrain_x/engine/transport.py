@@ -1,11 +1,13 @@
-"""Transport choice: how a reduction travels once the engine has agreed to run it.
+"""The links of a rendezvous round, and the moves over them.
 
 One host: the shared-memory group (`raytrain_x.comm.shm`) for the world's allreduces and
-allgathers. Several hosts: the backend's groups, and with `hierarchical_allreduce` on
-(where every host's workers share memory: host-memory arrays), or `hierarchical_allgather`
-on, local stages in the host's shared-memory group (or, for allgather, the local group)
-around a cross-host stage. A process set whose members share a host gets a
+allgathers. Several hosts: the backend's groups, and where every host's workers share
+memory, local stages in the host's shared-memory group (or, for allgather, the local
+group) around a cross-host stage. A process set whose members share a host gets a
 shared-memory group of its own; other sets use their backend group.
+
+`links(pset)` says what a set's links can do (the same on every member); which of them an
+allreduce batch takes is `engine.routes`' decision, and the moves here carry it out.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ from raytrain_x.comm.shm import (
 )
 from raytrain_x.common.errors import InternalError
 from raytrain_x.engine.arrays import ArrayOps, ops_for
-from raytrain_x.engine.messages import DTYPE_SIZES, Meta
-from raytrain_x.engine.pieces import IN_FLIGHT_MIN_BYTES
+from raytrain_x.engine.messages import DTYPE_SIZES
+from raytrain_x.engine.routes import Links
 
 # Hierarchical allreduce runs in chunks this size; with shared memory on the host, one
 # chunk's local sum overlaps the previous chunk's network transfer.
@@ -111,49 +113,28 @@ class Transport:
         self._shm = self._local_shm = None
         self._set_shm.clear()
 
+    def links(self, pset: ProcessSetGroup) -> Links:
+        """What `pset`'s links can do (`engine.routes`), the same on every member."""
+        return Links(shm=self._shm_of(pset) is not None,
+                     hierarchical=(pset.process_set_id == 0
+                                   and self.hierarchical_allreduce_applies))
+
     # ----------------------------------------------------------------- allreduce
     def world_allreduce(self, array: Any, op: str) -> None:
-        """In-place allreduce over the world: shared memory when possible, else the
-        backend."""
-        if self._shm is not None and fits_shm(array):
+        """In-place allreduce of a small control array (int64, host memory) over the
+        world: in shared memory on one host, else the backend's world group."""
+        if self._shm is not None:
             _shm_call(self._shm.allreduce, array, op)
         else:
             self.groups.world.allreduce(array, op)
 
-    def allreduce(self, array: Any, op: str, pset: ProcessSetGroup,
-                  hierarchical: bool) -> None:
-        """In-place allreduce over `pset`'s members by the best route."""
-        shm = self._shm_of(pset)
-        if shm is not None and fits_shm(array):
-            _shm_call(shm.allreduce, array, op)
-        elif self._goes_hierarchical(op, pset, hierarchical) and fits_shm(array):
-            self._hierarchical_allreduce(array)
-        else:
-            pset.group.allreduce(array, op)
+    def shm_allreduce(self, array: Any, op: str, pset: ProcessSetGroup) -> None:
+        """`array` (host memory, contiguous) reduced in place in `pset`'s shared memory."""
+        _shm_call(self._shm_of(pset).allreduce, array, op)
 
-    def _goes_hierarchical(self, op: str, pset: ProcessSetGroup, hierarchical: bool) -> bool:
-        """Whether an allreduce of host memory takes the hierarchical route: the knob on,
-        a sum over the world, a world where it applies."""
-        return (hierarchical and op == "sum" and pset.process_set_id == 0
-                and self.hierarchical_allreduce_applies)
-
-    def can_reduce_many(self, pset: ProcessSetGroup, arrays: list[Any]) -> bool:
-        """True when `allreduce_many` can reduce `arrays` straight from their memory."""
-        return self._shm_of(pset) is not None and all(fits_shm(a) for a in arrays)
-
-    def can_reduce_in_flight(self, pset: ProcessSetGroup, metas: list[Meta], op: str,
-                             hierarchical: bool) -> bool:
-        """True when a batch crosses in pieces on the stream (`PieceStream`), so the engine
-        goes on while it crosses: a network group (no shared memory, no hierarchical
-        stages), host memory, an array of `IN_FLIGHT_MIN_BYTES` or more (a single one too:
-        one piece). Decided from what every rank agreed (the requests' sizes and device),
-        never from this rank's memory, so every rank goes alike."""
-        if self._shm_of(pset) is not None:
-            return False
-        if self._goes_hierarchical(op, pset, hierarchical):
-            return False
-        return (all(m.device == "cpu" for m in metas)
-                and any(m.nbytes_on_wire() >= IN_FLIGHT_MIN_BYTES for m in metas))
+    def network_allreduce(self, array: Any, op: str, pset: ProcessSetGroup) -> None:
+        """`array` reduced in place by `pset`'s backend group."""
+        pset.group.allreduce(array, op)
 
     def agree_on_all(self, pset: ProcessSetGroup, flags: list[bool]) -> list[bool]:
         """Each of `flags` and-ed over `pset`'s members (a collective on its group)."""
@@ -161,13 +142,13 @@ class Transport:
         pset.group.allreduce(votes, "min")
         return [bool(v) for v in votes]
 
-    def allreduce_many(self, arrays: list[Any], op: str, prescale: float,
+    def shm_allreduce_many(self, arrays: list[Any], op: str, prescale: float,
                        postscale: float, pset: ProcessSetGroup) -> None:
         """Fused allreduce through the shared slots: each chunk is filled from the arrays
         (scaled) and the sums written back (scaled), with no fusion-buffer copies."""
         _shm_call(self._shm_of(pset).allreduce_many, arrays, op, prescale, postscale)
 
-    def _hierarchical_allreduce(self, array: Any) -> None:
+    def hierarchical_allreduce(self, array: Any) -> None:
         """Local sum in shared memory, cross allreduce of one shard per local rank, shards
         exchanged in shared memory, in chunks of `PIPELINE_CHUNK_BYTES`: while one chunk's
         shard crosses the network, the next chunk is summed in the segment."""
