@@ -345,11 +345,14 @@ def test_a_killed_driver_resumes_from_its_checkpoint_when_the_command_runs_again
                "--checkpoint-every", "0.2", "python", str(script), str(tmp_path)]
     store = CheckpointStore(CheckpointConfig(store_path, name="resumable"))
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    first = subprocess.Popen([*command, "100000"], cwd=REPO, env=env,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    output = tmp_path / "first.out"  # the ranks' output, for a run that ends early
+    with open(output, "w") as out:
+        first = subprocess.Popen([*command, "100000"], cwd=REPO, env=env, stdout=out,
+                                 stderr=subprocess.PIPE, text=True)
     try:
         def checkpointed() -> bool:
-            assert first.poll() is None, first.stderr.read()[-3000:]
+            assert first.poll() is None, \
+                first.stderr.read()[-3000:] + output.read_text()[-5000:]
             kept = store.checkpoints()
             return bool(kept) and kept[0].values.get("step", 0) >= 5
         limits.wait_until(checkpointed, 30, "a checkpoint after 5 steps")
