@@ -27,6 +27,13 @@ _SETTINGS = {
 }
 
 
+def _check(checks: list[tuple[bool, str]]) -> None:
+    """The first of `checks` that does not hold, as a `ConfigError`."""
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(f"autotune: {message}")
+
+
 @dataclass(frozen=True)
 class SearchRules:
     """How the search decides: fixed rules, not options (the defaults are what the
@@ -60,9 +67,7 @@ class SearchRules:
             (self.sub_windows >= 1, "sub_windows must be >= 1"),
             (0 <= self.early_stop_ratio < 1, "early_stop_ratio must be in [0, 1)"),
         ]
-        for ok, message in checks:
-            if not ok:
-                raise ConfigError(f"autotune: {message}")
+        _check(checks)
 
 
 @dataclass
@@ -111,9 +116,7 @@ class AutotuneConfig:
              "initial_knobs must be a Knobs"),
             (isinstance(self.rules, SearchRules), "rules must be a SearchRules"),
         ]
-        for ok, message in checks:
-            if not ok:
-                raise ConfigError(f"autotune: {message}")
+        _check(checks)
         if self.resume_from is not None and not os.path.exists(self.resume_from):
             raise ConfigError(f"autotune resume file {self.resume_from!r} does not exist")
 

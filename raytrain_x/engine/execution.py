@@ -134,8 +134,8 @@ class CollectiveRunner:
 
     def _allreduce(self, batch, requests, pset, knobs):
         meta = batch[0].meta
-        route = allreduce_route(Batch.of([r.meta for r in batch]),
-                                self.transport.links(pset), knobs.hierarchical_allreduce)
+        facts = Batch.of([r.meta for r in batch])
+        route = allreduce_route(facts, self.transport.links(pset), knobs.hierarchical_allreduce)
         if route is not Route.IN_FLIGHT:
             self.stream.drain()
         tensors = [req.tensor if req is not None else _zeros(r.meta)
@@ -151,8 +151,7 @@ class CollectiveRunner:
         if len(batch) > 1:
             self.stats.fused += 1
             self.stats.fused_tensors += len(batch)
-        move = Move(batch, tensors, ops, "sum" if meta.op in ("sum", "average") else meta.op,
-                    pre, post, pset, meta.wire_dtype or meta.dtype)
+        move = Move(batch, tensors, ops, facts.reduce_op, pre, post, pset, facts.wire_dtype)
         self._movers[route](move)
         if not floating:
             if route is Route.IN_FLIGHT:  # scaled in float64 once summed
