@@ -40,11 +40,16 @@ fewer then is an error):
                    its latest durable checkpoint
   driver_kill      (local, not by default) SIGKILL of the driver process; the same command
                    runs again --respawn s later and resumes from the latest checkpoint
+  discovery_outage (local, not by default) the job's host discovery script fails (exits 3)
+                   or hangs, at random, for 4-15 s; the job keeps its hosts meanwhile
 
 With control_kill or driver_kill among --kinds the job writes a durable checkpoint every
 second to the run's temp dir (`CheckpointConfig`); a step sequence going back to a
-restored checkpoint is then by design. --slots 2 gives each node two worker slots, so the
-workers of a node meet in shared memory (and a node fault takes two at once).
+restored checkpoint is then by design. With discovery_outage the job finds its hosts with a
+discovery script (`host_discovery_script`) that prints the live worker nodes' ids, as a
+cloud API's script would print its instances; a fault then takes the script down.
+--slots 2 gives each node two worker slots, so the workers of a node meet in shared memory
+(and a node fault takes two at once).
 
 Checked at the end; the run fails (exit 1) when any does not hold:
   every committed step done exactly once on every rank of a finished job (the step
@@ -55,7 +60,8 @@ Checked at the end; the run fails (exit 1) when any does not hold:
   exiting 0 with no unhandled exception; after the cluster stops, no Ray process, no
   shared-memory segment and no network namespace of the run left.
 Reported: faults injected and survived, recovery time per kind (from the fault to the first
-step committed after it by the re-formed world, or after a short partition's end: median,
+step committed after it by the re-formed world, or after a short partition's end, or after
+a discovery outage began, the job training on with the hosts it has: median,
 p95, max, over all faults and over isolated ones), steps and restores, and throughput over
 time with the faults marked (a plot).
 
@@ -92,8 +98,9 @@ LOCAL_KINDS = ("worker_kill", "node_kill", "drain", "raylet_kill", "while_starti
 EMULATED_KINDS = ("worker_kill", "partition_short", "partition_long", "raylet_kill",
                   "while_starting", "in_rendezvous")
 DURABLE_KINDS = ("control_kill", "driver_kill")  # the job then writes checkpoints
-KINDS = tuple(dict.fromkeys(LOCAL_KINDS + EMULATED_KINDS + DURABLE_KINDS))
-DEFAULT_KINDS = tuple(k for k in KINDS if k not in DURABLE_KINDS)
+SCRIPTED_KINDS = ("discovery_outage",)  # the job then finds its hosts with a script
+KINDS = tuple(dict.fromkeys(LOCAL_KINDS + EMULATED_KINDS + DURABLE_KINDS + SCRIPTED_KINDS))
+DEFAULT_KINDS = tuple(k for k in KINDS if k not in DURABLE_KINDS + SCRIPTED_KINDS)
 CONTROL_ACTORS = ("ray::ElasticRounds", "ray::StoreActor")  # their processes' titles
 RESOURCE = "rtx_chaos"
 TIMEOUT_S = 10.0  # the job's collective timeout
@@ -187,7 +194,8 @@ def drive(args: argparse.Namespace) -> int:
                            max_workers=args.nodes * args.slots, cpus_per_worker=1,
                            resources_per_worker={RESOURCE: 1} if args.resource else None,
                            cooldown_range=tuple(args.cooldown), elastic_timeout=120,
-                           checkpoint=checkpoint)
+                           checkpoint=checkpoint,
+                           host_discovery_script=args.discovery or None)
     monitor = Monitor(args.progress, args.status, executor)
     try:
         env = {"TF_CPP_MIN_LOG_LEVEL": "3", "OMP_NUM_THREADS": "1"}
@@ -385,12 +393,62 @@ class Window:
         return now >= end and (faults >= self.min_faults or now >= end + self.cap_s)
 
 
+class DiscoveryScript:
+    """The job's host discovery script (with discovery_outage): it prints the hosts file
+    that the injector keeps current (`<node id>:<slots>` for each worker node the cluster
+    has), and while the down file exists it fails (exit 3) or hangs until the file is
+    gone, as the file says."""
+
+    def __init__(self, temp: str, nodes: LocalNodes) -> None:
+        folder = Path(temp)
+        self.path = folder / "discover.sh"
+        self.hosts, self.down = folder / "hosts", folder / "discovery_down"
+        self.nodes = nodes
+        self._written: str | None = None
+        self.path.write_text(
+            "#!/bin/sh\n"
+            f"if [ -e {self.down} ]; then\n"
+            f"  if [ \"$(cat {self.down} 2>/dev/null)\" = fail ]; then\n"
+            "    echo 'the cloud API is unavailable' >&2; exit 3\n"
+            "  fi\n"
+            f"  while [ -e {self.down} ]; do sleep 0.2; done\n"
+            "fi\n"
+            f"cat {self.hosts}\n")
+        self.path.chmod(0o755)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Writes the hosts file when the cluster's worker nodes changed."""
+        text = "".join(f"{host.node_id}:{self.nodes.slots}\n" for host in self.nodes.hosts())
+        if text != self._written:
+            _replace(self.hosts, text)
+            self._written = text
+
+    def is_down(self) -> bool:
+        return self.down.exists()
+
+    def take_down(self, mode: str) -> None:
+        _replace(self.down, mode)
+
+    def bring_up(self) -> None:
+        self.down.unlink(missing_ok=True)
+
+
+def _replace(path: Path, text: str) -> None:
+    """Writes `path` whole at once: a reader sees the old text or the new one."""
+    partial = path.with_suffix(".partial")
+    partial.write_text(text)
+    partial.replace(path)
+
+
 class Chaos:
     """Injects the seeded schedule's faults and carries out the delayed parts (node
-    removals, fresh nodes, links back up) when they are due."""
+    removals, fresh nodes, links back up, discovery back) when they are due."""
 
-    def __init__(self, nodes: Any, rng: random.Random, respawn_s: float) -> None:
+    def __init__(self, nodes: Any, rng: random.Random, respawn_s: float,
+                 discovery: DiscoveryScript | None = None) -> None:
         self.nodes, self.rng, self.respawn_s = nodes, rng, respawn_s
+        self.discovery = discovery
         self.log: list[dict] = []
         self.due: list[tuple[float, str, Any]] = []  # (when, action, host)
         self.driver: subprocess.Popen | None = None  # the job's driver process
@@ -405,6 +463,8 @@ class Chaos:
         nodes = self.nodes
         if kind in DURABLE_KINDS:
             return self._durable_fault(kind)
+        if kind in SCRIPTED_KINDS:
+            return self._discovery_outage(kind)
         node_kind = kind not in ("worker_kill", "while_starting", "in_rendezvous")
         hosts = self._with_workers(nodes.node_hosts() if node_kind else nodes.hosts())
         if not hosts:
@@ -460,8 +520,22 @@ class Chaos:
         self.log.append({"kind": kind, "t": t, "end": t, "host": "head"})
         return True
 
+    def _discovery_outage(self, kind: str) -> bool:
+        """The discovery script failing or hanging for 4-15 s."""
+        if self.discovery is None or self.discovery.is_down():
+            return False
+        t = time.monotonic()
+        end = t + self.rng.uniform(4.0, 15.0)
+        mode = self.rng.choice(["fail", "hang"])
+        self.discovery.take_down(mode)
+        self.due.append((end, "discovery_up", None))
+        self.log.append({"kind": kind, "t": t, "end": end, "host": mode})
+        return True
+
     def tick(self, final: bool = False) -> None:
         """Carries out what is due (everything, when `final`)."""
+        if self.discovery is not None:
+            self.discovery.refresh()
         now = time.monotonic()
         for entry in sorted((d for d in self.due if final or d[0] <= now), key=lambda d: d[0]):
             self.due.remove(entry)
@@ -470,6 +544,8 @@ class Chaos:
                 self.nodes.remove(host)
             elif action == "link_up":
                 self.nodes.link(host, up=True)
+            elif action == "discovery_up":
+                self.discovery.bring_up()
             elif action == "add" and not final:
                 if hasattr(self.nodes, "add_host"):
                     fresh = self.nodes.add_host(host)
@@ -509,13 +585,14 @@ def soak(seed: int, minutes: float, cluster: str, nodes: int, framework: str,
     out: dict = {"seed": seed, "cluster": cluster, "framework": framework, "faults": [],
                  "errors": [], "jobs": [], "progress": [], "steps": 0, "restores": 0}
     began = time.monotonic()
-    kinds = [k for k in kinds if k in (LOCAL_KINDS + DURABLE_KINDS if cluster == "local"
-                                       else EMULATED_KINDS)]
+    kinds = [k for k in kinds if k in (LOCAL_KINDS + DURABLE_KINDS + SCRIPTED_KINDS
+                                       if cluster == "local" else EMULATED_KINDS)]
     world = LocalNodes(nodes, temp, slots) if cluster == "local" else \
         EmulatedNodes(nodes, temp)
     checkpoint = str(Path(temp) / "checkpoints") if set(kinds) & set(DURABLE_KINDS) else ""
     namespaces = getattr(world.cluster, "_created", [])[:]
-    chaos = Chaos(world, rng, respawn_s)
+    discovery = DiscoveryScript(temp, world) if set(kinds) & set(SCRIPTED_KINDS) else None
+    chaos = Chaos(world, rng, respawn_s, discovery)
     window = Window(minutes * 60, min_faults)
     logs = []
     try:
@@ -524,7 +601,8 @@ def soak(seed: int, minutes: float, cluster: str, nodes: int, framework: str,
             if out["jobs"] and out["jobs"][-1]["outcome"] == "driver killed":
                 time.sleep(respawn_s)  # the same command, run again
             job = _job(len(out["jobs"]), world, chaos, rng, temp, framework, nodes, kinds,
-                       mean_gap, burst, cooldown, window, slots, checkpoint)
+                       mean_gap, burst, cooldown, window, slots, checkpoint,
+                       str(discovery.path) if discovery else "")
             job["faults"] = _judge(job, chaos.log[job["first_fault"]:], began, respawn_s,
                                    bound_scale)
             out["jobs"].append({k: v for k, v in job.items() if k not in ("faults", "ranks")})
@@ -572,7 +650,7 @@ def _keep_worker_logs(temp: str, dest: Path) -> str:
 def _job(index: int, world: Any, chaos: Chaos, rng: random.Random, temp: str,
          framework: str, nodes: int, kinds: list[str], mean_gap: float, burst: float,
          cooldown: tuple[float, float], window: Window, slots: int = 1,
-         checkpoint: str = "") -> dict:
+         checkpoint: str = "", discovery: str = "") -> dict:
     """One job's driver under the schedule until it exits; what it returned."""
     from raytrain_x.testing.jobs.ledger import ledger_errors, read_progress
 
@@ -586,6 +664,7 @@ def _job(index: int, world: Any, chaos: Chaos, rng: random.Random, temp: str,
            "--cooldown", *map(str, cooldown),
            *(["--resource"] if isinstance(world, LocalNodes) else []),
            *([f"--checkpoint={checkpoint}"] if checkpoint else []),
+           *([f"--discovery={discovery}"] if discovery else []),
            *[f"--{n}={files[n]}" for n in ("progress", "status", "stop", "out")]]
     with open(files["log"], "w") as log:
         driver = world.driver(cmd, log)
@@ -670,12 +749,15 @@ def _judge(job: dict, injected: list[dict], began: float, respawn_s: float,
         step_at = max([s for t, s, _, _ in samples if t <= f["t"]], default=0)
         round_at = max([r for t, _, _, r in samples if t <= f["t"]], default=0)
         # a short partition is ridden out: recovered at the first step after its link
-        # returns; any other fault, a long partition included, at the first step of the
-        # world re-formed after it (which need not wait for a cut-off host's link)
+        # returns; a discovery outage too, at the first step after it began (the job
+        # trains on with the hosts it has); any other fault, a long partition included,
+        # at the first step of the world re-formed after it (which need not wait for a
+        # cut-off host's link)
         short = f["kind"] == "partition_short"
+        ridden = short or f["kind"] in SCRIPTED_KINDS
         after = [t for t, s, _, r in samples
                  if t > (f["end"] if short else f["t"]) and s > step_at
-                 and (short or r > round_at)]
+                 and (ridden or r > round_at)]
         f["recovery_s"] = after[0] - f["t"] if after else None
         # where the recovery went: seconds from the fault to the driver's first event of
         # each kind after it (the log is in time order)
@@ -829,7 +911,8 @@ def plot(runs: list[dict], path: Path) -> None:
 
     fig, axes = plt.subplots(len(runs), 1, figsize=(9, 2.6 * len(runs)), squeeze=False)
     colors = dict(zip(KINDS, ["tab:red", "tab:purple", "tab:green", "tab:brown",
-                              "tab:orange", "tab:pink", "tab:cyan", "tab:blue"]))
+                              "tab:orange", "tab:pink", "tab:cyan", "tab:blue", "tab:olive",
+                              "gold", "tab:gray"]))
     for ax, run in zip(axes[:, 0], runs):
         pts = run["progress"]
         rate = [(pts[i][0], (pts[i][1] - pts[i - 1][1]) / max(pts[i][0] - pts[i - 1][0], 1e-3))
@@ -908,6 +991,7 @@ def drive_main() -> int:
     parser.add_argument("--nodes", type=int, required=True)
     parser.add_argument("--slots", type=int, default=1)
     parser.add_argument("--checkpoint", default="")
+    parser.add_argument("--discovery", default="")
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--cooldown", type=float, nargs=2, required=True)
     parser.add_argument("--resource", action="store_true")
