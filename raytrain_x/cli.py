@@ -154,12 +154,8 @@ def resolve_autotune(args: argparse.Namespace) -> AutotuneConfig | None:
 
 
 def resolve_knobs(args: argparse.Namespace) -> tuple[Knobs, frozenset[str]]:
-    """Knobs from flags (converted to knob units), env and the config file."""
-    flags: dict[str, Any] = {}
-    for name, spec in Knobs.specs().items():
-        value = getattr(args, name)
-        if value is not None:
-            flags[name] = value * spec.flag_scale if spec.kind is not bool else value
+    """Knobs from flags (in their flags' units), env and the config file."""
+    flags = {name: getattr(args, name) for name in Knobs.specs()}
     return load_knobs(flags=flags, config_file=args.config_file)
 
 

@@ -175,25 +175,6 @@ class Knobs:
         return dataclasses.replace(self, **changes)
 
 
-def parse_knob_value(name: str, raw: Any, source: str) -> Any:
-    """Parses one value for knob `name` from a string or plain value; `source` names its origin."""
-    spec = Knobs.specs()[name]
-    if spec.kind is bool:
-        if isinstance(raw, bool):
-            return raw
-        text = str(raw).strip().lower()
-        if text in ("1", "true", "yes", "on"):
-            return True
-        if text in ("0", "false", "no", "off"):
-            return False
-        raise ConfigError(f"{source}: {raw!r} is not a boolean for {name}; use 1/0 or true/false")
-    try:
-        value = float(raw)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{source}: {raw!r} is not a number for {name}") from None
-    return value
-
-
 def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, spec in Knobs.specs().items():
@@ -237,10 +218,10 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
         if key_norm in training.ENV:  # not a knob: `read_training_settings` reads it
             continue
         if key_norm in specs:
-            out[key_norm] = parse_knob_value(key_norm, raw, source)
+            out[key_norm] = specs[key_norm].var.parse(raw, source)
         elif key_norm in aliases:
             name = aliases[key_norm]
-            out[name] = parse_knob_value(name, raw, source) * specs[name].flag_scale
+            out[name] = specs[name].var.parse_scaled(raw, source)
         else:
             known = sorted(list(specs) + list(aliases))
             raise ConfigError(f"{source} is not a knob; known keys: {', '.join(known)}")
@@ -261,7 +242,7 @@ def load_knobs(
     """Resolves knobs with precedence flag > env > config file > `base` (default `Knobs()`).
 
     Args:
-        flags: knob name -> value already in knob units (the CLI converts MB to bytes).
+        flags: knob name -> value in its flag's unit (MB for bytes).
         env: environment to read `RAYTRAIN_X_*` from; `os.environ` when None.
         config_file: optional YAML/JSON file of knobs.
         base: starting values (defaults when None).
@@ -281,6 +262,6 @@ def load_knobs(
         if name not in specs:
             raise ConfigError(f"unknown knob {name!r}; known: {', '.join(specs)}")
         if value is not None:
-            values[name] = parse_knob_value(name, value, f"flag {specs[name].flag}")
+            values[name] = specs[name].var.parse_scaled(value, f"flag {specs[name].flag}")
     knobs = (base or Knobs()).replace(**values)
     return knobs, frozenset(values)

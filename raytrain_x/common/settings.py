@@ -117,13 +117,30 @@ class Setting:
             except ConfigError as exc:
                 raise ConfigError(f"{exc}; unset it for the default "
                                   f"{self.default:g}") from None
-        if self.kind is int and value != int(value):
-            raise ConfigError(f"{source}={raw!r} is not a whole number")
         low = -math.inf if self.minimum is None else self.minimum
         high = math.inf if self.maximum is None else self.maximum
+        if math.isfinite(value) and self.kind is int and value != int(value):
+            raise ConfigError(f"{source}={raw!r} is not a whole number")
         if not (math.isfinite(value) and low <= value <= high):
             raise ConfigError(f"{source}={raw!r} is out of range: {self.range()}")
         return self.kind(value)
+
+    def parse_scaled(self, raw: Any, source: str) -> Any:
+        """`raw` in the unit of the setting's flag and config alias (`flag_scale` of its
+        own: MB for bytes), as `parse` takes it in its own unit."""
+        if self.flag_scale == 1 or self.kind is bool:
+            return self.parse(raw, source)
+        try:
+            value = float(raw)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{source}={raw!r} is not a number") from None
+        try:
+            return self.parse(round(value * self.flag_scale) if math.isfinite(value) else value,
+                              source)
+        except ConfigError:
+            low, high = (None if x is None else f"{x / self.flag_scale:g}"
+                         for x in (self.minimum, self.maximum))
+            raise ConfigError(f"{source}={raw!r} is out of range: {low} to {high} (MB)") from None
 
     def range(self) -> str:
         """What the setting takes, in words (docs/api.md's table)."""

@@ -29,6 +29,7 @@ from raytrain_x.common.errors import (
 )
 from raytrain_x.common.knobs import Knobs
 from raytrain_x.engine.execution import CollectiveRunner
+from raytrain_x.engine.layout import LayoutVotes
 from raytrain_x.engine.messages import ALLREDUCE, Request, Response
 from raytrain_x.engine.negotiation import (
     JOIN_NONE,
@@ -37,6 +38,7 @@ from raytrain_x.engine.negotiation import (
     Agreement,
     Negotiator,
 )
+from raytrain_x.engine.pieces import PieceStream
 from raytrain_x.engine.planner import plan_batches
 from raytrain_x.engine.stats import EngineStats
 from raytrain_x.engine.timeline import Timeline
@@ -83,9 +85,14 @@ class Engine:
                                           groups.process_set(0)).shm)
         self._timeline = (Timeline(timeline_path, timeline_mark_cycles)
                           if timeline_path and self.rank == 0 else None)
-        self._runner = CollectiveRunner(self._transport, self._timeline, self.stats)
         self._cond = threading.Condition()
-        self._runner.stream.wakes = self._cond  # a landing wakes an idle engine too
+        # pieces of batches still crossing a network while the next cycle negotiates: the
+        # engine closes each batch on it, drains it before anything else runs, and wakes
+        # when a piece lands
+        self._stream = PieceStream(wakes=self._cond)
+        self._layout = LayoutVotes()
+        self._runner = CollectiveRunner(self._transport, self._timeline, self.stats,
+                                        self._stream, self._layout)
         self._queue: list[Request] = []
         self._inflight: set[str] = set()
         self._pending: dict[str, Request] = {}
@@ -216,7 +223,7 @@ class Engine:
         busy = False  # work was waiting when the last cycle ended
         try:
             while True:
-                self._runner.stream.wait_for_work(self._has_work, _IDLE_WAKE_S)
+                self._stream.wait_for_work(self._has_work, _IDLE_WAKE_S)
                 # The cycle time paces cycles while work keeps coming (so tensors batch);
                 # the first request after an idle spell starts a cycle at once.
                 wait = last + self.knobs.cycle_time_ms / 1000.0 - time.perf_counter()
@@ -249,7 +256,7 @@ class Engine:
             "pending; make every rank finish its collectives before shutdown()")
         for req in leftovers:
             req.handle.set_error(error)
-        self._runner.stream.fail(error)
+        self._stream.fail(error)
         if self._join_handle is not None and not self._join_handle.done():
             self._join_handle.set_error(error)
 
@@ -271,14 +278,15 @@ class Engine:
                 self._pending, shutting_down, knobs_wanted, join_state)):
             return False
         agreement = self._negotiator.negotiate(self._pending, shutting_down, knobs_wanted,
-                                               join_state)
+                                               join_state, self._layout.votes())
+        self._layout.settle(agreement.votes)
         self.stats.negotiations += agreement.reports_exchanged
         self.stats.cache_hits += agreement.cache_hits
         self.stats.stalls += agreement.stalls
         self._note_reported(agreement, knobs_wanted)
         negotiated = time.perf_counter()
         if agreement.all_joined:
-            self._runner.stream.drain()
+            self._stream.drain()
             self._finish_join(agreement.joined_last)
         responses = agreement.responses
         timeline = self._timeline
@@ -294,9 +302,9 @@ class Engine:
             self._execute(batch)
         # the last pieces cross on while the engine goes on; those landed finish now
         if agreement.stop:
-            self._runner.stream.drain()
+            self._stream.drain()
         else:
-            self._runner.stream.finish_landed()
+            self._stream.finish_landed()
 
         if responses:
             self._ran(responses)
@@ -375,7 +383,7 @@ class Engine:
                 self._timeline.queued(requests, began)
             # complete once its last pieces have landed (at once when nothing is crossing)
             handed = True
-            self._runner.stream.close_batch(
+            self._stream.close_batch(
                 lambda err: self._complete(batch, requests, results, err))
         except BaseException as exc:
             error = exc if isinstance(exc, RaytrainXError) else local_error(exc)

@@ -20,6 +20,7 @@ from raytrain_x.common.knobs import Knobs
 from raytrain_x.engine import adasum
 from raytrain_x.engine.arrays import ops_for, ops_for_device
 from raytrain_x.engine.buffers import FusionBufferPool, pack, unpack
+from raytrain_x.engine.layout import LayoutVotes
 from raytrain_x.engine.messages import (
     ALLGATHER,
     ALLREDUCE,
@@ -37,9 +38,6 @@ from raytrain_x.engine.routes import Batch, Route, allreduce_route, flat_route
 from raytrain_x.engine.speculation import elements
 from raytrain_x.engine.timeline import Timeline
 from raytrain_x.engine.transport import Transport, fits_shm
-
-# pairs of names `_joined_on_all` remembers (a model's gradients: a few hundred)
-_JOINED_PAIRS = 1 << 16
 
 
 @dataclass
@@ -64,18 +62,18 @@ class Move:
 class CollectiveRunner:
     """Runs agreed batches on this rank; `run` returns one result per response."""
 
-    def __init__(self, transport: Transport, timeline: Timeline | None, stats: Any) -> None:
+    def __init__(self, transport: Transport, timeline: Timeline | None, stats: Any,
+                 stream: PieceStream, layout: LayoutVotes) -> None:
         self.transport = transport
         self.timeline = timeline
         self.stats = stats  # the engine's EngineStats: counts fused and in-place batches
         self._buffers = FusionBufferPool()
         self._slot = 0  # the buffer slot the last packed piece took
-        # pieces on a network's wire across batches: the engine closes each batch on it
-        # (`PieceStream.close_batch`) and drains it before anything else runs
-        self.stream = PieceStream()
-        # (process set, name, next name) -> whether the next array lies right after the
-        # first on every rank: agreed once, then the batches that hold both cut alike
-        self._joined: dict[tuple[int, str, str], bool] = {}
+        # the engine's pieces on a network's wire across batches: the in-flight route puts
+        # a batch's pieces on it; the engine closes each batch on it and drains it
+        self.stream = stream
+        # which arrays lie back to back on every rank, as agreed in negotiation
+        self.layout = layout
         self._kinds = {ALLREDUCE: self._allreduce, ALLGATHER: self._allgather,
                        BROADCAST: self._broadcast, ALLTOALL: self._alltoall,
                        REDUCESCATTER: self._reducescatter, BARRIER: self._barrier}
@@ -248,8 +246,9 @@ class CollectiveRunner:
         scaled (unpacked) while the next one crosses, and the batch's last pieces may still
         cross when this returns (`PieceStream`). A rank whose arrays no longer lie as agreed
         packs that piece (same elements on the wire, in the same order)."""
-        pieces = in_flight_pieces([r.meta.nbytes_on_wire() for r in batch],
-                                  self._joined_on_all(batch, tensors, ops, pset))
+        joined = self.layout.joined(pset.process_set_id, [r.name for r in batch],
+                                    lambda i: ops.follows(tensors[i], tensors[i + 1]))
+        pieces = in_flight_pieces([r.meta.nbytes_on_wire() for r in batch], joined)
         self.stats.in_flight_pieces += len(pieces)
 
         def prepare(k: int) -> tuple[Any, Callable[[], Any]]:
@@ -275,23 +274,6 @@ class CollectiveRunner:
             stream.make_room()
             stream.send(pset.group, ready[0], reduce_op, ready[1])
             ready = prepare(k + 1) if k + 1 < len(pieces) else None
-
-    def _joined_on_all(self, batch, tensors, ops, pset) -> list[bool]:
-        """For each array of `batch`, whether it lies right after the one before it on
-        every rank. Each pair of names is agreed once (a collective over the pairs this
-        batch is the first to hold: every rank meets the same pairs at the same batch) and
-        remembered for this round; a layout that changes later costs a copy, never a wrong
-        result (`_allreduce_in_flight`)."""
-        pid = pset.process_set_id
-        keys = [(pid, a.name, b.name) for a, b in zip(batch, batch[1:])]
-        if len(self._joined) + len(keys) > _JOINED_PAIRS:
-            self._joined.clear()  # on every rank at the same batch: the same pairs forgotten
-        unknown = [i for i, key in enumerate(keys) if key not in self._joined]
-        if unknown:
-            agreed = self.transport.agree_on_all(
-                pset, [ops.follows(tensors[i], tensors[i + 1]) for i in unknown])
-            self._joined.update(zip((keys[i] for i in unknown), agreed))
-        return [False] + [self._joined[key] for key in keys]
 
     def _adasum(self, batch, requests, tensors, ops, pset):
         """The batch's tensors, each combined by Adasum across the set (engine.adasum)."""

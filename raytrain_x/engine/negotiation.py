@@ -5,8 +5,10 @@ Each cycle starts with one allreduce(BAND) of [status word, response-cache bits]
 state this alone tells every rank which cached names are ready everywhere (in cache slot
 order, identical on all ranks). Only when some rank has an uncached request, a stall, a
 join or a knob change do the ranks allgather their reports and feed them to the replicated
-`Coordinator`. Over a network, a small cached batch that repeats every step skips even the
-status word: it travels with its readiness count in one allreduce (`speculation`).
+`Coordinator`. The status word also carries each rank's answers about its arrays' layout
+(`layout`), and-ed like the bits. Over a network, a small cached batch that repeats every
+step skips even the status word: it travels with its readiness count in one allreduce
+(`speculation`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import logging
 import pickle
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +63,7 @@ class Agreement:
         plans: where the responses are exactly a set agreed before (the response cache
             unchanged since), a dict kept with that set for what is derived from it alone
             (`planner.plan_batches` keeps its plan there); else None.
+        votes: the layout answers sent with the status word, and-ed over every rank.
     """
 
     responses: list[Response] = field(default_factory=list)
@@ -74,6 +77,7 @@ class Agreement:
     join_reported: bool = False
     knobs_sent: bool = False
     plans: dict | None = None
+    votes: list[bool] = field(default_factory=list)
 
 
 class Negotiator:
@@ -137,8 +141,10 @@ class Negotiator:
         self.speculator.succeeded()
 
     def negotiate(self, pending: dict[str, Request], shutting_down: bool,
-                  knobs_wanted: Knobs | None, join_state: str) -> Agreement:
-        """One cycle's agreement over `pending` (this rank's requests not yet run)."""
+                  knobs_wanted: Knobs | None, join_state: str,
+                  votes: Sequence[bool] = ()) -> Agreement:
+        """One cycle's agreement over `pending` (this rank's requests not yet run); `votes`
+        (the same number on every rank) travel with the status word, and-ed."""
         self._current()  # the cache changes only in the report exchange, after the bits
         stalled = self._stalled(pending)
         joined = join_state == JOIN_REPORTED
@@ -157,16 +163,20 @@ class Negotiator:
         status |= JOINED if joined else 0
         words = self._cache.bits(self._cache.lru_order() if joined
                                  else cached + self._outside_names())
-        vector = np.empty(1 + len(words), dtype=np.uint64)
+        end = 1 + len(words)
+        ballot = _bit_words(votes)
+        vector = np.empty(end + len(ballot), dtype=np.uint64)
         vector[0] = status
-        vector[1:] = words
+        vector[1:end] = words
+        vector[end:] = ballot
         self._world_allreduce(vector.view(np.int64), "band")
         agreed = int(vector[0])
         result = Agreement(stop=not agreed & NOT_SHUTTING_DOWN,
-                           all_joined=bool(agreed & JOINED))
+                           all_joined=bool(agreed & JOINED),
+                           votes=_flags(vector[end:], len(votes)))
 
         if not result.all_joined and len(words):
-            responses, result.plans = self._agreed_for(vector[1:])
+            responses, result.plans = self._agreed_for(vector[1:end])
             result.responses.extend(responses)
             result.cache_hits = len(responses)
             self._coordinator.forget(r.name for r in responses)
@@ -285,3 +295,17 @@ class Negotiator:
         result.join_reported = report.join
         result.knobs_sent = knobs_wanted is not None
         result.knobs = Knobs(**decision.knobs) if decision.knobs else None
+
+
+def _bit_words(flags: Sequence[bool]) -> np.ndarray:
+    """`flags` as bits of 64-bit words (flag i: bit i % 64 of word i // 64)."""
+    words = np.zeros((len(flags) + 63) // 64, dtype=np.uint64)
+    for i, flag in enumerate(flags):
+        if flag:
+            words[i // 64] |= np.uint64(1 << (i % 64))
+    return words
+
+
+def _flags(words: np.ndarray, count: int) -> list[bool]:
+    """The first `count` flags of `_bit_words`' words."""
+    return [bool(int(words[i // 64]) >> (i % 64) & 1) for i in range(count)]

@@ -50,12 +50,12 @@ class PieceStream:
     Every rank sends the same pieces in the same order (they are cut from agreed sizes), so
     when this rank's pieces land says nothing the others must match."""
 
-    def __init__(self) -> None:
+    def __init__(self, wakes: threading.Condition | None = None) -> None:
         self._pieces: deque[_Piece] = deque()  # sent, not finished; oldest first
         self._cond = threading.Condition()  # a piece landed
         # notified (from the group's thread) whenever a piece lands: the condition an idle
         # engine waits on in `wait_for_work`
-        self.wakes: threading.Condition | None = None
+        self.wakes = wakes
 
     def __len__(self) -> int:
         return len(self._pieces)

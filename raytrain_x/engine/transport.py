@@ -136,12 +136,6 @@ class Transport:
         """`array` reduced in place by `pset`'s backend group."""
         pset.group.allreduce(array, op)
 
-    def agree_on_all(self, pset: ProcessSetGroup, flags: list[bool]) -> list[bool]:
-        """Each of `flags` and-ed over `pset`'s members (a collective on its group)."""
-        votes = np.array([1 if f else 0 for f in flags], dtype=np.int32)
-        pset.group.allreduce(votes, "min")
-        return [bool(v) for v in votes]
-
     def shm_allreduce_many(self, arrays: list[Any], op: str, prescale: float,
                        postscale: float, pset: ProcessSetGroup) -> None:
         """Fused allreduce through the shared slots: each chunk is filled from the arrays

@@ -15,6 +15,7 @@ from raytrain_x.common.autotune_log import Sample
 from raytrain_x.common.errors import ConfigError
 from raytrain_x.common.knobs import Knobs
 from raytrain_x.common.settings import (
+    ALL,
     METRICS_INTERVAL_S,
     STALL_SHUTDOWN_S,
     STALL_WARNING_S,
@@ -37,6 +38,15 @@ def test_a_setting_out_of_its_range_is_refused_naming_the_variable(setting, raw)
     message = str(err.value)
     assert setting.env in message and "\n" not in message
     assert f"unset it for the default {setting.default:g}" in message
+
+
+@pytest.mark.parametrize("raw", ["nan", "inf", "-inf", "1e400"])
+def test_a_whole_number_setting_refuses_what_is_not_finite_in_one_line(raw):
+    # a NaN fusion threshold raised Python's "cannot convert float NaN to integer"
+    for setting in ALL:
+        if setting.kind is int:
+            with pytest.raises(ConfigError, match=f"{setting.env}='{raw}' is out of range"):
+                setting.read({setting.env: raw})
 
 
 def test_settings_in_range_and_documented_zeros_are_taken():

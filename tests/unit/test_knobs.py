@@ -172,3 +172,13 @@ def test_a_best_config_file_gives_knobs_and_training_settings(tmp_path):
         read_training_settings(bad)
     with pytest.raises(ConfigError, match="micro_batch_size must be an integer"):
         training_settings({"RAYTRAIN_X_MICRO_BATCH_SIZE": "lots"})
+
+
+def test_a_flag_in_mb_is_checked_in_its_own_unit():
+    # the flag and the `fusion_threshold_mb` key take MB (fractions too), the variable bytes
+    knobs, _ = load_knobs(flags={"fusion_threshold_bytes": 0.5}, env={})
+    assert knobs.fusion_threshold_bytes == 512 * 1024
+    for bad, said in (("-1", "out of range: 0 to 4096 \\(MB\\)"), ("nan", "out of range"),
+                      ("lots", "not a number")):
+        with pytest.raises(ConfigError, match=f"flag --fusion-threshold-mb='?{bad}'? is {said}"):
+            load_knobs(flags={"fusion_threshold_bytes": bad}, env={})
