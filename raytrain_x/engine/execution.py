@@ -34,7 +34,7 @@ from raytrain_x.engine.messages import (
     Response,
 )
 from raytrain_x.engine.pieces import IN_FLIGHT_HELD, PieceStream, in_flight_pieces
-from raytrain_x.engine.routes import Batch, Route, allreduce_route, flat_route
+from raytrain_x.engine.routes import Batch, Route, allreduce_route, flat_route, gather_route
 from raytrain_x.engine.speculation import elements
 from raytrain_x.engine.timeline import Timeline
 from raytrain_x.engine.transport import Transport, fits_shm
@@ -300,20 +300,27 @@ class CollectiveRunner:
         tensor = req.tensor
         ops = ops_for(tensor)
         dtype, device = ops.dtype(tensor), ops.device(tensor)
+        route = gather_route(resp.meta.dtype, resp.meta.device, self.transport.links(pset),
+                             knobs.hierarchical_allgather)
+        if route is not Route.NETWORK:
+            tensor = _contiguous(tensor, ops)
         longest = max(dims)
-        if min(dims) == longest and not (knobs.hierarchical_allgather
-                                         and self.transport.multi_level()):
+        if min(dims) == longest and route is not Route.HIERARCHICAL:
             out = _output_that_fits(req, (longest * len(dims), *tensor.shape[1:]), ops)
-            self._timed(resp.name, "ALLGATHER",
-                        lambda: self.transport.allgather_into(out, tensor, pset))
+            if ops.numel(out):  # else every member's block is empty alike
+                move = (self.transport.shm_allgather_into if route is Route.SHM
+                        else lambda o, a, p: p.group.allgather_into(o, a))
+                self._timed(resp.name, "ALLGATHER", lambda: move(out, tensor, pset))
             return [out]
         padded = tensor
         if tensor.shape[0] != longest:
             padded = ops.zeros((longest, *tensor.shape[1:]), dtype, device)
             padded[: tensor.shape[0]] = tensor
         outs = [ops.empty(padded.shape, dtype, device) for _ in dims]
-        self._timed(resp.name, "ALLGATHER", lambda: self.transport.allgather(
-            outs, padded, pset, knobs.hierarchical_allgather))
+        moves = {Route.SHM: lambda: self.transport.shm_allgather(outs, padded, pset),
+                 Route.HIERARCHICAL: lambda: self.transport.hierarchical_allgather(outs, padded),
+                 Route.NETWORK: lambda: pset.group.allgather(outs, padded)}
+        self._timed(resp.name, "ALLGATHER", moves[route])
         return [ops.concat([o[:d] for o, d in zip(outs, dims)])]
 
     def _broadcast(self, batch, requests, pset, knobs):
@@ -348,10 +355,14 @@ class CollectiveRunner:
                 _scale_integers([work], meta.prescale)
         n, dim0 = pset.size(), work.shape[0]
         me = pset.rank()
-        if dim0 % n == 0 and ops.is_contiguous(work):  # equal shares: a true reduce-scatter
+        if dim0 % n == 0:  # equal shares: a true reduce-scatter
+            work = _contiguous(work, ops)
             out = _output_that_fits(req, (dim0 // n, *work.shape[1:]), ops)
-            self._timed(resp.name, "REDUCESCATTER",
-                        lambda: self.transport.reducescatter(out, work, pset))
+            move = (self.transport.shm_reducescatter
+                    if gather_route(meta.dtype, meta.device, self.transport.links(pset))
+                    is Route.SHM else lambda o, a, p: p.group.reduce_scatter(o, a))
+            if ops.numel(work):  # else there is nothing to reduce, on any member
+                self._timed(resp.name, "REDUCESCATTER", lambda: move(out, work, pset))
         else:  # Horovod's uneven split (the first dim0 % n members one row more)
             if work is req.tensor:
                 work = ops.clone(work)
@@ -405,6 +416,15 @@ def _nothing() -> None:
 def _zeros(meta: Meta) -> Any:
     """A joined rank's contribution to an allreduce it did not submit."""
     return ops_for_device(meta.device).zeros(meta.shape, meta.dtype, meta.device)
+
+
+def _contiguous(array: Any, ops) -> Any:
+    """`array`, or a contiguous copy of it (what shared memory and the backends take)."""
+    if ops.is_contiguous(array):
+        return array
+    copy = ops.empty(tuple(array.shape), ops.dtype(array), ops.device(array))
+    copy[...] = array
+    return copy
 
 
 def _output_that_fits(req, shape: tuple, ops) -> Any:

@@ -1,6 +1,7 @@
-"""Which way an agreed allreduce batch travels: one pure decision, from facts every member
-shares (the batch's agreed metadata, what the set's links can do, the knobs), so every
-member of the set takes the same route without asking the others.
+"""Which way an agreed allreduce batch (and an allgather or reduce-scatter) travels: one
+pure decision, from facts every member shares (the batch's agreed metadata, what the
+set's links can do, the knobs), so every member of the set takes the same route without
+asking the others.
 
 The routes:
 
@@ -49,6 +50,8 @@ class Links:
     shm: bool = False  # the members share a shared-memory group
     hierarchical: bool = False  # the global set of a world where hierarchical allreduce
     # applies: several hosts with several workers each, every host with shared memory
+    multi_level: bool = False  # the global set of a world of several hosts with several
+    # workers each (where a hierarchical allgather applies)
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,19 @@ def allreduce_route(batch: Batch, links: Links, hierarchical_knob: bool) -> Rout
         return Route.HIERARCHICAL if batch.wire_dtype in SHM_DTYPES else Route.NETWORK
     if batch.wire_dtype == batch.dtype and batch.largest_bytes >= IN_FLIGHT_MIN_BYTES:
         return Route.IN_FLIGHT
+    return Route.NETWORK
+
+
+def gather_route(dtype: str, device: str, links: Links, hierarchical_knob: bool = False) -> Route:
+    """The route of an allgather or a reduce-scatter over the set, from agreed facts only
+    (a rank's own memory never decides it: a rank whose array is not contiguous copies it
+    and takes the same route): `SHM` where the members share memory that takes the dtype,
+    `HIERARCHICAL` for an allgather of the global set across several hosts with several
+    workers each when the knob asks for it, else `NETWORK` (the set's backend group)."""
+    if links.shm and device == "cpu" and dtype in SHM_DTYPES:
+        return Route.SHM
+    if hierarchical_knob and links.multi_level:
+        return Route.HIERARCHICAL
     return Route.NETWORK
 
 

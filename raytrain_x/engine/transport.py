@@ -6,8 +6,8 @@ memory, local stages in the host's shared-memory group (or, for allgather, the l
 group) around a cross-host stage. A process set whose members share a host gets a
 shared-memory group of its own; other sets use their backend group.
 
-`links(pset)` says what a set's links can do (the same on every member); which of them an
-allreduce batch takes is `engine.routes`' decision, and the moves here carry it out.
+`links(pset)` says what a set's links can do (the same on every member); which of them a
+collective takes is `engine.routes`' decision, and the moves here carry it out.
 """
 
 from __future__ import annotations
@@ -40,7 +40,10 @@ class Transport:
 
     def __init__(self, groups: ProcessGroups) -> None:
         self.groups = groups
-        timeout_s = groups.rdv.timeout_s
+        rdv = groups.rdv
+        timeout_s = rdv.timeout_s
+        # several hosts with several workers each: the case hierarchical collectives are for
+        self._multi_level = rdv.cross_size > 1 and rdv.local_size > 1 and groups.homogeneous()
         # Single-host worlds reduce through shared memory; in multi-host worlds each host's
         # ranks share memory for the local stages of hierarchical allreduce.
         self._shm = open_host_group(groups, timeout_s)
@@ -91,8 +94,7 @@ class Transport:
     def multi_level(self) -> bool:
         """True when the world has several hosts with several workers each (the case
         hierarchical collectives are for)."""
-        rdv = self.groups.rdv
-        return rdv.cross_size > 1 and rdv.local_size > 1 and self.groups.homogeneous()
+        return self._multi_level
 
     def abort(self) -> None:
         """This rank's engine failed: its peers must fail now, not at their timeout. Those
@@ -115,9 +117,10 @@ class Transport:
 
     def links(self, pset: ProcessSetGroup) -> Links:
         """What `pset`'s links can do (`engine.routes`), the same on every member."""
+        world = pset.process_set_id == 0
         return Links(shm=self._shm_of(pset) is not None,
-                     hierarchical=(pset.process_set_id == 0
-                                   and self.hierarchical_allreduce_applies))
+                     hierarchical=world and self.hierarchical_allreduce_applies,
+                     multi_level=world and self._multi_level)
 
     # ----------------------------------------------------------------- allreduce
     def world_allreduce(self, array: Any, op: str) -> None:
@@ -171,56 +174,35 @@ class Transport:
         wait()
         _shm_call(self._local_shm.allgather_shards, chunk)
 
-    # ----------------------------------------------------------------- allgather
-    def allgather(self, outs: list[Any], array: Any, pset: ProcessSetGroup,
-                  hierarchical: bool) -> None:
-        """Equally shaped `array`s of every member into `outs`, by the best route."""
-        shm = self._shm_of(pset)
-        if shm is not None and fits_shm(array):
-            block = _shm_allgather(shm, array)
-            for i, out in enumerate(outs):
-                out[...] = block[i]
-        elif hierarchical and pset.process_set_id == 0 and self.multi_level():
-            self._hierarchical_allgather(outs, array)
-        else:
-            pset.group.allgather(outs, array)
+    # ------------------------------------------------ allgather and reduce-scatter
+    def shm_allgather(self, outs: list[Any], array: Any, pset: ProcessSetGroup) -> None:
+        """Equally shaped, contiguous `array`s of every member into `outs`, through the
+        set's shared memory."""
+        block = _shm_allgather(self._shm_of(pset), array)
+        for i, out in enumerate(outs):
+            out[...] = block[i]
 
-    def allgather_into(self, out: Any, array: Any, pset: ProcessSetGroup) -> None:
-        """Every member's equally shaped `array`, member by member along dim 0 of `out`,
-        with no copies beyond the collective's own: in place in shared memory on one host,
-        else the backend's allgather into one tensor."""
-        if ops_for(out).numel(out) == 0:  # every member's block is empty alike
-            return
-        shm = self._shm_of(pset)
-        if shm is not None and fits_shm(out) and fits_shm(array):
-            rows = array.shape[0]
-            mine = out[pset.rank() * rows:(pset.rank() + 1) * rows]
-            if not _same_memory(mine, array):
-                mine[...] = array
-            _shm_call(shm.allgather_shards, out)
-        else:
-            pset.group.allgather_into(out, array)
+    def shm_allgather_into(self, out: Any, array: Any, pset: ProcessSetGroup) -> None:
+        """Every member's equally shaped, contiguous `array`, member by member along dim 0
+        of the contiguous `out`, in place in the set's shared memory."""
+        rows = array.shape[0]
+        mine = out[pset.rank() * rows:(pset.rank() + 1) * rows]
+        if not _same_memory(mine, array):
+            mine[...] = array
+        _shm_call(self._shm_of(pset).allgather_shards, out)
 
-    # ------------------------------------------------------------- reduce-scatter
-    def reducescatter(self, out: Any, array: Any, pset: ProcessSetGroup) -> None:
-        """The sum of every member's `array` (dim 0 a multiple of the set's size), of which
-        this member keeps its own equal share in `out`: reduced in shared memory on one
-        host, else by the backend's reduce-scatter (half an allreduce's traffic)."""
-        if ops_for(array).numel(array) == 0:  # nothing to reduce
-            return
-        shm = self._shm_of(pset)
-        if shm is not None and fits_shm(out) and fits_shm(array):
-            _shm_call(shm.reduce_scatter, array, out, "sum")
-        else:
-            pset.group.reduce_scatter(out, array)
+    def shm_reducescatter(self, out: Any, array: Any, pset: ProcessSetGroup) -> None:
+        """The sum of every member's contiguous `array` (dim 0 a multiple of the set's
+        size), this member's equal share into `out`, reduced in the set's shared memory."""
+        _shm_call(self._shm_of(pset).reduce_scatter, array, out, "sum")
 
-    def _hierarchical_allgather(self, outs: list[Any], array: Any) -> None:
-        """Allgather within the host (shared memory when the host has it), then exchange
-        whole host blocks across hosts."""
+    def hierarchical_allgather(self, outs: list[Any], array: Any) -> None:
+        """Allgather of the global set within each host (shared memory when the host has
+        it and it takes the dtype), then whole host blocks exchanged across hosts."""
         ops = ops_for(array)
         local, cross = self.groups.local, self.groups.cross
         dtype, device = ops.dtype(array), ops.device(array)
-        if self._local_shm is not None and fits_shm(array):
+        if self._local_shm is not None and device == "cpu" and dtype in SHM_DTYPES:
             block = _shm_allgather(self._local_shm, array)
         else:
             local_outs = [ops.empty(array.shape, dtype, device) for _ in range(local.size)]

@@ -70,6 +70,42 @@ def _objects_of_any_type() -> dict:
     return out
 
 
+def _strided_on_one_rank() -> dict:
+    import numpy as np
+
+    from raytrain_x import core
+    from raytrain_x.core.collectives import submit, synchronize
+    from raytrain_x.engine.messages import ALLGATHER, REDUCESCATTER, Meta
+
+    core.init()
+    rank, size = core.rank(), core.size()
+    # the same values on every rank, strided (a transposed view, every other column) on
+    # rank 0 alone: the route must not depend on it
+    rows = np.arange(12, dtype=np.float32).reshape(3, 4) + 100 * rank
+    mine = rows.T if rank == 0 else np.ascontiguousarray(rows.T)
+    gathered = synchronize(submit("strided.gather", Meta(ALLGATHER, "float32", mine.shape),
+                                  mine))
+    wide = np.arange(4 * size * 6, dtype=np.float32).reshape(4 * size, 6)
+    share = wide[:, ::2] if rank == 0 else np.ascontiguousarray(wide[:, ::2])
+    reduced = synchronize(submit("strided.rs", Meta(REDUCESCATTER, "float32", share.shape,
+                                                    "sum"), share))
+    want_gather = np.concatenate([(np.arange(12, dtype=np.float32).reshape(3, 4) + 100 * r).T
+                                  for r in range(size)])
+    want_share = (wide[:, ::2] * size)[rank * 4:(rank + 1) * 4]
+    core.shutdown()
+    return {"gather": bool(np.array_equal(gathered, want_gather)),
+            "reducescatter": bool(np.array_equal(reduced, want_share))}
+
+
+@pytest.mark.parametrize("shm", ["1", "0"])
+def test_a_strided_array_on_one_rank_takes_the_same_route_as_the_others(shm):
+    # it used to choose shared memory on the ranks with contiguous arrays and the network
+    # on the other, and both waited until the collective timeout
+    results = run_workers(_strided_on_one_rank, 2, env={"RAYTRAIN_X_SHM": shm,
+                                                        "RAYTRAIN_X_TIMEOUT": "15"})
+    assert results == [{"gather": True, "reducescatter": True}] * 2
+
+
 def test_objects_are_broadcast_and_gathered_whatever_type_each_rank_passes():
     """Unnamed object collectives were named after the object's type, so `None` on the
     others and a dict on the root never met (a stall)."""

@@ -7,7 +7,14 @@ import pytest
 
 from raytrain_x.engine.messages import Meta
 from raytrain_x.engine.pieces import IN_FLIGHT_MIN_BYTES
-from raytrain_x.engine.routes import Batch, Links, Route, allreduce_route, flat_route
+from raytrain_x.engine.routes import (
+    Batch,
+    Links,
+    Route,
+    allreduce_route,
+    flat_route,
+    gather_route,
+)
 
 MB = 1 << 20
 ONE_HOST = Links(shm=True)
@@ -55,3 +62,19 @@ def test_a_flat_speculative_array_never_goes_in_pieces():
     assert flat_route("float32", HOSTS, True) is Route.NETWORK
     assert flat_route("float32", HOSTS_OF_MANY, True) is Route.HIERARCHICAL
     assert flat_route("float32", ONE_HOST, True) is Route.SHM
+
+
+@pytest.mark.parametrize("dtype,device,links,knob,route", [
+    ("float32", "cpu", ONE_HOST, False, Route.SHM),
+    ("int64", "cpu", ONE_HOST, True, Route.SHM),
+    ("bool", "cpu", ONE_HOST, False, Route.NETWORK),  # no shared-memory slots for it
+    ("float32", "cuda", ONE_HOST, False, Route.NETWORK),  # device memory: the backend
+    ("float32", "cpu", HOSTS, True, Route.NETWORK),
+    ("float32", "cpu", Links(multi_level=True), True, Route.HIERARCHICAL),
+    ("float32", "cpu", Links(multi_level=True), False, Route.NETWORK),
+])
+def test_an_allgather_or_reducescatter_route_comes_from_agreed_facts_alone(
+        dtype, device, links, knob, route):
+    # nothing of one rank's own memory (contiguity) is asked: a rank whose array is
+    # strided copies it and takes the same route as the others
+    assert gather_route(dtype, device, links, knob) is route
