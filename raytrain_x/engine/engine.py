@@ -40,6 +40,7 @@ from raytrain_x.engine.negotiation import (
 )
 from raytrain_x.engine.pieces import PieceStream
 from raytrain_x.engine.planner import plan_batches
+from raytrain_x.engine.speculation import Speculation
 from raytrain_x.engine.stats import EngineStats
 from raytrain_x.engine.timeline import Timeline
 from raytrain_x.engine.transport import Transport
@@ -77,12 +78,8 @@ class Engine:
         self.stats = EngineStats()
         self._transport = Transport(groups)  # opened collectively, now
         self.hierarchical_allreduce_applies = self._transport.hierarchical_allreduce_applies
-        # Shared memory answers the status word in microseconds; a network needs a round
-        # trip, which speculative cycles save for small batches that repeat every step.
         self._negotiator = Negotiator(groups, self._transport.world_allreduce,
-                                      knobs.cache_capacity, stall_warning_s, stall_shutdown_s,
-                                      speculate=not self._transport.links(
-                                          groups.process_set(0)).shm)
+                                      knobs.cache_capacity, stall_warning_s, stall_shutdown_s)
         self._timeline = (Timeline(timeline_path, timeline_mark_cycles)
                           if timeline_path and self.rank == 0 else None)
         self._cond = threading.Condition()
@@ -93,6 +90,11 @@ class Engine:
         self._layout = LayoutVotes()
         self._runner = CollectiveRunner(self._transport, self._timeline, self.stats,
                                         self._stream, self._layout)
+        # Shared memory answers the status word in microseconds; a network needs a round
+        # trip, which speculative cycles save for small batches that repeat every step.
+        self._speculation = Speculation(
+            self.size > 1 and not self._transport.links(groups.process_set(0)).shm,
+            self._runner)
         self._queue: list[Request] = []
         self._inflight: set[str] = set()
         self._pending: dict[str, Request] = {}
@@ -273,13 +275,14 @@ class Engine:
             self._pending[req.name] = req
         self.stats.cycles += 1
 
-        expected = self._negotiator.expected_batch()
-        if expected is not None and self._speculate(expected, self._negotiator.ready_to_speculate(
-                self._pending, shutting_down, knobs_wanted, join_state)):
+        quiet = not shutting_down and knobs_wanted is None and join_state == JOIN_NONE
+        if self._speculation.expected() is not None and self._speculate(quiet):
             return False
         agreement = self._negotiator.negotiate(self._pending, shutting_down, knobs_wanted,
                                                join_state, self._layout.votes())
         self._layout.settle(agreement.votes)
+        if not agreement.all_joined:
+            self._speculation.observe(agreement.responses, agreement.all_cached)
         self.stats.negotiations += agreement.reports_exchanged
         self.stats.cache_hits += agreement.cache_hits
         self.stats.stalls += agreement.stalls
@@ -321,17 +324,18 @@ class Engine:
                 log.exception("raytrain-x: a cycle hook failed and was removed")
                 self._cycle_hooks.remove(hook)
 
-    def _speculate(self, expected: list[Response], ready: bool) -> bool:
+    def _speculate(self, quiet: bool) -> bool:
         """Sends the expected batch with this rank's readiness (`speculation`); True when
         every rank was ready and the batch is done."""
-        requests = [self._pending.get(r.name) for r in expected] if ready else []
+        expected = self._speculation.expected()
         began = time.perf_counter()
-        results = self._runner.run_speculative(expected, requests,
-                                                 self.groups.process_set(0), self.knobs)
-        self._negotiator.speculation_done(results is not None)
-        if results is None:
+        outcome = self._speculation.cycle(self._pending, quiet, self.groups.process_set(0),
+                                          self.knobs)
+        if outcome is None:
             self.stats.speculation_misses += 1
             return False
+        requests, results = outcome
+        self._negotiator.touch([r.name for r in expected])
         self.stats.speculated += 1
         for r in expected:
             self._pending.pop(r.name)
@@ -356,7 +360,7 @@ class Engine:
 
     def _apply_knobs(self, knobs: Knobs) -> None:
         self._negotiator.set_cache_capacity(knobs.cache_capacity)
-        self._negotiator.speculator.reset()
+        self._speculation.reset()
         self.knobs = knobs
         for listener in self._knob_listeners:
             listener(knobs)

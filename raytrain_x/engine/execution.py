@@ -35,7 +35,6 @@ from raytrain_x.engine.messages import (
 )
 from raytrain_x.engine.pieces import IN_FLIGHT_HELD, PieceStream, in_flight_pieces
 from raytrain_x.engine.routes import Batch, Route, allreduce_route, flat_route, gather_route
-from raytrain_x.engine.speculation import elements
 from raytrain_x.engine.timeline import Timeline
 from raytrain_x.engine.transport import Transport, fits_shm
 
@@ -94,41 +93,18 @@ class CollectiveRunner:
             self.stream.drain()
         return self._kinds[batch[0].meta.kind](batch, requests, pset, knobs)
 
-    def run_speculative(self, batch: list[Response], requests: list[Request],
-                        pset: ProcessSetGroup, knobs: Knobs) -> list[Any] | None:
-        """One allreduce(sum) of [readiness, the batch fused] (`engine.speculation`).
-        `requests` is the batch's requests on a ready rank, empty on one that is not (it
-        sends zeros). Returns the results when every member was ready, else None (the
-        inputs are untouched)."""
-        self.stream.drain()  # it packs into slot 0 and waits for its own result
-        meta = batch[0].meta
-        counts = elements(batch)
-        buf = self._buffers.get(meta.dtype, (sum(counts) + 1) * DTYPE_SIZES[meta.dtype])
-        flat = ops_for_device("cpu").view_buffer(buf, sum(counts) + 1)
-        ready = bool(requests)
-        floating = meta.dtype.startswith("float") or meta.dtype == "bfloat16"
-        pre, post = _scales(meta, pset.size())
-        int_pre, int_post = (1.0, 1.0) if floating else (pre, post)
-        if not floating:
-            pre = post = 1
-        if ready:
-            tensors = [req.tensor for req in requests]
-            packed = tensors
-            if int_pre != 1.0:  # scaled copies: the inputs stay untouched until all are ready
-                packed = [ops_for(t).clone(t) for t in tensors]
-                _scale_integers(packed, int_pre)
-            pack(packed, buf, pre, 1, [r.name for r in batch])
-        else:
-            flat[1:] = 0
-        flat[0] = 1 if ready else 0
-        row = batch[0].name if len(batch) == 1 else f"fused[{len(batch)}]"
-        route = flat_route(meta.dtype, self.transport.links(pset), knobs.hierarchical_allreduce)
+    def fusion_buffer(self, dtype: str, nbytes: int) -> Any:
+        """The first fusion buffer of `dtype`, at least `nbytes`, once no piece on the
+        stream uses it (a speculative cycle packs its batch there)."""
+        self.stream.drain()
+        return self._buffers.get(dtype, nbytes)
+
+    def sum_flat(self, flat: Any, dtype: str, row: str, pset: ProcessSetGroup,
+                 knobs: Knobs) -> None:
+        """Sums one flat host array of `dtype` over `pset` at once, by its route
+        (`flat_route`), timed on the timeline's `row`."""
+        route = flat_route(dtype, self.transport.links(pset), knobs.hierarchical_allreduce)
         self._timed(row, "ALLREDUCE", lambda: self._flat_movers[route](flat, pset))
-        if int(flat[0]) != pset.size() or not ready:
-            return None
-        unpack(buf, tensors, post, 1, [r.name for r in batch])
-        _scale_integers(tensors, int_post)
-        return [req.output if req.output is not None else req.tensor for req in requests]
 
     def _allreduce(self, batch, requests, pset, knobs):
         meta = batch[0].meta
@@ -142,9 +118,9 @@ class CollectiveRunner:
         if route is Route.ADASUM:
             return self._adasum(batch, requests, tensors, ops, pset)
         floating = ops.is_floating(tensors[0])
-        pre, post = _scales(meta, pset.size())
+        pre, post = scales(meta, pset.size())
         if not floating:  # Horovod's rule: integers are scaled in float64, outside the sum
-            _scale_integers(tensors, pre)
+            scale_integers(tensors, pre)
             int_post, pre, post = post, 1, 1
         if len(batch) > 1:
             self.stats.fused += 1
@@ -154,7 +130,7 @@ class CollectiveRunner:
         if not floating:
             if route is Route.IN_FLIGHT:  # scaled in float64 once summed
                 self.stream.drain()
-            _scale_integers(tensors, int_post)
+            scale_integers(tensors, int_post)
         return [None if req is None else req.output if req.output is not None else req.tensor
                 for req in requests]
 
@@ -352,7 +328,7 @@ class CollectiveRunner:
             if floating:
                 ops.scale(work, meta.prescale)
             else:
-                _scale_integers([work], meta.prescale)
+                scale_integers([work], meta.prescale)
         n, dim0 = pset.size(), work.shape[0]
         me = pset.rank()
         if dim0 % n == 0:  # equal shares: a true reduce-scatter
@@ -374,7 +350,7 @@ class CollectiveRunner:
             if post != 1.0:
                 ops.scale(out, post)
         else:
-            _scale_integers([out], post)
+            scale_integers([out], post)
         return [out]
 
     def _barrier(self, batch, requests, pset, knobs):
@@ -389,7 +365,7 @@ class CollectiveRunner:
         return out
 
 
-def _scales(meta: Meta, size: int) -> tuple[float, float]:
+def scales(meta: Meta, size: int) -> tuple[float, float]:
     """The factors applied on the way into and out of a sum (average: 1/size after)."""
     scaled = meta.op in ("sum", "average")
     pre = meta.prescale if scaled else 1.0
@@ -399,7 +375,7 @@ def _scales(meta: Meta, size: int) -> tuple[float, float]:
     return pre, post
 
 
-def _scale_integers(tensors: list[Any], factor: float) -> None:
+def scale_integers(tensors: list[Any], factor: float) -> None:
     """Scales integer tensors as Horovod does: in float64, cast back toward zero (so a
     factor below 1 does not turn every value into 0, and an average truncates)."""
     if factor == 1.0:

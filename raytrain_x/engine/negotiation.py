@@ -27,7 +27,6 @@ from raytrain_x.comm.groups import ProcessGroups
 from raytrain_x.common.knobs import Knobs
 from raytrain_x.engine.coordinator import Coordinator, Report
 from raytrain_x.engine.messages import ALLREDUCE, Meta, Request, Response
-from raytrain_x.engine.speculation import Speculator
 
 log = logging.getLogger("raytrain_x.engine")
 
@@ -64,6 +63,8 @@ class Agreement:
             unchanged since), a dict kept with that set for what is derived from it alone
             (`planner.plan_batches` keeps its plan there); else None.
         votes: the layout answers sent with the status word, and-ed over every rank.
+        all_cached: every response is in the response cache (what `speculation` learns
+            from).
     """
 
     responses: list[Response] = field(default_factory=list)
@@ -78,6 +79,7 @@ class Agreement:
     knobs_sent: bool = False
     plans: dict | None = None
     votes: list[bool] = field(default_factory=list)
+    all_cached: bool = False
 
 
 class Negotiator:
@@ -89,13 +91,10 @@ class Negotiator:
         cache_capacity: response-cache entries (0 = off).
         stall_warning_s: report a request pending this long (as a stall).
         stall_shutdown_s: fail a name pending this long on some rank (0 = only warn).
-        speculate: expect repeating small cached batches (`speculation`); worth it where
-            the status word costs a network round trip.
     """
 
     def __init__(self, groups: ProcessGroups, world_allreduce: Callable[[Any, str], None],
-                 cache_capacity: int, stall_warning_s: float, stall_shutdown_s: float,
-                 speculate: bool = False) -> None:
+                 cache_capacity: int, stall_warning_s: float, stall_shutdown_s: float) -> None:
         self.rank = groups.rdv.rank
         self._groups = groups
         self._world_allreduce = world_allreduce
@@ -111,34 +110,17 @@ class Negotiator:
         self._next_stall_scan = 0.0
         self._coordinator = Coordinator(
             lambda set_id: groups.process_set(set_id).ranks, stall_shutdown_s)
-        self._speculate = speculate and groups.rdv.size > 1
-        self.speculator = Speculator()
 
     def set_cache_capacity(self, capacity: int) -> None:
         if capacity != self._cache.capacity:
             self._cache = _native.ResponseCache(capacity)
             self._cache_version += 1
 
-    # ----------------------------------------------------------------- speculative cycles
-    def expected_batch(self) -> list[Response] | None:
-        """The batch every rank sends speculatively this cycle, or None (same on all)."""
-        return self.speculator.expected if self._speculate else None
-
-    def ready_to_speculate(self, pending: dict[str, Request], shutting_down: bool,
-                           knobs_wanted: Knobs | None, join_state: str) -> bool:
-        """This rank has exactly the expected batch pending and nothing else to say."""
-        return (not shutting_down and knobs_wanted is None and join_state == JOIN_NONE
-                and self.speculator.ready(pending))
-
-    def speculation_done(self, succeeded: bool) -> None:
-        """After the speculative allreduce: the same LRU touches as a cache hit, or the
-        expectation dropped."""
-        if not succeeded:
-            self.speculator.failed()
-            return
-        for r in self.speculator.expected:
-            self._cache.get(r.name)
-        self.speculator.succeeded()
+    def touch(self, names: list[str]) -> None:
+        """Marks cached `names` most recently used, in order (a speculative cycle ran them:
+        the same touches as a cache hit, on every rank alike)."""
+        for name in names:
+            self._cache.get(name)
 
     def negotiate(self, pending: dict[str, Request], shutting_down: bool,
                   knobs_wanted: Knobs | None, join_state: str,
@@ -183,10 +165,9 @@ class Negotiator:
 
         if not (agreed & NOTHING_TO_REPORT and agreed & NO_MESSAGE):
             self._exchange_reports(result, pending, stalled, knobs_wanted, join_state)
-        if self._speculate and not result.all_joined:
-            self.speculator.observe(result.responses, self._cache.capacity > 0 and (
-                not result.reports_exchanged  # all from the cache's bits
-                or all(self._cache.peek(r.name) is not None for r in result.responses)))
+        result.all_cached = self._cache.capacity > 0 and (
+            not result.reports_exchanged  # all from the cache's bits
+            or all(self._cache.peek(r.name) is not None for r in result.responses))
         if result.all_joined:
             coordinator = self._coordinator
             result.joined_last = coordinator.joined[-1] if coordinator.joined else self.rank
