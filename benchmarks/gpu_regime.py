@@ -14,6 +14,7 @@ Ways, in the same processes, interleaved round by round (--repeats rounds):
   ddp<N>     DistributedDataParallel with bucket_cap_mb=N (--ddp-buckets: 5 25 100)
   rx         raytrain_x.torch.DistributedOptimizer with its defaults
   rx-g<M>c<C> the same at fusion threshold M MB and cycle time C ms (--grid-mb, --grid-ms)
+  rx-b<N>    the same with fixed gradient buckets of N MB, as DDP's (--rx-buckets)
   rx-hier    the same with hierarchical allreduce on, or rx-flat with it off, whichever is
              not the default (several hosts with several workers: where it applies)
   rx-tuned   the same at the knobs autotune chose for this step time in this world
@@ -166,6 +167,7 @@ def measure(rank: int, size: int, args, tag: str) -> dict:
         ways = ["floor", *(f"ddp{b:g}" for b in args.ddp_buckets), "rx",
                 *other,
                 *(f"rx-g{mb:g}c{ms:g}" for mb in args.grid_mb for ms in args.grid_ms),
+                *(f"rx-b{mb:g}" for mb in args.rx_buckets),
                 "serial", "rx-serial", *(["rx-tuned"] if args.autotune else [])]
         if args.autotune:
             tuned[str(step_ms)] = _tune(shapes, step_ms, x, tag)
@@ -181,7 +183,9 @@ def measure(rank: int, size: int, args, tag: str) -> dict:
                 if way.startswith("rx"):  # the serial reference at the default knobs
                     agree_knobs(**_knobs_of(way, tuned.get(str(step_ms))))
                 if way.startswith("rx") and way != "rx-serial":
-                    opt = rx.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+                    cap = float(way[4:]) if way.startswith("rx-b") else None
+                    opt = rx.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                                  bucket_cap_mb=cap)
                 flat = (torch.zeros(sum(p.numel() for p in model.parameters()))
                         if way.endswith("serial") else None)
 
@@ -318,6 +322,8 @@ def main() -> None:
     parser.add_argument("--ddp-buckets", type=float, nargs="+", default=[5.0, 25.0, 100.0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per way and round")
+    parser.add_argument("--rx-buckets", type=float, nargs="*", default=[],
+                        help="also raytrain-x with fixed gradient buckets of these MB")
     parser.add_argument("--grid-mb", type=float, nargs="*", default=[],
                         help="fusion thresholds (MB) of a grid of rx ways (with --grid-ms)")
     parser.add_argument("--grid-ms", type=float, nargs="*", default=[],
