@@ -218,10 +218,11 @@ class CollectiveRunner:
     def _allreduce_in_flight(self, batch, tensors, ops, reduce_op, pre, post, pset, wire):
         """A batch across a network, in pieces cut from the agreed sizes and memory layout
         (`in_flight_pieces`) onto the stream: arrays back to back on every rank reduced
-        where they lie, a few MB at a time, the small rest packed together; each piece is
-        scaled (unpacked) while the next one crosses, and the batch's last pieces may still
-        cross when this returns (`PieceStream`). A rank whose arrays no longer lie as agreed
-        packs that piece (same elements on the wire, in the same order)."""
+        where they lie, up to `IN_FLIGHT_PIECE_BYTES` at a time, the small rest packed
+        together; each piece is scaled (unpacked) while the next one crosses, and the
+        batch's last pieces may still cross when this returns (`PieceStream`). A rank whose
+        arrays no longer lie as agreed packs that piece (same elements on the wire, in the
+        same order)."""
         joined = self.layout.joined(pset.process_set_id, [r.name for r in batch],
                                     lambda i: ops.follows(tensors[i], tensors[i + 1]))
         pieces = in_flight_pieces([r.meta.nbytes_on_wire() for r in batch], joined)

@@ -301,10 +301,11 @@ def test_a_batch_crosses_a_network_in_pieces_cut_from_its_sizes():
     assert in_flight_pieces([]) == []
 
 
-def test_arrays_back_to_back_on_every_rank_cross_together_a_few_mb_at_a_time():
+def test_arrays_back_to_back_on_every_rank_cross_together_a_piece_at_a_time():
     M, P = IN_FLIGHT_MIN_BYTES, IN_FLIGHT_PIECE_BYTES
+    Q = P // 4
     # one buffer's views: cut at the piece size, a larger array alone
-    assert in_flight_pieces([M, M, M, M, M], [False, True, True, True, True]) == [
+    assert in_flight_pieces([Q, Q, Q, Q, Q], [False, True, True, True, True]) == [
         [0, 1, 2, 3], [4]]
     assert in_flight_pieces([10, 2 * P, 10, 20], [False, True, True, True]) == [
         [0, 2, 3], [1]]
