@@ -188,6 +188,37 @@ def _large_batch() -> dict:
     }
 
 
+def _arena_in_a_process_set() -> dict:
+    import raytrain_x.torch as rx
+    from raytrain_x.core import runtime
+
+    rx.init()
+    r = rx.rank()
+    stats = runtime.engine().stats
+    pair = rx.add_process_set([0, 1])
+    arena = torch.full((3_000_000,), float(r + 1))
+    cuts = [0, 10, 1_000_010, 2_000_010, 2_000_020, 3_000_000]
+    views = [arena[a:b] for a, b in zip(cuts, cuts[1:])]
+    pieces = []
+    for _ in range(3 if r in pair.ranks else 0):  # the world's layout: agreed after one
+        arena.fill_(float(r + 1))
+        before = stats.in_flight_pieces
+        rx.grouped_allreduce_(views, op=rx.Sum, name="set.arena", process_set=pair)
+        pieces.append(stats.in_flight_pieces - before)
+    right = not pieces or all(torch.equal(v, torch.full_like(v, 3.0)) for v in views)
+    rx.barrier()  # rank 2, outside the set, waits for the set's collectives
+    rx.shutdown()
+    return {"pieces": pieces, "right": right}
+
+
+def test_a_process_sets_arrays_cross_apart_every_time_and_right():
+    # the layout is agreed in the world's status word, which is not a process set's: its
+    # arrays back to back are never asked about, and cross as the sizes alone cut them
+    results = run_workers(_arena_in_a_process_set, 3, env={"RAYTRAIN_X_SHM": "0"})
+    assert results == [{"pieces": [4, 4, 4], "right": True}] * 2 + [{"pieces": [],
+                                                                       "right": True}]
+
+
 @pytest.mark.parametrize("size", [2, 3])
 def test_across_a_network_a_large_batch_crosses_in_pieces(size):
     # Over a network a fused batch with tensors of a MB or more crosses in pieces, two on the
