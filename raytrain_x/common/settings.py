@@ -134,9 +134,11 @@ class Setting:
             value = float(raw)
         except (TypeError, ValueError):
             raise ConfigError(f"{source}={raw!r} is not a number") from None
+        scaled = value * self.flag_scale
+        if self.kind is int and math.isfinite(scaled):
+            scaled = round(scaled)  # a fraction of a MB is a whole number of bytes
         try:
-            return self.parse(round(value * self.flag_scale) if math.isfinite(value) else value,
-                              source)
+            return self.parse(scaled, source)
         except ConfigError:
             low, high = (None if x is None else f"{x / self.flag_scale:g}"
                          for x in (self.minimum, self.maximum))
