@@ -44,7 +44,10 @@ def test_the_outage_script_fails_hangs_and_recovers(tmp_path):
     chaos = _chaos()
     nodes = _Nodes()
     script = chaos.DiscoveryScript(str(tmp_path), nodes)
-    discovery = ScriptDiscovery(str(script.path), timeout_s=0.5)
+    # a run that answers gets all the time a loaded machine needs; the hung one is given up
+    # on after half a second (it would hang until the outage ends)
+    discovery = ScriptDiscovery(str(script.path), timeout_s=30)
+    impatient = ScriptDiscovery(str(script.path), timeout_s=0.5)
     assert discovery.run_once() == {"a" * 56: 2, "b" * 56: 2}
 
     nodes.nodes.append(_Node("c" * 56))  # a fresh node joins: the next refresh lists it
@@ -57,7 +60,7 @@ def test_the_outage_script_fails_hangs_and_recovers(tmp_path):
     assert isinstance(failed, ConfigError) and "exited with 3" in str(failed)
 
     script.take_down("hang")
-    hung = discovery.run_once()
+    hung = impatient.run_once()
     assert isinstance(hung, ConfigError) and "did not finish" in str(hung)
 
     script.bring_up()
