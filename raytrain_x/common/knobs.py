@@ -114,9 +114,10 @@ class Knobs:
     """Every tunable communication setting.
 
     Attributes:
-        fusion_threshold_bytes: the largest batch of gradients reduced at once, in bytes:
-            `DistributedOptimizer`'s bucket size (unless `bucket_cap_mb` fixes it) and the
-            largest fused batch of per-tensor requests; 0: every gradient on its own.
+        fusion_threshold_bytes: the largest batch reduced at once, in bytes: the runs of
+            gradients `DistributedOptimizer` sends (unless `bucket_cap_mb` fixes buckets)
+            or per-tensor requests, fused while ready in the same cycle; 0: nothing
+            fused.
         cycle_time_ms: pause between engine cycles in milliseconds while work keeps
             arriving (a request reaching an idle engine starts a cycle at once).
         cache_capacity: response-cache entries; 0 turns the cache off.
@@ -126,8 +127,8 @@ class Knobs:
         hierarchical_allgather: two-level allgather (local, then cross).
     """
 
-    # 1 MiB .. 256 MiB, in quarter MiBs; below 2^20 "0" (every gradient on its own). Sizes
-    # under 1 MiB put nearly every ResNet or transformer gradient in its own bucket anyway,
+    # 1 MiB .. 256 MiB, in quarter MiBs; below 2^20 "0" (nothing fused). Sizes under 1 MiB
+    # fuse nothing `DistributedOptimizer` sends anyway (its runs close at 1 MiB and more),
     # so they only add poor points to explore.
     fusion_threshold_bytes: int = _knob(
         settings.FUSION_THRESHOLD, SearchScale(2, 19.0, 28.0, off_below=20.0, quantum=MB / 4))

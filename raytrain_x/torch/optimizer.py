@@ -1,10 +1,11 @@
 """`DistributedOptimizer`: allreduce gradients from backward hooks, wait in `step()`.
 
-Each gradient goes to the engine the moment its hook fires; the engine fuses whatever is
-ready in a cycle up to the fusion threshold (Horovod's dynamic fusion, so communication
-starts with the first gradient and keeps pace with backward). Where the gradients live
-(arenas laid out in backward's order, or fixed buckets) is `gradient_layout`'s;
-`op=Adasum` is `adasum_optimizer`'s.
+A gradient's hook counts it ready in its unit (a run of neighbouring small gradients of
+up to 1 MB, a larger gradient alone, or a fixed bucket); the unit goes to the engine the
+moment its last gradient is ready, and the engine fuses whatever is ready in a cycle up to
+the fusion threshold (Horovod's dynamic fusion, so communication starts with the first
+gradients and keeps pace with backward). Where the gradients live and which travel together
+is `gradient_layout`'s; `op=Adasum` is `adasum_optimizer`'s.
 """
 
 from __future__ import annotations
@@ -26,7 +27,12 @@ from raytrain_x.engine.messages import Handle
 from raytrain_x.torch.adasum_optimizer import AdasumOptimizer
 from raytrain_x.torch.async_ops import CompositeHandle, allreduce_async_, sparse_allreduce_async
 from raytrain_x.torch.compression import Compression, Compressor
-from raytrain_x.torch.gradient_layout import GradientBuffer, GradientLayout, explicit_groups
+from raytrain_x.torch.gradient_layout import (
+    GradientBuffer,
+    GradientLayout,
+    GradientRun,
+    explicit_groups,
+)
 from raytrain_x.torch.hooked_optimizer import (
     HookedOptimizer,
     grad_ready_hooks,
@@ -66,10 +72,10 @@ class GradientAllreduceOptimizer(HookedOptimizer):
         # arenas by default, fixed buckets when the user sizes them (bucket_cap_mb > 0) or
         # lists them (groups)
         cap = int(bucket_cap_mb * 2**20) if bucket_cap_mb else 0
-        self._layout = GradientLayout(self._requires_update,
+        self._layout = GradientLayout(self._requires_update, self._names,
                                       explicit_groups(groups, self._requires_update))
-        self._bucket_handles: dict[GradientBuffer, Handle] = {}
-        self._steps = 0
+        # the request of each unit (bucket or run) sent and not yet waited for
+        self._unit_handles: dict[GradientBuffer | GradientRun, Handle] = {}
         self._layout.build(cap)
         if self._layout.fixed:
             runtime.note_fixed_buckets()
@@ -84,10 +90,15 @@ class GradientAllreduceOptimizer(HookedOptimizer):
         return self._layout.cap_bytes
 
     def _look(self, p: torch.Tensor, grad: torch.Tensor) -> None:
-        """A parameter's first gradient: out of the flat buffers if it is sparse."""
+        """A parameter's first gradient: out of the flat buffers if it is sparse (its unit
+        goes now if it was waiting for this gradient alone)."""
         self._probes.pop(p).remove()
         if grad.is_sparse:
-            self._layout.make_sparse(p)
+            unit = self._layout.make_sparse(p)
+            if unit is not None and unit.params and unit not in self._unit_handles and \
+                    unit.ready >= len(unit.params) * self.backward_passes_per_step:
+                unit.ready = 0
+                self._unit_handles[unit] = self._allreduce_unit(unit)
 
     def _on_grad_arriving(self, p: torch.Tensor, grad: torch.Tensor) -> None:
         """Before backward adds `p`'s gradient: an arena gradient set to None by
@@ -98,12 +109,9 @@ class GradientAllreduceOptimizer(HookedOptimizer):
                 arena.attach_zeroed(p)
 
     def _allreduce_grad(self, p: torch.Tensor) -> Handle:
+        """A gradient outside every unit: a sparse one."""
         if p.grad is None:  # no gradient this step: zeros, as Horovod sends
-            arena = self._layout.arena_of.get(p)
-            if arena is not None:
-                arena.attach_zeroed(p)
-            else:
-                p.grad = torch.zeros_like(p)
+            p.grad = torch.zeros_like(p)
         if p.grad.is_sparse:
             return self._allreduce_sparse(p)
         op, pre, post = self._scales()
@@ -129,38 +137,41 @@ class GradientAllreduceOptimizer(HookedOptimizer):
 
     def _reset_passes(self) -> None:
         super()._reset_passes()
-        for bucket in self._layout.buckets:
-            bucket.ready = 0
+        for unit in self._layout.units:
+            unit.ready = 0
 
     def _drop_finished(self) -> None:
         """Forgets handles that already ended (a failed world's, after an elastic reset)."""
         for p in [p for p, h in self._handles.items() if h.done()]:
             del self._handles[p]
-        for b in [b for b, h in self._bucket_handles.items() if h.done()]:
-            del self._bucket_handles[b]
+        for u in [u for u, h in self._unit_handles.items() if h.done()]:
+            del self._unit_handles[u]
 
-    def _allreduce_bucket(self, bucket: GradientBuffer) -> Handle:
+    def _allreduce_unit(self, unit: GradientBuffer | GradientRun) -> Handle:
+        """A bucket (reduced alone) or a run of the arena (the engine may fuse it with the
+        runs ready beside it), its gradients pointed at their views first."""
         op, pre, post = self._scales()
-        bucket.attach()
-        return allreduce_async_(bucket.flat, name=bucket.name, op=op, prescale_factor=pre,
+        unit.attach()
+        return allreduce_async_(unit.flat, name=unit.name, op=op, prescale_factor=pre,
                                 postscale_factor=post, process_set=self._process_set,
-                                compression=self._compression, fuse=False)
+                                compression=self._compression, fuse=unit.fuse)
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         if not self._member:
             return
-        bucket = self._layout.bucket_of.get(p)
-        if bucket is not None:
-            if bucket in self._bucket_handles:
-                if not self._bucket_handles[bucket].done():
+        unit = self._layout.unit_of.get(p)
+        if unit is not None:
+            if unit in self._unit_handles:
+                if not self._unit_handles[unit].done():
                     raise ConfigError(
                         f"gradient of {self._names[p]!r} computed again before step(); with "
-                        "gradient accumulation pass backward_passes_per_step")
-                del self._bucket_handles[bucket]  # a failed world's handle
-            bucket.ready += 1
-            if bucket.ready >= len(bucket.params) * self.backward_passes_per_step:
-                bucket.ready = 0
-                self._bucket_handles[bucket] = self._allreduce_bucket(bucket)
+                        "gradient accumulation pass backward_passes_per_step, or call "
+                        "synchronize() first")
+                del self._unit_handles[unit]  # a failed world's handle
+            unit.ready += 1
+            if unit.ready >= len(unit.params) * self.backward_passes_per_step:
+                unit.ready = 0
+                self._unit_handles[unit] = self._allreduce_unit(unit)
             return
         if p in self._handles and self._handles[p].done():
             self._drop_finished()
@@ -168,11 +179,6 @@ class GradientAllreduceOptimizer(HookedOptimizer):
             raise ConfigError(
                 f"gradient of {self._names[p]!r} computed twice before step(); with gradient "
                 "accumulation pass backward_passes_per_step, or call synchronize() first")
-        arena = self._layout.arena_of.get(p)
-        if arena is not None:
-            arena.attach_one(p)
-            if self._passes[p] == 0:
-                self._layout.note_ready(p)
         self._passes[p] += 1
         if self._passes[p] >= self.backward_passes_per_step:
             self._passes[p] = 0
@@ -184,19 +190,19 @@ class GradientAllreduceOptimizer(HookedOptimizer):
             self._synchronized = True
             return
         try:
-            for p in self._requires_update:
-                if p not in self._handles and p not in self._layout.bucket_of:
+            for p in self._requires_update:  # those outside every unit: sparse
+                if p not in self._handles and p not in self._layout.unit_of:
                     self._handles[p] = self._allreduce_grad(p)
-            for bucket in self._layout.buckets:  # buckets some of whose grads never came
-                if bucket not in self._bucket_handles:
-                    self._bucket_handles[bucket] = self._allreduce_bucket(bucket)
-            handles = [*self._handles.values(), *self._bucket_handles.values()]
+            for unit in self._layout.units:  # units some of whose gradients never came
+                if unit not in self._unit_handles:
+                    self._unit_handles[unit] = self._allreduce_unit(unit)
+            handles = [*self._handles.values(), *self._unit_handles.values()]
             for handle in handles:
                 synchronize(handle)
             self._synchronized = True
         finally:  # on failure too: an elastic reset must find no stale handles
             self._handles.clear()
-            self._bucket_handles.clear()
+            self._unit_handles.clear()
             self._reset_passes()
 
     @contextlib.contextmanager
@@ -219,8 +225,6 @@ class GradientAllreduceOptimizer(HookedOptimizer):
             self.synchronize()
         self._synchronized = False
         result = super().step(closure)
-        self._steps += 1
-        self._layout.relay_after_step(self._steps)
         runtime.mark_step()
         return result
 
@@ -230,7 +234,7 @@ class GradientAllreduceOptimizer(HookedOptimizer):
         gradient_as_bucket_view; the others find their place in the arena again when
         backward brings the next one, zeroed there just before it is added."""
         self._drop_finished()
-        if self._handles or self._bucket_handles:
+        if self._handles or self._unit_handles:
             raise ConfigError("zero_grad() called while gradient allreduces are in flight; "
                               "call step() or synchronize() first")
         self._layout.zero(set_to_none)
@@ -275,13 +279,15 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
             tensors (given back sparse); by default they go as Horovod sends them, an
             allgather of indices and values.
         process_set: ranks the gradients are reduced over.
-        bucket_cap_mb: by default (None, or 0) every gradient goes to the engine the
-            moment it is ready and the engine fuses what is ready in each cycle up to the
-            fusion threshold knob (`--fusion-threshold-mb`, which autotune moves), as
-            Horovod does; gradients are views of one flat buffer in the order backward
-            makes them, so fused batches are reduced where they lie. A size in MB makes
-            DDP-style fixed buckets instead, each reduced as one collective when its last
-            gradient is ready; the fusion threshold then leaves autotune's search.
+        bucket_cap_mb: by default (None, or 0) the gradients are views of one flat buffer
+            per dtype and device, cut as DDP cuts its buckets into runs of neighbouring
+            gradients (the first closes at 1 MB, the others at a quarter of the buffer, at
+            most 25 MB); each run goes to the engine the moment its last gradient is ready,
+            and the engine fuses the runs ready in a cycle up to the fusion threshold knob
+            (`--fusion-threshold-mb`, which autotune moves), reduced where they lie. A size
+            in MB makes DDP-style fixed buckets instead, each with a buffer of its own and
+            reduced as one collective, fused with nothing, when its last gradient is ready;
+            the fusion threshold then leaves autotune's search.
         zero_stage: 0 keeps every optimizer state and gradient on every rank (the
             default, unless a config file's `zero_stage` reached this worker through
             `raytrain-x run --config-file` or `RaytrainXConfig(config_file=...)`).

@@ -126,7 +126,9 @@ def _optimizer_with_autotune(log: str, bucket_cap_mb) -> dict:
                             bayes_opt_max_samples=5, rules=SearchRules(convergence_patience=0))
     rx.init(autotune=config)
     rx.autotune_batch_size(16)
-    model = shaped_model([(256, 64)] * 6 + [(64,)] * 6)
+    # 3 MB of gradients: runs of the arena the engine can fuse (a smaller model is one run,
+    # where the fusion threshold cannot matter); 1 MB buckets, which it never fuses
+    model = shaped_model([(512, 256)] * 6 + [(256,)] * 6)
     opt = rx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3),
                                   named_parameters=model.named_parameters(),
                                   bucket_cap_mb=bucket_cap_mb)

@@ -200,9 +200,18 @@ def _deep_model() -> torch.nn.Module:
                                torch.nn.Tanh(), torch.nn.Linear(32, 3))
 
 
+def _wide_model() -> torch.nn.Module:
+    """Gradients in two runs of the arena: the first closes with the middle weight (1.4
+    MB), the first layer's gradients are the second."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 600), torch.nn.Tanh(),
+                               torch.nn.Linear(600, 600), torch.nn.Tanh(),
+                               torch.nn.Linear(600, 3))
+
+
 def _views_of_arenas(opt, model) -> bool:
-    """Every gradient lies inside one of the optimizer's arenas, in the order the hooks
-    ran (so a fused batch of them is back to back)."""
+    """Every gradient lies inside one of the optimizer's arenas (so runs fused in a batch
+    are back to back)."""
     laid = [p for arena in opt._layout.arenas for p in arena.params]
     spans = [(a.flat.data_ptr(), a.flat.data_ptr() + a.flat.numel() * 4)
              for a in opt._layout.arenas]
@@ -218,11 +227,12 @@ def _across_switches(steps: int, batch: int) -> dict:
 
     rx.init(knobs=Knobs(fusion_threshold_bytes=64 << 20, cycle_time_ms=0.5))
     stats = runtime.engine().stats
-    model = _deep_model()
+    model = _wide_model()
     opt = rx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                   named_parameters=model.named_parameters())
     n, r = rx.size(), rx.rank()
     kept, views, fused = True, True, []
+    runs = [unit.name for unit in opt._layout.units]
     for i, (x, y) in enumerate(_data(steps, batch)):
         if r == 0 and i in SWITCHES:
             rx.set_knobs(rx.knobs().replace(fusion_threshold_bytes=SWITCHES[i]))
@@ -236,28 +246,30 @@ def _across_switches(steps: int, batch: int) -> dict:
         opt.synchronize()
         grads = [p.grad.clone() for p in model.parameters()]
         with opt.skip_synchronize():
-            opt.step()  # the first one lays the arena out again: gradients must survive it
+            opt.step()
         threshold = rx.knobs().fusion_threshold_bytes  # -1: it changed during the step
         fused.append((threshold if threshold == before[2] else -1, stats.fused - before[0],
                       stats.fused_in_place - before[1]))
         kept = kept and all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
         views = views and _views_of_arenas(opt, model)
     return {"state": {k: v.clone() for k, v in model.state_dict().items()},
-            "fused": fused, "kept": kept, "views": views}
+            "fused": fused, "kept": kept, "views": views, "runs": runs}
 
 
 def test_gradients_fuse_in_place_and_follow_knob_switches():
     steps, batch = 12, 24
     results = run_workers(_across_switches, 3, steps, batch)
     assert all(r["kept"] and r["views"] for r in results)
+    # reverse registration order; the first run closes once it holds 1 MB
+    assert results[0]["runs"] == ["grad.4.bias..2.weight", "grad.0.bias..0.weight"]
     fused = results[0]["fused"]
-    # with no fusion (threshold 0) nothing is fused; where batches are fused after the
-    # first step (the arena laid out in backward's order), every one is in place
+    # with no fusion (threshold 0) nothing is fused; runs fused together lie back to
+    # back, so every fused batch is reduced in place
     assert any(threshold == 0 for threshold, _, _ in fused)
     assert all(count == 0 for threshold, count, _ in fused if threshold == 0)
-    assert sum(count for _, count, _ in fused[1:]) > 0
-    assert all(in_place == count for _, count, in_place in fused[1:])
-    reference = _single(steps, batch, "sgd", _deep_model)
+    assert sum(count for _, count, _ in fused) > 0
+    assert all(in_place == count for _, count, in_place in fused)
+    reference = _single(steps, batch, "sgd", _wide_model)
     for key, value in reference.items():
         assert torch.allclose(results[0]["state"][key], value, atol=1e-5, rtol=1e-5), key
         assert all(torch.equal(results[0]["state"][key], r["state"][key]) for r in results[1:])

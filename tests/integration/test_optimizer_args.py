@@ -142,6 +142,40 @@ def test_sparse_embeddings_train_as_sparse_and_as_dense():
             assert torch.allclose(got[dense], model.embedding.weight, atol=1e-6), dense
 
 
+def _one_optimizer_over_sparse_and_dense() -> dict:
+    import raytrain_x.torch as rx
+
+    rx.init()
+    out = {}
+    for dense in (False, True):
+        model = _Embedder()  # the sparse embedding is registered first: last in the arena
+        opt = rx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                      named_parameters=model.named_parameters(),
+                                      sparse_as_dense=dense)
+        for _ in range(2):
+            opt.zero_grad()
+            model(INPUTS[rx.rank()]).backward()
+            opt.step()
+        out[dense] = [p.detach().clone() for p in model.parameters()]
+    rx.shutdown()
+    return out
+
+
+def test_one_optimizer_takes_a_sparse_embedding_among_dense_layers():
+    # the sparse gradient leaves the flat buffer its dense neighbours stay in
+    results = run_workers(_one_optimizer_over_sparse_and_dense, 2, work_s=15)
+    model = _Embedder()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        opt.zero_grad()
+        (sum(model(x) for x in INPUTS) / 2).backward()
+        opt.step()
+    for got in results:
+        for dense in (False, True):
+            assert all(torch.allclose(a, b, atol=1e-6)
+                       for a, b in zip(got[dense], model.parameters())), dense
+
+
 def _adasum_step() -> dict:
     import raytrain_x.torch as rx
 
