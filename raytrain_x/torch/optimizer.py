@@ -1,8 +1,8 @@
 """`DistributedOptimizer`: allreduce gradients from backward hooks, wait in `step()`.
 
-A gradient's hook counts it ready in its unit (a run of neighbouring small gradients of
-up to 1 MB, a larger gradient alone, or a fixed bucket); the unit goes to the engine the
-moment its last gradient is ready, and the engine fuses whatever is ready in a cycle up to
+A gradient's hook counts it ready in its unit (a run of neighbouring gradients in the
+arena, or a fixed bucket); the unit goes to the engine the moment its last gradient is
+ready, and the engine fuses whatever is ready in a cycle up to
 the fusion threshold (Horovod's dynamic fusion, so communication starts with the first
 gradients and keeps pace with backward). Where the gradients live and which travel together
 is `gradient_layout`'s; `op=Adasum` is `adasum_optimizer`'s.
