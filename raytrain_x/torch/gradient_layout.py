@@ -21,13 +21,17 @@ from raytrain_x.common.errors import ConfigError
 
 _UNCAPPED = 2**62  # one buffer per run of a dtype and device
 
-# Runs of an arena's gradients, each one request to the engine, cut at DDP's bucket sizes:
-# the first (the last layers', whose gradients come first) at DDP's first bucket so that
-# communication starts early, and into at least `MIN_RUNS` in a smaller arena so that most
-# of it can cross while backward runs. A request costs the hooks and the engine some tens of
-# microseconds of Python (ResNet-50's 161 gradients over gloo on a 2-core VM: 40 us each,
-# with the engine's cycles taking CPU from the transfers).
-RUN_BYTES = 25 << 20
+# Runs of an arena's gradients, each one request to the engine, cut as DDP cuts buckets:
+# the first (the last layers', whose gradients come first) at DDP's first bucket size so
+# that communication starts early, the others at `RUN_BYTES`, and into at least `MIN_RUNS`
+# in a smaller arena so that most of it can cross while backward runs. A request costs the
+# hooks and the engine some tens of microseconds of Python (ResNet-50's 161 gradients over
+# gloo on a 2-core VM: 40 us each, taken from the transfers' CPU); runs of 4 MB make them
+# 19, and over gloo on loopback took the same step as runs of DDP's 25 MB. Over a slow link
+# a run's bytes wait until its last gradient is ready, and 25 MB runs cost a GPT's step 10%
+# on an emulated 1 Gbit/s link (its last run, 36 MB, sent after backward); the engine fuses
+# the smaller runs ready together anyway.
+RUN_BYTES = 4 << 20
 FIRST_RUN_BYTES = 1 << 20
 MIN_RUNS = 4
 

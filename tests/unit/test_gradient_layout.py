@@ -25,12 +25,12 @@ def _sizes(runs: list[list[torch.Tensor]]) -> list[int]:
 
 
 def test_runs_are_cut_as_ddp_cuts_buckets():
-    # the first run closes once it holds 1 MB, the others once they hold 25 MB
-    params = _params(4096, 8 * MB, *[4 * MB] * 28, 512 * 1024)
+    # the first run closes once it holds 1 MB, the others once they hold 4 MB
+    params = _params(4096, 8 * MB, *[3 * MB] * 8, *[MB] * 8, 512 * 1024)
     runs = arena_runs(params)
-    assert _sizes(runs) == [4096 + 8 * MB, *[28 * MB] * 4, 512 * 1024]
+    assert _sizes(runs) == [4096 + 8 * MB, *[6 * MB] * 4, *[4 * MB] * 2, 512 * 1024]
     assert [p for run in runs for p in run] == params  # in order, each once
-    assert FIRST_RUN_BYTES == MB and RUN_BYTES == 25 * MB
+    assert FIRST_RUN_BYTES == MB and RUN_BYTES == 4 * MB
 
 
 def test_a_small_arena_is_cut_in_at_least_four_runs_of_at_least_a_megabyte():
