@@ -89,9 +89,7 @@ class GradientRun:
         self.arena = arena
         self.params = params
         self.name = name
-        first = arena.views[params[0]]
-        start = first.data_ptr() - arena.flat.data_ptr()
-        self._start = start // first.element_size()
+        self._start = arena.views[params[0]].storage_offset() - arena.flat.storage_offset()
         self._stop = self._start + sum(p.numel() for p in params)
         self.ready = 0  # gradients (times backward passes) ready since its last request
 
@@ -186,10 +184,8 @@ class GradientLayout:
         self.params = params  # those that require gradients, in registration order
         self.names = names
         self.groups = groups
-        self.sparse: set[torch.Tensor] = set()  # parameters whose gradients come sparse
         self.buckets: list[GradientBuffer] = []
         self.arenas: list[GradientBuffer] = []
-        self.arena_of: dict[torch.Tensor, GradientBuffer] = {}
         self.units: list[GradientBuffer | GradientRun] = []  # the buckets, or the runs
         self.unit_of: dict[torch.Tensor, GradientBuffer | GradientRun] = {}
         self.cap_bytes = -1
@@ -198,9 +194,6 @@ class GradientLayout:
     def fixed(self) -> bool:
         """The user fixed the buckets (`groups`, or `bucket_cap_mb` > 0)."""
         return self.groups is not None or self.cap_bytes > 0
-
-    def buffers(self) -> tuple[GradientBuffer, ...]:
-        return (*self.buckets, *self.arenas)
 
     def holds_all(self) -> bool:
         """Every gradient is a view of a buffer (none is sparse)."""
@@ -218,8 +211,6 @@ class GradientLayout:
             self.arenas = [GradientBuffer(i, params) for i, params in
                            enumerate(bucket_groups(self.params, _UNCAPPED))]
         self.buckets = [GradientBuffer(i, params) for i, params in enumerate(groups)]
-        for arena in self.arenas:
-            self.arena_of.update(dict.fromkeys(arena.params, arena))
         self.units = [*self.buckets, *(
             GradientRun(arena, run, self._run_name(run))
             for arena in self.arenas for run in arena_runs(arena.params))]
@@ -236,7 +227,6 @@ class GradientLayout:
         """`p`'s gradients come sparse: out of its unit and buffer, where its slot stays as
         a hole of zeros (the other gradients keep their views; some may be in flight
         already). Returns the unit it left."""
-        self.sparse.add(p)
         unit = self.unit_of.pop(p, None)
         if unit is None:
             return None
@@ -246,7 +236,6 @@ class GradientLayout:
         buffer = unit if isinstance(unit, GradientBuffer) else unit.arena
         buffer.params = _without(buffer.params, p)
         del buffer.views[p]
-        self.arena_of.pop(p, None)
         p.grad = None
         return unit
 

@@ -95,18 +95,16 @@ class GradientAllreduceOptimizer(HookedOptimizer):
         self._probes.pop(p).remove()
         if grad.is_sparse:
             unit = self._layout.make_sparse(p)
-            if unit is not None and unit.params and unit not in self._unit_handles and \
-                    unit.ready >= len(unit.params) * self.backward_passes_per_step:
-                unit.ready = 0
-                self._unit_handles[unit] = self._allreduce_unit(unit)
+            if unit is not None and unit.params and unit not in self._unit_handles:
+                self._send_if_complete(unit)
 
     def _on_grad_arriving(self, p: torch.Tensor, grad: torch.Tensor) -> None:
         """Before backward adds `p`'s gradient: an arena gradient set to None by
         `zero_grad()` gets its view back, zeroed (so it accumulates there, in place)."""
         if p.grad is None:
-            arena = self._layout.arena_of.get(p)
-            if arena is not None:
-                arena.attach_zeroed(p)
+            unit = self._layout.unit_of.get(p)
+            if isinstance(unit, GradientRun):
+                unit.arena.attach_zeroed(p)
 
     def _allreduce_grad(self, p: torch.Tensor) -> Handle:
         """A gradient outside every unit: a sparse one."""
@@ -156,6 +154,12 @@ class GradientAllreduceOptimizer(HookedOptimizer):
                                 postscale_factor=post, process_set=self._process_set,
                                 compression=self._compression, fuse=unit.fuse)
 
+    def _send_if_complete(self, unit: GradientBuffer | GradientRun) -> None:
+        """Sends `unit` once each of its gradients is ready for every backward pass."""
+        if unit.ready >= len(unit.params) * self.backward_passes_per_step:
+            unit.ready = 0
+            self._unit_handles[unit] = self._allreduce_unit(unit)
+
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         if not self._member:
             return
@@ -169,9 +173,7 @@ class GradientAllreduceOptimizer(HookedOptimizer):
                         "synchronize() first")
                 del self._unit_handles[unit]  # a failed world's handle
             unit.ready += 1
-            if unit.ready >= len(unit.params) * self.backward_passes_per_step:
-                unit.ready = 0
-                self._unit_handles[unit] = self._allreduce_unit(unit)
+            self._send_if_complete(unit)
             return
         if p in self._handles and self._handles[p].done():
             self._drop_finished()
