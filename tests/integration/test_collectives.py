@@ -108,6 +108,14 @@ def test_every_op_and_dtype(size, transport):
     assert [r["transport"] for r in results] == [transport] * size
 
 
+# a 12 MB buffer's views, as DistributedOptimizer's gradients are: two small, three of 4 MB
+ARENA_CUTS = [0, 10, 1_000_010, 2_000_010, 2_000_020, 3_000_000]
+
+
+def _spans() -> list[tuple[int, int]]:
+    return list(zip(ARENA_CUTS, ARENA_CUTS[1:]))
+
+
 def _large_batch() -> dict:
     """Fused batches with tensors of a MB or more, and one of small tensors only: how each
     was reduced (in pieces on the wire, or packed whole) and whether the results are
@@ -143,9 +151,8 @@ def _large_batch() -> dict:
     # every rank's tensors views of one buffer (DistributedOptimizer's gradients): they
     # cross together, up to 25 MB a piece; then rank 1's lie apart under the same names (it
     # packs those pieces, the others still send theirs in place)
-    arena = torch.full((3_000_000,), float(r + 1))
-    cuts = [0, 10, 1_000_010, 2_000_010, 2_000_020, 3_000_000]
-    views = [arena[a:b] for a, b in zip(cuts, cuts[1:])]
+    arena = torch.full((ARENA_CUTS[-1],), float(r + 1))
+    views = [arena[a:b] for a, b in _spans()]
     # the first batch of these names sends each rank's layout with the next status word
     # (and crosses piece by piece); from then on they cross together
     pieces = stats.in_flight_pieces
@@ -155,8 +162,8 @@ def _large_batch() -> dict:
     pieces = stats.in_flight_pieces
     rx.grouped_allreduce_(views, op=rx.Sum, name="arena")
     arena_pieces = stats.in_flight_pieces - pieces
-    apart = ([torch.full((b - a,), float(r + 1)) for a, b in zip(cuts, cuts[1:])] if r == 1
-             else [arena[a:b].fill_(float(r + 1)) for a, b in zip(cuts, cuts[1:])])
+    apart = ([torch.full((b - a,), float(r + 1)) for a, b in _spans()] if r == 1
+             else [arena[a:b].fill_(float(r + 1)) for a, b in _spans()])
     rx.grouped_allreduce_(apart, op=rx.Sum, name="arena")
     # a single array of a MB or more is one piece on the stream (the engine goes on while
     # it crosses), floats averaged as it lands, integers scaled after
@@ -196,9 +203,8 @@ def _arena_in_a_process_set() -> dict:
     r = rx.rank()
     stats = runtime.engine().stats
     pair = rx.add_process_set([0, 1])
-    arena = torch.full((3_000_000,), float(r + 1))
-    cuts = [0, 10, 1_000_010, 2_000_010, 2_000_020, 3_000_000]
-    views = [arena[a:b] for a, b in zip(cuts, cuts[1:])]
+    arena = torch.full((ARENA_CUTS[-1],), float(r + 1))
+    views = [arena[a:b] for a, b in _spans()]
     pieces = []
     for _ in range(3 if r in pair.ranks else 0):  # the world's layout: agreed after one
         arena.fill_(float(r + 1))
