@@ -198,6 +198,11 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(str(exc))
     knobs, fixed = resolve_knobs(args)
     autotune = resolve_autotune(args)
+    # durable checkpoints' folder, where nothing names it: the script's command, not this
+    # one's (another -np resumes the same job at another size)
+    from raytrain_x.common.checkpoint_config import entrypoint_name
+
+    os.environ.setdefault(settings.CHECKPOINT_NAME.env, entrypoint_name(command))
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="raytrain-x %(levelname)s %(message)s")
 
@@ -276,7 +281,8 @@ def _training_env(args: argparse.Namespace) -> dict[str, str]:
     resolved = {spec.var for spec in Knobs.specs().values()} | {settings.AUTOTUNE} | \
         set(AutotuneConfig.field_settings().values())
     passed = [s for s in settings.ALL if s not in resolved and (
-        s.scope == settings.USER or s in (settings.JOB_NAME, settings.CHECKPOINT))]
+        s.scope == settings.USER or s in (settings.JOB_NAME, settings.CHECKPOINT,
+                                          settings.CHECKPOINT_NAME))]
     env = {s.env: os.environ[s.env] for s in passed if s.env in os.environ}
     if not args.config_file:
         return env

@@ -6,15 +6,18 @@ variable) and the workers (which write and read the checkpoints).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
-from dataclasses import asdict, dataclass
+import os
+import re
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from raytrain_x.common.errors import ConfigError
-from raytrain_x.common.settings import CHECKPOINT
-
-DEFAULT_NAME = "raytrain-x"  # the job's folder when neither the config nor the job names one
+from raytrain_x.common.settings import CHECKPOINT, CHECKPOINT_NAME
 
 
 @dataclass(frozen=True)
@@ -31,8 +34,11 @@ class CheckpointConfig:
             `RunConfig(storage_path=...)`): `s3://bucket/prefix`, `gs://bucket/prefix`;
             S3-compatible servers take `?endpoint_override=host:port&scheme=http`.
         name: the job's folder under `storage_path`; the same name resumes the same job.
-            Default: the job's name where one was given (`RayExecutor(name=...)`,
-            `RAYTRAIN_X_JOB_NAME`), else "raytrain-x".
+            Default, the same rule at every entry point: the job's name where one was
+            given (`RayExecutor(name=...)`, `raytrain-x run --job-name`,
+            `RAYTRAIN_X_JOB_NAME`), else a Tune trial's name, else one made from the
+            command that started the job (`entrypoint_name`): the same command run again
+            resumes, another command (other arguments) starts afresh.
         every_s: seconds between checkpoints (counted from the start of the last write;
             a write still under way when the next is due makes that one wait for the next
             commit after it ends).
@@ -40,6 +46,8 @@ class CheckpointConfig:
             one is complete).
         write_timeout_s: how long the checkpoint's last writer waits for the other ranks'
             parts before it gives that checkpoint up (a warning; training goes on).
+        takeover: take the job's writer lease over from a run that still holds it (its
+            checkpoints are then refused), instead of refusing to start (`lease.py`).
     """
 
     storage_path: str
@@ -47,6 +55,7 @@ class CheckpointConfig:
     every_s: float = 300.0
     keep: int = 2
     write_timeout_s: float = 600.0
+    takeover: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.storage_path, str) or not self.storage_path.strip():
@@ -66,17 +75,57 @@ class CheckpointConfig:
         if isinstance(self.keep, bool) or not isinstance(self.keep, int) or self.keep < 1:
             raise ConfigError(f"CheckpointConfig(keep=...) must be an int >= 1 (complete "
                               f"checkpoints kept), got {self.keep!r}")
+        if not isinstance(self.takeover, bool):
+            raise ConfigError(f"CheckpointConfig(takeover=...) must be True or False, got "
+                              f"{self.takeover!r}")
 
     def named(self, job_name: str | None) -> CheckpointConfig:
-        """This config with its folder's name settled (the job's name, else the default)."""
-        if self.name is not None:
-            return self
-        return CheckpointConfig(self.storage_path, job_name or DEFAULT_NAME, self.every_s,
-                                self.keep, self.write_timeout_s)
+        """This config with its folder's name settled (its own, else `job_name`, else the
+        one the driver settled for its workers, else this process's command's) and a
+        local path made absolute."""
+        path = absolute_path(self.storage_path)
+        name = self.name or job_name or CHECKPOINT_NAME.read() or entrypoint_name()
+        return replace(self, storage_path=path, name=folder_name(name))
 
     def to_env(self) -> dict[str, str]:
         """The environment variable that gives a worker this config."""
         return {CHECKPOINT.env: json.dumps(asdict(self))}
+
+
+def absolute_path(storage_path: str) -> str:
+    """A local path made absolute (`~` expanded); URIs as they are. The driver settles it,
+    so that every worker writes where the driver's working directory says, not its own
+    (Ray's copy of the working directory, which Ray may delete)."""
+    if "://" in storage_path:
+        return storage_path
+    return os.path.abspath(os.path.expanduser(storage_path))
+
+
+def folder_name(name: str) -> str:
+    """`name` as one folder's name: characters other than letters, digits, `.`, `-` and
+    `_` become `_`."""
+    cleaned = re.sub(r"[^A-Za-z0-9._-]", "_", name).strip(".") or "job"
+    return cleaned[:120]
+
+
+def entrypoint_name(argv: Sequence[str] | None = None, cwd: str | None = None) -> str:
+    """The folder of a job nobody named, made from the command that started it: the
+    script's name and a hash of the whole command line and the working directory
+    (`train-1f2e3d4c`), so the same command run again finds the same folder and another
+    one (another learning rate as a flag) another. A notebook's kernel has no command of
+    its own: its working directory stands for it (`notebook-...`)."""
+    argv = list(sys.argv if argv is None else argv)
+    cwd = os.getcwd() if cwd is None else cwd
+    first = argv[0] if argv else ""
+    if "ipykernel" in first or not argv:
+        stem, argv = "notebook", []
+    else:
+        script = next((a for a in argv if a.endswith(".py")), first)
+        stem = os.path.splitext(os.path.basename(script))[0] or "job"
+        if stem in ("-c", "-m") and len(argv) > 1:
+            stem = argv[1]
+    digest = hashlib.sha256(json.dumps([cwd, argv]).encode()).hexdigest()[:8]
+    return folder_name(f"{stem}-{digest}")
 
 
 def for_job(config: object, job_name: str | None) -> CheckpointConfig | None:

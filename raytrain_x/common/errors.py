@@ -100,6 +100,21 @@ class StoreAuthError(RaytrainXError, RuntimeError):
     not of this job)."""
 
 
+class StorageError(RaytrainXError, OSError):
+    """Durable storage failed an operation after its retries (a listing, a read, a write):
+    the message names the path and the cause. It never reads as "no checkpoint"."""
+
+
+class CheckpointError(RaytrainXError, RuntimeError):
+    """A durable checkpoint could not be written or restored (`state.checkpoint()` raises
+    it naming the path and the cause), or storage holds another job's state."""
+
+
+class CheckpointLeaseHeld(CheckpointError):
+    """Another run of the job holds its writer lease in storage (a second driver on a live
+    job's path), or a newer run took it over and fenced this one."""
+
+
 class ResetLimitExceeded(RaytrainXError):
     """An elastic job reset more often than its reset_limit allows."""
 

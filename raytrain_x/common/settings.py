@@ -321,10 +321,22 @@ CHECKPOINT = Setting(
     "RAYTRAIN_X_CHECKPOINT", "", str,
     "set by the executor for its workers: the job's `CheckpointConfig` as JSON",
     scope=INTERNAL)
+CHECKPOINT_NAME = Setting(
+    "RAYTRAIN_X_CHECKPOINT_NAME", "", str,
+    "set by the executor for its workers: the folder a `CheckpointConfig` without a name "
+    "takes (the driver's job name, Tune trial or command)", scope=INTERNAL)
+CHECKPOINT_RUN = Setting(
+    "RAYTRAIN_X_CHECKPOINT_RUN", "", str,
+    "set by the executor for its workers: the token of this run of the job, which holds "
+    "the writer lease of its checkpoints (`raytrain_x.elastic.lease`)", scope=INTERNAL)
+STORAGE_FAULTS = Setting(
+    "RAYTRAIN_X_STORAGE_FAULTS", "", str,
+    "set by tests and the simulator: a JSON file of storage faults to inject under every "
+    "durable checkpoint's storage (`raytrain_x.elastic.storage_faults`)", scope=INTERNAL)
 JOB_NAME = Setting(
     "RAYTRAIN_X_JOB_NAME", "", str,
     "set by the executor and `raytrain-x run` from the job's name: the `job` tag of its "
-    "metrics and the folder of its checkpoints", scope=INTERNAL)
+    "metrics; set by hand for a driver, it names its checkpoints' folder too", scope=INTERNAL)
 AUTOTUNE_INITIAL_KNOBS = Setting(
     "RAYTRAIN_X_AUTOTUNE_INITIAL_KNOBS", "", str,
     "set for the workers from `AutotuneConfig.initial_knobs`: JSON", scope=INTERNAL)

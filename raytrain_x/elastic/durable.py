@@ -1,12 +1,16 @@
 """Durable checkpoints from one rank's side, for any framework: when a commit is written,
-the background writer of this rank's parts, and the restore at a sync where no rank holds
-the state. A framework gives its format (`save`/`load` of a tree to a folder) and which
-parts each rank writes (`raytrain_x.torch.durable`, `raytrain_x.tensorflow.durable`).
+the background writer of this rank's parts, the writer lease, and the restore at a sync
+where no rank holds the state. A framework gives its format (`save`/`load` of a tree to a
+folder) and which parts each rank writes (`raytrain_x.torch.durable`,
+`raytrain_x.tensorflow.durable`).
 
-Each part of a checkpoint (`raytrain_x.elastic.storage`) is written by one rank: `common`
-(rank 0) and, with a sharded optimizer, `shard_<rank>`. The checkpoint's last writer (rank
-0) waits for every part, then writes the manifest. A failed or slow write never stops
-training: a warning, a counter, the next one later.
+Each part of a checkpoint (`raytrain_x.elastic.checkpoints`) is written by one rank:
+`common` (rank 0) and, with a sharded optimizer, `shard_<rank>`. In the background, the
+checkpoint's last writer (rank 0) waits for every part in storage, then publishes the
+manifest; a rank whose part failed says so in storage, and rank 0 gives the checkpoint up
+at once. A failed or slow background write never stops training: a warning, a counter, the
+next one later. `state.checkpoint()` instead writes in the foreground and raises when the
+checkpoint cannot be completed.
 """
 
 from __future__ import annotations
@@ -17,12 +21,18 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from raytrain_x.common.checkpoint_config import CheckpointConfig
+from raytrain_x.common.errors import CheckpointError, CheckpointLeaseHeld, StorageError
+from raytrain_x.common.periodic import Every
+from raytrain_x.common.settings import CHECKPOINT_RUN
 from raytrain_x.core import runtime, status
 from raytrain_x.core.objects import allgather_object
-from raytrain_x.elastic.storage import CheckpointStore, Manifest
+from raytrain_x.core.process import PROCESS
+from raytrain_x.elastic.checkpoints import CheckpointStore, Key, Manifest, probe_storage
+from raytrain_x.elastic.lease import RENEW_S, WriterLease, new_owner
 
 log = logging.getLogger("raytrain_x.elastic")
 
@@ -50,9 +60,24 @@ def plain_values(values: dict[str, Any]) -> dict[str, Any]:
             if isinstance(v, (int, float, str, bool)) and (not isinstance(v, str) or len(v) < 80)}
 
 
+def _cause(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return (text[0][:300] if text else "") or type(exc).__name__
+
+
+@dataclass
+class WriteResult:
+    """What this rank's last write did: its parts' files, or why it failed."""
+
+    key: Key
+    files: dict[str, dict[str, list[Any]]] = field(default_factory=dict)
+    error: str | None = None
+
+
 class DurableCheckpoints:
     """A job's durable checkpoints, from one rank's side: when to write, the background
-    writer, and reading parts back (in the framework's format: `save`, `load`)."""
+    writer, the writer lease, and reading parts back (in the framework's format: `save`,
+    `load`)."""
 
     def __init__(self, config: CheckpointConfig, save: Callable[[Any, str], None],
                  load: Callable[[str], Any],
@@ -64,8 +89,62 @@ class DurableCheckpoints:
         self._thread: threading.Thread | None = None
         self._last_start = clock()  # the first checkpoint comes every_s after the start
         self.number = 0  # the job's commits, counted over its whole life (synced)
+        self.generation = 0  # this run's, from its writer lease (synced)
+        self.owner = CHECKPOINT_RUN.read() or ""  # this run's token (synced)
         self._asked = False  # the driver asked for one (a drain of every holder)
+        self.last: WriteResult | None = None
+        self._lease: WriterLease | None = None  # rank 0 holds it
+        self._renewal: Every | None = None
+        self.fenced: CheckpointLeaseHeld | None = None
+        self._probed = False
 
+    # ------------------------------------------------------------------ the lease
+    def hold_lease(self) -> None:
+        """On rank 0 at a sync: takes or keeps this run's writer lease (the first time,
+        the start's probe of storage: a write and a read back) and renews it from now on.
+
+        Raises:
+            CheckpointLeaseHeld: another run holds the job's lease.
+            StorageError: storage cannot be written or read.
+        """
+        if self.fenced is not None:
+            raise self.fenced
+        self.owner = self.owner or new_owner()
+        if self._lease is None or self._lease.owner != self.owner:
+            self._lease = WriterLease(self.store, self.owner)
+        self.generation = self._lease.acquire(self.config.takeover)
+        if not self._probed:
+            probe_storage(self.store.storage, self.store.root)
+            self._probed = True
+        if self._renewal is None:
+            self._renewal = Every(RENEW_S, self._renew, "raytrain-x-lease").start()
+
+    def release_lease(self) -> None:
+        """This process no longer renews the lease (it is not rank 0 any more)."""
+        if self._renewal is not None:
+            self._renewal.stop()
+            self._renewal = None
+
+    def _renew(self) -> None:
+        try:
+            assert self._lease is not None
+            self._lease.renew()
+        except CheckpointLeaseHeld as exc:
+            self.fenced = exc
+            log.error("raytrain-x checkpoint: %s", exc)
+            if self._renewal is not None:
+                self._renewal.stop()  # from its own thread: it ends after this call
+        except Exception as exc:  # noqa: BLE001 - storage may come back before the lease ends
+            log.warning("raytrain-x checkpoint: renewing the writer lease failed: %s", exc)
+
+    def check_lease(self) -> None:
+        """Before a manifest or a prune: this run still holds the lease (rank 0)."""
+        if self.fenced is not None:
+            raise self.fenced
+        if self._lease is not None:
+            self._lease.check()
+
+    # ------------------------------------------------------------------ when
     def busy(self) -> bool:
         """A write of this rank is still under way."""
         return self._thread is not None and self._thread.is_alive()
@@ -79,65 +158,79 @@ class DurableCheckpoints:
         """Makes the next commit due, or the first one after the write under way."""
         self._asked = True
 
-    def write(self, parts: dict[str, Callable[[], Any]], last_writer: bool,
-              every_part: list[str], world_size: int, values: dict[str, Any],
-              info: dict[str, Any]) -> None:
+    # ------------------------------------------------------------------ writing
+    def write(self, parts: dict[str, Callable[[], Any]], manifest: Manifest,
+              every_part: list[str] | None) -> None:
         """Writes this rank's `parts` (each a function returning the tree to save) of
-        checkpoint `self.number` on a background thread; `last_writer` then waits for
-        `every_part` and completes the checkpoint."""
+        `manifest`'s checkpoint on a background thread. With `every_part` (rank 0 in the
+        background), the thread then waits for every part and completes the checkpoint.
+        A write of this rank still under way is waited for first: every rank writes its
+        part of every checkpoint rank 0 asked for."""
         if self.busy():
-            log.warning("raytrain-x checkpoint: the write before checkpoint %d is still "
-                        "under way on this rank; skipping this one", self.number)
-            return
+            log.info("raytrain-x checkpoint: waiting for this rank's write before "
+                     "checkpoint %d", manifest.number)
+            self.wait()
         self._last_start, self._asked = self._clock(), False
-        manifest = Manifest(self.number, {}, world_size, values, 0.0, info)
+        self.last = WriteResult(manifest.key)
         self._thread = threading.Thread(target=self._write,
-                                        args=(manifest, parts, last_writer, every_part),
+                                        args=(manifest, parts, every_part, self.last),
                                         name="raytrain-x-checkpoint", daemon=True)
         self._thread.start()
 
-    def wait(self, timeout_s: float | None = None) -> None:
-        """Waits for this rank's write under way, if any (tests, a drain, shutdown)."""
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Waits for this rank's write under way, if any; False when it is still under
+        way after `timeout_s`."""
         if self._thread is not None:
             self._thread.join(timeout_s)
+        return not self.busy()
 
     def _write(self, manifest: Manifest, parts: dict[str, Callable[[], Any]],
-               last_writer: bool, every_part: list[str]) -> None:
+               every_part: list[str] | None, result: WriteResult) -> None:
         began = time.perf_counter()
-        number = manifest.number
+        key = manifest.key
+        part = ""
         try:
             with tempfile.TemporaryDirectory(prefix="raytrain-x-checkpoint-") as tmp:
                 for part, tree in parts.items():
                     # a folder on this machine is written in place; object stores from a
                     # local copy
-                    local = self.store.local_folder(number, part) or os.path.join(tmp, part)
+                    local = self.store.local_folder(key, part) or os.path.join(tmp, part)
                     self._save(tree(), local)
-                    self.store.upload(number, part, local)
-            if last_writer:
-                files = self.store.wait_for_parts(number, every_part,
-                                                  self.config.write_timeout_s)
-                if files is None:
-                    raise TimeoutError(f"not every rank's part arrived within "
-                                       f"{self.config.write_timeout_s:g}s")
-                manifest.parts = files
-                manifest.written_at = time.time()
-                self.store.complete(manifest)
-                self.store.prune(self.config.keep)
-                seconds = time.perf_counter() - began
-                status.checkpoints.written(number, seconds)
-                log.info("raytrain-x checkpoint: %s written to %s in %.1fs",
-                         manifest.describe(), self.store.where(number), seconds)
-        except Exception as exc:  # noqa: BLE001 - training goes on; the next one may succeed
-            status.checkpoints.failed(number)
+                    result.files[part] = self.store.upload(key, part, local)
+            part = ""
+            if every_part is not None:
+                manifest.parts = self.store.wait_for_parts(key, every_part,
+                                                           self.config.write_timeout_s)
+                self.complete(manifest, began)
+        # BaseException: torch DCP's CheckpointException derives from it
+        except BaseException as exc:  # noqa: BLE001 - training goes on; the next may succeed
+            result.error = _cause(exc)
+            if part:
+                self.store.part_failed(key, part, result.error)
+            status.checkpoints.failed(manifest.number)
             log.warning("raytrain-x checkpoint: writing checkpoint %d to %s failed (%s); "
-                        "training goes on, the next checkpoint is tried in %gs", number,
-                        self.store.where(number), str(exc).splitlines()[0][:300],
+                        "training goes on, the next checkpoint is tried in %gs",
+                        manifest.number, self.store.where(key), result.error,
                         self.config.every_s)
 
+    def complete(self, manifest: Manifest, began: float) -> None:
+        """Rank 0, once every part is durable: the lease checked, the manifest published,
+        older checkpoints pruned."""
+        self.check_lease()
+        manifest.written_at = time.time()
+        self.store.complete(manifest)
+        self.check_lease()  # fenced in between: prune nothing of the newer run's
+        self.store.prune(self.config.keep, manifest.generation)
+        seconds = time.perf_counter() - began
+        status.checkpoints.written(manifest.number, seconds)
+        log.info("raytrain-x checkpoint: %s written to %s in %.1fs", manifest.describe(),
+                 self.store.where(manifest.key), seconds)
+
+    # ------------------------------------------------------------------ reading
     def latest(self) -> Manifest | None:
-        """The newest complete checkpoint; incomplete or damaged ones after it are skipped
-        with a warning."""
-        return self.store.latest(warn=True)
+        """The newest intact checkpoint; incomplete or damaged ones after it are skipped
+        with a warning naming the file."""
+        return self.store.latest(warn=True, verify=True)
 
     def load(self, manifest: Manifest, part: str) -> Any:
         """A part of `manifest`'s checkpoint, as the tree that was saved (host tensors)."""
@@ -145,21 +238,111 @@ class DurableCheckpoints:
             return self._load(self.store.download(manifest, part, tmp))
 
 
+def new_manifest(durable: DurableCheckpoints, world_size: int, values: dict[str, Any],
+                 info: dict[str, Any], signature: dict[str, Any]) -> Manifest:
+    """The manifest of the checkpoint of the commit just taken (its parts filled in once
+    they are written)."""
+    return Manifest(durable.number, {}, world_size, values, 0.0, info, durable.generation,
+                    signature)
+
+
+def write_now(durable: DurableCheckpoints, write: Callable[[bool], Manifest | None],
+              bcast_object: Callable[..., Any], timeout_s: float | None) -> None:
+    """`state.checkpoint()`: every rank writes its parts of the last commit in the
+    foreground (`write(background=False)` starts them and returns the manifest on rank 0),
+    the ranks' results are gathered, rank 0 completes the checkpoint, and every rank
+    returns only once it is complete. A collective.
+
+    Raises:
+        CheckpointError: a part could not be written or the checkpoint not completed
+            (naming the path and the cause), on every rank alike.
+    """
+    began = time.perf_counter()
+    if not durable.wait(timeout_s):
+        raise CheckpointError(f"this rank's previous checkpoint write to "
+                              f"{durable.store.where()} is still under way after "
+                              f"{timeout_s:g}s")
+    manifest = write(False)
+    done = durable.wait(timeout_s)
+    last = durable.last
+    mine = ("still under way" if not done else last.error if last else None,
+            last.files if last and done else {})
+    results = allgather_object(mine, name="elastic.durable.parts")
+    verdict = None
+    failed = [(r, why) for r, (why, _) in enumerate(results) if why]
+    if failed:
+        verdict = "; ".join(f"rank {r}: {why}" for r, why in failed[:4])
+    elif runtime.rank() == 0 and manifest is not None:
+        manifest.parts = {p: f for _, files in results for p, f in files.items()}
+        try:
+            durable.complete(manifest, began)
+        except BaseException as exc:  # noqa: BLE001 - every rank raises it below
+            status.checkpoints.failed(manifest.number)
+            verdict = f"rank 0: {_cause(exc)}"
+    verdict = bcast_object(verdict, 0, name="elastic.durable.written")
+    if verdict:
+        raise CheckpointError(f"the checkpoint of commit {durable.number} to "
+                              f"{durable.store.where()} failed: {verdict}")
+
+
 def checkpoint_to_restore(durable: DurableCheckpoints, bcast_object: Callable[..., Any],
-                          force: bool = False) -> Manifest | None:
-    """At a sync: the checkpoint every rank restores, or None when some rank holds the
+                          signature: dict[str, Any], force: bool = False,
+                          ) -> Manifest | None:
+    """At a sync: rank 0 takes or keeps the run's writer lease (probing storage the first
+    time), then names the checkpoint every rank restores: None when some rank holds the
     state in memory (unless `force`: part of a sharded state was lost with every copy) or
     there is no complete checkpoint. The driver says when no worker holds the latest
     commit (a survivor may hold an older one); without a driver, or at a new job's start,
-    no rank holding any state means the same. A collective."""
-    from raytrain_x.elastic.state import holds_state
+    no rank holding any state means the same. A collective.
 
+    Raises:
+        CheckpointError: storage holds another state than this one (`signature`), or the
+            run cannot hold the lease (`CheckpointLeaseHeld`); StorageError: storage
+            cannot be read or written. On every rank alike.
+    """
     told = runtime.rendezvous().restore_from_storage
-    if not (force or told) and any(allgather_object(holds_state(),
-                                                    name="elastic.durable.holders")):
-        return None
-    return bcast_object(durable.latest() if runtime.rank() == 0 else None, 0,
-                        name="elastic.durable.latest")
+    holds_state = PROCESS.state_round > 0  # synced inside `run` (elastic.state)
+    needed = force or told or not any(allgather_object(holds_state,
+                                                       name="elastic.durable.holders"))
+    answer: Any = None
+    if runtime.rank() == 0:
+        try:
+            durable.hold_lease()
+            manifest = durable.latest() if needed else None
+            if manifest is not None:
+                check_signature(durable, manifest, signature)
+            answer = ("ok", durable.owner, durable.generation, manifest)
+        except (CheckpointError, StorageError) as exc:
+            answer = ("error", type(exc).__name__, str(exc))
+    else:
+        durable.release_lease()
+    answer = bcast_object(answer, 0, name="elastic.durable.latest")
+    if answer[0] == "error":
+        kind = {"StorageError": StorageError, "CheckpointLeaseHeld": CheckpointLeaseHeld
+                }.get(answer[1], CheckpointError)
+        raise kind(answer[2])
+    _, durable.owner, durable.generation, manifest = answer
+    return manifest
+
+
+def check_signature(durable: DurableCheckpoints, manifest: Manifest,
+                    signature: dict[str, Any]) -> None:
+    """Refuses a checkpoint of another state than this one (other names, shapes or dtypes).
+
+    Raises:
+        CheckpointError: naming both and how to start afresh.
+    """
+    theirs = manifest.signature
+    if not theirs or not signature or theirs == signature:
+        return
+    differ = sorted(k for k in set(theirs) | set(signature) if theirs.get(k) != signature.get(k))
+    shown = "; ".join(f"{k}: saved {theirs.get(k, 'absent')}, here {signature.get(k, 'absent')}"
+                      for k in differ[:3])
+    raise CheckpointError(
+        f"{durable.store.where(manifest.key)} holds another job's state, not this one's "
+        f"({len(differ)} entries differ: {shown}). Give this job its own "
+        "CheckpointConfig(name=...), or delete "
+        f"{durable.store.where()} to start it afresh")
 
 
 def restored(durable: DurableCheckpoints, state: Any, manifest: Manifest,
@@ -171,5 +354,5 @@ def restored(durable: DurableCheckpoints, state: Any, manifest: Manifest,
     if runtime.rank() == 0:
         log.warning("raytrain-x checkpoint: no worker held the job's state in memory; "
                     "restored %s from %s in %.1fs", manifest.describe(),
-                    durable.store.where(manifest.number), seconds)
+                    durable.store.where(manifest.key), seconds)
     state.restored_from = manifest

@@ -128,27 +128,32 @@ class State:
         if self._durable is not None:
             self._durable.wait(self._durable.config.write_timeout_s)
 
-    def write_checkpoint(self, write_id: int) -> None:
+    def write_checkpoint(self, write_id: int, background: bool = True) -> Any:
         """Starts writing this rank's part of the commit just taken to durable storage
-        (`write_id`: rank 0's, naming this attempt's parts)."""
+        (`write_id`: rank 0's, naming this attempt's parts). In the background rank 0 then
+        completes the checkpoint itself; else (`checkpoint()`) it returns the checkpoint's
+        manifest on rank 0, for the caller to complete."""
 
     def checkpoint(self, timeout_s: float | None = None) -> None:
-        """Writes the last commit to durable storage now and waits until the checkpoint is
+        """Writes the last commit to durable storage now and returns once the checkpoint is
         complete (at the end of training, before a planned stop). A collective: call it on
         every rank at the same place.
 
         Raises:
             ConfigError: the state writes no durable checkpoints (give `checkpoint=`).
+            CheckpointError: the checkpoint could not be written or completed (on every
+                rank alike), naming the path and the cause.
         """
         if self._durable is None:
             kind = type(self).__name__
             raise ConfigError(f"this {kind} has no durable checkpoints: give {kind}(..., "
                               "checkpoint=CheckpointConfig(storage_path=...)) or "
                               "RayExecutor(..., checkpoint=...)")
-        self._durable.wait(timeout_s)  # one write at a time on each rank
-        self.write_checkpoint(self._bcast_object(time.time_ns(), 0, name="elastic.durable.id"))
-        self._durable.wait(timeout_s)
-        self._bcast_object(None, 0, name="elastic.durable.written")  # rank 0 completed it
+        from raytrain_x.elastic.durable import write_now
+
+        write_id = self._bcast_object(time.time_ns(), 0, name="elastic.durable.id")
+        write_now(self._durable, lambda background: self.write_checkpoint(write_id, background),
+                  self._bcast_object, timeout_s)
 
     def save(self) -> None:
         raise NotImplementedError

@@ -1,252 +1,323 @@
-"""Durable checkpoints in storage: the folders, their parts and the manifest that makes one
-complete (no framework, no Ray).
+"""Durable storage: the interface a job's checkpoints are written through, its one real
+implementation over `pyarrow.fs`, and the retries every operation goes through (no
+framework, no Ray).
 
-Storage is opened through `pyarrow.fs`, as Ray opens `RunConfig(storage_path=...)`: a local
-or shared path, S3, GCS. A job's checkpoints live under `storage_path/name/`:
+In the spirit of torch DCP's `StorageWriter`/`StorageReader`, storage knows files, not
+checkpoints: list a folder, read and write a file, publish a file atomically, copy a folder
+in and out, delete a folder. Paths are relative to the storage's root. What makes a
+checkpoint complete is `raytrain_x.elastic.checkpoints`'s.
 
-    checkpoint_0000000042/        one per durable commit, numbered by commit
-      common/                     a part: files of one writer (a torch DCP checkpoint...)
-      shard_00001/
-      common.json, shard_00001.json   each part's file list and sizes, once uploaded
-      manifest.json               written last: the checkpoint is complete
-
-A reader takes the newest checkpoint whose manifest parses and whose every listed file
-exists at its size; others are skipped with a warning (cut off mid-write, corrupted).
+`raytrain_x.elastic.checkpoints.open_storage` gives `RetryingStorage(ArrowStorage)`; with
+`RAYTRAIN_X_STORAGE_FAULTS` set (tests, the simulator) a `FaultyStorage`
+(`storage_faults.py`) sits under the retries, so that an injected fault meets the same
+retries a real one does.
 """
 
 from __future__ import annotations
 
-import json
+import errno
+import itertools
 import logging
 import os
 import time
+import uuid
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import TypeVar
 
-from raytrain_x.common.checkpoint_config import CheckpointConfig
-from raytrain_x.common.errors import ConfigError
+from raytrain_x.common.checkpoint_config import absolute_path
+from raytrain_x.common.errors import ConfigError, StorageError
 
 log = logging.getLogger("raytrain_x.elastic")
 
-_PREFIX = "checkpoint_"
-MANIFEST = "manifest.json"
+T = TypeVar("T")
+CHUNK = 8 * 1024 * 1024  # bytes read at a time to checksum or copy
 
 
-@dataclass
-class Manifest:
-    """A complete checkpoint, as its manifest describes it."""
+@dataclass(frozen=True)
+class Entry:
+    """One child of a listed folder."""
 
-    number: int  # the commit it holds (the job's commits, counted over its whole life)
-    parts: dict[str, dict[str, int]]  # part -> {file (relative to the part): bytes}
-    world_size: int
-    values: dict[str, Any] = field(default_factory=dict)  # plain attributes (step, epoch)
-    written_at: float = 0.0  # the writer's wall clock when the manifest was written
-    info: dict[str, Any] = field(default_factory=dict)  # the framework's own (layout)
-
-    @property
-    def folder(self) -> str:
-        return checkpoint_folder(self.number)
-
-    def describe(self) -> str:
-        shown = ", ".join(f"{k}={v}" for k, v in self.values.items()) or "no attributes"
-        return f"checkpoint {self.number} ({shown}, {self.world_size} workers)"
+    name: str
+    is_dir: bool
+    size: int
 
 
-def latest_checkpoint(config: CheckpointConfig) -> dict[str, Any]:
-    """What the driver says of the checkpoint a restore will take: its number, attributes
-    and description (number None when none is found or storage cannot be read)."""
-    try:
-        manifest = CheckpointStore(config).latest(warn=False)
-    except Exception as exc:  # noqa: BLE001 - the workers look again, and say why
-        return {"number": None, "describe": f"storage not readable: {exc}"}
-    if manifest is None:
-        return {"number": None, "describe": "none found"}
-    return {"number": manifest.number, "describe": manifest.describe(),
-            "values": manifest.values}
+class Storage(ABC):
+    """Files under one root (`describe(path)` says where, for messages)."""
+
+    @abstractmethod
+    def describe(self, path: str = "") -> str:
+        """The full path or URI of `path`."""
+
+    @abstractmethod
+    def list(self, folder: str) -> list[Entry]:
+        """`folder`'s children; [] when it does not exist."""
+
+    @abstractmethod
+    def read(self, path: str) -> bytes | None:
+        """A file's bytes; None when it does not exist."""
+
+    @abstractmethod
+    def chunks(self, path: str) -> Iterator[bytes]:
+        """A file's bytes, a chunk at a time (to checksum it without holding it)."""
+
+    @abstractmethod
+    def sizes(self, paths: list[str]) -> list[int | None]:
+        """Each file's size; None where it is missing or not a file."""
+
+    @abstractmethod
+    def publish(self, path: str, data: bytes) -> None:
+        """Writes a small file atomically and durably: a reader sees all of it or none (a
+        rename after an fsync on a file system; an object store's PUT)."""
+
+    @abstractmethod
+    def upload(self, local_dir: str, folder: str) -> None:
+        """Copies a local folder's files to `folder` (a no-op copy where `local_dir` is
+        `local(folder)`), durable when it returns."""
+
+    @abstractmethod
+    def download(self, folder: str, local_dir: str) -> None:
+        """Copies `folder`'s files into the local folder `local_dir`."""
+
+    @abstractmethod
+    def delete(self, folder: str) -> None:
+        """Deletes a folder and everything in it (nothing when it is gone)."""
+
+    @abstractmethod
+    def delete_file(self, path: str) -> None:
+        """Deletes one file (nothing when it is gone)."""
+
+    @abstractmethod
+    def local(self, path: str) -> str | None:
+        """Where `path` can be written in place on this machine (a local or shared file
+        system); None for object stores."""
 
 
-def checkpoint_folder(number: int) -> str:
-    return f"{_PREFIX}{number:010d}"
+def _not_found(exc: BaseException) -> bool:
+    if isinstance(exc, FileNotFoundError):
+        return True
+    text = str(exc).lower()
+    return "not found" in text or "does not exist" in text or "nosuchkey" in text
 
 
-def _open(storage_path: str) -> tuple[Any, str]:
-    try:
-        import pyarrow.fs as pafs
-    except ImportError:  # pragma: no cover - the checkpoint extra installs it
-        raise ConfigError("durable checkpoints need pyarrow: pip install "
-                          "'raytrain-x[checkpoint]'") from None
-    if "://" in storage_path:
+class ArrowStorage(Storage):
+    """Storage through `pyarrow.fs`, as Ray opens `RunConfig(storage_path=...)`: a local or
+    shared path, S3, GCS, S3-compatible servers."""
+
+    def __init__(self, storage_path: str) -> None:
         try:
-            return pafs.FileSystem.from_uri(storage_path)
-        except Exception as exc:  # noqa: BLE001 - pyarrow raises several kinds
-            raise ConfigError(f"CheckpointConfig(storage_path={storage_path!r}) cannot be "
-                              f"opened: {exc}") from None
-    return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(storage_path))
+            import pyarrow.fs as pafs
+        except ImportError:  # pragma: no cover - the checkpoint extra installs it
+            raise ConfigError("durable checkpoints need pyarrow: pip install "
+                              "'raytrain-x[checkpoint]'") from None
+        self._pafs = pafs
+        if "://" in storage_path:
+            try:
+                self.fs, base = pafs.FileSystem.from_uri(storage_path)
+            except Exception as exc:  # noqa: BLE001 - pyarrow raises several kinds
+                raise ConfigError(f"CheckpointConfig(storage_path={storage_path!r}) cannot "
+                                  f"be opened: {exc}") from None
+        else:
+            self.fs, base = pafs.LocalFileSystem(), absolute_path(storage_path)
+        self.base = base.rstrip("/")
+        self.is_local = isinstance(self.fs, pafs.LocalFileSystem)
+        self.uri = storage_path if "://" in storage_path else self.base
 
+    def _at(self, path: str) -> str:
+        return f"{self.base}/{path}" if path else self.base
 
-class CheckpointStore:
-    """One job's checkpoint folders in storage (`CheckpointConfig.storage_path/name`)."""
+    def describe(self, path: str = "") -> str:
+        if self.is_local:
+            return self._at(path)
+        scheme = self.uri.split("://", 1)[0]
+        return f"{scheme}://{self._at(path)}"
 
-    def __init__(self, config: CheckpointConfig) -> None:
-        if config.name is None:
-            raise ValueError("CheckpointConfig.named() settles the name first")
-        self.config = config
-        self.fs, base = _open(config.storage_path)
-        self.root = f"{base.rstrip('/')}/{config.name}"
+    def list(self, folder: str) -> list[Entry]:
+        pafs = self._pafs
+        infos = self.fs.get_file_info(pafs.FileSelector(self._at(folder),
+                                                        allow_not_found=True))
+        return [Entry(i.base_name, i.type == pafs.FileType.Directory, i.size or 0)
+                for i in infos]
 
-    def where(self, number: int, part: str = "") -> str:
-        path = f"{self.root}/{checkpoint_folder(number)}"
-        return f"{path}/{part}" if part else path
-
-    # ------------------------------------------------------------------ writing
-    def local_folder(self, number: int, part: str) -> str | None:
-        """Where a part can be written in place: storage on this machine's file system (a
-        local or shared folder); None for object stores, which take `upload`."""
-        import pyarrow.fs as pafs
-
-        return self.where(number, part) if isinstance(self.fs, pafs.LocalFileSystem) else None
-
-    def upload(self, number: int, part: str, local_dir: str) -> dict[str, int]:
-        """Copies the part's files from `local_dir` (unless it is the part's own folder,
-        written in place) and records them (`part.json`); returns {file: bytes}."""
-        import pyarrow.fs as pafs
-
-        files = {}
-        for folder, _, names in os.walk(local_dir):
-            for file in names:
-                path = os.path.join(folder, file)
-                files[os.path.relpath(path, local_dir)] = os.path.getsize(path)
-        dest = self.where(number, part)
-        if os.path.abspath(local_dir) != dest:
-            self.fs.create_dir(dest, recursive=True)
-            pafs.copy_files(local_dir, dest, source_filesystem=pafs.LocalFileSystem(),
-                            destination_filesystem=self.fs)
-        self._write_json(f"{self.where(number)}/{part}.json", files)
-        return files
-
-    def parts_done(self, number: int, parts: list[str]) -> dict[str, dict[str, int]]:
-        """The parts among `parts` whose upload has been recorded."""
-        done = {}
-        for part in parts:
-            files = self._read_json(f"{self.where(number)}/{part}.json")
-            if files is not None:
-                done[part] = files
-        return done
-
-    def wait_for_parts(self, number: int, parts: list[str], timeout_s: float,
-                       sleep: Callable[[float], None] = time.sleep,
-                       ) -> dict[str, dict[str, int]] | None:
-        """Every part's file list once all are recorded, else None after `timeout_s`."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            done = self.parts_done(number, parts)
-            if len(done) == len(parts):
-                return done
-            if time.monotonic() > deadline:
-                return None
-            sleep(0.2)
-
-    def complete(self, manifest: Manifest) -> None:
-        """Writes the manifest: from now on the checkpoint is visible to readers."""
-        self._write_json(f"{self.where(manifest.number)}/{MANIFEST}", {
-            "number": manifest.number, "parts": manifest.parts,
-            "world_size": manifest.world_size, "values": manifest.values,
-            "written_at": manifest.written_at, "info": manifest.info})
-
-    def prune(self, keep: int) -> list[int]:
-        """Deletes complete checkpoints beyond the newest `keep`, and incomplete ones older
-        than the newest complete one (writes given up). Returns the numbers deleted."""
-        complete = [m.number for m in self.checkpoints()]
-        if not complete:
-            return []
-        kept = set(complete[:keep])
-        doomed = [n for n in self._numbers() if n not in kept and n < complete[0]]
-        for number in doomed:
-            self.fs.delete_dir(self.where(number))
-        return doomed
-
-    # ------------------------------------------------------------------ reading
-    def checkpoints(self, warn: bool = False) -> list[Manifest]:
-        """The complete checkpoints, newest first. With `warn`, each folder skipped (no
-        manifest, or a listed file missing or of another size) is logged."""
-        return list(self._complete(warn))
-
-    def latest(self, warn: bool = True) -> Manifest | None:
-        """The newest complete checkpoint (the ones after it that are not, skipped)."""
-        return next(self._complete(warn), None)
-
-    def _complete(self, warn: bool) -> Iterator[Manifest]:
-        """The complete checkpoints, newest first, each checked only when asked for."""
-        for number in sorted(self._numbers(), reverse=True):
-            manifest, why = self._check(number)
-            if manifest is not None:
-                yield manifest
-            elif warn:
-                log.warning("raytrain-x checkpoint: skipping %s: %s; trying the one before",
-                            self.where(number), why)
-
-    def download(self, manifest: Manifest, part: str, local_dir: str) -> str:
-        """Copies a part's files into `local_dir/part`; returns that folder."""
-        import pyarrow.fs as pafs
-
-        dest = os.path.join(local_dir, part)
-        os.makedirs(dest, exist_ok=True)
-        pafs.copy_files(self.where(manifest.number, part), dest, source_filesystem=self.fs,
-                        destination_filesystem=pafs.LocalFileSystem())
-        return dest
-
-    def _numbers(self) -> list[int]:
-        import pyarrow.fs as pafs
-
+    def read(self, path: str) -> bytes | None:
         try:
-            infos = self.fs.get_file_info(pafs.FileSelector(self.root, allow_not_found=True))
+            with self.fs.open_input_stream(self._at(path)) as f:
+                return f.read()
         except OSError as exc:
-            log.warning("raytrain-x checkpoint: cannot list %s: %s", self.root, exc)
-            return []
-        numbers = []
-        for info in infos:
-            name = info.base_name
-            if info.type == pafs.FileType.Directory and name.startswith(_PREFIX):
-                try:
-                    numbers.append(int(name[len(_PREFIX):]))
-                except ValueError:
-                    continue
-        return numbers
-
-    def _check(self, number: int) -> tuple[Manifest | None, str]:
-        import pyarrow.fs as pafs
-
-        raw = self._read_json(f"{self.where(number)}/{MANIFEST}")
-        if raw is None:
-            return None, "no manifest (the write did not finish)"
-        try:
-            manifest = Manifest(int(raw["number"]), dict(raw["parts"]),
-                                int(raw["world_size"]), dict(raw.get("values", {})),
-                                float(raw.get("written_at", 0.0)), dict(raw.get("info", {})))
-        except (KeyError, TypeError, ValueError) as exc:
-            return None, f"its manifest is not valid ({exc!r})"
-        paths = [f"{self.where(number, part)}/{file}"
-                 for part, files in manifest.parts.items() for file in files]
-        sizes = [n for files in manifest.parts.values() for n in files.values()]
-        infos = self.fs.get_file_info(paths) if paths else []
-        for path, size, info in zip(paths, sizes, infos):
-            if info.type != pafs.FileType.File or info.size != size:
-                return None, f"{path} is missing or not {size} bytes"
-        return manifest, ""
-
-    def _write_json(self, path: str, value: Any) -> None:
-        with self.fs.open_output_stream(path) as out:
-            out.write(json.dumps(value).encode())
-
-    def _read_json(self, path: str) -> Any:
-        try:
-            with self.fs.open_input_stream(path) as f:
-                return json.loads(f.read().decode())
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError) as exc:
-            if "not found" in str(exc).lower() or "does not exist" in str(exc).lower():
+            if _not_found(exc):
                 return None
-            log.debug("raytrain-x checkpoint: %s unreadable: %s", path, exc)
-            return {"unreadable": str(exc)} if path.endswith(MANIFEST) else None
+            raise
+
+    def chunks(self, path: str) -> Iterator[bytes]:
+        with self.fs.open_input_stream(self._at(path)) as f:
+            while True:
+                chunk = f.read(CHUNK)
+                if not chunk:
+                    return
+                yield chunk
+
+    def sizes(self, paths: list[str]) -> list[int | None]:
+        if not paths:
+            return []
+        infos = self.fs.get_file_info([self._at(p) for p in paths])
+        return [i.size if i.type == self._pafs.FileType.File else None for i in infos]
+
+    def publish(self, path: str, data: bytes) -> None:
+        full = self._at(path)
+        if not self.is_local:
+            self.fs.create_dir(full.rsplit("/", 1)[0], recursive=True)
+            with self.fs.open_output_stream(full) as out:  # one PUT: atomic
+                out.write(data)
+            return
+        os.makedirs(os.path.dirname(full), exist_ok=True)
+        tmp = f"{full}.tmp-{uuid.uuid4().hex[:12]}"
+        try:
+            with open(tmp, "wb") as out:
+                out.write(data)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, full)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        _fsync_dir(os.path.dirname(full))
+
+    def upload(self, local_dir: str, folder: str) -> None:
+        dest = self._at(folder)
+        if self.is_local:
+            if os.path.abspath(local_dir) != dest:
+                self._pafs.copy_files(local_dir, dest,
+                                      source_filesystem=self._pafs.LocalFileSystem(),
+                                      destination_filesystem=self.fs)
+            _fsync_tree(dest)
+            return
+        self.fs.create_dir(dest, recursive=True)
+        self._pafs.copy_files(local_dir, dest, source_filesystem=self._pafs.LocalFileSystem(),
+                              destination_filesystem=self.fs)
+
+    def download(self, folder: str, local_dir: str) -> None:
+        os.makedirs(local_dir, exist_ok=True)
+        self._pafs.copy_files(self._at(folder), local_dir, source_filesystem=self.fs,
+                              destination_filesystem=self._pafs.LocalFileSystem())
+
+    def delete(self, folder: str) -> None:
+        try:
+            self.fs.delete_dir(self._at(folder))
+        except OSError as exc:
+            if not _not_found(exc):
+                raise
+
+    def delete_file(self, path: str) -> None:
+        try:
+            self.fs.delete_file(self._at(path))
+        except OSError as exc:
+            if not _not_found(exc):
+                raise
+
+    def local(self, path: str) -> str | None:
+        return self._at(path) if self.is_local else None
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: str) -> None:
+    """Every file under `root`, then every folder, on disk (before a manifest names them)."""
+    for folder, _, names in os.walk(root):
+        for name in names:
+            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(folder)
+    _fsync_dir(os.path.dirname(root))
+
+
+# errors no retry mends: a full disk, no permission, a file where a folder should be
+_LASTING = (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS,
+            errno.ENOTDIR, errno.EEXIST)
+
+
+class RetryingStorage(Storage):
+    """Every operation of `inner` retried with exponential backoff on an `OSError` (S3's
+    503 SlowDown, a flaky NFS mount), up to `ATTEMPTS` tries and `BUDGET_S` seconds in all
+    (pyarrow's S3 client retries inside each try too: about 6 s before it gives one up),
+    then raised as a `StorageError` naming the operation, the path and the cause. A missing
+    file is an answer, not an error: never retried; a full disk, a missing permission or
+    a file in a folder's place are raised at once."""
+
+    ATTEMPTS = 6
+    BUDGET_S = 15.0
+    FIRST_DELAY_S = 0.1
+    MAX_DELAY_S = 2.0
+
+    def __init__(self, inner: Storage, sleep: Callable[[float], None] = time.sleep,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.inner, self._sleep, self._clock = inner, sleep, clock
+
+    def _retry(self, what: str, path: str, call: Callable[[], T]) -> T:
+        delay = self.FIRST_DELAY_S
+        deadline = self._clock() + self.BUDGET_S
+        for attempt in range(1, self.ATTEMPTS + 1):
+            try:
+                return call()
+            except OSError as exc:
+                spent = attempt == self.ATTEMPTS or self._clock() + delay > deadline
+                if getattr(exc, "errno", None) in _LASTING or spent:
+                    tries = "once" if attempt == 1 else f"{attempt} times"
+                    raise StorageError(f"{what} {self.inner.describe(path)} failed {tries}: "
+                                       f"{str(exc).splitlines()[0][:300] or type(exc).__name__}"
+                                       ) from exc
+                log.info("raytrain-x storage: %s %s failed (%s); retrying in %.1fs", what,
+                         self.inner.describe(path), exc, delay)
+                self._sleep(delay)
+                delay = min(delay * 2, self.MAX_DELAY_S)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def describe(self, path: str = "") -> str:
+        return self.inner.describe(path)
+
+    def list(self, folder: str) -> list[Entry]:
+        return self._retry("listing", folder, lambda: self.inner.list(folder))
+
+    def read(self, path: str) -> bytes | None:
+        return self._retry("reading", path, lambda: self.inner.read(path))
+
+    def chunks(self, path: str) -> Iterator[bytes]:
+        # opening and the first chunk are retried; a stream cannot resume mid-way
+        def started() -> Iterator[bytes]:
+            stream = iter(self.inner.chunks(path))
+            first = next(stream, b"")
+            return itertools.chain([first], stream)
+
+        return self._retry("reading", path, started)
+
+    def sizes(self, paths: list[str]) -> list[int | None]:
+        return self._retry("looking up", paths[0] if paths else "",
+                           lambda: self.inner.sizes(paths))
+
+    def publish(self, path: str, data: bytes) -> None:
+        self._retry("writing", path, lambda: self.inner.publish(path, data))
+
+    def upload(self, local_dir: str, folder: str) -> None:
+        self._retry("writing", folder, lambda: self.inner.upload(local_dir, folder))
+
+    def download(self, folder: str, local_dir: str) -> None:
+        self._retry("reading", folder, lambda: self.inner.download(folder, local_dir))
+
+    def delete(self, folder: str) -> None:
+        self._retry("deleting", folder, lambda: self.inner.delete(folder))
+
+    def delete_file(self, path: str) -> None:
+        self._retry("deleting", path, lambda: self.inner.delete_file(path))
+
+    def local(self, path: str) -> str | None:
+        return self.inner.local(path)

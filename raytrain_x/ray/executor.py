@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import sys
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
 
 from raytrain_x.common.autotune_config import AutotuneConfig
-from raytrain_x.common.checkpoint_config import CheckpointConfig, for_job
+from raytrain_x.common.checkpoint_config import CheckpointConfig, entrypoint_name, for_job
 from raytrain_x.common.errors import ConfigError
 from raytrain_x.common.knobs import Knobs
 from raytrain_x.common.settings import (
+    CHECKPOINT_NAME,
+    CHECKPOINT_RUN,
     JOB_NAME,
     METRICS,
     METRICS_INTERVAL_S,
@@ -74,6 +78,11 @@ class RayExecutor:
             `RAYTRAIN_X_JOB_NAME`, else the Ray job's id and this executor's number in it.
         checkpoint: durable checkpoints of the workers' `TorchState` (`CheckpointConfig`):
             restored from when no worker holds the state, and by the same command run again.
+            A config without a name takes the job's folder by one rule, here and in a
+            `TorchState(checkpoint=...)` inside the job: `name`, else
+            `RAYTRAIN_X_JOB_NAME`, else the Tune trial's name, else the driver's command
+            (`entrypoint_name`). A local path is made absolute here, and the path is
+            probed (written, read back, deleted) when the executor starts.
         override_discovery: Horovod's; taken, the discovery is Ray's unless
             `host_discovery_script` is given.
         cpus_per_slot: Horovod's older name of `cpus_per_worker` (give one or the other).
@@ -184,7 +193,8 @@ class RayExecutor:
         if name is not None and (not isinstance(name, str) or not name.strip()):
             raise ConfigError(f"name must be a non-empty string, got {name!r}")
         self.name = name
-        self.checkpoint = for_job(checkpoint, name or JOB_NAME.read() or None)
+        self.checkpoint_name = checkpoint_name(name)
+        self.checkpoint = for_job(checkpoint, self.checkpoint_name)
         self.metrics: DriverMetrics | None = None
         self.last_elastic_job = None
         self._elastic_env: dict[str, str] | None = None
@@ -232,9 +242,16 @@ class RayExecutor:
         apply_verbose(self.settings.verbose)
         ensure_ray()
         self.name = self.name or job_name()
-        # the workers export metrics where the driver does, under the job's name
+        if self.checkpoint is not None:
+            from raytrain_x.elastic.checkpoints import probe
+
+            probe(self.checkpoint)  # an unwritable path fails the start, not the 1st write
+        # the workers export metrics where the driver does, under the job's name; their
+        # checkpoints take the driver's folder and this run's writer token
         env = {**(extra_env_vars or {}), TIMEOUT_S.env: str(self.settings.timeout_s),
-               JOB_NAME.env: self.name, METRICS.env: "1" if metrics.enabled() else "0",
+               JOB_NAME.env: self.name, CHECKPOINT_NAME.env: self.checkpoint_name,
+               CHECKPOINT_RUN.env: uuid.uuid4().hex,
+               METRICS.env: "1" if metrics.enabled() else "0",
                **(knob_env(self.knobs) if self.knobs else {}),
                **(self.checkpoint.to_env() if self.checkpoint is not None else {})}
         if metrics.enabled():
@@ -392,3 +409,20 @@ class RayExecutor:
                 are killed.
         """
         return self._started().collect(refs, callbacks)
+
+
+def checkpoint_name(name: str | None) -> str:
+    """The folder of a job's durable checkpoints where its `CheckpointConfig` names none:
+    the job's name, else `RAYTRAIN_X_JOB_NAME` (or the folder `raytrain-x run` settled from
+    the script's command), else the Tune trial's name, else the driver's command."""
+    given = name or JOB_NAME.read() or CHECKPOINT_NAME.read()
+    if given:
+        return given
+    if "ray.tune" in sys.modules:
+        try:
+            trial = sys.modules["ray.tune"].get_context().get_trial_name()
+        except Exception:  # noqa: BLE001 - not inside a trial
+            trial = None
+        if trial:
+            return str(trial)
+    return entrypoint_name()

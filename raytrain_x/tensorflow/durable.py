@@ -5,7 +5,8 @@ read back.
 A checkpoint has one part, `common`: a `tf.train.Checkpoint` whose `variables` are the
 state's variables by their paths (`dense/kernel`, `adam/iteration`; `_2`, `_3` after a
 path seen before), written to the prefix `state` in the part's folder, and beside it
-`attributes.pkl` (the plain attributes and the variables' order). Plain TensorFlow reads
+`attributes.json` (the plain attributes and the variables' order; `attributes.pkl`, a
+pickle, only where an attribute is not plain JSON: docs/security.md). Plain TensorFlow reads
 it with `tf.train.load_checkpoint(".../common.<id>/state")`, or restores the same variables
 with `tf.train.Checkpoint(variables=dict(zip(keys, variables))).read(...)`.
 The writer, the manifest and the restore decision are `raytrain_x.elastic.durable`'s.
@@ -13,6 +14,7 @@ The writer, the manifest and the restore decision are `raytrain_x.elastic.durabl
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import time
@@ -25,10 +27,12 @@ from raytrain_x.common.checkpoint_config import CheckpointConfig
 from raytrain_x.common.errors import ConfigError
 from raytrain_x.core import runtime
 from raytrain_x.core.objects import broadcast_object
+from raytrain_x.elastic.checkpoints import Manifest
 from raytrain_x.elastic.durable import (
     COMMON,
     DurableCheckpoints,
     checkpoint_to_restore,
+    new_manifest,
     part_kind,
     part_name,
     plain_values,
@@ -36,7 +40,8 @@ from raytrain_x.elastic.durable import (
 )
 
 PREFIX = "state"  # the tf.train.Checkpoint's prefix in a part's folder
-ATTRIBUTES = "attributes.pkl"
+ATTRIBUTES = "attributes.json"
+PICKLED = "attributes.pkl"  # attributes JSON cannot hold (unpickled only where written)
 
 
 def variable_keys(variables: list[Any]) -> list[str]:
@@ -57,14 +62,26 @@ def save(tree: dict[str, Any], folder: str) -> None:
         variables = {k: tf.Variable(v, trainable=False)
                      for k, v in zip(tree["keys"], tree["values"])}
     tf.train.Checkpoint(variables=variables).write(os.path.join(folder, PREFIX))
-    with open(os.path.join(folder, ATTRIBUTES), "wb") as f:
-        pickle.dump({"keys": tree["keys"], "attributes": tree["attributes"]}, f)
+    saved = {"keys": tree["keys"], "attributes": tree["attributes"]}
+    try:
+        text = json.dumps(saved, allow_nan=True)
+        if json.loads(text) != saved:  # tuples, int keys: JSON would change them
+            raise TypeError("not plain JSON")
+        with open(os.path.join(folder, ATTRIBUTES), "w") as f:
+            f.write(text)
+    except (TypeError, ValueError):
+        with open(os.path.join(folder, PICKLED), "wb") as f:
+            pickle.dump(saved, f)
 
 
 def load(folder: str) -> dict[str, Any]:
     """Reads what `save` wrote: `keys`, `values` (numpy, in the saved order), `attributes`."""
-    with open(os.path.join(folder, ATTRIBUTES), "rb") as f:
-        saved = pickle.load(f)
+    if os.path.exists(os.path.join(folder, ATTRIBUTES)):
+        with open(os.path.join(folder, ATTRIBUTES)) as f:
+            saved = json.load(f)
+    else:
+        with open(os.path.join(folder, PICKLED), "rb") as f:
+            saved = pickle.load(f)
     reader = tf.train.load_checkpoint(os.path.join(folder, PREFIX))
     by_key = _read_by_key(reader, saved["keys"])
     return {"keys": saved["keys"], "values": [by_key[k] for k in saved["keys"]],
@@ -97,24 +114,36 @@ def open_checkpoints(config: CheckpointConfig) -> DurableCheckpoints:
     return DurableCheckpoints(config, save, load)
 
 
-def write_parts(durable: DurableCheckpoints, state: Any, write_id: int) -> None:
-    """Starts writing `state`'s commit just taken: rank 0 writes the one part and the
-    manifest; the other ranks hold the same values and write nothing."""
+def signature(state: Any) -> dict[str, Any]:
+    """What a TensorFlow state is, as a manifest records it: each variable's shape and
+    dtype by its key, the attributes' names."""
+    out: dict[str, Any] = {key: [list(var.shape), getattr(var.dtype, "name", str(var.dtype))]
+                           for key, var in zip(variable_keys(state.variables), state.variables)}
+    out["attributes"] = sorted(state._names)
+    return out
+
+
+def write_parts(durable: DurableCheckpoints, state: Any, write_id: int,
+                background: bool = True) -> Manifest | None:
+    """Starts writing `state`'s commit just taken: rank 0 writes the one part (and, in the
+    background, the manifest; else it returns the manifest to complete); the other ranks
+    hold the same values and write nothing."""
     if runtime.rank() != 0:
-        return
+        return None
     common = part_name(COMMON, write_id)
     tree = {"keys": variable_keys(state.variables), "values": state._saved_values,
             "attributes": state._saved}
-    durable.write({common: lambda: tree}, last_writer=True, every_part=[common],
-                  world_size=runtime.size(), values=plain_values(state._saved),
-                  info={"layout": "tensorflow"})
+    manifest = new_manifest(durable, runtime.size(), plain_values(state._saved),
+                            {"layout": "tensorflow"}, signature(state))
+    durable.write({common: lambda: tree}, manifest, [common] if background else None)
+    return manifest
 
 
 def restore_from_storage(durable: DurableCheckpoints, state: Any) -> bool:
     """At a sync where no rank holds the state in memory: rank 0 loads the latest complete
     checkpoint into the state's variables and attributes (the sync then broadcasts them).
     Returns False (and loads nothing) when some rank holds the state or there is none."""
-    manifest = checkpoint_to_restore(durable, broadcast_object)
+    manifest = checkpoint_to_restore(durable, broadcast_object, signature(state))
     if manifest is None:
         return False
     began = time.perf_counter()

@@ -15,7 +15,6 @@ from typing import Any
 import numpy as np
 
 from raytrain_x.common.checkpoint_config import CheckpointConfig, from_env
-from raytrain_x.common.settings import JOB_NAME
 from raytrain_x.core.runtime import rank
 from raytrain_x.elastic.state import ObjectState, State, restore_count
 from raytrain_x.elastic.state import run as _run
@@ -44,7 +43,7 @@ class TensorFlowState(ObjectState):
                  checkpoint: CheckpointConfig | None = None, **kwargs: Any) -> None:
         self.variables = list(variables or [])
         self._saved_values = _values(self.variables)
-        config = checkpoint.named(JOB_NAME.read() or None) if checkpoint else from_env()
+        config = checkpoint.named(None) if checkpoint else from_env()
         if config is not None:
             from raytrain_x.tensorflow.durable import open_checkpoints
 
@@ -57,10 +56,10 @@ class TensorFlowState(ObjectState):
         self._saved_values = _values(self.variables)
         super().save()
 
-    def write_checkpoint(self, write_id: int) -> None:
+    def write_checkpoint(self, write_id: int, background: bool = True) -> Any:
         from raytrain_x.tensorflow.durable import write_parts
 
-        write_parts(self._durable, self, write_id)
+        return write_parts(self._durable, self, write_id, background)
 
     def restore(self) -> None:
         for var, value in zip(self.variables, self._saved_values):

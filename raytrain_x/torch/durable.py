@@ -1,20 +1,30 @@
 """Durable checkpoints of a `TorchState`: its committed host snapshot written to storage by
 a background thread, in `torch.distributed.checkpoint` (DCP) format, and read back.
 
-Each part of a checkpoint (`raytrain_x.elastic.storage`) is a DCP checkpoint written by one
-rank: `common` (models, unsharded optimizers, samplers, plain attributes; rank 0) and, with
-a sharded optimizer, `shard_<rank>` (that rank's optimizer shard, by parameter index).
+Each part of a checkpoint (`raytrain_x.elastic.checkpoints`) is a DCP checkpoint written by
+one rank: `common` (models, unsharded optimizers, samplers, plain attributes; rank 0) and,
+with a sharded optimizer, `shard_<rank>` (that rank's optimizer shard, by parameter index).
 Plain torch reads a part with `torch.distributed.checkpoint.format_utils.dcp_to_torch_save`:
-its tensors and values under `state`, nested as in `state_dict()`s.
+its tensors under `state`, nested as in `state_dict()`s (lists as dicts by index), and under
+`skeleton` the tree's exact shape and its other values as tagged JSON.
+
+Restoring loads tensors with `torch.load(weights_only=True)` and values from JSON; only a
+value JSON cannot hold (an object of the user's own class among the attributes) is pickled,
+and only a checkpoint that holds one is unpickled (docs/security.md: whoever can write the
+storage path can run code in the job, through DCP's own metadata too).
 The writer, the manifest and the restore decision are `raytrain_x.elastic.durable`'s.
 """
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import pickle
+import tempfile
 import time
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -22,10 +32,12 @@ import torch
 
 from raytrain_x.common.checkpoint_config import CheckpointConfig
 from raytrain_x.core import runtime
+from raytrain_x.elastic.checkpoints import Manifest
 from raytrain_x.elastic.durable import (
     COMMON,
     DurableCheckpoints,
     checkpoint_to_restore,
+    new_manifest,
     part_kind,
     part_name,
     plain_values,
@@ -41,12 +53,76 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 
 
 _AT = "__raytrain_x_tensor_at__"  # a skeleton's placeholder: where the tensor sits
+_FORMAT = "json-skeleton"  # the manifest's `info["skeleton"]` for parts written this way
 
 
 def _skeleton(tree: Any) -> Any:
     """The tree with each tensor replaced by its path: the tree's exact shape, which DCP
     does not keep (it drops empty containers and turns keys into strings)."""
     return map_paths(tree, (), lambda path, _: {_AT: list(path)})
+
+
+def _tensors(tree: Any) -> Any:
+    """Only the tree's tensors, nested as in the tree (lists as dicts by index); None
+    where a branch holds none (DCP drops empty containers anyway)."""
+    if isinstance(tree, torch.Tensor):
+        return tree if tree.layout == torch.strided else None
+    items = tree.items() if isinstance(tree, dict) else \
+        enumerate(tree) if type(tree) in (list, tuple) else ()
+    out = {k: sub for k, sub in ((k, _tensors(v)) for k, v in items) if sub is not None}
+    return out or None
+
+
+class _Pickled(Exception):
+    """A value the skeleton's JSON cannot hold."""
+
+
+def encode(value: Any, pickled: list[bool]) -> Any:
+    """A skeleton as tagged JSON: lists, tuples, sets, dicts (any keys, a `state_dict`'s
+    `_metadata`), bytes and plain values; anything else pickled (`pickled[0]` set)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, dict):
+        if set(value) == {_AT}:
+            return {"@": [encode(k, pickled) for k in value[_AT]]}
+        out: dict[str, Any] = {"d": [[encode(k, pickled), encode(v, pickled)]
+                                     for k, v in value.items()]}
+        if type(value) is OrderedDict:
+            out["o"] = 1
+        if hasattr(value, "_metadata"):
+            out["m"] = encode(value._metadata, pickled)
+        return out
+    if type(value) in (list, tuple, set, frozenset):
+        tag = {list: "l", tuple: "t", set: "s", frozenset: "f"}[type(value)]
+        items = sorted(value, key=repr) if tag in "sf" else value
+        return {tag: [encode(v, pickled) for v in items]}
+    if isinstance(value, bytes):
+        return {"b": base64.b64encode(value).decode()}
+    pickled[0] = True
+    return {"p": base64.b64encode(pickle.dumps(value)).decode()}
+
+
+def decode(value: Any, allow_pickle: bool) -> Any:
+    """What `encode` wrote."""
+    if not isinstance(value, dict):
+        return value
+    ((tag, body),) = ((k, v) for k, v in value.items() if k not in ("o", "m"))
+    if tag == "@":
+        return {_AT: [decode(k, allow_pickle) for k in body]}
+    if tag == "d":
+        out = (OrderedDict if value.get("o") else dict)(
+            (decode(k, allow_pickle), decode(v, allow_pickle)) for k, v in body)
+        if "m" in value:
+            out._metadata = decode(value["m"], allow_pickle)
+        return out
+    if tag in ("l", "t", "s", "f"):
+        kind = {"l": list, "t": tuple, "s": set, "f": frozenset}[tag]
+        return kind(decode(v, allow_pickle) for v in body)
+    if tag == "b":
+        return base64.b64decode(body)
+    if not allow_pickle:
+        raise _Pickled
+    return pickle.loads(base64.b64decode(body))
 
 
 def _filled(skeleton: Any, saved: Any) -> Any:
@@ -57,7 +133,10 @@ def _filled(skeleton: Any, saved: Any) -> Any:
                 else value[key]
         return value
     if isinstance(skeleton, dict):
-        return {k: _filled(v, saved) for k, v in skeleton.items()}
+        out = type(skeleton)((k, _filled(v, saved)) for k, v in skeleton.items())
+        if hasattr(skeleton, "_metadata"):
+            out._metadata = skeleton._metadata
+        return out
     if type(skeleton) in (list, tuple):
         return type(skeleton)(_filled(v, saved) for v in skeleton)
     return skeleton
@@ -65,31 +144,105 @@ def _filled(skeleton: Any, saved: Any) -> Any:
 
 def save(tree: Any, folder: str) -> None:
     """Writes `tree` (nested dicts of tensors and values) as a DCP checkpoint: its tensors
-    under `state` (as the tree nests them), and the tree's exact shape under `skeleton`."""
+    under `state` (as the tree nests them), and the tree's exact shape and values under
+    `skeleton`."""
     import torch.distributed.checkpoint as dcp
 
-    skeleton = pickle.dumps(_skeleton(tree))  # one object: DCP would flatten a dict
-    dcp.save({"state": tree, "skeleton": skeleton}, checkpoint_id=folder, no_dist=True)
+    pickled = [False]
+    skeleton = json.dumps({"format": _FORMAT, "tree": encode(_skeleton(tree), pickled),
+                           "pickled": pickled[0]})
+    dcp.save({"state": _tensors(tree) or {}, "skeleton": skeleton}, checkpoint_id=folder,
+             no_dist=True)
 
 
 def load(folder: str) -> Any:
-    """Reads a DCP checkpoint `save` wrote back into the tree that was saved."""
+    """Reads a DCP checkpoint `save` wrote back into the tree that was saved: tensors with
+    `weights_only=True`, values from JSON (unpickled only where `save` had to pickle)."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     path = os.path.join(folder, "..", os.path.basename(folder) + ".pt")
     dcp_to_torch_save(folder, path)
     try:
-        saved = torch.load(path, weights_only=False)
+        saved = torch.load(path, weights_only=True)
     finally:
         os.remove(path)
-    return _filled(pickle.loads(saved["skeleton"]), saved["state"])
+    raw = json.loads(saved["skeleton"])
+    skeleton = decode(raw["tree"], allow_pickle=bool(raw["pickled"]))
+    return _filled(skeleton, saved.get("state", {}))
 
 
-def write_parts(durable: DurableCheckpoints, state: Any, write_id: int) -> None:
+def signature(state: Any) -> dict[str, Any]:
+    """What a `TorchState` is, as a manifest records it: each model tensor's shape and
+    dtype by its name, the optimizers' parameter counts, the attributes' names. A restore
+    refuses a checkpoint of another signature."""
+    out: dict[str, Any] = {}
+    for name, value in state._handled.items():
+        if isinstance(value, torch.nn.Module):
+            for key, tensor in value.state_dict().items():
+                if isinstance(tensor, torch.Tensor):
+                    out[f"{name}.{key}"] = [list(tensor.shape), str(tensor.dtype)]
+        elif isinstance(value, torch.optim.Optimizer):
+            out[name] = [sum(len(g["params"]) for g in value.param_groups), "parameters"]
+    out["attributes"] = sorted(state._names)
+    return out
+
+
+def _skeleton_of(folder: str) -> Any:
+    """The skeleton of a part `save` wrote, without its tensors."""
+    import torch.distributed.checkpoint as dcp
+
+    head = {"skeleton": ""}
+    dcp.load(head, checkpoint_id=folder, no_dist=True)
+    raw = json.loads(head["skeleton"])
+    return decode(raw["tree"], allow_pickle=bool(raw["pickled"]))
+
+
+def load_shards(folder: str, wanted: Callable[[str, int], bool]) -> dict[str, dict[int, Any]]:
+    """The optimizer shards of a `shard_<rank>` part that `wanted(optimizer, index)` picks,
+    read alone: DCP reads only their tensors' bytes, so a rank never holds the others'."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(folder).read_metadata().state_dict_metadata
+    skeleton = _skeleton_of(folder)
+    chosen = {name: {i: sub for i, sub in states.items() if wanted(name, i)}
+              for name, states in skeleton["shards"].items()}
+    template: dict[str, Any] = {}
+
+    def allocate(path: tuple, _: Any) -> None:
+        entry = metadata[".".join(["state", *map(str, path)])]
+        node = template
+        for key in path[:-1]:
+            node = node.setdefault(str(key), {})
+        node[str(path[-1])] = torch.empty(entry.size, dtype=entry.properties.dtype)
+
+    for states in chosen.values():
+        for sub in states.values():
+            _walk_placeholders(sub, allocate)
+    if template:
+        dcp.load({"state": template}, checkpoint_id=folder, no_dist=True)
+    return {name: {i: _filled(sub, template) for i, sub in states.items()}
+            for name, states in chosen.items()}
+
+
+def _walk_placeholders(skeleton: Any, fn: Callable[[tuple, Any], None]) -> None:
+    if isinstance(skeleton, dict) and set(skeleton) == {_AT}:
+        fn(tuple(skeleton[_AT]), skeleton)
+    elif isinstance(skeleton, dict):
+        for value in skeleton.values():
+            _walk_placeholders(value, fn)
+    elif type(skeleton) in (list, tuple, set, frozenset):
+        for value in skeleton:
+            _walk_placeholders(value, fn)
+
+
+def write_parts(durable: DurableCheckpoints, state: Any, write_id: int,
+                background: bool = True) -> Manifest | None:
     """Starts writing this rank's parts of `state`'s commit just taken (a `TorchState`):
-    rank 0 the common part (and the manifest, last), and with sharded optimizers each rank
-    its own shard. The snapshot is held by the writer, so later commits do not reuse its
-    buffers while it is written."""
+    rank 0 the common part, and with sharded optimizers each rank its own shard. In the
+    background rank 0 completes the checkpoint (the manifest, last); else its manifest is
+    returned on rank 0. The snapshot is held by the writer, so later commits do not reuse
+    its buffers while it is written."""
     rank, size = runtime.rank(), runtime.size()
     snap = state.committed()
     parts: dict[str, Callable[[], Any]] = {}
@@ -106,11 +259,12 @@ def write_parts(durable: DurableCheckpoints, state: Any, write_id: int) -> None:
                 own.setdefault(name, {})[index] = shard
         parts[part_name(shard_part(rank), write_id)] = lambda: {"rank": rank, "shards": own}
         every += [part_name(shard_part(r), write_id) for r in range(size)]
-    if not parts:
-        return
     layout = "sharded" if commits is not None else "unsharded"
-    durable.write(parts, last_writer=rank == 0, every_part=every, world_size=size,
-                  values=plain_values(state._values()), info={"layout": layout})
+    manifest = new_manifest(durable, size, plain_values(state._values()),
+                            {"layout": layout, "skeleton": _FORMAT}, signature(state))
+    if parts:
+        durable.write(parts, manifest, every if background and rank == 0 else None)
+    return manifest if rank == 0 else None
 
 
 def open_checkpoints(config: CheckpointConfig) -> DurableCheckpoints:
@@ -118,16 +272,26 @@ def open_checkpoints(config: CheckpointConfig) -> DurableCheckpoints:
     return DurableCheckpoints(config, save, load)
 
 
+def _part_folder(durable: DurableCheckpoints, manifest: Manifest, part: str, tmp: str) -> str:
+    """A part's folder to read: in place on a file system, else a local copy in `tmp`."""
+    return durable.store.local_folder(manifest.key, part) or \
+        durable.store.download(manifest, part, tmp)
+
+
 def restore_from_storage(durable: DurableCheckpoints, state: Any, force: bool = False) -> bool:
     """At a sync where no rank holds the state in memory (all holders lost: the driver says
-    so; or a new job with the same storage): loads the latest complete checkpoint, rank 0
-    the common part and every rank the optimizer shards it owns in this world's layout.
-    Returns False (and loads nothing) when some rank holds the state (unless `force`: part
-    of a sharded state was lost with every copy) or there is no checkpoint."""
+    so; or a new job with the same storage): loads the latest intact checkpoint, rank 0
+    the common part and every rank only the optimizer shards it owns in this world's
+    layout. Returns False (and loads nothing) when some rank holds the state (unless
+    `force`: part of a sharded state was lost with every copy) or there is no checkpoint.
+
+    Raises:
+        CheckpointError: the checkpoint is of another state; StorageError: storage failed.
+    """
     from raytrain_x.torch.functions import broadcast_object
     from raytrain_x.torch.zero_elastic import Generation
 
-    manifest = checkpoint_to_restore(durable, broadcast_object, force)
+    manifest = checkpoint_to_restore(durable, broadcast_object, signature(state), force)
     if manifest is None:
         return False
     began = time.perf_counter()
@@ -136,12 +300,18 @@ def restore_from_storage(durable: DurableCheckpoints, state: Any, force: bool = 
         state._load_tree(durable.load(manifest, common))
     commits = state._commits
     if commits is not None:
-        shards: dict[str, dict[int, Any]] = {}
-        for part in sorted(p for p in manifest.parts if part_kind(p) != COMMON):
-            for name, states in durable.load(manifest, part)["shards"].items():
-                shards.setdefault(name, {}).update(states)
-        for name, opt in commits.optimizers.items():
+        rank = runtime.rank()
+        for opt in commits.optimizers.values():
             opt.reshard()
+        owners = {name: opt.owners_by_index() for name, opt in commits.optimizers.items()}
+        shards: dict[str, dict[int, Any]] = {}
+        with tempfile.TemporaryDirectory(prefix="raytrain-x-restore-") as tmp:
+            for part in sorted(p for p in manifest.parts if part_kind(p) != COMMON):
+                folder = _part_folder(durable, manifest, part, tmp)
+                mine = load_shards(folder, lambda name, i: owners.get(name, {}).get(i) == rank)
+                for name, states in mine.items():
+                    shards.setdefault(name, {}).update(states)
+        for name, opt in commits.optimizers.items():
             opt.load_shard_state(shards.get(name, {}))
         commits.taken = Generation(0, commits._own(), None, None)
         commits.staged = None

@@ -11,7 +11,6 @@ import torch
 
 from raytrain_x.common.checkpoint_config import CheckpointConfig, from_env
 from raytrain_x.common.errors import ConfigError, ElasticStateLost
-from raytrain_x.common.settings import JOB_NAME
 from raytrain_x.core.objects import allgather_object
 from raytrain_x.core.process_sets import global_process_set
 from raytrain_x.core.runtime import rank, size
@@ -185,7 +184,7 @@ class TorchState(ObjectState):
                     raise ConfigError(f"elastic training re-shards {name!r} over the whole "
                                       "world: build it without a process_set")
             self._commits = ShardedCommits(sharded, replicas)
-        config = checkpoint.named(JOB_NAME.read() or None) if checkpoint else from_env()
+        config = checkpoint.named(None) if checkpoint else from_env()
         self._durable = open_checkpoints(config) if config is not None else None
         self._snapshots = Snapshots()
         self._committed: Snapshot | None = None
@@ -270,9 +269,10 @@ class TorchState(ObjectState):
             return
         self._committed = self._snapshot()
 
-    def write_checkpoint(self, write_id: int) -> None:
+    def write_checkpoint(self, write_id: int, background: bool = True) -> Any:
         if self._durable is not None:
-            write_parts(self._durable, self, write_id)
+            return write_parts(self._durable, self, write_id, background)
+        return None
 
     def save(self) -> None:
         if self._durable is not None:

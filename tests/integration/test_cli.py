@@ -145,7 +145,7 @@ def _a_stopped_job_resumes_when_submitted_again(dash: int, env: dict) -> None:
     """`ray job stop` ends a job's entrypoint (its driver) mid-training; the same job
     submitted again resumes from its latest durable checkpoint."""
     from raytrain_x.common.checkpoint_config import CheckpointConfig
-    from raytrain_x.elastic.storage import CheckpointStore
+    from raytrain_x.elastic.checkpoints import CheckpointStore
 
     out = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}resume", dir="/tmp"))
     try:
@@ -335,7 +335,7 @@ def test_a_killed_driver_resumes_from_its_checkpoint_when_the_command_runs_again
     with it, and the same command run again resumes from the latest checkpoint, doing every
     step once in the state it ends with."""
     from raytrain_x.common.checkpoint_config import CheckpointConfig
-    from raytrain_x.elastic.storage import CheckpointStore
+    from raytrain_x.elastic.checkpoints import CheckpointStore
 
     script = tmp_path / "job.py"
     script.write_text(_RESUMABLE)

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from raytrain_x.common.checkpoint_config import CheckpointConfig
+from raytrain_x.elastic.checkpoints import CheckpointStore
 from raytrain_x.elastic.durable import part_kind
-from raytrain_x.elastic.storage import CheckpointStore
 from raytrain_x.testing.waiting import free_port
 from tests.workers import run_workers
 
@@ -51,8 +51,8 @@ def _train(storage: str, steps: int, stage: int, every_s: float = 1e9,
             state.commit()
             if state.step in checkpoint_at:
                 state.checkpoint()
-            if signals and rx.rank() == 0 and state.step == 3:
-                _storage_outage(signals)
+            if signals and rx.rank() == 0 and state.step in (3, 6):
+                _storage_outage(signals, state.step == 3)
 
     train(state)
     restored = getattr(state, "restored_from", None)
@@ -66,16 +66,19 @@ def _train(storage: str, steps: int, stage: int, every_s: float = 1e9,
     return out
 
 
-def _storage_outage(signals: str) -> None:
-    """Rank 0 of `_train`: storage goes away, two checkpoints fail, and it comes back."""
+def _storage_outage(signals: str, stop: bool) -> None:
+    """Rank 0 of `_train`: storage goes away (at step 3); at step 6 it waits until a write
+    has failed (one started after the stop, due at every commit, meets the outage once its
+    retries are spent), and storage comes back."""
     import raytrain_x.torch as rx  # noqa: F401 - the caller's world
     from raytrain_x.core import status
 
-    _ask(signals, "stop")
-    failed = status.checkpoints.failed_count
-    deadline = time.monotonic() + 60
-    while status.checkpoints.failed_count < failed + 1 and time.monotonic() < deadline:
-        time.sleep(0.05)  # the writer thread, due every commit, meets the outage
+    if stop:
+        _ask(signals, "stop")
+        return
+    deadline = time.monotonic() + 120  # the write's retries give up within about 20 s
+    while status.checkpoints.failed_count < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
     _ask(signals, "start")
 
 
@@ -140,7 +143,7 @@ def test_a_checkpoint_written_by_2_ranks_resumes_a_new_job_of_3(tmp_path):
     # plain torch reads it
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    dcp_to_torch_save(store.where(manifest.number, common), tmp_path / "plain.pt")
+    dcp_to_torch_save(store.where(manifest.key, common), tmp_path / "plain.pt")
     plain = torch.load(tmp_path / "plain.pt", weights_only=False)
     weight = plain["state"]["handled"]["model"]["0.weight"]
     assert torch.equal(weight, first[0]["model"]["0.weight"])
@@ -175,12 +178,12 @@ def test_a_damaged_checkpoint_is_skipped_for_the_one_before(tmp_path, caplog):
     newest, older = store.checkpoints()
     assert (newest.values["step"], older.values["step"]) == (4, 2)
     # cut off mid-write: a data file shorter than its manifest says
-    data = next(Path(store.where(newest.number, next(iter(newest.parts)))).glob("*.distcp"))
+    data = next(Path(store.where(newest.key, next(iter(newest.parts)))).glob("*.distcp"))
     data.write_bytes(data.read_bytes()[:10])
     [left] = store.checkpoints()
     assert left.number == older.number
     # and one with no manifest at all, newer still, as a killed writer leaves it
-    Path(store.where(newest.number + 5, "common")).mkdir(parents=True)
+    Path(store.where((newest.generation, newest.number + 5), "common")).mkdir(parents=True)
     out = run_workers(_train, 2, storage, 4, 0, work_s=40)
     assert [o["started_at"] for o in out] == [2, 2]
     assert out[0]["restored"] == older.number and out[0]["seen"] == [1, 2, 3, 4]
@@ -208,7 +211,7 @@ def test_checkpoints_on_s3_keep_the_last_two_and_survive_an_outage(s3_server, tm
     watcher.start()
     storage = uri("ckpts")
     # every commit is due (every_s tiny): writes overlap the steps and the outage
-    out = run_workers(_train, 2, storage, 12, 0, 0.001, (12,), str(signals), work_s=60)
+    out = run_workers(_train, 2, storage, 12, 0, 0.001, (12,), str(signals), work_s=90)
     watcher.join(5)
     counters = out[0]["counters"]
     assert out[0]["step"] == 12 and counters["failed_count"] >= 1

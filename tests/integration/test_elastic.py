@@ -18,7 +18,7 @@ from raytrain_x.comm.store import ActorStore
 from raytrain_x.comm.store_actor import StoreActor
 from raytrain_x.common.checkpoint_config import CheckpointConfig
 from raytrain_x.common.errors import ElasticStateLost, InternalError, RendezvousTimeout
-from raytrain_x.elastic.storage import CheckpointStore
+from raytrain_x.elastic.checkpoints import CheckpointStore
 from raytrain_x.ray import RayExecutor
 from raytrain_x.ray.elastic import pool as worker_pool
 from raytrain_x.ray.placement import stable_node_strategy

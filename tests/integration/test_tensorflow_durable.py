@@ -9,7 +9,7 @@ import os
 import numpy as np
 
 from raytrain_x.common.checkpoint_config import CheckpointConfig
-from raytrain_x.elastic.storage import CheckpointStore
+from raytrain_x.elastic.checkpoints import CheckpointStore
 from tests.workers import run_workers
 
 ENV = {"TF_CPP_MIN_LOG_LEVEL": "3", "TF_NUM_INTRAOP_THREADS": "1",
@@ -72,12 +72,12 @@ def test_a_keras_checkpoint_of_2_ranks_resumes_a_job_of_3_and_reads_in_plain_tf(
     import tensorflow as tf
 
     (part,) = manifest.parts
-    prefix = os.path.join(store.where(manifest.number), part, "state")
+    prefix = os.path.join(store.where(manifest.key), part, "state")
     names = tf.train.load_checkpoint(prefix).get_variable_to_shape_map()
     assert any("dense" in n and "kernel" in n for n in names), sorted(names)
     from raytrain_x.tensorflow.durable import load
 
-    saved = load(os.path.join(store.where(manifest.number), part))
+    saved = load(os.path.join(store.where(manifest.key), part))
     for a, b in zip(saved["values"], first[0]["values"]):
         np.testing.assert_array_equal(a, b)
     assert saved["attributes"]["seen"] == [1, 2, 3, 4]

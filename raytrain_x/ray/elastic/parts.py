@@ -15,7 +15,7 @@ from ray.exceptions import RayActorError
 
 from raytrain_x.comm.store_actor import StoreActor
 from raytrain_x.common.errors import ControlActorLost
-from raytrain_x.elastic.storage import latest_checkpoint
+from raytrain_x.elastic.checkpoints import latest_checkpoint
 from raytrain_x.ray.elastic.cluster import ClusterView
 from raytrain_x.ray.elastic.pool import WorkerPool
 from raytrain_x.ray.elastic.rounds import ElasticRounds

@@ -1,0 +1,383 @@
+"""A job's durable checkpoints in storage: their folders, parts and the manifest that makes
+one complete, the order they are taken in, and pruning (no framework, no Ray).
+
+A job's checkpoints live under `storage_path/name/`, through a `Storage`
+(`raytrain_x.elastic.storage`):
+
+    lease.json                        the writer lease: which run may write (lease.py)
+    checkpoint_000003_0000000042/     run generation 3, commit 42
+      common.<id>/                    a part: files of one writer (a torch DCP checkpoint)
+      shard_00001.<id>/
+      common.<id>.json, ...           each part's files: size and checksum, once durable
+      manifest.json                   published last, atomically: the checkpoint is complete
+
+The contract, each clause held by a test (docs/elastic.md, "Durable checkpoints"):
+
+- a checkpoint is complete only when its manifest lists every file with its size and an
+  xxh3-128 checksum, published after the files are durable; a reader skips one that is
+  incomplete or damaged (a file missing, of another size, or of another checksum) with a
+  warning naming the file, and takes the newest intact one before it;
+- a listing or read error is retried, then raised (`StorageError`): never "no checkpoint";
+- checkpoints are ordered by (generation, commit): a later run of the job is never pruned
+  in favour of an older one, and pruning never deletes the newest complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from raytrain_x.common.checkpoint_config import CheckpointConfig
+from raytrain_x.common.errors import CheckpointError, ConfigError, StorageError
+from raytrain_x.common.settings import STORAGE_FAULTS
+from raytrain_x.elastic.storage import ArrowStorage, RetryingStorage, Storage
+from raytrain_x.elastic.storage_faults import FaultyStorage
+
+log = logging.getLogger("raytrain_x.elastic")
+
+_PREFIX = "checkpoint_"
+MANIFEST = "manifest.json"
+FAILED = ".failed"  # beside a part's record: that rank's write failed, and why
+CHECKSUM = "xxh3_128"
+
+Key = tuple[int, int]  # (generation, commit number): the order of checkpoints
+
+
+def _hasher() -> Any:
+    try:
+        import xxhash
+    except ImportError:  # pragma: no cover - the checkpoint extra installs it
+        raise ConfigError("durable checkpoints need xxhash: pip install "
+                          "'raytrain-x[checkpoint]'") from None
+    return xxhash.xxh3_128()
+
+
+def file_checksum(path: str) -> str:
+    """The xxh3-128 checksum of a local file."""
+    digest = _hasher()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 * 1024 * 1024):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+@dataclass
+class Manifest:
+    """A complete checkpoint, as its manifest describes it."""
+
+    number: int  # the commit it holds (the job's commits, counted over its whole life)
+    parts: dict[str, dict[str, list[Any]]]  # part -> {file: [bytes, checksum or None]}
+    world_size: int
+    values: dict[str, Any] = field(default_factory=dict)  # plain attributes (step, epoch)
+    written_at: float = 0.0  # the writer's wall clock when the manifest was written
+    info: dict[str, Any] = field(default_factory=dict)  # the framework's own (layout)
+    generation: int = 0  # the run of the job that wrote it (its writer lease)
+    signature: dict[str, Any] = field(default_factory=dict)  # what the state is
+
+    @property
+    def key(self) -> Key:
+        return self.generation, self.number
+
+    @property
+    def folder(self) -> str:
+        return checkpoint_folder(self.generation, self.number)
+
+    def describe(self) -> str:
+        shown = ", ".join(f"{k}={v}" for k, v in self.values.items()) or "no attributes"
+        return f"checkpoint {self.number} ({shown}, {self.world_size} workers)"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": 2, "number": self.number, "generation": self.generation,
+                "parts": self.parts, "world_size": self.world_size, "values": self.values,
+                "written_at": self.written_at, "info": self.info,
+                "signature": self.signature, "checksum": CHECKSUM}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> Manifest:
+        parts = {part: {file: (list(v) if isinstance(v, (list, tuple)) else [int(v), None])
+                        for file, v in files.items()}
+                 for part, files in dict(raw["parts"]).items()}
+        for files in parts.values():
+            for entry in files.values():
+                entry[0] = int(entry[0])
+        return cls(int(raw["number"]), parts, int(raw["world_size"]),
+                   dict(raw.get("values", {})), float(raw.get("written_at", 0.0)),
+                   dict(raw.get("info", {})), int(raw.get("generation", 0)),
+                   dict(raw.get("signature", {})))
+
+
+def checkpoint_folder(generation: int, number: int) -> str:
+    return f"{_PREFIX}{generation:06d}_{number:010d}"
+
+
+def parse_folder(name: str) -> Key | None:
+    """The (generation, commit) of a checkpoint folder's name (the older single-number
+    names are generation 0); None for anything else."""
+    if not name.startswith(_PREFIX):
+        return None
+    fields = name[len(_PREFIX):].split("_")
+    try:
+        if len(fields) == 1:
+            return 0, int(fields[0])
+        if len(fields) == 2:
+            return int(fields[0]), int(fields[1])
+    except ValueError:
+        return None
+    return None
+
+
+def open_storage(storage_path: str, sleep: Callable[[float], None] = time.sleep) -> Storage:
+    """The storage of a `CheckpointConfig.storage_path`, with retries (and the injected
+    faults of `RAYTRAIN_X_STORAGE_FAULTS`, where a test set it, under them)."""
+    storage: Storage = ArrowStorage(storage_path)
+    plan = STORAGE_FAULTS.read()
+    if plan:
+        storage = FaultyStorage(storage, plan, sleep=sleep)
+    return RetryingStorage(storage, sleep=sleep)
+
+
+def probe(config: CheckpointConfig) -> None:
+    """Writes a file in the job's folder, reads it back and deletes it: a path that cannot
+    be written fails here, before any training, naming the path and the cause.
+
+    Raises:
+        StorageError: it could not be written, read back or deleted.
+    """
+    assert config.name is not None
+    probe_storage(open_storage(config.storage_path), config.name)
+
+
+def probe_storage(storage: Storage, folder: str) -> None:
+    """`probe` of `folder` in `storage`."""
+    import os
+    import uuid
+
+    path = f"{folder}/.probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        storage.publish(path, b"raytrain-x")
+        back = storage.read(path)
+        storage.delete_file(path)
+    except StorageError as exc:
+        raise StorageError(f"durable checkpoints cannot be written at "
+                           f"{storage.describe(folder)}: {exc}. Give "
+                           "CheckpointConfig(storage_path=...) a path or bucket this job "
+                           "can write") from None
+    if back != b"raytrain-x":
+        raise StorageError(f"{storage.describe(path)} did not read back what was written")
+
+
+def latest_checkpoint(config: CheckpointConfig) -> dict[str, Any]:
+    """What the driver says of the checkpoint a restore will take: its number, attributes
+    and description (number None when none is complete).
+
+    Raises:
+        StorageError: storage could not be listed or read after retries.
+    """
+    manifest = CheckpointStore(config).latest(warn=False, verify=False)
+    if manifest is None:
+        return {"number": None, "describe": "none found"}
+    return {"number": manifest.number, "describe": manifest.describe(),
+            "values": manifest.values}
+
+
+class CheckpointStore:
+    """One job's checkpoint folders in storage (`CheckpointConfig.storage_path/name`)."""
+
+    def __init__(self, config: CheckpointConfig, storage: Storage | None = None,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        if config.name is None:
+            raise ValueError("CheckpointConfig.named() settles the name first")
+        self.config = config
+        self.storage = storage or open_storage(config.storage_path, sleep=sleep)
+        self.root = config.name
+        self._sleep = sleep
+
+    def where(self, key: Key | None = None, part: str = "") -> str:
+        """The full path or URI of the job's folder, a checkpoint's, or a part's."""
+        return self.storage.describe(self._path(key, part))
+
+    def _path(self, key: Key | None = None, part: str = "") -> str:
+        path = self.root if key is None else f"{self.root}/{checkpoint_folder(*key)}"
+        return f"{path}/{part}" if part else path
+
+    # ------------------------------------------------------------------ writing
+    def local_folder(self, key: Key, part: str) -> str | None:
+        """Where a part can be written in place: storage on this machine's file system (a
+        local or shared folder); None for object stores, which take `upload`."""
+        return self.storage.local(self._path(key, part))
+
+    def upload(self, key: Key, part: str, local_dir: str) -> dict[str, list[Any]]:
+        """Checksums the part's files in `local_dir`, copies them to storage (unless it is
+        the part's own folder, written in place), makes them durable, then records them
+        (`part.json`); returns {file: [bytes, checksum]}."""
+        import os
+
+        files: dict[str, list[Any]] = {}
+        for folder, _, names in os.walk(local_dir):
+            for file in names:
+                path = os.path.join(folder, file)
+                files[os.path.relpath(path, local_dir)] = [os.path.getsize(path),
+                                                           file_checksum(path)]
+        self.storage.upload(local_dir, self._path(key, part))
+        self.storage.publish(f"{self._path(key)}/{part}.json", json.dumps(files).encode())
+        return files
+
+    def part_failed(self, key: Key, part: str, cause: str) -> None:
+        """Records that this rank's part will not come (so that the last writer gives the
+        checkpoint up at once, not after its timeout); best effort."""
+        try:
+            self.storage.publish(f"{self._path(key)}/{part}{FAILED}", cause.encode())
+        except Exception:  # noqa: BLE001 - storage that failed the part may fail this too
+            pass
+
+    def parts_done(self, key: Key, parts: list[str]) -> dict[str, dict[str, list[Any]]]:
+        """The parts among `parts` whose upload has been recorded.
+
+        Raises:
+            CheckpointError: a rank recorded that its part failed.
+        """
+        done = {}
+        for part in parts:
+            raw = self.storage.read(f"{self._path(key)}/{part}.json")
+            if raw is not None:
+                done[part] = {f: list(v) for f, v in json.loads(raw.decode()).items()}
+                continue
+            failed = self.storage.read(f"{self._path(key)}/{part}{FAILED}")
+            if failed is not None:
+                raise CheckpointError(f"the part {part} failed on its rank: "
+                                      f"{failed.decode()[:300]}")
+        return done
+
+    def wait_for_parts(self, key: Key, parts: list[str], timeout_s: float,
+                       ) -> dict[str, dict[str, list[Any]]]:
+        """Every part's file list once all are recorded.
+
+        Raises:
+            CheckpointError: a part failed, or not all arrived within `timeout_s`.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            done = self.parts_done(key, parts)
+            if len(done) == len(parts):
+                return done
+            if time.monotonic() > deadline:
+                missing = sorted(set(parts) - set(done))
+                raise CheckpointError(f"not every rank's part arrived within {timeout_s:g}s "
+                                      f"(missing {missing[:4]})")
+            self._sleep(0.2)
+
+    def complete(self, manifest: Manifest) -> None:
+        """Publishes the manifest: from now on the checkpoint is visible to readers."""
+        self.storage.publish(f"{self._path(manifest.key)}/{MANIFEST}",
+                             json.dumps(manifest.to_json()).encode())
+
+    def prune(self, keep: int, generation: int) -> list[Key]:
+        """Deletes complete checkpoints beyond the newest `keep`, and incomplete ones older
+        than the newest complete one (writes given up); never one of a later generation
+        than `generation` (the writer's own), never the newest complete one. Returns the
+        keys deleted."""
+        keys = self._keys()
+        complete = [m.key for m in self._complete(keys, warn=False, verify=False)]
+        if not complete:
+            return []
+        kept = set(complete[:max(1, keep)])
+        doomed = [k for k in keys if k not in kept and k < complete[0]
+                  and k[0] <= generation]
+        for key in doomed:
+            self.storage.delete(self._path(key))
+        return doomed
+
+    # ------------------------------------------------------------------ reading
+    def checkpoints(self, warn: bool = False) -> list[Manifest]:
+        """The complete checkpoints (every file at its size), newest first. With `warn`,
+        each folder skipped is logged."""
+        return list(self._complete(self._keys(), warn, verify=False))
+
+    def latest(self, warn: bool = True, verify: bool = True) -> Manifest | None:
+        """The newest complete checkpoint; with `verify`, the newest whose every file has
+        its checksum too (each skipped one logged, with `warn`, naming the file)."""
+        return next(self._complete(self._keys(), warn, verify), None)
+
+    def generations(self) -> list[int]:
+        """The generations that wrote a checkpoint folder here."""
+        return sorted({k[0] for k in self._keys()})
+
+    def _complete(self, keys: list[Key], warn: bool, verify: bool) -> Iterator[Manifest]:
+        for key in sorted(keys, reverse=True):
+            manifest, why = self._check(key)
+            if manifest is not None and verify:
+                why = self.verify(manifest)
+                manifest = None if why else manifest
+            if manifest is not None:
+                yield manifest
+            elif warn:
+                log.warning("raytrain-x checkpoint: skipping %s: %s; trying the one before",
+                            self.where(key), why)
+
+    def verify(self, manifest: Manifest) -> str:
+        """'' when every file of `manifest` has its checksum, else which one does not."""
+        for part, files in manifest.parts.items():
+            for file, (_, checksum) in files.items():
+                if checksum is None:
+                    continue  # written before checksums were recorded: sizes only
+                digest = _hasher()
+                path = f"{self._path(manifest.key, part)}/{file}"
+                for chunk in self.storage.chunks(path):
+                    digest.update(chunk)
+                if digest.hexdigest() != checksum:
+                    return (f"{self.storage.describe(path)} is damaged (checksum "
+                            f"{digest.hexdigest()}, its manifest says {checksum})")
+        return ""
+
+    def download(self, manifest: Manifest, part: str, local_dir: str) -> str:
+        """Copies a part's files into `local_dir/part`, checking each file's checksum;
+        returns that folder.
+
+        Raises:
+            CheckpointError: a file changed since the checkpoint was verified.
+        """
+        import os
+
+        dest = os.path.join(local_dir, part)
+        self.storage.download(self._path(manifest.key, part), dest)
+        for file, (_, checksum) in manifest.parts[part].items():
+            if checksum is not None and file_checksum(os.path.join(dest, file)) != checksum:
+                raise CheckpointError(f"{self.where(manifest.key, part)}/{file} changed "
+                                      "while it was read (its checksum differs from the "
+                                      "manifest's)")
+        return dest
+
+    def _keys(self) -> list[Key]:
+        """Every checkpoint folder's key. A listing error is retried, then raised."""
+        keys = []
+        for entry in self.storage.list(self.root):
+            key = parse_folder(entry.name) if entry.is_dir else None
+            if key is not None:
+                keys.append(key)
+        return keys
+
+    def _check(self, key: Key) -> tuple[Manifest | None, str]:
+        try:
+            raw = self.storage.read(f"{self._path(key)}/{MANIFEST}")
+        except StorageError as exc:
+            raise StorageError(f"{exc} (reading the manifest of {self.where(key)})") from exc
+        if raw is None:
+            return None, "no manifest (the write did not finish)"
+        try:
+            manifest = Manifest.from_json(json.loads(raw.decode()))
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+            return None, f"its manifest is not valid ({exc!r})"
+        if manifest.key != key and manifest.generation != 0:
+            return None, f"its manifest is of checkpoint {manifest.key}, not {key}"
+        manifest.generation = key[0]
+        paths = [f"{self._path(key, part)}/{file}"
+                 for part, files in manifest.parts.items() for file in files]
+        sizes = [entry[0] for files in manifest.parts.values() for entry in files.values()]
+        for path, size, found in zip(paths, sizes, self.storage.sizes(paths)):
+            if found != size:
+                return None, f"{self.storage.describe(path)} is missing or not {size} bytes"
+        return manifest, ""

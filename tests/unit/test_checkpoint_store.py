@@ -1,0 +1,237 @@
+"""The storage contract of durable checkpoints, on a real local path through the real
+writer and store, with faults injected under the retries (`FaultyStorage`): no process,
+no framework (each part is a JSON file)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+from raytrain_x.common.checkpoint_config import CheckpointConfig, entrypoint_name
+from raytrain_x.common.errors import CheckpointLeaseHeld, StorageError
+from raytrain_x.elastic.checkpoints import CheckpointStore, Manifest, checkpoint_folder
+from raytrain_x.elastic.durable import DurableCheckpoints
+from raytrain_x.elastic.lease import TTL_S, WriterLease
+from raytrain_x.elastic.storage import RetryingStorage
+from raytrain_x.elastic.storage_faults import write_plan
+
+
+def _save(tree, folder: str) -> None:
+    os.makedirs(folder, exist_ok=True)
+    Path(folder, "data.json").write_text(json.dumps(tree) + " " * 4096)  # a few KB
+    Path(folder, ".metadata").write_text("m" * 200)
+
+
+def _load(folder: str):
+    return json.loads(Path(folder, "data.json").read_text())
+
+
+@pytest.fixture
+def faults(tmp_path, monkeypatch):
+    """A fault plan every store opened in this test reads; the retries do not sleep."""
+    plan = str(tmp_path / "faults.json")
+    write_plan(plan)
+    monkeypatch.setenv("RAYTRAIN_X_STORAGE_FAULTS", plan)
+    monkeypatch.setattr(RetryingStorage, "FIRST_DELAY_S", 0.0)
+    return lambda **kw: write_plan(plan, **kw)
+
+
+def _writer(path: str, generation: int, owner: str = "run", keep: int = 2,
+            takeover: bool = False) -> DurableCheckpoints:
+    """Rank 0 of a run (`owner`) holding the job's lease; `takeover`: from a run of this
+    same process (as a dead one's would expire)."""
+    config = CheckpointConfig(path, name="job", keep=keep, takeover=takeover)
+    durable = DurableCheckpoints(config, _save, _load)
+    durable.owner = owner
+    durable.hold_lease()
+    assert durable.generation == generation
+    return durable
+
+
+def _commit(durable: DurableCheckpoints, number: int, step: int) -> Manifest:
+    """Writes checkpoint `number` (step `step`) as rank 0 in the background would."""
+    durable.number = number
+    manifest = Manifest(number, {}, 1, {"step": step}, 0.0, {}, durable.generation,
+                        {"w": [[3], "float32"]})
+    durable.write({f"common.{number}": lambda: {"step": step}}, manifest,
+                  [f"common.{number}"])
+    assert durable.wait(30)
+    assert durable.last is not None and durable.last.error is None, durable.last
+    return manifest
+
+
+def _release(durable: DurableCheckpoints) -> None:
+    durable.release_lease()
+
+
+def test_a_failed_listing_is_retried_and_never_reads_as_no_checkpoint(tmp_path, faults):
+    first = _writer(str(tmp_path), 1)
+    _commit(first, 9, 9)
+    _release(first)
+    store = CheckpointStore(CheckpointConfig(str(tmp_path), name="job"))
+    faults(list=2)  # S3's 503 SlowDown, twice
+    assert store.latest().values == {"step": 9}
+    faults(list=100)
+    with pytest.raises(StorageError, match=r"listing .*/job failed 6 times: .*SlowDown"):
+        store.latest()
+
+
+def test_a_later_run_is_never_pruned_for_an_older_ones_higher_numbers(tmp_path):
+    old = _writer(str(tmp_path), 1, owner="old")
+    for n in (7, 9):
+        _commit(old, n, n)
+    _release(old)
+    # the next run of the job (its lease expired with its dead holder) counts from 4
+    new = _writer(str(tmp_path), 2, owner="new", takeover=True)
+    for n in (4, 6):
+        _commit(new, n, 100 + n)
+    store = new.store
+    kept = [(m.generation, m.number) for m in store.checkpoints()]
+    assert kept == [(2, 6), (2, 4)]  # run 1's 9 and 7 pruned, not run 2's
+    assert store.latest().values == {"step": 106}
+    _release(new)
+
+
+def test_pruning_never_deletes_the_newest_complete_checkpoint(tmp_path):
+    durable = _writer(str(tmp_path), 1, keep=1)
+    _commit(durable, 3, 3)
+    # a later write that never finished (no manifest) and one of a newer run: both kept
+    Path(durable.store.where((1, 5)), "common.5").mkdir(parents=True)
+    Path(durable.store.where((9, 1)), "common.1").mkdir(parents=True)
+    assert durable.store.prune(1, generation=1) == []
+    assert [m.number for m in durable.store.checkpoints()] == [3]
+    _release(durable)
+
+
+@pytest.mark.parametrize("damage", ["flip", "zero_metadata"])
+def test_a_same_size_damaged_checkpoint_is_skipped_for_the_intact_one_before(
+        tmp_path, faults, caplog, damage):
+    durable = _writer(str(tmp_path), 1, keep=5)
+    _commit(durable, 2, 2)
+    faults(**{damage: 1})  # the next upload lands, then one file is damaged in place
+    newest = _commit(durable, 4, 4)
+    store = durable.store
+    # by size alone it looks complete
+    assert [m.number for m in store.checkpoints()] == [4, 2]
+    with caplog.at_level(logging.WARNING, logger="raytrain_x.elastic"):
+        latest = store.latest()
+    assert latest is not None and latest.number == 2
+    damaged = "data.json" if damage == "flip" else ".metadata"
+    assert f"{newest.folder}/common.4/{damaged} is damaged" in caplog.text
+    _release(durable)
+
+
+def test_a_torn_write_is_skipped_by_its_size(tmp_path, faults, caplog):
+    durable = _writer(str(tmp_path), 1, keep=5)
+    _commit(durable, 2, 2)
+    faults(torn=1)
+    _commit(durable, 4, 4)
+    with caplog.at_level(logging.WARNING, logger="raytrain_x.elastic"):
+        assert durable.store.latest().number == 2
+    assert "is missing or not" in caplog.text
+    _release(durable)
+
+
+def test_a_full_disk_fails_the_write_at_once_and_names_the_path(tmp_path, faults):
+    durable = _writer(str(tmp_path), 1)
+    faults(full_disk=True)
+    durable.number = 3
+    manifest = Manifest(3, {}, 1, {}, 0.0, {}, 1)
+    durable.write({"common.3": lambda: {}}, manifest, ["common.3"])
+    assert durable.wait(30)
+    assert durable.last.error is not None
+    assert "No space left on device" in durable.last.error
+    assert "failed once" in durable.last.error  # no retry mends a full disk
+    _release(durable)
+
+
+def test_a_checkpoint_is_complete_only_with_a_checksum_per_file(tmp_path):
+    durable = _writer(str(tmp_path), 1)
+    manifest = _commit(durable, 1, 1)
+    raw = json.loads(Path(durable.store.where(manifest.key), "manifest.json").read_text())
+    files = raw["parts"]["common.1"]
+    assert set(files) == {"data.json", ".metadata"}
+    assert all(len(checksum) == 32 for _, checksum in files.values())
+    assert raw["checksum"] == "xxh3_128" and raw["generation"] == 1
+    assert not list(Path(durable.store.where(manifest.key)).glob("*.tmp-*"))
+    _release(durable)
+
+
+def test_a_second_run_is_refused_while_the_first_holds_the_lease(tmp_path):
+    first = _writer(str(tmp_path), 1, owner="first")
+    store = CheckpointStore(CheckpointConfig(str(tmp_path), name="job"))
+    with pytest.raises(CheckpointLeaseHeld, match="another run of this job is writing"):
+        WriterLease(store, "second").acquire()
+    # taking over fences the first: its next manifest is refused
+    assert WriterLease(store, "second").acquire(takeover=True) == 2
+    durable_number = 5
+    first.number = durable_number
+    first.write({"common.5": lambda: {}}, Manifest(5, {}, 1, {}, 0.0, {}, 1), ["common.5"])
+    assert first.wait(30)
+    assert "no longer holds the writer lease" in first.last.error
+    assert store.checkpoints() == []
+    _release(first)
+
+
+def test_a_lease_expires_after_its_ttl_or_with_its_dead_holder_on_this_host(tmp_path):
+    store = CheckpointStore(CheckpointConfig(str(tmp_path), name="job"))
+    now = [1000.0]
+    lease = WriterLease(store, "a", clock=lambda: now[0])
+    lease.acquire()
+    other = WriterLease(store, "b", clock=lambda: now[0])
+    now[0] += TTL_S - 1
+    with pytest.raises(CheckpointLeaseHeld):
+        other.acquire()
+    now[0] += 2
+    assert other.acquire() == 2
+    # a holder on this host whose process is gone holds nothing
+    record = json.loads(Path(tmp_path, "job", "lease.json").read_text())
+    record.update(pid=_dead_pid(), host=socket.gethostname())
+    Path(tmp_path, "job", "lease.json").write_text(json.dumps(record))
+    assert WriterLease(store, "c", clock=lambda: now[0]).acquire() == 3
+
+
+def _dead_pid() -> int:
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    return pid
+
+
+def test_a_path_that_cannot_be_written_fails_the_probe_naming_it(tmp_path):
+    from raytrain_x.elastic.checkpoints import probe
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    with pytest.raises(StorageError, match=r"cannot be written at .*a-file/job"):
+        probe(CheckpointConfig(str(blocker), name="job"))
+
+
+def test_one_folder_rule_absolute_paths_and_names_from_the_command(tmp_path, monkeypatch):
+    monkeypatch.delenv("RAYTRAIN_X_CHECKPOINT_NAME", raising=False)
+    monkeypatch.chdir(tmp_path)
+    config = CheckpointConfig("~/ckpt").named("given")
+    assert config.storage_path == os.path.expanduser("~/ckpt") and config.name == "given"
+    assert CheckpointConfig("rel").named(None).storage_path == str(tmp_path / "rel")
+    a = entrypoint_name(["train.py", "--lr", "0.1"], "/w")
+    assert a == entrypoint_name(["train.py", "--lr", "0.1"], "/w")  # the same command
+    assert a.startswith("train-")
+    assert a != entrypoint_name(["train.py", "--lr", "0.2"], "/w")  # another experiment
+    assert entrypoint_name(["/k/ipykernel_launcher.py", "-f", "k1.json"], "/w") == \
+        entrypoint_name(["/k/ipykernel_launcher.py", "-f", "k2.json"], "/w")
+    monkeypatch.setenv("RAYTRAIN_X_CHECKPOINT_NAME", "from-the-driver")
+    assert CheckpointConfig("/x").named(None).name == "from-the-driver"
+
+
+def test_older_single_number_folders_are_generation_0(tmp_path):
+    from raytrain_x.elastic.checkpoints import parse_folder
+
+    assert parse_folder("checkpoint_0000000042") == (0, 42)
+    assert parse_folder(checkpoint_folder(3, 42)) == (3, 42)
+    assert parse_folder("checkpoint_x") is None
