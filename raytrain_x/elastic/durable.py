@@ -61,6 +61,13 @@ def plain_values(values: dict[str, Any]) -> dict[str, Any]:
 
 
 def _cause(exc: BaseException) -> str:
+    """One line of why: for torch DCP's `CheckpointException` (its `failures`: rank ->
+    (exception, trace)), the exception inside it."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        inner = next(iter(failures.values()))
+        if isinstance(inner, tuple) and inner and isinstance(inner[0], BaseException):
+            return f"torch.distributed.checkpoint: {_cause(inner[0])}"
     text = str(exc).strip().splitlines()
     return (text[0][:300] if text else "") or type(exc).__name__
 
