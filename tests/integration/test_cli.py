@@ -372,3 +372,19 @@ def test_a_killed_driver_resumes_from_its_checkpoint_when_the_command_runs_again
     assert len(began) == 2, second.stdout[-3000:]
     assert all(int(b) >= resumed_from and ok == "True" for b, ok in began), began
     assert "restored checkpoint" in second.stderr + second.stdout
+
+
+def test_a_checkpoint_path_that_cannot_be_written_fails_the_start_naming_it(
+        ray_cluster, tmp_path):
+    """`--checkpoint-path` at a file: the start fails at once (the driver probes the path),
+    naming it and the cause, before any worker runs the script."""
+    script = tmp_path / "never.py"
+    script.write_text("print('the script ran')\n")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    out = _cli("run", "-np", "2", "--min-np", "1", "--max-np", "2", "--address", ray_cluster,
+               "--job-name", "probed", "--checkpoint-path", str(blocker), "python",
+               str(script))
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert f"durable checkpoints cannot be written at {blocker}/probed" in out.stderr
+    assert "the script ran" not in out.stdout
