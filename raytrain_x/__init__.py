@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from raytrain_x.common.checkpoint_config import CheckpointConfig
 from raytrain_x.common.errors import (
+    CheckpointError,
+    CheckpointLeaseHeld,
     ConfigError,
     ControlActorLost,
     ElasticStateLost,
@@ -14,6 +16,7 @@ from raytrain_x.common.errors import (
     RaytrainXError,
     RendezvousTimeout,
     ResetLimitExceeded,
+    StorageError,
     StoreAuthError,
     TensorMismatchError,
     UnsupportedOperationError,
@@ -26,6 +29,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointConfig",
+    "CheckpointError",
+    "CheckpointLeaseHeld",
     "ConfigError",
     "ControlActorLost",
     "ElasticStateLost",
@@ -37,6 +42,7 @@ __all__ = [
     "RaytrainXError",
     "RendezvousTimeout",
     "ResetLimitExceeded",
+    "StorageError",
     "StoreAuthError",
     "TensorMismatchError",
     "UnsupportedOperationError",
