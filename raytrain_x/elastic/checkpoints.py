@@ -42,6 +42,7 @@ log = logging.getLogger("raytrain_x.elastic")
 _PREFIX = "checkpoint_"
 MANIFEST = "manifest.json"
 FAILED = ".failed"  # beside a part's record: that rank's write failed, and why
+DAMAGED = "damaged"  # in a checkpoint's folder: a reader found a file's checksum wrong
 CHECKSUM = "xxh3_128"
 
 Key = tuple[int, int]  # (generation, commit number): the order of checkpoints
@@ -54,6 +55,13 @@ def _hasher() -> Any:
         raise ConfigError("durable checkpoints need xxhash: pip install "
                           "'raytrain-x[checkpoint]'") from None
     return xxhash.xxh3_128()
+
+
+def bytes_checksum(data: bytes) -> str:
+    """The xxh3-128 checksum of `data`."""
+    digest = _hasher()
+    digest.update(data)
+    return digest.hexdigest()
 
 
 def file_checksum(path: str) -> str:
@@ -223,8 +231,12 @@ class CheckpointStore:
                 files[os.path.relpath(path, local_dir)] = [os.path.getsize(path),
                                                            file_checksum(path)]
         self.storage.upload(local_dir, self._path(key, part))
-        self.storage.publish(f"{self._path(key)}/{part}.json", json.dumps(files).encode())
+        self.record(key, part, files)
         return files
+
+    def record(self, key: Key, part: str, files: dict[str, list[Any]]) -> None:
+        """Records a part's durable files ({file: [bytes, checksum]}): the part is done."""
+        self.storage.publish(f"{self._path(key)}/{part}.json", json.dumps(files).encode())
 
     def part_failed(self, key: Key, part: str, cause: str) -> None:
         """Records that this rank's part will not come (so that the last writer gives the
@@ -311,7 +323,9 @@ class CheckpointStore:
             manifest, why = self._check(key)
             if manifest is not None and verify:
                 why = self.verify(manifest)
-                manifest = None if why else manifest
+                if why:  # readers and pruning skip it from now on: it is incomplete
+                    manifest = None
+                    self._mark_damaged(key, why)
             if manifest is not None:
                 yield manifest
             elif warn:
@@ -332,6 +346,13 @@ class CheckpointStore:
                     return (f"{self.storage.describe(path)} is damaged (checksum "
                             f"{digest.hexdigest()}, its manifest says {checksum})")
         return ""
+
+    def _mark_damaged(self, key: Key, why: str) -> None:
+        try:
+            self.storage.publish(f"{self._path(key)}/{DAMAGED}", why.encode())
+        except StorageError as exc:  # a reader that cannot write still skips it
+            log.warning("raytrain-x checkpoint: cannot mark %s damaged: %s", self.where(key),
+                        exc)
 
     def download(self, manifest: Manifest, part: str, local_dir: str) -> str:
         """Copies a part's files into `local_dir/part`, checking each file's checksum;
@@ -367,6 +388,9 @@ class CheckpointStore:
             raise StorageError(f"{exc} (reading the manifest of {self.where(key)})") from exc
         if raw is None:
             return None, "no manifest (the write did not finish)"
+        damaged = self.storage.read(f"{self._path(key)}/{DAMAGED}")
+        if damaged is not None:
+            return None, f"found damaged before: {damaged.decode()[:300]}"
         try:
             manifest = Manifest.from_json(json.loads(raw.decode()))
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:

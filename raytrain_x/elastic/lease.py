@@ -9,8 +9,9 @@ refused (`CheckpointLeaseHeld`), so a stale writer never overwrites or prunes a 
 
 A second run on a live job's path is refused with an error naming the holder. A lease is
 live while its holder renews it (every `RENEW_S`, from rank 0); it expires `TTL_S` after
-the last renewal, or at once when its holder was a process on this machine that is gone
-(the same command run again after the driver was killed resumes without waiting).
+the last renewal, or at once when its holder was a process on this machine that is gone.
+A lease whose holder has missed two renewals is waited out rather than refused: the same
+command run again after the driver was killed resumes within `TTL_S`, on any machine.
 `CheckpointConfig(takeover=True)` takes a live lease over, fencing the old run.
 
 Storage offers no compare-and-swap through `pyarrow.fs`: two runs taking an expired lease
@@ -21,6 +22,7 @@ reads the lease back, finds another owner and is refused.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import time
@@ -31,9 +33,11 @@ from dataclasses import asdict, dataclass
 from raytrain_x.common.errors import CheckpointLeaseHeld
 from raytrain_x.elastic.checkpoints import CheckpointStore
 
+log = logging.getLogger("raytrain_x.elastic")
+
 LEASE = "lease.json"
-RENEW_S = 10.0
-TTL_S = 60.0
+RENEW_S = 3.0
+TTL_S = 15.0
 
 
 def new_owner() -> str:
@@ -64,8 +68,9 @@ class WriterLease:
     """This run's lease on a job's folder (`store`), held by `owner`."""
 
     def __init__(self, store: CheckpointStore, owner: str,
-                 clock: Callable[[], float] = time.time) -> None:
-        self.store, self.owner, self._clock = store, owner, clock
+                 clock: Callable[[], float] = time.time,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        self.store, self.owner, self._clock, self._sleep = store, owner, clock, sleep
         self.generation = 0  # 0 until acquired
 
     def read(self) -> LeaseRecord | None:
@@ -103,7 +108,16 @@ class WriterLease:
             self.generation = record.generation
             self._write(self.generation)
             return self.generation
-        if record is not None and self.live(record) and not takeover:
+        if record is not None and self.live(record) and not takeover and \
+                self._clock() - record.renewed_at > 2 * RENEW_S:
+            wait = TTL_S - (self._clock() - record.renewed_at)
+            log.warning("raytrain-x checkpoint: the run that held %s stopped renewing its "
+                        "writer lease %.0fs ago; waiting %.0fs for it to expire",
+                        self.store.where(), self._clock() - record.renewed_at, wait)
+            self._sleep(max(0.0, wait))
+            record = self.read()
+        if record is not None and record.owner != self.owner and self.live(record) \
+                and not takeover:
             age = self._clock() - record.renewed_at
             raise CheckpointLeaseHeld(
                 f"another run of this job is writing its checkpoints at "

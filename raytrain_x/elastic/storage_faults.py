@@ -2,10 +2,11 @@
 them: used by the tests (between real processes) and the simulator, under the same retries
 and checks as real storage.
 
-The faults are a JSON file (`RAYTRAIN_X_STORAGE_FAULTS` names it), read at every operation
-and changed by whoever runs the test, so a fault can start and stop while a job runs.
-Counters are taken under a file lock: across processes, `"list": 2` fails exactly the next
-two listings. Its keys, all optional:
+The faults are a plan: a JSON file (`RAYTRAIN_X_STORAGE_FAULTS` names it; `FilePlan`), read
+at every operation and changed by whoever runs the test, so a fault can start and stop
+while a job runs, its counters taken under a file lock (across processes, `"list": 2`
+fails exactly the next two listings); or a dict in memory (`MemoryPlan`: the simulator's).
+Its keys, all optional:
 
     "down": true                  every operation fails (storage unreachable)
     "list"/"read"/"write"/"delete": n   the next n operations of that kind fail (503 SlowDown)
@@ -43,17 +44,41 @@ def write_plan(path: str, **faults: Any) -> None:
     os.replace(tmp, path)
 
 
-class FaultyStorage(Storage):
-    """`inner` with the faults of the plan file at `plan` injected."""
+def take(plan: dict[str, Any], op: str, path: str) -> tuple[dict[str, Any], bool]:
+    """The faults `plan` gives operation `op` on `path`, its counters taken (in place);
+    and whether `plan` changed."""
+    if plan.get("match") and plan["match"] not in path:
+        return {}, False
+    hit = {k: plan[k] for k in ("down", "full_disk", "slow_s") if plan.get(k)}
+    counted = [_KIND[op]] + (["torn", "flip", "zero_metadata"] if op == "upload" else [])
+    changed = False
+    for key in counted:
+        if plan.get(key, 0) > 0:
+            plan[key] -= 1
+            hit[key] = True
+            changed = True
+    return hit, changed
 
-    def __init__(self, inner: Storage, plan: str,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
-        self.inner, self.plan, self._sleep = inner, plan, sleep
 
-    def _take(self, op: str, path: str) -> dict[str, Any]:
-        """The faults for this operation, with its counters taken (under the plan's lock)."""
+class MemoryPlan:
+    """A plan held in this process (`faults`, changed in place by its owner)."""
+
+    def __init__(self, **faults: Any) -> None:
+        self.faults: dict[str, Any] = dict(faults)
+
+    def take(self, op: str, path: str) -> dict[str, Any]:
+        return take(self.faults, op, path)[0]
+
+
+class FilePlan:
+    """A plan in a JSON file, shared by every process that opens storage (under a lock)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def take(self, op: str, path: str) -> dict[str, Any]:
         try:
-            fd = os.open(self.plan, os.O_RDWR)
+            fd = os.open(self.path, os.O_RDWR)
         except FileNotFoundError:
             return {}
         with os.fdopen(fd, "r+") as f:
@@ -62,25 +87,24 @@ class FaultyStorage(Storage):
                 plan = json.loads(f.read() or "{}")
             except ValueError:
                 return {}
-            if plan.get("match") and plan["match"] not in path:
-                return {}
-            hit = {k: plan[k] for k in ("down", "full_disk", "slow_s") if plan.get(k)}
-            counted = [_KIND[op]] + (["torn", "flip", "zero_metadata"] if op == "upload"
-                                     else [])
-            changed = False
-            for key in counted:
-                if plan.get(key, 0) > 0:
-                    plan[key] -= 1
-                    hit[key] = True
-                    changed = True
+            hit, changed = take(plan, op, path)
             if changed:
                 f.seek(0)
                 f.truncate()
                 f.write(json.dumps(plan))
             return hit
 
+
+class FaultyStorage(Storage):
+    """`inner` with the faults of `plan` (a `MemoryPlan`, or a plan file's path) injected."""
+
+    def __init__(self, inner: Storage, plan: str | MemoryPlan | FilePlan,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        self.inner, self._sleep = inner, sleep
+        self.plan = FilePlan(plan) if isinstance(plan, str) else plan
+
     def _enter(self, op: str, path: str) -> dict[str, Any]:
-        hit = self._take(op, path)
+        hit = self.plan.take(op, path)
         if hit.get("slow_s"):
             self._sleep(float(hit["slow_s"]))
         if hit.get("down"):

@@ -16,7 +16,7 @@ from raytrain_x.common.checkpoint_config import CheckpointConfig, entrypoint_nam
 from raytrain_x.common.errors import CheckpointLeaseHeld, StorageError
 from raytrain_x.elastic.checkpoints import CheckpointStore, Manifest, checkpoint_folder
 from raytrain_x.elastic.durable import DurableCheckpoints
-from raytrain_x.elastic.lease import TTL_S, WriterLease
+from raytrain_x.elastic.lease import RENEW_S, TTL_S, WriterLease
 from raytrain_x.elastic.storage import RetryingStorage
 from raytrain_x.elastic.storage_faults import write_plan
 
@@ -178,22 +178,30 @@ def test_a_second_run_is_refused_while_the_first_holds_the_lease(tmp_path):
     _release(first)
 
 
-def test_a_lease_expires_after_its_ttl_or_with_its_dead_holder_on_this_host(tmp_path):
+def test_a_lease_is_refused_while_renewed_waited_out_once_renewals_stop(tmp_path):
     store = CheckpointStore(CheckpointConfig(str(tmp_path), name="job"))
     now = [1000.0]
-    lease = WriterLease(store, "a", clock=lambda: now[0])
-    lease.acquire()
-    other = WriterLease(store, "b", clock=lambda: now[0])
-    now[0] += TTL_S - 1
-    with pytest.raises(CheckpointLeaseHeld):
+    slept: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        now[0] += seconds
+
+    WriterLease(store, "a", clock=lambda: now[0]).acquire()
+    other = WriterLease(store, "b", clock=lambda: now[0], sleep=sleep)
+    now[0] += RENEW_S  # its holder renews on time: refused at once
+    with pytest.raises(CheckpointLeaseHeld, match="another run of this job is writing"):
         other.acquire()
-    now[0] += 2
+    assert slept == []
+    now[0] += 2 * RENEW_S  # two renewals missed (a killed driver): waited out, then taken
     assert other.acquire() == 2
-    # a holder on this host whose process is gone holds nothing
+    assert slept == [pytest.approx(TTL_S - 3 * RENEW_S)]
+    # a holder on this host whose process is gone holds nothing, at once
     record = json.loads(Path(tmp_path, "job", "lease.json").read_text())
     record.update(pid=_dead_pid(), host=socket.gethostname())
     Path(tmp_path, "job", "lease.json").write_text(json.dumps(record))
-    assert WriterLease(store, "c", clock=lambda: now[0]).acquire() == 3
+    assert WriterLease(store, "c", clock=lambda: now[0], sleep=sleep).acquire() == 3
+    assert len(slept) == 1
 
 
 def _dead_pid() -> int:
