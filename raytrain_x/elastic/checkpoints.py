@@ -283,9 +283,31 @@ class CheckpointStore:
             self._sleep(0.2)
 
     def complete(self, manifest: Manifest) -> None:
-        """Publishes the manifest: from now on the checkpoint is visible to readers."""
+        """Publishes the manifest: from now on the checkpoint is visible to readers. (A
+        damaged mark left by an earlier write of the same number goes first: it was of
+        that write's files.)"""
+        self.storage.delete_file(f"{self._path(manifest.key)}/{DAMAGED}")
         self.storage.publish(f"{self._path(manifest.key)}/{MANIFEST}",
                              json.dumps(manifest.to_json()).encode())
+
+    def finish(self, manifest: Manifest, keep: int, fence: Callable[[], None]) -> None:
+        """The last writer's end of a checkpoint whose parts are all recorded: `fence()`
+        (the writer lease still held), the manifest published, every file read back
+        against its checksum, `fence()` again, then older checkpoints pruned. A checkpoint
+        that landed damaged is marked and prunes nothing, so that the newest intact one
+        is never deleted for it.
+
+        Raises:
+            CheckpointError: it landed damaged; CheckpointLeaseHeld: this run was fenced.
+        """
+        fence()
+        self.complete(manifest)
+        why = self.verify(manifest)
+        if why:
+            self._mark_damaged(manifest.key, why)
+            raise CheckpointError(f"{self.where(manifest.key)} landed damaged: {why}")
+        fence()  # fenced in between: prune nothing of the newer run's
+        self.prune(keep, manifest.generation)
 
     def prune(self, keep: int, generation: int) -> list[Key]:
         """Deletes complete checkpoints beyond the newest `keep`, and incomplete ones older

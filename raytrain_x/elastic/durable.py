@@ -221,13 +221,10 @@ class DurableCheckpoints:
                         self.config.every_s)
 
     def complete(self, manifest: Manifest, began: float) -> None:
-        """Rank 0, once every part is durable: the lease checked, the manifest published,
-        older checkpoints pruned."""
-        self.check_lease()
+        """Rank 0, once every part is durable: the lease checked, the manifest published and
+        read back, older checkpoints pruned (`CheckpointStore.finish`)."""
         manifest.written_at = time.time()
-        self.store.complete(manifest)
-        self.check_lease()  # fenced in between: prune nothing of the newer run's
-        self.store.prune(self.config.keep, manifest.generation)
+        self.store.finish(manifest, self.config.keep, self.check_lease)
         seconds = time.perf_counter() - began
         status.checkpoints.written(manifest.number, seconds)
         log.info("raytrain-x checkpoint: %s written to %s in %.1fs", manifest.describe(),

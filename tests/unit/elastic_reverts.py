@@ -292,3 +292,23 @@ def control_loss_fatal(mp) -> None:
 
 
 REVERTS["durable-control-actors-killed"] = control_loss_fatal
+
+
+def stale_writers_not_fenced(mp) -> None:
+    """A run's writer did not check its lease before a manifest or a prune (no fencing):
+    a killed driver's writer completed after the next run took the lease."""
+    from raytrain_x.elastic.lease import WriterLease
+
+    mp.setattr(WriterLease, "check", lambda self: None)
+
+
+def damaged_writes_not_read_back(mp) -> None:
+    """A checkpoint counted as complete once its manifest was published, unread: one that
+    landed damaged pruned the intact checkpoint before it."""
+    from raytrain_x.elastic.checkpoints import CheckpointStore
+
+    mp.setattr(CheckpointStore, "verify", lambda self, manifest: "")
+
+
+REVERTS["durable-stale-writer-fenced"] = stale_writers_not_fenced
+REVERTS["durable-damaged-write-skipped"] = damaged_writes_not_read_back

@@ -108,32 +108,47 @@ def test_pruning_never_deletes_the_newest_complete_checkpoint(tmp_path):
     _release(durable)
 
 
-@pytest.mark.parametrize("damage", ["flip", "zero_metadata"])
-def test_a_same_size_damaged_checkpoint_is_skipped_for_the_intact_one_before(
-        tmp_path, faults, caplog, damage):
-    durable = _writer(str(tmp_path), 1, keep=5)
+def _write_failing(durable: DurableCheckpoints, number: int) -> str:
+    durable.number = number
+    manifest = Manifest(number, {}, 1, {"step": number}, 0.0, {}, durable.generation)
+    durable.write({f"common.{number}": lambda: {"step": number}}, manifest,
+                  [f"common.{number}"])
+    assert durable.wait(30)
+    assert durable.last is not None and durable.last.error is not None
+    return durable.last.error
+
+
+@pytest.mark.parametrize("damage", ["flip", "zero_metadata", "torn"])
+def test_a_checkpoint_that_lands_damaged_is_found_by_its_writer_and_never_taken(
+        tmp_path, faults, damage):
+    durable = _writer(str(tmp_path), 1, keep=1)
     _commit(durable, 2, 2)
     faults(**{damage: 1})  # the next upload lands, then one file is damaged in place
-    newest = _commit(durable, 4, 4)
+    error = _write_failing(durable, 4)
+    damaged = "data.json" if damage != "zero_metadata" else ".metadata"
+    assert "landed damaged" in error and f"common.4/{damaged}" in error, error
     store = durable.store
-    # by size alone it looks complete
-    assert [m.number for m in store.checkpoints()] == [4, 2]
-    with caplog.at_level(logging.WARNING, logger="raytrain_x.elastic"):
-        latest = store.latest()
-    assert latest is not None and latest.number == 2
-    damaged = "data.json" if damage == "flip" else ".metadata"
-    assert f"{newest.folder}/common.4/{damaged} is damaged" in caplog.text
+    # it prunes nothing (keep=1: the intact one stays) and no reader takes it
+    assert [m.number for m in store.checkpoints()] == [2]
+    assert store.latest().number == 2
     _release(durable)
 
 
-def test_a_torn_write_is_skipped_by_its_size(tmp_path, faults, caplog):
+def test_a_checkpoint_damaged_later_is_skipped_for_the_intact_one_before(tmp_path, caplog):
     durable = _writer(str(tmp_path), 1, keep=5)
     _commit(durable, 2, 2)
-    faults(torn=1)
-    _commit(durable, 4, 4)
+    newest = _commit(durable, 4, 4)
+    store = durable.store
+    # a byte flips at the same size on disk after the write (bit rot, a bad copy)
+    data = Path(store.where(newest.key, "common.4"), "data.json")
+    raw = bytearray(data.read_bytes())
+    raw[10] ^= 0x40
+    data.write_bytes(bytes(raw))
+    assert [m.number for m in store.checkpoints()] == [4, 2]  # by size it looks complete
     with caplog.at_level(logging.WARNING, logger="raytrain_x.elastic"):
-        assert durable.store.latest().number == 2
-    assert "is missing or not" in caplog.text
+        assert store.latest().number == 2
+    assert f"{newest.folder}/common.4/data.json is damaged" in caplog.text
+    assert [m.number for m in store.checkpoints()] == [2]  # marked: skipped from now on
     _release(durable)
 
 

@@ -19,6 +19,7 @@ from typing import Any
 from raytrain_x.comm.groups import round_prefix
 from raytrain_x.testing.simulation.model import RPC_S, Group, SimWorker, WorldConfig
 from raytrain_x.testing.simulation.rounds import SimRounds
+from raytrain_x.testing.simulation.storage import DAMAGES
 
 
 class WorkerSide:
@@ -37,6 +38,13 @@ class WorkerSide:
     durable: list[tuple[float, int]]
     storage_restores: list[tuple[float, int]]
     storage_down_until: float
+    storage: Any  # a `SimStorage`
+    storage_rng: Any
+    lease: Any  # this run's `WriterLease`
+    driver_up: bool
+    orphans: set[str]  # workers a driver kill ended: their writer threads may go on
+    next_damage: str | None
+    writer_outlives: bool
     writing: bool
     last_write: float
     write_asked: bool
@@ -193,16 +201,31 @@ class WorkerSide:
         return restored[1] if restored[0] >= last[0] else last[2]
 
     def _restore_from_storage(self, group: Group) -> None:
-        """The driver found no holder: the round loads the latest complete checkpoint."""
+        """The driver found no holder: the round loads the newest intact checkpoint, which
+        rank 0 reads from the real store (its listing sometimes throttled: retried)."""
         if not self.durable:
             self.violation(f"round {group.round_id} restores from storage, but no durable "
                            "checkpoint is complete")
             return
-        step = self.durable[-1][1]
+        if self.storage_rng.random() < 0.3:
+            self.storage.flaky_listings(self.storage_rng.randint(1, 3))
+        try:
+            manifest = self.storage.latest()
+        except Exception as exc:  # noqa: BLE001 - a violation, whatever it is
+            self.violation(f"round {group.round_id}'s restore failed on storage: {exc}")
+            return
+        expected = self.storage.expected_latest()
+        if manifest is None or expected is None or \
+                (manifest.key, manifest.values["step"]) != expected:
+            found = None if manifest is None else (manifest.key, manifest.values["step"])
+            self.violation(f"round {group.round_id} restores {found} from storage, not the "
+                           f"newest intact checkpoint {expected}")
+            return
+        step = manifest.values["step"]
         if step < max(s for _, s in self.durable):
             self.violation(f"round {group.round_id} restores checkpoint {step}, not the "
                            "latest complete one")
-        self.trace(f"round {group.round_id} restores durable checkpoint {step}")
+        self.trace(f"round {group.round_id} restores durable checkpoint {manifest.key}")
         self.after(self.rng.uniform(0.3, 2.0), lambda: self._restored(group, step))
 
     def _restored(self, group: Group, step: int) -> None:
@@ -223,16 +246,26 @@ class WorkerSide:
             return
         self.writing, self.last_write, self.write_asked = True, self.now, False
         down_at_start = self.now < self.storage_down_until
+        lease = self.lease
+        rng = self.storage_rng
+        damage = rng.choice(DAMAGES) if rng.random() < 0.1 else None
+        damage, self.next_damage = self.next_damage or damage, None
+        outlives = rng.random() < 0.5  # a killed driver's writer may go on (its lease not)
 
         def done() -> None:
             self.writing = False
-            if not rank0.alive:
+            goes_on = outlives or self.writer_outlives
+            if not rank0.alive and not (goes_on and rank0.worker_id in self.orphans):
                 self.trace(f"checkpoint {step} cut off: its writer is gone")
-            elif down_at_start or self.now < self.storage_down_until:
-                self.trace(f"checkpoint {step} failed: storage down")
-            else:
+                return
+            down = down_at_start or self.now < self.storage_down_until
+            outcome = self.storage.write(lease, step, step, damage, full_disk=down)
+            if outcome == "complete":
+                if lease is not self.lease:  # the next run holds the lease: too late
+                    self.violation(f"checkpoint {step} of a run whose lease was taken over "
+                                   "completed")
                 self.durable.append((self.now, step))
-                self.trace(f"checkpoint {step} complete")
+            self.trace(f"checkpoint {step}: {outcome.splitlines()[0][:120]}")
         self.after(self.rng.uniform(*self.config.storage_write_s), done)
 
     def _connect_failed(self, group: Group) -> None:

@@ -181,6 +181,8 @@ def run_schedule(schedule: Schedule, keep_trace: bool = False) -> Outcome:
         _check_events(world, job)
     _check_restarts(world, jobs)
     _check_pool_drains(world, stop)
+    world.storage.check_kept()
+    world.violations += world.storage.violations
     if keep_trace:
         lines += [f"driver: {line}" for line in driver_lines]
     return Outcome(schedule, list(world.violations), stop, world.now, fired[0],

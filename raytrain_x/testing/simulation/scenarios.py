@@ -301,6 +301,16 @@ def durable_scenarios() -> list[Schedule]:
             Fault(8.0, "kill_control", 0.0)],
             "the rounds actor dies in a job without durable checkpoints: it stops with "
             "ControlActorLost, which says to give the job a checkpoint"),
+        _named("durable-damaged-write-skipped", replace(DURABLE, storage_write_s=(0.2, 0.3)),
+               [Fault(6.0, "storage_damage", 0.4), Fault(8.5, "lose_everything")],
+               "a checkpoint lands with a byte flipped at its size: its writer reads it back, "
+               "marks it and prunes nothing for it; every worker then lost: the newest intact "
+               "checkpoint is restored"),
+        _named("durable-stale-writer-fenced", replace(DURABLE, storage_write_s=(2.5, 3.0)),
+               [Fault(8.0, "kill_driver", 0.9, 0.2), Fault(20.0, "lose_everything")],
+               "the driver killed while rank 0 writes, its writer going on; the same command "
+               "run 0.2 s later takes the lease: the old writer's manifest is refused, and no "
+               "checkpoint of the new run is pruned for it"),
         _named("durable-lost-twice", DURABLE, [
             Fault(8.0, "lose_everything"), Fault(20.0, "lose_everything"),
             Fault(21.0, "kill_node", 0.5)],

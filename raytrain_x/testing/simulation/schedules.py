@@ -11,6 +11,7 @@ import random
 from dataclasses import dataclass, field, replace
 
 from raytrain_x.testing.simulation.model import Node, SimWorker, WorldConfig
+from raytrain_x.testing.simulation.storage import DAMAGES
 from raytrain_x.testing.simulation.world import World
 
 KINDS = ("kill_worker", "kill_node", "drain", "drain_kill", "raylet", "partition",
@@ -224,11 +225,14 @@ def apply(world: World, fault: Fault) -> None:
     elif kind == "drain_pool":
         world.drain_pool(value)
     elif kind == "kill_driver":
+        world.writer_outlives = pick >= 0.5  # its rank 0's writer thread goes on
         world.kill_driver(value)
     elif kind == "discovery_outage":
         world.discovery_outage(value)
     elif kind == "kill_control":
         world.kill_control(pick)
+    elif kind == "storage_damage":
+        world.next_damage = DAMAGES[int(pick * len(DAMAGES)) % len(DAMAGES)]
     else:
         phase, what = {
             "kill_in_rendezvous": ("rendezvous", "worker"),

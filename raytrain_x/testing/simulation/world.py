@@ -28,6 +28,7 @@ from typing import Any
 from raytrain_x.testing.simulation.model import RPC_S, Group, Node, SimWorker, WorldConfig
 from raytrain_x.testing.simulation.protocol import WorkerSide
 from raytrain_x.testing.simulation.rounds import SimRounds
+from raytrain_x.testing.simulation.storage import SimStorage
 
 NODE_DEATH_S = 16.0  # a killed node until Ray's health checks declare it dead
 RAYLET_EXIT_S = 2.0  # a worker notices its raylet is gone (`exit_with_raylet`)
@@ -85,6 +86,15 @@ class World(WorkerSide):
         self.last_write = 0.0
         self.write_asked = False  # the driver asked; rank 0 writes after the write under way
         self.outages: list[tuple[float, float]] = []  # storage down (from, until)
+        # the checkpoints themselves, through the real store over files in memory; its
+        # faults (damaged writes, flaky listings, a killed driver's writer) drawn apart
+        self.storage = SimStorage()
+        self.orphans: set[str] = set()
+        self.next_damage: str | None = None  # a named scenario's: the next write lands so
+        self.writer_outlives = False  # a named scenario's: a killed driver's writer goes on
+        self.storage_rng = random.Random(seed + 5)
+        self.lease = self.storage.new_run(lambda: self.now) \
+            if config.checkpoint_every_s is not None else None
         self.discovery_down_until = -math.inf  # the discovery script fails until then
         self.driver_up = True  # a driver process runs the job
         self.driver_kills: list[tuple[float, int]] = []  # (when, the job's step then)
@@ -309,6 +319,7 @@ class World(WorkerSide):
         self.trace("the driver process is killed")
         self.driver_up = False
         self.driver_kills.append((self.now, self.job_step()))
+        self.orphans |= {w.worker_id for w in self.workers if w.alive}
         for w in [w for w in self.workers if w.alive]:
             self.process_dies(w, visible_in=0.0)
         raise DriverKilled(restart_s)
@@ -317,6 +328,8 @@ class World(WorkerSide):
         """The same command again: a new driver with new rounds and store actors."""
         self.trace("a new driver starts the job again")
         self.driver_up = True
+        if self.lease is not None:
+            self.lease = self.storage.new_run(lambda: self.now)
         self.new_control()
 
     def kill_control(self, pick: float) -> None:

@@ -1,0 +1,200 @@
+"""The simulated job's durable storage: the real `CheckpointStore`, writer lease, retries and
+fault injection (`raytrain_x.elastic`) over files held in memory, on the virtual clock.
+
+What a worker's writer does in production (`raytrain_x.elastic.durable`) is done here in
+the same order through the same store: each part's files are written and recorded with
+their checksums, the lease is checked, the manifest published, the lease checked again and
+older checkpoints pruned. Faults come from the schedule: transient listing errors (503
+SlowDown, retried), a full disk while storage is down, writes that land damaged (torn, a
+byte flipped at the same size, a zero-filled `.metadata`), and a killed driver's writer
+that goes on after the next run took the lease (which fencing must refuse).
+
+The ground truth the invariants read is the world's: which checkpoints were completed
+intact, by which run, and which the store gives back.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from raytrain_x.common.checkpoint_config import CheckpointConfig
+from raytrain_x.common.errors import CheckpointError, CheckpointLeaseHeld, StorageError
+from raytrain_x.elastic.checkpoints import CheckpointStore, Key, Manifest, bytes_checksum
+from raytrain_x.elastic.lease import WriterLease
+from raytrain_x.elastic.storage import Entry, RetryingStorage, Storage
+from raytrain_x.elastic.storage_faults import FaultyStorage, MemoryPlan
+
+DAMAGES = ("torn", "flip", "zero_metadata")
+
+
+class MemoryStorage(Storage):
+    """Files in a dict, by path."""
+
+    def __init__(self) -> None:
+        self.files: dict[str, bytes] = {}
+
+    def describe(self, path: str = "") -> str:
+        return f"memory://{path}"
+
+    def list(self, folder: str) -> list[Entry]:
+        prefix = f"{folder}/"
+        children: dict[str, Entry] = {}
+        for path, data in self.files.items():
+            if path.startswith(prefix):
+                name, _, rest = path[len(prefix):].partition("/")
+                children[name] = Entry(name, bool(rest), 0 if rest else len(data))
+        return list(children.values())
+
+    def read(self, path: str) -> bytes | None:
+        return self.files.get(path)
+
+    def chunks(self, path: str) -> Iterator[bytes]:
+        if path not in self.files:
+            raise FileNotFoundError(path)
+        return iter([self.files[path]])
+
+    def sizes(self, paths: list[str]) -> list[int | None]:
+        return [len(self.files[p]) if p in self.files else None for p in paths]
+
+    def publish(self, path: str, data: bytes) -> None:
+        self.files[path] = bytes(data)
+
+    def upload(self, local_dir: str, folder: str) -> None:
+        raise NotImplementedError("the simulation writes parts with publish")
+
+    def download(self, folder: str, local_dir: str) -> None:
+        raise NotImplementedError("the simulation reads parts with read")
+
+    def delete(self, folder: str) -> None:
+        for path in [p for p in self.files if p.startswith(f"{folder}/")]:
+            del self.files[path]
+
+    def delete_file(self, path: str) -> None:
+        self.files.pop(path, None)
+
+    def local(self, path: str) -> str | None:
+        return None
+
+
+class SimStorage:
+    """The job's checkpoints in memory through the real store, and what happened to them."""
+
+    def __init__(self, keep: int = 2) -> None:
+        self.memory = MemoryStorage()
+        self.plan = MemoryPlan()
+        faulty = FaultyStorage(self.memory, self.plan, sleep=lambda _: None)
+        self.store = CheckpointStore(CheckpointConfig("memory://", name="job", keep=keep),
+                                     storage=RetryingStorage(faulty, sleep=lambda _: None))
+        self.keep = keep
+        self.runs = 0
+        self.lease: WriterLease | None = None
+        # ground truth: every checkpoint completed intact (key -> step), and every key a
+        # writer of each generation completed
+        self.intact: dict[Key, int] = {}
+        self.violations: list[str] = []
+
+    def new_run(self, clock: Callable[[], float]) -> WriterLease:
+        """A driver starts the job (again): its rank 0 takes the lease at the first sync.
+        The run before is dead, so its lease is taken over (the wait for an expired lease
+        is the lease's unit test's)."""
+        self.runs += 1
+        self.lease = WriterLease(self.store, f"run-{self.runs}", clock=clock)
+        self.lease.acquire(takeover=True)
+        return self.lease
+
+    def write(self, lease: WriterLease, number: int, step: int, damage: str | None,
+              full_disk: bool) -> str:
+        """Writes checkpoint `number` (step `step`) as rank 0's writer does; returns what
+        came of it: "complete", "damaged", "failed: ..." or "fenced"."""
+        key = (lease.generation, number)
+        part = f"common.{number}.{len(self.memory.files)}"
+        data = json.dumps({"step": step}).encode() + b" " * 64
+        files = {"data": data, ".metadata": b"m" * 32}
+        self.plan.faults["full_disk"] = full_disk
+        try:
+            folder = f"{self.store.root}/{key_folder(key)}/{part}"
+            for name, body in files.items():
+                self.store.storage.publish(f"{folder}/{name}", body)
+            self.store.record(key, part, {n: [len(b), bytes_checksum(b)]
+                                          for n, b in files.items()})
+            if damage:
+                self._damage(folder, damage)
+            newer = {k for k in self.store_keys() if k[0] > lease.generation}
+            manifest = Manifest(number, {part: {n: [len(b), bytes_checksum(b)]
+                                                for n, b in files.items()}},
+                                1, {"step": step}, 0.0, {}, lease.generation)
+            self.store.finish(manifest, self.keep, lease.check)
+            if newer - set(self.store_keys()):
+                self.violations.append(f"generation {lease.generation}'s prune deleted "
+                                       f"the later generation's {sorted(newer)}")
+        except CheckpointLeaseHeld:
+            return "fenced"
+        except CheckpointError as exc:
+            return f"damaged: {exc}"
+        except StorageError as exc:
+            return f"failed: {exc}"
+        finally:
+            self.plan.faults["full_disk"] = False
+        if damage:
+            self.violations.append(f"checkpoint {key} landed {damage}, and was taken as "
+                                   "complete")
+        self.intact[key] = step
+        return "complete"
+
+    def _damage(self, folder: str, damage: str) -> None:
+        path = f"{folder}/.metadata" if damage == "zero_metadata" else f"{folder}/data"
+        data = bytearray(self.memory.files[path])
+        if damage == "torn":
+            data = data[:len(data) // 2]
+        elif damage == "flip":
+            data[len(data) // 2] ^= 0x40
+        else:
+            data = bytearray(len(data))
+        self.memory.files[path] = bytes(data)
+
+    def store_keys(self) -> list[Key]:
+        return [k for k in (_key(e.name) for e in self.memory.list(self.store.root)
+                            if e.is_dir) if k is not None]
+
+    def latest(self) -> Manifest | None:
+        """What a restore takes (rank 0: the newest intact checkpoint)."""
+        return self.store.latest(warn=False, verify=True)
+
+    def expected_latest(self) -> tuple[Key, int] | None:
+        """The newest checkpoint completed intact that pruning may not have deleted: the
+        one a restore must take."""
+        kept = set(self.store_keys())
+        alive = {k: s for k, s in self.intact.items() if k in kept}
+        if not alive:
+            return None
+        key = max(alive)
+        return key, alive[key]
+
+    def check_kept(self) -> None:
+        """Pruning never deleted the newest intact checkpoint."""
+        if self.intact:
+            newest = max(self.intact)
+            if newest not in set(self.store_keys()):
+                self.violations.append(f"the newest intact checkpoint {newest} was pruned")
+
+    def flaky_listings(self, count: int) -> None:
+        """The next `count` listings fail (S3's 503 SlowDown), fewer than the retries."""
+        self.plan.faults["list"] = self.plan.faults.get("list", 0) + count
+
+    def describe(self) -> dict[str, Any]:
+        return {"runs": self.runs, "intact": len(self.intact),
+                "kept": sorted(self.store_keys())}
+
+
+def key_folder(key: Key) -> str:
+    from raytrain_x.elastic.checkpoints import checkpoint_folder
+
+    return checkpoint_folder(*key)
+
+
+def _key(name: str) -> Key | None:
+    from raytrain_x.elastic.checkpoints import parse_folder
+
+    return parse_folder(name)
