@@ -4,7 +4,8 @@
 processes, alternating which goes first over --rounds rounds.
 
 Reported: steps/s of each way (steps completed in the window / the window, the slower
-rank), the checkpoints written and the write time, and the ratio with / without.
+rank), the checkpoints written, the write time and, of it, the checksums and the read-back
+against them (rank 0), and the ratio with / without.
 Writes results/durable_checkpoint_<device>.json.
 
 Run: .venv/bin/python benchmarks/durable_checkpoint.py [--every 30 --seconds 95]
@@ -42,6 +43,7 @@ def _worker(rank: int, size: int, port: int, way: str, storage: str, args, queue
     config = (rx.CheckpointConfig(storage, name="bench", every_s=args.every)
               if way == "durable" else None)
     state = rx.elastic.TorchState(model, opt, checkpoint=config, step=0)
+    state.sync()  # as `rx.elastic.run` starts: rank 0 takes the writer lease, probes storage
 
     def train_step() -> None:
         lm_step(model, opt, ids, targets)
@@ -69,13 +71,15 @@ def _worker(rank: int, size: int, port: int, way: str, storage: str, args, queue
         state._durable.wait()
     counters = status.checkpoints
     out = {"steps_per_s": steps / elapsed, "written": counters.written_count,
-           "failed": counters.failed_count, "write_s": counters.last_write_s}
+           "failed": counters.failed_count, "write_s": counters.last_write_s,
+           "checksum_s": counters.last_checksum_s, "verify_s": counters.last_verify_s}
     every = [None] * size
     dist.all_gather_object(every, out)
     if rank == 0:
         queue.put({"steps_per_s": min(o["steps_per_s"] for o in every),
                    "written": every[0]["written"], "failed": sum(o["failed"] for o in every),
-                   "write_s": every[0]["write_s"]})
+                   "write_s": every[0]["write_s"], "checksum_s": every[0]["checksum_s"],
+                   "verify_s": every[0]["verify_s"]})
     rx.shutdown()
     dist.destroy_process_group()
 
@@ -101,8 +105,11 @@ def main() -> None:
     rate = {w: statistics.median(o["steps_per_s"] for o in runs[w]) for w in WAYS}
     print_table([{"way": w, "steps/s": rate[w],
                   "checkpoints": statistics.median(o["written"] for o in runs[w]),
-                  "write s": statistics.median(o["write_s"] for o in runs[w])}
-                 for w in WAYS], ["way", "steps/s", "checkpoints", "write s"])
+                  "write s": statistics.median(o["write_s"] for o in runs[w]),
+                  "checksum s": statistics.median(o["checksum_s"] for o in runs[w]),
+                  "read-back s": statistics.median(o["verify_s"] for o in runs[w])}
+                 for w in WAYS], ["way", "steps/s", "checkpoints", "write s", "checksum s",
+                                  "read-back s"])
     ratio = rate["durable"] / rate["none"]
     print(f"throughput with checkpoints every {args.every:g}s / without: {ratio:.3f}")
     payload = {"args": vars(args), "runs": runs, "steps_per_s": rate, "ratio": ratio}

@@ -58,10 +58,14 @@ class CheckpointCounters:
     last_write_s: float = 0.0
     last_restored: int = 0
     last_restore_s: float = 0.0
+    last_checksum_s: float = 0.0  # of the last write: checksumming this rank's files
+    last_verify_s: float = 0.0  # and reading the checkpoint back against its checksums
 
-    def written(self, number: int, seconds: float) -> None:
+    def written(self, number: int, seconds: float, checksum_s: float = 0.0,
+                verify_s: float = 0.0) -> None:
         self.written_count += 1
         self.last_written, self.last_write_s = number, seconds
+        self.last_checksum_s, self.last_verify_s = checksum_s, verify_s
 
     def failed(self, number: int) -> None:
         self.failed_count += 1

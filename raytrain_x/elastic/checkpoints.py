@@ -203,6 +203,9 @@ class CheckpointStore:
         self.storage = storage or open_storage(config.storage_path, sleep=sleep)
         self.root = config.name
         self._sleep = sleep
+        # seconds the last write on this rank spent on checksums, and reading back
+        self.checksum_s = 0.0
+        self.verify_s = 0.0
 
     def where(self, key: Key | None = None, part: str = "") -> str:
         """The full path or URI of the job's folder, a checkpoint's, or a part's."""
@@ -225,11 +228,13 @@ class CheckpointStore:
         import os
 
         files: dict[str, list[Any]] = {}
+        began = time.perf_counter()
         for folder, _, names in os.walk(local_dir):
             for file in names:
                 path = os.path.join(folder, file)
                 files[os.path.relpath(path, local_dir)] = [os.path.getsize(path),
                                                            file_checksum(path)]
+        self.checksum_s += time.perf_counter() - began
         self.storage.upload(local_dir, self._path(key, part))
         self.record(key, part, files)
         return files
@@ -302,7 +307,9 @@ class CheckpointStore:
         """
         fence()
         self.complete(manifest)
+        began = time.perf_counter()
         why = self.verify(manifest)
+        self.verify_s = time.perf_counter() - began
         if why:
             self._mark_damaged(manifest.key, why)
             raise CheckpointError(f"{self.where(manifest.key)} landed damaged: {why}")

@@ -179,6 +179,7 @@ class DurableCheckpoints:
             self.wait()
         self._last_start, self._asked = self._clock(), False
         self.last = WriteResult(manifest.key)
+        self.store.checksum_s = self.store.verify_s = 0.0
         self._thread = threading.Thread(target=self._write,
                                         args=(manifest, parts, every_part, self.last),
                                         name="raytrain-x-checkpoint", daemon=True)
@@ -226,7 +227,8 @@ class DurableCheckpoints:
         manifest.written_at = time.time()
         self.store.finish(manifest, self.config.keep, self.check_lease)
         seconds = time.perf_counter() - began
-        status.checkpoints.written(manifest.number, seconds)
+        status.checkpoints.written(manifest.number, seconds, self.store.checksum_s,
+                                   self.store.verify_s)
         log.info("raytrain-x checkpoint: %s written to %s in %.1fs", manifest.describe(),
                  self.store.where(manifest.key), seconds)
 
