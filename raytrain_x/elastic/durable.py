@@ -313,7 +313,15 @@ def checkpoint_to_restore(durable: DurableCheckpoints, bcast_object: Callable[..
     answer: Any = None
     if runtime.rank() == 0:
         try:
-            durable.hold_lease()
+            try:
+                durable.hold_lease()
+            except StorageError as exc:
+                if needed or durable.generation == 0:
+                    raise
+                # a round that restores nothing trains on while storage is away: its
+                # writes check the lease, and fail, until storage is back
+                log.warning("raytrain-x checkpoint: cannot renew the writer lease at this "
+                            "round (%s); training goes on", exc)
             manifest = durable.latest() if needed else None
             if manifest is not None:
                 check_signature(durable, manifest, signature)

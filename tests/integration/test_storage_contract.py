@@ -21,12 +21,14 @@ from tests.workers import run_workers
 
 def _job(storage: str, steps: int, stage: int = 0, width: int = 5,
          checkpoint_at: tuple[int, ...] = (), fault_at: int = 0, plan: str = "",
-         fsize_limit_rank: int = -1, takeover: bool = False, hold: str = "") -> dict:
+         fsize_limit_rank: int = -1, takeover: bool = False, hold: str = "",
+         down_sync_at: int = 0) -> dict:
     """Trains a small model to `steps`, a commit each step, `state.checkpoint()` after the
     steps in `checkpoint_at` (its error caught and returned). At step `fault_at` rank 0
     sets the fault plan `plan` to a full disk on rank 1's shard, and rank
     `fsize_limit_rank` meets a file-size limit (torch DCP's own writes fail). With `hold`,
-    the job waits at its last step until the file `hold/go` exists."""
+    the job waits at its last step until the file `hold/go` exists. At step
+    `down_sync_at` storage goes down (`plan`) for a sync, as a reset makes one."""
     import resource
     import signal
 
@@ -57,6 +59,12 @@ def _job(storage: str, steps: int, stage: int = 0, width: int = 5,
                 if rx.rank() == fsize_limit_rank:
                     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
                     resource.setrlimit(resource.RLIMIT_FSIZE, (64, resource.RLIM_INFINITY))
+            if state.step == down_sync_at:
+                if rx.rank() == 0:
+                    write_plan(plan, down=True)
+                state.sync()  # the survivors hold the state: nothing to restore
+                if rx.rank() == 0:
+                    write_plan(plan)
             if state.step in checkpoint_at:
                 began = time.monotonic()
                 try:
@@ -166,3 +174,14 @@ def test_a_resume_while_storage_throttles_continues_from_the_latest_checkpoint(t
     write_plan(plan)
     kept = CheckpointStore(CheckpointConfig(storage, name="job")).checkpoints()
     assert [m.values["step"] for m in kept] == [6, 4]
+
+
+def test_a_round_that_restores_nothing_trains_on_while_storage_is_down(tmp_path):
+    storage = str(tmp_path / "store")
+    plan = str(tmp_path / "faults.json")
+    write_plan(plan)
+    out = run_workers(_job, 2, storage, 4, 0, 5, (4,), 0, plan, -1, False, "", 2,
+                      env={"RAYTRAIN_X_STORAGE_FAULTS": plan}, work_s=60)
+    assert [r["step"] for r in out] == [4, 4] and out[0]["errors"] == []
+    [kept] = CheckpointStore(CheckpointConfig(storage, name="job")).checkpoints()
+    assert kept.values["step"] == 4
