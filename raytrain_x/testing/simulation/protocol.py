@@ -44,6 +44,7 @@ class WorkerSide:
     driver_up: bool
     orphans: set[str]  # workers a driver kill ended: their writer threads may go on
     next_damage: str | None
+    damaged_writes: list[float]  # when a write landed damaged (its writer found it)
     writer_outlives: bool
     writing: bool
     last_write: float
@@ -260,6 +261,8 @@ class WorkerSide:
                 return
             down = down_at_start or self.now < self.storage_down_until
             outcome = self.storage.write(lease, step, step, damage, full_disk=down)
+            if outcome.startswith("damaged"):
+                self.damaged_writes.append(self.now)
             if outcome == "complete":
                 if lease is not self.lease:  # the next run holds the lease: too late
                     self.violation(f"checkpoint {step} of a run whose lease was taken over "

@@ -90,6 +90,7 @@ class World(WorkerSide):
         # faults (damaged writes, flaky listings, a killed driver's writer) drawn apart
         self.storage = SimStorage()
         self.orphans: set[str] = set()
+        self.damaged_writes: list[float] = []
         self.next_damage: str | None = None  # a named scenario's: the next write lands so
         self.writer_outlives = False  # a named scenario's: a killed driver's writer goes on
         self.storage_rng = random.Random(seed + 5)
