@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -161,9 +163,6 @@ def probe(config: CheckpointConfig) -> None:
 
 def probe_storage(storage: Storage, folder: str) -> None:
     """`probe` of `folder` in `storage`."""
-    import os
-    import uuid
-
     path = f"{folder}/.probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         storage.publish(path, b"raytrain-x")
@@ -225,8 +224,6 @@ class CheckpointStore:
         """Checksums the part's files in `local_dir`, copies them to storage (unless it is
         the part's own folder, written in place), makes them durable, then records them
         (`part.json`); returns {file: [bytes, checksum]}."""
-        import os
-
         files: dict[str, list[Any]] = {}
         began = time.perf_counter()
         for folder, _, names in os.walk(local_dir):
@@ -390,8 +387,6 @@ class CheckpointStore:
         Raises:
             CheckpointError: a file changed since the checkpoint was verified.
         """
-        import os
-
         dest = os.path.join(local_dir, part)
         self.storage.download(self._path(manifest.key, part), dest)
         for file, (_, checksum) in manifest.parts[part].items():

@@ -17,11 +17,17 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
-from typing import Any
 
 from raytrain_x.common.checkpoint_config import CheckpointConfig
 from raytrain_x.common.errors import CheckpointError, CheckpointLeaseHeld, StorageError
-from raytrain_x.elastic.checkpoints import CheckpointStore, Key, Manifest, bytes_checksum
+from raytrain_x.elastic.checkpoints import (
+    CheckpointStore,
+    Key,
+    Manifest,
+    bytes_checksum,
+    checkpoint_folder,
+    parse_folder,
+)
 from raytrain_x.elastic.lease import WriterLease
 from raytrain_x.elastic.storage import Entry, RetryingStorage, Storage
 from raytrain_x.elastic.storage_faults import FaultyStorage, MemoryPlan
@@ -114,17 +120,16 @@ class SimStorage:
         files = {"data": data, ".metadata": b"m" * 32}
         self.plan.faults["full_disk"] = full_disk
         try:
-            folder = f"{self.store.root}/{key_folder(key)}/{part}"
+            folder = f"{self.store.root}/{checkpoint_folder(*key)}/{part}"
             for name, body in files.items():
                 self.store.storage.publish(f"{folder}/{name}", body)
-            self.store.record(key, part, {n: [len(b), bytes_checksum(b)]
-                                          for n, b in files.items()})
+            record = {n: [len(b), bytes_checksum(b)] for n, b in files.items()}
+            self.store.record(key, part, record)
             if damage:
                 self._damage(folder, damage)
             newer = {k for k in self.store_keys() if k[0] > lease.generation}
-            manifest = Manifest(number, {part: {n: [len(b), bytes_checksum(b)]
-                                                for n, b in files.items()}},
-                                1, {"step": step}, 0.0, {}, lease.generation)
+            manifest = Manifest(number, {part: record}, 1, {"step": step}, 0.0, {},
+                                lease.generation)
             self.store.finish(manifest, self.keep, lease.check)
             if newer - set(self.store_keys()):
                 self.violations.append(f"generation {lease.generation}'s prune deleted "
@@ -155,7 +160,7 @@ class SimStorage:
         self.memory.files[path] = bytes(data)
 
     def store_keys(self) -> list[Key]:
-        return [k for k in (_key(e.name) for e in self.memory.list(self.store.root)
+        return [k for k in (parse_folder(e.name) for e in self.memory.list(self.store.root)
                             if e.is_dir) if k is not None]
 
     def latest(self) -> Manifest | None:
@@ -182,19 +187,3 @@ class SimStorage:
     def flaky_listings(self, count: int) -> None:
         """The next `count` listings fail (S3's 503 SlowDown), fewer than the retries."""
         self.plan.faults["list"] = self.plan.faults.get("list", 0) + count
-
-    def describe(self) -> dict[str, Any]:
-        return {"runs": self.runs, "intact": len(self.intact),
-                "kept": sorted(self.store_keys())}
-
-
-def key_folder(key: Key) -> str:
-    from raytrain_x.elastic.checkpoints import checkpoint_folder
-
-    return checkpoint_folder(*key)
-
-
-def _key(name: str) -> Key | None:
-    from raytrain_x.elastic.checkpoints import parse_folder
-
-    return parse_folder(name)
