@@ -29,7 +29,7 @@ WAYS = ("none", "durable")
 
 def _worker(rank: int, size: int, port: int, way: str, storage: str, args, queue) -> None:
     import raytrain_x.torch as rx
-    from raytrain_x.core import status
+    from raytrain_x.core.process import PROCESS
     from raytrain_x.torch.workloads import GPTDecoder, synthetic_tokens
 
     cuda = args.device == "cuda"
@@ -67,9 +67,8 @@ def _worker(rank: int, size: int, port: int, way: str, storage: str, args, queue
     if cuda:
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - began
-    if state._durable is not None:
-        state._durable.wait()
-    counters = status.checkpoints
+    state.finish_writes()
+    counters = PROCESS.checkpoints
     out = {"steps_per_s": steps / elapsed, "written": counters.written_count,
            "failed": counters.failed_count, "write_s": counters.last_write_s,
            "checksum_s": counters.last_checksum_s, "verify_s": counters.last_verify_s}

@@ -31,7 +31,11 @@ class Rendezvous:
         hosts: optional host id of every rank (rank order), for hierarchical groups.
         hosts_version: the elastic driver's host-set version this round was formed at.
         restore_from_storage: the elastic driver found no worker holding the job's latest
-            committed state: the round restores the latest durable checkpoint.
+            committed state: the round restores a durable checkpoint.
+        restore_checkpoint: the checkpoint the driver named for that restore,
+            `[generation, commit]` (None: the latest).
+        elastic: an elastic driver formed this round, and decides every round's restore;
+            in a fixed world the job's start is the only restore.
         address: the IP address this worker's collectives listen on (its Ray node's
             address); empty: the backend's default (gloo: `GLOO_SOCKET_IFNAME`, else what
             the hostname resolves to, which is loopback on many machines).
@@ -50,6 +54,8 @@ class Rendezvous:
     hosts_version: int = 0
     address: str = ""
     restore_from_storage: bool = False
+    restore_checkpoint: list[int] | None = None
+    elastic: bool = False
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:

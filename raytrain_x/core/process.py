@@ -53,6 +53,36 @@ class StepClock:
 
 
 @dataclass
+class CheckpointCounters:
+    """This rank's durable checkpoints: written (by the rank that completes them), failed
+    writes, restores from storage, and the latest of each."""
+
+    written_count: int = 0
+    failed_count: int = 0
+    restored_count: int = 0
+    last_written: int = 0  # the commit number of the last checkpoint written
+    last_write_s: float = 0.0
+    last_restored: int = 0
+    last_restore_s: float = 0.0
+    last_checksum_s: float = 0.0  # of the last write: checksumming this rank's files
+    last_verify_s: float = 0.0  # and reading the checkpoint back against its checksums
+
+    def written(self, number: int, seconds: float, checksum_s: float = 0.0,
+                verify_s: float = 0.0) -> None:
+        self.written_count += 1
+        self.last_written, self.last_write_s = number, seconds
+        self.last_checksum_s, self.last_verify_s = checksum_s, verify_s
+
+    def failed(self, number: int) -> None:
+        self.failed_count += 1
+
+    def restored(self, number: int, seconds: float) -> None:
+        self.restored_count += 1
+        self.last_restored, self.last_restore_s = number, seconds
+
+
+
+@dataclass
 class World:
     """One round's world: what `init()` makes, and an elastic reset replaces whole."""
 
@@ -85,6 +115,8 @@ class ProcessState:
     # this process holds (0: none; `elastic.state.state_round`)
     restores: int = 0
     state_round: int = 0
+    # this rank's durable checkpoints (`raytrain_x.elastic.durable` counts them)
+    checkpoints: CheckpointCounters = field(default_factory=CheckpointCounters)
     status_writer: Any = None  # a launched process's status file (`core.status`)
     # how `init()` joins the next round: the executor's actor installs a provider; else
     # the launcher's variables, each `init()` after a `shutdown()` a fresh round of keys

@@ -46,43 +46,12 @@ def autotune_state() -> dict[str, Any] | None:
             "knobs": knobs.to_dict() if knobs is not None else {}}
 
 
-@dataclasses.dataclass
-class CheckpointCounters:
-    """This rank's durable checkpoints: written (by the rank that completes them), failed
-    writes, restores from storage, and the latest of each."""
-
-    written_count: int = 0
-    failed_count: int = 0
-    restored_count: int = 0
-    last_written: int = 0  # the commit number of the last checkpoint written
-    last_write_s: float = 0.0
-    last_restored: int = 0
-    last_restore_s: float = 0.0
-    last_checksum_s: float = 0.0  # of the last write: checksumming this rank's files
-    last_verify_s: float = 0.0  # and reading the checkpoint back against its checksums
-
-    def written(self, number: int, seconds: float, checksum_s: float = 0.0,
-                verify_s: float = 0.0) -> None:
-        self.written_count += 1
-        self.last_written, self.last_write_s = number, seconds
-        self.last_checksum_s, self.last_verify_s = checksum_s, verify_s
-
-    def failed(self, number: int) -> None:
-        self.failed_count += 1
-
-    def restored(self, number: int, seconds: float) -> None:
-        self.restored_count += 1
-        self.last_restored, self.last_restore_s = number, seconds
-
-
-checkpoints = CheckpointCounters()
-
-
 def snapshot() -> dict[str, Any]:
     """This rank now: `time` (wall clock), `steps`, `step_seconds` (the latest steps'
     durations, the last ending at `steps`), `rank`/`size`/`round` (None before
     `init()`), `batch_size` (per rank, where the job told autotune), `engine` and
-    `autotune` (None where there are none), `checkpoints` (`CheckpointCounters`)."""
+    `autotune` (None where there are none), `checkpoints` (`CheckpointCounters`: this
+    rank's durable checkpoints, `PROCESS.checkpoints`)."""
     clock = runtime.step_clock()
     world = {"rank": None, "size": None, "round": None}
     if runtime.is_initialized():
@@ -90,7 +59,8 @@ def snapshot() -> dict[str, Any]:
         world = {"rank": rdv.rank, "size": rdv.size, "round": rdv.round}
     return {"time": time.time(), "steps": clock.steps, "step_seconds": clock.recent(),
             **world, "batch_size": runtime.batch_size(), "engine": engine_counters(),
-            "autotune": autotune_state(), "checkpoints": dataclasses.asdict(checkpoints)}
+            "autotune": autotune_state(),
+            "checkpoints": dataclasses.asdict(PROCESS.checkpoints)}
 
 
 class StatusFileWriter:

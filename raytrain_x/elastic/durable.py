@@ -1,8 +1,7 @@
 """Durable checkpoints from one rank's side, for any framework: when a commit is written,
-the background writer of this rank's parts, the writer lease, and the restore at a sync
-where no rank holds the state. A framework gives its format (`save`/`load` of a tree to a
-folder) and which parts each rank writes (`raytrain_x.torch.durable`,
-`raytrain_x.tensorflow.durable`).
+the background writer of this rank's parts, the writer lease, and which checkpoint a round
+restores. The commit manager (`raytrain_x.elastic.commits`) drives it; a framework gives
+its format (`save`/`read` of a tree to a folder).
 
 Each part of a checkpoint (`raytrain_x.elastic.checkpoints`) is written by one rank:
 `common` (rank 0) and, with a sharded optimizer, `shard_<rank>`. In the background, the
@@ -24,11 +23,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from raytrain_x.comm.rendezvous import Rendezvous
 from raytrain_x.common.checkpoint_config import CheckpointConfig
 from raytrain_x.common.errors import CheckpointError, CheckpointLeaseHeld, StorageError
 from raytrain_x.common.periodic import Every
 from raytrain_x.common.settings import CHECKPOINT_RUN
-from raytrain_x.core import runtime, status
+from raytrain_x.core import runtime
 from raytrain_x.core.objects import allgather_object
 from raytrain_x.core.process import PROCESS
 from raytrain_x.elastic.checkpoints import CheckpointStore, Key, Manifest, probe_storage
@@ -95,7 +95,6 @@ class DurableCheckpoints:
         self._clock = clock
         self._thread: threading.Thread | None = None
         self._last_start = clock()  # the first checkpoint comes every_s after the start
-        self.number = 0  # the job's commits, counted over its whole life (synced)
         self.generation = 0  # this run's, from its writer lease (synced)
         self.owner = CHECKPOINT_RUN.read() or ""  # this run's token (synced)
         self._asked = False  # the driver asked for one (a drain of every holder)
@@ -215,7 +214,7 @@ class DurableCheckpoints:
             result.error = _cause(exc)
             if part:
                 self.store.part_failed(key, part, result.error)
-            status.checkpoints.failed(manifest.number)
+            PROCESS.checkpoints.failed(manifest.number)
             log.warning("raytrain-x checkpoint: writing checkpoint %d to %s failed (%s); "
                         "training goes on, the next checkpoint is tried in %gs",
                         manifest.number, self.store.where(key), result.error,
@@ -227,7 +226,7 @@ class DurableCheckpoints:
         manifest.written_at = time.time()
         self.store.finish(manifest, self.config.keep, self.check_lease)
         seconds = time.perf_counter() - began
-        status.checkpoints.written(manifest.number, seconds, self.store.checksum_s,
+        PROCESS.checkpoints.written(manifest.number, seconds, self.store.checksum_s,
                                    self.store.verify_s)
         log.info("raytrain-x checkpoint: %s written to %s in %.1fs", manifest.describe(),
                  self.store.where(manifest.key), seconds)
@@ -238,21 +237,25 @@ class DurableCheckpoints:
         with a warning naming the file."""
         return self.store.latest(warn=True, verify=True)
 
+    def named(self, key: Key) -> Manifest | None:
+        """The checkpoint the driver named (`key`), or, where it is found damaged, the
+        newest intact one before it (each skipped one logged, naming the file)."""
+        return self.store.latest(warn=True, verify=True, at_most=key)
+
     def load(self, manifest: Manifest, part: str) -> Any:
         """A part of `manifest`'s checkpoint, as the tree that was saved (host tensors)."""
         with tempfile.TemporaryDirectory(prefix="raytrain-x-restore-") as tmp:
-            return self._load(self.store.download(manifest, part, tmp))
+            return self._load(self.part_folder(manifest, part, tmp))
+
+    def part_folder(self, manifest: Manifest, part: str, tmp: str) -> str:
+        """A part's folder to read: in place on a file system, else a local copy in
+        `tmp`, its files checked against the manifest's checksums."""
+        return self.store.local_folder(manifest.key, part) or \
+            self.store.download(manifest, part, tmp)
 
 
-def new_manifest(durable: DurableCheckpoints, world_size: int, values: dict[str, Any],
-                 info: dict[str, Any], signature: dict[str, Any]) -> Manifest:
-    """The manifest of the checkpoint of the commit just taken (its parts filled in once
-    they are written)."""
-    return Manifest(durable.number, {}, world_size, values, 0.0, info, durable.generation,
-                    signature)
-
-
-def write_now(durable: DurableCheckpoints, write: Callable[[bool], Manifest | None],
+def write_now(durable: DurableCheckpoints, number: int,
+              write: Callable[[bool], Manifest | None],
               bcast_object: Callable[..., Any], timeout_s: float | None) -> None:
     """`state.checkpoint()`: every rank writes its parts of the last commit in the
     foreground (`write(background=False)` starts them and returns the manifest on rank 0),
@@ -283,46 +286,42 @@ def write_now(durable: DurableCheckpoints, write: Callable[[bool], Manifest | No
         try:
             durable.complete(manifest, began)
         except BaseException as exc:  # noqa: BLE001 - every rank raises it below
-            status.checkpoints.failed(manifest.number)
+            PROCESS.checkpoints.failed(manifest.number)
             verdict = f"rank 0: {_cause(exc)}"
     verdict = bcast_object(verdict, 0, name="elastic.durable.written")
     if verdict:
-        raise CheckpointError(f"the checkpoint of commit {durable.number} to "
+        raise CheckpointError(f"the checkpoint of commit {number} to "
                               f"{durable.store.where()} failed: {verdict}")
 
 
 def checkpoint_to_restore(durable: DurableCheckpoints, bcast_object: Callable[..., Any],
-                          signature: dict[str, Any], force: bool = False,
-                          ) -> Manifest | None:
+                          signature: dict[str, Any], latest: bool = False) -> Manifest | None:
     """At a sync: rank 0 takes or keeps the run's writer lease (probing storage the first
-    time), then names the checkpoint every rank restores: None when some rank holds the
-    state in memory (unless `force`: part of a sharded state was lost with every copy) or
-    there is no complete checkpoint. The driver says when no worker holds the latest
-    commit (a survivor may hold an older one); without a driver, or at a new job's start,
-    no rank holding any state means the same. A collective.
+    time), then names the checkpoint every rank restores, as the driver decided
+    (`restore_decision`); with `latest`, the latest (a sharded state's shards were lost
+    with every copy). None: the round keeps what the survivors hold. A collective.
 
     Raises:
         CheckpointError: storage holds another state than this one (`signature`), or the
             run cannot hold the lease (`CheckpointLeaseHeld`); StorageError: storage
             cannot be read or written. On every rank alike.
     """
-    told = runtime.rendezvous().restore_from_storage
-    holds_state = PROCESS.state_round > 0  # synced inside `run` (elastic.state)
-    needed = force or told or not any(allgather_object(holds_state,
-                                                       name="elastic.durable.holders"))
     answer: Any = None
     if runtime.rank() == 0:
         try:
+            wanted = "latest" if latest else restore_decision(runtime.rendezvous(),
+                                                                PROCESS.state_round)
             try:
                 durable.hold_lease()
             except StorageError as exc:
-                if needed or durable.generation == 0:
+                if wanted is not None or durable.generation == 0:
                     raise
                 # a round that restores nothing trains on while storage is away: its
                 # writes check the lease, and fail, until storage is back
                 log.warning("raytrain-x checkpoint: cannot renew the writer lease at this "
                             "round (%s); training goes on", exc)
-            manifest = durable.latest() if needed else None
+            manifest = None if wanted is None else durable.latest() if wanted == "latest" \
+                else durable.named(wanted)
             if manifest is not None:
                 check_signature(durable, manifest, signature)
             answer = ("ok", durable.owner, durable.generation, manifest)
@@ -337,6 +336,20 @@ def checkpoint_to_restore(durable: DurableCheckpoints, bcast_object: Callable[..
         raise kind(answer[2])
     _, durable.owner, durable.generation, manifest = answer
     return manifest
+
+
+def restore_decision(rdv: Rendezvous, state_round: int) -> Key | str | None:
+    """What a round restores from storage, as rank 0 reads it from the round's rendezvous
+    (`state_round`: the round of the state rank 0 holds, 0 for none): the checkpoint the
+    elastic driver named (its key); "latest" where the driver asked for a restore without
+    naming one, or, in a fixed world (no driver forms its rounds), at the job's start (rank
+    0 holds no state yet); None where the survivors hold the state."""
+    if rdv.restore_from_storage and rdv.restore_checkpoint is not None:
+        generation, number = rdv.restore_checkpoint
+        return (int(generation), int(number))
+    if rdv.restore_from_storage or (not rdv.elastic and state_round == 0):
+        return "latest"
+    return None
 
 
 def check_signature(durable: DurableCheckpoints, manifest: Manifest,
@@ -359,14 +372,11 @@ def check_signature(durable: DurableCheckpoints, manifest: Manifest,
         f"{durable.store.where()} to start it afresh")
 
 
-def restored(durable: DurableCheckpoints, state: Any, manifest: Manifest,
-             began: float) -> None:
+def restored(durable: DurableCheckpoints, manifest: Manifest, began: float) -> None:
     """Counts and logs a restore from `manifest` that began at `began` (perf_counter)."""
-    durable.number = manifest.number
     seconds = time.perf_counter() - began
-    status.checkpoints.restored(manifest.number, seconds)
+    PROCESS.checkpoints.restored(manifest.number, seconds)
     if runtime.rank() == 0:
         log.warning("raytrain-x checkpoint: no worker held the job's state in memory; "
                     "restored %s from %s in %.1fs", manifest.describe(),
                     durable.store.where(manifest.key), seconds)
-    state.restored_from = manifest

@@ -17,6 +17,7 @@ from raytrain_x.common.errors import ConfigError, HostsUpdatedInterrupt, Interna
 from raytrain_x.core import runtime, world
 from raytrain_x.core.objects import broadcast_object
 from raytrain_x.core.process import PROCESS
+from raytrain_x.elastic.commits import CommitManager, Committed, copied
 
 log = logging.getLogger("raytrain_x.elastic")
 
@@ -37,11 +38,6 @@ def holds_state() -> bool:
     return PROCESS.state_round > 0
 
 
-def _note_state_round() -> None:
-    if runtime.is_initialized():
-        PROCESS.state_round = max(1, runtime.rendezvous().round)
-
-
 def restore_count() -> int:
     """How many times `run` restored the last commit in this process (each time a peer
     or the transport failed). A job whose workers only come and go through commits, as
@@ -52,6 +48,11 @@ def restore_count() -> int:
 class State:
     """Base of elastic states: what survives a failure is what was last committed.
 
+    The commit state (the number, the committed copy, durable checkpoints) has one owner,
+    the state's `CommitManager` (`raytrain_x.elastic.commits`); a state built on
+    `ObjectState` gives it a format. A state of one's own (Horovod's way: `save`,
+    `restore` and `sync` written by hand) works too, without durable checkpoints.
+
     Args:
         bcast_object: how to send a Python object from rank 0 to every rank,
             `bcast_object(obj, root_rank, name=...)`; a framework's state passes its own
@@ -60,14 +61,18 @@ class State:
         get_rank: this worker's rank (default: the core's).
     """
 
-    # durable checkpoints (`raytrain_x.elastic.durable`), where a framework's state has them
-    _durable: Any = None
+    commits: CommitManager | None = None  # where a state has a format (`ObjectState`)
 
     def __init__(self, *, bcast_object: BroadcastObject | None = None,
                  get_rank: Callable[[], int] | None = None) -> None:
         self._bcast_object = bcast_object or broadcast_object
         self._get_rank = get_rank or runtime.rank
         self._reset_callbacks: list[Callable[[], None]] = []
+
+    @property
+    def restored_from(self) -> Any:
+        """The checkpoint's manifest this process last restored from storage (None: none)."""
+        return self.commits.restored_from if self.commits is not None else None
 
     def register_reset_callbacks(self, callbacks: list[Callable[[], None]]) -> None:
         """Functions run after every reset (e.g. to rescale the learning rate by size)."""
@@ -80,14 +85,14 @@ class State:
     def syncs_after_every_reset(self) -> bool:
         """True when the state is laid out for one world (a sharded optimizer's), so that
         it is synced after every reset, even one raised with `skip_sync=True`."""
-        return False
+        return self.commits is not None and self.commits.shards is not None
 
     def commit(self) -> None:
         """Saves the state in memory, then checks for added or removed hosts (raising
         `HostsUpdatedInterrupt` on every rank at once when the world should change)."""
         self.save()
         if PROCESS.state_round:  # it synced inside `run`: this commit is the job's progress
-            _note_state_round()
+            CommitManager.note_synced()
         self.check_host_updates()
 
     def check_host_updates(self) -> None:
@@ -97,42 +102,27 @@ class State:
         storage (it is due, or the driver asked for it), and every rank writes its part of it
         first."""
         probe = runtime.host_update_probe()
-        if probe is None and self.checkpoint_due() is None:  # the same on every rank
+        commits = self.commits
+        due = commits.due() if commits is not None else None
+        if probe is None and due is None:  # the same on every rank
             return
         ask = None
         if self._get_rank() == 0:  # a due checkpoint gets a write id, the same on every rank
             version, asked = probe() if probe is not None else (None, False)
-            if asked:
-                self.ask_checkpoint()
-            ask = (version, time.time_ns() if self.checkpoint_due() else 0)
+            if asked and commits is not None:
+                commits.ask()
+            ask = (version, time.time_ns() if commits is not None and commits.due() else 0)
         version, write_id = self._bcast_object(ask, 0, name="elastic.hosts_version")
-        if write_id:
-            self.write_checkpoint(write_id)
+        if write_id and commits is not None:
+            commits.write(write_id)
         if probe is not None and version != runtime.rendezvous().hosts_version:
             raise HostsUpdatedInterrupt(skip_sync=False)
-
-    def checkpoint_due(self) -> bool | None:
-        """Whether the commit being taken is due to be written to durable storage (asked on
-        rank 0 only); None when the state writes no durable checkpoints."""
-        return None if self._durable is None else self._durable.due()
-
-    def ask_checkpoint(self) -> None:
-        """The driver asks for a durable checkpoint of this commit (every holder of the
-        state is draining): it is due at once, or as soon as the write under way ends."""
-        if self._durable is not None:
-            self._durable.ask()
 
     def finish_writes(self) -> None:
         """Waits for this rank's durable write under way, if any (before leaving the job),
         up to the checkpoint's `write_timeout_s`."""
-        if self._durable is not None:
-            self._durable.wait(self._durable.config.write_timeout_s)
-
-    def write_checkpoint(self, write_id: int, background: bool = True) -> Any:
-        """Starts writing this rank's part of the commit just taken to durable storage
-        (`write_id`: rank 0's, naming this attempt's parts). In the background rank 0 then
-        completes the checkpoint itself; else (`checkpoint()`) it returns the checkpoint's
-        manifest on rank 0, for the caller to complete."""
+        if self.commits is not None:
+            self.commits.finish_writes()
 
     def checkpoint(self, timeout_s: float | None = None) -> None:
         """Writes the last commit to durable storage now and returns once the checkpoint is
@@ -144,25 +134,27 @@ class State:
             CheckpointError: the checkpoint could not be written or completed (on every
                 rank alike), naming the path and the cause.
         """
-        if self._durable is None:
+        if self.commits is None or self.commits.durable is None:
             kind = type(self).__name__
             raise ConfigError(f"this {kind} has no durable checkpoints: give {kind}(..., "
                               "checkpoint=CheckpointConfig(storage_path=...)) or "
                               "RayExecutor(..., checkpoint=...)")
-        from raytrain_x.elastic.durable import write_now
-
-        write_id = self._bcast_object(time.time_ns(), 0, name="elastic.durable.id")
-        write_now(self._durable, lambda background: self.write_checkpoint(write_id, background),
-                  self._bcast_object, timeout_s)
+        self.commits.checkpoint(timeout_s)
 
     def save(self) -> None:
-        raise NotImplementedError
+        if self.commits is None:
+            raise NotImplementedError
+        self.commits.commit()
 
     def restore(self) -> None:
-        raise NotImplementedError
+        if self.commits is None:
+            raise NotImplementedError
+        self.commits.rollback()
 
     def sync(self) -> None:
-        raise NotImplementedError
+        if self.commits is None:
+            raise NotImplementedError
+        self.commits.sync()
 
 
 class ObjectState(State):
@@ -177,27 +169,46 @@ class ObjectState(State):
         self._names = list(kwargs)
         for name, value in kwargs.items():
             setattr(self, name, value)
-        self._saved = copy.deepcopy(kwargs)
+        self.commits = self._commit_manager()
+        self.commits.take()
 
-    def _values(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self._names}
+    def _commit_manager(self) -> CommitManager:
+        """The commit manager of this state (a framework's state gives its own format)."""
+        return CommitManager(Attributes(self, self._names, self._bcast_object),
+                             self._bcast_object)
 
-    def save(self) -> None:
-        self._saved = copy.deepcopy(self._values())
 
-    def restore(self) -> None:
-        for name, value in copy.deepcopy(self._saved).items():
-            setattr(self, name, value)
+class Attributes:
+    """The format of an `ObjectState`: its named plain attributes, deep-copied (no durable
+    checkpoints: a framework's state writes those)."""
 
-    def sync(self) -> None:
-        self._sync_attributes(0)
-        self.save()
+    layout = "objects"
+    info: dict[str, Any] = {}
 
-    def _sync_attributes(self, root: int) -> None:
-        """The plain attributes of rank `root`."""
-        values = self._bcast_object(self._values(), root, name="elastic.object_state")
-        for name, value in values.items():
-            setattr(self, name, value)
+    def __init__(self, owner: Any, names: list[str], bcast_object: BroadcastObject) -> None:
+        self._owner, self._names, self._bcast = owner, names, bcast_object
+
+    def values(self) -> dict[str, Any]:
+        return {name: getattr(self._owner, name) for name in self._names}
+
+    def take(self) -> Committed:
+        return copied(copy.deepcopy(self.values()), copy.deepcopy)
+
+    def load(self, tree: Any) -> None:
+        for name, value in tree.items():
+            setattr(self._owner, name, value)
+
+    def sync_from(self, root: int) -> None:
+        self.load(self._bcast(self.values(), root, name="elastic.object_state"))
+
+    def signature(self) -> dict[str, Any]:
+        return {"attributes": sorted(self._names)}
+
+    def save(self, tree: Any, folder: str) -> None:
+        raise NotImplementedError("an ObjectState writes no durable checkpoints")
+
+    def read(self, folder: str) -> Any:
+        raise NotImplementedError("an ObjectState writes no durable checkpoints")
 
 
 def run(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -227,11 +238,11 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
                     state.on_reset()
                 if not skip_sync or (reset_required and state.syncs_after_every_reset()):
                     state.sync()
-                    _note_state_round()
+                    CommitManager.note_synced()
                 return func(state, *args, **kwargs)
             except InternalError as exc:
                 log.warning("raytrain-x elastic: %s; restoring the last commit", exc)
-                PROCESS.restores += 1
+                CommitManager.note_rollback()
                 state.restore()
                 skip_sync = False
             except HostsUpdatedInterrupt as exc:

@@ -1,13 +1,15 @@
 """`rx.elastic`: elastic training for TensorFlow and Keras (Horovod's `hvd.elastic`).
 
 States commit by copying variable values to host memory, restore by assigning them back,
-and sync by broadcasting rank 0's variables. `run` is the core's, with one addition:
+and sync by broadcasting rank 0's variables, through their commit manager
+(`raytrain_x.elastic.commits`) and the format below. `run` is the core's, with one addition:
 TensorFlow reports an error raised inside a graph as a `tf.errors.OpError`, so the
 raytrain-x error behind it (a lost peer, a reset) is raised again in its own type first.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -15,15 +17,74 @@ from typing import Any
 import numpy as np
 
 from raytrain_x.common.checkpoint_config import CheckpointConfig, from_env
+from raytrain_x.common.errors import ConfigError
 from raytrain_x.core.runtime import rank
+from raytrain_x.elastic.commits import CommitManager, Committed, copied
 from raytrain_x.elastic.state import ObjectState, State, restore_count
 from raytrain_x.elastic.state import run as _run
 from raytrain_x.tensorflow.arrays import unwrap_error
+from raytrain_x.tensorflow.durable import load, save, variable_keys
 from raytrain_x.tensorflow.functions import broadcast_object, broadcast_variables
 
 
-def _values(variables: list[Any]) -> list[np.ndarray]:
-    return [np.array(v.numpy(), copy=True) for v in variables]
+class TensorFlowFormat:
+    """The format of a `TensorFlowState` (`raytrain_x.elastic.commits.Format`): its
+    variables' values copied to host memory and its plain attributes deep-copied; a part
+    in `tf.train.Checkpoint` format (`raytrain_x.tensorflow.durable`)."""
+
+    layout = "tensorflow"
+    info: dict[str, Any] = {}
+
+    def __init__(self, owner: Any, variables: list[Any], names: list[str]) -> None:
+        self._owner, self.variables, self.names = owner, variables, names
+        self.keys = variable_keys(variables)
+
+    def values(self) -> dict[str, Any]:
+        return {name: getattr(self._owner, name) for name in self.names}
+
+    def take(self) -> Committed:
+        tree = {"keys": list(self.keys),
+                "values": [np.array(v.numpy(), copy=True) for v in self.variables],
+                "attributes": copy.deepcopy(self.values())}
+        return copied(tree, _copy_tree)
+
+    def load(self, tree: dict[str, Any]) -> None:
+        keys = self.keys
+        if tree["keys"] != keys:
+            other = sorted(set(tree["keys"]) ^ set(keys))[:3] or "their order"
+            raise ConfigError(f"the checkpoint holds other variables than this state "
+                              f"({len(tree['keys'])} saved, {len(keys)} here; they differ "
+                              f"in {other}): restore it into the model and optimizer it "
+                              "was written from")
+        for var, value in zip(self.variables, tree["values"]):
+            var.assign(value)
+        for name, value in tree["attributes"].items():
+            setattr(self._owner, name, value)
+
+    def sync_from(self, root: int) -> None:
+        if self.variables:
+            broadcast_variables(self.variables, root_rank=root)
+        attributes = broadcast_object(self.values(), root, name="elastic.object_state")
+        for name, value in attributes.items():
+            setattr(self._owner, name, value)
+
+    def signature(self) -> dict[str, Any]:
+        """Each variable's shape and dtype by its key, the attributes' names."""
+        out: dict[str, Any] = {key: [list(var.shape), getattr(var.dtype, "name", str(var.dtype))]
+                               for key, var in zip(self.keys, self.variables)}
+        out["attributes"] = sorted(self.names)
+        return out
+
+    def save(self, tree: Any, folder: str) -> None:
+        save(tree, folder)
+
+    def read(self, folder: str) -> Any:
+        return load(folder)
+
+
+def _copy_tree(tree: dict[str, Any]) -> dict[str, Any]:
+    return {"keys": list(tree["keys"]), "values": [v.copy() for v in tree["values"]],
+            "attributes": copy.deepcopy(tree["attributes"])}
 
 
 class TensorFlowState(ObjectState):
@@ -42,40 +103,12 @@ class TensorFlowState(ObjectState):
     def __init__(self, variables: Iterable[Any] | None = None, *,
                  checkpoint: CheckpointConfig | None = None, **kwargs: Any) -> None:
         self.variables = list(variables or [])
-        self._saved_values = _values(self.variables)
-        config = checkpoint.named(None) if checkpoint else from_env()
-        if config is not None:
-            from raytrain_x.tensorflow.durable import open_checkpoints
-
-            self._durable = open_checkpoints(config)
+        self._config = checkpoint.named(None) if checkpoint else from_env()
+        self._format = TensorFlowFormat(self, self.variables, list(kwargs))
         super().__init__(bcast_object=broadcast_object, get_rank=rank, **kwargs)
 
-    def save(self) -> None:
-        if self._durable is not None:
-            self._durable.number += 1
-        self._saved_values = _values(self.variables)
-        super().save()
-
-    def write_checkpoint(self, write_id: int, background: bool = True) -> Any:
-        from raytrain_x.tensorflow.durable import write_parts
-
-        return write_parts(self._durable, self, write_id, background)
-
-    def restore(self) -> None:
-        for var, value in zip(self.variables, self._saved_values):
-            var.assign(value)
-        super().restore()
-
-    def sync(self) -> None:
-        if self._durable is not None:
-            from raytrain_x.tensorflow.durable import restore_from_storage
-
-            restore_from_storage(self._durable, self)  # rank 0 loads; broadcast below
-            self._durable.number = broadcast_object(self._durable.number, 0,
-                                                    name="elastic.durable.number")
-        if self.variables:
-            broadcast_variables(self.variables, root_rank=0)
-        super().sync()  # plain attributes, then save() commits everything
+    def _commit_manager(self) -> CommitManager:
+        return CommitManager(self._format, broadcast_object, self._config)
 
 
 class TensorFlowKerasState(TensorFlowState):

@@ -12,7 +12,8 @@ Restoring loads tensors with `torch.load(weights_only=True)` and values from JSO
 value JSON cannot hold (an object of the user's own class among the attributes) is pickled,
 and only a checkpoint that holds one is unpickled (docs/security.md: whoever can write the
 storage path can run code in the job, through DCP's own metadata too).
-The writer, the manifest and the restore decision are `raytrain_x.elastic.durable`'s.
+The commit manager (`raytrain_x.elastic.commits`) writes and reads the parts through
+`raytrain_x.torch.state_format.TorchFormat`.
 """
 
 from __future__ import annotations
@@ -21,8 +22,6 @@ import base64
 import json
 import os
 import pickle
-import tempfile
-import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
@@ -30,20 +29,6 @@ from typing import Any
 
 import torch
 
-from raytrain_x.common.checkpoint_config import CheckpointConfig
-from raytrain_x.core import runtime
-from raytrain_x.elastic.checkpoints import Manifest
-from raytrain_x.elastic.durable import (
-    COMMON,
-    DurableCheckpoints,
-    checkpoint_to_restore,
-    new_manifest,
-    part_kind,
-    part_name,
-    plain_values,
-    restored,
-    shard_part,
-)
 from raytrain_x.torch.snapshot import map_paths
 
 # DCP warns on every save and load outside a torch.distributed world: each part is written
@@ -53,7 +38,7 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 
 
 _AT = "__raytrain_x_tensor_at__"  # a skeleton's placeholder: where the tensor sits
-_FORMAT = "json-skeleton"  # the manifest's `info["skeleton"]` for parts written this way
+SKELETON_FORMAT = "json-skeleton"  # the manifest's `info["skeleton"]` for parts written this way
 
 
 def _skeleton(tree: Any) -> Any:
@@ -149,7 +134,7 @@ def save(tree: Any, folder: str) -> None:
     import torch.distributed.checkpoint as dcp
 
     pickled = [False]
-    skeleton = json.dumps({"format": _FORMAT, "tree": encode(_skeleton(tree), pickled),
+    skeleton = json.dumps({"format": SKELETON_FORMAT, "tree": encode(_skeleton(tree), pickled),
                            "pickled": pickled[0]})
     dcp.save({"state": _tensors(tree) or {}, "skeleton": skeleton}, checkpoint_id=folder,
              no_dist=True)
@@ -169,22 +154,6 @@ def load(folder: str) -> Any:
     raw = json.loads(saved["skeleton"])
     skeleton = decode(raw["tree"], allow_pickle=bool(raw["pickled"]))
     return _filled(skeleton, saved.get("state", {}))
-
-
-def signature(state: Any) -> dict[str, Any]:
-    """What a `TorchState` is, as a manifest records it: each model tensor's shape and
-    dtype by its name, the optimizers' parameter counts, the attributes' names. A restore
-    refuses a checkpoint of another signature."""
-    out: dict[str, Any] = {}
-    for name, value in state._handled.items():
-        if isinstance(value, torch.nn.Module):
-            for key, tensor in value.state_dict().items():
-                if isinstance(tensor, torch.Tensor):
-                    out[f"{name}.{key}"] = [list(tensor.shape), str(tensor.dtype)]
-        elif isinstance(value, torch.optim.Optimizer):
-            out[name] = [sum(len(g["params"]) for g in value.param_groups), "parameters"]
-    out["attributes"] = sorted(state._names)
-    return out
 
 
 def _skeleton_of(folder: str) -> Any:
@@ -234,86 +203,3 @@ def _walk_placeholders(skeleton: Any, fn: Callable[[tuple, Any], None]) -> None:
     elif type(skeleton) in (list, tuple, set, frozenset):
         for value in skeleton:
             _walk_placeholders(value, fn)
-
-
-def write_parts(durable: DurableCheckpoints, state: Any, write_id: int,
-                background: bool = True) -> Manifest | None:
-    """Starts writing this rank's parts of `state`'s commit just taken (a `TorchState`):
-    rank 0 the common part, and with sharded optimizers each rank its own shard. In the
-    background rank 0 completes the checkpoint (the manifest, last); else its manifest is
-    returned on rank 0. The snapshot is held by the writer, so later commits do not reuse
-    its buffers while it is written."""
-    rank, size = runtime.rank(), runtime.size()
-    snap = state.committed()
-    parts: dict[str, Callable[[], Any]] = {}
-    every = [part_name(COMMON, write_id)]
-    if rank == 0:
-        parts[part_name(COMMON, write_id)] = snap.tree
-    commits = state._commits
-    if commits is not None:
-        owners = {(name, i): r for name, opt in commits.optimizers.items()
-                  for i, r in opt.owners_by_index().items()}
-        own: dict[str, dict[int, Any]] = {}
-        for (name, index), shard in commits.taken.shards.items():
-            if owners.get((name, index)) == rank:
-                own.setdefault(name, {})[index] = shard
-        parts[part_name(shard_part(rank), write_id)] = lambda: {"rank": rank, "shards": own}
-        every += [part_name(shard_part(r), write_id) for r in range(size)]
-    layout = "sharded" if commits is not None else "unsharded"
-    manifest = new_manifest(durable, size, plain_values(state._values()),
-                            {"layout": layout, "skeleton": _FORMAT}, signature(state))
-    if parts:
-        durable.write(parts, manifest, every if background and rank == 0 else None)
-    return manifest if rank == 0 else None
-
-
-def open_checkpoints(config: CheckpointConfig) -> DurableCheckpoints:
-    """A `TorchState`'s durable checkpoints: parts in DCP format."""
-    return DurableCheckpoints(config, save, load)
-
-
-def _part_folder(durable: DurableCheckpoints, manifest: Manifest, part: str, tmp: str) -> str:
-    """A part's folder to read: in place on a file system, else a local copy in `tmp`."""
-    return durable.store.local_folder(manifest.key, part) or \
-        durable.store.download(manifest, part, tmp)
-
-
-def restore_from_storage(durable: DurableCheckpoints, state: Any, force: bool = False) -> bool:
-    """At a sync where no rank holds the state in memory (all holders lost: the driver says
-    so; or a new job with the same storage): loads the latest intact checkpoint, rank 0
-    the common part and every rank only the optimizer shards it owns in this world's
-    layout. Returns False (and loads nothing) when some rank holds the state (unless
-    `force`: part of a sharded state was lost with every copy) or there is no checkpoint.
-
-    Raises:
-        CheckpointError: the checkpoint is of another state; StorageError: storage failed.
-    """
-    from raytrain_x.torch.functions import broadcast_object
-    from raytrain_x.torch.zero_elastic import Generation
-
-    manifest = checkpoint_to_restore(durable, broadcast_object, signature(state), force)
-    if manifest is None:
-        return False
-    began = time.perf_counter()
-    if runtime.rank() == 0:
-        common = next(p for p in manifest.parts if part_kind(p) == COMMON)
-        state._load_tree(durable.load(manifest, common))
-    commits = state._commits
-    if commits is not None:
-        rank = runtime.rank()
-        for opt in commits.optimizers.values():
-            opt.reshard()
-        owners = {name: opt.owners_by_index() for name, opt in commits.optimizers.items()}
-        shards: dict[str, dict[int, Any]] = {}
-        with tempfile.TemporaryDirectory(prefix="raytrain-x-restore-") as tmp:
-            for part in sorted(p for p in manifest.parts if part_kind(p) != COMMON):
-                folder = _part_folder(durable, manifest, part, tmp)
-                mine = load_shards(folder, lambda name, i: owners.get(name, {}).get(i) == rank)
-                for name, states in mine.items():
-                    shards.setdefault(name, {}).update(states)
-        for name, opt in commits.optimizers.items():
-            opt.load_shard_state(shards.get(name, {}))
-        commits.taken = Generation(0, commits._own(), None, None)
-        commits.staged = None
-    restored(durable, state, manifest, began)
-    return True

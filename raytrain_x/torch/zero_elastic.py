@@ -17,7 +17,7 @@ names the parameters whose every copy was lost.
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +28,7 @@ from raytrain_x.core import runtime
 from raytrain_x.core.collectives import synchronize
 from raytrain_x.core.objects import allgather_object
 from raytrain_x.torch.async_ops import alltoall_async
+from raytrain_x.torch.durable import load_shards
 from raytrain_x.torch.zero_optimizer import ShardedOptimizer
 
 Key = tuple[str, int]  # (the optimizer's name in the state, the parameter's index)
@@ -162,10 +163,47 @@ class ShardedCommits:
         return next((g for g in (self.taken, self.staged) if g is not None
                      and g.number == number), None)
 
-    def restore(self) -> Plan:
+    def keep(self, copies: Any) -> None:
+        """The rest of the state as this rank holds it now (the initial state)."""
+        self.taken.copies = copies
+
+    def committed(self) -> Any:
+        """The rest of the state as committed with the generation this rank took up."""
+        return self.taken.copies
+
+    def own_part(self) -> dict[str, Any]:
+        """This rank's own shards (by optimizer and parameter index) of the generation it
+        took up: its checkpoint part."""
+        rank = runtime.rank()
+        owners = {(name, i): r for name, opt in self.optimizers.items()
+                  for i, r in opt.owners_by_index().items()}
+        own: dict[str, dict[int, Any]] = {}
+        for (name, index), shard in self.taken.shards.items():
+            if owners.get((name, index)) == rank:
+                own.setdefault(name, {})[index] = shard
+        return {"rank": rank, "shards": own}
+
+    def restore_from(self, folders: Iterable[str]) -> None:
+        """From storage: re-shards every optimizer for this world and reads only the shards
+        this rank owns in it from the checkpoint's shard parts (local folders)."""
+        rank = runtime.rank()
+        for opt in self.optimizers.values():
+            opt.reshard()
+        owners = {name: opt.owners_by_index() for name, opt in self.optimizers.items()}
+        shards: dict[str, dict[int, Any]] = {}
+        for folder in folders:
+            mine = load_shards(folder, lambda name, i: owners.get(name, {}).get(i) == rank)
+            for name, states in mine.items():
+                shards.setdefault(name, {}).update(states)
+        for name, opt in self.optimizers.items():
+            opt.load_shard_state(shards.get(name, {}))
+        self.taken = Generation(0, self._own(), None, None)
+        self.staged = None
+
+    def restore(self) -> int:
         """At a new round: agree on the generation, re-shard every optimizer for the new
-        world and send each parameter's state to its new owner. Returns the plan (its root
-        sends the rest of the state)."""
+        world and send each parameter's state to its new owner. Returns the plan's root
+        (the lowest rank holding the generation: it sends the rest of the state)."""
         reports = allgather_object(self.report(), name="elastic.zero.report")
         plan = plan_restore(reports, self._name_of)
         mine = runtime.rank()
@@ -187,4 +225,4 @@ class ShardedCommits:
         kept = generation if generation is not None else Generation(plan.generation, {}, None)
         self.taken = Generation(plan.generation, self._own(), kept.directory, kept.copies)
         self.staged = None
-        return plan
+        return plan.root

@@ -26,7 +26,7 @@ def _train(storage: str, steps: int, stage: int, every_s: float = 1e9,
     where one exists), calls `state.checkpoint()` after the steps in `checkpoint_at`, and
     returns what it ended with."""
     import raytrain_x.torch as rx
-    from raytrain_x.core import status
+    from raytrain_x.core.process import PROCESS
 
     rx.init()
     torch.manual_seed(100 + rx.rank())  # the ranks start apart: the sync or restore shows
@@ -61,7 +61,7 @@ def _train(storage: str, steps: int, stage: int, every_s: float = 1e9,
            restored.number, "restored_values": None if restored is None else restored.values,
            "step": state.step, "seen": state.seen,
            "model": {k: v.clone() for k, v in model.state_dict().items()},
-           "opt": full, "counters": dict(vars(status.checkpoints))}
+           "opt": full, "counters": dict(vars(PROCESS.checkpoints))}
     rx.shutdown()
     return out
 
@@ -71,13 +71,13 @@ def _storage_outage(signals: str, stop: bool) -> None:
     has failed (one started after the stop, due at every commit, meets the outage once its
     retries are spent), and storage comes back."""
     import raytrain_x.torch as rx  # noqa: F401 - the caller's world
-    from raytrain_x.core import status
+    from raytrain_x.core.process import PROCESS
 
     if stop:
         _ask(signals, "stop")
         return
     deadline = time.monotonic() + 120  # the write's retries give up within about 20 s
-    while status.checkpoints.failed_count < 1 and time.monotonic() < deadline:
+    while PROCESS.checkpoints.failed_count < 1 and time.monotonic() < deadline:
         time.sleep(0.05)
     _ask(signals, "start")
 

@@ -34,7 +34,7 @@ def _job(storage: str, steps: int, stage: int = 0, width: int = 5,
 
     import raytrain_x.torch as rx
     from raytrain_x.common.errors import CheckpointError
-    from raytrain_x.core import status
+    from raytrain_x.core.process import PROCESS
 
     rx.init()
     model = torch.nn.Sequential(torch.nn.Linear(6, width), torch.nn.Linear(width, 3))
@@ -81,7 +81,7 @@ def _job(storage: str, steps: int, stage: int = 0, width: int = 5,
                     out["errors"].append((str(exc), 0.0))
 
     train(state)
-    out.update(step=state.step, counters=dict(vars(status.checkpoints)))
+    out.update(step=state.step, counters=dict(vars(PROCESS.checkpoints)))
     rx.shutdown()
     return out
 

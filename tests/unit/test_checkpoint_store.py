@@ -55,7 +55,6 @@ def _writer(path: str, generation: int, owner: str = "run", keep: int = 2,
 
 def _commit(durable: DurableCheckpoints, number: int, step: int) -> Manifest:
     """Writes checkpoint `number` (step `step`) as rank 0 in the background would."""
-    durable.number = number
     manifest = Manifest(number, {}, 1, {"step": step}, 0.0, {}, durable.generation,
                         {"w": [[3], "float32"]})
     durable.write({f"common.{number}": lambda: {"step": step}}, manifest,
@@ -109,7 +108,6 @@ def test_pruning_never_deletes_the_newest_complete_checkpoint(tmp_path):
 
 
 def _write_failing(durable: DurableCheckpoints, number: int) -> str:
-    durable.number = number
     manifest = Manifest(number, {}, 1, {"step": number}, 0.0, {}, durable.generation)
     durable.write({f"common.{number}": lambda: {"step": number}}, manifest,
                   [f"common.{number}"])
@@ -155,7 +153,6 @@ def test_a_checkpoint_damaged_later_is_skipped_for_the_intact_one_before(tmp_pat
 def test_a_full_disk_fails_the_write_at_once_and_names_the_path(tmp_path, faults):
     durable = _writer(str(tmp_path), 1)
     faults(full_disk=True)
-    durable.number = 3
     manifest = Manifest(3, {}, 1, {}, 0.0, {}, 1)
     durable.write({"common.3": lambda: {}}, manifest, ["common.3"])
     assert durable.wait(30)
@@ -184,8 +181,6 @@ def test_a_second_run_is_refused_while_the_first_holds_the_lease(tmp_path):
         WriterLease(store, "second").acquire()
     # taking over fences the first: its next manifest is refused
     assert WriterLease(store, "second").acquire(takeover=True) == 2
-    durable_number = 5
-    first.number = durable_number
     first.write({"common.5": lambda: {}}, Manifest(5, {}, 1, {}, 0.0, {}, 1), ["common.5"])
     assert first.wait(30)
     assert "no longer holds the writer lease" in first.last.error
@@ -258,3 +253,23 @@ def test_older_single_number_folders_are_generation_0(tmp_path):
     assert parse_folder("checkpoint_0000000042") == (0, 42)
     assert parse_folder(checkpoint_folder(3, 42)) == (3, 42)
     assert parse_folder("checkpoint_x") is None
+
+
+def test_a_round_restores_the_checkpoint_its_driver_named_not_a_newer_one(tmp_path, caplog):
+    """The driver names the checkpoint when it forms the round; a worker listing storage
+    again later could find another (one a stale writer published since), and its ranks would
+    not agree with the driver's history. Damaged, the named one gives way to the intact one
+    before it, never to a newer one."""
+    durable = _writer(str(tmp_path), 1, keep=5)
+    for n in (2, 4, 6):
+        _commit(durable, n, n)
+    assert durable.named((1, 4)).number == 4
+    assert durable.latest().number == 6
+    data = Path(durable.store.where((1, 4), "common.4"), "data.json")
+    raw = bytearray(data.read_bytes())
+    raw[10] ^= 0x40
+    data.write_bytes(bytes(raw))
+    with caplog.at_level(logging.WARNING, logger="raytrain_x.elastic"):
+        assert durable.named((1, 4)).number == 2
+    assert "common.4/data.json is damaged" in caplog.text
+    _release(durable)

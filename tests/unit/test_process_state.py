@@ -48,3 +48,32 @@ def test_no_module_keeps_the_world_s_state_of_its_own():
                    "elastic/state.py", "comm/rendezvous.py"):
         tree = ast.parse((root / module).read_text())
         assert not [n for n in ast.walk(tree) if isinstance(n, ast.Global)], module
+
+
+def test_no_module_of_the_core_or_the_elastic_state_keeps_an_object_of_its_own():
+    """Beside `global` statements, an object made at import and kept as a module global
+    (the durable checkpoint counters were one, in `core.status`) is state that outlives
+    every world and that no reset sees. `PROCESS` holds it all; loggers, type variables
+    and Horovod's `global_process_set` (a name: its members live in the world) are not
+    state."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "raytrain_x"
+    allowed = {("core/process.py", "PROCESS"), ("core/process_sets.py", "global_process_set")}
+    kept = []
+    for path in sorted([*root.glob("core/*.py"), *root.glob("elastic/*.py")]):
+        module = str(path.relative_to(root))
+        for node in ast.parse(path.read_text()).body:
+            if not isinstance(node, (ast.Assign, ast.AnnAssign)) or \
+                    not isinstance(node.value, ast.Call):
+                continue
+            made = ast.unparse(node.value.func)
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                name = ast.unparse(target)
+                if made not in ("logging.getLogger", "TypeVar") and \
+                        (module, name) not in allowed:
+                    kept.append(f"{module}: {name} = {made}()")
+    assert not kept, kept
+

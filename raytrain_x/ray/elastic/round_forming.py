@@ -81,7 +81,7 @@ class RoundForming:
         if newcomers:
             ctx.log.note("scale_up" if ctx.rounds else "start", joined=newcomers)
         holders = self.members.holders()  # None: the job never committed, there is no state
-        restore = False
+        restore, checkpoint = False, None
         if holders is not None and state_lost(staying, holders, committed=True):
             checkpoint = self.members.durable_floor()
             if checkpoint is None:
@@ -95,7 +95,8 @@ class RoundForming:
         version = ctx.rounds_client.hosts_version()
         ctx.rounds += 1
         assignments = plan_round({m.worker_id: (m.node, m.age) for m in staying.values()},
-                                 ctx.rounds, version, holders or (), restore)
+                                 ctx.rounds, version, holders or (), restore,
+                                 checkpoint.get("key") if checkpoint else None)
         ctx.round_newcomers = [w for w, m in staying.items() if m.rank < 0]
         ctx.round_members[ctx.rounds] = set(staying)
         for worker_id, place in assignments.items():

@@ -95,7 +95,8 @@ def current_holders(state_rounds: dict[str, int], committed_round: int) -> list[
 
 def plan_round(members: dict[str, tuple[str, int]], round_id: int,
                hosts_version: int, holders: Iterable[str] = (),
-               restore_from_storage: bool = False) -> dict[str, dict[str, Any]]:
+               restore_from_storage: bool = False,
+               restore_checkpoint: list[int] | None = None) -> dict[str, dict[str, Any]]:
     """Every member's place in a new round.
 
     Args:
@@ -104,8 +105,9 @@ def plan_round(members: dict[str, tuple[str, int]], round_id: int,
         hosts_version: the host-set version the round is formed at.
         holders: the workers that hold the job's state (they synced it in an earlier
             round); empty before the job's first commit.
-        restore_from_storage: no worker holds the state: the round restores the latest
-            durable checkpoint (every worker is told, a stale holder too).
+        restore_from_storage: no worker holds the state: the round restores a durable
+            checkpoint (every worker is told, a stale holder too).
+        restore_checkpoint: which one, `[generation, commit]` (None: the latest).
 
     The oldest member that holds the state becomes rank 0, since every rank syncs from
     rank 0 (an older member that joined but never synced holds only its initial state);
@@ -120,5 +122,7 @@ def plan_round(members: dict[str, tuple[str, int]], round_id: int,
                         "local_size": slot.local_size, "cross_rank": slot.cross_rank,
                         "cross_size": slot.cross_size, "round": round_id, "hosts": hosts,
                         "hosts_version": hosts_version,
-                        "restore_from_storage": restore_from_storage}
+                        "restore_from_storage": restore_from_storage,
+                        "restore_checkpoint": restore_checkpoint if restore_from_storage
+                        else None, "elastic": True}
             for worker_id, slot in zip(by_age, slots)}

@@ -25,7 +25,8 @@ def ledger_train(steps: int | None = None, pause: float = 0.05, *, stop: str | N
     import torch
 
     import raytrain_x.torch as rx
-    from raytrain_x.core import runtime, status
+    from raytrain_x.core import runtime
+    from raytrain_x.core.process import PROCESS
 
     rx.init()
     torch.manual_seed(0)
@@ -82,7 +83,7 @@ def ledger_train(steps: int | None = None, pause: float = 0.05, *, stop: str | N
                   "weight": [x for p in model.parameters()
                              for x in p.detach().flatten().tolist()],
                   "restores": rx.elastic.restore_count(),
-                  "restores_from_storage": status.checkpoints.restored_count}
+                  "restores_from_storage": PROCESS.checkpoints.restored_count}
         if zero_stage:  # every rank calls the consolidated state_dict
             result["optimizer_steps"] = sorted(
                 {int(s["step"]) for s in opt.state_dict()["state"].values()})
