@@ -42,12 +42,18 @@ fewer then is an error):
                    runs again --respawn s later and resumes from the latest checkpoint
   discovery_outage (local, not by default) the job's host discovery script fails (exits 3)
                    or hangs, at random, for 4-15 s; the job keeps its hosts meanwhile
+  lose_everything  (local, not by default) SIGKILL of every worker at once: the driver starts
+                   new ones, which restore the latest durable checkpoint
+  storage_outage   (local, --storage s3, not by default) the S3 server stopped for 4-15 s
+                   and started again; the job trains on, its writes meanwhile fail and are
+                   counted, and a round that must restore waits for storage
 
-With control_kill or driver_kill among --kinds the job writes a durable checkpoint every
-second to the run's temp dir (`CheckpointConfig`); a step sequence going back to a
-restored checkpoint is then by design. With discovery_outage the job finds its hosts with a
-discovery script (`host_discovery_script`) that prints the live worker nodes' ids, as a
-cloud API's script would print its instances; a fault then takes the script down.
+With control_kill, driver_kill, lose_everything or storage_outage among --kinds the job
+writes a durable checkpoint every second (`CheckpointConfig`) to the run's temp dir, or with
+--storage s3 to moto's S3 server, which the soak starts on loopback; a step sequence going
+back to a restored checkpoint is then by design. With discovery_outage the job finds its
+hosts with a discovery script (`host_discovery_script`) that prints the live worker nodes'
+ids, as a cloud API's script would print its instances; a fault then takes the script down.
 --slots 2 gives each node two worker slots, so the workers of a node meet in shared memory
 (and a node fault takes two at once).
 
@@ -98,9 +104,13 @@ LOCAL_KINDS = ("worker_kill", "node_kill", "drain", "raylet_kill", "while_starti
 EMULATED_KINDS = ("worker_kill", "partition_short", "partition_long", "raylet_kill",
                   "while_starting", "in_rendezvous")
 DURABLE_KINDS = ("control_kill", "driver_kill")  # the job then writes checkpoints
+STORAGE_KINDS = ("lose_everything", "storage_outage")  # the same, and storage is hit
 SCRIPTED_KINDS = ("discovery_outage",)  # the job then finds its hosts with a script
-KINDS = tuple(dict.fromkeys(LOCAL_KINDS + EMULATED_KINDS + DURABLE_KINDS + SCRIPTED_KINDS))
-DEFAULT_KINDS = tuple(k for k in KINDS if k not in DURABLE_KINDS + SCRIPTED_KINDS)
+KINDS = tuple(dict.fromkeys(LOCAL_KINDS + EMULATED_KINDS + DURABLE_KINDS + STORAGE_KINDS
+                            + SCRIPTED_KINDS))
+DEFAULT_KINDS = tuple(k for k in KINDS
+                      if k not in DURABLE_KINDS + STORAGE_KINDS + SCRIPTED_KINDS)
+RIDDEN_KINDS = SCRIPTED_KINDS + ("storage_outage",)  # the job trains on through them
 CONTROL_ACTORS = ("ray::ElasticRounds", "ray::StoreActor")  # their processes' titles
 RESOURCE = "rtx_chaos"
 TIMEOUT_S = 10.0  # the job's collective timeout
@@ -393,6 +403,44 @@ class Window:
         return now >= end and (faults >= self.min_faults or now >= end + self.cap_s)
 
 
+class S3Server:
+    """moto's S3 server on loopback, in this process, that the job checkpoints to; stopped
+    and started again on the same port by `storage_outage` (what it holds stays: moto keeps
+    its buckets in this process)."""
+
+    KEYS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
+
+    def __init__(self) -> None:
+        from raytrain_x.testing.waiting import free_port
+
+        self.port = free_port()
+        os.environ.update(self.KEYS)  # the driver and the cluster's workers inherit them
+        self._server: Any = None
+        self.start()
+
+    @property
+    def up(self) -> bool:
+        return self._server is not None
+
+    def uri(self, bucket: str) -> str:
+        return (f"s3://{bucket}/runs?endpoint_override=127.0.0.1:{self.port}&scheme=http"
+                "&allow_bucket_creation=true")
+
+    def start(self) -> None:
+        from moto.server import ThreadedMotoServer
+
+        if self._server is None:
+            self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port,
+                                              verbose=False)
+            self._server.start()
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+
+
 class DiscoveryScript:
     """The job's host discovery script (with discovery_outage): it prints the hosts file
     that the injector keeps current (`<node id>:<slots>` for each worker node the cluster
@@ -446,9 +494,11 @@ class Chaos:
     removals, fresh nodes, links back up, discovery back) when they are due."""
 
     def __init__(self, nodes: Any, rng: random.Random, respawn_s: float,
-                 discovery: DiscoveryScript | None = None) -> None:
+                 discovery: DiscoveryScript | None = None,
+                 storage: S3Server | None = None) -> None:
         self.nodes, self.rng, self.respawn_s = nodes, rng, respawn_s
         self.discovery = discovery
+        self.storage = storage
         self.log: list[dict] = []
         self.due: list[tuple[float, str, Any]] = []  # (when, action, host)
         self.driver: subprocess.Popen | None = None  # the job's driver process
@@ -465,6 +515,8 @@ class Chaos:
             return self._durable_fault(kind)
         if kind in SCRIPTED_KINDS:
             return self._discovery_outage(kind)
+        if kind in STORAGE_KINDS:
+            return self._storage_fault(kind)
         node_kind = kind not in ("worker_kill", "while_starting", "in_rendezvous")
         hosts = self._with_workers(nodes.node_hosts() if node_kind else nodes.hosts())
         if not hosts:
@@ -520,6 +572,30 @@ class Chaos:
         self.log.append({"kind": kind, "t": t, "end": t, "host": "head"})
         return True
 
+    def _storage_fault(self, kind: str) -> bool:
+        """Every worker killed at once, or the S3 server stopped for 4-15 s."""
+        t = time.monotonic()
+        end = t
+        if kind == "lose_everything":
+            pids = [p for h in self.nodes.hosts() for p in self.nodes.worker_pids(h)]
+            if not pids:
+                return False
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            where = f"{len(pids)} workers"
+        else:
+            if self.storage is None or not self.storage.up:
+                return False
+            end = t + self.rng.uniform(4.0, 15.0)
+            self.storage.stop()
+            self.due.append((end, "storage_up", None))
+            where = "s3"
+        self.log.append({"kind": kind, "t": t, "end": end, "host": where})
+        return True
+
     def _discovery_outage(self, kind: str) -> bool:
         """The discovery script failing or hanging for 4-15 s."""
         if self.discovery is None or self.discovery.is_down():
@@ -546,6 +622,8 @@ class Chaos:
                 self.nodes.link(host, up=True)
             elif action == "discovery_up":
                 self.discovery.bring_up()
+            elif action == "storage_up":
+                self.storage.start()
             elif action == "add" and not final:
                 if hasattr(self.nodes, "add_host"):
                     fresh = self.nodes.add_host(host)
@@ -573,7 +651,8 @@ NAMED_STOPS = ("ElasticStateLost", "ElasticTimeout", "ControlActorLost", "driver
 def soak(seed: int, minutes: float, cluster: str, nodes: int, framework: str,
          kinds: list[str], mean_gap: float, burst: float, respawn_s: float,
          cooldown: tuple[float, float], out_dir: Path = RESULTS_DIR,
-         bound_scale: float = 1.0, min_faults: int = 0, slots: int = 1) -> dict:
+         bound_scale: float = 1.0, min_faults: int = 0, slots: int = 1,
+         storage: str = "local") -> dict:
     """One seed's run: a cluster and the schedule for `minutes` from the first committed
     step (longer while fewer than `min_faults` faults were injected), against one job after
     another: a job the schedule stops with a named cause (it killed every worker holding
@@ -585,14 +664,21 @@ def soak(seed: int, minutes: float, cluster: str, nodes: int, framework: str,
     out: dict = {"seed": seed, "cluster": cluster, "framework": framework, "faults": [],
                  "errors": [], "jobs": [], "progress": [], "steps": 0, "restores": 0}
     began = time.monotonic()
-    kinds = [k for k in kinds if k in (LOCAL_KINDS + DURABLE_KINDS + SCRIPTED_KINDS
+    kinds = [k for k in kinds if k in (LOCAL_KINDS + DURABLE_KINDS + STORAGE_KINDS
+                                       + SCRIPTED_KINDS
                                        if cluster == "local" else EMULATED_KINDS)]
+    durable = set(kinds) & set(DURABLE_KINDS + STORAGE_KINDS)
+    s3 = S3Server() if durable and storage == "s3" else None  # before the cluster: its keys
+    if s3 is None:
+        kinds = [k for k in kinds if k != "storage_outage"]
     world = LocalNodes(nodes, temp, slots) if cluster == "local" else \
         EmulatedNodes(nodes, temp)
-    checkpoint = str(Path(temp) / "checkpoints") if set(kinds) & set(DURABLE_KINDS) else ""
+    checkpoint = "" if not durable else s3.uri(f"chaos{seed}") if s3 is not None else \
+        str(Path(temp) / "checkpoints")
+    out["storage"] = "s3" if s3 is not None else "local" if durable else None
     namespaces = getattr(world.cluster, "_created", [])[:]
     discovery = DiscoveryScript(temp, world) if set(kinds) & set(SCRIPTED_KINDS) else None
-    chaos = Chaos(world, rng, respawn_s, discovery)
+    chaos = Chaos(world, rng, respawn_s, discovery, s3)
     window = Window(minutes * 60, min_faults)
     logs = []
     try:
@@ -625,6 +711,8 @@ def soak(seed: int, minutes: float, cluster: str, nodes: int, framework: str,
     finally:
         chaos.tick(final=True)
         world.shutdown()
+        if s3 is not None:
+            s3.stop()
     out_dir.mkdir(parents=True, exist_ok=True)
     kept = out_dir / f"chaos_{cluster}_{framework}_seed{seed}.log"
     kept.write_text("\n".join(Path(p).read_text() for p in logs if Path(p).exists()))
@@ -754,7 +842,7 @@ def _judge(job: dict, injected: list[dict], began: float, respawn_s: float,
         # at the first step of the world re-formed after it (which need not wait for a
         # cut-off host's link)
         short = f["kind"] == "partition_short"
-        ridden = short or f["kind"] in SCRIPTED_KINDS
+        ridden = short or f["kind"] in RIDDEN_KINDS
         after = [t for t, s, _, r in samples
                  if t > (f["end"] if short else f["t"]) and s > step_at
                  and (ridden or r > round_at)]
@@ -957,6 +1045,9 @@ def main() -> int:
                         metavar=("LO", "HI"), help="the job's cooldown_range")
     parser.add_argument("--bound-scale", type=float, default=1.0,
                         help="scales the recovery bound (a slower machine)")
+    parser.add_argument("--storage", choices=["local", "s3"], default="local",
+                        help="where the job checkpoints with durable or storage kinds: the "
+                        "run's temp dir, or moto's S3 server on loopback")
     parser.add_argument("--json", default=None, help="where the results go (and the log)")
     args = parser.parse_args()
     runs = []
@@ -966,7 +1057,7 @@ def main() -> int:
         out_dir = Path(args.json).parent if args.json else RESULTS_DIR
         run = soak(seed, args.minutes, args.cluster, args.nodes, args.framework, args.kinds,
                    args.mean_gap, args.burst, args.respawn, tuple(args.cooldown), out_dir,
-                   args.bound_scale, args.min_faults, args.slots)
+                   args.bound_scale, args.min_faults, args.slots, args.storage)
         runs.append(run)
         verdict = "ok" if not run["errors"] else "FAILED: " + "; ".join(run["errors"])
         print(f"chaos: seed {seed}: {len(run['faults'])} faults in {run['seconds']:.0f}s, "

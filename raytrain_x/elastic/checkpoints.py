@@ -335,13 +335,10 @@ class CheckpointStore:
         each folder skipped is logged."""
         return list(self._complete(self._keys(), warn, verify=False))
 
-    def latest(self, warn: bool = True, verify: bool = True,
-               at_most: Key | None = None) -> Manifest | None:
-        """The newest complete checkpoint (with `at_most`, of those up to that key); with
-        `verify`, the newest whose every file has its checksum too (each skipped one
-        logged, with `warn`, naming the file)."""
-        keys = [k for k in self._keys() if at_most is None or k <= tuple(at_most)]
-        return next(self._complete(keys, warn, verify), None)
+    def latest(self, warn: bool = True, verify: bool = True) -> Manifest | None:
+        """The newest complete checkpoint; with `verify`, the newest whose every file has
+        its checksum too (each skipped one logged, with `warn`, naming the file)."""
+        return next(self._complete(self._keys(), warn, verify), None)
 
     def generations(self) -> list[int]:
         """The generations that wrote a checkpoint folder here."""

@@ -238,9 +238,16 @@ class DurableCheckpoints:
         return self.store.latest(warn=True, verify=True)
 
     def named(self, key: Key) -> Manifest | None:
-        """The checkpoint the driver named (`key`), or, where it is found damaged, the
+        """The checkpoint a round restores whose driver named `key`: the newest intact one.
+        That is the named one, or one this job's writer completed after the driver decided
+        (a holder's background write that ended as the holders were lost: restoring the
+        named one would lose its steps), or, where the named one is found damaged, the
         newest intact one before it (each skipped one logged, naming the file)."""
-        return self.store.latest(warn=True, verify=True, at_most=key)
+        manifest = self.store.latest(warn=True, verify=True)
+        if manifest is not None and manifest.key > tuple(key):
+            log.info("raytrain-x checkpoint: %s was completed after the driver named "
+                     "checkpoint %s: restoring it", manifest.describe(), key)
+        return manifest
 
     def load(self, manifest: Manifest, part: str) -> Any:
         """A part of `manifest`'s checkpoint, as the tree that was saved (host tensors)."""

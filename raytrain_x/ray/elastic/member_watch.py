@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 from raytrain_x.comm.groups import round_prefix
-from raytrain_x.common.errors import ElasticStateLost, WorkerError
+from raytrain_x.common.errors import ElasticStateLost, StorageError, WorkerError
 from raytrain_x.common.settings import JOIN_HELD_S, SILENT_LOST_S, STUCK_GRACE_S, short_node
 from raytrain_x.ray.elastic.context import JobContext
 from raytrain_x.ray.elastic.policies import (
@@ -109,7 +109,13 @@ class MemberWatch:
         failure = self.ctx.last_failure
         if not failure.process_lost or self.ctx.settings.cooldown_range is None:
             raise failure
-        if self.ctx.rounds_client.committed() and self.durable_floor() is None:
+        if not self.ctx.rounds_client.committed():
+            return
+        try:
+            floor = self.durable_floor()
+        except StorageError:  # the round that restores waits for storage (round_forming)
+            return
+        if floor is None:
             raise state_lost_error(failure, self.lost_workers())
 
     def durable_floor(self) -> dict | None:

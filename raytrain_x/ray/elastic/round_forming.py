@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 
+from raytrain_x.common.errors import StorageError
 from raytrain_x.common.logs import progress_logger
 from raytrain_x.common.settings import short_node
 from raytrain_x.ray.elastic.context import JobContext
@@ -25,6 +26,7 @@ class RoundForming:
         self.ctx = ctx
         self.members = members
         self._asked_over = False  # the round's members were asked to a round for newcomers
+        self._storage_down_since: float | None = None  # a round waits for storage since
 
     def step(self, needs_round: bool) -> bool:
         """Sends drained members away and forms a round when one is needed (`needs_round`:
@@ -67,30 +69,63 @@ class RoundForming:
             member.departed = True
         return self._form({w: ctx.members[w] for w in decision.ranks}, kept=len(decision.kept))
 
-    def _resumes(self) -> dict | None:
-        """The checkpoint a job that never committed starts from: the latest of its name,
-        when it is run again (after its driver or its control actors died); its workers
-        would find it on their own, and this way the round's history says so."""
-        return self.members.durable_floor()
+    def _restores(self, staying: dict, holders: list[str] | None) -> dict | None:
+        """The checkpoint the round restores (None: none; it keeps what its members hold):
+        the latest complete one when no member holds the committed state, or, for a job
+        that never committed, when it is run again (after its driver or its control actors
+        died).
 
-    def _form(self, staying: dict, kept: int) -> bool:
-        """Forms and publishes the round of `staying`; returns whether another is needed
-        (newcomers it left out, members kept on a draining node)."""
-        ctx = self.ctx
-        newcomers = sum(m.rank < 0 for m in staying.values())
-        if newcomers:
-            ctx.log.note("scale_up" if ctx.rounds else "start", joined=newcomers)
-        holders = self.members.holders()  # None: the job never committed, there is no state
-        restore, checkpoint = False, None
+        Raises:
+            ElasticStateLost: no member holds the state and there is no checkpoint.
+            StorageError: storage could not be listed, after retries.
+        """
         if holders is not None and state_lost(staying, holders, committed=True):
             checkpoint = self.members.durable_floor()
             if checkpoint is None:
-                raise state_lost_error(ctx.last_failure, self.members.lost_workers())
+                raise state_lost_error(self.ctx.last_failure, self.members.lost_workers())
+            return checkpoint
+        return self.members.durable_floor() if holders is None else None
+
+    def _wait_for_storage(self, exc: StorageError) -> bool:
+        """A round that may restore from storage while storage does not answer waits for
+        it, as long as `elastic_timeout`, rather than start over or fail at once (an object
+        store's outage, a remounting NFS). Returns that a round is still needed.
+
+        Raises:
+            StorageError: storage has not answered for `elastic_timeout`.
+        """
+        ctx = self.ctx
+        now = ctx.clock()
+        if self._storage_down_since is None:
+            self._storage_down_since = now
+            progress.warning("raytrain-x elastic: %s; the next round waits for storage (at "
+                             "most %.0f s): it may have to restore the job's state from it",
+                             exc, ctx.settings.elastic_timeout)
+        elif now - self._storage_down_since > ctx.settings.elastic_timeout:
+            raise StorageError(f"{exc}; storage did not answer for "
+                               f"{now - self._storage_down_since:.0f} s (elastic_timeout)")
+        return True
+
+    def _form(self, staying: dict, kept: int) -> bool:
+        """Forms and publishes the round of `staying`; returns whether another is needed
+        (newcomers it left out, members kept on a draining node, storage to wait for)."""
+        ctx = self.ctx
+        holders = self.members.holders()  # None: the job never committed, there is no state
+        try:
+            checkpoint = self._restores(staying, holders)
+        except StorageError as exc:
+            return self._wait_for_storage(exc)
+        if self._storage_down_since is not None:
+            progress.info("raytrain-x elastic: storage answers again after %.0f s",
+                          ctx.clock() - self._storage_down_since)
+            self._storage_down_since = None
+        newcomers = sum(m.rank < 0 for m in staying.values())
+        if newcomers:
+            ctx.log.note("scale_up" if ctx.rounds else "start", joined=newcomers)
+        restore = checkpoint is not None
+        if restore:
             ctx.log.restoring(checkpoint)
-            holders, restore = None, True  # the round's workers load it from storage
-        elif holders is None and (checkpoint := self._resumes()) is not None:
-            ctx.log.restoring(checkpoint)
-            restore = True
+            holders = None  # the round's workers load it from storage
         self.members.failures.count_round(ctx.log.is_reset(), ctx.last_failure)
         version = ctx.rounds_client.hosts_version()
         ctx.rounds += 1

@@ -72,6 +72,7 @@ class Group:
     phase: str = "rendezvous"  # rendezvous, connect, sync, training, broken, done
     stalled_since: float | None = None  # a member is cut off since
     restore_from_storage: bool = False  # the driver found no holder: restore the checkpoint
+    restore_checkpoint: tuple[int, int] | None = None  # the one it named (None: the latest)
     commit_due: bool = False  # a commit is scheduled
 
 

@@ -312,7 +312,8 @@ def sim_parts(settings: ElasticSettings, world: World) -> JobParts:
         if manifest is None:
             return {"number": None}
         step = manifest.values["step"]
-        return {"number": step, "describe": f"checkpoint {step}", "values": {"step": step}}
+        return {"number": step, "key": list(manifest.key), "describe": f"checkpoint {step}",
+                "values": {"step": step}}
 
     def control_lost() -> str | None:
         if world.rounds.dead:

@@ -187,12 +187,9 @@ class WorkerSide:
         self.after(self.rng.uniform(0.05, 0.3), lambda: self._synced(group, rank0.step))
 
     def _restores(self, group: Group) -> bool:
-        """Whether the round loads the latest checkpoint (`checkpoint_to_restore`): the
-        driver said so, or no member holds any state and a checkpoint is complete."""
-        if group.restore_from_storage:
-            return True
-        return (self.config.checkpoint_every_s is not None and bool(self.durable)
-                and not any(w.holds for w in self._members(group)))
+        """Whether the round loads a checkpoint (`checkpoint_to_restore`): only when the
+        driver said so, whatever its members hold."""
+        return group.restore_from_storage
 
     def job_step(self) -> int:
         """The job's latest committed step: its last commit, or the durable checkpoint
@@ -210,11 +207,15 @@ class WorkerSide:
             return
         if self.storage_rng.random() < 0.3:
             self.storage.flaky_listings(self.storage_rng.randint(1, 3))
-        try:
+        try:  # what `DurableCheckpoints.named` does with the driver's name
             manifest = self.storage.latest()
         except Exception as exc:  # noqa: BLE001 - a violation, whatever it is
             self.violation(f"round {group.round_id}'s restore failed on storage: {exc}")
             return
+        named = group.restore_checkpoint
+        if named is None:
+            self.violation(f"round {group.round_id} restores from storage, but its driver "
+                           "named no checkpoint")
         expected = self.storage.expected_latest()
         if manifest is None or expected is None or \
                 (manifest.key, manifest.values["step"]) != expected:

@@ -56,10 +56,16 @@ class SimRounds:
                                 f"{sorted(sizes)}: not 0..n-1 of n")
             version = next(p["hosts_version"] for p in assignments.values()
                            if p.get("round") == round_id)
-            restore = any(p.get("restore_from_storage") for p in assignments.values()
-                          if p.get("round") == round_id)
+            places = [p for p in assignments.values() if p.get("round") == round_id]
+            restore = any(p.get("restore_from_storage") for p in places)
+            named = {tuple(p["restore_checkpoint"]) for p in places
+                     if p.get("restore_checkpoint") is not None}
+            if len(named) > 1:
+                world.violation(f"round {round_id}'s members were told to restore different "
+                                f"checkpoints: {sorted(named)}")
             world.rendezvous_published(Group(round_id, ranks, version,
-                                             restore_from_storage=restore))
+                                             restore_from_storage=restore,
+                                             restore_checkpoint=min(named, default=None)))
         leaving = {w for w, p in assignments.items() if p.get("leave")}
         for worker_id, place in assignments.items():
             w = self.waiting.pop(worker_id, None)
