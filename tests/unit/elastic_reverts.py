@@ -15,7 +15,6 @@ from raytrain_x.ray.elastic import (
 from raytrain_x.ray.elastic import job as job_module
 from raytrain_x.ray.elastic.policies import rounds as round_policy
 from raytrain_x.testing.simulation import runner
-from raytrain_x.testing.simulation.world import World
 
 
 def rank0_by_age_only(mp) -> None:
@@ -181,13 +180,12 @@ def durable_floor_ignored(mp) -> None:
 
 def restore_not_told(mp) -> None:
     """The round restoring from storage did not say so: its workers synced from rank 0,
-    which held no state (or an older one). The workers' own check (no member holds any
-    state: restore, as a new driver's first round does) is taken out too: it covers this
-    scenario's rounds, where nobody survives, but not a survivor with an older state."""
+    which held no state (or an older one). (The workers once also restored on their own
+    when no member held any state; only the driver decides now.)"""
     plan = round_forming.plan_round
     mp.setattr(round_forming, "plan_round",
-               lambda members, r, v, holders=(), restore=False: plan(members, r, v, holders))
-    mp.setattr(World, "_restores", lambda self, group: group.restore_from_storage)
+               lambda members, r, v, holders=(), restore=False, named=None:
+               plan(members, r, v, holders))
 
 
 REVERTS["durable-whole-job-lost"] = durable_floor_ignored
@@ -266,8 +264,12 @@ def resume_not_checked(mp) -> None:
     """A new driver's first round (every worker new, none holding any state) synced from
     rank 0 instead of restoring the latest checkpoint: the job started over (neither the
     driver nor the workers looked for one)."""
-    mp.setattr(World, "_restores", lambda self, group: group.restore_from_storage)
-    mp.setattr(round_forming.RoundForming, "_resumes", lambda self: None)
+    restores = round_forming.RoundForming._restores
+
+    def lost_only(self, staying, holders):
+        return None if holders is None else restores(self, staying, holders)
+
+    mp.setattr(round_forming.RoundForming, "_restores", lost_only)
 
 
 REVERTS["durable-driver-killed"] = resume_not_checked
