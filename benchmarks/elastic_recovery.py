@@ -19,14 +19,21 @@ first step with 3 workers.
 Writes results/elastic_recovery.json. With --zero, only the elastic recovery with AdamW
 unsharded and sharded (zero_stage 0, 1, 2; results/elastic_recovery_zero.json).
 
-With --storage, the whole job lost (every worker's process exits at step 20), two ways on
-the same model (AdamW) and the same 2 workers, each checkpointing to a local storage path:
-  durable        RayExecutor(min_workers=2, checkpoint=CheckpointConfig(...)), the step
-                 before the loss checkpointed (`state.checkpoint()`): new workers restore
-                 it (no holder of the state is left)
-  torch_trainer  Ray Train's TorchTrainer(FailureConfig(max_failures=1)), a checkpoint
-                 reported every step: Ray Train restarts the worker group from it
-Time from the loss to the first step after it (results/elastic_recovery_storage.json).
+With --storage, the whole job lost at step 20, on the same model (AdamW) and the same 2
+workers:
+  durable        RayExecutor(min_workers=2, checkpoint=CheckpointConfig(...)) to a local
+                 path, the step before the loss checkpointed (`state.checkpoint()`), every
+                 worker's process exiting by itself: new workers restore the checkpoint (no
+                 holder of the state is left)
+  durable_killed the same, every worker SIGKILLed from outside (the benchmark's process
+                 kills them once both wait at step 20): the driver finds them gone
+  durable_s3     the same kill, the checkpoints on an S3 server (moto's, on loopback, in the
+                 benchmark's process)
+  torch_trainer  Ray Train's TorchTrainer(FailureConfig(max_failures=1)) to a local path, a
+                 checkpoint reported every step, every worker's process exiting by itself:
+                 Ray Train restarts the worker group from it
+Time from the loss (the kill) to the first step after it
+(results/elastic_recovery_storage.json).
 
 Run: .venv/bin/python benchmarks/elastic_recovery.py [--repeats 3] [--no-nodes] [--zero]
      [--storage]
@@ -383,13 +390,38 @@ def _model_and_optimizer(rx=None):
 
 
 def _lose_everything(rank: int, step: int, marks: str) -> None:
-    """At step 20 of a job's first life every rank's process exits (rank 0 notes when)."""
-    if step == 20 and not os.path.exists(f"{marks}.lost"):
-        if rank == 0:
-            Path(f"{marks}.lost").write_text(str(time.time()))
-        else:
-            wait_until(lambda: os.path.exists(f"{marks}.lost"), 30, "rank 0's mark")
+    """At step 20 of a job's first life every rank's process exits (rank 0 notes when);
+    with a `.kill` mark, each rank says it is there and waits to be SIGKILLed from outside
+    (`_kill_all`)."""
+    if step != 20 or os.path.exists(f"{marks}.lost"):
+        return
+    if os.path.exists(f"{marks}.kill"):
+        Path(f"{marks}.at20.{rank}").write_text(str(os.getpid()))
+        time.sleep(120)  # killed long before
         os._exit(1)
+    if rank == 0:
+        Path(f"{marks}.lost").write_text(str(time.time()))
+    else:
+        wait_until(lambda: os.path.exists(f"{marks}.lost"), 30, "rank 0's mark")
+    os._exit(1)
+
+
+def _kill_all(marks: str, ranks: int) -> threading.Thread:
+    """From the benchmark's process: once every rank waits at step 20, SIGKILLs them all
+    and notes when."""
+    import signal
+
+    def kill() -> None:
+        paths = [Path(f"{marks}.at20.{r}") for r in range(ranks)]
+        wait_until(lambda: all(p.exists() and p.read_text() for p in paths), 300,
+                   "every rank at step 20")
+        for path in paths:
+            os.kill(int(path.read_text()), signal.SIGKILL)
+        Path(f"{marks}.lost").write_text(str(time.time()))
+
+    thread = threading.Thread(target=kill, daemon=True)
+    thread.start()
+    return thread
 
 
 def _durable_train(progress: str, marks: str) -> int:
@@ -454,13 +486,17 @@ def _trainer_loop(config: dict) -> None:
                 ray.train.report({"step": step})
 
 
-def measure_storage(tmp: Path, way: str) -> float:
+def measure_storage(tmp: Path, way: str, s3: S3 | None = None) -> float:
     progress, marks = tmp / f"{way}.txt", str(tmp / f"{way}.marks")
-    storage = str(tmp / f"{way}-storage")
-    if way == "durable":
+    storage = s3.uri(tmp.name) if way == "durable_s3" and s3 is not None else \
+        str(tmp / f"{way}-storage")
+    if way.startswith("durable"):
         from raytrain_x import CheckpointConfig
         from raytrain_x.ray import RayExecutor
 
+        if way != "durable":
+            Path(f"{marks}.kill").touch()
+            _kill_all(marks, 2)
         executor = RayExecutor(RayExecutor.create_settings(timeout_s=20), min_workers=2,
                                max_workers=2, cpus_per_worker=1, cooldown_range=(0.1, 0.1),
                                checkpoint=CheckpointConfig(storage, name="job", every_s=1e9))
@@ -487,24 +523,57 @@ def _print_medians(runs: dict[str, list[float]], way: str, value: str) -> dict[s
     return medians
 
 
+class S3:
+    """moto's S3 server on loopback, in this process (the workers get its keys)."""
+
+    KEYS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
+
+    def __init__(self) -> None:
+        import logging
+
+        from moto.server import ThreadedMotoServer
+
+        from raytrain_x.testing.waiting import free_port
+
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)
+        self.port = free_port()
+        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port,
+                                         verbose=False)
+        self.server.start()
+        os.environ.update(self.KEYS)
+
+    def uri(self, bucket: str) -> str:
+        return (f"s3://{bucket.lower().replace('_', '-')}/runs?endpoint_override="
+                f"127.0.0.1:{self.port}&scheme=http&allow_bucket_creation=true")
+
+
 def _storage_recovery(args) -> None:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    s3 = S3()
     ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parent)}})
-    runs: dict[str, list[float]] = {"durable": [], "torch_trainer": []}
+             runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parent),
+                                       **S3.KEYS}})
+    runs: dict[str, list[float]] = {"durable": [], "durable_killed": [], "durable_s3": [],
+                                    "torch_trainer": []}
     try:
         for i in range(args.repeats):
             for way in (runs if i % 2 == 0 else list(runs)[::-1]):
                 with tempfile.TemporaryDirectory() as tmp:
-                    runs[way].append(measure_storage(Path(tmp), way))
-            print(f"repeat {i + 1}/{args.repeats}: durable {runs['durable'][-1]:.2f}s, "
-                  f"TorchTrainer {runs['torch_trainer'][-1]:.2f}s", flush=True)
+                    runs[way].append(measure_storage(Path(tmp), way, s3))
+            print(f"repeat {i + 1}/{args.repeats}: " + ", ".join(
+                f"{way} {values[-1]:.2f}s" for way, values in runs.items()), flush=True)
     finally:
         ray.shutdown()
+        s3.server.stop()
     medians = _print_medians(runs, "whole job lost", "median s (loss -> first step)")
     ratio = medians["durable"] / medians["torch_trainer"]
-    print(f"durable / TorchTrainer: {ratio:.2f}x")
-    payload = {"runs": runs, "medians": medians, "durable_over_torch_trainer": ratio}
+    ratios = {f"{way}_over_torch_trainer": medians[way] / medians["torch_trainer"]
+              for way in ("durable_killed", "durable_s3")}
+    print(f"durable / TorchTrainer: {ratio:.2f}x; " +
+          ", ".join(f"{k}: {v:.2f}x" for k, v in ratios.items()))
+    payload = {"runs": runs, "medians": medians, "durable_over_torch_trainer": ratio,
+               **ratios}
     print(f"wrote {write_json('elastic_recovery_storage', payload, args.json)}")
 
 

@@ -412,8 +412,11 @@ class S3Server:
             "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
 
     def __init__(self) -> None:
+        import logging
+
         from raytrain_x.testing.waiting import free_port
 
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's line per request
         self.port = free_port()
         os.environ.update(self.KEYS)  # the driver and the cluster's workers inherit them
         self._server: Any = None
@@ -1000,7 +1003,7 @@ def plot(runs: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(len(runs), 1, figsize=(9, 2.6 * len(runs)), squeeze=False)
     colors = dict(zip(KINDS, ["tab:red", "tab:purple", "tab:green", "tab:brown",
                               "tab:orange", "tab:pink", "tab:cyan", "tab:blue", "tab:olive",
-                              "gold", "tab:gray"]))
+                              "gold", "tab:gray", "navy", "magenta"]))
     for ax, run in zip(axes[:, 0], runs):
         pts = run["progress"]
         rate = [(pts[i][0], (pts[i][1] - pts[i - 1][1]) / max(pts[i][0] - pts[i - 1][0], 1e-3))
@@ -1012,6 +1015,8 @@ def plot(runs: list[dict], path: Path) -> None:
             ax.plot(t0, smooth, lw=0.6, color="black")
         for f in run["faults"]:
             ax.axvline(f["t"], color=colors.get(f["kind"], "grey"), lw=0.8, alpha=0.7)
+            if f["end"] > f["t"] + 0.5:  # an outage or a partition: how long it lasted
+                ax.axvspan(f["t"], f["end"], color=colors.get(f["kind"], "grey"), alpha=0.12)
         ax.set_ylabel("steps/s")
         ax.set_title(f"{run['cluster']} cluster, {run['framework']}, seed {run['seed']}: "
                      f"{len(run['faults'])} faults", fontsize=9)
