@@ -424,6 +424,10 @@ PROGRESS_EVERY_S = 5.0  # how often "waiting for N workers to start" is shown
 # notice may give only seconds) and looks for workers missing from a rendezvous.
 DRAIN_POLL_S = 0.2
 STRAGGLER_POLL_S = 1.0
+# How often a job that must read storage to go on (a round that restores, a restart after
+# its control actors died) asks it again while it does not answer: each ask is a listing
+# with the store's own retries; `elastic_timeout` bounds the wait.
+STORAGE_POLL_S = 1.0
 
 NODE_ID_SHOWN = 8  # characters of a Ray node id in messages (as `ray status` shows them)
 

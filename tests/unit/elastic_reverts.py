@@ -275,6 +275,18 @@ def resume_not_checked(mp) -> None:
 REVERTS["durable-driver-killed"] = resume_not_checked
 
 
+def storage_outage_fatal_to_a_restore(mp) -> None:
+    """A round that had to restore while storage did not answer raised the listing's
+    `StorageError`: every worker lost during an outage stopped the job, though storage came
+    back seconds later with the checkpoint in it."""
+    def fatal(self, exc):
+        raise exc
+    mp.setattr(round_forming.RoundForming, "_wait_for_storage", fatal)
+
+
+REVERTS["durable-storage-down-then-job-lost"] = storage_outage_fatal_to_a_restore
+
+
 def discovery_failure_fatal(mp) -> None:
     """One failed run of the discovery script stopped the job."""
     def failed(self, error, now):

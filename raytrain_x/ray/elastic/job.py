@@ -20,7 +20,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from raytrain_x.common.errors import ControlActorLost
+from raytrain_x.common.errors import ControlActorLost, StorageError
+from raytrain_x.common.settings import STORAGE_POLL_S
 from raytrain_x.ray.elastic.blacklist import Blacklist
 from raytrain_x.ray.elastic.context import JobContext
 from raytrain_x.ray.elastic.drain_watch import DrainWatch
@@ -186,9 +187,33 @@ def run_job(settings: ElasticSettings, new_job: Callable[[], ElasticJob]) -> lis
             return job.run()
         except ControlActorLost as exc:
             if settings.checkpoint is None or restarts >= CONTROL_RESTARTS or \
-                    job.ctx.parts.latest_checkpoint().get("number") is None:
+                    _latest_number(job, settings.elastic_timeout) is None:
                 raise
             restarts += 1
             log.warning("raytrain-x elastic: %s; starting the job again from its latest "
                         "checkpoint (restart %d of at most %d)", exc, restarts,
                         CONTROL_RESTARTS)
+
+
+def _latest_number(job: ElasticJob, timeout_s: float) -> int | None:
+    """The number of the job's latest complete checkpoint (None: none), storage waited for
+    as long as `timeout_s` when it does not answer (a restart must not start over, nor fail,
+    because an outage and a lost control actor came together).
+
+    Raises:
+        StorageError: storage did not answer for `timeout_s`.
+    """
+    parts = job.ctx.parts
+    waited = 0.0
+    while True:
+        try:
+            return parts.latest_checkpoint().get("number")
+        except StorageError as exc:
+            if waited >= timeout_s:
+                raise
+            if not waited:
+                log.warning("raytrain-x elastic: %s; waiting for storage (at most %.0f s) to "
+                            "start the job again from its latest checkpoint", exc, timeout_s)
+            parts.sleep(STORAGE_POLL_S)
+            waited += STORAGE_POLL_S
+

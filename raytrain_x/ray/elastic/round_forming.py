@@ -7,7 +7,7 @@ import logging
 
 from raytrain_x.common.errors import StorageError
 from raytrain_x.common.logs import progress_logger
-from raytrain_x.common.settings import short_node
+from raytrain_x.common.settings import STORAGE_POLL_S, short_node
 from raytrain_x.ray.elastic.context import JobContext
 from raytrain_x.ray.elastic.drain_watch import note_left
 from raytrain_x.ray.elastic.history import round_line
@@ -27,6 +27,7 @@ class RoundForming:
         self.members = members
         self._asked_over = False  # the round's members were asked to a round for newcomers
         self._storage_down_since: float | None = None  # a round waits for storage since
+        self._storage_next_ask = 0.0
 
     def step(self, needs_round: bool) -> bool:
         """Sends drained members away and forms a round when one is needed (`needs_round`:
@@ -96,6 +97,7 @@ class RoundForming:
         """
         ctx = self.ctx
         now = ctx.clock()
+        self._storage_next_ask = now + STORAGE_POLL_S
         if self._storage_down_since is None:
             self._storage_down_since = now
             progress.warning("raytrain-x elastic: %s; the next round waits for storage (at "
@@ -111,6 +113,8 @@ class RoundForming:
         (newcomers it left out, members kept on a draining node, storage to wait for)."""
         ctx = self.ctx
         holders = self.members.holders()  # None: the job never committed, there is no state
+        if self._storage_down_since is not None and ctx.clock() < self._storage_next_ask:
+            return True  # storage is asked again every STORAGE_POLL_S
         try:
             checkpoint = self._restores(staying, holders)
         except StorageError as exc:

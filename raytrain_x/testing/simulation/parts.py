@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from raytrain_x.common.errors import ConfigError, ControlActorLost, WorkerError
+from raytrain_x.common.errors import ConfigError, ControlActorLost, StorageError, WorkerError
 from raytrain_x.ray.elastic.discovery import DiscoveryHealth
 from raytrain_x.ray.elastic.parts import JobParts, control_lost_message
 from raytrain_x.ray.elastic.pool import Member, Outcomes, Pending, WorkerPool
@@ -307,7 +307,11 @@ class SimStoreClient:
 
 def sim_parts(settings: ElasticSettings, world: World) -> JobParts:
     def latest_checkpoint() -> dict[str, Any]:
-        # what the driver reads: the newest complete by size, through the real store
+        # what the driver reads: the newest complete by size, through the real store; while
+        # storage is down its listing fails, after the store's retries
+        if world.now < world.storage_down_until:
+            raise StorageError(f"listing memory://job failed 6 times: the server is down "
+                               f"for {world.storage_down_until - world.now:.1f}s more")
         manifest = world.storage.store.latest(warn=False, verify=False)
         if manifest is None:
             return {"number": None}

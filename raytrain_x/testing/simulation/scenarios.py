@@ -263,9 +263,10 @@ def durable_scenarios() -> list[Schedule]:
                "every worker lost at once: the next round restores the latest complete "
                "durable checkpoint and the job goes on from it"),
         _named("durable-storage-down-then-job-lost", DURABLE, [
-            Fault(6.0, "storage_outage", 0.0, 12.0), Fault(14.0, "lose_everything")],
+            Fault(6.0, "storage_outage", 0.0, 24.0), Fault(14.0, "lose_everything")],
             "storage down while the job trains (its writes fail, training goes on), then "
-            "every worker lost: the checkpoint from before the outage is restored"),
+            "every worker lost: the round that restores waits for storage, and the "
+            "checkpoint from before the outage is restored"),
         _named("durable-none-complete-yet", replace(DURABLE, checkpoint_every_s=30.0),
                [Fault(8.0, "lose_everything")],
                "every worker lost before the first checkpoint was complete: the job stops "

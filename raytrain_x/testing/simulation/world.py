@@ -290,7 +290,8 @@ class World(WorkerSide):
         return w
 
     def storage_outage(self, seconds: float) -> None:
-        """Storage refuses every write for `seconds` (the server stopped)."""
+        """Storage refuses every write, and the driver's listings, for `seconds` (the
+        server stopped)."""
         self.storage_down_until = max(self.storage_down_until, self.now + seconds)
         self.outages.append((self.now, self.now + seconds))
         self.trace(f"storage down for {seconds:.1f}s")
