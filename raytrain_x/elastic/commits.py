@@ -184,21 +184,21 @@ class CommitManager:
     def take(self) -> None:
         """Takes the live state as committed without counting a commit (the initial
         state, before the first sync)."""
-        copies = self.format.take()
-        if self.shards is not None:
-            self.shards.keep(copies)
-        else:
-            self._committed = copies
+        self._hold(self.format.take(), exchange=False)
 
     def commit(self) -> None:
         """Copies the live state to host memory (with a sharded optimizer, its replicas
         exchanged: a collective) and counts a commit."""
         self.number += 1
-        copies = self.format.take()
-        if self.shards is not None:
+        self._hold(self.format.take(), exchange=True)
+
+    def _hold(self, copies: Committed, exchange: bool) -> None:
+        if self.shards is None:
+            self._committed = copies
+        elif exchange:
             self.shards.commit(copies)
         else:
-            self._committed = copies
+            self.shards.keep(copies)
 
     def rollback(self) -> None:
         """Loads the last commit into the live state (a sharded optimizer's shards come

@@ -20,7 +20,7 @@ from raytrain_x.common.checkpoint_config import CheckpointConfig, from_env
 from raytrain_x.common.errors import ConfigError
 from raytrain_x.core.runtime import rank
 from raytrain_x.elastic.commits import CommitManager, Committed, copied
-from raytrain_x.elastic.state import ObjectState, State, restore_count
+from raytrain_x.elastic.state import Attributes, ObjectState, State, restore_count
 from raytrain_x.elastic.state import run as _run
 from raytrain_x.tensorflow.arrays import unwrap_error
 from raytrain_x.tensorflow.durable import load, save, variable_keys
@@ -36,11 +36,12 @@ class TensorFlowFormat:
     info: dict[str, Any] = {}
 
     def __init__(self, owner: Any, variables: list[Any], names: list[str]) -> None:
-        self._owner, self.variables, self.names = owner, variables, names
+        self.variables, self.names = variables, names
         self.keys = variable_keys(variables)
+        self.attributes = Attributes(owner, names, broadcast_object)
 
     def values(self) -> dict[str, Any]:
-        return {name: getattr(self._owner, name) for name in self.names}
+        return self.attributes.values()
 
     def take(self) -> Committed:
         tree = {"keys": list(self.keys),
@@ -58,22 +59,18 @@ class TensorFlowFormat:
                               "was written from")
         for var, value in zip(self.variables, tree["values"]):
             var.assign(value)
-        for name, value in tree["attributes"].items():
-            setattr(self._owner, name, value)
+        self.attributes.load(tree["attributes"])
 
     def sync_from(self, root: int) -> None:
         if self.variables:
             broadcast_variables(self.variables, root_rank=root)
-        attributes = broadcast_object(self.values(), root, name="elastic.object_state")
-        for name, value in attributes.items():
-            setattr(self._owner, name, value)
+        self.attributes.sync_from(root)
 
     def signature(self) -> dict[str, Any]:
         """Each variable's shape and dtype by its key, the attributes' names."""
         out: dict[str, Any] = {key: [list(var.shape), getattr(var.dtype, "name", str(var.dtype))]
                                for key, var in zip(self.keys, self.variables)}
-        out["attributes"] = sorted(self.names)
-        return out
+        return {**out, **self.attributes.signature()}
 
     def save(self, tree: Any, folder: str) -> None:
         save(tree, folder)

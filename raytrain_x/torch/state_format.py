@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from raytrain_x.core.objects import allgather_object
+from raytrain_x.elastic.state import Attributes
 from raytrain_x.torch import durable
 from raytrain_x.torch.elastic_sampler import ElasticSampler
 from raytrain_x.torch.functions import (
@@ -53,9 +54,9 @@ class TorchFormat:
 
     def __init__(self, owner: Any, handled: dict[str, Any], names: list[str],
                  overlap: bool) -> None:
-        self._owner = owner
         self.handled = handled
         self.names = names
+        self.attributes = Attributes(owner, names, broadcast_object)
         sharded = any(isinstance(v, ShardedOptimizer) for v in handled.values())
         self.layout = "sharded" if sharded else "unsharded"
         self._snapshots = Snapshots()
@@ -85,7 +86,7 @@ class TorchFormat:
             self._unordered = None
 
     def values(self) -> dict[str, Any]:
-        return {name: getattr(self._owner, name) for name in self.names}
+        return self.attributes.values()
 
     def tree(self) -> dict[str, Any]:
         """The live state: the modules', unsharded optimizers' and samplers' state dicts,
@@ -117,8 +118,7 @@ class TorchFormat:
                     group.update(settings)
             else:
                 value.load_state_dict(saved)
-        for name, value in tree["attributes"].items():
-            setattr(self._owner, name, value)
+        self.attributes.load(tree["attributes"])
 
     def sync_from(self, root: int) -> None:
         self.order_pending()
@@ -135,9 +135,7 @@ class TorchFormat:
                 broadcast_optimizer_state(value, root_rank=root)
             else:
                 _sync_sampler(name, value, root)
-        attributes = broadcast_object(self.values(), root, name="elastic.object_state")
-        for name, value in attributes.items():
-            setattr(self._owner, name, value)
+        self.attributes.sync_from(root)
 
     def signature(self) -> dict[str, Any]:
         """Each model tensor's shape and dtype by its name, the optimizers' parameter
@@ -150,8 +148,7 @@ class TorchFormat:
                         out[f"{name}.{key}"] = [list(tensor.shape), str(tensor.dtype)]
             elif isinstance(value, torch.optim.Optimizer):
                 out[name] = [sum(len(g["params"]) for g in value.param_groups), "parameters"]
-        out["attributes"] = sorted(self.names)
-        return out
+        return {**out, **self.attributes.signature()}
 
     def save(self, tree: Any, folder: str) -> None:
         durable.save(tree, folder)
