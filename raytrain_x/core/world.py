@@ -25,7 +25,8 @@ def init(
     rendezvous: Rendezvous | None = None,
     autotune: AutotuneConfig | None | bool = None,
 ) -> None:
-    """Joins the world and starts the engine; a no-op when already initialised.
+    """Joins the world and starts the engine; when already initialised, only registers the
+    process sets of `process_sets` that are not registered yet.
 
     Args:
         process_sets: process sets to register on every rank; "dynamic" (Horovod's flag)
@@ -44,12 +45,15 @@ def init(
             raise ConfigError(f"init(process_sets={process_sets!r}): give a list of process "
                               "sets or 'dynamic'")
         process_sets = None  # sets can always be added and removed after init
-    if not runtime.start(knobs, rendezvous, autotune):
-        return
-    status.start_status_file()
-    global_process_set.ranks = list(range(runtime.size()))
+    if runtime.start(knobs, rendezvous, autotune):
+        status.start_status_file()
+        global_process_set.ranks = list(range(runtime.size()))
+    # Registered here whether or not this call started the runtime: an `init` whose sets
+    # were refused (a rank out of range, a duplicate) can be called again with sets that
+    # are right, as in Horovod; sets registered already are left as they are.
     for ps in process_sets or ():
-        add_process_set(ps)
+        if not (isinstance(ps, ProcessSet) and ps.process_set_id is not None):
+            add_process_set(ps)
 
 
 def transport(process_set: ProcessSet | None = None) -> str:

@@ -19,13 +19,17 @@ on its own. Works on any arrays of the engine's protocol, in float64.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 from raytrain_x.common.errors import ConfigError
 from raytrain_x.engine.arrays import ArrayOps
 
-EPS = 1e-30  # below this a squared norm counts as zero (its coefficient is 1)
+# Below this a squared norm counts as zero (its coefficient is 1): the square root of the
+# smallest normal double, Horovod's bound. An absolute bound any larger turns the Adasum of
+# tiny (but representable) gradients into their sum.
+EPS = sys.float_info.min ** 0.5
 
 
 def check_size(size: int) -> None:

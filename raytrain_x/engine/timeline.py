@@ -14,7 +14,9 @@ _engines: dict[str, int] = {}  # path -> engines of this process that wrote it
 
 
 class Timeline:
-    """Streams complete ('X') events, one row per tensor name, to a JSON array file. A
+    """Streams complete ('X') events, one row per tensor name, to a JSON array file, each
+    flushed as it is written so the trace can be opened while the job runs (chrome://tracing
+    and Perfetto read an array that is not closed yet). A
     later engine of the same process (`init()` again, an elastic reset) adds its events
     to the file as a process of its own ("raytrain-x rank 0, engine 2"), so the trace of
     the round that failed stays."""
@@ -40,6 +42,7 @@ class Timeline:
                  "args": {"name": name,
                           "start_time_since_epoch_in_micros": int(time.time() * 1e6)}}
         self._file.write(("[\n" if self._pid == 0 else "") + json.dumps(start) + ",\n")
+        self._file.flush()
 
     def now(self) -> float:
         return time.perf_counter()
@@ -61,6 +64,7 @@ class Timeline:
             if args:
                 event["args"] = args
             self._file.write(json.dumps(event) + ",\n")
+            self._file.flush()
 
     def queued(self, requests: list[Any], began: float) -> None:
         """A QUEUE span for each request (None: not this rank's), from when it was enqueued
@@ -78,6 +82,7 @@ class Timeline:
                 event = {"name": "CYCLE_START", "ph": "i", "s": "g", "pid": self._pid, "tid": 0,
                          "ts": round((at - self._origin) * 1e6, 1)}
                 self._file.write(json.dumps(event) + ",\n")
+                self._file.flush()
 
     def close(self) -> None:
         with self._lock:

@@ -58,7 +58,7 @@ from raytrain_x.core import (
     synchronize,
     transport,
 )
-from raytrain_x.torch import elastic
+from raytrain_x.torch import elastic, mpi_ops
 from raytrain_x.torch.async_ops import (
     allgather_async,
     allreduce_async,
@@ -98,4 +98,4 @@ from raytrain_x.torch.sync_batch_norm import SyncBatchNorm
 
 HorovodInternalError = InternalError  # Horovod's name for a failed peer or transport
 
-__all__ = _public_names(globals())
+__all__ = _public_names(globals(), ("elastic", "mpi_ops"))

@@ -1,6 +1,7 @@
 """Adasum between real processes: the engine's vector-halving, distance-doubling Adasum
-equals a direct binary tree of the pairwise formula, fused or not, on 2 and 4 ranks; other
-world sizes get a clear error; DistributedOptimizer(op=Adasum) trains."""
+equals a direct binary tree of the pairwise formula, fused or not, on 2 and 4 ranks, for
+gradients of any scale float32 holds; other world sizes get a clear error;
+DistributedOptimizer(op=Adasum) trains."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from tests.workers import run_workers
 
 SHAPES = [(7,), (3, 5), (1,), (64,)]
-
+TINY = 1e-36  # float32 gradients this small have squared norms near 1e-70
 
 def _vectors(rank: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(rank)
@@ -40,8 +41,9 @@ def _adasum() -> dict:
     mine = _vectors(rx.rank())
     alone = [rx.allreduce(t, op=rx.Adasum, name=f"alone{i}") for i, t in enumerate(mine)]
     fused = rx.grouped_allreduce([t.float() for t in mine], op=rx.Adasum, name="fused")
+    tiny = rx.allreduce((mine[3] * TINY).float(), op=rx.Adasum, name="tiny")
     rx.shutdown()
-    return {"alone": alone, "fused": fused}
+    return {"alone": alone, "fused": fused, "tiny": tiny}
 
 
 @pytest.mark.parametrize("size", [2, 4])
@@ -54,6 +56,10 @@ def test_adasum_equals_the_pairwise_tree(size):
             assert torch.allclose(got["alone"][i], want, atol=1e-12)
             assert got["fused"][i].dtype == torch.float32
             assert torch.allclose(got["fused"][i], want.float(), atol=1e-5)
+    # the Adasum combination, not the sum: tiny norms are not taken for zero
+    want = _tree([v[3] * TINY for v in everyone]).float()
+    for got in results:
+        assert torch.allclose(got["tiny"], want, rtol=1e-4, atol=0)
 
 
 def _three_ranks() -> str:

@@ -450,6 +450,34 @@ def test_process_sets_on_one_host_use_shared_memory():
     assert results[0]["across_sum"] == results[2]["across_sum"] == [2.0, 2.0]
 
 
+def _init_again_after_refused_sets() -> dict:
+    import raytrain_x.torch as rx
+
+    out: dict = {}
+    try:
+        rx.init(process_sets=[rx.ProcessSet([0, 7])])
+    except rx.ConfigError as exc:
+        out["refused"] = str(exc)
+    ones = rx.ProcessSet([1])
+    rx.init(process_sets=[ones])  # Horovod registers the sets of the second init
+    out["id"] = ones.process_set_id
+    if ones.included():
+        out["sum"] = rx.allreduce(torch.ones(1), op=rx.Sum, process_set=ones).item()
+    rx.init(process_sets=[ones])  # registered already: left as it is
+    out["same_id"] = ones.process_set_id
+    rx.shutdown()
+    return out
+
+
+def test_init_again_registers_the_process_sets_a_failed_init_did_not():
+    """After an `init(process_sets=...)` whose sets were refused, a second `init` with sets
+    that are right did nothing (the runtime had started), and the sets stayed unregistered."""
+    for out in run_workers(_init_again_after_refused_sets, 2):
+        assert "0..1" in out["refused"]
+        assert out["id"] is not None and out["id"] == out["same_id"]
+        assert out.get("sum", 1.0) == 1.0
+
+
 def _process_sets() -> dict:
     import raytrain_x.torch as rx
 

@@ -198,6 +198,28 @@ def test_timeline_is_written_on_rank_0(tmp_path, transport):
         assert not copies & names
 
 
+def _timeline_while_running(path: str) -> int:
+    import raytrain_x.torch as rx
+
+    rx.init()
+    rx.allreduce(torch.ones(4), name="first")
+    rx.barrier()
+    # read while the engine is still running: the events so far are on disk
+    text = open(path).read() if rx.rank() == 0 else ""
+    events = [json.loads(line.rstrip(",")) for line in text.splitlines()[1:]]
+    rx.shutdown()
+    return sum(1 for e in events if e.get("name") == "ALLREDUCE")
+
+
+def test_the_timeline_can_be_read_while_the_job_runs(tmp_path):
+    """The timeline was written through a buffer flushed only at shutdown: a trace opened
+    during a run was empty."""
+    path = tmp_path / "timeline.json"
+    out = run_workers(_timeline_while_running, 2, str(path),
+                      env={"RAYTRAIN_X_TIMELINE": str(path)})
+    assert out[0] >= 1
+
+
 def _two_engines(path: str) -> None:
     import raytrain_x.torch as rx
 

@@ -1,6 +1,6 @@
 """Horovod's torch API details between real processes: init after shutdown, error types a
 Horovod script catches, every dtype through the data-moving collectives, integer scaling,
-build queries and the timeline switches."""
+build queries, `mpi_ops` and the timeline switches."""
 
 from __future__ import annotations
 
@@ -68,6 +68,13 @@ def _api(timeline: str) -> dict:
     opt = torch.optim.Adam(model.parameters(), lr=0.1 * (r + 1))
     rx.broadcast_optimizer_state(opt, 1, model)  # Horovod's positional model=
     out["forms"] = (float(model.weight[0, 0]), opt.param_groups[0]["lr"])
+    # horovod.torch.mpi_ops: its module path, its handles, and the process-set query
+    from raytrain_x.torch.mpi_ops import _basics, allreduce_async_, synchronize
+    second = rx.add_process_set([1])
+    out["sets"] = _basics._get_process_set_ids_and_ranks()
+    rx.remove_process_set(second)
+    out["mpi_ops"] = synchronize(allreduce_async_(torch.ones(2), op=rx.Sum)).tolist()
+    out["basics_size"] = _basics.size()
     out["queries"] = (rx.gloo_built(), rx.gloo_enabled(), rx.mpi_built(), rx.mpi_enabled(),
                       rx.ccl_built(), rx.is_homogeneous())
     rx.start_timeline(timeline, mark_cycles=True)
@@ -102,6 +109,8 @@ def test_horovod_details(tmp_path):
         assert got["errors"] == want_errors
         assert got["joined_last"] == 1
         assert got["forms"] == (1.0, 0.2)
+        assert got["sets"] == {0: [0, 1], 1: [1]}
+        assert got["mpi_ops"] == [2.0, 2.0] and got["basics_size"] == 2
         assert got["queries"] == (True, True, False, False, False, True)
     events = json.loads(timeline.read_text())
     assert "start_time_since_epoch_in_micros" in json.dumps(events[0])

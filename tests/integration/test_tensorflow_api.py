@@ -417,6 +417,18 @@ def _names(tmp: str) -> dict:
                                                  scale_local_gradients=scale)
         grads = tape.gradient(loss, dense.trainable_weights + local.trainable_weights)
         out[f"partial_{scale}"] = [float(tf.reduce_sum(g)) for g in grads]
+    # PartialDistributedOptimizer keeps local layers' gradients; compute_gradients combines
+    # the others once, and apply_gradients uses them as they are
+    opt = rxk.PartialDistributedOptimizer(keras.optimizers.SGD(1.0), op=rx.Sum,
+                                          local_layers=local, scale_local_gradients=False)
+    before = [float(tf.reduce_sum(w)) for w in dense.trainable_weights + local.trainable_weights]
+    with tf.GradientTape() as t:
+        loss = tf.reduce_sum(dense(xin) + local(xin))
+    pairs = opt.compute_gradients(loss, dense.trainable_weights + local.trainable_weights, t)
+    out["computed"] = [float(tf.reduce_sum(g)) for g, _ in pairs]
+    opt.apply_gradients(pairs)
+    after = [float(tf.reduce_sum(w)) for w in dense.trainable_weights + local.trainable_weights]
+    out["applied"] = [b - a for a, b in zip(after, before)]
     # load_model gives a DistributedOptimizer with its state; BestModelCheckpoint saves
     # ones, not a random start: Adam's first step moves each weight by the learning rate,
     # so an output that starts within 0.02 of the target overshoots and epoch 1 stays best
@@ -464,6 +476,10 @@ def test_every_added_name_and_argument(tmp_path):
         assert out["partial_True"][2] == pytest.approx((1.0 + r) / 2)
         assert out["partial_False"][2] == pytest.approx(1.0 + r)
         assert out["partial_True"][0] == pytest.approx(1.5)
+        # kernels' gradients: dense summed over ranks (3), local this rank's own (1 + r)
+        assert out["computed"][0] == pytest.approx(3.0)
+        assert out["computed"][2] == pytest.approx(1.0 + r)
+        assert out["applied"] == pytest.approx(out["computed"])  # SGD(1.0), no second reduce
         assert out["loaded"] == ["Adam", True, 2]
         assert out["loaded_iterations"] == 3
 

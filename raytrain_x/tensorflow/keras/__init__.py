@@ -3,7 +3,8 @@
 
 Everything in `raytrain_x.tensorflow`, except that `allreduce`, `allgather`, `broadcast`,
 `reducescatter` and `broadcast_global_variables` take and return values as Horovod's Keras
-modules do; plus `DistributedOptimizer` for Keras optimizers, `load_model`,
+modules do; plus `DistributedOptimizer` and `PartialDistributedOptimizer` for Keras
+optimizers, `load_model`,
 `rx.callbacks` and `rx.elastic` (states and the callbacks that commit them in `fit`).
 """
 
@@ -14,7 +15,10 @@ import importlib
 from raytrain_x.tensorflow import *  # noqa: F403 (the same names as the TensorFlow face)
 from raytrain_x.tensorflow import __all__ as _tf_all
 from raytrain_x.tensorflow.keras import callbacks
-from raytrain_x.tensorflow.keras.optimizer import DistributedOptimizer
+from raytrain_x.tensorflow.keras.optimizer import (
+    DistributedOptimizer,
+    PartialDistributedOptimizer,
+)
 from raytrain_x.tensorflow.keras.values import (
     allgather,
     allreduce,
@@ -28,6 +32,7 @@ from raytrain_x.tensorflow.keras.values import (
 # that adds the Keras callbacks
 elastic = importlib.import_module("raytrain_x.tensorflow.keras.elastic")
 
-_KERAS = ["DistributedOptimizer", "allgather", "allreduce", "broadcast",
-          "broadcast_global_variables", "callbacks", "elastic", "load_model", "reducescatter"]
+_KERAS = ["DistributedOptimizer", "PartialDistributedOptimizer", "allgather", "allreduce",
+          "broadcast", "broadcast_global_variables", "callbacks", "elastic", "load_model",
+          "reducescatter"]
 __all__ = [*(n for n in _tf_all if n not in _KERAS), *_KERAS]

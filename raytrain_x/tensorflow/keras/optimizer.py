@@ -28,12 +28,40 @@ class _DistributedOptimizer:
     _rx_reducer: GradientReducer
     _rx_passes: int = 1
     _rx_average_aggregated: bool = False
+    _rx_reduced: bool = False  # compute_gradients combined the gradients apply gets next
 
     def register_local_var(self, var: Any) -> None:
         """Keeps the gradient of `var` local: not reduced across ranks (Horovod's name)."""
         self._rx_reducer.register_local_source(var)
 
+    def compute_gradients(self, loss: Any, var_list: Any, tape: Any = None) -> list:
+        """Horovod's `compute_gradients`: the gradients of `loss` (a tensor recorded on
+        `tape`, or a callable without one) for `var_list`, combined across ranks, as
+        `(gradient, variable)` pairs that `apply_gradients` then uses as they are."""
+        import tensorflow as tf
+
+        variables = list(var_list() if callable(var_list) else var_list)
+        if tape is None:
+            if not callable(loss):
+                raise ConfigError("compute_gradients: give the GradientTape that recorded "
+                                  "`loss`, or `loss` as a callable")
+            with tf.GradientTape() as tape:
+                loss = loss()
+        elif callable(loss):
+            with tape:
+                loss = loss()
+        grads = tape.gradient(loss, variables)
+        if self._rx_passes == 1:
+            grads = self._rx_reducer.reduce(list(grads), variables)
+            self._rx_reduced = True  # apply_gradients takes them as they are
+        return list(zip(grads, variables))
+
+    _compute_gradients = compute_gradients  # the name Horovod's TF 2.4+ optimizers override
+
     def apply(self, grads: Any, trainable_variables: Any = None) -> Any:
+        if self._rx_reduced:
+            self._rx_reduced = False
+            return super().apply(grads, trainable_variables)
         if self._rx_passes == 1:
             variables = list(trainable_variables) if trainable_variables is not None else \
                 getattr(self, "_trainable_variables", None)
@@ -109,6 +137,41 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, device_dense: 
                             gradient_predivide_factor, op, passes, average_aggregated_gradients,
                             num_groups, groups, process_set, scale_local_gradients)
     return cls.from_config(config)
+
+
+def PartialDistributedOptimizer(optimizer: Any, name: str | None = None,
+                                device_dense: str = "", device_sparse: str = "",
+                                compression: type[Compressor] = Compression.none,
+                                sparse_as_dense: bool = False,
+                                gradient_predivide_factor: float = 1.0, op: str = Average,
+                                backward_passes_per_step: int = 1,
+                                average_aggregated_gradients: bool = False,
+                                num_groups: int = 0,
+                                groups: int | Sequence[Sequence[Any]] | None = None,
+                                process_set: ProcessSet = global_process_set,
+                                local_layers: Any = None,
+                                scale_local_gradients: bool = True) -> Any:
+    """A `DistributedOptimizer` whose `local_layers` (a Keras layer or a list of them) keep
+    their gradients on each rank: not combined across ranks (divided by the set's size
+    when `scale_local_gradients`). The other arguments are `DistributedOptimizer`'s."""
+    if local_layers is None:
+        layers = []
+    elif hasattr(local_layers, "trainable_weights"):
+        layers = [local_layers]
+    else:
+        layers = list(local_layers)
+    for layer in layers:
+        if not hasattr(layer, "trainable_weights"):
+            raise ConfigError("PartialDistributedOptimizer: local_layers takes Keras layers, "
+                              f"got {type(layer).__name__}")
+    opt = DistributedOptimizer(optimizer, name, device_dense, device_sparse, compression,
+                               sparse_as_dense, gradient_predivide_factor, op,
+                               backward_passes_per_step, average_aggregated_gradients,
+                               num_groups, groups, process_set, scale_local_gradients)
+    for layer in layers:
+        for var in layer.trainable_weights:
+            opt.register_local_var(var)
+    return opt
 
 
 def distributed_class(base: type, name: str | None = None,
