@@ -11,6 +11,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from raytrain_x import cli_horovod
 from raytrain_x.common import settings
 from raytrain_x.common.autotune_config import AutotuneConfig
 from raytrain_x.common.errors import ConfigError, RaytrainXError
@@ -60,8 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command_name", required=True, parser_class=_Parser)
     run = sub.add_parser("run", help="run a training script on N workers",
                          description="Runs COMMAND on N Ray workers joined into one world.")
-    run.add_argument("-np", "--num-proc", dest="np", type=int, required=True,
-                     help="number of workers")
+    run.add_argument("-np", "--num-proc", dest="np", type=int,
+                     help="number of workers (required)")
     run.add_argument("--address", help="Ray cluster address (default: running cluster, else "
                      "a local one)")
     run.add_argument("--cpus-per-worker", type=float, default=1.0)
@@ -85,8 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     durable.add_argument("--checkpoint-keep", type=int, default=2, metavar="N",
                          help="complete checkpoints kept (default 2)")
     elastic = run.add_argument_group("elastic (any of these makes the job elastic)")
-    elastic.add_argument("--min-np", type=int, help="fewest workers to train with")
-    elastic.add_argument("--max-np", type=int, help="most workers to scale up to")
+    elastic.add_argument("--min-np", "--min-num-proc", dest="min_np", type=int,
+                         help="fewest workers to train with (default: -np, as horovodrun)")
+    elastic.add_argument("--max-np", "--max-num-proc", dest="max_np", type=int,
+                         help="most workers to scale up to (default: -np)")
     elastic.add_argument("--host-discovery-script",
                          help="executable printing 'host:slots' lines (default: Ray's nodes)")
     elastic.add_argument("--blacklist-cooldown-range", type=float, nargs=2,
@@ -97,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_flag(elastic, START_TIMEOUT_S, "start_timeout", START_TIMEOUT_S.read())
     _add_knob_flags(run)
     _add_autotune_flags(run)
+    cli_horovod.add_flags(run, _add_flag)
     run.add_argument("command", nargs=argparse.REMAINDER, help="the command to run")
     report = sub.add_parser("autotune-report", help="summarise an autotune log",
                             description="Prints the samples of an autotune log and plots "
@@ -184,13 +188,25 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.version:
+        from raytrain_x import __version__
+
+        print(__version__)
+        return 0
+    if args.check_build:
+        print(cli_horovod.check_build())
+        return 0
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
+    if args.np is None:
+        parser.error("the following arguments are required: -np/--num-proc")
     if not command:
         parser.error("run needs a command, e.g. raytrain-x run -np 2 python train.py")
     if args.np < 1:
         parser.error(f"-np must be >= 1, got {args.np}")
+    cli_horovod.warn_ignored(args)
+    hosts = cli_horovod.host_list(args)
     try:
         for flag in ("timeout", "progress_every", "elastic_timeout", "start_timeout"):
             check_seconds("--" + flag.replace("_", "-"), getattr(args, flag))
@@ -205,6 +221,10 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     os.environ.setdefault(settings.CHECKPOINT_NAME.env, entrypoint_name(command))
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="raytrain-x %(levelname)s %(message)s")
+    if args.log_level:
+        from raytrain_x.common.logs import apply_log_level
+
+        apply_log_level(args.log_level)
 
     from raytrain_x.ray.autotune_actor import fixed_knob_env
     from raytrain_x.ray.executor import RayExecutor, ensure_ray
@@ -216,10 +236,10 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     _progress(f"Ray ready in {time.monotonic() - start:.1f}s")
     run_settings = RayExecutor.create_settings(timeout_s=args.timeout)
     if elastic:
-        return _run_elastic(args, command, run_settings, knobs, fixed, autotune)
+        return _run_elastic(args, command, run_settings, knobs, fixed, autotune, hosts)
     executor = RayExecutor(run_settings, num_workers=args.np, cpus_per_worker=args.cpus_per_worker,
                            use_gpu=args.use_gpu, name=args.job_name,
-                           checkpoint=_checkpoint(args))
+                           checkpoint=_checkpoint(args), hosts=hosts)
     # Only the knobs the user fixed travel as env, so the launched ranks see the same fixed
     # set; rank 0 of a launched script runs the autotune controller in-process.
     env = {**fixed_knob_env(knobs, fixed), **_training_env(args)}
@@ -233,7 +253,10 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         _progress(f"{args.np} workers ready in {time.monotonic() - start:.1f}s")
         reporter = _start_reporter(args, executor)
-        codes = run_command_on_workers(executor, command, env, _printer(), os.getcwd())
+        codes = run_command_on_workers(
+            executor, command, env,
+            _printer(args.prefix_output_with_timestamp,
+                     cli_horovod.output_writer(args.output_filename)), os.getcwd())
     finally:
         if reporter is not None:
             reporter.stop()
@@ -284,6 +307,7 @@ def _training_env(args: argparse.Namespace) -> dict[str, str]:
         s.scope == settings.USER or s in (settings.JOB_NAME, settings.CHECKPOINT,
                                           settings.CHECKPOINT_NAME))]
     env = {s.env: os.environ[s.env] for s in passed if s.env in os.environ}
+    env.update(cli_horovod.worker_env(args))
     if not args.config_file:
         return env
     return {**env, **training.to_env(read_training_settings(args.config_file))}
@@ -299,7 +323,7 @@ def _checkpoint(args: argparse.Namespace):
                             keep=args.checkpoint_keep)
 
 
-def _run_elastic(args, command, run_settings, knobs, fixed, autotune) -> int:
+def _run_elastic(args, command, run_settings, knobs, fixed, autotune, hosts) -> int:
     """Elastic jobs run the script inside each worker actor (so every rank can reach the
     rendezvous coordinator); Ray forwards the output with its worker prefix."""
     from raytrain_x.ray.autotune_actor import fixed_knob_env
@@ -309,16 +333,23 @@ def _run_elastic(args, command, run_settings, knobs, fixed, autotune) -> int:
     env = {**fixed_knob_env(knobs, fixed), **_training_env(args)}
     if args.timeline_filename:
         env[settings.TIMELINE.env] = os.path.abspath(args.timeline_filename)
-    executor = RayExecutor(  # -np bounds max_workers below (horovodrun's meaning)
+    if args.output_filename:
+        sys.stderr.write("raytrain-x: warning: --output-filename applies to fixed jobs; an "
+                         "elastic job's script runs in its worker actors, whose output Ray "
+                         "keeps in its session's logs/ folder\n")
+    # horovodrun's defaults: -np for both bounds, unless given
+    min_np = args.min_np if args.min_np is not None else min(args.np, args.max_np or args.np)
+    executor = RayExecutor(
         run_settings, cpus_per_worker=args.cpus_per_worker,
-        use_gpu=args.use_gpu, min_workers=args.min_np or 1,
-        max_workers=args.max_np or max(args.np, args.min_np or 1),
+        use_gpu=args.use_gpu, min_workers=min_np,
+        max_workers=args.max_np if args.max_np is not None else max(args.np, min_np),
         reset_limit=args.reset_limit,
         cooldown_range=tuple(args.blacklist_cooldown_range)
         if args.blacklist_cooldown_range else None,
         elastic_timeout=args.elastic_timeout, start_timeout_s=args.start_timeout,
         host_discovery_script=args.host_discovery_script, autotune=autotune,
-        name=args.job_name, checkpoint=_checkpoint(args))
+        name=args.job_name, checkpoint=_checkpoint(args), hosts=hosts,
+        slots_per_host=args.slots_per_host)
     executor.start(extra_env_vars=env)
     reporter = _start_reporter(args, executor)
     try:
@@ -385,12 +416,17 @@ def _dashboard(args: argparse.Namespace) -> int:
     return 0
 
 
-def _printer():
+def _printer(timestamps: bool = False, also: Any = None):
+    """Each rank's output line as horovodrun prints it (`[rank]<stdout>:line`), with the
+    time first (`--prefix-output-with-timestamp`), and to `also(rank, line)` too."""
     lock = threading.Lock()
 
     def emit(rank: int, line: str) -> None:
+        stamp = time.strftime("%a %b %d %H:%M:%S %Y") + ":" if timestamps else ""
         with lock:
-            print(f"[{rank}]<stdout>:{line}", flush=True)
+            print(f"{stamp}[{rank}]<stdout>:{line}", flush=True)
+            if also is not None:
+                also(rank, line)
 
     return emit
 

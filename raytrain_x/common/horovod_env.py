@@ -18,3 +18,13 @@ def with_horovod_aliases(env: Mapping[str, str]) -> dict[str, str]:
         if not merged.get(ours) and merged.get(theirs):
             merged[ours] = merged[theirs]
     return merged
+
+
+def worker_env(rank: int, size: int, local_rank: int, local_size: int, cross_rank: int,
+               cross_size: int, hostname: str) -> dict[str, str]:
+    """The variables horovodrun sets in each worker (`HOROVOD_RANK`, `HOROVOD_SIZE`, ...,
+    `HOROVOD_HOSTNAME`), for scripts that read them; raytrain-x sets them in every worker
+    and again at each elastic reset. `hostname` is the worker's Ray node address."""
+    values = {"RANK": rank, "SIZE": size, "LOCAL_RANK": local_rank, "LOCAL_SIZE": local_size,
+              "CROSS_RANK": cross_rank, "CROSS_SIZE": cross_size, "HOSTNAME": hostname}
+    return {f"HOROVOD_{k}": str(v) for k, v in values.items()}

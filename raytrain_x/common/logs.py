@@ -44,3 +44,15 @@ def progress_logger(name: str) -> logging.Logger:
         if logger.level == logging.NOTSET:
             logger.setLevel(logging.INFO)
     return logger
+
+
+# Horovod's log levels (`HOROVOD_LOG_LEVEL`, horovodrun's `--log-level`) as Python's
+_LEVELS = {"TRACE": logging.DEBUG, "DEBUG": logging.DEBUG, "INFO": logging.INFO,
+           "WARNING": logging.WARNING, "ERROR": logging.ERROR, "FATAL": logging.CRITICAL}
+
+
+def apply_log_level(level: str) -> None:
+    """Sets the level of raytrain-x's loggers in this process (`RAYTRAIN_X_LOG_LEVEL`,
+    `--log-level`); an empty `level` leaves them as they are."""
+    if level:
+        logging.getLogger("raytrain_x").setLevel(_LEVELS[level.upper()])

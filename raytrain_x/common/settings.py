@@ -190,11 +190,18 @@ SHM = Setting(
 STALL_WARNING_S = Setting(
     "RAYTRAIN_X_STALL_CHECK_TIME_SECONDS", 60.0, float,
     "seconds a collective may wait for a rank before a warning names it", seconds=True,
-    minimum=1.0, horovod="HOROVOD_STALL_CHECK_TIME_SECONDS")
+    minimum=1.0, zero="no stall check (horovodrun's --no-stall-check)",
+    horovod="HOROVOD_STALL_CHECK_TIME_SECONDS", flag="--stall-check-warning-time-seconds")
 STALL_SHUTDOWN_S = Setting(
     "RAYTRAIN_X_STALL_SHUTDOWN_TIME_SECONDS", 0.0, float,
     "seconds of such a stall before the job stops", seconds=True, minimum=1.0,
-    zero="never", horovod="HOROVOD_STALL_SHUTDOWN_TIME_SECONDS")
+    zero="never", horovod="HOROVOD_STALL_SHUTDOWN_TIME_SECONDS",
+    flag="--stall-check-shutdown-time-seconds")
+LOG_LEVEL = Setting(
+    "RAYTRAIN_X_LOG_LEVEL", "", str,
+    "the level of raytrain-x's log in every process (empty: Python's default, WARNING)",
+    choices=("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL"),
+    horovod="HOROVOD_LOG_LEVEL", flag="--log-level")
 TIMELINE = Setting(
     "RAYTRAIN_X_TIMELINE", "", str,
     "a path: rank 0 writes a Chrome trace of every collective there",
@@ -202,7 +209,7 @@ TIMELINE = Setting(
 TIMELINE_MARK_CYCLES = Setting(
     "RAYTRAIN_X_TIMELINE_MARK_CYCLES", False, bool,
     "a `CYCLE_START` mark in the timeline per cycle that ran a collective",
-    horovod="HOROVOD_TIMELINE_MARK_CYCLES")
+    horovod="HOROVOD_TIMELINE_MARK_CYCLES", flag="--timeline-mark-cycles")
 GPU_OPERATIONS = Setting(
     "RAYTRAIN_X_GPU_OPERATIONS", "nccl", str,
     "how CUDA tensors travel: nccl (one GPU per rank), or gloo for ranks that share a GPU "

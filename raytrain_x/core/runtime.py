@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from raytrain_x.common.autotune_config import AutotuneConfig
 from raytrain_x.common.autotune_log import load_best_knobs
 from raytrain_x.common.errors import LOST_PEER_ERRORS, LOST_PEER_EXIT_CODE, ConfigError
 from raytrain_x.common.knobs import Knobs, load_knobs
+from raytrain_x.common.logs import apply_log_level
 from raytrain_x.core.process import PROCESS, StepClock, World
 from raytrain_x.engine.engine import Engine
 from raytrain_x.engine.stats import EngineStats
@@ -105,6 +107,7 @@ def start(
         elif config is not None and config.initial_knobs is not None:
             knobs = config.initial_knobs.replace(
                 **{n: getattr(knobs, n) for n in fixed})
+        apply_log_level(settings.LOG_LEVEL.read())
         if settings.LAUNCHED.read():
             _exit_with_code_on_lost_peer()
         rdv, groups, knobs = _form_world(rendezvous, knobs)
@@ -112,8 +115,9 @@ def start(
             groups,
             knobs,
             timeline_path=settings.TIMELINE.read() or None,
-            stall_warning_s=settings.STALL_WARNING_S.read(),
-            stall_shutdown_s=settings.STALL_SHUTDOWN_S.read(),
+            stall_warning_s=settings.STALL_WARNING_S.read() or math.inf,  # 0: no check
+            stall_shutdown_s=(settings.STALL_SHUTDOWN_S.read()
+                              if settings.STALL_WARNING_S.read() else 0.0),
             timeline_mark_cycles=settings.TIMELINE_MARK_CYCLES.read(),
         )
         world = World(engine, fixed)

@@ -103,8 +103,9 @@ def horovod_shape(num_workers: Any, min_workers: Any, num_workers_per_host: Any,
     `gpus_per_worker`). Both `num_workers` and `min_workers` is a `ConfigError` (a
     `ValueError`, as Horovod's): a job is fixed or elastic."""
     if num_workers is not None and min_workers is not None:
-        raise ConfigError("give num_workers for a fixed-size job or min_workers/max_workers "
-                          "for an elastic one, not both")
+        raise ConfigError("Both `min_workers` and `num_workers` provided. Give num_workers "
+                          "for a fixed-size job or min_workers/max_workers for an elastic "
+                          "one, not both")
     for new, old, value, alias in (("cpus_per_worker", "cpus_per_slot", cpus_per_worker,
                                     cpus_per_slot),
                                    ("gpus_per_worker", "gpus_per_slot", gpus_per_worker,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import ray
@@ -34,6 +34,8 @@ from raytrain_x.ray.connect import (
     make_settings,
 )
 from raytrain_x.ray.elastic import ElasticJob, ElasticSettings, run_job
+from raytrain_x.ray.elastic.discovery import ScriptDiscovery, StaticDiscovery, parse_hosts
+from raytrain_x.ray.elastic.settings import EVERY_FREE_SLOT
 from raytrain_x.ray.metrics import DriverMetrics
 from raytrain_x.ray.placement import Slot, validate_shape
 from raytrain_x.ray.static_job import StaticJob, StaticShape
@@ -58,7 +60,9 @@ class RayExecutor:
         use_current_placement_group: run inside the caller's placement group (Tune trials).
         min_workers: elastic: the fewest workers the job trains with; setting it (or
             `max_workers`) makes the executor elastic.
-        max_workers: elastic: the most workers the job grows to.
+        max_workers: elastic: the most workers the job grows to; None (with `min_workers`)
+            takes every free slot the cluster has, as Horovod's `max_np=None` does (the
+            autoscaler is then asked for `min_workers` only).
         reset_limit: elastic: more resets than this fail the job (`ResetLimitExceeded`).
         cooldown_range: elastic: `(lo, hi)` seconds a failed host stays blacklisted, doubling
             per failure from `lo` up to `hi`; without it a failed host stays out.
@@ -72,6 +76,12 @@ class RayExecutor:
         autotune: an `AutotuneConfig` (or True): tune the free knobs while training; the
             controller runs as a Ray actor, rank 0 reports each sample to it.
         resources_per_worker: extra Ray resources each worker reserves.
+        hosts: horovodrun's `-H`: `"host1:2,host2:2"` (or a dict): the Ray nodes (by IP
+            address, hostname, node id, or `localhost` for this one) and slots the job
+            runs on; a fixed job fills them in order, an elastic one takes them as its
+            discovered hosts.
+        slots_per_host: horovodrun's `--slots`: the slots of a host named without them (in
+            `hosts` or a discovery script's output).
         host_discovery_script: elastic: an executable printing `host:slots` lines (default:
             Ray's alive nodes and their free resources).
         name: the job's name in its metrics (their `job` tag, docs/metrics.md); default:
@@ -127,6 +137,8 @@ class RayExecutor:
         override_discovery: bool = True,
         cpus_per_slot: float | None = None,
         gpus_per_slot: float | None = None,
+        hosts: str | Mapping[str, int] | None = None,
+        slots_per_host: int | None = None,
     ) -> None:
         num_workers_per_host, cpus_per_worker, gpus_per_worker = horovod_shape(
             num_workers, min_workers, num_workers_per_host, cpus_per_worker, gpus_per_worker,
@@ -179,7 +191,7 @@ class RayExecutor:
         self.elastic = elastic
         if elastic:
             self.min_workers = min_workers or 1
-            self.max_workers = max_workers or max(self.min_workers, num_workers or 1)
+            self.max_workers = max_workers if max_workers is not None else EVERY_FREE_SLOT
         if resources_per_worker is not None and any(
                 not isinstance(v, (int, float)) or v < 0 for v in resources_per_worker.values()):
             raise ConfigError(f"resources_per_worker needs non-negative numbers, got "
@@ -187,9 +199,18 @@ class RayExecutor:
         self.resources_per_worker = dict(resources_per_worker or {})
         self.host_discovery_script = host_discovery_script
         if host_discovery_script is not None:
-            from raytrain_x.ray.elastic.discovery import ScriptDiscovery
-
             ScriptDiscovery(host_discovery_script)  # validates it now, not mid-job
+        if slots_per_host is not None and slots_per_host < 1:
+            raise ConfigError(f"slots_per_host must be >= 1, got {slots_per_host}")
+        self.slots_per_host = slots_per_host
+        self.hosts = parse_hosts(hosts, slots_per_host) if isinstance(hosts, str) else \
+            (dict(hosts) if hosts is not None else None)
+        if self.hosts is not None:
+            StaticDiscovery(self.hosts)  # checks the slots
+            if host_discovery_script is not None:
+                raise ConfigError("give hosts or host_discovery_script, not both")
+            if num_hosts is not None:
+                raise ConfigError("give hosts or num_hosts, not both")
         if name is not None and (not isinstance(name, str) or not name.strip()):
             raise ConfigError(f"name must be a non-empty string, got {name!r}")
         self.name = name
@@ -270,7 +291,7 @@ class RayExecutor:
         shape = StaticShape(self.num_workers, self.num_hosts, self.num_workers_per_host,
                             self.cpus_per_worker, self.gpus_per_worker if self.use_gpu else 0,
                             self.resources_per_worker, self.use_current_placement_group,
-                            self.settings.placement_group_timeout_s)
+                            self.settings.placement_group_timeout_s, self.hosts)
         self._static = StaticJob(shape, self.settings.timeout_s)
         self._static.start(env, self.autotune_controller)
         if self.metrics is not None:
@@ -321,6 +342,7 @@ class RayExecutor:
             resources_per_worker=self.resources_per_worker, reset_limit=self.reset_limit,
             cooldown_range=self.cooldown_range, elastic_timeout=self.elastic_timeout,
             timeout_s=self.settings.timeout_s, discovery_script=self.host_discovery_script,
+            hosts=self.hosts, slots_per_host=self.slots_per_host,
             env=self._elastic_env, autotune_actor=self.autotune_controller,
             start_timeout_s=self.start_timeout_s, checkpoint=self.checkpoint)
 

@@ -11,6 +11,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from raytrain_x.common import settings
+from raytrain_x.common.horovod_env import worker_env
 from raytrain_x.ray.executor import RayExecutor
 
 # after the job's timeout, what a rank that outlived a failed one gets to end by itself
@@ -50,16 +51,19 @@ def run_script(command: list[str], cwd: str | None = None) -> int:
 
 
 def command_env(executor: RayExecutor, rank: int, store_addr: str, store_port: int,
-                store_secret: str) -> dict:
+                store_secret: str, hostname: str) -> dict:
     """The rendezvous variables (`settings.LAUNCHER`) `rx.init()` reads in a launched
-    process."""
+    process, and horovodrun's (`HOROVOD_RANK`, ..., `HOROVOD_HOSTNAME`: `hostname`, its
+    node's address) for scripts that read them."""
     slot = executor.slots[rank]
     values = {settings.RANK: slot.rank, settings.SIZE: len(executor.slots),
               settings.LOCAL_RANK: slot.local_rank, settings.LOCAL_SIZE: slot.local_size,
               settings.CROSS_RANK: slot.cross_rank, settings.CROSS_SIZE: slot.cross_size,
               settings.STORE_ADDR: store_addr, settings.STORE_PORT: store_port,
               settings.STORE_SECRET: store_secret}
-    return {s.env: str(v) for s, v in values.items()}
+    return {**{s.env: str(v) for s, v in values.items()},
+            **worker_env(slot.rank, len(executor.slots), slot.local_rank, slot.local_size,
+                         slot.cross_rank, slot.cross_size, hostname)}
 
 
 def run_command_on_workers(executor: RayExecutor, command: list[str], env: dict[str, str],
@@ -78,13 +82,15 @@ def run_command_on_workers(executor: RayExecutor, command: list[str], env: dict[
     """
     rank0 = executor.workers[0]
     addr, port = ray.get([rank0.node_ip.remote(), rank0.free_port.remote()])
+    hostnames = ray.get([w.node_ip.remote() for w in executor.workers])
     secret = secrets.token_hex(32)
     results = [{"code": 1, "ended": float("inf"), "lost_peer": False}
                for _ in executor.workers]
 
     def follow(rank: int) -> None:
         gen = executor.workers[rank].run_command.options(num_returns="streaming").remote(
-            command, {**env, **command_env(executor, rank, addr, port, secret)}, cwd)
+            command, {**env, **command_env(executor, rank, addr, port, secret,
+                                           hostnames[rank])}, cwd)
         try:
             for ref in gen:
                 item = ray.get(ref)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import ray
@@ -43,6 +44,51 @@ def assign_ranks(node_ids: list[str]) -> list[Slot]:
     return [s for s in slots if s is not None]
 
 
+LOCAL_NAMES = ("localhost", "127.0.0.1")  # the driver's node, as horovodrun's -H means it
+
+
+def resolve_hosts(reported: Mapping[str, int]) -> dict[str, int]:
+    """Maps user host names (IP, hostname, node id, or `localhost` for the driver's node)
+    to alive Ray node ids; names that match no alive node are left out."""
+    by_name: dict[str, str] = {}
+    for node in ray.nodes():
+        if not node.get("Alive"):
+            continue
+        for key in (node["NodeID"], node.get("NodeManagerAddress"), node.get("NodeName"),
+                    node.get("NodeManagerHostname")):
+            if key:
+                by_name[str(key)] = node["NodeID"]
+    here = ray.get_runtime_context().get_node_id()
+    for name in LOCAL_NAMES:
+        by_name.setdefault(name, here)
+    out: dict[str, int] = {}
+    for host, slots in reported.items():
+        if host in by_name:
+            node = by_name[host]
+            out[node] = out.get(node, 0) + slots
+    return out
+
+
+def pinned_nodes(hosts: Mapping[str, int], num_workers: int) -> list[str]:
+    """The node of each of `num_workers` workers on the hosts of horovodrun's `-H` (in its
+    order, each filled before the next).
+
+    Raises:
+        ConfigError: a host is not a Ray node, or the hosts hold fewer slots.
+    """
+    order: list[str] = []
+    for host, slots in hosts.items():
+        node = resolve_hosts({host: slots})
+        if not node:
+            raise ConfigError(f"host {host!r} of -H/--hosts is not an alive Ray node (give "
+                              "its IP address, hostname or node id, or localhost)")
+        order += [next(iter(node))] * slots
+    if len(order) < num_workers:
+        raise ConfigError(f"-H/--hosts lists {len(order)} slots for {num_workers} workers; "
+                          "give more hosts or slots, or a smaller -np")
+    return order[:num_workers]
+
+
 def create_placement_group(
     num_workers: int | None,
     num_hosts: int | None,
@@ -51,11 +97,13 @@ def create_placement_group(
     gpus_per_worker: float,
     timeout_s: float,
     resources_per_worker: dict[str, float] | None = None,
+    pinned: list[str] | None = None,
 ) -> tuple[PlacementGroup, list[int]]:
     """A placement group for the workers and the bundle index of each worker.
 
     `num_workers` packs one bundle per worker (PACK); `num_hosts` spreads one bundle per
-    host holding `num_workers_per_host` workers (STRICT_SPREAD).
+    host holding `num_workers_per_host` workers (STRICT_SPREAD); `pinned` puts each
+    worker's bundle on the node it names (horovodrun's `-H`).
     """
     def bundle(workers: int) -> dict[str, float]:
         b = {"CPU": cpus_per_worker * workers}
@@ -73,7 +121,12 @@ def create_placement_group(
         bundles = [bundle(1) for _ in range(num_workers or 0)]
         strategy = "PACK"
         indexes = list(range(num_workers or 0))
-    pg = placement_group(bundles, strategy=strategy)
+    selectors = None
+    if pinned is not None:
+        from ray.util.placement_group import NODE_ID_LABEL_KEY
+
+        selectors = [{NODE_ID_LABEL_KEY: node} for node in pinned]
+    pg = placement_group(bundles, strategy=strategy, bundle_label_selector=selectors)
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
     if not ready:
         ray.util.remove_placement_group(pg)

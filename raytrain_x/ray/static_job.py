@@ -30,6 +30,7 @@ from raytrain_x.ray.placement import (
     Slot,
     assign_ranks,
     create_placement_group,
+    pinned_nodes,
     stable_node_strategy,
 )
 from raytrain_x.ray.worker import Worker
@@ -49,6 +50,7 @@ class StaticShape:
     resources_per_worker: dict[str, float]
     use_current_placement_group: bool
     placement_group_timeout_s: float
+    hosts: dict[str, int] | None = None  # horovodrun's -H: host -> slots, filled in order
 
     @property
     def world_size(self) -> int:
@@ -80,10 +82,12 @@ class StaticJob:
             offset = 1 if len(current.bundle_specs) > shape.world_size else 0
             indexes = [i + offset for i in range(shape.world_size)]
         else:
+            pinned = None if shape.hosts is None else \
+                pinned_nodes(shape.hosts, shape.world_size)
             self._pg, indexes = create_placement_group(
                 shape.num_workers if shape.num_hosts is None else None, shape.num_hosts,
                 shape.num_workers_per_host, shape.cpus_per_worker, shape.gpus,
-                shape.placement_group_timeout_s, shape.resources_per_worker)
+                shape.placement_group_timeout_s, shape.resources_per_worker, pinned)
             self._owns_pg = True
         self.workers = workers = [  # held at once: a failed start kills what it started
             Worker.options(

@@ -21,6 +21,7 @@ from raytrain_x.comm.rendezvous import Rendezvous
 from raytrain_x.comm.store import ActorStore, call_actor
 from raytrain_x.common import settings
 from raytrain_x.common.errors import LOST_PEER_EXIT_CODE
+from raytrain_x.common.horovod_env import worker_env
 from raytrain_x.ray import metrics
 from raytrain_x.ray.failures import WorkerFailure
 
@@ -66,12 +67,20 @@ def install_world(rdv: dict[str, Any], store_actor: Any, env: dict[str, str],
         runtime.set_autotune_advisor_factory(
             lambda config, start, fixed: ActorAdvisor(autotune_actor))
     address = ray.util.get_node_ip_address()
+    os.environ.update(_horovod_env(rdv, address))
 
     def provider() -> Rendezvous:
         return Rendezvous(store=ActorStore(store_actor, rdv["timeout_s"]), round=next_round(),
                           address=address, **rdv)
 
     runtime.set_rendezvous_provider(provider)
+
+
+def _horovod_env(place: dict[str, Any], address: str) -> dict[str, str]:
+    """horovodrun's worker variables for this worker's place in the round."""
+    return worker_env(place.get("rank", 0), place.get("size", 1), place.get("local_rank", 0),
+                      place.get("local_size", 1), place.get("cross_rank", 0),
+                      place.get("cross_size", 1), address)
 
 
 # How often a worker looks whether its node's raylet is still its parent.
@@ -213,8 +222,10 @@ class WorkerActor:
             if place.get("leave"):
                 raise LeaveJob(place["reason"])
             self.rank = place["rank"]
-            return Rendezvous(store=ActorStore(store_actor, timeout_s), timeout_s=timeout_s,
-                              address=self.node_ip(), **place)
+            rdv = Rendezvous(store=ActorStore(store_actor, timeout_s), timeout_s=timeout_s,
+                             address=self.node_ip(), **place)
+            os.environ.update(_horovod_env(vars(rdv), rdv.address))  # this round's place
+            return rdv
 
         runtime.set_rendezvous_provider(provider)
         # rank 0 asks at every commit; the driver learns the job has progress to lose, and

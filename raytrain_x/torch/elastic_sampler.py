@@ -3,6 +3,7 @@ reset so that what is left of the epoch is seen once (Horovod's sampler)."""
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 from collections.abc import Iterator
@@ -11,6 +12,8 @@ from typing import Any
 import torch
 
 from raytrain_x.core.runtime import rank, size
+
+log = logging.getLogger("raytrain_x.elastic")
 
 
 class ElasticSampler(torch.utils.data.Sampler):
@@ -21,12 +24,22 @@ class ElasticSampler(torch.utils.data.Sampler):
     commit then keeps the epoch's progress, a restore goes back to the committed progress,
     and after a reset the remaining samples are re-shared among the new set of workers.
 
-    As with `DistributedSampler`, each rank's shard is padded (with samples from the start
-    of what remains) to an equal length, so that every rank runs the same number of steps.
+    The epoch's order is Horovod's: every index, shuffled with `seed + epoch` (the same on
+    every rank); what is left is that order without the processed indices, dealt to the
+    ranks in turn (rank r takes positions r, r + size, ...). As with `DistributedSampler`,
+    each rank's shard is padded (with samples from the start of what remains) to an equal
+    length, so that every rank runs the same number of steps.
+
+    Horovod's fields are kept: `processed_num` (samples of this epoch processed, over every
+    rank), and `state_dict()` / `load_state_dict()` with `epoch` and `processed_num` (a
+    Horovod state dict loads: its `processed_num` first samples of the epoch's order are
+    the processed ones). Beside them the sampler records exactly which indices were
+    processed (`processed_indices`), which a count cannot say after a reset re-dealt the
+    samples.
 
     Args:
         dataset: anything with `len()`.
-        shuffle: shuffle the remaining indices with `seed + epoch` (the same on every rank).
+        shuffle: shuffle the epoch's indices with `seed + epoch`.
         seed: base of the shuffle's seed.
     """
 
@@ -45,7 +58,17 @@ class ElasticSampler(torch.utils.data.Sampler):
         self.total_size = 0
         self._padded: list[int] = []
         self.indices: list[int] = []
+        self._past_end_warned = False
         self.reset()
+
+    @property
+    def processed_num(self) -> int:
+        """Samples of this epoch processed so far, over every rank (Horovod's field)."""
+        return len(self.processed_indices)
+
+    @processed_num.setter
+    def processed_num(self, value: int) -> None:
+        self.processed_indices = set(self._order()[:max(0, int(value))])
 
     def set_epoch(self, epoch: int) -> None:
         """Starts epoch `epoch`: nothing processed yet, a new shuffle."""
@@ -57,11 +80,25 @@ class ElasticSampler(torch.utils.data.Sampler):
         """Records batch `batch_idx` (counted from the start of this iteration) as done on
         every rank: data-parallel ranks step together, so each rank records the others'
         rows of the same batch too, and a commit holds the whole world's progress with no
-        communication (a failed rank's committed batches are not done again)."""
+        communication (a failed rank's committed batches are not done again).
+
+        An index past the end of this iteration's shard (a script that keeps counting its
+        batches across a reset, as Horovod's count allows) records the next
+        `batch_size * num_replicas` unprocessed samples in the epoch's order instead, as
+        Horovod's `processed_num += batch_size * num_replicas` does."""
         start = batch_idx * batch_size
-        for replica in range(self.num_replicas):
-            shard = self._padded[replica:self.total_size:self.num_replicas]
-            self.processed_indices.update(shard[start:start + batch_size])
+        if 0 <= start < self.num_samples:
+            for replica in range(self.num_replicas):
+                shard = self._padded[replica:self.total_size:self.num_replicas]
+                self.processed_indices.update(shard[start:start + batch_size])
+            return
+        left = [i for i in self._order() if i not in self.processed_indices]
+        if not left and not self._past_end_warned:
+            self._past_end_warned = True
+            log.warning("raytrain-x: ElasticSampler.record_batch(%d, %d) after every sample "
+                        "of epoch %d was recorded; call set_epoch() at each epoch's start",
+                        batch_idx, batch_size, self.epoch)
+        self.processed_indices.update(left[:batch_size * self.num_replicas])
 
     def record_indices(self, indices: Any) -> None:
         """Records dataset indices processed by this rank only; after a reset the survivors'
@@ -75,19 +112,30 @@ class ElasticSampler(torch.utils.data.Sampler):
         return self.indices[start:min(start + batch_size, len(self.indices))]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "processed_indices": set(self.processed_indices)}
+        """Horovod's `epoch` and `processed_num`, and the exact `processed_indices`."""
+        return {"epoch": self.epoch, "processed_num": self.processed_num,
+                "processed_indices": set(self.processed_indices)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads `state_dict()`'s, or Horovod's (`epoch` and `processed_num` only)."""
         self.epoch = state_dict["epoch"]
-        self.processed_indices = set(state_dict["processed_indices"])
+        if "processed_indices" in state_dict:
+            self.processed_indices = set(state_dict["processed_indices"])
+        else:
+            self.processed_num = state_dict.get("processed_num", 0)
         self.reset()
+
+    def _order(self) -> list[int]:
+        """Every index of the dataset in this epoch's order."""
+        order = list(range(len(self.dataset)))
+        if self.shuffle:
+            random.Random(self.seed + self.epoch).shuffle(order)
+        return order
 
     def reset(self) -> None:
         """Re-shards what is left of the epoch over the current world."""
         self.num_replicas, self.rank = size(), rank()
-        remaining = [i for i in range(len(self.dataset)) if i not in self.processed_indices]
-        if self.shuffle:
-            random.Random(self.seed + self.epoch).shuffle(remaining)
+        remaining = [i for i in self._order() if i not in self.processed_indices]
         self.remaining_indices = remaining
         self.num_samples = math.ceil(len(remaining) / self.num_replicas)
         self.total_size = self.num_samples * self.num_replicas
@@ -96,6 +144,7 @@ class ElasticSampler(torch.utils.data.Sampler):
             padded += remaining[:self.total_size - len(padded)]
         self._padded = padded
         self.indices = padded[self.rank:self.total_size:self.num_replicas]
+        self._past_end_warned = False
 
     def __iter__(self) -> Iterator[int]:
         self.indices = self._padded[self.rank:self.total_size:self.num_replicas]

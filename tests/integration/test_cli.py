@@ -89,6 +89,10 @@ def test_a_failed_rank_ends_the_launch_even_with_a_stuck_peer_and_leaves_no_proc
         (["run", "-np", "2", "--fusion-threshold-mb", "-1", "python", "x.py"], "out of range"),
         (["run", "--bogus", "-np", "2", "python", "x.py"], "unrecognized arguments"),
         (["run", "-np", "2", "--config-file", "/nope.yaml", "python", "x.py"], "does not exist"),
+        (["run", "-np", "2", "-H", "a:1", "-hostfile", "h", "python", "x.py"], "not both"),
+        (["run", "-np", "2", "-H", "a:x", "python", "x.py"], "is not 'host:slots'"),
+        (["run", "--log-level", "LOUD", "-np", "2", "python", "x.py"], "invalid choice"),
+        (["run", "python", "x.py"], "required: -np"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(args, message):
@@ -189,6 +193,44 @@ def _stop_cluster(temp: Path, gcs_port: int) -> None:
 
     stop(cluster_processes([str(temp), f":{gcs_port} "]))
     shutil.rmtree(temp, ignore_errors=True)
+
+
+_HOROVODRUN_SCRIPT = """\
+import logging, os, torch, raytrain_x.torch as rx
+rx.init()
+names = ["RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE"]
+print("horovod", rx.rank(), [os.environ["HOROVOD_" + n] for n in names],
+      bool(os.environ["HOROVOD_HOSTNAME"]),
+      os.environ.get("RAYTRAIN_X_STALL_CHECK_TIME_SECONDS"),
+      os.environ.get("RAYTRAIN_X_TIMELINE_MARK_CYCLES"),
+      logging.getLogger("raytrain_x").getEffectiveLevel(),
+      rx.allreduce(torch.tensor(rx.rank() + 1.0)).item())
+"""
+
+
+def test_a_horovodrun_command_line_runs_with_the_launchers_name_changed(ray_cluster, tmp_path):
+    """horovodrun's flags and worker variables: -H, --output-filename, the stall check, the
+    timeline's cycle marks, --log-level, --gloo-timeout-seconds; its flags that mean nothing
+    on Ray are taken with a warning; --check-build."""
+    script, out_dir = tmp_path / "hvd.py", tmp_path / "out"
+    script.write_text(_HOROVODRUN_SCRIPT)
+    out = _cli("run", "-np", "2", "-H", "localhost:2", "--address", ray_cluster, "--gloo",
+               "--ssh-port", "22", "--output-filename", str(out_dir), "--log-level", "debug",
+               "--no-stall-check", "--timeline-mark-cycles", "--gloo-timeout-seconds", "20",
+               "--prefix-output-with-timestamp", "python", str(script))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "--ssh-port does nothing here: Ray starts the workers, not SSH" in out.stderr
+    for rank in (0, 1):
+        line = f"horovod {rank} ['{rank}', '2', '{rank}', '2', '0', '1'] True 0.0 1 10 1.5"
+        assert re.search(rf"\d\d:\d\d:\d\d \d{{4}}:\[{rank}\]<stdout>:{re.escape(line)}",
+                         out.stdout), out.stdout
+        assert line in (out_dir / f"rank.{rank}" / "stdout").read_text()
+    build = _cli("run", "--check-build", work_s=5)
+    assert build.returncode == 0 and "[X] Gloo" in build.stdout and "[X] PyTorch" in build.stdout
+    missing = _cli("run", "-np", "1", "-H", "no-such-host:1", "--address", ray_cluster,
+                   "python", str(script))
+    assert missing.returncode == 2
+    assert "host 'no-such-host' of -H/--hosts is not an alive Ray node" in missing.stderr
 
 
 def test_cli_elastic_job(ray_cluster):

@@ -148,6 +148,8 @@ def test_killed_worker_actor_training_finishes(elastic_nodes, tmp_path):
     assert any(kind == "failure" for _, kind, _ in events)
     assert rounds >= 2
     assert 3 in results[0]["sizes"] and results[0]["sizes"][-1] == 2
+    # horovodrun's worker variables follow the reset
+    assert sorted(tuple(r["horovod_env"]) for r in results) == [("0", "2"), ("1", "2")]
 
 
 def test_removed_node_survivors_continue(cluster, elastic_nodes, tmp_path):

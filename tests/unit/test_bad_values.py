@@ -26,7 +26,7 @@ from raytrain_x.common.settings import (
 
 @pytest.mark.parametrize("setting,raw", [
     (METRICS_INTERVAL_S, "0"),  # every worker and the driver busy-looped
-    (STALL_WARNING_S, "0"),  # a warning every engine cycle
+    (STALL_WARNING_S, "0.5"),  # a warning every few engine cycles
     (TIMEOUT_S, "nan"),  # a NaN wait never ends
     (TIMEOUT_S, "inf"),
     (TIMEOUT_S, "-1"),
@@ -53,6 +53,7 @@ def test_settings_in_range_and_documented_zeros_are_taken():
     assert METRICS_INTERVAL_S.read({METRICS_INTERVAL_S.env: "0.5"}) == 0.5
     assert STALL_SHUTDOWN_S.read({STALL_SHUTDOWN_S.env: "0"}) == 0.0  # never
     assert STALL_WARNING_S.read({}) == 60.0
+    assert STALL_WARNING_S.read({STALL_WARNING_S.env: "0"}) == 0.0  # no stall check
 
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, 0, -3, "10", True])

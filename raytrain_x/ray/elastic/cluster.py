@@ -7,7 +7,11 @@ from __future__ import annotations
 from typing import Any
 
 from raytrain_x.ray.autoscaling import CapacityRequest, draining_nodes, node_types
-from raytrain_x.ray.elastic.discovery import ScriptDiscovery, slots_from_resources
+from raytrain_x.ray.elastic.discovery import (
+    ScriptDiscovery,
+    StaticDiscovery,
+    slots_from_resources,
+)
 from raytrain_x.ray.elastic.ray_nodes import RayDiscovery, alive_nodes, resolve_hosts
 from raytrain_x.ray.elastic.settings import ElasticSettings
 from raytrain_x.ray.failures import node_addresses
@@ -16,9 +20,14 @@ from raytrain_x.ray.failures import node_addresses
 class ClusterView:
     def __init__(self, settings: ElasticSettings) -> None:
         self.per_worker = settings.per_worker
-        self.scripted = settings.discovery_script is not None
-        self.discovery: Any = (ScriptDiscovery(settings.discovery_script) if self.scripted
-                               else RayDiscovery(self.per_worker))
+        self.scripted = settings.discovery_script is not None or settings.hosts is not None
+        if settings.hosts is not None:
+            self.discovery: Any = StaticDiscovery(settings.hosts)
+        elif settings.discovery_script is not None:
+            self.discovery = ScriptDiscovery(settings.discovery_script,
+                                             default_slots=settings.slots_per_host)
+        else:
+            self.discovery = RayDiscovery(self.per_worker)
         self.capacity = CapacityRequest(self.per_worker)
 
     def nodes(self) -> dict[str, dict[str, float]]:

@@ -17,19 +17,49 @@ from raytrain_x.common.settings import TIMEOUT_S
 log = logging.getLogger("raytrain_x.elastic")
 
 
-def parse_host_slots(text: str, source: str = "discovery script") -> dict[str, int]:
-    """Parses `host:slots` lines (blank lines and `#` comments ignored)."""
+def parse_host_slots(text: str, source: str = "discovery script",
+                     default_slots: int | None = None) -> dict[str, int]:
+    """Parses `host:slots` lines (blank lines and `#` comments ignored); a line of a bare
+    `host` has `default_slots` (horovodrun's `--slots`), where given. Open MPI's hostfile
+    form `host slots=N` is read too."""
     hosts: dict[str, int] = {}
     for number, raw in enumerate(text.splitlines(), 1):
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
+        name, _, rest = line.partition(" ")
+        if rest.strip().startswith("slots="):
+            line = f"{name}:{rest.strip()[len('slots='):]}"
         host, sep, slots = line.rpartition(":")
-        if not sep or not host or not slots.strip().isdigit():
+        if not sep and default_slots is not None and line:
+            host, slots = line, str(default_slots)
+        if not host or not slots.strip().isdigit():
+            bare = "" if default_slots is not None else \
+                " (a bare host name needs --slots-per-host)"
             raise ConfigError(f"{source} line {number}: {raw!r} is not 'host:slots' (for "
-                              "example 'node-1:4')")
+                              f"example 'node-1:4'){bare}")
         hosts[host.strip()] = int(slots)
     return hosts
+
+
+def parse_hosts(hosts: str, default_slots: int | None = None) -> dict[str, int]:
+    """horovodrun's `-H host1:2,host2:2` (a bare host has `default_slots`, else 1)."""
+    return parse_host_slots("\n".join(h for h in hosts.split(",") if h.strip()),
+                            "-H/--hosts", 1 if default_slots is None else default_slots)
+
+
+class StaticDiscovery:
+    """A fixed host list (horovodrun's `-H`/`--hostfile`), matched to Ray nodes as a
+    discovery script's hosts are."""
+
+    def __init__(self, hosts: dict[str, int]) -> None:
+        if not hosts or any(n < 1 for n in hosts.values()):
+            raise ConfigError(f"the host list needs hosts with at least one slot each, got "
+                              f"{hosts}")
+        self._hosts = dict(hosts)
+
+    def hosts(self) -> dict[str, int]:
+        return dict(self._hosts)
 
 
 # After the script's first success, how long it may keep failing (every run) before the job
@@ -80,13 +110,15 @@ class ScriptDiscovery:
 
     def __init__(self, script: str, timeout_s: float = TIMEOUT_S.default,
                  failing_for_s: float = FAILING_FOR_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 default_slots: int | None = None) -> None:
         if not os.path.isfile(script):
             raise ConfigError(f"host discovery script {script!r} does not exist")
         if not os.access(script, os.X_OK):
             raise ConfigError(f"host discovery script {script!r} is not executable; "
                               f"run: chmod +x {script}")
         self.script = script
+        self.default_slots = default_slots
         self.timeout_s = timeout_s
         self.health = DiscoveryHealth(failing_for_s)
         self._clock = clock
@@ -137,7 +169,8 @@ class ScriptDiscovery:
             return ConfigError(f"host discovery script {self.script!r} exited with "
                                f"{out.returncode}: {out.stderr.strip()[:300]}")
         try:
-            return parse_host_slots(out.stdout, f"host discovery script {self.script!r}")
+            return parse_host_slots(out.stdout, f"host discovery script {self.script!r}",
+                                    self.default_slots)
         except ConfigError as exc:
             return exc
 

@@ -8,6 +8,9 @@ import ray
 
 from raytrain_x.ray import internals
 from raytrain_x.ray.elastic.discovery import slots_from_resources
+from raytrain_x.ray.placement import resolve_hosts
+
+__all__ = ["RayDiscovery", "alive_nodes", "resolve_hosts"]
 
 
 def alive_nodes() -> dict[str, dict[str, float]]:
@@ -26,16 +29,3 @@ class RayDiscovery:
         per_node = internals.available_resources_per_node()
         return {node: slots_from_resources(res, self.per_worker)
                 for node, res in per_node.items() if node in alive}
-
-
-def resolve_hosts(reported: Mapping[str, int]) -> dict[str, int]:
-    """Maps user host names (IP, hostname or node id) to alive Ray node ids."""
-    by_name: dict[str, str] = {}
-    for node in ray.nodes():
-        if not node.get("Alive"):
-            continue
-        for key in (node["NodeID"], node.get("NodeManagerAddress"), node.get("NodeName"),
-                    node.get("NodeManagerHostname")):
-            if key:
-                by_name[str(key)] = node["NodeID"]
-    return {by_name[h]: slots for h, slots in reported.items() if h in by_name}

@@ -8,8 +8,11 @@ from typing import Any
 from raytrain_x.common.checkpoint_config import CheckpointConfig
 from raytrain_x.common.settings import DRAIN_POLL_S, START_TIMEOUT_S, STRAGGLER_POLL_S
 
-__all__ = ["DRAIN_POLL_S", "STRAGGLER_POLL_S", "ElasticSettings"]
+__all__ = ["DRAIN_POLL_S", "EVERY_FREE_SLOT", "STRAGGLER_POLL_S", "ElasticSettings"]
 GAVE_UP_WARNING_AT = 3  # give-ups after which the job warns once that it keeps giving up
+# `max_workers` of a job given none (Horovod's `max_np=None`): every free slot the cluster
+# has; the autoscaler is asked for `min_workers` only
+EVERY_FREE_SLOT = 2**31 - 1
 
 
 @dataclass
@@ -24,6 +27,8 @@ class ElasticSettings:
     elastic_timeout: float
     timeout_s: float
     discovery_script: str | None = None
+    hosts: dict[str, int] | None = None  # a fixed host list (horovodrun's -H), as discovered
+    slots_per_host: int | None = None  # the slots of a discovered host named without them
     discovery_interval_s: float = 1.0
     env: dict[str, str] | None = None
     autotune_actor: Any = None
@@ -36,6 +41,11 @@ class ElasticSettings:
     # durable checkpoints: with every holder of the state lost, the next round restores
     # from storage instead of the job stopping with ElasticStateLost
     checkpoint: CheckpointConfig | None = None
+
+    @property
+    def bounded(self) -> bool:
+        """Whether `max_workers` caps the job (else it takes every free slot)."""
+        return self.max_workers < EVERY_FREE_SLOT
 
     @property
     def per_worker(self) -> dict[str, float]:

@@ -83,7 +83,9 @@ def ledger_train(steps: int | None = None, pause: float = 0.05, *, stop: str | N
                   "weight": [x for p in model.parameters()
                              for x in p.detach().flatten().tolist()],
                   "restores": rx.elastic.restore_count(),
-                  "restores_from_storage": PROCESS.checkpoints.restored_count}
+                  "restores_from_storage": PROCESS.checkpoints.restored_count,
+                  # horovodrun's variables, as the last reset left them
+                  "horovod_env": [os.environ.get(f"HOROVOD_{k}") for k in ("RANK", "SIZE")]}
         if zero_stage:  # every rank calls the consolidated state_dict
             result["optimizer_steps"] = sorted(
                 {int(s["step"]) for s in opt.state_dict()["state"].values()})

@@ -105,12 +105,15 @@ class ScalingPolicy:
 
     def bundles(self, staying: int, pending: int, unusable_slots: int) -> int:
         """How many worker bundles to ask the autoscaler for: room for `max_workers` while
-        the job has fewer (running or starting), 0 once it has them. Ray counts the
-        capacity of blacklisted and draining nodes too, so their slots are asked for on
-        top, or the autoscaler would add nothing in their place."""
-        if self.settings.max_workers - staying - pending <= 0:
+        the job has fewer (running or starting), 0 once it has them; a job without a
+        `max_workers` (every free slot) asks for `min_workers`. Ray counts the capacity of
+        blacklisted and draining nodes too, so their slots are asked for on top, or the
+        autoscaler would add nothing in their place."""
+        target = self.settings.max_workers if self.settings.bounded else \
+            self.settings.min_workers
+        if target - staying - pending <= 0:
             return 0
-        return self.settings.max_workers + max(0, unusable_slots)
+        return target + max(0, unusable_slots)
 
     def give_ups(self, pending: Iterable[PendingView],
                  node_totals: Mapping[str, Mapping[str, float]],
