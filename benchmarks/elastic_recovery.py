@@ -35,8 +35,12 @@ workers:
 Time from the loss (the kill) to the first step after it
 (results/elastic_recovery_storage.json).
 
+With --discovery, Horovod's hosts changing under the job (benchmarks/elastic_discovery.py):
+a host added to and removed from a discovery script's output, the time to the new world's
+first step and the survivors' stall (results/elastic_discovery.json).
+
 Run: .venv/bin/python benchmarks/elastic_recovery.py [--repeats 3] [--no-nodes] [--zero]
-     [--storage]
+     [--storage] [--discovery]
 """
 
 from __future__ import annotations
@@ -591,7 +595,15 @@ def main() -> None:
     parser.add_argument("--storage", action="store_true",
                         help="only the whole job lost: durable checkpoints against Ray "
                              "Train's TorchTrainer restarting from its checkpoint")
+    parser.add_argument("--discovery", action="store_true",
+                        help="only a discovery script's hosts added and removed under the "
+                             "job (benchmarks/elastic_discovery.py)")
     args = parser.parse_args()
+    if args.discovery:
+        import elastic_discovery
+
+        elastic_discovery.run(args.repeats, args.json)
+        return
     if args.storage:
         _storage_recovery(args)
         return

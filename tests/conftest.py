@@ -181,17 +181,19 @@ def elastic_nodes(cluster):
     handed: list = []
     special: list = []  # nodes with resources of their own: not for another test
 
-    def add(count: int = 1, **resources: float):
+    def add(count: int = 1, num_cpus: int = 1, **resources: float):
         nodes = []
+        own = bool(resources) or num_cpus != 1  # a node of its own kind: not for reuse
         if not handed and not special:  # the test's first call
             alive = [n for n in _elastic_pool if n in cluster.worker_nodes]
-            nodes = [] if resources else alive[:count]
+            nodes = [] if own else alive[:count]
             _remove_nodes(cluster, alive[len(nodes):])
             _elastic_pool.clear()
-        added = [cluster.add_node(num_cpus=1, resources={ELASTIC_RESOURCE: 1, **resources})
+        added = [cluster.add_node(num_cpus=num_cpus,
+                                  resources={ELASTIC_RESOURCE: 1, **resources})
                  for _ in range(count - len(nodes))]
         cluster.wait_for_nodes()
-        (special if resources else handed).extend(added)
+        (special if own else handed).extend(added)
         handed.extend(nodes)
         return nodes + added
 

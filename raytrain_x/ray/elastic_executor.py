@@ -24,6 +24,9 @@ class ElasticExecutorSettings:
     max_np: int | None = None
     reset_limit: int | None = None
     elastic_timeout: float = 600.0
+    # Horovod's `settings.discovery = ...`: a HostDiscovery (`find_available_hosts_and_slots`)
+    # the job uses when `override_discovery=False`
+    discovery: Any = None
 
 
 class ElasticRayExecutor:
@@ -38,7 +41,9 @@ class ElasticRayExecutor:
         cpus_per_slot: CPUs per worker.
         gpus_per_slot: GPUs per worker, with `use_gpu`.
         env_vars: environment variables for every worker (strings).
-        override_discovery: Horovod's; taken (the discovery is Ray's).
+        override_discovery: Horovod's: True (the default) discovers Ray's nodes; False uses
+            the `settings.discovery` object set before (a `HostDiscovery`, such as
+            `TestDiscovery`).
     """
 
     @staticmethod
@@ -73,6 +78,11 @@ class ElasticRayExecutor:
             use_gpu=use_gpu, cpus_per_slot=cpus_per_slot,
             gpus_per_slot=gpus_per_slot if use_gpu else None,
             override_discovery=override_discovery)
+        if not override_discovery:
+            if settings.discovery is None:
+                raise ConfigError("override_discovery=False uses settings.discovery: set it "
+                                  "to a HostDiscovery (for example TestDiscovery) first")
+            self.executor.host_discovery = settings.discovery
         self.env_vars = dict(env_vars or {})
 
     def start(self) -> None:

@@ -38,6 +38,7 @@ from raytrain_x.ray.elastic.discovery import ScriptDiscovery, StaticDiscovery, p
 from raytrain_x.ray.elastic.settings import EVERY_FREE_SLOT
 from raytrain_x.ray.metrics import DriverMetrics
 from raytrain_x.ray.placement import Slot, validate_shape
+from raytrain_x.ray.ray_logger import Relay
 from raytrain_x.ray.static_job import StaticJob, StaticShape
 
 
@@ -203,6 +204,7 @@ class RayExecutor:
         if slots_per_host is not None and slots_per_host < 1:
             raise ConfigError(f"slots_per_host must be >= 1, got {slots_per_host}")
         self.slots_per_host = slots_per_host
+        self.host_discovery: Any = None  # a HostDiscovery object (ElasticRayExecutor's)
         self.hosts = parse_hosts(hosts, slots_per_host) if isinstance(hosts, str) else \
             (dict(hosts) if hosts is not None else None)
         if self.hosts is not None:
@@ -343,6 +345,7 @@ class RayExecutor:
             cooldown_range=self.cooldown_range, elastic_timeout=self.elastic_timeout,
             timeout_s=self.settings.timeout_s, discovery_script=self.host_discovery_script,
             hosts=self.hosts, slots_per_host=self.slots_per_host,
+            discovery=self.host_discovery,
             env=self._elastic_env, autotune_actor=self.autotune_controller,
             start_timeout_s=self.start_timeout_s, checkpoint=self.checkpoint)
 
@@ -397,40 +400,48 @@ class RayExecutor:
         """Runs `fn` on every worker and returns the results in rank order.
 
         Args:
-            callbacks: called on the driver with `(rank, result)` as each rank finishes.
+            callbacks: called on the driver with each value a worker logs with
+                `raytrain_x.ray.ray_logger.log(info)`, as it arrives (Horovod's): rank 0's
+                in a fixed job, every worker's in an elastic one.
 
         Raises:
             WorkerError: a rank raised or exited; names the rank and its traceback. The
                 other ranks are released (their engines stop) within `timeout_s`.
         """
+        if not callbacks:
+            return self._run(fn, args, kwargs)
+        with Relay(callbacks, rank0_only=not self.elastic) as relay:
+            return self._run(relay.wrap(fn), args, kwargs)
+
+    def _run(self, fn: Callable, args: Sequence | None, kwargs: dict | None) -> list[Any]:
         if self.elastic:
-            results = self._run_elastic(fn, args, kwargs)
-            for rank, result in enumerate(results):
-                for cb in callbacks or ():
-                    cb((rank, result))
-            return results
-        return self.collect(self.run_remote(fn, args, kwargs), callbacks)
+            return self._run_elastic(fn, args, kwargs)
+        return self.collect(self.run_remote(fn, args, kwargs))
 
     def execute(self, fn: Callable[[Any], Any],
                 callbacks: Sequence[Callable[[Any], None]] | None = None) -> list[Any]:
-        """Runs `fn(executable)` on every worker's executable; results in rank order."""
+        """Runs `fn(executable)` on every worker's executable; results in rank order.
+        `callbacks`: as `run`'s."""
         job = self._started()
-        return job.collect(job.execute_remote(fn, range(len(job.workers))), callbacks)
+        if not callbacks:
+            return job.collect(job.execute_remote(fn, range(len(job.workers))))
+        with Relay(callbacks, rank0_only=True) as relay:
+            refs = job.execute_remote(relay.wrap(fn), range(len(job.workers)))
+            return job.collect(refs)
 
     def execute_single(self, fn: Callable[[Any], Any]) -> Any:
         """Runs `fn(executable)` on rank 0 only."""
         job = self._started()
-        return job.collect(job.execute_remote(fn, [0]), None)[0]
+        return job.collect(job.execute_remote(fn, [0]))[0]
 
-    def collect(self, refs: list[ray.ObjectRef],
-                callbacks: Sequence[Callable[[Any], None]] | None) -> list[Any]:
+    def collect(self, refs: list[ray.ObjectRef]) -> list[Any]:
         """Waits for per-rank ObjectRefs from `run_remote`; returns results in rank order.
 
         Raises:
             WorkerError: the root-cause failure; ranks still running `timeout_s` after it
                 are killed.
         """
-        return self._started().collect(refs, callbacks)
+        return self._started().collect(refs)
 
 
 def checkpoint_name(name: str | None) -> str:

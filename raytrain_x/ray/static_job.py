@@ -159,8 +159,7 @@ class StaticJob:
         return [self.workers[r].execute.remote(fn, with_executable=True, round_id=self._round)
                 for r in ranks]
 
-    def collect(self, refs: list[ray.ObjectRef],
-                callbacks: Sequence[Callable[[Any], None]] | None) -> list[Any]:
+    def collect(self, refs: list[ray.ObjectRef]) -> list[Any]:
         """Waits for per-rank ObjectRefs; returns results in rank order.
 
         Raises:
@@ -178,8 +177,6 @@ class StaticJob:
                 rank = pending.pop(ref)
                 try:
                     results[rank] = ray.get(ref)
-                    for cb in callbacks or ():
-                        cb((rank, results[rank]))
                 except (RayTaskError, RayActorError) as exc:
                     errors[rank] = worker_error(rank, exc)
                     deadline = min(deadline, time.monotonic() + self.timeout_s)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -12,6 +13,7 @@ from raytrain_x.core.process_sets import global_process_set
 from raytrain_x.core.runtime import rank
 from raytrain_x.elastic.commits import CommitManager
 from raytrain_x.elastic.state import ObjectState, State, restore_count, run
+from raytrain_x.torch import elastic_sampler as sampler
 from raytrain_x.torch.elastic_sampler import ElasticSampler
 from raytrain_x.torch.functions import broadcast_object
 from raytrain_x.torch.global_batch import GlobalBatch
@@ -86,3 +88,6 @@ class TorchState(ObjectState):
 
 __all__ = ["CheckpointConfig", "ElasticSampler", "GlobalBatch", "ObjectState", "State",
            "TorchState", "restore_count", "run"]
+
+# Horovod's module path `horovod.torch.elastic.sampler` (this module is not a package)
+sys.modules[__name__ + ".sampler"] = sampler

@@ -182,7 +182,7 @@ def DistributedTrainableCreator(  # noqa: N802 - Horovod's name
                 _, pending = ray.wait(pending, num_returns=len(pending), timeout=0.1)
                 _pump(queue)
             _pump(queue)
-            executor.collect(refs, None)  # raises WorkerError naming the failing rank
+            executor.collect(refs)  # raises WorkerError naming the failing rank
         finally:
             executor.shutdown()
             ray.kill(queue.actor, no_restart=True)

@@ -193,6 +193,57 @@ def test_added_node_joins_at_the_next_commit(elastic_nodes, tmp_path):
     assert any(kind == "scale_up" for _, kind, _ in events)
 
 
+def test_horovods_hosts_join_in_one_round_leave_with_discovery_and_go_when_blacklisted(
+        elastic_nodes, tmp_path):
+    """A discovery script over two 2-slot nodes (Horovod's hosts): the second host's two
+    workers join in one round (they cost two, one per newcomer); the host dropped from the
+    script's output loses its workers at their next commit (they stayed); listed again, it
+    joins again; a worker killed there blacklists the host, and its other worker leaves in
+    the same round (it trained on). No committed step is lost or done twice."""
+    a, b = elastic_nodes(2, num_cpus=2, **{ELASTIC_RESOURCE: 2})
+    hosts = tmp_path / "hosts"
+    hosts.write_text(f"{a.node_id}:2\n")
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    script.chmod(0o755)
+    executor = RayExecutor(RayExecutor.create_settings(timeout_s=10), min_workers=1,
+                           max_workers=4, cpus_per_worker=1,
+                           resources_per_worker={ELASTIC_RESOURCE: 1},
+                           host_discovery_script=str(script))
+    executor.start()
+    progress, stop = tmp_path / "progress", tmp_path / "stop"
+    job = _Job(executor, None, 0.05, None, str(progress), 0, str(stop), fn=_until_stopped)
+    job.wait_until(lambda: job.trained(progress, 5, 2), "rank 0 to commit 5 steps with 2")
+    elastic = executor.last_elastic_job
+
+    def change(text: str, size: int, what: str) -> int:
+        rounds = elastic.rounds
+        hosts.write_text(text)
+        step = read_progress(progress)[0]
+        job.wait_until(lambda: job.trained(progress, step + 5, size), what, work_s=60)
+        return elastic.rounds - rounds
+
+    both = f"{a.node_id}:2\n{b.node_id}:2\n"
+    assert change(both, 4, "the added host's two workers to train") == 1
+    assert change(f"{a.node_id}:2\n", 2, "the dropped host's workers to leave") == 1
+    assert change(both, 4, "the host listed again to train") == 1
+    rounds, step = elastic.rounds, read_progress(progress)[0]
+    ray.kill(next(m for m in elastic.members.values() if m.node == b.node_id).actor,
+             no_restart=True)
+    job.wait_until(lambda: job.trained(progress, step + 5, 2),
+                   "the blacklisted host's other worker to leave", work_s=60)
+    assert elastic.rounds - rounds == 1
+    stop.touch()
+    results = job.join()
+    events = elastic.events
+    executor.shutdown()
+    assert len(results) == 2 and {r["horovod_env"][1] for r in results} == {"2"}
+    _check_committed_history(results, results[0]["step"])
+    failures = [host for _, kind, host in events if kind == "failure"]
+    assert failures == [b.node_id]  # the kill; the drop from discovery is no failure
+    assert any(kind == "drain" and host == b.node_id for _, kind, host in events)
+
+
 def test_failing_host_is_blacklisted_with_cooldown_and_reset_limit_stops_the_job(
         elastic_nodes):
     bad = elastic_nodes(3)[0]

@@ -150,3 +150,98 @@ def test_the_elastic_ray_executor_block(elastic_nodes):
     finally:
         executor.shutdown()
     assert epochs and all(e == 2 for e in epochs), epochs
+
+
+def test_horovods_ray_elastic_example_with_its_discovery_logger_and_callbacks(elastic_nodes):
+    """Horovod's Ray elastic example and tests: `from horovod.ray import ray_logger`,
+    `from horovod.torch.elastic.sampler import ElasticSampler`, `settings.discovery` with
+    `override_discovery=False`, callbacks that get what the workers log as they log it.
+    The discovery lists host a, then a and b, then b alone: both workers start and say so,
+    only b's finishes; `max_np=None` takes every host listed."""
+    import warnings
+
+    from raytrain_x.ray import ElasticRayExecutor, HostDiscovery
+
+    a, b = elastic_nodes(2)
+
+    class ScheduledDiscovery(HostDiscovery):
+        """Horovod's tests' SimpleTestDiscovery: hosts by the number of looks."""
+
+        def __init__(self, schedule):
+            self.schedule, self.looks = schedule, 0
+
+        def find_available_hosts_and_slots(self):
+            self.looks += 1
+            for looks, hosts in self.schedule:
+                if looks is None or self.looks <= looks:
+                    return dict.fromkeys(hosts, 1)
+
+    def training_fn():
+        import os
+        from time import sleep
+
+        import torch
+        from raytrain_x.torch.elastic.sampler import ElasticSampler
+
+        import raytrain_x.torch as hvd
+        from raytrain_x.ray import ray_logger
+
+        hvd.init()
+        model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        ray_logger.log({"started": True, "pid": os.getpid()})
+
+        @hvd.elastic.run
+        def train(state):
+            for state.epoch in range(state.epoch, 200):  # noqa: B020 - Horovod's example
+                ray_logger.log({"training": True, "pid": os.getpid(), "size": hvd.size()})
+                state.sampler.record_batch(0, 1)
+                sleep(0.1)
+                state.commit()
+            ray_logger.log({"finished": True, "pid": os.getpid()})
+
+        state = hvd.elastic.TorchState(model, optimizer, sampler=ElasticSampler(range(8)),
+                                       batch=0, epoch=0)
+        train(state)
+        return True
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        settings = ElasticRayExecutor.create_settings(min_np=1, timeout_s=10)
+        settings.discovery = ScheduledDiscovery([
+            (3, [a.node_id]), (10, [a.node_id, b.node_id]), (None, [b.node_id])])
+        executor = ElasticRayExecutor(settings, cpus_per_slot=1, override_discovery=False)
+    executor.start()
+    events: list[dict] = []
+    try:
+        results = executor.run(training_fn, callbacks=[events.append])
+    finally:
+        executor.shutdown()
+    assert results == [True]
+    assert sum("started" in e for e in events) == 2, events
+    assert sum("finished" in e for e in events) == 1, events
+    assert {e["size"] for e in events if "training" in e} >= {1, 2}
+
+
+def test_a_fixed_jobs_callbacks_get_rank_0s_logged_values(ray_cluster):
+    """Horovod's `RayExecutor.run(fn, callbacks=...)`: every value rank 0 logs, as it logs
+    it (the callbacks ran once per rank with `(rank, result)` at the end)."""
+    from raytrain_x.ray import RayExecutor
+
+    def fn():
+        import raytrain_x.torch as hvd
+        from raytrain_x.ray import ray_logger
+
+        hvd.init()
+        for step in range(3):
+            ray_logger.log({"rank": hvd.rank(), "step": step})
+        return hvd.rank()
+
+    executor = RayExecutor(RayExecutor.create_settings(timeout_s=30), num_workers=2)
+    executor.start()
+    seen: list[dict] = []
+    try:
+        assert executor.run(fn, callbacks=[seen.append]) == [0, 1]
+    finally:
+        executor.shutdown()
+    assert seen == [{"rank": 0, "step": s} for s in range(3)]

@@ -326,3 +326,18 @@ def damaged_writes_not_read_back(mp) -> None:
 
 REVERTS["durable-stale-writer-fenced"] = stale_writers_not_fenced
 REVERTS["durable-damaged-write-skipped"] = damaged_writes_not_read_back
+
+
+def starts_not_counted(mp) -> None:
+    """A discovery script's slots were taken by members only: a start under way did not
+    count, so the next look started a second worker on its slot (one that never starts),
+    and with max_workers reached by such starts no other host got a worker."""
+    def used(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for m in self.ctx.members.values():
+            out[m.node] = out.get(m.node, 0) + 1
+        return out
+    mp.setattr(worker_starts.WorkerStarts, "_used_slots", used)
+
+
+REVERTS["scripted-host-leaves-discovery"] = starts_not_counted

@@ -11,8 +11,11 @@ from raytrain_x import ConfigError
 from raytrain_x.ray.elastic.blacklist import Blacklist, cooldown_seconds
 from raytrain_x.ray.elastic.discovery import (
     DiscoveryHealth,
+    ObjectDiscovery,
     ScriptDiscovery,
+    StaticDiscovery,
     parse_host_slots,
+    parse_hosts,
     slots_from_resources,
 )
 
@@ -61,6 +64,41 @@ def test_parse_host_slots():
 def test_bad_script_output_is_a_clear_error(bad):
     with pytest.raises(ConfigError, match="is not 'host:slots'"):
         parse_host_slots(f"ok:1\n{bad}\n")
+
+
+def test_horovods_host_forms_bare_hosts_hostfiles_and_dash_h():
+    """horovodrun's `--slots` for a discovery script's bare host names, Open MPI's hostfile
+    lines, and `-H host:slots,host` (a bare host has one slot)."""
+    assert parse_host_slots("host-1\nhost-2:2\n", default_slots=4) == {"host-1": 4,
+                                                                       "host-2": 2}
+    assert parse_host_slots("a slots=3\nb:1\n") == {"a": 3, "b": 1}
+    with pytest.raises(ConfigError, match="needs --slots-per-host"):
+        parse_host_slots("host-1\n")
+    assert parse_hosts("localhost:2,node-b") == {"localhost": 2, "node-b": 1}
+    assert parse_hosts("node-a,node-b", default_slots=3) == {"node-a": 3, "node-b": 3}
+    with pytest.raises(ConfigError, match="at least one slot"):
+        StaticDiscovery({"a": 0})
+
+
+def test_a_discovery_object_is_read_as_a_script_is():
+    """Horovod's `settings.discovery = ...` objects: their hosts, and a failure after a
+    success keeps the last hosts (with a warning) as a script's does."""
+    class Flaky:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def find_available_hosts_and_slots(self):
+            self.calls += 1
+            if self.calls == 2:
+                raise RuntimeError("cloud API down")
+            return {"a": 2} if self.calls == 1 else {"a": 2, "b": 1}
+
+    discovery = ObjectDiscovery(Flaky())
+    assert discovery.hosts() == {"a": 2}
+    assert discovery.hosts() == {"a": 2}  # the failure: the last hosts stand
+    assert discovery.hosts() == {"a": 2, "b": 1}
+    with pytest.raises(ConfigError, match="find_available_hosts_and_slots"):
+        ObjectDiscovery(object())
 
 
 def test_script_must_exist_and_be_executable(tmp_path):

@@ -29,6 +29,7 @@ from raytrain_x.ray.elastic.policies import (
     elastic_timeout_error,
     held_back,
     held_joins,
+    holds_newcomers,
     kept_on_drain,
     last_resort_nodes,
     notice_drains,
@@ -628,3 +629,19 @@ def test_every_field_of_the_job_context_has_one_writer():
                     writers.setdefault(target.attr, set()).add(path.name)
     assert writers, "no writes to the context found: the test no longer sees them"
     assert {f: w for f, w in writers.items() if len(w) > 1} == {}
+
+
+def test_newcomers_started_together_join_in_one_round_within_the_window():
+    """One added host with two slots cost two resets: its first worker to arrive asked the
+    survivors over while the second was still starting."""
+    # the second of the batch (asked at 10.2) still starting: hold
+    assert holds_newcomers([10.0], [10.2], waiting_since=15.0, now=16.0)
+    # ... but never past the window (the survivors are interrupted with who is there)
+    assert not holds_newcomers([10.0], [10.2], waiting_since=15.0, now=25.0)
+    # a start asked long before (a slow one, being hedged) is not of the batch
+    assert not holds_newcomers([10.0], [2.0], waiting_since=15.0, now=16.0)
+    # a later scale-up is not either: it joins at the round after
+    assert not holds_newcomers([10.0], [14.0], waiting_since=15.0, now=16.0)
+    # nobody waits: nothing to hold; everybody of the batch there: go
+    assert not holds_newcomers([], [10.2], waiting_since=15.0, now=16.0)
+    assert not holds_newcomers([10.0, 10.2], [], waiting_since=15.0, now=16.0)

@@ -8,6 +8,7 @@ from typing import Any
 
 from raytrain_x.ray.autoscaling import CapacityRequest, draining_nodes, node_types
 from raytrain_x.ray.elastic.discovery import (
+    ObjectDiscovery,
     ScriptDiscovery,
     StaticDiscovery,
     slots_from_resources,
@@ -20,15 +21,19 @@ from raytrain_x.ray.failures import node_addresses
 class ClusterView:
     def __init__(self, settings: ElasticSettings) -> None:
         self.per_worker = settings.per_worker
-        self.scripted = settings.discovery_script is not None or settings.hosts is not None
-        if settings.hosts is not None:
-            self.discovery: Any = StaticDiscovery(settings.hosts)
+        self.scripted = (settings.discovery_script is not None or settings.hosts is not None
+                         or settings.discovery is not None)
+        if settings.discovery is not None:
+            self.discovery: Any = ObjectDiscovery(settings.discovery)
+        elif settings.hosts is not None:
+            self.discovery = StaticDiscovery(settings.hosts)
         elif settings.discovery_script is not None:
             self.discovery = ScriptDiscovery(settings.discovery_script,
                                              default_slots=settings.slots_per_host)
         else:
             self.discovery = RayDiscovery(self.per_worker)
         self.capacity = CapacityRequest(self.per_worker)
+        self._discovered: set[str] | None = None
 
     def nodes(self) -> dict[str, dict[str, float]]:
         """Alive node id -> total resources."""
@@ -40,8 +45,14 @@ class ClusterView:
         reported = self.discovery.hosts()
         if self.scripted:
             reported = resolve_hosts(reported)
+            self._discovered = set(reported)
             reported = {h: n - used.get(h, 0) for h, n in reported.items()}
         return reported
+
+    def discovered(self) -> set[str] | None:
+        """The nodes the discovery script (or host list) listed at its latest look; None
+        without one (Ray's nodes are the hosts) or before its first."""
+        return None if self._discovered is None else set(self._discovered)
 
     def addresses(self) -> dict[str, str]:
         """Node id -> address, for messages that name a node."""

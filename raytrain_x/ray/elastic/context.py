@@ -33,6 +33,9 @@ class JobContext:
     needs_round: bool = True
     last_failure: WorkerError | None = None
     draining: dict[str, float] = field(default_factory=dict)  # node -> deadline (wall clock)
+    # why a node in `draining` is there, where Ray is not draining it ("left host discovery",
+    # "is blacklisted")
+    leave_reasons: dict[str, str] = field(default_factory=dict)
     round_newcomers: list[str] = field(default_factory=list)  # first round is the latest
     # each round's members, from the last that committed on
     round_members: dict[int, set[str]] = field(default_factory=dict)

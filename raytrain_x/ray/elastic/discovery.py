@@ -10,6 +10,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from raytrain_x.common.errors import ConfigError
 from raytrain_x.common.settings import TIMEOUT_S
@@ -46,6 +47,35 @@ def parse_hosts(hosts: str, default_slots: int | None = None) -> dict[str, int]:
     """horovodrun's `-H host1:2,host2:2` (a bare host has `default_slots`, else 1)."""
     return parse_host_slots("\n".join(h for h in hosts.split(",") if h.strip()),
                             "-H/--hosts", 1 if default_slots is None else default_slots)
+
+
+class ObjectDiscovery:
+    """A discovery object of Horovod's protocol (`find_available_hosts_and_slots()` ->
+    `{host: slots}`, as `settings.discovery = ...` gives `ElasticRayExecutor`), asked on
+    the driver; its failures are taken as a script's (`DiscoveryHealth`)."""
+
+    def __init__(self, discovery: Any, clock: Callable[[], float] = time.monotonic) -> None:
+        if not callable(getattr(discovery, "find_available_hosts_and_slots", None)):
+            raise ConfigError("a host discovery object needs find_available_hosts_and_slots() "
+                              f"(Horovod's HostDiscovery), got {type(discovery).__name__}")
+        self.discovery = discovery
+        self.health = DiscoveryHealth()
+        self._clock = clock
+
+    def hosts(self) -> dict[str, int]:
+        name = type(self.discovery).__name__
+        try:
+            found = self.discovery.find_available_hosts_and_slots()
+            hosts = {str(h): int(n) for h, n in dict(found).items()}
+        except Exception as exc:  # noqa: BLE001 - a user's object: any failure is its own
+            warning = self.health.failed(
+                ConfigError(f"host discovery {name} failed: {type(exc).__name__}: {exc}"),
+                self._clock())
+            if warning:
+                log.warning("raytrain-x elastic: %s", warning)
+            return dict(self.health.last or {})
+        self.health.succeeded(hosts)
+        return hosts
 
 
 class StaticDiscovery:

@@ -1,10 +1,12 @@
-"""Drains: nodes Ray started draining. Their starting workers are given up, their members
-leave at the next commit, their capacity is no longer used, and a round still forming
-with one of their workers is given up."""
+"""Drains: nodes Ray started draining, and, with a discovery script or a host list
+(Horovod's hosts), hosts the discovery no longer lists and blacklisted hosts. Their starting
+workers are given up, their members leave at the next commit, their capacity is no longer
+used, and a round still forming with one of their workers is given up."""
 
 from __future__ import annotations
 
 import logging
+import math
 
 from raytrain_x.comm.groups import round_prefix
 from raytrain_x.common.logs import progress_logger
@@ -37,25 +39,47 @@ class DrainWatch:
         """Takes in the nodes that started draining since the last look; returns whether
         the job needs a round for them (its members must leave draining nodes)."""
         ctx = self.ctx
-        draining = ctx.cluster.draining()
+        ray_draining = ctx.cluster.draining()
+        draining = {**self._departing(), **ray_draining}
         notice = notice_drains(draining, ctx.draining,
                                [p.view() for p in ctx.pending.values()],
                                [m.node for m in ctx.members.values()])
         ctx.draining = draining
         for node in notice.new:
-            self.members.failures.note_drained(node)
-            ctx.log.add("drain", node)
+            if node in ray_draining:
+                self.members.failures.note_drained(node)
+            ctx.log.add("drain", node, why=ctx.leave_reasons.get(node, "draining"))
         for key in notice.give_up:
             self.starts.give_up(key, "its node is draining")
         for node, workers in notice.leaving.items():
             progress.info("raytrain-x elastic: %s",
-                          drain_line(node, notice.new[node], ctx.parts.wall_clock(), workers))
+                          drain_line(node, notice.new[node], ctx.parts.wall_clock(), workers,
+                                     ctx.leave_reasons.get(node, "is draining")))
         self._ask_checkpoint(notice)
         if notice.interrupt:
             ctx.log.note("drain")
             ctx.rounds_client.bump_hosts()
             self._abandon_forming_round(notice)
         return notice.interrupt
+
+    def _departing(self) -> dict[str, float]:
+        """Horovod's hosts that go (no deadline: their members leave at the next commit):
+        with a discovery script or a host list, those with members that the discovery no
+        longer lists, and blacklisted ones (a worker there failed: Horovod takes the whole
+        host out until its cooldown ends). With Ray's nodes as the hosts, a failure only
+        keeps new workers off its node."""
+        ctx = self.ctx
+        ctx.leave_reasons = {}
+        if not ctx.cluster.scripted:
+            return {}
+        nodes = {m.node for m in ctx.members.values()} | {p.node for p in ctx.pending.values()}
+        listed = ctx.cluster.discovered()
+        for node in sorted(nodes):
+            if listed is not None and node not in listed:
+                ctx.leave_reasons[node] = "left host discovery"
+            elif ctx.blacklist.is_blacklisted(node):
+                ctx.leave_reasons[node] = "is blacklisted"
+        return dict.fromkeys(ctx.leave_reasons, math.inf)
 
     def _ask_checkpoint(self, notice: DrainNotice) -> None:
         """Every holder of the state is now draining: rank 0 writes a durable checkpoint at

@@ -128,6 +128,10 @@ class ElasticJob:
                 if polled.finished:
                     return self._finish(polled.finished)
                 ctx.needs_round |= polled.needs_round
+                if polled.needs_round and ctx.cluster.scripted:
+                    # a failure blacklists its host: its other workers leave before the
+                    # next round forms, not in a round of their own after it
+                    ctx.needs_round |= self.drains.check()
                 if not ctx.members and ctx.last_failure is not None:
                     self.member_watch.check_all_failed()
                 # newcomers are asked over once they wait to join

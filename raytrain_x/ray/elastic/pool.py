@@ -35,6 +35,7 @@ class Member:
     # its node drains and a round formed without it: sent away when it reaches the rendezvous
     departed: bool = False
     beat: Any = None  # its heartbeat call out now (`WorkerActor.heartbeat`)
+    asked_at: float = 0.0  # when its start was asked for (the driver's clock)
 
     def view(self) -> MemberView:
         return MemberView(self.worker_id, self.node, self.leaving, in_round=self.rank >= 0,
@@ -104,7 +105,8 @@ class WorkerPool:
                 died.append((pending, exc))  # still pending: the caller gives it up
                 continue
             del self.pending[ref]
-            member = Member(worker_id, pending.actor, pending.node, next(self._ages))
+            member = Member(worker_id, pending.actor, pending.node, next(self._ages),
+                            asked_at=pending.asked_at)
             member.ref = pending.actor.execute.remote(fn, args, kwargs)
             self.members[worker_id] = member
             joined.append(member)

@@ -12,7 +12,12 @@ from raytrain_x.ray.elastic.context import JobContext
 from raytrain_x.ray.elastic.drain_watch import note_left
 from raytrain_x.ray.elastic.history import round_line
 from raytrain_x.ray.elastic.member_watch import MemberWatch
-from raytrain_x.ray.elastic.policies import decide_round, state_lost, state_lost_error
+from raytrain_x.ray.elastic.policies import (
+    decide_round,
+    holds_newcomers,
+    state_lost,
+    state_lost_error,
+)
 from raytrain_x.ray.elastic.rounds import plan_round
 
 log = logging.getLogger("raytrain_x.elastic")
@@ -28,6 +33,7 @@ class RoundForming:
         self._asked_over = False  # the round's members were asked to a round for newcomers
         self._storage_down_since: float | None = None  # a round waits for storage since
         self._storage_next_ask = 0.0
+        self._newcomers_since: float | None = None  # a newcomer waits to join since
 
     def step(self, needs_round: bool) -> bool:
         """Sends drained members away and forms a round when one is needed (`needs_round`:
@@ -49,7 +55,8 @@ class RoundForming:
         if decision.leave:  # they return from `execute` with `Left`; the poll drops them
             ctx.rounds_client.publish(
                 {w: {"leave": True,
-                     "reason": f"node {short_node(ctx.members[w].node)} is draining"}
+                     "reason": f"node {short_node(ctx.members[w].node)} "
+                               f"{ctx.leave_reasons.get(ctx.members[w].node, 'is draining')}"}
                  for w in decision.leave})
             leaving = [ctx.members[w] for w in decision.leave]
             note_left(ctx, leaving)
@@ -57,6 +64,9 @@ class RoundForming:
                 member.leaving = True
         if not needs_round:
             return False
+        if decision.interrupt and not decision.release and not decision.leave and \
+                self._holds_for_batch(waiting):
+            return True  # the survivors train on while the rest of the batch arrives
         if (decision.interrupt or decision.release) and not self._asked_over:
             self._asked_over = True
             ctx.rounds_client.bump_hosts()
@@ -69,6 +79,24 @@ class RoundForming:
         for member in departed:
             member.departed = True
         return self._form({w: ctx.members[w] for w in decision.ranks}, kept=len(decision.kept))
+
+    def _holds_for_batch(self, waiting: list[str]) -> bool:
+        """Newcomers wait at the rendezvous: whether they wait on for the workers started
+        with them (`holds_newcomers`), so that a batch joins in one round."""
+        ctx = self.ctx
+        waiting = set(waiting)
+        newcomers = [m for m in ctx.members.values() if m.rank < 0 and not m.leaving]
+        arrived = [m.asked_at for m in newcomers if m.worker_id in waiting]
+        if not arrived:
+            self._newcomers_since = None
+            return False
+        now = ctx.clock()
+        if self._newcomers_since is None:
+            self._newcomers_since = now
+        others = [m.asked_at for m in newcomers if m.worker_id not in waiting]
+        others += [p.asked_at for p in ctx.pending.values()
+                   if p.node not in ctx.draining]
+        return holds_newcomers(arrived, others, self._newcomers_since, now)
 
     def _restores(self, staying: dict, holders: list[str] | None) -> dict | None:
         """The checkpoint the round restores (None: none; it keeps what its members hold):
@@ -151,6 +179,7 @@ class RoundForming:
             log.info("raytrain-x elastic: %d worker(s) on draining nodes stay one more round: "
                      "they hold the job's state and no staying worker does yet", kept)
         self._asked_over = False
+        self._newcomers_since = None
         entry = ctx.log.record_round(
             ctx.rounds, len(staying), len({m.node for m in staying.values()}),
             len(ctx.pending) + left_out, ctx.cluster.capacity.bundles, len(ctx.draining))

@@ -28,6 +28,7 @@ class ElasticSettings:
     timeout_s: float
     discovery_script: str | None = None
     hosts: dict[str, int] | None = None  # a fixed host list (horovodrun's -H), as discovered
+    discovery: Any = None  # a discovery object of Horovod's protocol (ElasticRayExecutor's)
     slots_per_host: int | None = None  # the slots of a discovered host named without them
     discovery_interval_s: float = 1.0
     env: dict[str, str] | None = None

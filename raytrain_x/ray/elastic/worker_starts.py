@@ -38,9 +38,14 @@ class WorkerStarts:
             self.scaling.check_feasible(cluster.nodes(), cluster.node_types())
 
     def _used_slots(self) -> dict[str, int]:
+        """The job's workers on each node, those still starting included: a discovery
+        script reports total slots, and a start under way already takes one (counted only
+        once it answered, the next look asked for a second worker on the same slot, which
+        never started)."""
         used: dict[str, int] = {}
-        for m in self.ctx.members.values():
-            used[m.node] = used.get(m.node, 0) + 1
+        for node in [m.node for m in self.ctx.members.values()] + \
+                [p.node for p in self.ctx.pending.values()]:
+            used[node] = used.get(node, 0) + 1
         return used
 
     def scale_up(self) -> None:

@@ -74,6 +74,7 @@ class Group:
     restore_from_storage: bool = False  # the driver found no holder: restore the checkpoint
     restore_checkpoint: tuple[int, int] | None = None  # the one it named (None: the latest)
     commit_due: bool = False  # a commit is scheduled
+    store: int = 0  # the store actor its keys go to (each job's control actors have one)
 
 
 class SimWorker:

@@ -36,6 +36,14 @@ class SimPool(WorkerPool):
         self._ids = world.worker_ids  # unique across drivers, as the world keeps them all
 
     def start(self, node: str) -> None:
+        """Ray places the worker; with a discovery script (slots the driver counts itself)
+        a node that already holds its slots' worth of the job's live workers is one too
+        many: a worker that can never start."""
+        held = sum(1 for w in self.world.workers if w.alive and w.node.node_id == node
+                   and not w.restarted and w.outcome is None)
+        if self.world.config.scripted_discovery and held >= self.world.nodes[node].slots:
+            self.world.violation(f"a worker placed on {node}, which holds {held} of the "
+                                 f"job's workers in {self.world.nodes[node].slots} slots")
         w = self.world.start_worker(self.world.nodes[node])
         self.pending[w] = Pending(w, node, w, self.world.now)
 
@@ -52,7 +60,8 @@ class SimPool(WorkerPool):
                 continue
             del self.pending[w]
             w.worker_id = f"w{next(self._ids)}"
-            member = Member(w.worker_id, w, pending.node, next(self._ages))
+            member = Member(w.worker_id, w, pending.node, next(self._ages),
+                            asked_at=pending.asked_at)
             member.ref = w
             self.members[w.worker_id] = member
             self.world.trace(f"{w} started")
@@ -198,8 +207,11 @@ class SimScript:
         if world.now < world.discovery_down_until:
             self.health.failed(ConfigError("discovery script exited with 1"), world.now)
         else:
-            self.health.succeeded({n: node.slots for n, node in world.alive_nodes().items()
-                                   if node.up})
+            hosts = {n: node.slots for n, node in world.alive_nodes().items()
+                     if node.up and world.listed(n)}
+            self.health.succeeded(hosts)
+            if not world.script_answers or world.script_answers[-1][1] != set(hosts):
+                world.script_answers.append((world.now, set(hosts)))
         return dict(self.health.last or {})
 
 
@@ -211,6 +223,10 @@ class SimCluster:
         self.capacity = SimCapacity(world)
         self.scripted = world.config.scripted_discovery
         self.script = SimScript(world) if self.scripted else None
+        self._discovered: set[str] | None = None
+
+    def discovered(self) -> set[str] | None:
+        return None if self._discovered is None else set(self._discovered)
 
     def nodes(self) -> dict[str, dict[str, float]]:
         return {n: {"CPU": float(node.slots)} for n, node in self.world.alive_nodes().items()}
@@ -221,8 +237,9 @@ class SimCluster:
         less the job's own workers there (as `ClusterView` counts them)."""
         if self.script is not None:
             listed = self.world.alive_nodes()
-            return {n: slots - used.get(n, 0) for n, slots in self.script.hosts().items()
-                    if n in listed}
+            hosts = {n: slots for n, slots in self.script.hosts().items() if n in listed}
+            self._discovered = set(hosts)
+            return {n: slots - used.get(n, 0) for n, slots in hosts.items()}
         free = {}
         for n, node in self.world.alive_nodes().items():
             if not node.up or node.raylet_dead:

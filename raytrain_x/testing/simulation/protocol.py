@@ -34,6 +34,7 @@ class WorkerSide:
     rounds: SimRounds
     store_abandoned: list[str]
     store_dead: bool
+    store_epoch: int
     commits: list[tuple[float, int, int]]
     durable: list[tuple[float, int]]
     storage_restores: list[tuple[float, int]]
@@ -158,8 +159,11 @@ class WorkerSide:
     def _formed(self, group: Group) -> None:
         """Every member's keys are in the store: they connect to each other. A peer that
         died after publishing its address refuses them: they wait the connect out."""
-        if self.store_dead:
-            return  # the keys never meet: each member's own rendezvous timeout ends it
+        if self.store_dead or group.store != self.store_epoch:
+            # the keys never meet (the store died, or this round is an earlier job's, whose
+            # store went with its control actors): each member's own rendezvous timeout
+            # ends it
+            return
         group.phase = "connect"
         self._fire_phase_faults("connect", group)
         if group.phase != "connect":

@@ -65,7 +65,8 @@ class SimRounds:
                                 f"checkpoints: {sorted(named)}")
             world.rendezvous_published(Group(round_id, ranks, version,
                                              restore_from_storage=restore,
-                                             restore_checkpoint=min(named, default=None)))
+                                             restore_checkpoint=min(named, default=None),
+                                             store=world.store_epoch))
         leaving = {w for w, p in assignments.items() if p.get("leave")}
         for worker_id, place in assignments.items():
             w = self.waiting.pop(worker_id, None)

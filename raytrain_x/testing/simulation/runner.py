@@ -92,8 +92,10 @@ class Watchdog:
         script = self.job.ctx.cluster.script
         seen = (script.health.last or {}) if script is not None and \
             now < self.world.discovery_down_until else None  # the job sees no other node
+        listed = script is None or self.world.listed  # a node the script omits is not used
         return sum(n.slots for n in self.world.nodes.values()
                    if (seen is None or n.node_id in seen) and n.up and not n.known_dead
+                   and (listed is True or listed(n.node_id))
                    and not n.cut(now) and not n.raylet_dead and n.drain_deadline is None
                    and not n.stuck_starts
                    and not (n.slow_starts and n.slow_starts[0] > self.world.config.start_timeout_s)
@@ -368,8 +370,9 @@ def _check_events(world: World, job: ElasticJob) -> None:
     for e in job.log.events:  # in the order the driver recorded them
         if e.kind == "failure":
             blacklisted[e.host] = (e.time, e.time + e.detail.get("cooldown_s", 0.0))
-        elif e.kind == "drain" and e.host:
-            drained.setdefault(e.host, e.time)
+        elif e.kind == "drain" and e.host and e.detail.get("why", "draining") == "draining":
+            drained.setdefault(e.host, e.time)  # Ray's drains are for good; a host that
+            # left discovery or was blacklisted comes back
         elif e.kind == "place":
             since, until = blacklisted.get(e.host, (0.0, -1.0))
             if e.time < until:
@@ -378,6 +381,12 @@ def _check_events(world: World, job: ElasticJob) -> None:
             if e.host in drained:
                 world.violation(f"worker placed on {e.host} at {e.time:.2f}s, draining since "
                                 f"{drained[e.host]:.2f}s")
+            # the script's answer the driver had (while the script fails, the last one
+            # stands): a host it left out gets no worker
+            answer = [hosts for at, hosts in world.script_answers if at <= e.time]
+            if answer and e.host not in answer[-1]:
+                world.violation(f"worker placed on {e.host} at {e.time:.2f}s, which the "
+                                "discovery script's latest answer left out")
     for e in job.log.of("gave_up"):
         why = e.detail.get("why", "")
         node = world.nodes.get(e.host)

@@ -91,11 +91,12 @@ def scenarios() -> dict[str, Schedule]:
             [37.38, "kill_in_commit", 0.4821, 0.0], [44.419, "drain_kill", 0.2132, 3.746]],
             "kills and drains leave one holder, on a draining node: it stays until a staying "
             "worker has synced", seed=31),
-        _named("drained-last-round-waited", replace(THREE, slots=2, max_workers=5,
-                                                    commit_s=0.2), [
-            [52.69, "drain_in_rendezvous", 0.664, 1.249],
-            [116.138, "kill_in_rendezvous", 0.5042, 0.0], [123.071, "drain_kill", 0.2438, 4.37]],
-            "a round left all on draining nodes is waited for, not formed beside", seed=71),
+        _named("drained-last-round-waited", replace(
+            THREE, nodes=6, slots=2, max_nodes=8, max_workers=6, commit_s=1.0,
+            late_placed_s=(0.0, 1.1889184614648347)), [
+            [175.402, "node_kill_in_connect", 0.9621, 0.0],
+            [175.521, "partition", 0.743, 14.268], [184.229, "drain_in_rendezvous", 0.3692, 3.391]],
+            "a round left all on draining nodes is waited for, not formed beside", seed=107),
         _named("slow-node-last-resort", replace(
             THREE, nodes=6, max_nodes=10, min_workers=2, commit_s=0.2), [
             [81.431, "slow_start", 0.2729, 38.878], [105.703, "drain_kill", 0.5999, 0.793],
@@ -131,9 +132,9 @@ def scenarios() -> dict[str, Schedule]:
             "state and are its only copy; they are not restarted", seed=49701),
         _named("other-holder-asked", replace(
             THREE, nodes=5, slots=2, max_nodes=6, max_workers=8), [
-            [64.347, "drain", 0.324, -1.0], [87.341, "partition", 0.21, 2.766],
-            [88.991, "kill_node", 0.3737, 0.0], [90.494, "drain", 0.569, 13.207],
-            [92.673, "kill_node", 0.5757, 0.0]],
+            [64.289, "drain", 0.4384, -1.0], [88.002, "partition", 0.2002, 2.766],
+            [88.24, "drain", 0.6238, 13.207], [89.785, "kill_node", 0.3251, 0.0],
+            [93.405, "kill_node", 0.6623, 0.0]],
             "held joins after a partition are restarted only when another holder answers "
             "a ping now: the one that answered the last heartbeat had just lost its node",
             seed=85470),
@@ -145,9 +146,9 @@ def scenarios() -> dict[str, Schedule]:
             "its place late, while the next newcomer already waits: it is not held back"),
         _named("placed-member-not-stuck", replace(
             THREE, nodes=4, slots=2, max_nodes=6, max_workers=8, late_placed_s=(0.0, 1.911)), [
-            [6.476, "kill_in_rendezvous", 0.0853, 0.0], [10.885, "kill_worker", 0.8816, 0.0],
-            [56.97, "kill_node", 0.5231, 0.0], [62.335, "drain_in_rendezvous", 0.3418, 2.067],
-            [68.711, "kill_in_rendezvous", 0.4759, 0.0], [68.825, "partition", 0.3814, 40.221]],
+            [5.631, "kill_in_rendezvous", 0.0506, 0.0], [8.661, "kill_worker", 0.9652, 0.0],
+            [56.377, "kill_node", 0.5232, 0.0], [62.161, "drain_in_rendezvous", 0.3887, 2.067],
+            [67.955, "kill_in_rendezvous", 0.6007, 0.0], [68.417, "partition", 0.3392, 40.221]],
             "a member absent from the rendezvous before a round placed it hears of its place "
             "late: its absence counts from the round, and it is not restarted as stuck",
             seed=19794),
@@ -294,6 +295,19 @@ def durable_scenarios() -> list[Schedule]:
             "the discovery script fails on every run for 40 s while a node dies and another "
             "joins: its last hosts stand (a start on the dead node fails), the job trains on, "
             "and the new node is used once the script answers again"),
+        _named("scripted-host-leaves-discovery", replace(
+            THREE, scripted_discovery=True, autoscaler=False, slots=2, max_workers=8), [
+            Fault(8.0, "undiscover", 0.0, 20.0)],
+            "the discovery script stops listing a host with two workers for 20 s: both leave "
+            "at the next commit (no restore, no blacklist), the job trains on with the other "
+            "hosts and takes the host back when the script lists it again; max_workers is "
+            "above the slots listed, so starts under way must count against their slots"),
+        _named("scripted-failure-blacklists-the-host", replace(
+            THREE, scripted_discovery=True, autoscaler=False, slots=2, max_workers=6,
+            cooldown_range=(5.0, 20.0)), [Fault(8.0, "kill_worker", 0.0)],
+            "a worker fails on a host with two: Horovod's blacklist takes the whole host out, "
+            "so its other worker leaves at the next commit too; the host comes back after "
+            "its cooldown"),
         _named("durable-control-actors-killed", DURABLE, [
             Fault(8.0, "kill_control", 0.0), Fault(20.0, "kill_control", 0.9)],
             "the head's rounds actor dies, later the store actor: each time the driver ends "

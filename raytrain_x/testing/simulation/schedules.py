@@ -18,7 +18,7 @@ KINDS = ("kill_worker", "kill_node", "drain", "drain_kill", "raylet", "partition
          "slow_start", "stuck_start", "add_node", "kill_in_rendezvous", "kill_in_sync",
          "kill_in_commit", "node_kill_in_rendezvous", "node_kill_in_connect",
          "drain_in_rendezvous", "storage_outage", "lose_everything", "drain_pool",
-         "kill_driver", "discovery_outage", "kill_control")
+         "kill_driver", "discovery_outage", "kill_control", "undiscover")
 
 
 @dataclass(frozen=True)
@@ -137,14 +137,22 @@ def _control_kills(seed: int, first: float, last: float) -> list[Fault]:
 def _scripted(seed: int, config: WorldConfig, first: float, last: float,
               ) -> tuple[WorldConfig, list[Fault]]:
     """One job in three finds its hosts with a discovery script, which fails on every run
-    for a while now and then (shorter than `FAILING_FOR_S`: a transient failure)."""
+    for a while now and then (shorter than `FAILING_FOR_S`: a transient failure), and
+    leaves out a host with workers for a while (its workers leave; it comes back). With
+    Horovod's hosts, a failed worker takes its host's other workers out with it (the host
+    is blacklisted): most such jobs run two workers a node, so that happens."""
     rng = random.Random(seed + 5)
     if rng.random() >= 1 / 3:
         return config, []
     # a cluster its user manages: no autoscaler requests, lost nodes are replaced
-    return replace(config, scripted_discovery=True, autoscaler=False, respawn=True), [
-        Fault(round(rng.uniform(first, last), 3), "discovery_outage", 0.0,
-              round(rng.uniform(1.0, 60.0), 3)) for _ in range(rng.randint(0, 2))]
+    faults = [Fault(round(rng.uniform(first, last), 3), "discovery_outage", 0.0,
+                    round(rng.uniform(1.0, 60.0), 3)) for _ in range(rng.randint(0, 2))]
+    rng = random.Random(seed + 7)  # the hosts' changes: a generator of their own
+    faults += [Fault(round(rng.uniform(first, last), 3), "undiscover", round(rng.random(), 4),
+                     round(rng.uniform(2.0, 40.0), 3)) for _ in range(rng.randint(0, 3))]
+    slots = rng.choice([config.slots, 2, 2])
+    return replace(config, scripted_discovery=True, autoscaler=False, respawn=True,
+                   slots=slots, max_workers=max(config.max_workers, slots)), faults
 
 
 def _late_placed(seed: int) -> tuple[float, float] | None:
@@ -198,6 +206,7 @@ NODE_FAULTS = {
     "drain_kill": _drain_then_kill,
     "raylet": lambda world, node, value: world.kill_raylet(node),
     "partition": lambda world, node, value: world.partition(node, value),
+    "undiscover": lambda world, node, value: world.undiscover(node, value),
 }
 
 

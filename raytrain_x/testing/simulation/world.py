@@ -69,6 +69,7 @@ class World(WorkerSide):
         self.rounds = SimRounds(self)
         self.store_abandoned: list[str] = []
         self.store_dead = False
+        self.store_epoch = 0  # the store actor of the control actors now (one per job)
         # workers the driver restarted while their join had reached the rounds actor:
         # (worker, the round it was given or None, when)
         self.restarted_joins: list[tuple[SimWorker, int | None, float]] = []
@@ -97,6 +98,9 @@ class World(WorkerSide):
         self.lease = self.storage.new_run(lambda: self.now) \
             if config.checkpoint_every_s is not None else None
         self.discovery_down_until = -math.inf  # the discovery script fails until then
+        self.undiscovered: dict[str, float] = {}  # node -> until when the script omits it
+        # the discovery script's answers, each from when it first gave it: (time, hosts)
+        self.script_answers: list[tuple[float, set[str]]] = []
         self.driver_up = True  # a driver process runs the job
         self.driver_kills: list[tuple[float, int]] = []  # (when, the job's step then)
         # whole-pool drains: (when, the job's step then, the deadline in seconds)
@@ -310,6 +314,17 @@ class World(WorkerSide):
         self.discovery_down_until = max(self.discovery_down_until, self.now + seconds)
         self.trace(f"discovery script failing for {seconds:.1f}s")
 
+    def undiscover(self, node: Node, seconds: float) -> None:
+        """The discovery script stops listing `node` for `seconds` (its host was taken out
+        of the job; it comes back after)."""
+        self.undiscovered[node.node_id] = max(self.undiscovered.get(node.node_id, -math.inf),
+                                              self.now + seconds)
+        self.trace(f"node {node.node_id} left discovery for {seconds:.1f}s")
+
+    def listed(self, node_id: str) -> bool:
+        """Whether the discovery script lists `node_id` now."""
+        return self.now >= self.undiscovered.get(node_id, -math.inf)
+
     def kill_driver(self, restart_s: float) -> None:
         """The driver process is killed: Ray ends the actors it owns (every worker, the
         rounds and store actors) and the same command runs again `restart_s` later
@@ -350,6 +365,7 @@ class World(WorkerSide):
         """New rounds and store actors (a new job of the same or a new driver)."""
         self.rounds = SimRounds(self)
         self.store_dead = False
+        self.store_epoch += 1
 
     def lose_everything(self) -> None:
         """Every worker process of the job ends at once (a whole spot pool reclaimed)."""

@@ -26,6 +26,7 @@ from raytrain_x.ray.elastic.policies.liveness import (
 from raytrain_x.ray.elastic.policies.rounds import (
     RoundDecision,
     decide_round,
+    holds_newcomers,
     kept_on_drain,
     state_lost,
     state_lost_error,

@@ -87,9 +87,11 @@ def held_back(held: Iterable[str], members: Iterable[MemberView], draining: Iter
     return held - set(holders or ())
 
 
-def drain_line(node: str, deadline: float, now: float, workers: int) -> str:
-    """The progress line of a node that started draining."""
+def drain_line(node: str, deadline: float, now: float, workers: int,
+               why: str = "is draining") -> str:
+    """The progress line of a node that started draining (or, `why`, left discovery or
+    was blacklisted)."""
     left_s = deadline - now
     when = "no deadline" if math.isinf(left_s) else f"deadline in {left_s:.0f} s"
-    return (f"node {short_node(node)} is draining ({when}); its {workers} worker(s) leave the "
+    return (f"node {short_node(node)} {why} ({when}); its {workers} worker(s) leave the "
             "job at the next commit")

@@ -122,3 +122,30 @@ def decide_round(waiting: Iterable[str], members: Iterable[MemberView],
                        and m.worker_id not in waiting for m in members))
     return RoundDecision(leave, form, arrived if form else [], interrupt, departed,
                          sorted(kept & set(arrived)) if form else [], release)
+
+
+# Newcomers asked for within this many seconds of each other (one scale-up: a host's slots,
+# the nodes the autoscaler brought) are a batch that joins in one round.
+TOGETHER_S = 1.0
+# How long the first newcomer of a batch that waits at the rendezvous holds the survivors'
+# interrupt for the rest of its batch (they train on meanwhile): the most a batch's joining
+# adds to the time from a host's arrival to `HostsUpdatedInterrupt`.
+JOIN_WINDOW_S = 10.0
+
+
+def holds_newcomers(waiting_asked: Iterable[float], others_asked: Iterable[float],
+                    waiting_since: float, now: float,
+                    window_s: float = JOIN_WINDOW_S, together_s: float = TOGETHER_S) -> bool:
+    """Whether newcomers that wait at the rendezvous (asked for at `waiting_asked`) wait
+    on, before the survivors are interrupted, for the rest of their batch: workers asked
+    for with them (`others_asked`: starting, or started and not at the rendezvous yet,
+    asked within `together_s` of them), for at most `window_s` from `waiting_since` (when
+    the first of them waited). One scale-up then costs one reset, not one per newcomer
+    (Horovod's `--reset-limit` counts them). A start asked for long before (a slow one
+    being hedged) is not of the batch and holds nothing."""
+    waiting_asked = list(waiting_asked)
+    if not waiting_asked or now - waiting_since >= window_s:
+        return False
+    earliest, latest = min(waiting_asked), max(waiting_asked)
+    return any(earliest - together_s <= asked <= latest + together_s
+               for asked in others_asked)
