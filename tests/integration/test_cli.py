@@ -233,8 +233,14 @@ def test_a_horovodrun_command_line_runs_with_the_launchers_name_changed(ray_clus
     assert "host 'no-such-host' of -H/--hosts is not an alive Ray node" in missing.stderr
 
 
-def test_cli_elastic_job(ray_cluster):
+def test_cli_elastic_job(ray_cluster, tmp_path):
+    """Horovod's elastic command line: a discovery script printing bare host names, their
+    slots from --slots (`localhost`: the driver's node)."""
+    script = tmp_path / "discover_hosts.sh"
+    script.write_text("#!/bin/sh\necho localhost\n")
+    script.chmod(0o755)
     out = _cli("run", "-np", "2", "--min-np", "1", "--max-np", "2", "--address", ray_cluster,
+               "--host-discovery-script", str(script), "--slots", "2",
                "python", "examples/elastic_digits.py", work_s=20)
     assert out.returncode == 0, out.stderr[-3000:]
     assert re.search(r"test accuracy 0\.9", out.stdout + out.stderr), out.stdout[-2000:]

@@ -142,7 +142,7 @@ def test_horovods_arguments_as_horovods_docs_write_them(ray_cluster, caplog):
     with caplog.at_level("WARNING", logger="raytrain_x"):
         RayExecutor.create_settings(ssh_identity_file="~/.ssh/id", nics={"eth0"})
     assert "create_settings(nics, ssh_identity_file): not used; Ray places" in caplog.text
-    with pytest.raises(ValueError, match="not both"):
+    with pytest.raises(ValueError, match="Both `min_workers` and `num_workers` provided"):
         RayExecutor(settings, num_workers=2, min_workers=1)
     with pytest.raises(ValueError, match="cpus_per_worker or cpus_per_slot"):
         RayExecutor(settings, num_workers=2, cpus_per_worker=1, cpus_per_slot=2)

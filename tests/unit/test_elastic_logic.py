@@ -280,3 +280,20 @@ def test_the_ledger_check_takes_epochs_in_number_order_after_json():
     seen[3] = [0, 1, 1, 3]
     assert ledger_errors([json.loads(json.dumps(rank))], samples=4) == [
         "rank 0: epoch 3 did not see each sample once"]
+
+
+def test_test_discovery_moves_hosts_in_and_out_within_its_bounds(monkeypatch):
+    """Horovod's `TestDiscovery` for local clusters: one host taken out or put back per
+    change, never fewer than `min_hosts` nor more than `max_hosts` (once it has changed),
+    only Ray's alive nodes, with the slots their resources hold."""
+    from raytrain_x.ray.elastic import ray_nodes
+
+    nodes = {f"n{i}": {"CPU": 2.0} for i in range(4)}
+    monkeypatch.setattr(ray_nodes, "alive_nodes", lambda: nodes)
+    discovery = ray_nodes.TestDiscovery(min_hosts=1, max_hosts=3, change_frequency_s=0.0,
+                                        cpus_per_slot=1, verbose=False, seed=3)
+    seen = [discovery.find_available_hosts_and_slots() for _ in range(40)]
+    assert all(1 <= len(hosts) <= 3 and set(hosts) <= set(nodes) for hosts in seen)
+    assert all(slots == 2 for hosts in seen for slots in hosts.values())
+    assert len({frozenset(h) for h in seen}) > 3  # it moved hosts around
+    assert all(len(set(a) ^ set(b)) <= 1 for a, b in zip(seen, seen[1:]))

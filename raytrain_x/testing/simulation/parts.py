@@ -37,10 +37,12 @@ class SimPool(WorkerPool):
 
     def start(self, node: str) -> None:
         """Ray places the worker; with a discovery script (slots the driver counts itself)
-        a node that already holds its slots' worth of the job's live workers is one too
-        many: a worker that can never start."""
-        held = sum(1 for w in self.world.workers if w.alive and w.node.node_id == node
-                   and not w.restarted and w.outcome is None)
+        a node whose slots the job's own workers there (members, starts under way) already
+        fill is one too many: a start that waits for a slot the job itself holds. (A worker
+        the driver gave up on and killed may hold its slot a while longer, out of reach on
+        a cut-off node: a start there waits for that kill, as on Ray.)"""
+        held = sum(1 for m in self.members.values() if m.node == node) + \
+            sum(1 for p in self.pending.values() if p.node == node)
         if self.world.config.scripted_discovery and held >= self.world.nodes[node].slots:
             self.world.violation(f"a worker placed on {node}, which holds {held} of the "
                                  f"job's workers in {self.world.nodes[node].slots} slots")
