@@ -41,8 +41,9 @@ class Timeline:
         start = {"name": "process_name", "ph": "M", "pid": self._pid,
                  "args": {"name": name,
                           "start_time_since_epoch_in_micros": int(time.time() * 1e6)}}
+        # flushed with the first event (a write error then surfaces in the collective that
+        # recorded it, as this rank's own failure, not in init())
         self._file.write(("[\n" if self._pid == 0 else "") + json.dumps(start) + ",\n")
-        self._file.flush()
 
     def now(self) -> float:
         return time.perf_counter()
