@@ -196,7 +196,7 @@ def test_horovods_ray_elastic_example_with_its_discovery_logger_and_callbacks(el
             for state.epoch in range(state.epoch, 200):  # noqa: B020 - Horovod's example
                 ray_logger.log({"training": True, "pid": os.getpid(), "size": hvd.size()})
                 state.sampler.record_batch(0, 1)
-                sleep(0.1)
+                sleep(0.05)
                 state.commit()
             ray_logger.log({"finished": True, "pid": os.getpid()})
 
