@@ -48,7 +48,13 @@ class HostDiscovery:
 
 
 class RayHostDiscovery(HostDiscovery):
-    """Every alive Ray node (by node id) with the workers its resources hold."""
+    """Every alive Ray node (by node id) with the workers its resources hold.
+
+    Args:
+        use_gpu: a worker takes `gpus_per_slot` GPUs.
+        cpus_per_slot: CPUs a worker takes.
+        gpus_per_slot: GPUs a worker takes, with `use_gpu`.
+    """
 
     def __init__(self, use_gpu: bool = False, cpus_per_slot: float = 1,
                  gpus_per_slot: float = 1) -> None:
@@ -66,9 +72,12 @@ class TestDiscovery(RayHostDiscovery):
     between `min_hosts` and `max_hosts`.
 
     Args:
-        min_hosts, max_hosts: the bounds on hosts reported.
+        min_hosts: the fewest hosts reported.
+        max_hosts: the most hosts reported.
         change_frequency_s: seconds between changes.
-        use_gpu, cpus_per_slot, gpus_per_slot: a worker's resources.
+        use_gpu: a worker takes `gpus_per_slot` GPUs.
+        cpus_per_slot: CPUs a worker takes.
+        gpus_per_slot: GPUs a worker takes, with `use_gpu`.
         verbose: print the hosts at each look.
         _graceful: Horovod's; False (killing the removed node) is not done here: the host
             is removed from discovery, gracefully, with a warning.

@@ -151,9 +151,27 @@ def PartialDistributedOptimizer(optimizer: Any, name: str | None = None,
                                 process_set: ProcessSet = global_process_set,
                                 local_layers: Any = None,
                                 scale_local_gradients: bool = True) -> Any:
-    """A `DistributedOptimizer` whose `local_layers` (a Keras layer or a list of them) keep
-    their gradients on each rank: not combined across ranks (divided by the set's size
-    when `scale_local_gradients`). The other arguments are `DistributedOptimizer`'s."""
+    """A `DistributedOptimizer` whose `local_layers` keep their gradients on each rank.
+
+    Args:
+        optimizer: a Keras 3 optimizer; it and the arguments up to `process_set` are
+            `DistributedOptimizer`'s.
+        name: as `DistributedOptimizer`'s.
+        device_dense: as `DistributedOptimizer`'s.
+        device_sparse: as `DistributedOptimizer`'s.
+        compression: as `DistributedOptimizer`'s.
+        sparse_as_dense: as `DistributedOptimizer`'s.
+        gradient_predivide_factor: as `DistributedOptimizer`'s.
+        op: as `DistributedOptimizer`'s.
+        backward_passes_per_step: as `DistributedOptimizer`'s.
+        average_aggregated_gradients: as `DistributedOptimizer`'s.
+        num_groups: as `DistributedOptimizer`'s.
+        groups: as `DistributedOptimizer`'s.
+        process_set: as `DistributedOptimizer`'s.
+        local_layers: a Keras layer or a list of them whose gradients are not combined
+            across ranks.
+        scale_local_gradients: divide the local layers' gradients by the set's size.
+    """
     if local_layers is None:
         layers = []
     elif hasattr(local_layers, "trainable_weights"):
