@@ -119,6 +119,12 @@ class ResetLimitExceeded(RaytrainXError):
     """An elastic job reset more often than its reset_limit allows."""
 
 
+class FailureLimitExceeded(RaytrainXError):
+    """An elastic job's workers failed more often than its `max_failures` allows (the
+    elastic trainer's `FailureConfig(max_failures)`; a drained node's workers are not a
+    failure)."""
+
+
 class ElasticStateLost(RaytrainXError):
     """Every worker holding an elastic job's committed state was lost: the state lived only
     in their memory, and a new round would silently start over from the initial state."""
@@ -164,6 +170,7 @@ __all__ = [
     "PlacementTimeout",
     "StoreAuthError",
     "ResetLimitExceeded",
+    "FailureLimitExceeded",
     "ElasticTimeout",
 ]
 

@@ -188,6 +188,7 @@ class ArrowStorage(Storage):
         dest = self._at(folder)
         if self.is_local:
             if os.path.abspath(local_dir) != dest:
+                os.makedirs(dest, exist_ok=True)  # several ranks may copy into one folder
                 self._pafs.copy_files(local_dir, dest,
                                       source_filesystem=self._pafs.LocalFileSystem(),
                                       destination_filesystem=self.fs)

@@ -65,6 +65,10 @@ class RayExecutor:
             takes every free slot the cluster has, as Horovod's `max_np=None` does (the
             autoscaler is then asked for `min_workers` only).
         reset_limit: elastic: more resets than this fail the job (`ResetLimitExceeded`).
+        max_failures: elastic: more failures than this fail the job
+            (`FailureLimitExceeded`), counted as Ray Train's `FailureConfig(max_failures)`
+            counts them: the workers lost before one reset are one failure, a drained
+            node's are none; -1 or None: no limit.
         cooldown_range: elastic: `(lo, hi)` seconds a failed host stays blacklisted, doubling
             per failure from `lo` up to `hi`; without it a failed host stays out.
         elastic_timeout: elastic: how long the job waits below `min_workers` before it
@@ -140,6 +144,7 @@ class RayExecutor:
         gpus_per_slot: float | None = None,
         hosts: str | Mapping[str, int] | None = None,
         slots_per_host: int | None = None,
+        max_failures: int | None = None,
     ) -> None:
         num_workers_per_host, cpus_per_worker, gpus_per_worker = horovod_shape(
             num_workers, min_workers, num_workers_per_host, cpus_per_worker, gpus_per_worker,
@@ -156,6 +161,10 @@ class RayExecutor:
                                                             and max_workers < min_workers)):
             raise ConfigError(f"need 1 <= min_workers <= max_workers, got {min_workers}, "
                               f"{max_workers}")
+        if max_failures is not None and not (isinstance(max_failures, int)
+                                             and max_failures >= -1):
+            raise ConfigError(f"max_failures must be an int >= -1 (-1: no limit), got "
+                              f"{max_failures!r}")
         if reset_limit is not None and reset_limit < 0:
             raise ConfigError(f"reset_limit must be >= 0, got {reset_limit}")
         if cooldown_range is not None and (
@@ -185,6 +194,7 @@ class RayExecutor:
         self.use_current_placement_group = use_current_placement_group
         self.min_workers, self.max_workers = min_workers, max_workers
         self.reset_limit, self.cooldown_range = reset_limit, cooldown_range
+        self.max_failures = None if max_failures == -1 else max_failures
         self.elastic_timeout = elastic_timeout
         self.start_timeout_s = start_timeout_s
         self.knobs = knobs
@@ -347,7 +357,8 @@ class RayExecutor:
             hosts=self.hosts, slots_per_host=self.slots_per_host,
             discovery=self.host_discovery,
             env=self._elastic_env, autotune_actor=self.autotune_controller,
-            start_timeout_s=self.start_timeout_s, checkpoint=self.checkpoint)
+            start_timeout_s=self.start_timeout_s, checkpoint=self.checkpoint,
+            max_failures=self.max_failures)
 
         def new_job() -> ElasticJob:
             job = self.last_elastic_job = ElasticJob(settings, fn, tuple(args or ()),

@@ -100,3 +100,47 @@ def _raylet_process_type() -> str:
 
 
 RAYLET_PROCESS_TYPE = _raylet_process_type()  # a node's raylet, in its process table
+
+
+# ------------------------------------------------------------ Ray Data and Ray Train
+def dataset_ref_bundles(dataset: Any) -> Any:
+    """The dataset's streaming execution as `RefBundle`s (`Dataset.iter_internal_ref_bundles`,
+    a developer API of Ray Data)."""
+    return dataset.iter_internal_ref_bundles()
+
+
+def bundle_blocks(bundle: Any) -> list[tuple[Any, int | None]]:
+    """A `RefBundle`'s blocks as (ObjectRef, rows), honouring its slices (Ray 2.60's
+    `RefBundle.blocks` of `BlockEntry` and `RefBundle.slices`)."""
+    out = []
+    for entry, piece in zip(bundle.blocks, bundle.slices):
+        if piece is not None and (piece.start_offset != 0 or
+                                  piece.end_offset != entry.metadata.num_rows):
+            raise ConfigError("a dataset whose stream hands out slices of blocks is not "
+                              "supported by the elastic feed; materialize() it first")
+        out.append((entry.ref, entry.metadata.num_rows))
+    return out
+
+
+def set_train_fn_utils(utils: Any) -> None:
+    """Installs what `ray.train.report`, `get_checkpoint`, `get_context` and
+    `get_dataset_shard` call in this process (Ray Train v2's `TrainFnUtils`, the hook Ray
+    documents as the one to replace for new behaviour)."""
+    from ray.train.v2._internal.execution import train_fn_utils
+
+    train_fn_utils.set_train_fn_utils(utils)
+
+
+def train_fn_utils_base() -> type:
+    """Ray Train v2's `TrainFnUtils` base class."""
+    from ray.train.v2._internal.execution.train_fn_utils import TrainFnUtils
+
+    return TrainFnUtils
+
+
+
+def datasets_to_split(data_config: Any, names: list[str]) -> list[str]:
+    """The datasets a Ray Train `DataConfig` splits over the workers (its
+    `datasets_to_split`, kept private by Ray 2.60's `DataConfig`)."""
+    chosen = getattr(data_config, "_datasets_to_split", "all")
+    return list(names) if chosen == "all" else [n for n in names if n in chosen]

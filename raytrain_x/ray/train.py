@@ -33,6 +33,7 @@ from raytrain_x.common.knobs import Knobs, load_knobs, read_training_settings
 from raytrain_x.common.settings import JOB_NAME, TIMEOUT_S
 from raytrain_x.ray import metrics
 from raytrain_x.ray.autotune_actor import fixed_knob_env, knob_env, start_autotune
+from raytrain_x.ray.elastic_trainer import check_elastic_scaling, fit_elastic
 from raytrain_x.ray.placement import stable_node_strategy
 from raytrain_x.ray.worker import install_world
 
@@ -237,9 +238,14 @@ class RaytrainXTrainer(DataParallelTrainer):
             TensorFlow face) and may use every `ray.train` worker API.
         train_loop_config: passed to `train_loop_per_worker` when it takes an argument.
         raytrain_x_config: a `RaytrainXConfig` (knobs, autotune, timeout, framework).
-        scaling_config: Ray Train's `ScalingConfig` (`num_workers` >= 1).
+        scaling_config: Ray Train's `ScalingConfig`: `num_workers=N` (>= 1) runs on Ray
+            Train's controller, which restarts the group on any change;
+            `num_workers=(min, max)` runs elastically on raytrain-x's driver: survivors keep
+            their state in memory, the world grows to `max` as capacity comes
+            (docs/ray_train.md, "Elastic").
         run_config: Ray Train's `RunConfig`.
-        datasets: Ray Data datasets, sharded over the workers as Ray Train does.
+        datasets: Ray Data datasets, sharded over the workers as Ray Train does (elastic:
+            re-divided among the current world at every step, each row once per epoch).
         dataset_config: Ray Train's `DataConfig`.
         validation_config: Ray Train's, unchanged.
     """
@@ -259,15 +265,31 @@ class RaytrainXTrainer(DataParallelTrainer):
         if not callable(train_loop_per_worker):
             raise ConfigError("train_loop_per_worker must be a function, got "
                               f"{type(train_loop_per_worker).__name__}")
-        if scaling_config is not None and scaling_config.num_workers is not None \
-                and scaling_config.num_workers < 1:
-            raise ConfigError(f"ScalingConfig(num_workers={scaling_config.num_workers}): a "
-                              "raytrain-x world needs num_workers >= 1")
+        workers = scaling_config.num_workers if scaling_config is not None else None
+        if isinstance(workers, tuple):
+            check_elastic_scaling(scaling_config)
+        elif workers is not None and workers < 1:
+            raise ConfigError(f"ScalingConfig(num_workers={workers}): a raytrain-x world "
+                              "needs num_workers >= 1")
         super().__init__(train_loop_per_worker, train_loop_config=train_loop_config,
                          backend_config=config, scaling_config=scaling_config,
                          run_config=run_config, datasets=datasets,
                          dataset_config=dataset_config, validation_config=validation_config,
                          **deprecated)
+
+    def fit(self) -> Any:
+        """Runs the training and returns Ray Train's `Result`. With
+        `ScalingConfig(num_workers=(min, max))` the loop runs on raytrain-x's elastic driver
+        (`raytrain_x.ray.elastic_trainer`: the world changes in memory, no restart); with a
+        fixed `num_workers`, on Ray Train's controller.
+
+        Raises:
+            TrainingFailedError: the run failed (Ray Train's `WorkerGroupError` or
+                `ControllerError`), with the cause chained.
+        """
+        if isinstance(self.scaling_config.num_workers, tuple):
+            return fit_elastic(self)
+        return super().fit()
 
 
 class HorovodTrainer(RaytrainXTrainer):

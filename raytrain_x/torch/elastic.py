@@ -51,8 +51,9 @@ class TorchState(ObjectState):
             parameters or the optimizer state are changed outside `optimizer.step()` between
             a commit and the next step (a weight average by hand): each commit's copy is
             then ordered before any later work on the device.
-        **kwargs: more modules, optimizers or samplers (by any name: a GAN's two models),
-            and plain attributes (epoch, batch, ...), as in `ObjectState`.
+        **kwargs: more modules, optimizers, samplers or data positions (by any name: a
+            GAN's two models; the elastic trainer's `ray.train.get_dataset_shard(...)`), and
+            plain attributes (epoch, batch, ...), as in `ObjectState`.
     """
 
     def __init__(self, model: torch.nn.Module | None = None,

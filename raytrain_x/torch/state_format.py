@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from raytrain_x.core.objects import allgather_object
+from raytrain_x.elastic.positions import Position
 from raytrain_x.elastic.state import Attributes
 from raytrain_x.torch import durable
 from raytrain_x.torch.elastic_sampler import ElasticSampler
@@ -30,13 +31,16 @@ from raytrain_x.torch.zero_optimizer import ShardedOptimizer
 
 
 def kind_of(value: Any) -> str:
-    """"model", "optimizer", "sampler", or "" (a plain attribute)."""
+    """"model", "optimizer", "sampler", "position" (a data stream's, such as the elastic
+    trainer's Ray Data shard), or "" (a plain attribute)."""
     if isinstance(value, torch.nn.Module):
         return "model"
     if isinstance(value, torch.optim.Optimizer):
         return "optimizer"
     if isinstance(value, ElasticSampler):
         return "sampler"
+    if isinstance(value, Position):
+        return "position"
     return ""
 
 
@@ -45,7 +49,7 @@ class TorchFormat:
 
     Args:
         owner: the state whose plain attributes (`names`) are committed beside `handled`.
-        handled: models, optimizers and samplers by name.
+        handled: models, optimizers, samplers and data positions by name.
         names: the plain attributes' names.
         overlap: let a CUDA commit's copy run beside the next forward and backward.
     """
@@ -133,6 +137,9 @@ class TorchFormat:
                     group.update(chosen)
             elif kind == "optimizer":
                 broadcast_optimizer_state(value, root_rank=root)
+            elif kind == "position":  # the same on every rank: the root's stands
+                value.load_state_dict(broadcast_object(value.state_dict(), root,
+                                                       name=f"elastic.{name}"))
             else:
                 _sync_sampler(name, value, root)
         self.attributes.sync_from(root)

@@ -88,6 +88,11 @@ class ElasticJob:
         return self.member_watch.failures.resets
 
     @property
+    def failures(self) -> int:
+        """Resets that recovered from failed workers (Ray Train's count of failures)."""
+        return self.member_watch.failures.failures
+
+    @property
     def log(self) -> EventLog:
         return self.ctx.log
 

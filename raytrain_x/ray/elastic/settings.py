@@ -42,6 +42,9 @@ class ElasticSettings:
     # durable checkpoints: with every holder of the state lost, the next round restores
     # from storage instead of the job stopping with ElasticStateLost
     checkpoint: CheckpointConfig | None = None
+    # worker failures the job survives, counted as Ray Train counts them: the failures that
+    # one reset recovers from are one (None: no limit; drains are not failures)
+    max_failures: int | None = None
 
     @property
     def bounded(self) -> bool:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from raytrain_x.common.errors import (
+    FailureLimitExceeded,
     ResetLimitExceeded,
 )
 from raytrain_x.ray.elastic.blacklist import Blacklist
@@ -29,6 +30,8 @@ class FailurePolicy:
         self.blacklist = blacklist
         self.drained_nodes: set[str] = set()  # every node ever seen draining
         self.resets = 0  # rounds after the first, drains aside
+        self.failures = 0  # resets that recovered from a failure (Ray Train's count)
+        self._failed_since_round = False
 
     def note_drained(self, node: str) -> None:
         """`node` started draining: a worker lost with it is not its host's failure."""
@@ -39,13 +42,23 @@ class FailurePolicy:
         node was draining (it went before the worker's next commit; nothing to blacklist)."""
         if node in self.drained_nodes:
             return FailureVerdict("lost_draining")
+        self._failed_since_round = True
         return FailureVerdict("failure", self.blacklist.record_failure(node))
 
     def count_round(self, is_reset: bool, last_failure: object = None) -> None:
-        """A round forms: a reset counts against `reset_limit`; past it the job fails."""
+        """A round forms: a reset counts against `reset_limit`, and a reset after failures
+        is one failure against `max_failures`; past either the job fails."""
         if not is_reset:
             return
         self.resets += 1
+        if self._failed_since_round:
+            self._failed_since_round = False
+            self.failures += 1
+            most = self.settings.max_failures
+            if most is not None and most >= 0 and self.failures > most:
+                raise FailureLimitExceeded(
+                    f"the job's workers failed {self.failures} times, more than "
+                    f"max_failures={most}; the last failure: {last_failure or ''}")
         limit = self.settings.reset_limit
         if limit is not None and self.resets > limit:
             raise ResetLimitExceeded(

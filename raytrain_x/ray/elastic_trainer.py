@@ -1,0 +1,165 @@
+"""`RaytrainXTrainer.fit()` with `ScalingConfig(num_workers=(min, max))`: the training loop
+on raytrain-x's elastic driver instead of Ray Train's controller, so a lost worker, a
+drained node or new capacity changes the world in memory rather than restarting it.
+
+What stays Ray Train's: the loop's `ray.train` calls (`train_worker.py`), the run's folder
+and checkpoints under `RunConfig(storage_path, name)` (`train_reports.py`), `Result`,
+`FailureConfig(max_failures)` (counted as Ray Train counts: the failures one reset recovers
+from are one; a drained node is not a failure) and `RunConfig(callbacks=...)`'s
+`UserCallback.after_report` (so Ray Tune's `TuneReportCallback` works). Ray Data datasets
+are fed through one feed per dataset (`data_feed.py`), re-divided at every step.
+
+When every worker is lost (nothing in memory survives), the run goes on as Ray Train's
+does: new workers, `ray.train.get_checkpoint()` the latest checkpoint, each dataset where it
+was at that checkpoint's report; it counts as one failure.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+from typing import Any
+
+import pandas as pd
+import ray
+from ray.train.v2.api.exceptions import WorkerGroupError
+from ray.train.v2.api.result import Result
+
+from raytrain_x.common.errors import ConfigError, ElasticStateLost
+from raytrain_x.ray import internals
+from raytrain_x.ray.data_feed import start_feed
+from raytrain_x.ray.executor import RayExecutor
+from raytrain_x.ray.train_reports import start_reports, storage_uri
+from raytrain_x.ray.train_worker import RunInfo, install
+
+__all__ = ["REPORT_POLL_S", "check_elastic_scaling", "fit_elastic"]
+log = logging.getLogger("raytrain_x.ray")
+REPORT_POLL_S = 0.25  # how often the driver hands new reports to RunConfig's callbacks
+
+
+def check_elastic_scaling(scaling_config: Any) -> tuple[int, int]:
+    """`ScalingConfig(num_workers=(min, max))`'s bounds.
+
+    Raises:
+        ConfigError: not two ints with 1 <= min <= max.
+    """
+    bounds = scaling_config.num_workers
+    if (len(bounds) != 2 or not all(isinstance(b, int) for b in bounds)
+            or not 1 <= bounds[0] <= bounds[1]):
+        raise ConfigError(f"ScalingConfig(num_workers={bounds}): an elastic run needs "
+                          "(min, max) with 1 <= min <= max")
+    return bounds[0], bounds[1]
+
+
+def _worker(train_fn: Any, run: RunInfo) -> Any:
+    install(run)
+    return train_fn()
+
+
+def fit_elastic(trainer: Any) -> Result:
+    """Runs `trainer` (a `RaytrainXTrainer` with elastic scaling) and returns its `Result`.
+
+    Raises:
+        WorkerGroupError: the run failed (a worker's error, more failures than
+            `FailureConfig(max_failures)`, too long below `min` workers), as Ray Train raises
+            it; the cause is chained.
+    """
+    low, high = check_elastic_scaling(trainer.scaling_config)
+    run_config = trainer.run_config
+    name = run_config.name or f"raytrain_x_run-{datetime.datetime.now():%Y-%m-%d_%H-%M-%S}"
+    storage_path = run_config.storage_path
+    config = trainer.backend_config
+    split = internals.datasets_to_split(trainer.data_config, list(trainer.datasets))
+    reports = start_reports(storage_path, name, run_config.checkpoint_config)
+    feeds = {n: start_feed(ds, n) for n, ds in trainer.datasets.items() if n in split}
+    whole = {n: ds for n, ds in trainer.datasets.items() if n not in split}
+    callbacks = [cb for cb in (run_config.callbacks or [])
+                 if hasattr(cb, "after_report")]
+    most = run_config.failure_config.max_failures
+    left = None if most < 0 else most
+    scaling = trainer.scaling_config
+    executor = RayExecutor(
+        RayExecutor.create_settings(timeout_s=config.timeout_s), min_workers=low,
+        max_workers=high, cpus_per_worker=scaling.num_cpus_per_worker or 1,
+        use_gpu=scaling.use_gpu, gpus_per_worker=scaling.num_gpus_per_worker or None,
+        resources_per_worker=scaling.additional_resources_per_worker, knobs=config.knobs,
+        autotune=config.autotune, name=name, max_failures=left)
+    train_fn = trainer._get_train_func()
+    handed = [0]  # reports handed to the callbacks
+
+    def hand_over() -> None:
+        for record in ray.get(reports.since.remote(handed[0])):
+            handed[0] += 1
+            checkpoint = (RunInfo(name, storage_path, reports, {}, {}, None)
+                          .checkpoint(record["checkpoint"]) if record["checkpoint"] else None)
+            for callback in callbacks:
+                callback.after_report(trainer.train_run_context, record["all_metrics"],
+                                      checkpoint)
+
+    try:
+        executor.start(extra_env_vars=dict(config._file_env))
+        while True:
+            run = RunInfo(name, storage_path, reports, feeds, whole,
+                          ray.get(reports.latest.remote()))
+            try:
+                results = _run_reporting(executor, train_fn, run, hand_over)
+                break
+            except ElasticStateLost as exc:
+                job = executor.last_elastic_job
+                used = (job.failures if job is not None else 0) + 1
+                if left is not None and used > left:
+                    raise WorkerGroupError(
+                        f"every worker was lost, with {used} failures in all: more than "
+                        f"FailureConfig(max_failures={most})", {}) from exc
+                left = None if left is None else left - used
+                executor.max_failures = left
+                log.warning("raytrain-x: every worker of run %s was lost; it goes on from its "
+                            "latest checkpoint (%s)", name, exc)
+            except ConfigError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - raised as Ray Train raises it
+                raise WorkerGroupError(f"the elastic run {name} failed: {exc}", {}) from exc
+        hand_over()
+    finally:
+        executor.shutdown()
+        for actor in [*feeds.values()]:
+            ray.kill(actor, no_restart=True)
+    records = ray.get(reports.since.remote(0))
+    ray.kill(reports, no_restart=True)
+    return _result(records, RunInfo(name, storage_path, None, {}, {}, None),
+                   results[0] if results else None)
+
+
+def _run_reporting(executor: RayExecutor, train_fn: Any, run: RunInfo,
+                   hand_over: Any) -> list[Any]:
+    """`executor.run` on a thread while this one hands new reports to the callbacks."""
+    out: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            out["results"] = executor.run(_worker, args=(train_fn, run))
+        except BaseException as exc:  # noqa: BLE001 - raised on the caller's thread
+            out["error"] = exc
+
+    thread = threading.Thread(target=target, name="raytrain-x elastic fit", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(REPORT_POLL_S)
+        hand_over()
+    if "error" in out:
+        raise out["error"]
+    return out["results"]
+
+
+def _result(records: list[dict[str, Any]], run: RunInfo, value: Any) -> Result:
+    """Ray Train's `Result` of the run's reports."""
+    kept = [r for r in records if r["checkpoint"]]
+    latest = kept[-1] if kept else None
+    return Result(
+        metrics=records[-1]["metrics"] if records else None,
+        checkpoint=run.checkpoint(latest["checkpoint"]) if latest else None,
+        error=None, path=storage_uri(run.storage_path, run.name),
+        metrics_dataframe=pd.DataFrame([r["metrics"] for r in records]),
+        best_checkpoints=[(run.checkpoint(r["checkpoint"]), r["metrics"]) for r in kept],
+        return_value=value)
