@@ -17,6 +17,7 @@ with `preserve_order`, so a deterministic dataset gives the same rows in the sam
 
 from __future__ import annotations
 
+import itertools
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -60,29 +61,41 @@ class DataFeed:
         self._commits: dict[int, list[int]] = {}  # epoch -> cursors rank 0 committed
         self._totals: dict[int, int] = {}  # epoch -> its rows, once its stream ended
         self.executions = 0  # epoch streams run (a rerun after a far rollback counts)
+        self._ahead: _Ahead | None = None  # the next epoch's stream, started early
 
     def plan(self, epoch: int, cursor: int, world: int, per_rank: int, rank: int,
-             ) -> tuple[list[Slice], int]:
-        """Rank `rank`'s slices of the step at (`epoch`, `cursor`) of a `world` of ranks
-        asking `per_rank` rows each, and the rows the step hands out in all (0: the epoch is
-        done). An empty share is one empty slice, so the rank can still make an empty
-        batch of the dataset's columns."""
+             steps: int = 1) -> list[tuple[list[Slice], int]]:
+        """Rank `rank`'s slices of the steps from (`epoch`, `cursor`) on, of a `world` of
+        ranks asking `per_rank` rows each, with the rows each step hands out in all; a step
+        of 0 rows ends the epoch. Up to `steps` steps: the first waits for its rows, the
+        others come only as far as the rows already held (one call a few steps ahead saves
+        a call a step). An empty share is one empty slice, so the rank can still make an
+        empty batch of the dataset's columns."""
         with self._lock:
             if epoch != self._epoch and cursor >= self._totals.get(epoch, cursor + 1):
-                return [], 0  # an epoch that was done already (a rollback to its end)
+                return [([], 0)]  # an epoch that was done already (a rollback to its end)
             if epoch != self._epoch or (self._starts and cursor < self._starts[0]):
                 self._begin(epoch, cursor)
-            while (ranges := step_ranges(cursor, world, per_rank, self._available,
-                                         self._ended)) is None:
-                self._pull()
-            if not ranges:
-                return [], 0
-            start, end = ranges[rank]
-            mine = [Slice(self._refs[i], first, last, self._sizes[i])
-                    for i, first, last in block_slices(self._starts, self._sizes, start, end)]
-            if not mine:
-                mine = [Slice(self._refs[0], 0, 0, self._sizes[0])]
-            return mine, ranges[-1][1] - cursor
+            out: list[tuple[list[Slice], int]] = []
+            while len(out) < steps:
+                ranges = step_ranges(cursor, world, per_rank, self._available, self._ended)
+                if ranges is None:
+                    if out:
+                        break
+                    self._pull()
+                    continue
+                if not ranges:
+                    out.append(([], 0))
+                    break
+                start, end = ranges[rank]
+                mine = [Slice(self._refs[i], first, last, self._sizes[i]) for i, first, last
+                        in block_slices(self._starts, self._sizes, start, end)]
+                if not mine:
+                    mine = [Slice(self._refs[0], 0, 0, self._sizes[0])]
+                rows = ranges[-1][1] - cursor
+                out.append((mine, rows))
+                cursor += rows
+            return out
 
     def committed(self, epoch: int, cursor: int) -> None:
         """Rank 0 committed (`epoch`, `cursor`): blocks before the commit before it go."""
@@ -110,8 +123,13 @@ class DataFeed:
 
     # ------------------------------------------------------------------ the stream
     def _begin(self, epoch: int, cursor: int) -> None:
-        """Runs `epoch`'s stream from its start and skips the rows before `cursor`."""
-        self._stream = iter(internals.dataset_ref_bundles(self._dataset))
+        """Runs `epoch`'s stream from its start (or takes the one started ahead) and skips
+        the rows before `cursor`."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead.epoch == epoch:
+            self._stream = ahead.stream()
+        else:
+            self._stream = iter(internals.dataset_ref_bundles(self._dataset))
         self.executions += 1
         self._epoch, self._available, self._ended = epoch, 0, False
         self._refs, self._starts, self._sizes = [], [], []
@@ -127,6 +145,7 @@ class DataFeed:
         except StopIteration:
             self._ended = True
             self._totals[self._epoch] = self._available
+            self._ahead = _Ahead(self._dataset, self._epoch + 1)
             return
         for ref, rows in internals.bundle_blocks(bundle):
             if rows is None:
@@ -139,6 +158,38 @@ class DataFeed:
 
     def _drop_first(self) -> None:
         del self._refs[0], self._starts[0], self._sizes[0]
+
+
+class _Ahead:
+    """The next epoch's stream, started on a thread as soon as an epoch's stream ends: a
+    stream takes seconds to start (planning, launching its tasks, the first block), which
+    the ranks would otherwise wait at every epoch's start while they finish the last."""
+
+    def __init__(self, dataset: Any, epoch: int) -> None:
+        self.epoch = epoch
+        self._dataset = dataset
+        self._first: list[Any] = []
+        self._error: BaseException | None = None
+        self._iterator: Any = None
+        self._thread = threading.Thread(target=self._start, daemon=True,
+                                        name="raytrain-x data feed ahead")
+        self._thread.start()
+
+    def _start(self) -> None:
+        try:
+            self._iterator = iter(internals.dataset_ref_bundles(self._dataset))
+            self._first = [next(self._iterator)]
+        except StopIteration:
+            pass
+        except BaseException as exc:  # noqa: BLE001 - raised where the epoch is asked for
+            self._error = exc
+
+    def stream(self) -> Any:
+        """The stream, its first bundle included (waits for the start)."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return itertools.chain(self._first, self._iterator)
 
 
 def start_feed(dataset: Any, name: str) -> Any:

@@ -27,6 +27,7 @@ from raytrain_x.elastic.positions import Position
 
 __all__ = ["ROWS_PER_STEP_OF_ROWS", "ElasticDataShard"]
 ROWS_PER_STEP_OF_ROWS = 256  # each rank's rows per step of `iter_rows` (no batch size given)
+PLANNED_STEPS = 16  # steps asked of the feed in one call (fewer where rows are not there yet)
 _END = object()
 
 
@@ -187,15 +188,16 @@ class _Steps:
         feed, epoch, cursor, world, rank, per_rank, finish = self._args
         try:
             while not self._stop.is_set():
-                slices, rows = ray.get(feed.plan.remote(epoch, cursor, world, per_rank, rank))
-                if rows == 0:
-                    self._put(_END)
-                    return
-                block = _rows(slices)
-                size = BlockAccessor.for_block(block).num_rows()
-                if not self._put((rows, size, finish(block))):
-                    return
-                cursor += rows
+                for slices, rows in ray.get(feed.plan.remote(epoch, cursor, world, per_rank,
+                                                             rank, PLANNED_STEPS)):
+                    if rows == 0:
+                        self._put(_END)
+                        return
+                    block = _rows(slices)
+                    size = BlockAccessor.for_block(block).num_rows()
+                    if not self._put((rows, size, finish(block))):
+                        return
+                    cursor += rows
         except BaseException as exc:  # noqa: BLE001 - raised in the training loop
             self._put(exc)
 

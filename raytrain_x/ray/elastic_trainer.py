@@ -26,16 +26,20 @@ import ray
 from ray.train.v2.api.exceptions import WorkerGroupError
 from ray.train.v2.api.result import Result
 
-from raytrain_x.common.errors import ConfigError, ElasticStateLost
+from raytrain_x.common.errors import ConfigError, ElasticStateLost, WorkerError
 from raytrain_x.ray import internals
 from raytrain_x.ray.data_feed import start_feed
 from raytrain_x.ray.executor import RayExecutor
 from raytrain_x.ray.train_reports import start_reports, storage_uri
 from raytrain_x.ray.train_worker import RunInfo, install
 
-__all__ = ["REPORT_POLL_S", "check_elastic_scaling", "fit_elastic"]
+__all__ = ["COOLDOWN_RANGE_S", "REPORT_POLL_S", "check_elastic_scaling", "fit_elastic"]
 log = logging.getLogger("raytrain_x.ray")
 REPORT_POLL_S = 0.25  # how often the driver hands new reports to RunConfig's callbacks
+# A node whose worker failed takes no new worker for 10 s, doubling per failure up to 5 min
+# (Ray Train keeps no blacklist; raytrain-x's elastic driver keeps a failed host out for good
+# without a cooldown, which on a small cluster would idle a node whose one process crashed).
+COOLDOWN_RANGE_S = (10.0, 300.0)
 
 
 def check_elastic_scaling(scaling_config: Any) -> tuple[int, int]:
@@ -84,7 +88,8 @@ def fit_elastic(trainer: Any) -> Result:
         max_workers=high, cpus_per_worker=scaling.num_cpus_per_worker or 1,
         use_gpu=scaling.use_gpu, gpus_per_worker=scaling.num_gpus_per_worker or None,
         resources_per_worker=scaling.additional_resources_per_worker, knobs=config.knobs,
-        autotune=config.autotune, name=name, max_failures=left)
+        autotune=config.autotune, name=name, max_failures=left,
+        cooldown_range=COOLDOWN_RANGE_S)
     train_fn = trainer._get_train_func()
     handed = [0]  # reports handed to the callbacks
 
@@ -105,7 +110,10 @@ def fit_elastic(trainer: Any) -> Result:
             try:
                 results = _run_reporting(executor, train_fn, run, hand_over)
                 break
-            except ElasticStateLost as exc:
+            except (ElasticStateLost, WorkerError) as exc:
+                if isinstance(exc, WorkerError) and not exc.process_lost:
+                    raise WorkerGroupError(f"the elastic run {name} failed: {exc}", {}) \
+                        from exc
                 job = executor.last_elastic_job
                 used = (job.failures if job is not None else 0) + 1
                 if left is not None and used > left:
