@@ -313,6 +313,8 @@ def test_bad_input_is_one_line_before_any_worker_starts(monkeypatch):
 
     with pytest.raises(ConfigError, match="num_workers >= 1"):
         RaytrainXTrainer(_never_runs, scaling_config=ScalingConfig(num_workers=0))
+    with pytest.raises(ConfigError, match=r"\(min, max\) with 1 <= min <= max"):
+        RaytrainXTrainer(_never_runs, scaling_config=ScalingConfig(num_workers=(0, 2)))
     with pytest.raises(ConfigError, match="nothing to tune"):
         RaytrainXConfig(knobs=Knobs(), autotune=True)
     with pytest.raises(ConfigError, match="framework must be one of"):

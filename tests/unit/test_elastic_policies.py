@@ -10,7 +10,12 @@ import random
 
 import pytest
 
-from raytrain_x.common.errors import ConfigError, ElasticTimeout, ResetLimitExceeded
+from raytrain_x.common.errors import (
+    ConfigError,
+    ElasticTimeout,
+    FailureLimitExceeded,
+    ResetLimitExceeded,
+)
 from raytrain_x.ray.elastic.blacklist import Blacklist
 from raytrain_x.ray.elastic.events import EventLog
 from raytrain_x.ray.elastic.policies import (
@@ -211,6 +216,24 @@ def test_resets_past_reset_limit_fail_the_job_and_drain_rounds_do_not_count():
     unlimited = FailurePolicy(settings(reset_limit=None), blacklist(Clock()))
     for _ in range(100):
         unlimited.count_round(is_reset=True)
+
+
+def test_max_failures_counts_the_failures_one_reset_recovers_from_as_one_and_drains_as_none():
+    """Ray Train's `FailureConfig(max_failures)`: a node lost with two workers is one
+    failure (one group restart there), a drained node's workers none."""
+    policy = FailurePolicy(settings(max_failures=1), blacklist(Clock()))
+    policy.on_failure("n1")
+    policy.on_failure("n2")  # lost together: one reset recovers from both
+    policy.count_round(is_reset=True)
+    assert policy.failures == 1
+    policy.note_drained("n3")
+    policy.on_failure("n3")  # lost with its draining node
+    policy.count_round(is_reset=True)
+    policy.count_round(is_reset=True)  # a newcomer's round
+    assert policy.failures == 1
+    policy.on_failure("n4")
+    with pytest.raises(FailureLimitExceeded, match="failed 2 times.*max_failures=1.*boom"):
+        policy.count_round(is_reset=True, last_failure="boom")
 
 
 def test_an_absent_member_silent_to_the_heartbeat_is_lost_at_once():
