@@ -18,6 +18,7 @@ from raytrain_x.core import runtime, world
 from raytrain_x.core.objects import broadcast_object
 from raytrain_x.core.process import PROCESS
 from raytrain_x.elastic.commits import CommitManager, Committed, copied
+from raytrain_x.elastic.positions import Position
 
 log = logging.getLogger("raytrain_x.elastic")
 
@@ -180,7 +181,9 @@ class ObjectState(State):
 
 class Attributes:
     """The format of an `ObjectState`: its named plain attributes, deep-copied (no durable
-    checkpoints: a framework's state writes those)."""
+    checkpoints: a framework's state writes those). An attribute that is a data stream's
+    `Position` (the elastic trainer's Ray Data shard) is committed as its `state_dict()`
+    and loaded back into the same object."""
 
     layout = "objects"
     info: dict[str, Any] = {}
@@ -189,14 +192,22 @@ class Attributes:
         self._owner, self._names, self._bcast = owner, names, bcast_object
 
     def values(self) -> dict[str, Any]:
-        return {name: getattr(self._owner, name) for name in self._names}
+        out = {}
+        for name in self._names:
+            value = getattr(self._owner, name)
+            out[name] = value.state_dict() if isinstance(value, Position) else value
+        return out
 
     def take(self) -> Committed:
         return copied(copy.deepcopy(self.values()), copy.deepcopy)
 
     def load(self, tree: Any) -> None:
         for name, value in tree.items():
-            setattr(self._owner, name, value)
+            current = getattr(self._owner, name, None)
+            if isinstance(current, Position):
+                current.load_state_dict(value)
+            else:
+                setattr(self._owner, name, value)
 
     def sync_from(self, root: int) -> None:
         self.load(self._bcast(self.values(), root, name="elastic.object_state"))

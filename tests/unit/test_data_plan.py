@@ -89,3 +89,23 @@ def test_a_shard_refuses_a_local_shuffle_buffer_and_a_bad_batch_size_at_once():
         shard.iter_torch_batches(batch_size=0)
     shard.load_state_dict({"epoch": 3, "cursor": 120})
     assert (shard.epoch, shard.cursor) == (3, 120)
+
+
+def test_a_shard_as_a_plain_attribute_is_committed_as_its_position_and_loaded_in_place():
+    """The TensorFlow face's states (and `ObjectState`) keep plain attributes: a shard
+    among them is committed as its position and loaded back into the same object."""
+    from raytrain_x.elastic.state import Attributes
+    from raytrain_x.ray.data_shard import ElasticDataShard
+
+    class Owner:
+        pass
+
+    owner = Owner()
+    owner.data, owner.epoch = ElasticDataShard(feed=None, name="train"), 0
+    owner.data.load_state_dict({"epoch": 1, "cursor": 64})
+    attributes = Attributes(owner, ["data", "epoch"], bcast_object=None)
+    committed = attributes.take()
+    shard = owner.data
+    shard.load_state_dict({"epoch": 1, "cursor": 96})  # steps after the commit
+    attributes.load(committed.copy())
+    assert owner.data is shard and (shard.epoch, shard.cursor) == (1, 64)
