@@ -35,12 +35,17 @@ workers:
 Time from the loss (the kill) to the first step after it
 (results/elastic_recovery_storage.json).
 
+With --trainer, a worker of three SIGKILLed at step 20 under the elastic trainer
+(`RaytrainXTrainer`, `ScalingConfig(num_workers=(2, 3))`) and under `RayExecutor(min_workers=2,
+max_workers=3)`, the same job: the time from the kill to the first step of the two left
+(results/elastic_recovery_trainer.json).
+
 With --discovery, Horovod's hosts changing under the job (benchmarks/elastic_discovery.py):
 a host added to and removed from a discovery script's output, the time to the new world's
 first step and the survivors' stall (results/elastic_discovery.json).
 
 Run: .venv/bin/python benchmarks/elastic_recovery.py [--repeats 3] [--no-nodes] [--zero]
-     [--storage] [--discovery]
+     [--storage] [--trainer] [--discovery]
 """
 
 from __future__ import annotations
@@ -520,6 +525,81 @@ def measure_storage(tmp: Path, way: str, s3: S3 | None = None) -> float:
     return _first_step_after(progress, lost)
 
 
+def _pid_then(pids: str, fn, *args):
+    """Records this worker's process id in `pids`, then runs `fn`."""
+    Path(pids, str(os.getpid())).touch()
+    return fn(*args)
+
+
+def _trainer_elastic_loop(config: dict):
+    """The elastic job of `measure_elastic`, as `RaytrainXTrainer`'s loop."""
+    return _pid_then(config["pids"], _train, config["progress"], None, True)
+
+
+def measure_kill_by_pid(tmp: Path, way: str) -> float:
+    """One worker of three SIGKILLed at step 20 (the youngest process); the time to the
+    first step of the two left. `way`: "executor" (RayExecutor with min_workers=2,
+    max_workers=3) or "trainer" (RaytrainXTrainer with ScalingConfig(num_workers=(2, 3)))."""
+    import signal
+
+    progress, pids = tmp / f"{way}.txt", tmp / f"{way}-pids"
+    pids.mkdir()
+    out: dict = {}
+
+    def kill() -> None:
+        while not any(s >= 20 for _, s, _ in _steps(progress)):
+            time.sleep(0.02)
+        out["killed_at"] = time.time()
+        os.kill(max(int(p.name) for p in pids.iterdir()), signal.SIGKILL)
+
+    threading.Thread(target=kill, daemon=True).start()
+    if way == "executor":
+        from raytrain_x.ray import RayExecutor
+
+        executor = RayExecutor(RayExecutor.create_settings(timeout_s=20), min_workers=2,
+                               max_workers=3, cpus_per_worker=1)
+        executor.start()
+        try:
+            executor.run(_pid_then, args=(str(pids), _train, str(progress), None, True))
+        finally:
+            executor.shutdown()
+    else:
+        from ray.train import FailureConfig, RunConfig, ScalingConfig
+
+        from raytrain_x.ray.train import RaytrainXConfig, RaytrainXTrainer
+
+        RaytrainXTrainer(
+            _trainer_elastic_loop,
+            train_loop_config={"pids": str(pids), "progress": str(progress)},
+            raytrain_x_config=RaytrainXConfig(framework="torch", timeout_s=20),
+            scaling_config=ScalingConfig(num_workers=(2, 3)),
+            run_config=RunConfig(name=f"recovery-{time.monotonic_ns()}",
+                                 storage_path=str(tmp / "storage"),
+                                 failure_config=FailureConfig(max_failures=1))).fit()
+    return _first_step_after(progress, out["killed_at"])
+
+
+def _trainer_recovery(args) -> None:
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parent)}})
+    runs: dict[str, list[float]] = {"executor": [], "trainer": []}
+    try:
+        for i in range(args.repeats):
+            for way in (runs if i % 2 == 0 else list(runs)[::-1]):
+                with tempfile.TemporaryDirectory() as tmp:
+                    runs[way].append(measure_kill_by_pid(Path(tmp), way))
+            print(f"repeat {i + 1}/{args.repeats}: " + ", ".join(
+                f"{way} {values[-1]:.2f}s" for way, values in runs.items()), flush=True)
+    finally:
+        ray.shutdown()
+    medians = _print_medians(runs, "a worker killed", "median s (kill -> first step)")
+    ratio = medians["trainer"] / medians["executor"]
+    print(f"trainer / RayExecutor: {ratio:.2f}x")
+    payload = {"runs": runs, "medians": medians, "trainer_over_executor": ratio}
+    print(f"wrote {write_json('elastic_recovery_trainer', payload, args.json)}")
+
+
 def _print_medians(runs: dict[str, list[float]], way: str, value: str) -> dict[str, float]:
     """Each way's median, printed as a table of two columns named `way` and `value`."""
     medians = {k: statistics.median(v) for k, v in runs.items()}
@@ -595,6 +675,9 @@ def main() -> None:
     parser.add_argument("--storage", action="store_true",
                         help="only the whole job lost: durable checkpoints against Ray "
                              "Train's TorchTrainer restarting from its checkpoint")
+    parser.add_argument("--trainer", action="store_true",
+                        help="only a worker killed under the elastic RaytrainXTrainer against "
+                             "RayExecutor (both by SIGKILL)")
     parser.add_argument("--discovery", action="store_true",
                         help="only a discovery script's hosts added and removed under the "
                              "job (benchmarks/elastic_discovery.py)")
@@ -606,6 +689,9 @@ def main() -> None:
         return
     if args.storage:
         _storage_recovery(args)
+        return
+    if args.trainer:
+        _trainer_recovery(args)
         return
     if args.zero:
         _zero_recovery(args)

@@ -8,8 +8,10 @@ upstream by `map_batches`), with the same batch, seeds and checkpoint cadence, f
 number of epochs, on a local multi-node cluster whose worker nodes are added and killed on
 a fixed schedule (scaled down from Ray's own elastic benchmark, which changes the GPU count
 every 300 s for an hour): 2 nodes at the start, then a node added, a node killed, in turn,
-every --change-every seconds. Ray Train's `elastic_resize_monitor_interval_s` is scaled
-down with it (--monitor-s; Ray's default is 60 s).
+every --change-every seconds, --changes times (then the cluster stays as it is, so a
+trainer that cannot get ahead between changes still finishes; the node a kill takes is
+drawn by a seeded generator, the same draws for both trainers). Ray Train's
+`elastic_resize_monitor_interval_s` is scaled down with it (--monitor-s; Ray's default is 60 s).
 
 Reported per trainer: end-to-end samples/s (the epochs' rows over the fit's wall time, from
 `fit()` to its return), restarts, and the row accounting of the committed history: rows
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import tempfile
 import threading
 import time
@@ -36,6 +39,7 @@ from common import print_table, write_json
 
 WAYS = ("raytrain_x", "ray_train")
 RESOURCE = "churn_worker"  # each worker node has one; training workers take it
+DATA_RESOURCE = "churn_data"  # the head's: Ray Data's tasks take it
 FEATURES = 256
 
 
@@ -123,33 +127,37 @@ def _ray_train_loop(config: dict) -> None:
     import ray.train
     import ray.train.torch
     import torch
+    import torch.distributed
     from ray.train import Checkpoint
 
     torch.set_num_threads(1)
     context = ray.train.get_context()
     model = ray.train.torch.prepare_model(_model())
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    epoch, done, steps, attempt = 0, 0, 0, 0
+    epoch, done, steps = 0, 0, 0
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
         with checkpoint.as_directory() as folder:
             saved = torch.load(os.path.join(folder, "state.pt"), weights_only=False)
         model.module.load_state_dict(saved["model"])
         opt.load_state_dict(saved["opt"])
-        epoch, done, steps, attempt = (saved["epoch"], saved["done"], saved["steps"],
-                                       saved["attempt"] + 1)
-    log = open(os.path.join(config["log"], f"{attempt}-{context.get_world_rank()}-"
-                                          f"{os.getpid()}.jsonl"), "a")
+        epoch, done, steps = saved["epoch"], saved["done"], saved["steps"]
+    # this worker group's number (the groups run one after another): rank 0's count
+    attempt = [len(list(Path(config["log"]).glob("restored-*")))]
+    torch.distributed.broadcast_object_list(attempt, src=0)
+    attempt = attempt[0]
     if context.get_world_rank() == 0:
         with open(os.path.join(config["log"], f"restored-{attempt}"), "w") as f:
             f.write(str(steps))
+    log = open(os.path.join(config["log"], f"{attempt}-{context.get_world_rank()}-"
+                                          f"{os.getpid()}.jsonl"), "a")
 
     def report(metrics: dict, batches_done: int) -> None:
         with tempfile.TemporaryDirectory() as folder:
             if context.get_world_rank() == 0:
                 torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(),
-                            "epoch": epoch, "done": batches_done, "steps": steps,
-                            "attempt": attempt}, os.path.join(folder, "state.pt"))
+                            "epoch": epoch, "done": batches_done, "steps": steps},
+                           os.path.join(folder, "state.pt"))
             ray.train.report(metrics, checkpoint=Checkpoint.from_directory(folder))
 
     shard = ray.train.get_dataset_shard("train")
@@ -194,7 +202,10 @@ def _ray_train_accounting(log_dir: str, rows: int, epochs: int) -> dict:
 def _dataset(rows: int):
     import ray.data
 
-    return ray.data.range(rows, override_num_blocks=16).map_batches(_features)
+    # Ray Data's tasks run on the head (a task on a node being killed would stall the
+    # stream until Ray declares the node dead, for either trainer)
+    return ray.data.range(rows, override_num_blocks=16).map_batches(
+        _features, resources={DATA_RESOURCE: 1})
 
 
 def fit(way: str, args, cluster, storage: str) -> dict:
@@ -237,14 +248,17 @@ def fit(way: str, args, cluster, storage: str) -> dict:
     thread.start()
     changes = []
     k = 0
+    victims = random.Random(args.seed)  # which node a kill takes: the same for both ways
     while thread.is_alive():
         thread.join(0.5)
-        if thread.is_alive() and time.monotonic() - began >= (k + 1) * args.change_every:
+        if thread.is_alive() and k < args.changes and \
+                time.monotonic() - began >= (k + 1) * args.change_every:
             if k % 2 == 0:
                 nodes.append(cluster.add_node(num_cpus=1, resources={RESOURCE: 1}))
                 changes.append(("add", round(time.monotonic() - began, 1)))
             else:
-                cluster.remove_node(nodes.pop(0), allow_graceful=False)
+                cluster.remove_node(nodes.pop(victims.randrange(len(nodes))),
+                                    allow_graceful=False)
                 changes.append(("kill", round(time.monotonic() - began, 1)))
             print(f"  {way}: {changes[-1][0]} a node at {changes[-1][1]} s", flush=True)
             k += 1
@@ -273,9 +287,12 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=6000)
     parser.add_argument("--batch", type=int, default=32, help="rows per worker per step")
     parser.add_argument("--checkpoint-every", type=int, default=25, help="steps")
-    parser.add_argument("--change-every", type=float, default=20.0, help="seconds")
+    parser.add_argument("--change-every", type=float, default=30.0, help="seconds")
+    parser.add_argument("--changes", type=int, default=6,
+                        help="changes in all; then the cluster stays as it is")
     parser.add_argument("--monitor-s", type=float, default=5.0,
                         help="Ray Train's elastic_resize_monitor_interval_s")
+    parser.add_argument("--seed", type=int, default=0, help="which nodes the kills take")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     import ray
@@ -285,7 +302,7 @@ def main() -> None:
     # Ray Data's tasks and the drivers' actors on the head; training workers on the nodes.
     # Ray's own health checks (a faster one declares loaded live nodes dead on 2 cores).
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 2, "include_dashboard": False})
+        "num_cpus": 2, "resources": {DATA_RESOURCE: 2}, "include_dashboard": False})
     rows = []
     try:
         ray.init(address=cluster.address, log_to_driver=False,

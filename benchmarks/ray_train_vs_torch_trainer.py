@@ -1,12 +1,15 @@
 """Ray Train v2: `RaytrainXTrainer` (raytrain-x's `DistributedOptimizer`) against Ray Train's
-own `TorchTrainer` (DDP over gloo), the same training loop on the same workers.
+own `TorchTrainer` (DDP over gloo), the same training loop on the same workers; and the
+elastic trainer (`ScalingConfig(num_workers=(W, W))`, the loop committing a `TorchState`
+every step, as an elastic loop does) against the fixed one, with no faults.
 
 Workloads (`raytrain_x.torch.workloads`, as in real_networks.py): ResNet-18 on 64x64 images
 (SGD with momentum, 32 images per worker) and the GPT-style decoder (AdamW, 4 sequences of
 128 tokens per worker). Each round fits both trainers, one after the other, on a fresh
 worker group each (what a Ray Train user gets); inside the loop, after --warmup untimed
 steps, --steps steps are timed on every worker and the slowest worker's time counts.
-Reported: samples/s (median over rounds, spread), the ratio to `TorchTrainer`, and each
+Reported: samples/s (median over rounds, spread), the ratio to `TorchTrainer` (and the
+elastic trainer's to the fixed `RaytrainXTrainer`), and each
 fit's wall time (worker group start, world formation, training, shutdown).
 
 Run alone: .venv/bin/python benchmarks/ray_train_vs_torch_trainer.py [--repeats 3]
@@ -23,7 +26,7 @@ import time
 from common import print_table, write_json
 
 BATCH = {"resnet18": 32, "gpt": 4}
-WAYS = ("torch_trainer", "raytrain_x")
+WAYS = ("torch_trainer", "raytrain_x", "raytrain_x_elastic")
 
 
 def _loop(config: dict) -> None:
@@ -53,7 +56,8 @@ def _loop(config: dict) -> None:
         def loss_fn(logits, targets):
             return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
-    if way == "raytrain_x":
+    commit = None
+    if way.startswith("raytrain_x"):
         import raytrain_x.torch as rx
 
         rx.init()
@@ -62,6 +66,9 @@ def _loop(config: dict) -> None:
 
         def slowest(seconds: float) -> float:
             return rx.allreduce(torch.tensor([seconds]), op=rx.Max, name="slowest").item()
+
+        if way == "raytrain_x_elastic":  # what an elastic loop adds: a commit every step
+            commit = rx.elastic.TorchState(model, opt, step=0).commit
     else:
         import torch.distributed as dist
 
@@ -77,6 +84,8 @@ def _loop(config: dict) -> None:
         opt.zero_grad()
         loss_fn(model(x), y).backward()
         opt.step()
+        if commit is not None:
+            commit()
 
     for i in range(config["warmup"]):
         step(i)
@@ -101,12 +110,13 @@ def fit(way: str, name: str, args, storage: str) -> tuple[float, float]:
     from raytrain_x.ray.train import RaytrainXConfig, RaytrainXTrainer
 
     config = {"workload": name, "way": way, "warmup": args.warmup, "steps": args.steps}
+    workers = (args.workers, args.workers) if way == "raytrain_x_elastic" else args.workers
     common = {"train_loop_config": config,
-              "scaling_config": ScalingConfig(num_workers=args.workers),
+              "scaling_config": ScalingConfig(num_workers=workers),
               "run_config": RunConfig(name=f"{name}-{way}-{time.monotonic_ns()}",
                                       storage_path=storage)}
     began = time.monotonic()
-    if way == "raytrain_x":
+    if way.startswith("raytrain_x"):
         trainer = RaytrainXTrainer(_loop, raytrain_x_config=RaytrainXConfig(framework="torch"),
                                    **common)
     else:
@@ -151,9 +161,10 @@ def main() -> None:
                          "min": min(values), "max": max(values),
                          "spread %": 100 * (max(values) - min(values)) / med[way],
                          "vs TorchTrainer": med[way] / med["torch_trainer"],
+                         "vs fixed": med[way] / med["raytrain_x"],
                          "fit s": statistics.median(walls[name][way])})
     print_table(rows, ["workload", "trainer", "samples/s", "min", "max", "spread %",
-                       "vs TorchTrainer", "fit s"])
+                       "vs TorchTrainer", "vs fixed", "fit s"])
     path = write_json("ray_train_vs_torch_trainer", {
         "workers": args.workers, "repeats": args.repeats, "warmup": args.warmup,
         "steps": args.steps, "batch_per_worker": BATCH, "samples_per_s": rates,

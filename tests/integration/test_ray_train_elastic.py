@@ -3,7 +3,7 @@ under real faults on a multi-node local Ray cluster: a node added, a worker proc
 killed and a node drained, each mid-epoch, while a Ray Data dataset whose rows carry ids
 is trained on; every id is counted once per epoch in the committed history. Then every
 worker lost at once: the run goes on from its latest checkpoint with the data where it
-was. And Ray Tune over the elastic trainer."""
+was. (Ray Tune over the elastic trainer: test_ray_train.py's Tune test.)"""
 
 from __future__ import annotations
 
@@ -281,36 +281,3 @@ def test_every_worker_lost_goes_on_from_the_latest_checkpoint_with_the_data_wher
     mid = epochs[epochs["mid_epoch"].notna()]
     assert len(mid[mid["epoch"] == 0]) >= 2  # epoch 0 reported mid-way before the loss
 
-
-def _tuned_elastic_trial(config: dict) -> None:
-    from ray import tune
-    from ray.train import RunConfig, ScalingConfig
-    from ray.tune.integration.ray_train import TuneReportCallback
-
-    from raytrain_x.ray.train import RaytrainXConfig, RaytrainXTrainer
-    from tests.integration.test_ray_train import _scored_loop
-
-    RaytrainXTrainer(
-        _scored_loop, train_loop_config=config,
-        raytrain_x_config=RaytrainXConfig(framework="torch"),
-        scaling_config=ScalingConfig(num_workers=(1, 2)),
-        run_config=RunConfig(name=f"trial-{tune.get_context().get_trial_id()}",
-                             storage_path=config["storage"],
-                             callbacks=[TuneReportCallback()])).fit()
-
-
-def test_tune_runs_trials_of_the_elastic_trainer(ray_cluster, tmp_path):
-    """Ray Tune over the elastic trainer, as over Ray Train's: each report reaches Tune
-    through `TuneReportCallback` (a `RunConfig` callback the elastic driver calls)."""
-    from ray import tune
-
-    tuner = tune.Tuner(
-        _tuned_elastic_trial,
-        param_space={"x": tune.grid_search([1.0, 3.0]), "storage": str(tmp_path / "train")},
-        tune_config=tune.TuneConfig(metric="score", mode="max", max_concurrent_trials=2),
-        run_config=tune.RunConfig(storage_path=str(tmp_path / "tune"), verbose=0))
-    grid = tuner.fit()
-    assert len(grid) == 2 and not grid.errors
-    best = grid.get_best_result()
-    assert best.config["x"] == 3.0 and best.metrics["score"] == 0.0
-    assert best.metrics["size"] == 2  # the world grew to max on the free CPUs
