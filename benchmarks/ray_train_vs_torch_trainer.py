@@ -67,7 +67,7 @@ def _loop(config: dict) -> None:
         def slowest(seconds: float) -> float:
             return rx.allreduce(torch.tensor([seconds]), op=rx.Max, name="slowest").item()
 
-        if way == "raytrain_x_elastic":  # what an elastic loop adds: a commit every step
+        if way == "raytrain_x_elastic" and config["commit_every"]:  # an elastic loop's commits
             commit = rx.elastic.TorchState(model, opt, step=0).commit
     else:
         import torch.distributed as dist
@@ -84,7 +84,7 @@ def _loop(config: dict) -> None:
         opt.zero_grad()
         loss_fn(model(x), y).backward()
         opt.step()
-        if commit is not None:
+        if commit is not None and i % config["commit_every"] == 0:
             commit()
 
     for i in range(config["warmup"]):
@@ -109,7 +109,8 @@ def fit(way: str, name: str, args, storage: str) -> tuple[float, float]:
 
     from raytrain_x.ray.train import RaytrainXConfig, RaytrainXTrainer
 
-    config = {"workload": name, "way": way, "warmup": args.warmup, "steps": args.steps}
+    config = {"workload": name, "way": way, "warmup": args.warmup, "steps": args.steps,
+              "commit_every": args.commit_every}
     workers = (args.workers, args.workers) if way == "raytrain_x_elastic" else args.workers
     common = {"train_loop_config": config,
               "scaling_config": ScalingConfig(num_workers=workers),
@@ -133,19 +134,23 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--commit-every", type=int, default=1,
+                        help="the elastic trainer's loop commits every this many steps (0: never)")
+    parser.add_argument("--ways", nargs="+", default=list(WAYS), choices=WAYS)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     import ray
 
     ray.init(num_cpus=args.workers + 1, include_dashboard=False, log_to_driver=False)
     started = time.monotonic()
-    rates = {n: {w: [] for w in WAYS} for n in args.workloads}
-    walls = {n: {w: [] for w in WAYS} for n in args.workloads}
+    ways = tuple(args.ways)
+    rates = {n: {w: [] for w in ways} for n in args.workloads}
+    walls = {n: {w: [] for w in ways} for n in args.workloads}
     try:
         with tempfile.TemporaryDirectory(prefix="rtx_bench_") as storage:
             for r in range(args.repeats):
                 for name in args.workloads:
-                    for way in (WAYS if r % 2 == 0 else WAYS[::-1]):  # alternate who goes first
+                    for way in (ways if r % 2 == 0 else ways[::-1]):  # alternate who goes first
                         rate, wall = fit(way, name, args, storage)
                         rates[name][way].append(rate)
                         walls[name][way].append(wall)
@@ -160,13 +165,16 @@ def main() -> None:
             rows.append({"workload": name, "trainer": way, "samples/s": med[way],
                          "min": min(values), "max": max(values),
                          "spread %": 100 * (max(values) - min(values)) / med[way],
-                         "vs TorchTrainer": med[way] / med["torch_trainer"],
-                         "vs fixed": med[way] / med["raytrain_x"],
+                         "vs TorchTrainer": med[way] / med["torch_trainer"]
+                         if "torch_trainer" in med else None,
+                         "vs fixed": med[way] / med["raytrain_x"] if "raytrain_x" in med
+                         else None,
                          "fit s": statistics.median(walls[name][way])})
     print_table(rows, ["workload", "trainer", "samples/s", "min", "max", "spread %",
                        "vs TorchTrainer", "vs fixed", "fit s"])
     path = write_json("ray_train_vs_torch_trainer", {
         "workers": args.workers, "repeats": args.repeats, "warmup": args.warmup,
+        "commit_every": args.commit_every,
         "steps": args.steps, "batch_per_worker": BATCH, "samples_per_s": rates,
         "fit_seconds": walls, "rows": rows,
         "seconds": round(time.monotonic() - started, 1)}, args.json)

@@ -281,3 +281,42 @@ def test_every_worker_lost_goes_on_from_the_latest_checkpoint_with_the_data_wher
     mid = epochs[epochs["mid_epoch"].notna()]
     assert len(mid[mid["epoch"] == 0]) >= 2  # epoch 0 reported mid-way before the loss
 
+
+
+def _formats_loop(config: dict) -> dict:
+    import ray.train
+
+    import raytrain_x.torch as rx
+
+    rx.init()
+    shard = ray.train.get_dataset_shard("train")
+    numpy_ids = [i for b in shard.iter_batches(batch_size=7) for i in b["id"].tolist()]
+    pandas = list(shard.iter_batches(batch_size=10, batch_format="pandas"))
+    rows = [r["id"] for r in shard.iter_rows()]
+    whole = sorted(r["id"] for r in ray.train.get_dataset_shard("all").iter_rows())
+    return {"numpy": numpy_ids, "pandas": [len(b) for b in pandas],
+            "pandas_ids": [i for b in pandas for i in b["id"].tolist()], "rows": rows,
+            "epoch": shard.epoch, "whole": whole}
+
+
+def test_each_pass_is_an_epoch_in_every_batch_format_and_unsplit_datasets_are_whole(
+        ray_cluster, tmp_path):
+    """`iter_batches` (numpy, pandas) and `iter_rows` on the elastic shard: each pass is
+    the next epoch, every row once; a dataset left out of `datasets_to_split` is read
+    whole, as in Ray Train."""
+    import ray.data
+    from ray.train import DataConfig, RunConfig, ScalingConfig
+
+    from raytrain_x.ray.train import RaytrainXConfig, RaytrainXTrainer
+
+    result = RaytrainXTrainer(
+        _formats_loop, raytrain_x_config=RaytrainXConfig(framework="torch"),
+        scaling_config=ScalingConfig(num_workers=(1, 1)),
+        run_config=RunConfig(name="formats", storage_path=str(tmp_path)),
+        datasets={"train": ray.data.range(45).map_batches(lambda b: b),
+                  "all": ray.data.range(5)},
+        dataset_config=DataConfig(datasets_to_split=["train"])).fit()
+    out = result.return_value
+    assert out["numpy"] == list(range(45)) and out["rows"] == list(range(45))
+    assert out["pandas_ids"] == list(range(45)) and out["pandas"] == [10, 10, 10, 10, 5]
+    assert out["epoch"] == 3 and out["whole"] == list(range(5))
