@@ -122,6 +122,18 @@ def bundle_blocks(bundle: Any) -> list[tuple[Any, int | None]]:
     return out
 
 
+# Private hooks of public Ray classes that raytrain-x overrides or calls (Ray 2.60), named here
+# so an upgrade knows where to look; tests/unit/test_data_plan.py checks their signatures:
+# - `ray.data.DataIterator._iter_batches(*, prefetch_batches, batch_size, batch_format,
+#   drop_last, local_shuffle_buffer_size, local_shuffle_seed, _collate_fn, _finalize_fn)`,
+#   which every public iteration method calls (`data_shard.ElasticDataShard` replaces it);
+# - `DataParallelTrainer._get_train_func()` and its `train_run_context` and `data_config`
+#   attributes (`elastic_trainer.fit_elastic` reads them).
+DATA_ITERATOR_HOOK = ("prefetch_batches", "batch_size", "batch_format", "drop_last",
+                      "local_shuffle_buffer_size", "local_shuffle_seed", "_collate_fn",
+                      "_finalize_fn")
+
+
 def set_train_fn_utils(utils: Any) -> None:
     """Installs what `ray.train.report`, `get_checkpoint`, `get_context` and
     `get_dataset_shard` call in this process (Ray Train v2's `TrainFnUtils`, the hook Ray

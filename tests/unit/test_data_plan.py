@@ -109,3 +109,18 @@ def test_a_shard_as_a_plain_attribute_is_committed_as_its_position_and_loaded_in
     shard.load_state_dict({"epoch": 1, "cursor": 96})  # steps after the commit
     attributes.load(committed.copy())
     assert owner.data is shard and (shard.epoch, shard.cursor) == (1, 64)
+
+
+def test_the_private_ray_hooks_the_elastic_trainer_relies_on_are_as_checked():
+    """`internals.py` names the private hooks of public Ray classes the elastic trainer
+    overrides or calls; a Ray release that changes them fails here, not in a job."""
+    import inspect
+
+    from ray.data import DataIterator
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+
+    from raytrain_x.ray.internals import DATA_ITERATOR_HOOK
+
+    parameters = inspect.signature(DataIterator._iter_batches).parameters
+    assert set(DATA_ITERATOR_HOOK) <= set(parameters), sorted(parameters)
+    assert callable(DataParallelTrainer._get_train_func)
