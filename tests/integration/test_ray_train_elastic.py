@@ -3,7 +3,7 @@ under real faults on a multi-node local Ray cluster: a node added, a worker proc
 killed and a node drained, each mid-epoch, while a Ray Data dataset whose rows carry ids
 is trained on; every id is counted once per epoch in the committed history. Then every
 worker lost at once: the run goes on from its latest checkpoint with the data where it
-was. (Ray Tune over the elastic trainer: test_ray_train.py's Tune test.)"""
+was. And every batch format of the elastic shard."""
 
 from __future__ import annotations
 
