@@ -75,8 +75,6 @@ def fit_elastic(trainer: Any) -> Result:
     storage_path = run_config.storage_path
     config = trainer.backend_config
     split = internals.datasets_to_split(trainer.data_config, list(trainer.datasets))
-    reports = start_reports(storage_path, name, run_config.checkpoint_config)
-    feeds = {n: start_feed(ds, n) for n, ds in trainer.datasets.items() if n in split}
     whole = {n: ds for n, ds in trainer.datasets.items() if n not in split}
     callbacks = [cb for cb in (run_config.callbacks or [])
                  if hasattr(cb, "after_report")]
@@ -91,23 +89,30 @@ def fit_elastic(trainer: Any) -> Result:
         autotune=config.autotune, name=name, max_failures=left,
         cooldown_range=COOLDOWN_RANGE_S)
     train_fn = trainer._get_train_func()
+    actors: list[Any] = []  # the run's ledger and feeds: gone when fit() returns or raises
+    reports: Any = None
     handed = [0]  # reports handed to the callbacks
 
     def hand_over() -> None:
         for record in ray.get(reports.since.remote(handed[0])):
             handed[0] += 1
-            checkpoint = (RunInfo(name, storage_path, reports, {}, {}, None)
-                          .checkpoint(record["checkpoint"]) if record["checkpoint"] else None)
+            checkpoint = paths.checkpoint(record["checkpoint"]) if record["checkpoint"] \
+                else None
             for callback in callbacks:
                 callback.after_report(trainer.train_run_context, record["all_metrics"],
                                       checkpoint)
 
     try:
+        reports = start_reports(storage_path, name, run_config.checkpoint_config)
+        actors.append(reports)
+        feeds = {n: start_feed(ds, n) for n, ds in trainer.datasets.items() if n in split}
+        actors.extend(feeds.values())
+        paths = RunInfo(name, storage_path, reports, feeds, whole, None)
         executor.start(extra_env_vars=dict(config._file_env))
         while True:
             run = RunInfo(name, storage_path, reports, feeds, whole,
                           ray.get(reports.latest.remote()))
-            try:
+            try:  # the last report is handed over before this returns
                 results = _run_reporting(executor, train_fn, run, hand_over)
                 break
             except (ElasticStateLost, WorkerError) as exc:
@@ -128,15 +133,12 @@ def fit_elastic(trainer: Any) -> Result:
                 raise
             except Exception as exc:  # noqa: BLE001 - raised as Ray Train raises it
                 raise WorkerGroupError(f"the elastic run {name} failed: {exc}", {}) from exc
-        hand_over()
+        records = ray.get(reports.since.remote(0))
     finally:
         executor.shutdown()
-        for actor in [*feeds.values()]:
+        for actor in actors:
             ray.kill(actor, no_restart=True)
-    records = ray.get(reports.since.remote(0))
-    ray.kill(reports, no_restart=True)
-    return _result(records, RunInfo(name, storage_path, None, {}, {}, None),
-                   results[0] if results else None)
+    return _result(records, paths, results[0] if results else None)
 
 
 def _run_reporting(executor: RayExecutor, train_fn: Any, run: RunInfo,
