@@ -70,8 +70,8 @@ def _start_head(cluster_class, head: dict):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Scales every test's pytest-timeout limit by RAYTRAIN_X_TEST_TIME_SCALE
-    (tests/limits.py)."""
+    """Scales every test's pytest-timeout limit as tests/limits.py scales its limits (the
+    suite processes sharing the machine, RAYTRAIN_X_TEST_TIME_SCALE)."""
     from tests.limits import SCALE
 
     if SCALE == 1:

@@ -1,11 +1,13 @@
 """Time limits from what a test does, and waits that say what they were waiting for.
 
 A limit is a step's own work, as long as it takes on an idle 2-core runner, times
-WORK_MARGIN, plus Ray's own allowance for each Ray node the step starts; all of it times
-RAYTRAIN_X_TEST_TIME_SCALE (default 1) for runners slower than that. WORK_MARGIN is 4: with
-one of the two cores busy the suite ran 1.5-2x slower (docs/performance.md), and the rest is
-headroom for a busier moment. pytest-timeout's per-test limits (the ini default, the
-`timeout` marks) are scaled the same way by tests/conftest.py.
+WORK_MARGIN, plus Ray's own allowance for each Ray node the step starts; all of it times the
+number of suite processes sharing the machine (pytest-xdist's `-n`: `make test` runs two,
+and each test then runs about twice as long as alone) and RAYTRAIN_X_TEST_TIME_SCALE
+(default 1) for runners slower than that. WORK_MARGIN is 4: with one of the two cores busy
+the suite ran 1.5-2x slower (docs/performance.md), and the rest is headroom for a busier
+moment or a slower runner. pytest-timeout's per-test limits (the ini default, the `timeout`
+marks) are scaled the same way by tests/conftest.py.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from collections.abc import Callable, Sequence
 
 from raytrain_x.testing import waiting
 
-SCALE = float(os.environ.get("RAYTRAIN_X_TEST_TIME_SCALE", "1"))
+# pytest-xdist sets the count in each of its processes before conftest.py is imported
+SUITE_PROCESSES = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+SCALE = float(os.environ.get("RAYTRAIN_X_TEST_TIME_SCALE", "1")) * SUITE_PROCESSES
 WORK_MARGIN = 4.0
 # What Ray itself allows a node to start: its raylet has 30 s to register with the GCS (fixed
 # in ray._private.node), after the GCS has answered, which Ray waits for up to
