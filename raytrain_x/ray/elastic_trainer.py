@@ -33,13 +33,16 @@ from raytrain_x.ray.executor import RayExecutor
 from raytrain_x.ray.train_reports import start_reports, storage_uri
 from raytrain_x.ray.train_worker import RunInfo, install
 
-__all__ = ["COOLDOWN_RANGE_S", "REPORT_POLL_S", "check_elastic_scaling", "fit_elastic"]
+__all__ = ["COOLDOWN_RANGE_S", "REPORT_POLL_S", "TUNE_HAND_OVER_S", "check_elastic_scaling", "fit_elastic"]
 log = logging.getLogger("raytrain_x.ray")
 REPORT_POLL_S = 0.25  # how often the driver hands new reports to RunConfig's callbacks
 # A node whose worker failed takes no new worker for 10 s, doubling per failure up to 5 min
 # (Ray Train keeps no blacklist; raytrain-x's elastic driver keeps a failed host out for good
 # without a cooldown, which on a small cluster would idle a node whose one process crashed).
 COOLDOWN_RANGE_S = (10.0, 300.0)
+# How long fit() waits, before it returns, for a Ray Tune trial to take the run's last report
+# from `TuneReportCallback` (the trial's end would otherwise overtake it)
+TUNE_HAND_OVER_S = 120.0
 
 
 def check_elastic_scaling(scaling_config: Any) -> tuple[int, int]:
@@ -134,6 +137,7 @@ def fit_elastic(trainer: Any) -> Result:
             except Exception as exc:  # noqa: BLE001 - raised as Ray Train raises it
                 raise WorkerGroupError(f"the elastic run {name} failed: {exc}", {}) from exc
         records = ray.get(reports.since.remote(0))
+        _wait_tune(callbacks)
     finally:
         executor.shutdown()
         for actor in actors:
@@ -160,6 +164,18 @@ def _run_reporting(executor: RayExecutor, train_fn: Any, run: RunInfo,
     if "error" in out:
         raise out["error"]
     return out["results"]
+
+
+def _wait_tune(callbacks: list[Any]) -> None:
+    """Returns once each `TuneReportCallback` among `callbacks` has had its reports taken by
+    the Tune trial (the trial reports its end as soon as `fit()` returns)."""
+    for callback in callbacks:
+        queue = internals.tune_report_queue(callback)
+        if queue is not None and not internals.wait_tune_took_reports(queue,
+                                                                      TUNE_HAND_OVER_S):
+            log.warning("raytrain-x: Ray Tune took no report from TuneReportCallback for "
+                        "%.0fs; the trial may end without the run's last report",
+                        TUNE_HAND_OVER_S)
 
 
 def _result(records: list[dict[str, Any]], run: RunInfo, value: Any) -> Result:

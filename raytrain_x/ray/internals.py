@@ -150,9 +150,37 @@ def train_fn_utils_base() -> type:
     return TrainFnUtils
 
 
-
 def datasets_to_split(data_config: Any, names: list[str]) -> list[str]:
     """The datasets a Ray Train `DataConfig` splits over the workers (its
     `datasets_to_split`, kept private by Ray 2.60's `DataConfig`)."""
     chosen = getattr(data_config, "_datasets_to_split", "all")
     return list(names) if chosen == "all" else [n for n in names if n in chosen]
+
+
+def tune_report_queue(callback: Any) -> Any:
+    """The queue a Ray Tune `TuneReportCallback` hands a report to the Tune trial through
+    (its `_training_actor_item_queue`, size 1), or None for another callback."""
+    return getattr(callback, "_training_actor_item_queue", None)
+
+
+def wait_tune_took_reports(queue: Any, timeout_s: float) -> bool:
+    """Waits until the Tune trial has taken and handed on every report put in `queue`; False
+    past `timeout_s`. The trial's session takes one item per result it hands to Tune and
+    skips a falsy one (Ray 2.60's `_TrainSession._get_result_from_queues`); the queue holds
+    one item, so an empty dict put behind the reports goes in once the last report is taken
+    and is taken once that report went to Tune. A `fit()` that returns after this cannot
+    have its trial's end overtake its last report."""
+    import time
+
+    from ray.util.queue import Full
+
+    deadline = time.monotonic() + timeout_s
+    try:
+        queue.put({}, timeout=timeout_s)
+    except Full:
+        return False
+    while not queue.empty():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True

@@ -124,3 +124,34 @@ def test_the_private_ray_hooks_the_elastic_trainer_relies_on_are_as_checked():
     parameters = inspect.signature(DataIterator._iter_batches).parameters
     assert set(DATA_ITERATOR_HOOK) <= set(parameters), sorted(parameters)
     assert callable(DataParallelTrainer._get_train_func)
+
+
+def test_a_tune_trial_takes_the_report_queue_as_the_hand_over_expects():
+    """`internals.wait_tune_took_reports` relies on the Tune trial's session taking one item
+    of `TuneReportCallback`'s queue (size 1) per result and skipping a falsy one: an empty
+    dict taken from the queue is not a result, a report is."""
+    import queue
+    import threading
+
+    from ray.train._internal.session import _TrainSession
+
+    class Items:  # the inter-actor queue's get(), as the session calls it
+        def __init__(self, items):
+            self.items = list(items)
+
+        def get(self, block=True, timeout=None):
+            if not self.items:
+                from ray.util.queue import Empty
+                raise Empty
+            return self.items.pop(0)
+
+    session = _TrainSession.__new__(_TrainSession)
+    session.result_queue, session.continue_lock = queue.Queue(), threading.Semaphore(0)
+    reported = []
+    session.report = lambda metrics: (session.continue_lock.acquire(),
+                                      reported.append(metrics),
+                                      session.result_queue.put(metrics))
+    session._inter_actor_queue = Items([{}])
+    assert session._get_result_from_queues(block=False) is None and reported == []
+    session._inter_actor_queue = Items([{"score": 1}])
+    assert session._get_result_from_queues(block=False) == {"score": 1}
