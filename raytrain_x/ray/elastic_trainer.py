@@ -33,7 +33,8 @@ from raytrain_x.ray.executor import RayExecutor
 from raytrain_x.ray.train_reports import start_reports, storage_uri
 from raytrain_x.ray.train_worker import RunInfo, install
 
-__all__ = ["COOLDOWN_RANGE_S", "REPORT_POLL_S", "TUNE_HAND_OVER_S", "check_elastic_scaling", "fit_elastic"]
+__all__ = ["COOLDOWN_RANGE_S", "REPORT_POLL_S", "TUNE_HAND_OVER_S", "check_elastic_scaling",
+           "fit_elastic"]
 log = logging.getLogger("raytrain_x.ray")
 REPORT_POLL_S = 0.25  # how often the driver hands new reports to RunConfig's callbacks
 # A node whose worker failed takes no new worker for 10 s, doubling per failure up to 5 min
