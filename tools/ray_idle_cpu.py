@@ -15,6 +15,7 @@ import os
 import time
 from pathlib import Path
 
+from raytrain_x.testing.processes import cpu_seconds, processes, with_descendants
 from raytrain_x.testing.results import print_table, write_json
 
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "results"
@@ -25,42 +26,6 @@ SETTINGS = {
     "+ include_log_monitor=False": {"num_cpus": 8, "include_dashboard": False,
                                     "include_log_monitor": False},
 }
-TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def _cpu_seconds(pids: set[int]) -> dict[int, tuple[str, float]]:
-    out = {}
-    for pid in pids:
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-            args = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        scripts = [Path(a).name for a in args if a.endswith(".py")]
-        label = scripts[0] if scripts else Path(args[0]).name or stat.split("(")[1].split(")")[0]
-        if label.startswith("python") and "-c" in args:
-            label = "python -c (a worker or helper)"
-        out[pid] = (label, (int(fields[11]) + int(fields[12])) / TICKS)
-    return out
-
-
-def _descendants(root: int) -> set[int]:
-    parents = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            parents[int(pid)] = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1]
-                                    .split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-    found, grew = set(), True
-    while grew:
-        new = {p for p, parent in parents.items() if (parent == root or parent in found)}
-        grew = bool(new - found)
-        found |= new
-    return found
-
-
 def measure(head_args: dict, settle: float, window: float) -> dict:
     import ray
     from ray.cluster_utils import Cluster
@@ -71,10 +36,10 @@ def measure(head_args: dict, settle: float, window: float) -> dict:
         cluster = Cluster(initialize_head=True, connect=False, head_node_args=head_args)
         ray.init(address=cluster.address, log_to_driver=False)
         time.sleep(settle)
-        pids = _descendants(os.getpid()) - {os.getpid()}
-        before = _cpu_seconds(pids)
+        pids = with_descendants({os.getpid()}, processes()) - {os.getpid()}
+        before = cpu_seconds(pids)
         time.sleep(window)
-        after = _cpu_seconds(pids)
+        after = cpu_seconds(pids)
         per = {}
         for pid, (label, seconds) in after.items():
             if pid in before:

@@ -12,8 +12,8 @@ from typing import TypeVar
 
 from raytrain_x.common.procs import kill, processes, with_descendants
 
-__all__ = ["cluster_processes", "environ_has", "kill", "processes", "start_once_more", "stop",
-           "with_descendants"]
+__all__ = ["cluster_processes", "cpu_seconds", "environ_has", "kill", "processes",
+           "start_once_more", "stop", "with_descendants"]
 
 T = TypeVar("T")
 
@@ -59,6 +59,36 @@ def stop(pids: Iterable[int], grace_s: float = 1.0) -> None:
     while time.monotonic() < deadline and any(_alive(p) for p in pids):
         time.sleep(0.1)
     kill(pids)
+
+
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pids: Iterable[int]) -> dict[int, tuple[str, float]]:
+    """pid -> (a label, CPU seconds used so far, user and system) of each live process of
+    `pids`. The label is what `ps` shows of it: a Ray worker's `ray::Class.method` title,
+    a script's name, or the program's."""
+    out = {}
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                args = f.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        scripts = [os.path.basename(a) for a in args if a.endswith(".py")]
+        if args[0].startswith("ray::"):
+            label = args[0].split()[0]
+        elif scripts:
+            label = scripts[0]
+        else:
+            label = os.path.basename(args[0]) or stat.split("(")[1].split(")")[0]
+        if label.startswith("python") and "-c" in args:
+            label = "python -c (a worker or helper)"
+        out[pid] = (label, (int(fields[11]) + int(fields[12])) / _TICKS)
+    return out
 
 
 def _alive(pid: int) -> bool:
