@@ -39,6 +39,8 @@ CLAIMS: dict[str, tuple[str, list[str], bool]] = {
                  ["benchmarks/real_networks.py", "--autotune", "resnet18"], False),
     "trainer": ("RaytrainXTrainer vs Ray Train's TorchTrainer",
                 ["benchmarks/ray_train_vs_torch_trainer.py"], False),
+    "trainer-idle-cpu": ("the CPU of the elastic trainer's machinery vs the fixed trainer's",
+                         ["benchmarks/elastic_trainer_idle_cpu.py", "--repeats", "2"], False),
     "zero": ("ZeRO stage 1 and 2 vs torch's ZeroRedundancyOptimizer with DDP",
              ["benchmarks/zero_step.py", "--rounds", "5"], False),
     "regime": ("the engine's fixed costs at a GPU's step rate vs DDP's best bucket",

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import threading
 from typing import Any
 
@@ -44,6 +45,11 @@ COOLDOWN_RANGE_S = (10.0, 300.0)
 # How long fit() waits, before it returns, for a Ray Tune trial to take the run's last report
 # from `TuneReportCallback` (the trial's end would otherwise overtake it)
 TUNE_HAND_OVER_S = 120.0
+# The niceness of the thread that runs the elastic driver's loop: Ray's default for its
+# worker processes (`RAY_worker_niceness`), where Ray Train's controller runs. At the
+# driver's own priority the loop's wake-ups (ten a second) preempt the training workers on
+# a host whose cores they fill (benchmarks/ray_train_vs_torch_trainer.py).
+DRIVER_LOOP_NICENESS = 15
 
 
 def check_elastic_scaling(scaling_config: Any) -> tuple[int, int]:
@@ -152,6 +158,7 @@ def _run_reporting(executor: RayExecutor, train_fn: Any, run: RunInfo,
     out: dict[str, Any] = {}
 
     def target() -> None:
+        _lower_priority()
         try:
             out["results"] = executor.run(_worker, args=(train_fn, run))
         except BaseException as exc:  # noqa: BLE001 - raised on the caller's thread
@@ -165,6 +172,17 @@ def _run_reporting(executor: RayExecutor, train_fn: Any, run: RunInfo,
     if "error" in out:
         raise out["error"]
     return out["results"]
+
+
+def _lower_priority() -> None:
+    """Gives this thread (Linux: a thread has its own niceness) the niceness of Ray's
+    workers; where that cannot be done, the thread keeps its priority."""
+    try:
+        now = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        if now < DRIVER_LOOP_NICENESS:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), DRIVER_LOOP_NICENESS)
+    except (AttributeError, OSError):  # not Linux, or not allowed
+        pass
 
 
 def _wait_tune(callbacks: list[Any]) -> None:
