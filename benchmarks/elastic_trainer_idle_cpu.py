@@ -26,7 +26,7 @@ import threading
 import time
 from pathlib import Path
 
-from raytrain_x.testing.processes import cpu_seconds, processes, with_descendants
+from raytrain_x.testing.processes import cpu_shares, processes, with_descendants
 
 from common import print_table, write_json
 
@@ -81,20 +81,15 @@ def measure(num_workers, settle: float, window: float) -> dict[str, float]:
                     raise RuntimeError(f"the {num_workers} trainer did not start: {errors}")
                 time.sleep(0.1)
             time.sleep(settle)
-            pids = with_descendants({os.getpid()}, processes())
-            before = cpu_seconds(pids)
-            time.sleep(window)
-            after = cpu_seconds(pids)
+            shares = cpu_shares(with_descendants({os.getpid()}, processes()), window)
             thread.join()
             if errors:
                 raise errors[0]
         finally:
             ray.shutdown()
     per: dict[str, float] = collections.defaultdict(float)
-    for pid, (label, seconds) in after.items():
-        if pid in before:
-            name = "this process (the driver)" if pid == os.getpid() else label
-            per[name] += (seconds - before[pid][1]) / window
+    for pid, (label, share) in shares.items():
+        per["this process (the driver)" if pid == os.getpid() else label] += share
     return dict(per)
 
 

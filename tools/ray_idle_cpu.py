@@ -15,7 +15,7 @@ import os
 import time
 from pathlib import Path
 
-from raytrain_x.testing.processes import cpu_seconds, processes, with_descendants
+from raytrain_x.testing.processes import cpu_shares, processes, with_descendants
 from raytrain_x.testing.results import print_table, write_json
 
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "results"
@@ -37,14 +37,8 @@ def measure(head_args: dict, settle: float, window: float) -> dict:
         ray.init(address=cluster.address, log_to_driver=False)
         time.sleep(settle)
         pids = with_descendants({os.getpid()}, processes()) - {os.getpid()}
-        before = cpu_seconds(pids)
-        time.sleep(window)
-        after = cpu_seconds(pids)
-        per = {}
-        for pid, (label, seconds) in after.items():
-            if pid in before:
-                per[f"{label} ({pid})"] = (seconds - before[pid][1]) / window
-        return per
+        return {f"{label} ({pid})": share
+                for pid, (label, share) in cpu_shares(pids, window).items()}
     finally:
         ray.shutdown()
         if cluster is not None:

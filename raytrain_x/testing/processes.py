@@ -12,7 +12,7 @@ from typing import TypeVar
 
 from raytrain_x.common.procs import kill, processes, with_descendants
 
-__all__ = ["cluster_processes", "cpu_seconds", "environ_has", "kill", "processes",
+__all__ = ["cluster_processes", "cpu_shares", "environ_has", "kill", "processes",
            "start_once_more", "stop", "with_descendants"]
 
 T = TypeVar("T")
@@ -64,10 +64,20 @@ def stop(pids: Iterable[int], grace_s: float = 1.0) -> None:
 _TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def cpu_seconds(pids: Iterable[int]) -> dict[int, tuple[str, float]]:
-    """pid -> (a label, CPU seconds used so far, user and system) of each live process of
-    `pids`. The label is what `ps` shows of it: a Ray worker's `ray::Class.method` title,
-    a script's name, or the program's."""
+def cpu_shares(pids: Iterable[int], window_s: float) -> dict[int, tuple[str, float]]:
+    """pid -> (a label, the share of one core it used) of each process of `pids` alive
+    through the next `window_s` seconds (user and system time; this call sleeps through
+    them). The label is what `ps` shows of it: a Ray worker's `ray::Class.method` title, a
+    script's name, or the program's."""
+    before = _cpu_seconds(pids)
+    time.sleep(window_s)
+    after = _cpu_seconds(before)
+    return {pid: (label, (seconds - before[pid][1]) / window_s)
+            for pid, (label, seconds) in after.items()}
+
+
+def _cpu_seconds(pids: Iterable[int]) -> dict[int, tuple[str, float]]:
+    """pid -> (its label, CPU seconds used so far) of each live process of `pids`."""
     out = {}
     for pid in pids:
         try:
