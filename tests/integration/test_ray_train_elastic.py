@@ -85,11 +85,14 @@ def _loop(config: dict) -> dict:
                 time.sleep(config["pause"])
                 state.commit()
                 context = ray.train.get_context()
-                (progress / f"{os.getpid()}.json").write_text(json.dumps({
+                mine = progress / f"{os.getpid()}.json"
+                # whole or not at all: the test's thread lists these files while they change
+                mine.with_suffix(".tmp").write_text(json.dumps({
                     "pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(),
                     "rank": context.get_world_rank(), "size": context.get_world_size(),
                     "epoch": state.epoch, "cursor": state.data.cursor,
                     "steps": state.steps, "time": time.time()}))
+                os.replace(mine.with_suffix(".tmp"), mine)
                 every = config.get("report_every")
                 if every and state.steps % every == 0:
                     save_and_report({"epoch": state.epoch, "mid_epoch": True,
@@ -108,13 +111,8 @@ def _loop(config: dict) -> dict:
 
 
 def _workers(progress: Path) -> list[dict]:
-    out = []
-    for path in progress.glob("*.json"):
-        try:
-            out.append(json.loads(path.read_text()))
-        except ValueError:  # being written
-            continue
-    return out
+    """What each worker process wrote last (each file is replaced whole)."""
+    return [json.loads(path.read_text()) for path in progress.glob("*.json")]
 
 
 def _latest(progress: Path) -> dict:
@@ -261,7 +259,8 @@ def test_every_worker_lost_goes_on_from_the_latest_checkpoint_with_the_data_wher
         assert fit.thread.is_alive(), f"the fit ended early: {fit.error!r}"
         latest = _latest(progress)
         return latest.get("size") == 2 and latest.get("epoch") == 0 and \
-            latest.get("steps", 0) > 25  # past the report at step 20
+            latest.get("steps", 0) > 25 and \
+            len({w["pid"] for w in _workers(progress) if w["size"] == 2}) == 2  # both seen
     wait_until(reported_mid_epoch, 60, "2 workers past a mid-epoch checkpoint",
                state=lambda: _latest(progress))
     for worker in _workers(progress):  # the whole group at once
