@@ -10,7 +10,10 @@ worker group each (what a Ray Train user gets); inside the loop, after --warmup 
 steps, --steps steps are timed on every worker and the slowest worker's time counts.
 Reported: samples/s (median over rounds, spread), the ratio to `TorchTrainer` (and the
 elastic trainer's to the fixed `RaytrainXTrainer`), and each
-fit's wall time (worker group start, world formation, training, shutdown).
+fit's wall time (worker group start, world formation, training, shutdown). With both
+raytrain-x trainers, also the elastic trainer's rate over the fixed one's within each round
+(the two fits run back to back) and their median: the machine's speed drifts between rounds
+more than the two trainers differ.
 
 Run alone: .venv/bin/python benchmarks/ray_train_vs_torch_trainer.py [--repeats 3]
 Writes results/ray_train_vs_torch_trainer.json.
@@ -159,7 +162,11 @@ def main() -> None:
     finally:
         ray.shutdown()
     rows = []
+    paired = {}  # the elastic trainer's rate over the fixed one's in the same round
     for name, ways in rates.items():
+        if "raytrain_x" in ways and "raytrain_x_elastic" in ways:
+            paired[name] = [e / f for e, f in zip(ways["raytrain_x_elastic"],
+                                                  ways["raytrain_x"])]
         med = {w: statistics.median(v) for w, v in ways.items()}
         for way, values in ways.items():
             rows.append({"workload": name, "trainer": way, "samples/s": med[way],
@@ -172,11 +179,15 @@ def main() -> None:
                          "fit s": statistics.median(walls[name][way])})
     print_table(rows, ["workload", "trainer", "samples/s", "min", "max", "spread %",
                        "vs TorchTrainer", "vs fixed", "fit s"])
+    for name, ratios in paired.items():  # steadier than a ratio of medians across rounds
+        print(f"{name}: elastic / fixed in the same round: median "
+              f"{statistics.median(ratios):.3f} (rounds: "
+              f"{', '.join(f'{r:.3f}' for r in ratios)})")
     path = write_json("ray_train_vs_torch_trainer", {
         "workers": args.workers, "repeats": args.repeats, "warmup": args.warmup,
         "commit_every": args.commit_every,
         "steps": args.steps, "batch_per_worker": BATCH, "samples_per_s": rates,
-        "fit_seconds": walls, "rows": rows,
+        "fit_seconds": walls, "rows": rows, "elastic_over_fixed_per_round": paired,
         "seconds": round(time.monotonic() - started, 1)}, args.json)
     print(f"wrote {path}")
 
