@@ -13,7 +13,8 @@ elastic trainer's to the fixed `RaytrainXTrainer`), and each
 fit's wall time (worker group start, world formation, training, shutdown). With both
 raytrain-x trainers, also the elastic trainer's rate over the fixed one's within each round
 (the two fits run back to back) and their median: the machine's speed drifts between rounds
-more than the two trainers differ.
+more than the two trainers differ; the same from each fit's median step (each step timed on
+the slower rank), which leaves out the steps another process on the machine interrupted.
 
 Run alone: .venv/bin/python benchmarks/ray_train_vs_torch_trainer.py [--repeats 3]
 Writes results/ray_train_vs_torch_trainer.json.
@@ -33,6 +34,8 @@ WAYS = ("torch_trainer", "raytrain_x", "raytrain_x_elastic")
 
 
 def _loop(config: dict) -> None:
+    import statistics
+
     import ray.train
     import torch
 
@@ -70,6 +73,9 @@ def _loop(config: dict) -> None:
         def slowest(seconds: float) -> float:
             return rx.allreduce(torch.tensor([seconds]), op=rx.Max, name="slowest").item()
 
+        def slowest_each(seconds: list[float]) -> list[float]:
+            return rx.allreduce(torch.tensor(seconds), op=rx.Max, name="each").tolist()
+
         if way == "raytrain_x_elastic" and config["commit_every"]:  # an elastic loop's commits
             commit = rx.elastic.TorchState(model, opt, step=0).commit
     else:
@@ -77,10 +83,13 @@ def _loop(config: dict) -> None:
 
         model = ray.train.torch.prepare_model(model)  # DistributedDataParallel
 
-        def slowest(seconds: float) -> float:
-            t = torch.tensor([seconds])
+        def slowest_each(seconds: list[float]) -> list[float]:
+            t = torch.tensor(seconds)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            return t.item()
+            return t.tolist()
+
+        def slowest(seconds: float) -> float:
+            return slowest_each([seconds])[0]
 
     def step(i: int) -> None:
         x, y = data(i)
@@ -94,11 +103,18 @@ def _loop(config: dict) -> None:
         step(i)
     slowest(0.0)  # a barrier
     began = time.perf_counter()
+    ends = []
     for i in range(config["steps"]):
         step(config["warmup"] + i)
-    seconds = slowest((time.perf_counter() - began) / config["steps"])
+        ends.append(time.perf_counter())
+    seconds = slowest((ends[-1] - began) / config["steps"])
+    # each step's time on the slower rank; their median leaves out the steps another
+    # process on the machine interrupted
+    each = slowest_each([b - a for a, b in zip([began, *ends], ends)])
     context = ray.train.get_context()
-    metrics = {"samples_per_s": batch * context.get_world_size() / seconds, "step_s": seconds}
+    samples = batch * context.get_world_size()
+    metrics = {"samples_per_s": samples / seconds, "step_s": seconds,
+               "median_step_samples_per_s": samples / statistics.median(each)}
     if context.get_world_rank() != 0:
         ray.train.report(metrics)
         return
@@ -126,7 +142,8 @@ def fit(way: str, name: str, args, storage: str) -> tuple[float, float]:
     else:
         trainer = TorchTrainer(_loop, torch_config=TorchConfig(backend="gloo"), **common)
     result = trainer.fit()
-    return result.metrics["samples_per_s"], time.monotonic() - began
+    return (result.metrics["samples_per_s"], result.metrics["median_step_samples_per_s"],
+            time.monotonic() - began)
 
 
 def main() -> None:
@@ -148,25 +165,29 @@ def main() -> None:
     started = time.monotonic()
     ways = tuple(args.ways)
     rates = {n: {w: [] for w in ways} for n in args.workloads}
+    median_rates = {n: {w: [] for w in ways} for n in args.workloads}
     walls = {n: {w: [] for w in ways} for n in args.workloads}
     try:
         with tempfile.TemporaryDirectory(prefix="rtx_bench_") as storage:
             for r in range(args.repeats):
                 for name in args.workloads:
                     for way in (ways if r % 2 == 0 else ways[::-1]):  # alternate who goes first
-                        rate, wall = fit(way, name, args, storage)
+                        rate, median_rate, wall = fit(way, name, args, storage)
                         rates[name][way].append(rate)
+                        median_rates[name][way].append(median_rate)
                         walls[name][way].append(wall)
                         print(f"round {r + 1}/{args.repeats} {name} {way}: {rate:.1f} "
-                              f"samples/s, fit {wall:.1f}s", flush=True)
+                              f"samples/s ({median_rate:.1f} at the median step), fit "
+                              f"{wall:.1f}s", flush=True)
     finally:
         ray.shutdown()
     rows = []
     paired = {}  # the elastic trainer's rate over the fixed one's in the same round
     for name, ways in rates.items():
-        if "raytrain_x" in ways and "raytrain_x_elastic" in ways:
-            paired[name] = [e / f for e, f in zip(ways["raytrain_x_elastic"],
-                                                  ways["raytrain_x"])]
+        for kind, of in (("mean", ways), ("median step", median_rates[name])):
+            if "raytrain_x" in of and "raytrain_x_elastic" in of:
+                paired.setdefault(name, {})[kind] = [
+                    e / f for e, f in zip(of["raytrain_x_elastic"], of["raytrain_x"])]
         med = {w: statistics.median(v) for w, v in ways.items()}
         for way, values in ways.items():
             rows.append({"workload": name, "trainer": way, "samples/s": med[way],
@@ -179,14 +200,16 @@ def main() -> None:
                          "fit s": statistics.median(walls[name][way])})
     print_table(rows, ["workload", "trainer", "samples/s", "min", "max", "spread %",
                        "vs TorchTrainer", "vs fixed", "fit s"])
-    for name, ratios in paired.items():  # steadier than a ratio of medians across rounds
-        print(f"{name}: elastic / fixed in the same round: median "
-              f"{statistics.median(ratios):.3f} (rounds: "
-              f"{', '.join(f'{r:.3f}' for r in ratios)})")
+    for name, kinds in paired.items():  # steadier than a ratio of medians across rounds
+        for kind, ratios in kinds.items():
+            print(f"{name}: elastic / fixed in the same round, {kind}: median "
+                  f"{statistics.median(ratios):.3f} (rounds: "
+                  f"{', '.join(f'{r:.3f}' for r in ratios)})")
     path = write_json("ray_train_vs_torch_trainer", {
         "workers": args.workers, "repeats": args.repeats, "warmup": args.warmup,
         "commit_every": args.commit_every,
         "steps": args.steps, "batch_per_worker": BATCH, "samples_per_s": rates,
+        "median_step_samples_per_s": median_rates,
         "fit_seconds": walls, "rows": rows, "elastic_over_fixed_per_round": paired,
         "seconds": round(time.monotonic() - started, 1)}, args.json)
     print(f"wrote {path}")
