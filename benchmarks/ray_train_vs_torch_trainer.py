@@ -70,11 +70,8 @@ def _loop(config: dict) -> None:
         opt = rx.DistributedOptimizer(opt, named_parameters=model.named_parameters())
         rx.broadcast_parameters(model.state_dict(), root_rank=0)
 
-        def slowest(seconds: float) -> float:
-            return rx.allreduce(torch.tensor([seconds]), op=rx.Max, name="slowest").item()
-
-        def slowest_each(seconds: list[float]) -> list[float]:
-            return rx.allreduce(torch.tensor(seconds), op=rx.Max, name="each").tolist()
+        def slowest_each(seconds: list[float], name: str = "each") -> list[float]:
+            return rx.allreduce(torch.tensor(seconds), op=rx.Max, name=name).tolist()
 
         if way == "raytrain_x_elastic" and config["commit_every"]:  # an elastic loop's commits
             commit = rx.elastic.TorchState(model, opt, step=0).commit
@@ -83,13 +80,13 @@ def _loop(config: dict) -> None:
 
         model = ray.train.torch.prepare_model(model)  # DistributedDataParallel
 
-        def slowest_each(seconds: list[float]) -> list[float]:
+        def slowest_each(seconds: list[float], name: str = "each") -> list[float]:
             t = torch.tensor(seconds)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             return t.tolist()
 
-        def slowest(seconds: float) -> float:
-            return slowest_each([seconds])[0]
+    def slowest(seconds: float) -> float:
+        return slowest_each([seconds], name="slowest")[0]
 
     def step(i: int) -> None:
         x, y = data(i)
