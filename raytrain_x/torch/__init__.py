@@ -80,6 +80,7 @@ from raytrain_x.torch.functions import (
     broadcast_optimizer_state,
     broadcast_parameters,
 )
+from raytrain_x.torch.local_steps import DiLoCo, LocalSGD
 from raytrain_x.torch.ops import (
     allgather,
     allreduce,

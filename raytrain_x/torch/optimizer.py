@@ -1,17 +1,11 @@
-"""`DistributedOptimizer`: allreduce gradients from backward hooks, wait in `step()`.
-
-A gradient's hook counts it ready in its unit (a run of neighbouring gradients in the
-arena, or a fixed bucket); the unit goes to the engine the moment its last gradient is
-ready, and the engine fuses whatever is ready in a cycle up to
-the fusion threshold (Horovod's dynamic fusion, so communication starts with the first
-gradients and keeps pace with backward). Where the gradients live and which travel together
-is `gradient_layout`'s; `op=Adasum` is `adasum_optimizer`'s.
+"""`DistributedOptimizer`: Horovod's wrapper of a torch optimizer, on the gradient-sync
+core (`grad_sync`) with the reducer its arguments choose: allreduce while backward runs
+(the default, `allreduce_reducer`), Adasum (`adasum_reducer`), LocalSGD or DiLoCo
+(`local_steps`), or ZeRO's sharded state (`zero_optimizer`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -19,230 +13,15 @@ import torch
 
 from raytrain_x.common.errors import ConfigError
 from raytrain_x.common.training import training_settings
-from raytrain_x.core import runtime
-from raytrain_x.core.collectives import Adasum, Average, Sum, predivided, synchronize
+from raytrain_x.core.collectives import Adasum, Average, Sum
 from raytrain_x.core.process_sets import ProcessSet, global_process_set
 from raytrain_x.engine.adasum import check_size
-from raytrain_x.engine.messages import Handle
-from raytrain_x.torch.adasum_optimizer import AdasumOptimizer
-from raytrain_x.torch.async_ops import CompositeHandle, allreduce_async_, sparse_allreduce_async
+from raytrain_x.torch.adasum_reducer import AdasumReducer
+from raytrain_x.torch.allreduce_reducer import AllreduceReducer
 from raytrain_x.torch.compression import Compression, Compressor
-from raytrain_x.torch.gradient_layout import (
-    GradientBuffer,
-    GradientLayout,
-    GradientRun,
-    explicit_groups,
-)
-from raytrain_x.torch.hooked_optimizer import (
-    HookedOptimizer,
-    grad_ready_hooks,
-    gradient_hook,
-)
+from raytrain_x.torch.grad_sync import wrap
+from raytrain_x.torch.local_steps import LocalSGD
 from raytrain_x.torch.zero_optimizer import ShardedOptimizer
-
-
-class GradientAllreduceOptimizer(HookedOptimizer):
-    """Mixed in ahead of the wrapped optimizer's class; see `DistributedOptimizer`."""
-
-    def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
-                 gradient_predivide_factor, process_set, bucket_cap_mb=None, groups=None,
-                 sparse_as_dense=False):
-        super().__init__(params)
-        self._compression = compression
-        self._sparse_as_dense = sparse_as_dense
-        self._op = op
-        self._process_set = process_set
-        self._predivide = gradient_predivide_factor
-        self.backward_passes_per_step = backward_passes_per_step
-        self._take_parameters(named_parameters, "allreduce")
-        self._parameter_names = self._names  # Horovod's attribute name
-        # A rank outside the process set trains locally: no collectives (as in Horovod).
-        self._member = process_set.ranks is None or runtime.rank() in process_set.ranks
-        self._handles: dict[torch.Tensor, Handle] = {}
-        self._synchronized = False
-        self._should_synchronize = True
-        self._hooks = grad_ready_hooks(self, self._requires_update)
-        self._arriving = [p.register_hook(gradient_hook(self, p, "_on_grad_arriving"))
-                          for p in self._requires_update]
-        # A gradient's first arrival tells whether it is sparse (nn.Embedding(sparse=True)):
-        # such a parameter leaves its bucket before its sparse gradient would be summed
-        # into the bucket's dense view; each probe removes itself after that first look.
-        self._probes = {p: p.register_hook(gradient_hook(self, p, "_look"))
-                        for p in self._requires_update}
-        # arenas by default, fixed buckets when the user sizes them (bucket_cap_mb > 0) or
-        # lists them (groups)
-        cap = int(bucket_cap_mb * 2**20) if bucket_cap_mb else 0
-        self._layout = GradientLayout(self._requires_update, self._names,
-                                      explicit_groups(groups, self._requires_update))
-        # the request of each unit (bucket or run) sent and not yet waited for
-        self._unit_handles: dict[GradientBuffer | GradientRun, Handle] = {}
-        self._layout.build(cap)
-        if self._layout.fixed:
-            runtime.note_fixed_buckets()
-
-    def _scales(self) -> tuple[str, float, float]:
-        return predivided(self._op, self._predivide, self._process_set.size())
-
-    @property
-    def bucket_cap_bytes(self) -> int:
-        """The fixed bucket size in effect (0: no buckets; every gradient goes on its own
-        and the engine fuses them up to the fusion threshold)."""
-        return self._layout.cap_bytes
-
-    def _look(self, p: torch.Tensor, grad: torch.Tensor) -> None:
-        """A parameter's first gradient: out of the flat buffers if it is sparse (its unit
-        goes now if it was waiting for this gradient alone)."""
-        self._probes.pop(p).remove()
-        if grad.is_sparse:
-            unit = self._layout.make_sparse(p)
-            if unit is not None and unit.params and unit not in self._unit_handles:
-                self._send_if_complete(unit)
-
-    def _on_grad_arriving(self, p: torch.Tensor, grad: torch.Tensor) -> None:
-        """Before backward adds `p`'s gradient: an arena gradient set to None by
-        `zero_grad()` gets its view back, zeroed (so it accumulates there, in place)."""
-        if p.grad is None:
-            unit = self._layout.unit_of.get(p)
-            if isinstance(unit, GradientRun):
-                unit.arena.attach_zeroed(p)
-
-    def _allreduce_grad(self, p: torch.Tensor) -> Handle:
-        """A gradient outside every unit: a sparse one."""
-        if p.grad is None:  # no gradient this step: zeros, as Horovod sends
-            p.grad = torch.zeros_like(p)
-        if p.grad.is_sparse:
-            return self._allreduce_sparse(p)
-        op, pre, post = self._scales()
-        return allreduce_async_(p.grad, name=f"grad.{self._names[p]}", op=op,
-                                prescale_factor=pre, postscale_factor=post,
-                                process_set=self._process_set, compression=self._compression)
-
-    def _allreduce_sparse(self, p: torch.Tensor) -> Handle:
-        """A sparse gradient: densified and reduced like any other (sparse_as_dense), then
-        made sparse again for the optimizer; or, as Horovod, an allgather of its indices
-        and values whose duplicates sum up."""
-        name = f"grad.{self._names[p]}"
-        if self._sparse_as_dense:
-            dense = p.grad.to_dense()
-            op, pre, post = self._scales()
-            inner = allreduce_async_(dense, name=name, op=op, prescale_factor=pre,
-                                     postscale_factor=post, process_set=self._process_set,
-                                     compression=self._compression)
-            handle = CompositeHandle(name, [inner], lambda out: out[0].to_sparse())
-        else:
-            handle = sparse_allreduce_async(p.grad, name, self._op, self._process_set)
-        return _Replacing(handle, p)
-
-    def _reset_passes(self) -> None:
-        super()._reset_passes()
-        for unit in self._layout.units:
-            unit.ready = 0
-
-    def _drop_finished(self) -> None:
-        """Forgets handles that already ended (a failed world's, after an elastic reset)."""
-        for p in [p for p, h in self._handles.items() if h.done()]:
-            del self._handles[p]
-        for u in [u for u, h in self._unit_handles.items() if h.done()]:
-            del self._unit_handles[u]
-
-    def _allreduce_unit(self, unit: GradientBuffer | GradientRun) -> Handle:
-        """A bucket (reduced alone) or a run of the arena (the engine may fuse it with the
-        runs ready beside it), its gradients pointed at their views first."""
-        op, pre, post = self._scales()
-        unit.attach()
-        return allreduce_async_(unit.flat, name=unit.name, op=op, prescale_factor=pre,
-                                postscale_factor=post, process_set=self._process_set,
-                                compression=self._compression, fuse=unit.fuse)
-
-    def _send_if_complete(self, unit: GradientBuffer | GradientRun) -> None:
-        """Sends `unit` once each of its gradients is ready for every backward pass."""
-        if unit.ready >= len(unit.params) * self.backward_passes_per_step:
-            unit.ready = 0
-            self._unit_handles[unit] = self._allreduce_unit(unit)
-
-    def _on_grad_ready(self, p: torch.Tensor) -> None:
-        if not self._member:
-            return
-        unit = self._layout.unit_of.get(p)
-        if unit is not None:
-            if unit in self._unit_handles:
-                if not self._unit_handles[unit].done():
-                    raise ConfigError(
-                        f"gradient of {self._names[p]!r} computed again before step(); with "
-                        "gradient accumulation pass backward_passes_per_step, or call "
-                        "synchronize() first")
-                del self._unit_handles[unit]  # a failed world's handle
-            unit.ready += 1
-            self._send_if_complete(unit)
-            return
-        if p in self._handles and self._handles[p].done():
-            self._drop_finished()
-        if p in self._handles:
-            raise ConfigError(
-                f"gradient of {self._names[p]!r} computed twice before step(); with gradient "
-                "accumulation pass backward_passes_per_step, or call synchronize() first")
-        self._passes[p] += 1
-        if self._passes[p] >= self.backward_passes_per_step:
-            self._passes[p] = 0
-            self._handles[p] = self._allreduce_grad(p)
-
-    def synchronize(self) -> None:
-        """Waits for every gradient allreduce (starting those whose hook did not fire)."""
-        if not self._member:
-            self._synchronized = True
-            return
-        try:
-            for p in self._requires_update:  # those outside every unit: sparse
-                if p not in self._handles and p not in self._layout.unit_of:
-                    self._handles[p] = self._allreduce_grad(p)
-            for unit in self._layout.units:  # units some of whose gradients never came
-                if unit not in self._unit_handles:
-                    self._unit_handles[unit] = self._allreduce_unit(unit)
-            handles = [*self._handles.values(), *self._unit_handles.values()]
-            for handle in handles:
-                synchronize(handle)
-            self._synchronized = True
-        finally:  # on failure too: an elastic reset must find no stale handles
-            self._handles.clear()
-            self._unit_handles.clear()
-            self._reset_passes()
-
-    @contextlib.contextmanager
-    def skip_synchronize(self):
-        """Use when `synchronize()` was called by hand (e.g. before gradient clipping)."""
-        self._should_synchronize = False
-        try:
-            yield
-        finally:
-            self._should_synchronize = True
-
-    def step(self, closure=None):
-        already_synchronized = self._synchronized and not self._handles  # done by hand
-        if self._should_synchronize and already_synchronized and self._member:
-            warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
-                          "context after optimizer.synchronize(); the gradients were "
-                          "reduced already and are used as they are. Wrap step() in "
-                          "`with optimizer.skip_synchronize():` to say so.", stacklevel=2)
-        if self._should_synchronize and not already_synchronized:
-            self.synchronize()
-        self._synchronized = False
-        result = super().step(closure)
-        runtime.mark_step()
-        return result
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zeroes gradients, or sets them to None (the default, as torch's). Gradients in
-        fixed buckets stay views of their buffers (zeroed, never None), as with DDP's
-        gradient_as_bucket_view; the others find their place in the arena again when
-        backward brings the next one, zeroed there just before it is added."""
-        self._drop_finished()
-        if self._handles or self._unit_handles:
-            raise ConfigError("zero_grad() called while gradient allreduces are in flight; "
-                              "call step() or synchronize() first")
-        self._layout.zero(set_to_none)
-        if self._layout.holds_all():
-            return None
-        return super().zero_grad(set_to_none)
 
 
 def DistributedOptimizer(  # noqa: N802 - Horovod's name
@@ -258,6 +37,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     process_set: ProcessSet = global_process_set,
     bucket_cap_mb: float | None = None,
     zero_stage: int | None = None,
+    reducer: LocalSGD | None = None,
 ) -> Any:
     """Wraps `optimizer` so gradients are allreduced while backward runs.
 
@@ -300,6 +80,11 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
             (25 MB by default); `state_dict()` gives the full state and every rank calls it;
             `clip_grad_norm_` clips by the total norm. Not with `op=Adasum`, `compression`
             or `groups`, nor sparse gradients.
+        reducer: `LocalSGD(sync_every=H)` or `DiLoCo(sync_every=H)` for slow links: no
+            gradient is reduced; each rank steps on its own and every H steps the models
+            are averaged (LocalSGD) or an outer optimizer steps on the averaged
+            pseudo-gradients (DiLoCo). One instance per optimizer. Not with `op=Adasum`,
+            `compression`, `groups`, `bucket_cap_mb` or `zero_stage`.
     """
     if backward_passes_per_step < 1:
         raise ConfigError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
@@ -315,6 +100,19 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         zero_stage = training_settings().get("zero_stage", 0)
     if zero_stage not in (0, 1, 2):
         raise ConfigError(f"zero_stage must be 0, 1 or 2, got {zero_stage!r}")
+    if reducer is not None:
+        if not isinstance(reducer, LocalSGD):
+            raise ConfigError(f"reducer must be rx.LocalSGD(...) or rx.DiLoCo(...), got "
+                              f"{reducer!r}")
+        given = {"op=rx.Adasum": op == Adasum, "compression": compression is not
+                 Compression.none, "groups": bool(groups), "bucket_cap_mb": bucket_cap_mb
+                 is not None, "zero_stage": bool(zero_stage)}
+        clash = [name for name, set_ in given.items() if set_]
+        if clash:
+            raise ConfigError(f"{reducer!r} exchanges whole models every "
+                              f"{reducer.sync_every} steps; leave out {', '.join(clash)}")
+        return wrap(optimizer, named_parameters, reducer, backward_passes_per_step,
+                    process_set)
     if zero_stage:
         if op == Adasum:
             raise ConfigError("zero_stage needs op=rx.Average or rx.Sum, not rx.Adasum")
@@ -334,45 +132,11 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         return wrapped
     if op == Adasum:
         check_size(process_set.size())
-        cls = type(optimizer.__class__.__name__, (AdasumOptimizer, optimizer.__class__), {})
-        wrapped = cls(optimizer.param_groups, named_parameters, compression,
-                      backward_passes_per_step, process_set)
-        wrapped.load_state_dict(optimizer.state_dict())
-        return wrapped
-    cls = type(optimizer.__class__.__name__,
-               (GradientAllreduceOptimizer, optimizer.__class__), {})
+        return wrap(optimizer, named_parameters, AdasumReducer(compression),
+                    backward_passes_per_step, process_set)
     if bucket_cap_mb is not None and not bucket_cap_mb >= 0:
         raise ConfigError(f"bucket_cap_mb must be >= 0 (or None to follow the fusion "
                           f"threshold knob), got {bucket_cap_mb}")
-    wrapped = cls(optimizer.param_groups, named_parameters, compression,
-                  backward_passes_per_step, op, gradient_predivide_factor, process_set,
-                  bucket_cap_mb, groups, sparse_as_dense)
-    wrapped.load_state_dict(optimizer.state_dict())
-    return wrapped
-
-
-class _Replacing(Handle):
-    """Waits for a gradient's reduction and puts the result in `p.grad` (sparse paths,
-    whose result is a new tensor rather than the gradient reduced in place)."""
-
-    __slots__ = ("_inner", "_param")
-
-    def __init__(self, inner: Handle, param: torch.Tensor) -> None:
-        super().__init__(inner.name)
-        self._inner, self._param = inner, param
-
-    def done(self) -> bool:
-        return self._inner.done()
-
-    @property
-    def cycle(self) -> int:  # type: ignore[override]
-        return getattr(self._inner, "cycle", -1)
-
-    @cycle.setter
-    def cycle(self, value: int) -> None:
-        pass
-
-    def wait(self, timeout: float | None = None) -> Any:
-        result = self._inner.wait(timeout)
-        self._param.grad = result
-        return result
+    allreduce = AllreduceReducer(op, gradient_predivide_factor, compression, bucket_cap_mb,
+                                 groups, sparse_as_dense)
+    return wrap(optimizer, named_parameters, allreduce, backward_passes_per_step, process_set)

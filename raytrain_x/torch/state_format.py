@@ -126,15 +126,27 @@ class TorchFormat:
 
     def sync_from(self, root: int) -> None:
         self.order_pending()
+        # parameters a LocalSGD or DiLoCo optimizer keeps per rank between its exchanges:
+        # not broadcast with their model; each rank's reducer decides (`sync_params`)
+        local = {p.data_ptr() for opt in self.handled.values() if _keeps_local(opt)
+                 for p in opt._requires_update if p.numel()}
         for name, value in self.handled.items():
             kind = kind_of(value)
             if kind == "model":
-                broadcast_parameters(value.state_dict(), root_rank=root)
+                broadcast_parameters({k: t for k, t in value.state_dict().items()
+                                      if not (torch.is_tensor(t) and t.data_ptr() in local)},
+                                     root_rank=root)
             elif isinstance(value, ShardedOptimizer):
                 settings = broadcast_object(value.group_settings(), root,
                                             name=f"elastic.{name}.groups")
                 for group, chosen in zip(value.param_groups, settings):
                     group.update(chosen)
+            elif _keeps_local(value):
+                lineage = value._reducer.lineage()
+                broadcast_optimizer_state(value, root_rank=root)
+                params = value._requires_update
+                value._reducer.sync_params(lineage, lambda: broadcast_parameters(
+                    [(f"elastic.{name}.{i}", p) for i, p in enumerate(params)], root))
             elif kind == "optimizer":
                 broadcast_optimizer_state(value, root_rank=root)
             elif kind == "position":  # the same on every rank: the root's stands
@@ -162,6 +174,14 @@ class TorchFormat:
 
     def read(self, folder: str) -> Any:
         return durable.load(folder)
+
+
+def _keeps_local(value: Any) -> bool:
+    """A `DistributedOptimizer` whose reducer lets each rank's parameters differ between
+    exchanges (LocalSGD, DiLoCo)."""
+    reducer = getattr(value, "_reducer", None)
+    return isinstance(value, torch.optim.Optimizer) and bool(getattr(reducer, "local_params",
+                                                                       False))
 
 
 def _sync_sampler(name: str, value: ElasticSampler, root: int) -> None:

@@ -35,7 +35,8 @@ from raytrain_x.torch.async_ops import (
     reducescatter_async,
     reducescatter_into_async,
 )
-from raytrain_x.torch.hooked_optimizer import HookedOptimizer, grad_ready_hooks
+from raytrain_x.torch.grad_sync import grad_ready_hooks
+from raytrain_x.torch.hooked_optimizer import HookedOptimizer
 from raytrain_x.torch.zero_layout import PassBuffers, ShardedBucket, make_buckets
 from raytrain_x.torch.zero_local import (
     IMPLEMENTATIONS,

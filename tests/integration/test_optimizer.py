@@ -111,7 +111,7 @@ def test_failed_step_leaves_no_stale_handles():
 def _views_of_buckets(opt, model) -> bool:
     """Every gradient lies inside one of the optimizer's float32 bucket buffers."""
     spans = [(b.flat.data_ptr(), b.flat.data_ptr() + b.flat.numel() * 4)
-             for b in opt._layout.buckets]
+             for b in opt._reducer.layout.buckets]
     return all(p.grad is not None and any(lo <= p.grad.data_ptr() < hi for lo, hi in spans)
                for p in model.parameters())
 
@@ -131,7 +131,7 @@ def _bucketed(cap: float) -> dict:
         opt.step()
         views.append(_views_of_buckets(opt, model) if cap else True)
     return {"state": {k: v.clone() for k, v in model.state_dict().items()},
-            "buckets": len(opt._layout.buckets), "views": all(views)}
+            "buckets": len(opt._reducer.layout.buckets), "views": all(views)}
 
 
 def test_bucketed_gradients_are_views_and_match_unbucketed():
@@ -167,7 +167,7 @@ def _zero_grad_each_way() -> list[dict]:
         loss.backward()
         opt.step()
         spans = [(a.flat.data_ptr(), a.flat.data_ptr() + a.flat.numel() * 4)
-                 for a in opt._layout.arenas]
+                 for a in opt._reducer.layout.arenas]
         steps.append({
             "cleared": cleared,
             "in_arena": all(any(lo <= p.grad.data_ptr() < hi for lo, hi in spans)
@@ -212,9 +212,9 @@ def _wide_model() -> torch.nn.Module:
 def _views_of_arenas(opt, model) -> bool:
     """Every gradient lies inside one of the optimizer's arenas (so runs fused in a batch
     are back to back)."""
-    laid = [p for arena in opt._layout.arenas for p in arena.params]
+    laid = [p for arena in opt._reducer.layout.arenas for p in arena.params]
     spans = [(a.flat.data_ptr(), a.flat.data_ptr() + a.flat.numel() * 4)
-             for a in opt._layout.arenas]
+             for a in opt._reducer.layout.arenas]
     return (sorted(map(id, laid)) == sorted(id(p) for p in model.parameters())
             and all(any(lo <= p.grad.data_ptr() < hi for lo, hi in spans)
                     for p in model.parameters()))
@@ -232,7 +232,7 @@ def _across_switches(steps: int, batch: int) -> dict:
                                   named_parameters=model.named_parameters())
     n, r = rx.size(), rx.rank()
     kept, views, fused = True, True, []
-    runs = [unit.name for unit in opt._layout.units]
+    runs = [unit.name for unit in opt._reducer.layout.units]
     for i, (x, y) in enumerate(_data(steps, batch)):
         if r == 0 and i in SWITCHES:
             rx.set_knobs(rx.knobs().replace(fusion_threshold_bytes=SWITCHES[i]))
