@@ -154,9 +154,15 @@ class Reducer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Takes `state_dict()`'s value (another rank's at an elastic sync)."""
 
-    def sync_params(self) -> None:
-        """At an elastic sync, after `load_state_dict`: what each rank's parameters must be
-        (for `local_params` reducers; the others' parameters are broadcast)."""
+    def lineage(self) -> int | None:
+        """For `local_params` reducers: the exchange the live parameters derive from."""
+        return None
+
+    def sync_params(self, lineage: int | None) -> bool:
+        """For `local_params` reducers, at an elastic sync after `load_state_dict` took the
+        root's state: what this rank's parameters must be (the others' parameters are
+        broadcast with their model). True: the root's parameters, broadcast."""
+        return True
 
 
 class GradientSync:
@@ -187,6 +193,12 @@ class GradientSync:
         self._hooks = grad_ready_hooks(self, self._requires_update) if reducer.hooks else []
         self._arriving = ([p.register_hook(_arrival_hook(self, p))
                            for p in self._requires_update] if reducer.arrivals else [])
+
+    @property
+    def reducer(self) -> Reducer:
+        """How this optimizer's gradients are combined (`rx.LocalSGD`, `rx.DiLoCo`, or the
+        allreduce or Adasum reducer its `op` chose)."""
+        return self._reducer
 
     @property
     def bucket_cap_bytes(self) -> int:

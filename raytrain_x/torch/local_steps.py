@@ -82,6 +82,12 @@ class LocalSGD(Reducer):
         return (f"{type(self).__name__}(sync_every={self.sync_every}, "
                 f"overlap_steps={self.overlap_steps})")
 
+    @property
+    def exchanges(self) -> int:
+        """How many exchanges this rank has applied (its parameters derive from the
+        last one's global model)."""
+        return self._outer
+
     def bind(self, core: GradientSync) -> None:
         if hasattr(self, "_core"):  # its anchor and counters are that optimizer's
             raise ConfigError(f"this {type(self).__name__} serves another optimizer already; "
@@ -170,22 +176,21 @@ class LocalSGD(Reducer):
         return self._params_outer
 
     @torch.no_grad()
-    def sync_params(self, lineage: int | None, root_params: Callable[[], None]) -> None:
+    def sync_params(self, lineage: int | None) -> bool:
         """After the root's state was loaded at an elastic sync: a rank whose parameters
         (`lineage`, taken before the load) derive from the root's last exchange keeps
-        them; any other takes the anchor, or the root's parameters before a first step."""
-        if lineage is not None and lineage == self._outer:
-            self._params_outer = lineage
-            return
-        if self._anchor is None:
-            root_params()
-        else:
+        them; any other takes the anchor. True: there is no anchor yet (no step taken),
+        and the caller gives every rank the root's parameters."""
+        self._params_outer = self._outer
+        if self._anchor is None:  # the root's state: the same answer on every rank
+            return True
+        if lineage != self._outer:
             for flat, ps in zip(self._anchor, self._param_groups):
                 offset = 0
                 for p in ps:
                     p.copy_(flat[offset:offset + p.numel()].view_as(p))
                     offset += p.numel()
-        self._params_outer = self._outer
+        return False
 
 
 class DiLoCo(LocalSGD):

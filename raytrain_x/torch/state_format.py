@@ -144,9 +144,9 @@ class TorchFormat:
             elif _keeps_local(value):
                 lineage = value._reducer.lineage()
                 broadcast_optimizer_state(value, root_rank=root)
-                params = value._requires_update
-                value._reducer.sync_params(lineage, lambda: broadcast_parameters(
-                    [(f"elastic.{name}.{i}", p) for i, p in enumerate(params)], root))
+                if value._reducer.sync_params(lineage):  # no anchor yet: the root's
+                    broadcast_parameters([(f"elastic.{name}.{i}", p) for i, p
+                                          in enumerate(value._requires_update)], root)
             elif kind == "optimizer":
                 broadcast_optimizer_state(value, root_rank=root)
             elif kind == "position":  # the same on every rank: the root's stands

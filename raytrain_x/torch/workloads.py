@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["GPTDecoder", "resnet18", "shaped_model", "synthetic_images", "synthetic_tokens"]
+__all__ = ["GPTDecoder", "markov_tokens", "markov_entropy", "resnet18", "shaped_model",
+           "synthetic_images", "synthetic_tokens"]
 
 
 def shaped_model(shapes: list[tuple[int, ...]]):
@@ -144,3 +145,49 @@ def synthetic_tokens(batch: int, seq: int = 128, vocab: int = 8192, seed: int = 
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (batch, seq + 1), generator=g)
     return ids[:, :-1], ids[:, 1:]
+
+
+# A language a model can learn: each token is followed by one of a few tokens fixed for it,
+# with fixed probabilities (a first-order Markov chain). Uniform random tokens
+# (synthetic_tokens) time a step; this measures what a step learns.
+MARKOV_PROBS = (0.5, 0.25, 0.15, 0.10)
+
+
+def _markov_table(vocab: int, table_seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(table_seed)
+    return torch.randint(0, vocab, (vocab, len(MARKOV_PROBS)), generator=g)
+
+
+def markov_tokens(batch: int, seq: int = 128, vocab: int = 8192, seed: int = 0,
+                  table_seed: int = 0):
+    """(input ids [batch, seq], next-token targets [batch, seq]) from a first-order Markov
+    chain: token t is followed by one of `len(MARKOV_PROBS)` successors fixed for t (drawn
+    with `table_seed`), with probabilities `MARKOV_PROBS`. The same for the same seeds; a
+    model that learns the chain reaches `markov_entropy()` nats of loss.
+
+    Args:
+        batch: the batch size.
+        seq: the sequence length.
+        vocab: ids are drawn from 0..vocab-1.
+        seed: the generator's seed (the rows; a held-out set takes a seed no step uses).
+        table_seed: the chain's (the same for every batch of one task).
+    """
+    table = _markov_table(vocab, table_seed)
+    g = torch.Generator().manual_seed(seed)
+    probs = torch.tensor(MARKOV_PROBS)
+    ids = torch.empty(batch, seq + 1, dtype=torch.long)
+    ids[:, 0] = torch.randint(0, vocab, (batch,), generator=g)
+    choices = torch.multinomial(probs, batch * seq, replacement=True, generator=g)
+    choices = choices.view(batch, seq)
+    for i in range(seq):
+        ids[:, i + 1] = table[ids[:, i], choices[:, i]]
+    return ids[:, :-1], ids[:, 1:]
+
+
+def markov_entropy() -> float:
+    """The loss (nats per token) of a model that knows `markov_tokens`' chain exactly (its
+    successors are distinct: close to it otherwise)."""
+    import math
+
+    return -sum(p * math.log(p) for p in MARKOV_PROBS)
+

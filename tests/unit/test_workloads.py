@@ -7,7 +7,14 @@ import math
 
 import torch
 
-from raytrain_x.torch.workloads import GPTDecoder, resnet18, synthetic_images, synthetic_tokens
+from raytrain_x.torch.workloads import (
+    GPTDecoder,
+    markov_entropy,
+    markov_tokens,
+    resnet18,
+    synthetic_images,
+    synthetic_tokens,
+)
 
 
 def test_resnet18_has_resnet18s_parameters_and_trains_on_synthetic_images():
@@ -47,6 +54,31 @@ def test_the_gpt_decoder_starts_near_chance():
         logits = GPTDecoder(layers=1)(ids)
     loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
     assert abs(float(loss) - math.log(8192)) < 1.0, float(loss)
+
+
+def test_markov_tokens_follow_their_chain_and_a_model_learns_it():
+    torch.set_num_threads(1)
+    ids, targets = markov_tokens(8, seq=32, vocab=64, seed=1)
+    assert torch.equal(ids[:, 1:], targets[:, :-1])
+    assert torch.equal(markov_tokens(8, seq=32, vocab=64, seed=1)[0], ids)
+    assert not torch.equal(markov_tokens(8, seq=32, vocab=64, seed=2)[0], ids)
+    pairs = {(int(a), int(b)) for a, b in zip(ids.flatten(), targets.flatten())}
+    successors: dict[int, set[int]] = {}
+    for a, b in pairs:
+        successors.setdefault(a, set()).add(b)
+    assert max(len(s) for s in successors.values()) <= 4  # each token's few successors
+    model = GPTDecoder(vocab=64, layers=1, width=32, heads=4, seq=32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(100):
+        x, y = markov_tokens(16, seq=32, vocab=64, seed=step)
+        loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[0] > math.log(64) - 0.5
+    assert losses[-1] < markov_entropy() + 0.6, losses[-1]
 
 
 def test_the_keras_twins_match_the_torch_networks():
