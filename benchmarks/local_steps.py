@@ -243,19 +243,19 @@ def main() -> None:
                        link_gbit=args.link_gbit)
     raw["config"]["link_gbit"] = args.link_gbit
     ddp = raw["ddp"]
-    rows = [["ddp", f"{ddp['seconds']:.1f}", str(raw['config']['steps']),
-             f"{ddp['loss']:.3f}", "1.00", "-"]]
+    columns = ["way", "s to target", "steps", "loss", "x DDP", "world sizes"]
+    rows = [dict(zip(columns, ["ddp", ddp["seconds"], raw["config"]["steps"], ddp["loss"],
+                               1.0, "2"]))]
     for way in args.ways:
         if way not in raw:
             continue
         r = raw[way]
-        ratio = r["seconds"] / ddp["seconds"] if r["seconds"] is not None else None
-        r["over_ddp"] = ratio
-        rows.append([way, "-" if r["seconds"] is None else f"{r['seconds']:.1f}",
-                     str(r["steps"]), f"{r['curve'][-1][1]:.3f}",
-                     "not reached" if ratio is None else f"{ratio:.2f}",
-                     " ".join(str(s) for s in sorted(set(r["sizes"])))])
-    print_table(["way", "s to target", "steps", "loss", "x DDP", "world sizes"], rows)
+        r["over_ddp"] = r["seconds"] / ddp["seconds"] if r["seconds"] is not None else None
+        rows.append(dict(zip(columns, [
+            way, "-" if r["seconds"] is None else r["seconds"], r["steps"],
+            r["curve"][-1][1], "not reached" if r["over_ddp"] is None else r["over_ddp"],
+            " ".join(str(s) for s in sorted(set(r["sizes"])))])))
+    print_table(rows, columns)
     write_json("local_steps", raw)
     _plot(raw, RESULTS_DIR / "local_steps.png")
     print(f"wrote results/local_steps.json and results/local_steps.png "

@@ -41,7 +41,8 @@ from common import (
 
 def _state_bytes(optimizer) -> int:
     state = optimizer.state
-    local = getattr(optimizer, "_local", None)  # a sharded DistributedOptimizer's own
+    # a sharded DistributedOptimizer's own
+    local = getattr(getattr(optimizer, "reducer", None), "_local", None)
     if local is not None:
         state = local.state
     inner = getattr(optimizer, "optim", None)  # ZeroRedundancyOptimizer's local optimizer
@@ -56,7 +57,7 @@ def _grad_bytes(model, optimizer) -> int:
 
     if isinstance(optimizer, ShardedOptimizer):  # its flat buffers
         return sum((b.flat_grads if b.flat_grads is not None else b.shard_out).nbytes
-                   for b in optimizer._buckets)
+                   for b in optimizer.reducer._buckets)
     seen: set[int] = set()
     total = 0
     for p in model.parameters():

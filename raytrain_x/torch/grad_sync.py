@@ -89,6 +89,8 @@ class Reducer:
         kind: the prefix of unnamed parameters' collectives (Horovod's `allreduce.noname.0`).
         require_names: every parameter must be in `named_parameters` when it is given.
         hooks: whether the reducer is told of each gradient (`ready`) during backward.
+        every_pass: told of each backward pass's gradient (ZeRO stage 2 reduces each pass
+            on its own), rather than once every pass of the step is accumulated.
         arrivals: whether it is told before a gradient is accumulated (`arriving`).
         warns_unskipped: whether `step()` after a `synchronize()` by hand, outside
             `skip_synchronize()`, warns (Horovod's warning: the gradients are not reduced
@@ -100,6 +102,7 @@ class Reducer:
     kind = "allreduce"
     require_names = True
     hooks = True
+    every_pass = False
     arrivals = False
     warns_unskipped = False
     local_params = False
@@ -120,7 +123,8 @@ class Reducer:
         """`p`'s gradient is about to be accumulated into `p.grad`."""
 
     def ready(self, p: torch.Tensor) -> None:
-        """`p`'s gradient is complete for this step (every backward pass accumulated)."""
+        """`p`'s gradient is complete for this step (every backward pass accumulated; with
+        `every_pass`, this pass's)."""
 
     def busy(self, p: torch.Tensor) -> bool:
         """`p`'s gradient of this step is still being reduced."""
@@ -212,6 +216,9 @@ class GradientSync:
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         if not self._member:
+            return
+        if self._reducer.every_pass:
+            self._reducer.ready(p)
             return
         passes = self._passes[p] + 1
         if passes < self.backward_passes_per_step:
@@ -316,10 +323,12 @@ class GradientSync:
 
 
 def wrap(optimizer: torch.optim.Optimizer, named_parameters: Any, reducer: Reducer,
-         backward_passes_per_step: int, process_set: ProcessSet) -> Any:
-    """`optimizer` as an instance of a subclass of its class with `GradientSync` ahead of
-    it (isinstance checks and LR schedulers keep working), its state carried over."""
-    cls = type(optimizer.__class__.__name__, (GradientSync, optimizer.__class__), {})
+         backward_passes_per_step: int, process_set: ProcessSet,
+         core: type[GradientSync] = GradientSync) -> Any:
+    """`optimizer` as an instance of a subclass of its class with `core` (`GradientSync`,
+    or a subclass of it) ahead of it (isinstance checks and LR schedulers keep working),
+    its state carried over."""
+    cls = type(optimizer.__class__.__name__, (core, optimizer.__class__), {})
     wrapped = cls(optimizer.param_groups, named_parameters, reducer,
                   backward_passes_per_step, process_set)
     wrapped.load_state_dict(optimizer.state_dict())

@@ -21,7 +21,7 @@ from raytrain_x.torch.allreduce_reducer import AllreduceReducer
 from raytrain_x.torch.compression import Compression, Compressor
 from raytrain_x.torch.grad_sync import wrap
 from raytrain_x.torch.local_steps import LocalSGD
-from raytrain_x.torch.zero_optimizer import ShardedOptimizer
+from raytrain_x.torch.zero_optimizer import ShardedOptimizer, ZeroReducer
 
 
 def DistributedOptimizer(  # noqa: N802 - Horovod's name
@@ -124,12 +124,9 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         if bucket_cap_mb is not None and not bucket_cap_mb > 0:
             raise ConfigError(f"bucket_cap_mb must be > 0 with zero_stage, got "
                               f"{bucket_cap_mb}")
-        cls = type(optimizer.__class__.__name__, (ShardedOptimizer, optimizer.__class__), {})
-        wrapped = cls(optimizer.param_groups, named_parameters, zero_stage, op,
-                      gradient_predivide_factor, process_set, backward_passes_per_step,
-                      bucket_cap_mb)
-        wrapped.load_state_dict(optimizer.state_dict())
-        return wrapped
+        zero = ZeroReducer(zero_stage, op, gradient_predivide_factor, bucket_cap_mb)
+        return wrap(optimizer, named_parameters, zero, backward_passes_per_step, process_set,
+                    ShardedOptimizer)
     if op == Adasum:
         check_size(process_set.size())
         return wrap(optimizer, named_parameters, AdasumReducer(compression),

@@ -16,9 +16,9 @@ every rank of the process set must call it, as every rank calls a collective.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -35,8 +35,7 @@ from raytrain_x.torch.async_ops import (
     reducescatter_async,
     reducescatter_into_async,
 )
-from raytrain_x.torch.grad_sync import grad_ready_hooks
-from raytrain_x.torch.hooked_optimizer import HookedOptimizer
+from raytrain_x.torch.grad_sync import GradientSync, Reducer
 from raytrain_x.torch.zero_layout import PassBuffers, ShardedBucket, make_buckets
 from raytrain_x.torch.zero_local import (
     IMPLEMENTATIONS,
@@ -48,127 +47,99 @@ from raytrain_x.torch.zero_local import (
 DEFAULT_BUCKET_MB = 25.0  # DDP's default bucket
 
 
-class ShardedOptimizer(HookedOptimizer):
-    """Mixed in ahead of the wrapped optimizer's class; see `DistributedOptimizer`."""
+class ZeroReducer(Reducer):
+    """The sharding: buckets and owners, reduce-scatters, the local optimizer over this
+    rank's parameters, allgathers. See `DistributedOptimizer(zero_stage=...)`.
 
-    def __init__(self, params, named_parameters, stage, op, gradient_predivide_factor,
-                 process_set, backward_passes_per_step, bucket_cap_mb):
-        super().__init__(params)
+    Args:
+        stage: 1 or 2.
+        op: `Average` or `Sum`.
+        predivide: Horovod's `gradient_predivide_factor`.
+        bucket_cap_mb: the buckets' size (25 MB by default).
+    """
+
+    kind = "zero"
+
+    def __init__(self, stage: int, op: str, predivide: float,
+                 bucket_cap_mb: float | None) -> None:
         self._stage = stage
+        self.every_pass = stage == 2  # stage 2 reduces each backward pass on its own
         self._op = op
-        self._predivide = gradient_predivide_factor
-        self._process_set = process_set
-        self.backward_passes_per_step = backward_passes_per_step
-        self._take_parameters(named_parameters, "zero")
+        self._predivide = predivide
         self._cap = int((bucket_cap_mb or DEFAULT_BUCKET_MB) * 2**20)
         self._handles: dict[ShardedBucket, Handle] = {}
         self._local: torch.optim.Optimizer | None = None
-        self._synchronized = False  # synchronize() ran by hand before step()
-        self._prefix = self._names[self._requires_update[0]] if self._requires_update else ""
-        self._lay_out()
-        self._hooks = grad_ready_hooks(self, self._requires_update)
 
-    def _lay_out(self) -> None:
+    def bind(self, core: GradientSync) -> None:
+        super().bind(core)
+        params = core._requires_update
+        self._prefix = core._names[params[0]] if params else ""
+        self.lay_out()
+
+    def lay_out(self) -> None:
         """Buckets and owners for the world as it is now (the parameters keep their values,
         in new flat buffers); gradients and reductions under way are dropped."""
-        pset = self._process_set
-        self._member = pset.ranks is None or runtime.rank() in pset.ranks
-        size = pset.size() if self._member else 1
-        rank = pset.rank() if self._member else 0
+        core = self.core
+        pset = core._process_set
+        core._member = pset.ranks is None or runtime.rank() in pset.ranks
+        size = pset.size() if core._member else 1
+        rank = pset.rank() if core._member else 0
         self._handles.clear()
-        self._buckets = make_buckets(self._requires_update, self._cap, size, rank,
+        self._buckets = make_buckets(core._requires_update, self._cap, size, rank,
                                      grads_in_place=self._stage == 1)
         self._bucket_of = {p: b for b in self._buckets for p in b.params}
-        self._owned = {p for b in self._buckets for p in b.mine}
-        self._owner = {p: r for b in self._buckets for r, ps in enumerate(b.owned_by)
-                       for p in ps}
+        self.owned = {p for b in self._buckets for p in b.mine}
+        self.owner = {p: r for b in self._buckets for r, ps in enumerate(b.owned_by)
+                      for p in ps}
         if self._stage == 1:
             for bucket in self._buckets:
                 bucket.attach_grads()
         self._pass_buffers = PassBuffers(self._buckets)
         for bucket in self._buckets:
             bucket.new_pass = self._pass_buffer
-        self._reset_passes()
-
-    # ------------------------------------------------------------------ elastic
-    def _indexed(self) -> list[torch.Tensor]:
-        """The parameters in `state_dict()`'s order (its state's keys are these indices)."""
-        return [p for g in self.param_groups for p in g["params"]]
-
-    def parameter_name(self, index: int) -> str:
-        """The name (`named_parameters`) of the parameter at `index` in `state_dict()`."""
-        return self._names[self._indexed()[index]]
-
-    def group_settings(self) -> list[dict[str, Any]]:
-        """Each parameter group's settings (lr, betas, ...), without its parameters."""
-        return [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
-
-    def shard_state(self) -> dict[int, dict[str, Any]]:
-        """This rank's optimizer state, by parameter index, copied to host memory."""
-        local = self._local.state if self._local is not None else self.state
-        return {i: {k: (v.detach().to("cpu", copy=True) if torch.is_tensor(v)
-                        else copy.deepcopy(v)) for k, v in local[p].items()}
-                for i, p in enumerate(self._indexed()) if p in self._owned and p in local}
-
-    def owners_by_index(self) -> dict[int, int]:
-        """Which rank of the process set owns each parameter (by index) in this layout."""
-        return {i: self._owner[p] for i, p in enumerate(self._indexed()) if p in self._owner}
-
-    def reshard(self) -> None:
-        """After an elastic reset: the layout for the new world, with no optimizer state
-        until `load_shard_state` gives this rank its own."""
-        self._lay_out()
-        self._local = None
-        self.state.clear()
-
-    def load_shard_state(self, states: dict[int, dict[str, Any]]) -> None:
-        """`states` (by parameter index: those of the parameters this rank owns in this
-        layout) as this rank's optimizer state."""
-        for i, p in enumerate(self._indexed()):
-            if i in states and p in self._owned:
-                self.state[p] = {k: (v.to(p.device) if torch.is_tensor(v) and k != "step"
-                                     else v) for k, v in states[i].items()}
+        self.forget()
 
     # ------------------------------------------------------------------ backward
-    def _on_grad_ready(self, p: torch.Tensor) -> None:
-        if not self._member:
-            return
+    def ready(self, p: torch.Tensor) -> None:
         if p.grad is not None and p.grad.is_sparse:
             raise ConfigError(f"zero_stage={self._stage} needs dense gradients; "
-                              f"{self._names[p]!r} has a sparse one (nn.Embedding(sparse="
+                              f"{self.core._names[p]!r} has a sparse one (nn.Embedding(sparse="
                               "True)): use zero_stage=0, or a dense embedding")
         bucket = self._bucket_of[p]
+        bucket.ready += 1
         if self._stage == 1:
             bucket.attach_one(p)  # a model.zero_grad() may have made a new tensor
-        # stage 2 reduces each pass; stage 1 only the last, so an earlier one is a mistake
-        if self._stage == 1 and bucket in self._handles and not self._handles[bucket].done():
-            raise ConfigError(f"gradient of {self._names[p]!r} computed again before step(); "
-                              "with gradient accumulation pass backward_passes_per_step")
-        bucket.ready += 1
-        if self._stage == 2:
-            bucket.take_grad(p)
-            if bucket.ready >= len(bucket.params):  # one backward pass of the whole bucket
+            if bucket.ready >= len(bucket.params):
                 bucket.ready = 0
-                flat = bucket.gathered_grads()  # this pass's gradients, theirs dropped
-                self._finish_pending(bucket)
-                self._handles[bucket] = self._reduce(bucket, flat)
-                self._take_finished()
-        elif bucket.ready >= len(bucket.params) * self.backward_passes_per_step:
+                self._handles[bucket] = self._reduce(bucket, bucket.flat_grads)
+            return
+        bucket.take_grad(p)
+        if bucket.ready >= len(bucket.params):  # one backward pass of the whole bucket
             bucket.ready = 0
-            self._handles[bucket] = self._reduce(bucket, bucket.flat_grads)
+            flat = bucket.gathered_grads()  # this pass's gradients, theirs dropped
+            self._finish_pending(bucket)
+            self._handles[bucket] = self._reduce(bucket, flat)
+            self._take_finished()
+
+    def busy(self, p: torch.Tensor) -> bool:
+        handle = self._handles.get(self._bucket_of[p])
+        return handle is not None and not handle.done()
+
+    def in_flight(self) -> bool:
+        return bool(self._handles)
 
     def _reduce(self, bucket: ShardedBucket, flat: torch.Tensor) -> Handle:
         """Starts the reduce-scatter of a bucket's gradients. Stage 2 reduces each backward
         pass on its own and sums the passes' results into the shard: the same as reducing
         the accumulated gradients, the reduction being linear."""
-        op, pre, post = predivided(self._op, self._predivide, self._process_set.size())
+        pset = self.core._process_set
+        op, pre, post = predivided(self._op, self._predivide, pset.size())
         name = f"zero.{self._prefix}.rs{bucket.index}"
         # a bucket's reduction starts once the one before it has landed (none is in flight
         # here): with none landed this step, this is the first pass, straight into the shard
         if self._stage == 2 and bucket.reduced_passes == 0:
-            return reducescatter_into_async(flat, bucket.shard_out, name, op,
-                                            self._process_set, pre, post)
-        return reducescatter_async(flat, name=name, op=op, process_set=self._process_set,
+            return reducescatter_into_async(flat, bucket.shard_out, name, op, pset, pre, post)
+        return reducescatter_async(flat, name=name, op=op, process_set=pset,
                                    prescale_factor=pre, postscale_factor=post)
 
     def _pass_buffer(self, bucket: ShardedBucket) -> torch.Tensor:
@@ -213,18 +184,12 @@ class ShardedOptimizer(HookedOptimizer):
     def synchronize(self) -> None:
         """Waits for every bucket's reduction (starting those whose gradients did not all
         come: a parameter without a gradient counts as zeros, as in Horovod)."""
-        if not self._member:
-            return
-        try:
-            self._start_remaining()
-            for bucket, handle in list(self._handles.items()):
-                self._take(bucket, synchronize(handle))
-            if self._stage == 2:  # the owned gradients are the reduced ones now
-                for bucket in self._buckets:
-                    bucket.point_owned_grads()
-            self._synchronized = True
-        finally:
-            self._end_reductions()
+        self._start_remaining()
+        for bucket, handle in list(self._handles.items()):
+            self._take(bucket, synchronize(handle))
+        if self._stage == 2:  # the owned gradients are the reduced ones now
+            for bucket in self._buckets:
+                bucket.point_owned_grads()
 
     def _start_remaining(self) -> None:
         """Every rank reduces every bucket every step (a gradient that did not come is
@@ -238,37 +203,25 @@ class ShardedOptimizer(HookedOptimizer):
             elif bucket.ready or not bucket.reduced_passes:
                 self._handles[bucket] = self._reduce(bucket, bucket.gathered_grads())
 
-    def _end_reductions(self) -> None:
+    def forget(self) -> None:
         self._handles.clear()
         self._pass_buffers.forget_lent()  # none, unless a reduction failed
         for bucket in self._buckets:
             bucket.ready = 0
-        self._reset_passes()
 
-    @contextlib.contextmanager
-    def skip_synchronize(self):
-        """Horovod's: wrap `step()` in it after calling `synchronize()` by hand (for example
-        to clip the gradients first); `step()` then uses the reduced gradients as they are."""
-        yield
-
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], Any] | None, synchronize: bool) -> Any:
         loss = closure() if closure is not None else None
-        if not self._member:  # outside the process set: trains locally, as in Horovod
-            super().step()
-            runtime.mark_step()
-            return loss
-        local = self._local_optimizer()
-        if self._synchronized or not steps_each_parameter(type(local)):
-            if not self._synchronized:
-                self.synchronize()
-            self._synchronized = False
+        core = self.core
+        local = self.local_optimizer()
+        if core._synchronized or not steps_each_parameter(type(local)):
+            if not core._synchronized:
+                core.synchronize()
             self._new_passes()
             local.step()
             gathers = [self._gather(b) for b in self._buckets]
         else:
             gathers = self._step_as_reductions_land(local)
         self._finish_gathers(gathers)
-        runtime.mark_step()
         return loss
 
     def _new_passes(self) -> None:
@@ -293,7 +246,7 @@ class ShardedOptimizer(HookedOptimizer):
                 step_only(local, bucket.mine)
                 gathers.append(self._gather(bucket))
         finally:
-            self._end_reductions()
+            self.core._forget()
         return gathers
 
     def _gather(self, bucket: ShardedBucket) -> Handle:
@@ -301,7 +254,7 @@ class ShardedOptimizer(HookedOptimizer):
         buffer (no gathered copy)."""
         return allgather_into_async(bucket.my_params_segment(), bucket.flat_params,
                                     name=f"zero.{self._prefix}.ag{bucket.index}",
-                                    process_set=self._process_set)
+                                    process_set=self.core._process_set)
 
     def _finish_gathers(self, handles: list[Handle]) -> None:
         with torch.no_grad():
@@ -310,29 +263,31 @@ class ShardedOptimizer(HookedOptimizer):
                 if gathered.data_ptr() != bucket.flat_params.data_ptr():  # another route
                     bucket.flat_params.copy_(gathered)
 
-    def _local_optimizer(self) -> torch.optim.Optimizer:
+    def local_optimizer(self) -> torch.optim.Optimizer:
         """An instance of the user's optimizer class over the parameters this rank owns,
         its groups' settings taken from the full groups (an lr scheduler changes those)."""
+        core = self.core
         if self._local is None:
-            groups = [{**settings, "params": [p for p in g["params"] if p in self._owned]}
-                      for settings, g in zip(self.group_settings(), self.param_groups)]
-            cls = next(c for c in type(self).__mro__
+            groups = [{**settings, "params": [p for p in g["params"] if p in self.owned]}
+                      for settings, g in zip(core.group_settings(), core.param_groups)]
+            cls = next(c for c in type(core).__mro__
                        if issubclass(c, torch.optim.Optimizer)
-                       and not issubclass(c, ShardedOptimizer))
-            self._local = build_local(cls, groups, self.defaults)
-            self._local.state.update({p: self.state.pop(p) for p in list(self.state)
-                                      if p in self._owned})
-            self.state.clear()
-        for full, local in zip(self.param_groups, self._local.param_groups):
+                       and not issubclass(c, GradientSync))
+            self._local = build_local(cls, groups, core.defaults)
+            self._local.state.update({p: core.state.pop(p) for p in list(core.state)
+                                      if p in self.owned})
+            core.state.clear()
+        for full, local in zip(core.param_groups, self._local.param_groups):
             for key, value in full.items():
                 if key not in ("params", *IMPLEMENTATIONS):
                     local[key] = value
         return self._local
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._handles:
-            raise ConfigError("zero_grad() called while gradient reductions are in flight; "
-                              "call step() or synchronize() first")
+    def local_state(self) -> dict:
+        """The optimizer state of this rank's parameters, wherever it is kept now."""
+        return self._local.state if self._local is not None else self.core.state
+
+    def zero_grad(self, set_to_none: bool) -> bool:
         for bucket in self._buckets:
             if not set_to_none:  # zeros in place, as torch's zero_grad(set_to_none=False)
                 (bucket.flat_grads if self._stage == 1 else bucket.shard_grads).zero_()
@@ -343,15 +298,71 @@ class ShardedOptimizer(HookedOptimizer):
             # place (stage 1) or its pass's buffer (stage 2), not added to zeros there
             for p in bucket.params:
                 p.grad = None
+        return True
+
+
+class ShardedOptimizer(GradientSync):
+    """`DistributedOptimizer(zero_stage=1 | 2)`: the gradient-sync core with `ZeroReducer`,
+    the full state in `state_dict()`, and what elastic training re-shards through
+    (`raytrain_x.torch.zero_elastic`)."""
+
+    _reducer: ZeroReducer
+
+    @property
+    def zero_stage(self) -> int:
+        """1 (the optimizer state sharded) or 2 (the reduced gradients too)."""
+        return self._reducer._stage
+
+    # ------------------------------------------------------------------ elastic
+    def _indexed(self) -> list[torch.Tensor]:
+        """The parameters in `state_dict()`'s order (its state's keys are these indices)."""
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def parameter_name(self, index: int) -> str:
+        """The name (`named_parameters`) of the parameter at `index` in `state_dict()`."""
+        return self._names[self._indexed()[index]]
+
+    def group_settings(self) -> list[dict[str, Any]]:
+        """Each parameter group's settings (lr, betas, ...), without its parameters."""
+        return [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+
+    def shard_state(self) -> dict[int, dict[str, Any]]:
+        """This rank's optimizer state, by parameter index, copied to host memory."""
+        local = self._reducer.local_state()
+        owned = self._reducer.owned
+        return {i: {k: (v.detach().to("cpu", copy=True) if torch.is_tensor(v)
+                        else copy.deepcopy(v)) for k, v in local[p].items()}
+                for i, p in enumerate(self._indexed()) if p in owned and p in local}
+
+    def owners_by_index(self) -> dict[int, int]:
+        """Which rank of the process set owns each parameter (by index) in this layout."""
+        owner = self._reducer.owner
+        return {i: owner[p] for i, p in enumerate(self._indexed()) if p in owner}
+
+    def reshard(self) -> None:
+        """After an elastic reset: the layout for the new world, with no optimizer state
+        until `load_shard_state` gives this rank its own."""
+        self._reducer.lay_out()
+        self._reducer._local = None
+        self.state.clear()
+        self._forget()
+
+    def load_shard_state(self, states: dict[int, dict[str, Any]]) -> None:
+        """`states` (by parameter index: those of the parameters this rank owns in this
+        layout) as this rank's optimizer state."""
+        owned = self._reducer.owned
+        for i, p in enumerate(self._indexed()):
+            if i in states and p in owned:
+                self.state[p] = {k: (v.to(p.device) if torch.is_tensor(v) and k != "step"
+                                     else v) for k, v in states[i].items()}
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """The full, unsharded state (every rank of the process set calls it)."""
         index = {p: i for i, p in enumerate(self._indexed())}
-        local = self._local.state if self._local is not None else self.state
         mine = {index[p]: {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in s.items()}
-                for p, s in local.items() if p in index}
-        every = (allgather_object(mine, name=f"zero.{self._prefix}.state",
+                for p, s in self._reducer.local_state().items() if p in index}
+        every = (allgather_object(mine, name=f"zero.{self._reducer._prefix}.state",
                                   process_set=self._process_set)
                  if self._member else [mine])
         state: dict[int, Any] = {}
@@ -365,13 +376,15 @@ class ShardedOptimizer(HookedOptimizer):
         """Takes a full state (an unsharded optimizer's, or `state_dict()`'s); this rank
         keeps the state of the parameters it owns."""
         super().load_state_dict(state_dict)  # the groups' settings, and every state
-        if self._local is not None:
-            owned_state = {p: s for p, s in self.state.items() if p in self._owned}
-            self._local.state.clear()
-            self._local.state.update(owned_state)
+        owned = self._reducer.owned
+        local = self._reducer._local
+        if local is not None:
+            owned_state = {p: s for p, s in self.state.items() if p in owned}
+            local.state.clear()
+            local.state.update(owned_state)
             self.state.clear()
         else:
-            for p in [p for p in self.state if p not in self._owned]:
+            for p in [p for p in self.state if p not in owned]:
                 del self.state[p]
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -384,9 +397,9 @@ class ShardedOptimizer(HookedOptimizer):
             max_norm: the largest total norm allowed.
             norm_type: the p of the p-norm (`inf` for the largest absolute value).
         """
-        grads = [p.grad for p in self._owned if p.grad is not None]
-        return clip_by_total_norm(grads, max_norm, norm_type, f"zero.{self._prefix}.norm",
-                                  self._process_set)
+        grads = [p.grad for p in self._reducer.owned if p.grad is not None]
+        return clip_by_total_norm(grads, max_norm, norm_type,
+                                  f"zero.{self._reducer._prefix}.norm", self._process_set)
 
 
 def clip_by_total_norm(grads: list[torch.Tensor], max_norm: float, norm_type: float,

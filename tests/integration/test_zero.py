@@ -263,7 +263,7 @@ def _default_stage() -> list:
     chosen = rx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     given = rx.DistributedOptimizer(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(),
                                                     lr=0.1), zero_stage=0)
-    return [isinstance(chosen, ShardedOptimizer) and chosen._stage,
+    return [isinstance(chosen, ShardedOptimizer) and chosen.zero_stage,
             isinstance(given, ShardedOptimizer)]
 
 
@@ -286,7 +286,7 @@ def _implementations() -> dict:
                                                         **settings), zero_stage=1)
         _one_step(rx, opt, model)
         _one_step(rx, opt, model)
-        out[name] = {"local": [g["fused"] for g in opt._local.param_groups],
+        out[name] = {"local": [g["fused"] for g in opt.reducer._local.param_groups],
                      "saved": [g["fused"] for g in opt.state_dict()["param_groups"]]}
     return out
 
