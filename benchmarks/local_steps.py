@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -88,19 +89,21 @@ def _ddp(cfg: dict) -> dict:
     model, batch, evaluate = _setup(cfg)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(ddp.parameters(), lr=cfg["lr"])
-    curve, counted = [(0.0, evaluate(model), 0)], 0.0
+    curve, counted, steps = [(0.0, evaluate(model), 0)], 0.0, []
     dist.barrier()
     for step in range(cfg["steps"]):
         began = time.monotonic()
         lm_step(ddp, opt, *batch(rank, step))
-        counted += time.monotonic() - began
+        steps.append(time.monotonic() - began)
+        counted += steps[-1]
         if (step + 1) % cfg["sync_every"] == 0 or step + 1 == cfg["steps"]:
             if rank == 0:
                 curve.append((counted, evaluate(model), step + 1))
             dist.barrier()
     dist.destroy_process_group()
     rx.shutdown()
-    return {"seconds": counted, "loss": curve[-1][1], "curve": curve}
+    return {"seconds": counted, "loss": curve[-1][1], "curve": curve,
+            "step ms": 1000 * statistics.median(steps)}
 
 
 def _elastic(cfg: dict, way: str, target: float, marker: str) -> dict:
@@ -122,6 +125,7 @@ def _elastic(cfg: dict, way: str, target: float, marker: str) -> dict:
                                   named_parameters=model.named_parameters(), reducer=reducer)
     state = rx.elastic.TorchState(model, opt, step=0, began=0.0, evaluating=0.0, curve=[],
                                   sizes=[], reached=None, seen=0)
+    timings: dict[str, list[float]] = {"step": [], "commit": []}  # this process's
 
     @rx.elastic.run
     def train(state):
@@ -130,7 +134,9 @@ def _elastic(cfg: dict, way: str, target: float, marker: str) -> dict:
             state.began = time.time()
         while state.step < cfg["max_factor"] * cfg["steps"] and state.reached is None:
             rank = rx.rank()
+            began = time.monotonic()
             lm_step(model, opt, *batch(rank, state.step))
+            timings["step"].append(time.monotonic() - began)
             state.step += 1
             if rank == 1 and state.step == cfg["kill_at"] and not os.path.exists(marker):
                 Path(marker).write_text(str(time.time()))
@@ -148,9 +154,12 @@ def _elastic(cfg: dict, way: str, target: float, marker: str) -> dict:
                 state.curve = rx.broadcast_object(state.curve, 0, name="curve")
                 state.reached = rx.broadcast_object(state.reached, 0, name="reached")
                 state.sizes.append(rx.size())
+            began = time.monotonic()
             state.commit()
+            timings["commit"].append(time.monotonic() - began)
         return {"seconds": state.reached, "steps": state.step, "curve": state.curve,
-                "sizes": state.sizes, "restores": rx.elastic.restore_count()}
+                "sizes": state.sizes, "restores": rx.elastic.restore_count(),
+                **{f"{k} ms": 1000 * statistics.median(v) for k, v in timings.items() if v}}
 
     return train(state)
 
