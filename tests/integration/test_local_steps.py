@@ -104,7 +104,11 @@ def test_matches_the_algorithm_computed_in_one_process(kind, overlap):
 
 
 def _elastic_sync() -> dict:
+    import tempfile
+
     import raytrain_x.torch as rx
+    from raytrain_x.torch import durable
+    from raytrain_x.torch.grad_sync import REDUCER_KEY
 
     rx.init()
     rank = rx.rank()
@@ -120,6 +124,10 @@ def _elastic_sync() -> dict:
     out = {"before": [p.detach().clone() for p in model.parameters()]}
     state.sync()  # a new round with both survivors: each keeps its inner steps
     out["kept"] = [p.detach().clone() for p in model.parameters()]
+    _local_step(model, opt, rank, 3)  # not committed: a failure rolls it back, and a
+    state.restore()                   # survivor goes on from its own last commit
+    state.sync()
+    out["restored"] = [p.detach().clone() for p in model.parameters()]
     if rank == 1:  # a newcomer in rank 1's place: a fresh model and optimizer
         torch.manual_seed(7)
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
@@ -137,6 +145,17 @@ def _elastic_sync() -> dict:
                        reducer._outer_optimizer().state.values()]
     _local_step(model, opt, rank, 3)  # the next outer step: both ranks exchange together
     out["anchor_next"] = [a.clone() for a in reducer._anchor]
+    with tempfile.TemporaryDirectory() as folder:  # the state as durable checkpoints keep it
+        saved = opt.state_dict()
+        durable.save({"optimizer": saved}, folder)
+        loaded = durable.load(folder)["optimizer"][REDUCER_KEY]
+        kept = saved[REDUCER_KEY]
+        out["durable"] = (
+            torch.equal(loaded["anchor"][0], kept["anchor"][0])
+            and all(torch.equal(a["momentum_buffer"], b["momentum_buffer"])
+                    for a, b in zip(loaded["outer_optimizer"]["state"].values(),
+                                    kept["outer_optimizer"]["state"].values()))
+            and (loaded["outer"], loaded["inner"]) == (kept["outer"], kept["inner"]))
     rx.shutdown()
     return out
 
@@ -144,8 +163,8 @@ def _elastic_sync() -> dict:
 def test_a_newcomer_takes_the_anchor_and_survivors_keep_their_inner_steps():
     r0, r1 = run_workers(_elastic_sync, 2)
     for r in (r0, r1):  # a survivor's parameters are its own after a sync
-        for a, b in zip(r["before"], r["kept"]):
-            assert torch.equal(a, b)
+        for a, b, c in zip(r["before"], r["kept"], r["restored"]):
+            assert torch.equal(a, b) and torch.equal(a, c)
     assert not all(torch.equal(a, b) for a, b in zip(r0["kept"], r1["kept"]))
     flat = torch.cat([p.reshape(-1) for p in r1["after_join"]])
     assert torch.equal(flat, r1["anchor"][0])  # the newcomer starts from the anchor
@@ -155,6 +174,7 @@ def test_a_newcomer_takes_the_anchor_and_survivors_keep_their_inner_steps():
         assert torch.equal(a, b)
     assert torch.equal(r0["anchor_next"][0], r1["anchor_next"][0])
     assert not torch.equal(r0["anchor_next"][0], r0["anchor"][0])
+    assert r0["durable"] and r1["durable"]  # a durable checkpoint keeps the reducer's state
 
 
 def _bad_arguments() -> list[str]:
