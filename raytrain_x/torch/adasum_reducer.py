@@ -64,7 +64,7 @@ class AdasumReducer(Reducer):
             for group, params in zip(core.param_groups, stashed):
                 group["params"] = params
         p.sub_(self._starts[p])  # p now holds this rank's delta
-        return allreduce_async_(p.data, name=f"adasum.{core._names[p]}", op=Adasum,
+        return allreduce_async_(p.data, name=f"adasum.{core.gradient_names[p]}", op=Adasum,
                                 process_set=core._process_set, compression=self._compression)
 
     @torch.no_grad()

@@ -61,7 +61,8 @@ class AllreduceReducer(Reducer):
         params = core._requires_update
         self._unprobed = set(params)  # a first gradient tells whether it is sparse
         cap = int(self._cap_mb * 2**20) if self._cap_mb else 0
-        self.layout = GradientLayout(params, core._names, explicit_groups(self._groups, params))
+        self.layout = GradientLayout(params, core.gradient_names,
+                                     explicit_groups(self._groups, params))
         self.layout.build(cap)
         if self.layout.fixed:
             runtime.note_fixed_buckets()
@@ -130,7 +131,7 @@ class AllreduceReducer(Reducer):
         """A gradient outside every unit: a sparse one, or zeros where none came."""
         if p.grad is None:  # no gradient this step: zeros, as Horovod sends
             p.grad = torch.zeros_like(p)
-        name = f"grad.{self.core._names[p]}"
+        name = f"grad.{self.core.gradient_names[p]}"
         op, pre, post = self._scales()
         pset = self.core._process_set
         if not p.grad.is_sparse:

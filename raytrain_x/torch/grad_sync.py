@@ -182,9 +182,10 @@ class GradientSync:
         self.backward_passes_per_step = backward_passes_per_step
         self._process_set = process_set
         every = [p for group in self.param_groups for p in group["params"]]
-        self._names = parameter_names(named_parameters, every, reducer.kind,
-                                      reducer.require_names)
-        self._parameter_names = self._names  # Horovod's attribute name
+        # each parameter's name in its collectives (read by the reducers)
+        self.gradient_names = parameter_names(named_parameters, every, reducer.kind,
+                                              reducer.require_names)
+        self._parameter_names = self.gradient_names  # Horovod's attribute name
         self._requires_update = [p for p in every if p.requires_grad]
         self._passes = {p: 0 for p in self._requires_update}
         self._delivered: set[torch.Tensor] = set()  # complete for this step, handed over
@@ -228,7 +229,7 @@ class GradientSync:
         if p in self._delivered:
             if self._reducer.busy(p):
                 raise ConfigError(
-                    f"gradient of {self._names[p]!r} computed again before step(); with "
+                    f"gradient of {self.gradient_names[p]!r} computed again before step(); with "
                     "gradient accumulation pass backward_passes_per_step, or call "
                     "synchronize() first")
             if self._reducer.in_flight():  # p's own request ended; others are under way

@@ -122,7 +122,7 @@ class LocalSGD(Reducer):
         now = self._flat_params()
         payload = self._payload(now)
         core = self.core
-        prefix = f"{self.kind}.{core._names[self._param_groups[0][0]]}"
+        prefix = f"{self.kind}.{core.gradient_names[self._param_groups[0][0]]}"
         handles = [allreduce_async_(flat, name=f"{prefix}.{i}", op=Average,
                                     process_set=core._process_set)
                    for i, flat in enumerate(payload)]

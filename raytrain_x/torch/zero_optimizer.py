@@ -73,7 +73,7 @@ class ZeroReducer(Reducer):
     def bind(self, core: GradientSync) -> None:
         super().bind(core)
         params = core._requires_update
-        self._prefix = core._names[params[0]] if params else ""
+        self._prefix = core.gradient_names[params[0]] if params else ""
         self.lay_out()
 
     def lay_out(self) -> None:
@@ -102,9 +102,10 @@ class ZeroReducer(Reducer):
     # ------------------------------------------------------------------ backward
     def ready(self, p: torch.Tensor) -> None:
         if p.grad is not None and p.grad.is_sparse:
-            raise ConfigError(f"zero_stage={self._stage} needs dense gradients; "
-                              f"{self.core._names[p]!r} has a sparse one (nn.Embedding(sparse="
-                              "True)): use zero_stage=0, or a dense embedding")
+            name = self.core.gradient_names[p]
+            raise ConfigError(f"zero_stage={self._stage} needs dense gradients; {name!r} has a "
+                              "sparse one (nn.Embedding(sparse=True)): use zero_stage=0, or a "
+                              "dense embedding")
         bucket = self._bucket_of[p]
         bucket.ready += 1
         if self._stage == 1:
@@ -320,7 +321,7 @@ class ShardedOptimizer(GradientSync):
 
     def parameter_name(self, index: int) -> str:
         """The name (`named_parameters`) of the parameter at `index` in `state_dict()`."""
-        return self._names[self._indexed()[index]]
+        return self.gradient_names[self._indexed()[index]]
 
     def group_settings(self) -> list[dict[str, Any]]:
         """Each parameter group's settings (lr, betas, ...), without its parameters."""
