@@ -38,6 +38,13 @@ def _groups(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return list(by_key.values())
 
 
+def _views(flat: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`flat` (the parameters laid end to end, as `_flat_params` makes it) as views shaped
+    like each of `params`."""
+    return [piece.view_as(p) for piece, p in
+            zip(flat.split([p.numel() for p in params]), params)]
+
+
 class _Exchange:
     """One exchange on the wire: its handles, and (with overlap) each flat buffer's
     parameters at the moment it was sent."""
@@ -144,15 +151,12 @@ class LocalSGD(Reducer):
         new = self._global(averaged)
         self._anchor = new
         for flat, sent, ps in zip(new, exchange.sent or [None] * len(new), self._param_groups):
-            offset = 0
-            for p in ps:
-                n = p.numel()
-                target = flat[offset:offset + n].view_as(p)
-                if sent is None:
+            if sent is None:
+                for p, target in zip(ps, _views(flat, ps)):
                     p.copy_(target)
-                else:  # the global model plus what this rank did while it was on the wire
-                    p.add_(target - sent[offset:offset + n].view_as(p))
-                offset += n
+            else:  # the global model plus what this rank did while it was on the wire
+                for p, target, then in zip(ps, _views(flat, ps), _views(sent, ps)):
+                    p.add_(target - then)
         self._outer += 1
         self._params_outer = self._outer
 
@@ -186,10 +190,8 @@ class LocalSGD(Reducer):
             return True
         if lineage != self._outer:
             for flat, ps in zip(self._anchor, self._param_groups):
-                offset = 0
-                for p in ps:
-                    p.copy_(flat[offset:offset + p.numel()].view_as(p))
-                    offset += p.numel()
+                for p, target in zip(ps, _views(flat, ps)):
+                    p.copy_(target)
         return False
 
 
