@@ -9,6 +9,7 @@ from raytrain_x.engine.messages import ALLGATHER, ALLREDUCE, Response
 
 # What the fusion threshold governs on this job's path, as frameworks report it.
 BATCHING_FIXED_BUCKETS = "fixed buckets"  # buckets of a size the user fixed
+BATCHING_RUNS = "threshold runs"  # units cut at the fusion threshold (DistributedOptimizer's)
 
 
 @dataclasses.dataclass
@@ -46,7 +47,7 @@ class JobObserver:
     def relevant(self, knobs: Knobs, shape: JobShape) -> tuple[list[str], dict[str, str]]:
         """(knobs to search, {knob: why it is left out})."""
         out: dict[str, str] = {}
-        if not self.fusable:
+        if not self.fusable and BATCHING_RUNS not in self.batching:
             out["fusion_threshold_bytes"] = (
                 "every allreduce is a bucket of a size the user fixed (bucket_cap_mb)"
                 if BATCHING_FIXED_BUCKETS in self.batching else "no fusable allreduce")

@@ -115,8 +115,8 @@ class Knobs:
 
     Attributes:
         fusion_threshold_bytes: the largest batch reduced at once, in bytes: the runs of
-            gradients `DistributedOptimizer` sends (unless `bucket_cap_mb` fixes buckets)
-            or per-tensor requests, fused while ready in the same cycle; 0: nothing
+            gradients `DistributedOptimizer` cuts (unless `bucket_cap_mb` fixes buckets),
+            or per-tensor requests fused while ready in the same cycle; 0: nothing
             fused.
         cycle_time_ms: pause between engine cycles in milliseconds while work keeps
             arriving (a request reaching an idle engine starts a cycle at once).
@@ -127,9 +127,8 @@ class Knobs:
         hierarchical_allgather: two-level allgather (local, then cross).
     """
 
-    # 1 MiB .. 256 MiB, in quarter MiBs; below 2^20 "0" (nothing fused). Sizes under 1 MiB
-    # fuse nothing `DistributedOptimizer` sends anyway (its runs close at 1 MiB and more),
-    # so they only add poor points to explore.
+    # 1 MiB .. 256 MiB, in quarter MiBs; below 2^20 "0" (nothing fused): runs of
+    # `DistributedOptimizer` under 1 MiB only add poor points to explore.
     fusion_threshold_bytes: int = _knob(
         settings.FUSION_THRESHOLD, SearchScale(2, 19.0, 28.0, off_below=20.0, quantum=MB / 4))
     cycle_time_ms: float = _knob(  # 0.1 .. 25 ms

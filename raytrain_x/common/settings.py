@@ -230,9 +230,9 @@ METRICS_INTERVAL_S = Setting(
 # the communication knobs (`raytrain_x.common.knobs`: autotune moves them)
 FUSION_THRESHOLD = Setting(
     "RAYTRAIN_X_FUSION_THRESHOLD", 64 * MB, int,
-    "bytes: the largest fused batch (of DistributedOptimizer's runs of gradients, or of "
-    "per-tensor requests); 0: nothing fused (the flag and the `fusion_threshold_mb` key take "
-    "MB)", minimum=0,
+    "bytes: the largest batch reduced at once (DistributedOptimizer's runs of gradients are "
+    "cut at it; per-tensor requests are fused up to it); 0: nothing fused (the flag and the "
+    "`fusion_threshold_mb` key take MB)", minimum=0,
     maximum=4096 * MB, flag="--fusion-threshold-mb", flag_scale=MB,
     config_key="fusion_threshold_bytes", horovod="HOROVOD_FUSION_THRESHOLD")
 CYCLE_TIME = Setting(

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable
 
 from raytrain_x.autotune.host import local_controller
-from raytrain_x.autotune.observer import BATCHING_FIXED_BUCKETS, JobShape
+from raytrain_x.autotune.observer import BATCHING_FIXED_BUCKETS, BATCHING_RUNS, JobShape
 from raytrain_x.autotune.sampler import AutotuneSampler
 from raytrain_x.comm.groups import ProcessGroups
 from raytrain_x.comm.rendezvous import Rendezvous, rendezvous_from_env
@@ -270,13 +270,15 @@ def autotune_batch_size(batch_size: int) -> None:
         sampler.samples_per_step = batch_size * rendezvous().size
 
 
-def note_fixed_buckets() -> None:
-    """A framework batches its gradients in buckets of a size the user fixed: autotune
-    leaves out the fusion threshold when nothing it governs is used."""
-    _P.batching.add(BATCHING_FIXED_BUCKETS)
+def note_gradient_batching(fixed_buckets: bool) -> None:
+    """How a framework batches its gradients: in buckets of a size the user fixed, or in
+    runs cut at the fusion threshold. Autotune searches the threshold where it governs what
+    crosses the wire and leaves it out where nothing it governs is used."""
+    kind = BATCHING_FIXED_BUCKETS if fixed_buckets else BATCHING_RUNS
+    _P.batching.add(kind)
     sampler = autotune_sampler()
     if sampler is not None:
-        sampler.batching.add(BATCHING_FIXED_BUCKETS)
+        sampler.batching.add(kind)
 
 
 # ----------------------------------------------------------------- the world

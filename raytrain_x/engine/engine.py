@@ -48,6 +48,7 @@ from raytrain_x.engine.transport import Transport
 log = logging.getLogger("raytrain_x.engine")
 
 _IDLE_WAKE_S = 0.05  # an idle engine still cycles this often so peers are never held long
+KNOB_HISTORY = 64  # knob changes `knobs_at` answers for (autotune: one per sample)
 
 
 class Engine:
@@ -75,6 +76,10 @@ class Engine:
         self.rank = groups.rdv.rank
         self.size = groups.rdv.size
         self.knobs = knobs
+        # the knobs in effect from each cycle on (the first: this engine's own, the same on
+        # every rank), for `knobs_at`
+        self._initial_knobs = knobs
+        self._knob_history: list[tuple[int, Knobs]] = [(0, knobs)]
         self.stats = EngineStats()
         self._transport = Transport(groups)  # opened collectively, now
         self.hierarchical_allreduce_applies = self._transport.hierarchical_allreduce_applies
@@ -140,6 +145,21 @@ class Engine:
         with self._cond:
             self._requested_knobs = knobs
             self._cond.notify()
+
+    def knobs_at(self, cycle: int) -> Knobs:
+        """The knobs in effect during `cycle` (a handle's `cycle`: the same on every rank),
+        so that every rank acts on a knob change at the same point of its work; a cycle
+        before this engine's first, or older than the history kept, gets its first knobs."""
+        for start, knobs in reversed(self._knob_history):
+            if start <= cycle:
+                return knobs
+        return self._initial_knobs
+
+    @property
+    def stopped(self) -> bool:
+        """True once this engine has stopped (shut down, or failed): a new world's engine
+        takes its collectives."""
+        return self._stopped.is_set() or self._error is not None
 
     def on_knobs_changed(self, listener: Callable[[Knobs], None]) -> None:
         self._knob_listeners.append(listener)
@@ -337,8 +357,7 @@ class Engine:
         requests, results = outcome
         self._negotiator.touch([r.name for r in expected])
         self.stats.speculated += 1
-        for r in expected:
-            self._pending.pop(r.name)
+        self._agreed([self._pending.pop(r.name) for r in expected])
         self.stats.add(ALLREDUCE, sum(r.meta.nbytes_on_wire() for r in expected),
                        time.perf_counter() - began)
         self._complete(expected, requests, results, None)
@@ -362,6 +381,9 @@ class Engine:
         self._negotiator.set_cache_capacity(knobs.cache_capacity)
         self._speculation.reset()
         self.knobs = knobs
+        # in effect from the next cycle on, on every rank (applied at the end of this one)
+        self._knob_history = [*self._knob_history[-(KNOB_HISTORY - 1):],
+                              (self.stats.cycles + 1, knobs)]
         for listener in self._knob_listeners:
             listener(knobs)
 
@@ -369,6 +391,7 @@ class Engine:
         """Runs one agreed batch and completes its handles (with the error, if it fails)."""
         first = batch[0]
         requests = [self._pending.pop(r.name, None) for r in batch]
+        self._agreed(requests)
         results: list[Any] = [None] * len(batch)
         error: BaseException | None = None
         handed = False  # to the stream, which completes the batch
@@ -396,6 +419,13 @@ class Engine:
             if not handed:
                 self._complete(batch, requests, results, error)
 
+    def _agreed(self, requests: list[Request | None]) -> None:
+        """Marks each handle with the cycle its collective was agreed in (cycles are
+        lockstep: the same number on every rank, wherever each rank completes it)."""
+        for req in requests:
+            if req is not None:
+                req.handle.cycle = self.stats.cycles
+
     def _complete(self, batch: list[Response], requests: list[Request | None],
                   results: list[Any], error: BaseException | None) -> None:
         # Names leave the in-flight set before their handles complete: a caller that
@@ -406,7 +436,6 @@ class Engine:
                 self._inflight.discard(r.name)
         for req, result in zip(requests, results):
             if req is not None:
-                req.handle.cycle = self.stats.cycles
                 if error is not None:
                     req.handle.set_error(error)
                 else:

@@ -24,8 +24,9 @@ class Handle:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        # The engine cycle the collective ran in: the same number on every rank (cycles
-        # are lockstep), so ranks can agree on "before/after a knob switch" without clocks.
+        # The engine cycle the collective was agreed in: the same number on every rank
+        # (cycles are lockstep), so ranks agree on "before/after a knob change"
+        # (`Engine.knobs_at`) without clocks.
         self.cycle = -1
         self._lock = threading.Lock()
         self._lock.acquire()
@@ -77,7 +78,9 @@ class Meta:
     # its tensors' shapes, each its rank then its dims (so ranks with different tensors
     # disagree)
     splits: tuple[int, ...] = ()
-    fuse: bool = True  # False: already a bucket; reduce it alone, in place (no copies)
+    # False: a unit its face formed (a bucket, a run of gradients): it crosses the wire as it
+    # is, fused with nothing, cut in nothing, in place
+    fuse: bool = True
     # The face that submitted it ("torch", "tensorflow"; "" for the core's numpy arrays):
     # ranks that send one name from different frameworks get a clear mismatch error.
     framework: str = ""

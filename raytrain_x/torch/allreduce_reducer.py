@@ -2,9 +2,12 @@
 
 A gradient's hook counts it ready in its unit (a run of neighbouring gradients in the
 arena, or a fixed bucket); the unit goes to the engine the moment its last gradient is
-ready, and the engine fuses whatever is ready in a cycle up to the fusion threshold
-(Horovod's dynamic fusion, so communication starts with the first gradients and keeps pace
-with backward). Where the gradients live and which travel together is `gradient_layout`'s.
+ready, so communication starts with the first gradients and keeps pace with backward, and
+crosses the wire as it is (the engine agrees on its readiness and its route, and fuses or
+cuts nothing the face formed). Where the gradients live and which travel together is
+`gradient_layout`'s; the runs are cut again, on every rank at the same step, when the
+fusion threshold changes. A unit's first request in a world is checked and described as
+any allreduce's; its next ones reuse that description and go straight to the engine.
 Sparse gradients (`nn.Embedding(sparse=True)`) leave their unit at their first arrival and
 go on their own.
 """
@@ -16,9 +19,15 @@ from typing import Any
 import torch
 
 from raytrain_x.core import runtime
-from raytrain_x.core.collectives import predivided, synchronize
-from raytrain_x.engine.messages import Handle
-from raytrain_x.torch.async_ops import CompositeHandle, allreduce_async_, sparse_allreduce_async
+from raytrain_x.core.collectives import predivided
+from raytrain_x.engine.engine import Engine
+from raytrain_x.engine.messages import Handle, Meta, Request
+from raytrain_x.torch.async_ops import (
+    CompositeHandle,
+    allreduce_async_,
+    allreduce_request,
+    sparse_allreduce_async,
+)
 from raytrain_x.torch.compression import Compressor
 from raytrain_x.torch.grad_sync import GradientSync, Reducer
 from raytrain_x.torch.gradient_layout import (
@@ -55,6 +64,12 @@ class AllreduceReducer(Reducer):
         self._groups = groups
         self._sparse_as_dense = sparse_as_dense
         self._handles: dict[Unit | torch.Tensor, Handle] = {}  # by unit, or sparse parameter
+        # the engine this world's units go to, and each unit's agreed description there
+        self._engine: Engine | None = None
+        self._described: dict[Unit, tuple[str, Meta]] = {}
+        self._scaled = ("", 1.0, 1.0)  # (op, prescale, postscale) in this world
+        self._step_began = False
+        self._agreed_cycle = -1  # the cycle the last step's last unit was agreed in
 
     def bind(self, core: GradientSync) -> None:
         super().bind(core)
@@ -63,16 +78,33 @@ class AllreduceReducer(Reducer):
         cap = int(self._cap_mb * 2**20) if self._cap_mb else 0
         self.layout = GradientLayout(params, core.gradient_names,
                                      explicit_groups(self._groups, params))
-        self.layout.build(cap)
-        if self.layout.fixed:
-            runtime.note_fixed_buckets()
+        # cut at the engine's first knobs (the same on every rank), again at the first step
+        self.layout.build(cap, self._world().knobs_at(-1).fusion_threshold_bytes)
+        runtime.note_gradient_batching(self.layout.fixed)
 
     @property
     def cap_bytes(self) -> int:
         return self.layout.cap_bytes
 
-    def _scales(self) -> tuple[str, float, float]:
-        return predivided(self._op, self._predivide, self.core._process_set.size())
+    def _world(self) -> Engine:
+        """The engine of this world (a new one after an elastic reset, or init() again,
+        and with it the units' descriptions and scaling made again)."""
+        engine = self._engine
+        if engine is None or engine.stopped:
+            engine = self._engine = runtime.engine()
+            self._described.clear()
+            self._scaled = predivided(self._op, self._predivide, self.core._process_set.size())
+            self._agreed_cycle = -1  # this engine's first knobs
+        return engine
+
+    def _begin_step(self) -> None:
+        """A step's first unit is about to form: the runs are cut at the fusion threshold
+        in effect when the last step's last unit was agreed (on every rank the same)."""
+        self._step_began = True
+        threshold = self._world().knobs_at(self._agreed_cycle).fusion_threshold_bytes
+        if not self.layout.fixed and threshold != self.layout.unit_bytes:
+            self.layout.cut(threshold)
+            self._described.clear()
 
     # ------------------------------------------------------------------ backward
     def arriving(self, p: torch.Tensor, grad: torch.Tensor) -> None:
@@ -91,6 +123,8 @@ class AllreduceReducer(Reducer):
                 unit.arena.attach_zeroed(p)
 
     def ready(self, p: torch.Tensor) -> None:
+        if not self._step_began:
+            self._begin_step()
         unit = self.layout.unit_of.get(p)
         if unit is None:
             self._handles[p] = self._allreduce_grad(p)
@@ -116,23 +150,39 @@ class AllreduceReducer(Reducer):
         self._handles.clear()
         for unit in self.layout.units:
             unit.ready = 0
+        self._step_began = False
 
     # ------------------------------------------------------------------ reductions
     def _allreduce_unit(self, unit: Unit) -> Handle:
-        """A bucket (reduced alone) or a run of the arena (the engine may fuse it with the
-        runs ready beside it), its gradients pointed at their views first."""
-        op, pre, post = self._scales()
+        """A bucket or a run of the arena, its gradients pointed at their views first: one
+        request the engine reduces as it is. Its first in a world goes through
+        `allreduce_async_`'s checks; the next ones reuse the description."""
         unit.attach()
-        return allreduce_async_(unit.flat, name=unit.name, op=op, prescale_factor=pre,
-                                postscale_factor=post, process_set=self.core._process_set,
-                                compression=self._compression, fuse=unit.fuse)
+        engine = self._engine
+        if engine is None or engine.stopped:  # the world ended within this step
+            engine = self._world()
+        described = self._described.get(unit)
+        if described is None:
+            op, pre, post = self._scaled
+            request, handle = allreduce_request(unit.flat, None, unit.name, op, pre, post,
+                                                self.core._process_set, self._compression,
+                                                fuse=False)
+            if handle is request.handle:  # not one a compressor's handle decompresses
+                self._described[unit] = (request.name, request.meta)
+        else:
+            name, meta = described
+            flat = unit.flat
+            request = Request(name, meta, flat, Handle(name), flat)
+            handle = request.handle
+        engine.enqueue(request)
+        return handle
 
     def _allreduce_grad(self, p: torch.Tensor) -> Handle:
         """A gradient outside every unit: a sparse one, or zeros where none came."""
         if p.grad is None:  # no gradient this step: zeros, as Horovod sends
             p.grad = torch.zeros_like(p)
         name = f"grad.{self.core.gradient_names[p]}"
-        op, pre, post = self._scales()
+        op, pre, post = self._scaled
         pset = self.core._process_set
         if not p.grad.is_sparse:
             return allreduce_async_(p.grad, name=name, op=op, prescale_factor=pre,
@@ -148,6 +198,8 @@ class AllreduceReducer(Reducer):
         return _Replacing(handle, p)
 
     def synchronize(self) -> None:
+        if not self._step_began:
+            self._begin_step()
         for p in self.core._requires_update:  # outside every unit (sparse), no hook fired
             if p not in self._handles and p not in self.layout.unit_of:
                 self._handles[p] = self._allreduce_grad(p)
@@ -155,7 +207,8 @@ class AllreduceReducer(Reducer):
             if unit not in self._handles:
                 self._handles[unit] = self._allreduce_unit(unit)
         for handle in list(self._handles.values()):
-            synchronize(handle)
+            handle.wait()
+        self._agreed_cycle = max((h.cycle for h in self._handles.values()), default=-1)
 
     def zero_grad(self, set_to_none: bool) -> bool:
         """Gradients in fixed buckets stay views of their buffers (zeroed, never None), as

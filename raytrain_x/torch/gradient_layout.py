@@ -1,14 +1,17 @@
-"""Where a `DistributedOptimizer`'s gradients live, and which of them travel together.
+"""Where a `DistributedOptimizer`'s gradients live, and which of them travel together:
+the one place that decides what crosses the wire as one collective.
 
 By default every gradient is a view into one flat buffer per dtype and device (an arena),
 in reverse registration order (roughly the order backward produces them). The arena is
-cut into runs of neighbouring gradients (`arena_runs`: DDP's bucket sizes): each run goes
-to the engine as one request when its last gradient is ready, and runs the engine fuses in
-a cycle lie back to back, so they are reduced where they lie.
+cut into runs of neighbouring gradients (`arena_runs`, as DDP cuts its buckets, up to the
+fusion threshold knob): each run is a unit, one request to the engine the moment its last
+gradient is ready, and the engine reduces it as it is, where it lies (it fuses a unit with
+nothing and cuts it in nothing). Autotune moves the threshold; every rank cuts its runs
+again at the same step, by the knobs in effect when that rank's last unit was agreed
+(`Engine.knobs_at`).
 `bucket_cap_mb` or `groups` make fixed buckets instead (DDP's way): each bucket has its own
-buffer and is one collective, fused with nothing, when its last gradient is ready. Either
-way a gradient's unit (its bucket or its run) is the same on every rank: it follows from
-the parameters' registration order alone.
+buffer and is one collective. Either way a gradient's unit (its bucket or its run) is the
+same on every rank: it follows from the parameters' registration order and agreed knobs.
 """
 
 from __future__ import annotations
@@ -21,27 +24,17 @@ from raytrain_x.common.errors import ConfigError
 
 _UNCAPPED = 2**62  # one buffer per run of a dtype and device
 
-# Runs of an arena's gradients, each one request to the engine, cut as DDP cuts buckets:
-# the first (the last layers', whose gradients come first) at DDP's first bucket size so
-# that communication starts early, the others at `RUN_BYTES`, and into at least `MIN_RUNS`
-# in a smaller arena so that most of it can cross while backward runs. A request costs the
-# hooks and the engine some tens of microseconds of Python (ResNet-50's 161 gradients over
-# gloo on a 2-core VM: 40 us each, taken from the transfers' CPU); runs of 4 MB make them
-# 19, and over gloo on loopback took the same step as runs of DDP's 25 MB. Over a slow link
-# a run's bytes wait until its last gradient is ready, and 25 MB runs cost a GPT's step 10%
-# on an emulated 1 Gbit/s link (its last run, 36 MB, sent after backward); the engine fuses
-# the smaller runs ready together anyway.
-RUN_BYTES = 4 << 20
+# Runs are cut as DDP cuts buckets: the first (the last layers', whose gradients come
+# first) at DDP's first bucket size so that communication starts early, the others at the
+# fusion threshold, and into at least `MIN_RUNS` in a smaller arena so that most of it can
+# cross while backward runs.
 FIRST_RUN_BYTES = 1 << 20
 MIN_RUNS = 4
 
 
 class GradientBuffer:
     """Parameters whose gradients are views into one persistent flat buffer (a bucket,
-    reduced as one collective fused with nothing, or an arena, whose runs go one by
-    one)."""
-
-    fuse = False  # as a bucket: reduced alone, in place
+    reduced as one collective, or an arena, whose runs go one by one)."""
 
     def __init__(self, index: int, params: list[torch.Tensor]) -> None:
         self.name = f"grad.bucket{index}"
@@ -81,9 +74,7 @@ class GradientBuffer:
 class GradientRun:
     """Neighbouring gradients of an arena that go to the engine as one request (`flat`, a
     view of the arena) once the last of them is ready: the unit of the default layout, as a
-    bucket is of the fixed one. The engine may fuse it with others."""
-
-    fuse = True
+    bucket is of the fixed one."""
 
     def __init__(self, arena: GradientBuffer, params: list[torch.Tensor], name: str) -> None:
         self.arena = arena
@@ -109,19 +100,23 @@ class GradientRun:
                 self.arena.attach_one(p)
 
 
-def arena_runs(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+def arena_runs(params: list[torch.Tensor], unit_bytes: int) -> list[list[torch.Tensor]]:
     """An arena's parameters, in order, as runs cut the way DDP cuts its buckets: a run
     closes once it holds its limit, `FIRST_RUN_BYTES` for the first and a quarter of the
-    arena for the others (between `FIRST_RUN_BYTES` and `RUN_BYTES`)."""
+    arena for the others (at least `FIRST_RUN_BYTES`), never past `unit_bytes` (the
+    fusion threshold; 0: every gradient alone)."""
+    if unit_bytes <= 0:
+        return [[p] for p in params]
     total = sum(p.numel() * p.element_size() for p in params)
-    limit = min(RUN_BYTES, max(FIRST_RUN_BYTES, total // MIN_RUNS))
+    limit = min(unit_bytes, max(FIRST_RUN_BYTES, total // MIN_RUNS))
+    first = min(FIRST_RUN_BYTES, limit)
     runs: list[list[torch.Tensor]] = []
     current: list[torch.Tensor] = []
     size = 0
     for p in params:
         current.append(p)
         size += p.numel() * p.element_size()
-        if size >= (limit if runs else FIRST_RUN_BYTES):
+        if size >= (limit if runs else first):
             runs.append(current)
             current, size = [], 0
     if current:
@@ -189,6 +184,7 @@ class GradientLayout:
         self.units: list[GradientBuffer | GradientRun] = []  # the buckets, or the runs
         self.unit_of: dict[torch.Tensor, GradientBuffer | GradientRun] = {}
         self.cap_bytes = -1
+        self.unit_bytes = -1  # the fusion threshold the runs were cut at
 
     @property
     def fixed(self) -> bool:
@@ -199,9 +195,10 @@ class GradientLayout:
         """Every gradient is a view of a buffer (none is sparse)."""
         return len(self.unit_of) == len(self.params)
 
-    def build(self, cap_bytes: int) -> None:
+    def build(self, cap_bytes: int, unit_bytes: int) -> None:
         """Lays the gradients out, once: in buckets of `cap_bytes` (or the user's groups),
-        else in arenas cut in runs; a gradient that exists already is copied in."""
+        else in arenas cut in runs of up to `unit_bytes`; a gradient that exists already is
+        copied in."""
         if self.groups is not None:
             groups = [g for group in self.groups for g in bucket_groups(group, _UNCAPPED)]
         elif cap_bytes > 0:
@@ -211,11 +208,17 @@ class GradientLayout:
             self.arenas = [GradientBuffer(i, params) for i, params in
                            enumerate(bucket_groups(self.params, _UNCAPPED))]
         self.buckets = [GradientBuffer(i, params) for i, params in enumerate(groups)]
+        self.cap_bytes = cap_bytes
+        self.cut(unit_bytes)
+
+    def cut(self, unit_bytes: int) -> None:
+        """Cuts the arenas in runs of up to `unit_bytes` (again: the runs are views, so
+        nothing moves); only between steps, with no unit in flight or half ready."""
         self.units = [*self.buckets, *(
             GradientRun(arena, run, self._run_name(run))
-            for arena in self.arenas for run in arena_runs(arena.params))]
+            for arena in self.arenas for run in arena_runs(arena.params, unit_bytes))]
         self.unit_of = {p: unit for unit in self.units for p in unit.params}
-        self.cap_bytes = cap_bytes
+        self.unit_bytes = unit_bytes
 
     def _run_name(self, run: list[torch.Tensor]) -> str:
         """A run's collective: its gradient's name (Horovod's `grad.<parameter>`), or its

@@ -64,12 +64,11 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         bucket_cap_mb: by default (None, or 0) the gradients are views of one flat buffer
             per dtype and device, cut as DDP cuts its buckets into runs of neighbouring
             gradients (the first closes at 1 MB, the others at a quarter of the buffer, at
-            most 4 MB); each run goes to the engine the moment its last gradient is ready,
-            and the engine fuses the runs ready in a cycle up to the fusion threshold knob
-            (`--fusion-threshold-mb`, which autotune moves), reduced where they lie. A size
-            in MB makes DDP-style fixed buckets instead, each with a buffer of its own and
-            reduced as one collective, fused with nothing, when its last gradient is ready;
-            the fusion threshold then leaves autotune's search.
+            most the fusion threshold knob, `--fusion-threshold-mb`, which autotune moves);
+            each run goes to the engine the moment its last gradient is ready and is
+            reduced as it is, where it lies. A size in MB makes DDP-style fixed buckets
+            instead, each with a buffer of its own and reduced as one collective when its
+            last gradient is ready; the fusion threshold then leaves autotune's search.
         zero_stage: 0 keeps every optimizer state and gradient on every rank (the
             default, unless a config file's `zero_stage` reached this worker through
             `raytrain-x run --config-file` or `RaytrainXConfig(config_file=...)`).

@@ -167,7 +167,7 @@ def test_autotune_on_the_default_optimizer_path(tmp_path, bucket_cap_mb, searche
     assert int(after["tuning_steps"]) >= 5 * 3 and after["unit"] == "steps/s"
     assert float(after["cost"]) == pytest.approx(
         float(after["tuning_s"]) * float(after["score"]) / int(after["tuning_steps"]), rel=1e-2)
-    if bucket_cap_mb is None:  # the engine fuses the gradients: the threshold is searched
+    if bucket_cap_mb is None:  # the runs are cut at the threshold: it is searched
         assert results[0]["cap"] == 0
         assert len({int(r["fusion_threshold_bytes"]) for r in scored}) > 1
     else:  # fixed buckets: the threshold is out of the search

@@ -231,8 +231,7 @@ def _across_switches(steps: int, batch: int) -> dict:
     opt = rx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                   named_parameters=model.named_parameters())
     n, r = rx.size(), rx.rank()
-    kept, views, fused = True, True, []
-    runs = [unit.name for unit in opt._reducer.layout.units]
+    kept, views, cuts = True, True, []
     for i, (x, y) in enumerate(_data(steps, batch)):
         if r == 0 and i in SWITCHES:
             rx.set_knobs(rx.knobs().replace(fusion_threshold_bytes=SWITCHES[i]))
@@ -241,34 +240,34 @@ def _across_switches(steps: int, batch: int) -> dict:
             model.zero_grad()  # gradients set to None: they must find their arena again
         else:
             opt.zero_grad()
-        before = (stats.fused, stats.fused_in_place, rx.knobs().fusion_threshold_bytes)
         torch.nn.functional.cross_entropy(model(x[shard]), y[shard]).backward()
         opt.synchronize()
         grads = [p.grad.clone() for p in model.parameters()]
         with opt.skip_synchronize():
             opt.step()
-        threshold = rx.knobs().fusion_threshold_bytes  # -1: it changed during the step
-        fused.append((threshold if threshold == before[2] else -1, stats.fused - before[0],
-                      stats.fused_in_place - before[1]))
+        cuts.append((opt._reducer.layout.unit_bytes,
+                     [unit.name for unit in opt._reducer.layout.units]))
         kept = kept and all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
         views = views and _views_of_arenas(opt, model)
     return {"state": {k: v.clone() for k, v in model.state_dict().items()},
-            "fused": fused, "kept": kept, "views": views, "runs": runs}
+            "cuts": cuts, "fused": stats.fused, "kept": kept, "views": views}
 
 
-def test_gradients_fuse_in_place_and_follow_knob_switches():
+def test_units_cross_as_formed_and_are_cut_again_at_the_same_step_on_every_rank():
     steps, batch = 12, 24
     results = run_workers(_across_switches, 3, steps, batch)
     assert all(r["kept"] and r["views"] for r in results)
+    cuts = results[0]["cuts"]
+    # every rank cut its runs again at the same step: the same units, step by step
+    assert all(r["cuts"] == cuts for r in results[1:])
     # reverse registration order; the first run closes once it holds 1 MB
-    assert results[0]["runs"] == ["grad.4.bias..2.weight", "grad.0.bias..0.weight"]
-    fused = results[0]["fused"]
-    # with no fusion (threshold 0) nothing is fused; runs fused together lie back to
-    # back, so every fused batch is reduced in place
-    assert any(threshold == 0 for threshold, _, _ in fused)
-    assert all(count == 0 for threshold, count, _ in fused if threshold == 0)
-    assert sum(count for _, count, _ in fused) > 0
-    assert all(in_place == count for _, count, in_place in fused)
+    assert cuts[0][1] == ["grad.4.bias..2.weight", "grad.0.bias..0.weight"]
+    # each threshold rank 0 set was followed (at the step after the change was agreed)
+    assert {unit_bytes for unit_bytes, _ in cuts} == {64 << 20, 4096, 0}
+    assert ["grad.4.bias", "grad.4.weight", "grad.2.bias", "grad.2.weight", "grad.0.bias",
+            "grad.0.weight"] in [names for unit_bytes, names in cuts if unit_bytes == 0]
+    # the engine fused no unit with another
+    assert all(r["fused"] == 0 for r in results)
     reference = _single(steps, batch, "sgd", _wide_model)
     for key, value in reference.items():
         assert torch.allclose(results[0]["state"][key], value, atol=1e-5, rtol=1e-5), key

@@ -259,7 +259,7 @@ def test_step_marks_drive_the_score(tmp_path):
 
 
 def test_dimensions_that_cannot_matter_are_not_searched(tmp_path):
-    from raytrain_x.autotune.observer import BATCHING_FIXED_BUCKETS, JobShape
+    from raytrain_x.autotune.observer import BATCHING_FIXED_BUCKETS, BATCHING_RUNS, JobShape
 
     sampler, clock, lines = _marked_sampler(tmp_path, bayes_opt_max_samples=3)
     _run_marked(sampler, clock, lambda k: 0.1, stop=lambda s: s.searched is not None)
@@ -292,6 +292,12 @@ def test_dimensions_that_cannot_matter_are_not_searched(tmp_path):
     lone = AutotuneSampler(config, None, [].append)
     lone.observer.observe([_response("done4")])  # a metric allreduce alone in its cycle
     assert "fusion_threshold_bytes" not in lone.relevant_dimensions(Knobs())[0]
+    # DistributedOptimizer's runs are cut at the threshold: searched, though the engine
+    # fuses none of them
+    runs = AutotuneSampler(config, None, [].append)
+    runs.batching.add(BATCHING_RUNS)
+    runs.observer.observe([_bucket("grad.a..b")])
+    assert "fusion_threshold_bytes" in runs.relevant_dimensions(Knobs())[0]
     per_tensor = AutotuneSampler(AutotuneConfig(), None, [].append)
     per_tensor.observer.observe([_response("a"), _response("b")])  # fusable requests
     assert "fusion_threshold_bytes" in per_tensor.relevant_dimensions(Knobs())[0]

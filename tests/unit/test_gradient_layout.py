@@ -1,5 +1,6 @@
 """`DistributedOptimizer`'s gradient layout without processes: the arena's runs (how they
-are cut, named and laid), and a sparse gradient leaving its run."""
+are cut at the fusion threshold, named, laid and cut again), and a sparse gradient
+leaving its run."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import torch
 
 from raytrain_x.torch.gradient_layout import (
     FIRST_RUN_BYTES,
-    RUN_BYTES,
     GradientLayout,
     GradientRun,
     arena_runs,
@@ -24,19 +24,40 @@ def _sizes(runs: list[list[torch.Tensor]]) -> list[int]:
     return [sum(p.numel() * 4 for p in run) for run in runs]
 
 
-def test_runs_are_cut_as_ddp_cuts_buckets():
-    # the first run closes once it holds 1 MB, the others once they hold 4 MB
+def test_runs_are_cut_as_ddp_cuts_buckets_at_the_fusion_threshold():
+    # the first run closes once it holds 1 MB, the others once they hold the threshold
     params = _params(4096, 8 * MB, *[3 * MB] * 8, *[MB] * 8, 512 * 1024)
-    runs = arena_runs(params)
+    runs = arena_runs(params, 4 * MB)
     assert _sizes(runs) == [4096 + 8 * MB, *[6 * MB] * 4, *[4 * MB] * 2, 512 * 1024]
     assert [p for run in runs for p in run] == params  # in order, each once
-    assert FIRST_RUN_BYTES == MB and RUN_BYTES == 4 * MB
+    assert FIRST_RUN_BYTES == MB
+    # a quarter of this 40.5 MB arena is below a 64 MB threshold: runs of 10 MB or more
+    assert _sizes(arena_runs(params, 64 * MB)) == [
+        4096 + 8 * MB, 12 * MB, 12 * MB, 8 * MB + 512 * 1024]
 
 
 def test_a_small_arena_is_cut_in_at_least_four_runs_of_at_least_a_megabyte():
-    runs = arena_runs(_params(*[MB // 2] * 16))  # 8 MB: runs of 2 MB after the first
+    runs = arena_runs(_params(*[MB // 2] * 16), 64 * MB)  # 8 MB: 2 MB runs after the first
     assert _sizes(runs) == [MB, 2 * MB, 2 * MB, 2 * MB, MB]
-    assert len(arena_runs(_params(*[1024] * 100))) == 1  # 100 KB: one run
+    assert len(arena_runs(_params(*[1024] * 100), 64 * MB)) == 1  # 100 KB: one run
+
+
+def test_a_threshold_below_a_megabyte_cuts_the_first_run_too_and_zero_fuses_nothing():
+    params = _params(*[256 * 1024] * 8)
+    assert _sizes(arena_runs(params, MB // 2)) == [MB // 2] * 4
+    assert arena_runs(params, 0) == [[p] for p in params]
+
+
+def test_runs_are_cut_again_in_place_when_the_threshold_changes():
+    params = _params(*[MB] * 8)
+    built = GradientLayout(params, {p: f"p{i}" for i, p in enumerate(params)}, None)
+    built.build(0, 64 * MB)
+    assert _sizes([u.params for u in built.units]) == [MB, 2 * MB, 2 * MB, 2 * MB, MB]
+    views = {p: p.grad for p in params}
+    built.cut(MB)
+    assert _sizes([u.params for u in built.units]) == [MB] * 8 and built.unit_bytes == MB
+    assert all(p.grad is views[p] for p in params)  # nothing moved: runs are views
+    assert [u.name for u in built.units] == [f"grad.p{i}" for i in range(7, -1, -1)]
 
 
 def test_runs_follow_the_registration_order_alone():
@@ -48,13 +69,13 @@ def test_runs_follow_the_registration_order_alone():
         params = list(model.parameters())
         names = {p: n for n, p in model.named_parameters()}
         built = GradientLayout(params, names, None)
-        built.build(0)
+        built.build(0, 64 * MB)
         return built
 
     a, b = layout(), layout()
     assert [u.name for u in a.units] == [u.name for u in b.units] == [
         "grad.2.bias..1.weight", "grad.0.bias..0.weight"]
-    assert all(isinstance(u, GradientRun) and u.fuse for u in a.units)
+    assert all(isinstance(u, GradientRun) for u in a.units)
     arena = a.arenas[0]
     # each run is a stretch of the arena, back to back with the next, gradients as views
     first, second = a.units
@@ -69,16 +90,16 @@ def test_runs_follow_the_registration_order_alone():
 def test_buckets_are_the_units_of_a_fixed_layout():
     params = _params(*[MB] * 4)
     built = GradientLayout(params, {p: f"p{i}" for i, p in enumerate(params)}, None)
-    built.build(2 * MB)
+    built.build(2 * MB, 64 * MB)
     assert [u.name for u in built.units] == ["grad.bucket0", "grad.bucket1"]
-    assert not any(u.fuse for u in built.units) and built.fixed and not built.arenas
+    assert built.fixed and not built.arenas
 
 
 def test_a_sparse_gradient_leaves_its_run_and_a_run_left_empty_is_dropped():
     params = _params(4096, 2 * MB, 4096)
     names = {p: f"p{i}" for i, p in enumerate(params)}
     built = GradientLayout(params, names, None)
-    built.build(0)
+    built.build(0, 64 * MB)
     assert [u.name for u in built.units] == ["grad.p2..p1", "grad.p0"]
     run = built.make_sparse(params[0])  # the second run's only gradient
     assert run is not None and run.params == [] and [u.name for u in built.units] == [
