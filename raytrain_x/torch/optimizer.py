@@ -63,7 +63,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         process_set: ranks the gradients are reduced over.
         bucket_cap_mb: by default (None, or 0) the gradients are views of one flat buffer
             per dtype and device, cut as DDP cuts its buckets into runs of neighbouring
-            gradients (the first closes at 1 MB, the others at a quarter of the buffer, at
+            gradients (the first closes at 1 MB, the others at a sixteenth of the buffer, at
             most the fusion threshold knob, `--fusion-threshold-mb`, which autotune moves);
             each run goes to the engine the moment its last gradient is ready and is
             reduced as it is, where it lies. A size in MB makes DDP-style fixed buckets

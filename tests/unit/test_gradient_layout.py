@@ -8,6 +8,7 @@ import torch
 
 from raytrain_x.torch.gradient_layout import (
     FIRST_RUN_BYTES,
+    MIN_RUNS,
     GradientLayout,
     GradientRun,
     arena_runs,
@@ -26,19 +27,22 @@ def _sizes(runs: list[list[torch.Tensor]]) -> list[int]:
 
 def test_runs_are_cut_as_ddp_cuts_buckets_at_the_fusion_threshold():
     # the first run closes once it holds 1 MB, the others once they hold the threshold
-    params = _params(4096, 8 * MB, *[3 * MB] * 8, *[MB] * 8, 512 * 1024)
+    params = _params(4096, 8 * MB, *[3 * MB] * 32, *[MB] * 8, 512 * 1024)  # 112.5 MB
     runs = arena_runs(params, 4 * MB)
-    assert _sizes(runs) == [4096 + 8 * MB, *[6 * MB] * 4, *[4 * MB] * 2, 512 * 1024]
+    assert _sizes(runs) == [4096 + 8 * MB, *[6 * MB] * 16, *[4 * MB] * 2, 512 * 1024]
     assert [p for run in runs for p in run] == params  # in order, each once
     assert FIRST_RUN_BYTES == MB
-    # a quarter of this 40.5 MB arena is below a 64 MB threshold: runs of 10 MB or more
-    assert _sizes(arena_runs(params, 64 * MB)) == [
-        4096 + 8 * MB, 12 * MB, 12 * MB, 8 * MB + 512 * 1024]
+    # a sixteenth of the arena (7 MB) is below a 64 MB threshold: it closes the runs
+    total = sum(_sizes([params]))
+    assert MIN_RUNS == 16
+    runs = arena_runs(params, 64 * MB)
+    assert all(total // 16 <= size < total // 16 + 3 * MB for size in _sizes(runs)[1:-1])
+    assert len(runs) == 13 and [p for run in runs for p in run] == params
 
 
-def test_a_small_arena_is_cut_in_at_least_four_runs_of_at_least_a_megabyte():
-    runs = arena_runs(_params(*[MB // 2] * 16), 64 * MB)  # 8 MB: 2 MB runs after the first
-    assert _sizes(runs) == [MB, 2 * MB, 2 * MB, 2 * MB, MB]
+def test_a_small_arena_is_cut_in_runs_of_a_megabyte():
+    runs = arena_runs(_params(*[MB // 2] * 16), 64 * MB)  # 8 MB
+    assert _sizes(runs) == [MB] * 8
     assert len(arena_runs(_params(*[1024] * 100), 64 * MB)) == 1  # 100 KB: one run
 
 
@@ -49,15 +53,15 @@ def test_a_threshold_below_a_megabyte_cuts_the_first_run_too_and_zero_fuses_noth
 
 
 def test_runs_are_cut_again_in_place_when_the_threshold_changes():
-    params = _params(*[MB] * 8)
+    params = _params(*[MB] * 32)
     built = GradientLayout(params, {p: f"p{i}" for i, p in enumerate(params)}, None)
     built.build(0, 64 * MB)
-    assert _sizes([u.params for u in built.units]) == [MB, 2 * MB, 2 * MB, 2 * MB, MB]
+    assert _sizes([u.params for u in built.units]) == [MB, *[2 * MB] * 15, MB]
     views = {p: p.grad for p in params}
     built.cut(MB)
-    assert _sizes([u.params for u in built.units]) == [MB] * 8 and built.unit_bytes == MB
+    assert _sizes([u.params for u in built.units]) == [MB] * 32 and built.unit_bytes == MB
     assert all(p.grad is views[p] for p in params)  # nothing moved: runs are views
-    assert [u.name for u in built.units] == [f"grad.p{i}" for i in range(7, -1, -1)]
+    assert [u.name for u in built.units] == [f"grad.p{i}" for i in range(31, -1, -1)]
 
 
 def test_runs_follow_the_registration_order_alone():
