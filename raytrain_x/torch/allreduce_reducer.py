@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from raytrain_x.common.knobs import Knobs
 from raytrain_x.core import runtime
 from raytrain_x.core.collectives import predivided
 from raytrain_x.engine.engine import Engine
@@ -78,8 +79,11 @@ class AllreduceReducer(Reducer):
         cap = int(self._cap_mb * 2**20) if self._cap_mb else 0
         self.layout = GradientLayout(params, core.gradient_names,
                                      explicit_groups(self._groups, params))
-        # cut at the engine's first knobs (the same on every rank), again at the first step
-        self.layout.build(cap, self._world().knobs_at(-1).fusion_threshold_bytes)
+        # cut at the knobs at hand (asking nothing of an engine, which may have failed
+        # already: its error belongs to the step), and again at the first step at the
+        # engine's first knobs, the same on every rank
+        knobs = runtime.last_knobs() or Knobs()
+        self.layout.build(cap, knobs.fusion_threshold_bytes)
         runtime.note_gradient_batching(self.layout.fixed)
 
     @property

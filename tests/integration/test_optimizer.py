@@ -326,3 +326,33 @@ def test_a_dropped_optimizer_frees_its_buffers_at_once():
     # Its parameters' hooks hold it weakly: a strong reference made a cycle that kept each
     # dropped GPT optimizer's 360 MB until the collector ran (a benchmark ran out of memory)
     assert run_workers(_dropped_optimizer_is_freed, 2) == [True, True]
+
+
+def _built_after_a_peer_died() -> str:
+    import os
+
+    import raytrain_x.torch as rx
+
+    rx.init()
+    rx.allreduce(torch.ones(3), name="warm")
+    if rx.rank() == 1:
+        os._exit(1)  # a real crash: no shutdown, sockets close
+    try:
+        rx.allreduce(torch.ones(3), name="after-crash")
+    except rx.InternalError:
+        pass  # the engine has failed
+    model = _deep_model()
+    opt = rx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                  named_parameters=model.named_parameters())  # no raise
+    try:
+        model(torch.ones(4, 8)).sum().backward()
+        opt.step()
+    except rx.InternalError as exc:
+        return f"the step: {exc}"
+    return "no error"
+
+
+def test_a_failed_worlds_error_belongs_to_the_step_not_the_optimizers_construction():
+    # an elastic job builds its optimizer before `run` catches the world's failures
+    results = run_workers(_built_after_a_peer_died, 2, allow_failures=True, work_s=15)
+    assert results[0].startswith("the step: ") and "peer" in results[0]
