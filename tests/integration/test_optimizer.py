@@ -250,12 +250,14 @@ def _across_switches(steps: int, batch: int) -> dict:
         kept = kept and all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
         views = views and _views_of_arenas(opt, model)
     return {"state": {k: v.clone() for k, v in model.state_dict().items()},
-            "cuts": cuts, "fused": stats.fused, "kept": kept, "views": views}
+            "cuts": cuts, "fused": stats.fused, "pieces": stats.in_flight_pieces,
+            "kept": kept, "views": views}
 
 
 def test_units_cross_as_formed_and_are_cut_again_at_the_same_step_on_every_rank():
     steps, batch = 12, 24
-    results = run_workers(_across_switches, 3, steps, batch)
+    # over gloo, as between hosts: a unit of 1 MB or more crosses on the in-flight route
+    results = run_workers(_across_switches, 3, steps, batch, env={"RAYTRAIN_X_SHM": "0"})
     assert all(r["kept"] and r["views"] for r in results)
     cuts = results[0]["cuts"]
     # every rank cut its runs again at the same step: the same units, step by step
@@ -266,8 +268,9 @@ def test_units_cross_as_formed_and_are_cut_again_at_the_same_step_on_every_rank(
     assert {unit_bytes for unit_bytes, _ in cuts} == {64 << 20, 4096, 0}
     assert ["grad.4.bias", "grad.4.weight", "grad.2.bias", "grad.2.weight", "grad.0.bias",
             "grad.0.weight"] in [names for unit_bytes, names in cuts if unit_bytes == 0]
-    # the engine fused no unit with another
-    assert all(r["fused"] == 0 for r in results)
+    # the engine fused no unit with another and cut none in pieces: in every cut, one unit
+    # a step is of 1 MB or more (the middle weight, alone or in its run), one piece
+    assert all(r["fused"] == 0 and r["pieces"] == steps for r in results)
     reference = _single(steps, batch, "sgd", _wide_model)
     for key, value in reference.items():
         assert torch.allclose(results[0]["state"][key], value, atol=1e-5, rtol=1e-5), key
