@@ -162,9 +162,7 @@ class AllreduceReducer(Reducer):
         request the engine reduces as it is. Its first in a world goes through
         `allreduce_async_`'s checks; the next ones reuse the description."""
         unit.attach()
-        engine = self._engine
-        if engine is None or engine.stopped:  # the world ended within this step
-            engine = self._world()
+        engine = self._world()  # a new one if the world ended within this step
         described = self._described.get(unit)
         if described is None:
             op, pre, post = self._scaled
