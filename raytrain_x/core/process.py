@@ -126,3 +126,13 @@ class ProcessState:
 
 
 PROCESS = ProcessState()
+
+
+def mark_step() -> None:
+    """Marks the end of a training step; autotune scores steps between marks, and the
+    job's metrics count them. `DistributedOptimizer.step()` calls it; a loop without one
+    may call it by hand."""
+    PROCESS.steps.mark()
+    world = PROCESS.world
+    if world is not None and world.sampler is not None:  # rank 0's, while tuning
+        world.sampler.mark_step()

@@ -23,8 +23,8 @@ from raytrain_x.common.errors import LOST_PEER_ERRORS, LOST_PEER_EXIT_CODE, Conf
 from raytrain_x.common.knobs import Knobs, load_knobs
 from raytrain_x.common.logs import apply_log_level
 from raytrain_x.core.process import PROCESS, StepClock, World
-from raytrain_x.engine.engine import Engine
-from raytrain_x.engine.stats import EngineStats
+from raytrain_x.core.process import mark_step as mark_step  # the step clock's; re-exported
+from raytrain_x.engine.engine import Engine, EngineStats
 
 log = logging.getLogger("raytrain_x.elastic")
 _P = PROCESS
@@ -242,16 +242,6 @@ def autotune_samples() -> list:
     before an elastic reset, then the latest one's."""
     sampler = _P.latest_sampler
     return [*_P.retired_samples, *(sampler.samples if sampler is not None else [])]
-
-
-def mark_step() -> None:
-    """Marks the end of a training step; autotune scores steps between marks, and the
-    job's metrics count them. `DistributedOptimizer.step()` calls it; a loop without one
-    may call it by hand."""
-    _P.steps.mark()
-    sampler = autotune_sampler()
-    if sampler is not None:
-        sampler.mark_step()
 
 
 def autotune_batch_size(batch_size: int) -> None:

@@ -3,7 +3,8 @@
 A cycle (paced by `cycle_time_ms` while work keeps arriving; the first request after an
 idle spell starts one at once) reads:
   1. negotiate: which pending requests every member has submitted (`negotiation`);
-  2. plan: fuse same-key allreduces up to the fusion threshold (`planner`);
+  2. plan: the batches (per-tensor allreduces of one key fused up to the fusion
+     threshold, a face's unit alone) and their routes (`plan`);
   3. execute: run each batch by the best route (`execution`, `transport`);
   4. knob changes from rank 0's report apply at the end of the cycle on every rank.
 This module owns the thread, the queue and the handles; it knows no framework.
@@ -16,6 +17,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from raytrain_x.comm.groups import ProcessGroups, ProcessSetGroup
@@ -29,7 +31,6 @@ from raytrain_x.common.errors import (
 )
 from raytrain_x.common.knobs import Knobs
 from raytrain_x.engine.execution import CollectiveRunner
-from raytrain_x.engine.layout import LayoutVotes
 from raytrain_x.engine.messages import ALLREDUCE, Request, Response
 from raytrain_x.engine.negotiation import (
     JOIN_NONE,
@@ -37,18 +38,41 @@ from raytrain_x.engine.negotiation import (
     JOIN_REQUESTED,
     Agreement,
     Negotiator,
+    Speculation,
 )
-from raytrain_x.engine.pieces import PieceStream
-from raytrain_x.engine.planner import plan_batches
-from raytrain_x.engine.speculation import Speculation
-from raytrain_x.engine.stats import EngineStats
+from raytrain_x.engine.plan import LayoutVotes, plan_batches
 from raytrain_x.engine.timeline import Timeline
-from raytrain_x.engine.transport import Transport
+from raytrain_x.engine.transport import PieceStream, Transport
 
 log = logging.getLogger("raytrain_x.engine")
 
 _IDLE_WAKE_S = 0.05  # an idle engine still cycles this often so peers are never held long
 KNOB_HISTORY = 64  # knob changes `knobs_at` answers for (autotune: one per sample)
+
+
+@dataclass
+class EngineStats:
+    """Counters since the engine started: the autotuner scores samples with bytes and
+    seconds per collective; the job's metrics export all of them (`core.status`)."""
+
+    bytes: dict[str, int] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+    cycles: int = 0
+    active_cycles: int = 0  # cycles that ran at least one collective
+    negotiations: int = 0  # cycles that needed the allgather of reports
+    cache_hits: int = 0  # collectives agreed from the response cache's bits, no report
+    speculated: int = 0  # cycles whose batch went with its readiness count (one round trip)
+    speculation_misses: int = 0  # speculative cycles some rank was not ready for
+    fused: int = 0  # allreduce batches of several tensors
+    fused_tensors: int = 0  # ... and the tensors in them
+    stalls: int = 0  # stall warnings (a tensor some rank did not submit for a while)
+    # ... of which were reduced where they lie (no packing), or crossed a network in pieces
+    fused_in_place: int = 0
+    in_flight_pieces: int = 0  # pieces those batches crossed a network in
+
+    def add(self, kind: str, nbytes: int, seconds: float) -> None:
+        self.bytes[kind] = self.bytes.get(kind, 0) + nbytes
+        self.seconds[kind] = self.seconds.get(kind, 0.0) + seconds
 
 
 class Engine:
@@ -345,8 +369,8 @@ class Engine:
                 self._cycle_hooks.remove(hook)
 
     def _speculate(self, quiet: bool) -> bool:
-        """Sends the expected batch with this rank's readiness (`speculation`); True when
-        every rank was ready and the batch is done."""
+        """Sends the expected batch with this rank's readiness (`negotiation.Speculation`);
+        True when every rank was ready and the batch is done."""
         expected = self._speculation.expected()
         began = time.perf_counter()
         outcome = self._speculation.cycle(self._pending, quiet, self.groups.process_set(0),

@@ -20,7 +20,6 @@ from raytrain_x.common.knobs import Knobs
 from raytrain_x.engine import adasum
 from raytrain_x.engine.arrays import ops_for, ops_for_device
 from raytrain_x.engine.buffers import FusionBufferPool, pack, unpack
-from raytrain_x.engine.layout import LayoutVotes
 from raytrain_x.engine.messages import (
     ALLGATHER,
     ALLREDUCE,
@@ -33,10 +32,17 @@ from raytrain_x.engine.messages import (
     Request,
     Response,
 )
-from raytrain_x.engine.pieces import IN_FLIGHT_HELD, PieceStream, in_flight_pieces
-from raytrain_x.engine.routes import Batch, Route, allreduce_route, flat_route, gather_route
+from raytrain_x.engine.plan import (
+    Batch,
+    LayoutVotes,
+    Route,
+    allreduce_route,
+    flat_route,
+    gather_route,
+    in_flight_pieces,
+)
 from raytrain_x.engine.timeline import Timeline
-from raytrain_x.engine.transport import Transport, fits_shm
+from raytrain_x.engine.transport import IN_FLIGHT_HELD, PieceStream, Transport, fits_shm
 
 
 @dataclass

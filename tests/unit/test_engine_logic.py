@@ -12,15 +12,13 @@ from raytrain_x.common.errors import ConfigError, InternalError, WorkerError
 from raytrain_x.engine.arrays import NUMPY, ops_for
 from raytrain_x.engine.coordinator import Coordinator, Report
 from raytrain_x.engine.messages import ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, Meta, Response
-from raytrain_x.engine.pieces import (
-    IN_FLIGHT_DEPTH,
-    IN_FLIGHT_HELD,
+from raytrain_x.engine.plan import (
     IN_FLIGHT_MIN_BYTES,
     IN_FLIGHT_PIECE_BYTES,
-    PieceStream,
     in_flight_pieces,
+    plan_batches,
 )
-from raytrain_x.engine.planner import plan_batches
+from raytrain_x.engine.transport import IN_FLIGHT_DEPTH, IN_FLIGHT_HELD, PieceStream
 from raytrain_x.ray.elastic.rounds import plan_round
 from raytrain_x.ray.failures import root_cause
 
@@ -207,7 +205,7 @@ def _pending(*responses):
 
 
 def test_speculable_batches_are_small_summed_host_allreduces_of_the_global_set():
-    from raytrain_x.engine.speculation import MAX_BYTES, speculable
+    from raytrain_x.engine.negotiation import MAX_BYTES, speculable
 
     assert speculable([_resp("a"), _resp("b", shape=(3, 4))])
     assert speculable([_resp("a", op="average", dtype="int64")])
@@ -223,7 +221,7 @@ def test_speculable_batches_are_small_summed_host_allreduces_of_the_global_set()
 
 
 def test_speculator_expects_a_batch_that_followed_the_same_one_twice():
-    from raytrain_x.engine.speculation import Speculator
+    from raytrain_x.engine.negotiation import Speculator
 
     s = Speculator()
     g = [_resp("g")]
@@ -247,7 +245,7 @@ def test_speculator_expects_a_batch_that_followed_the_same_one_twice():
 
 
 def test_speculator_learns_a_cycle_of_batches_and_forgets_on_reset():
-    from raytrain_x.engine.speculation import Speculator
+    from raytrain_x.engine.negotiation import Speculator
 
     s = Speculator()
     loss, acc = [_resp("loss")], [_resp("acc", dtype="int64", op="average")]
@@ -265,7 +263,7 @@ def test_speculator_learns_a_cycle_of_batches_and_forgets_on_reset():
 
 
 def test_speculator_ignores_uncached_and_unfit_batches():
-    from raytrain_x.engine.speculation import Speculator
+    from raytrain_x.engine.negotiation import Speculator
 
     s = Speculator()
     for _ in range(3):

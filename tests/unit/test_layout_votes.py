@@ -1,11 +1,11 @@
-"""Layout facts agreed in negotiation (`engine.layout`): a pair of names is asked once,
+"""Layout facts agreed in negotiation (`engine.plan.LayoutVotes`): a pair of names is asked once,
 cut apart until the next status word brings every rank's answer, and-ed; then it crosses
 together wherever every rank said so. Other process sets' pairs are never asked."""
 
 from __future__ import annotations
 
-from raytrain_x.engine.layout import LayoutVotes
 from raytrain_x.engine.negotiation import _bit_words, _flags
+from raytrain_x.engine.plan import LayoutVotes
 
 
 def _answers(*values: bool):

@@ -1,4 +1,4 @@
-"""The route of an allreduce batch (`engine.routes`): one pure decision from agreed facts,
+"""The route of an allreduce batch (`engine.plan`): one pure decision from agreed facts,
 tested without processes."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from raytrain_x.engine.messages import Meta
-from raytrain_x.engine.pieces import IN_FLIGHT_MIN_BYTES
-from raytrain_x.engine.routes import (
+from raytrain_x.engine.plan import (
+    IN_FLIGHT_MIN_BYTES,
     Batch,
     Links,
     Route,
