@@ -33,17 +33,23 @@ class Group:
     size: int
     ranks: list[int]
 
-    def allreduce(self, array: Any, op: str = "sum") -> None:
-        """In-place allreduce; `op` is sum, min, max, product or band."""
+    def allreduce(self, array: Any, op: str = "sum", prescale: float = 1.0,
+                  postscale: float = 1.0) -> None:
+        """In-place allreduce; `op` is sum, min, max, product or band. A floating point
+        array is multiplied by `prescale` before and `postscale` after (an average's
+        1/size, as NCCL's PreMulSum scales within the collective), 16-bit floats in
+        float32 math, rounded once."""
         raise NotImplementedError
 
     def allreduce_async(self, array: Any, op: str = "sum",
-                        landed: Callable[[], None] | None = None) -> Callable[[], None]:
+                        landed: Callable[[], None] | None = None, prescale: float = 1.0,
+                        postscale: float = 1.0) -> Callable[[], None]:
         """Starts an in-place allreduce; returns the function that waits for it (and
-        raises as `allreduce` would). `landed`, if given, is called once a started transfer
-        has finished or failed, from whichever thread saw it (not when starting it raised).
-        Backends that cannot overlap run it now."""
-        self.allreduce(array, op)
+        raises as `allreduce` would; the array is scaled by `postscale` once it returns).
+        `landed`, if given, is called once a started transfer has finished or failed, from
+        whichever thread saw it (not when starting it raised). Backends that cannot overlap
+        run it now."""
+        self.allreduce(array, op, prescale, postscale)
         if landed is not None:
             landed()
         return lambda: None

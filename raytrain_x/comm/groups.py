@@ -54,8 +54,11 @@ class ProcessGroups:
         self.layout: list[tuple[int, int]] = [pickle.loads(x) for x in layout]
         self._local: Group | None = None
         self._cross: Group | None = None
-        self._sets: dict[int, ProcessSetGroup] = {
+        # the registered process sets by id (read them; `add_process_set` and
+        # `remove_process_set` change them), and a number that changes with them
+        self.sets: dict[int, ProcessSetGroup] = {
             0: ProcessSetGroup(0, list(range(rdv.size)), self.world)}
+        self.sets_version = 0
         self._next_set_id = 1
 
     @property
@@ -89,13 +92,13 @@ class ProcessGroups:
     def close(self, abort: bool = False) -> None:
         """Releases every communicator of this round (the store last); `abort`: a peer or
         this rank failed (`Group.close`)."""
-        for ps in self._sets.values():
+        for ps in self.sets.values():
             if ps.group is not None and ps.group is not self.world:
                 ps.group.close(abort)
         for group in (self._local, self._cross, self.world):
             if group is not None:
                 group.close(abort)
-        self._sets.clear()
+        self.sets.clear()
         self._local = self._cross = None
 
     def add_process_set(self, ranks: Sequence[int]) -> ProcessSetGroup:
@@ -107,7 +110,7 @@ class ProcessGroups:
                               f"0..{self.rdv.size - 1}")
         if len(members) != len(list(ranks)):
             raise ConfigError(f"process set ranks {list(ranks)} contain duplicates")
-        for existing in self._sets.values():
+        for existing in self.sets.values():
             if existing.ranks == members:
                 raise ConfigError(f"a process set with ranks {members} already exists "
                                   f"(id {existing.process_set_id})")
@@ -115,22 +118,24 @@ class ProcessGroups:
         self._next_set_id += 1
         group = self._subgroup(f"set{set_id}", members) if self.rdv.rank in members else None
         ps = ProcessSetGroup(set_id, members, group)
-        self._sets[set_id] = ps
+        self.sets[set_id] = ps
+        self.sets_version += 1
         return ps
 
     def remove_process_set(self, process_set_id: int) -> None:
         if process_set_id == 0:
             raise ConfigError("the global process set (id 0) cannot be removed")
-        if self._sets.pop(process_set_id, None) is None:
+        if self.sets.pop(process_set_id, None) is None:
             raise ConfigError(f"no process set with id {process_set_id}")
+        self.sets_version += 1
 
     def process_set_ids(self) -> frozenset[int]:
         """The ids of the registered process sets."""
-        return frozenset(self._sets)
+        return frozenset(self.sets)
 
     def process_set(self, process_set_id: int) -> ProcessSetGroup:
         try:
-            return self._sets[process_set_id]
+            return self.sets[process_set_id]
         except KeyError:
             raise ConfigError(f"no process set with id {process_set_id}; create it with "
                               "add_process_set on every rank first") from None

@@ -189,12 +189,23 @@ class TorchGroup(Group):
                 "jobs restore the last commit, others should be restarted."
             ) from exc
 
-    def allreduce(self, array: Any, op: str = "sum") -> None:
-        self.allreduce_async(array, op)()
+    def allreduce(self, array: Any, op: str = "sum", prescale: float = 1.0,
+                  postscale: float = 1.0) -> None:
+        self.allreduce_async(array, op, None, prescale, postscale)()
 
     def allreduce_async(self, array: Any, op: str = "sum",
-                        landed: Callable[[], None] | None = None) -> Callable[[], None]:
+                        landed: Callable[[], None] | None = None, prescale: float = 1.0,
+                        postscale: float = 1.0) -> Callable[[], None]:
         tensor = as_tensor(array)
+        if prescale != 1.0:
+            tensor.mul_(prescale)  # torch's 16-bit floats: float32 math, rounded once
+        if postscale != 1.0:
+            reduced = self.allreduce_async(tensor, op, landed)
+
+            def scaled() -> None:
+                reduced()
+                tensor.mul_(postscale)
+            return scaled
         if op in ("max", "min") and tensor.dtype in ORDERED_INTS:
             ordered = to_ordered(tensor, op)
             reduced = self.allreduce_async(ordered, op, landed)

@@ -423,8 +423,10 @@ class Engine:
             if first.error:
                 error = TensorMismatchError(first.error)
                 return
-            pset = self.groups.process_set(first.meta.process_set_id)
-            if not pset.included():
+            # the set's communicator (its `group`: None where this rank is not a member)
+            pset = self.groups.sets.get(first.meta.process_set_id) or \
+                self.groups.process_set(first.meta.process_set_id)  # raises: no such set
+            if pset.group is None:
                 return
             began = time.perf_counter()
             results = self._runner.run(batch, requests, pset, self.knobs)

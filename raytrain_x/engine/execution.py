@@ -51,12 +51,23 @@ class Move:
 
     batch: list[Response]
     tensors: list[Any]  # this rank's arrays (zeros for a joined rank's)
-    ops: Any  # their `ArrayOps`
     reduce_op: str  # on the wire: sum for sum and average
     pre: float  # scaling on the way in and out (integers: 1, scaled outside)
     post: float
     pset: ProcessSetGroup
+    dtype: str  # the arrays' (agreed)
     wire: str  # the dtype on the wire
+    # each array is one contiguous array, as its face vouched (`Request.contiguous`): it is
+    # reduced where it lies without asking its family
+    contiguous: bool = False
+    _ops: Any = None
+
+    @property
+    def ops(self) -> Any:
+        """The arrays' `ArrayOps`, looked up where a move needs them (packing, spans)."""
+        if self._ops is None:
+            self._ops = ops_for(self.tensors[0])
+        return self._ops
 
     @property
     def row(self) -> str:
@@ -120,18 +131,18 @@ class CollectiveRunner:
             self.stream.drain()
         tensors = [req.tensor if req is not None else _zeros(r.meta)
                    for r, req in zip(batch, requests)]
-        ops = ops_for(tensors[0])
         if route is Route.ADASUM:
-            return self._adasum(batch, requests, tensors, ops, pset)
-        floating = ops.is_floating(tensors[0])
-        pre, post = scales(meta, pset.size())
+            return self._adasum(batch, requests, tensors, ops_for(tensors[0]), pset)
+        floating = is_floating(meta.dtype)
+        pre, post = scales(meta, len(pset.ranks))
         if not floating:  # Horovod's rule: integers are scaled in float64, outside the sum
             scale_integers(tensors, pre)
             int_post, pre, post = post, 1, 1
         if len(batch) > 1:
             self.stats.fused += 1
             self.stats.fused_tensors += len(batch)
-        move = Move(batch, tensors, ops, facts.reduce_op, pre, post, pset, facts.wire_dtype)
+        move = Move(batch, tensors, facts.reduce_op, pre, post, pset, meta.dtype,
+                    facts.wire_dtype, all(req is not None and req.contiguous for req in requests))
         self._movers[route](move)
         if not floating:
             if route is Route.IN_FLIGHT:  # scaled in float64 once summed
@@ -149,7 +160,7 @@ class CollectiveRunner:
         if len(arrays) > 1 and (span := m.ops.span(arrays)) is not None:
             arrays = [span]
             self.stats.fused_in_place += 1
-        if m.wire == m.ops.dtype(arrays[0]) and all(fits_shm(a) for a in arrays):
+        if m.wire == m.dtype and (m.contiguous or all(fits_shm(a) for a in arrays)):
             self._timed(m.row, "ALLREDUCE", lambda: self.transport.shm_allreduce_many(
                 arrays, m.reduce_op, m.pre, m.post, m.pset))
         else:
@@ -160,21 +171,20 @@ class CollectiveRunner:
         self._flat(m, self.transport.hierarchical_allreduce)
 
     def _network(self, m: Move) -> None:
-        self._flat(m, lambda flat: self.transport.network_allreduce(flat, m.reduce_op,
-                                                                    m.pset))
+        self._flat(m, lambda flat, pre, post: self.transport.network_allreduce(
+            flat, m.reduce_op, m.pset, pre, post))
 
     def _in_flight(self, m: Move) -> None:
         self.stats.fused_in_place += len(m.batch) > 1
-        self._timed(m.row, "ALLREDUCE", lambda: self._allreduce_in_flight(
-            m.batch, m.tensors, m.ops, m.reduce_op, m.pre, m.post, m.pset, m.wire))
+        self._timed(m.row, "ALLREDUCE", lambda: self._allreduce_in_flight(m))
 
     def _device(self, m: Move) -> None:
         """Device memory: the native core packs host memory, so fuse on the device."""
-        ops = m.ops
-        if len(m.tensors) == 1 and m.wire == ops.dtype(m.tensors[0]):
-            self._scaled(m, m.tensors[0], lambda a: self.transport.network_allreduce(
-                a, m.reduce_op, m.pset))
+        if len(m.tensors) == 1 and m.wire == m.dtype:
+            self._timed(m.row, "ALLREDUCE", lambda: self.transport.network_allreduce(
+                m.tensors[0], m.reduce_op, m.pset, m.pre, m.post))
             return
+        ops = m.ops
         flat = ops.cast(ops.concat([t.reshape(-1) for t in m.tensors]), m.wire)
         if m.pre != 1.0:
             ops.scale(flat, m.pre)
@@ -189,26 +199,19 @@ class CollectiveRunner:
             for t in m.tensors:
                 ops.scale(t, m.post)
 
-    def _flat(self, m: Move, reduce: Callable[[Any], None]) -> None:
+    def _flat(self, m: Move, reduce: Callable[[Any, float, float], None]) -> None:
         """The batch as one flat host array: its one array, or its arrays where they lie
-        back to back (DistributedOptimizer's gradients: no copies), else packed into a
-        fusion buffer (cast to the wire dtype). The elements are in batch order each way,
-        so ranks that pack agree with ranks that do not."""
-        ops = m.ops
-        if m.wire == ops.dtype(m.tensors[0]):
-            whole = m.tensors[0] if len(m.tensors) == 1 else ops.span(m.tensors)
-            if whole is not None and ops.is_contiguous(whole):
+        back to back (DistributedOptimizer's gradients: no copies), scaled by the move
+        (`reduce(array, pre, post)`), else packed into a fusion buffer (cast to the wire
+        dtype, scaled while packing). The elements are in batch order each way, so ranks
+        that pack agree with ranks that do not."""
+        if m.wire == m.dtype:
+            whole = m.tensors[0] if len(m.tensors) == 1 else m.ops.span(m.tensors)
+            if whole is not None and (m.contiguous or m.ops.is_contiguous(whole)):
                 self.stats.fused_in_place += len(m.tensors) > 1
-                self._scaled(m, whole, reduce)
+                self._timed(m.row, "ALLREDUCE", lambda: reduce(whole, m.pre, m.post))
                 return
-        self._packed(m, reduce)
-
-    def _scaled(self, m: Move, array: Any, reduce: Callable[[Any], None]) -> None:
-        if m.pre != 1.0:
-            m.ops.scale(array, m.pre)
-        self._timed(m.row, "ALLREDUCE", lambda: reduce(array))
-        if m.post != 1.0:
-            m.ops.scale(array, m.post)
+        self._packed(m, lambda flat: reduce(flat, 1.0, 1.0))
 
     def _packed(self, m: Move, reduce: Callable[[Any], None]) -> None:
         total = sum(m.ops.numel(t) for t in m.tensors)
@@ -221,33 +224,40 @@ class CollectiveRunner:
         self._timed(m.row, "MEMCPY_OUT_FUSION_BUFFER",
                     lambda: unpack(buf, m.tensors, m.post, 0, names))
 
-    def _allreduce_in_flight(self, batch, tensors, ops, reduce_op, pre, post, pset, wire):
+    def _allreduce_in_flight(self, m: Move) -> None:
         """A batch across a network, in pieces cut from the agreed sizes and memory layout
         (`in_flight_pieces`) onto the stream: arrays back to back on every rank reduced
         where they lie, up to `IN_FLIGHT_PIECE_BYTES` at a time, the small rest packed
         together; each piece is scaled (unpacked) while the next one crosses, and the
         batch's last pieces may still cross when this returns (`PieceStream`). A rank whose
         arrays no longer lie as agreed packs that piece (same elements on the wire, in the
-        same order)."""
-        joined = self.layout.joined(pset.process_set_id, [r.name for r in batch],
-                                    lambda i: ops.follows(tensors[i], tensors[i + 1]))
-        pieces = in_flight_pieces([r.meta.nbytes_on_wire() for r in batch], joined)
+        same order). A piece reduced where it lies is scaled by the transfer itself; a
+        packed one while packing and unpacking."""
+        batch, tensors, pre, post, wire = m.batch, m.tensors, m.pre, m.post, m.wire
+        if len(batch) == 1:  # a unit, or a single tensor: one piece, nothing to vote on
+            pieces = [[0]]
+        else:
+            ops = m.ops
+            joined = self.layout.joined(m.pset.process_set_id, [r.name for r in batch],
+                                        lambda i: ops.follows(tensors[i], tensors[i + 1]))
+            pieces = in_flight_pieces([r.meta.nbytes_on_wire() for r in batch], joined)
         self.stats.in_flight_pieces += len(pieces)
 
-        def prepare(k: int) -> tuple[Any, Callable[[], Any]]:
+        def prepare(k: int) -> tuple[Any, Callable[[], Any], float, float]:
+            """The piece's array on the wire, what finishes it, and its scaling there."""
             members = [tensors[i] for i in pieces[k]]
-            names = [batch[i].name for i in pieces[k]]
-            whole = members[0] if len(members) == 1 else ops.span(members)
+            whole = members[0] if len(members) == 1 else m.ops.span(members)
             if whole is None:
+                names = [batch[i].name for i in pieces[k]]
+                ops = m.ops
                 # packed pieces take turns over buffers enough for those not finished
                 self._slot = self._slot % (IN_FLIGHT_HELD + 1) + 1
                 total = sum(ops.numel(t) for t in members)
                 buf = self._buffers.get(wire, total * DTYPE_SIZES[wire], slot=self._slot)
                 pack(members, buf, pre, 0, names)
-                return ops.view_buffer(buf, total), lambda: unpack(buf, members, post, 0, names)
-            if pre != 1.0:
-                ops.scale(whole, pre)
-            return whole, (lambda: ops.scale(whole, post)) if post != 1.0 else _nothing
+                return (ops.view_buffer(buf, total),
+                        lambda: unpack(buf, members, post, 0, names), 1.0, 1.0)
+            return whole, _nothing, pre, post
 
         # room is made before each send, not after the last: the next cycle negotiates
         # while this batch's last pieces cross
@@ -255,7 +265,8 @@ class CollectiveRunner:
         ready = prepare(0)
         for k in range(len(pieces)):
             stream.make_room()
-            stream.send(pset.group, ready[0], reduce_op, ready[1])
+            array, after, piece_pre, piece_post = ready
+            stream.send(m.pset.group, array, m.reduce_op, after, piece_pre, piece_post)
             ready = prepare(k + 1) if k + 1 < len(pieces) else None
 
     def _adasum(self, batch, requests, tensors, ops, pset):
@@ -370,6 +381,11 @@ class CollectiveRunner:
         out = fn()
         self.timeline.record(row, activity, began, time.perf_counter())
         return out
+
+
+def is_floating(dtype: str) -> bool:
+    """Whether arrays of `dtype` (a canonical name) are floating point."""
+    return dtype.startswith(("float", "bfloat"))
 
 
 def scales(meta: Meta, size: int) -> tuple[float, float]:

@@ -123,6 +123,9 @@ class Request:
     stall_reported_at: float = 0.0
     cache_checked: int = -1  # engine cache version of the last lookup
     cache_hit: bool = False
+    # the face vouches that `tensor` is one contiguous array (the torch face's allreduces,
+    # a unit's buffer): the engine reduces it where it lies without asking its family
+    contiguous: bool = False
 
 
 @dataclass

@@ -192,14 +192,14 @@ class Negotiator:
         agreement that asks nothing of this rank, so the AND across the world is the
         members' agreement alone (a set's cached collective otherwise waits for ranks that
         never submit it). Recomputed when the cache or the registered sets change."""
-        key = (self._cache_version, self._groups.process_set_ids())
+        key = (self._cache_version, self._groups.sets_version)
         if self._outside[0] != key:
             names = []
+            sets = self._groups.sets
             for name in self._cache.lru_order():
                 cached = self._response(name)
                 set_id = cached.meta.process_set_id if cached is not None else 0
-                if set_id and set_id in key[1] and \
-                        not self._groups.process_set(set_id).included():
+                if set_id and set_id in sets and not sets[set_id].included():
                     names.append(name)
             self._outside = (key, names)
         return self._outside[1]

@@ -147,9 +147,11 @@ class Transport:
         """`array` (host memory, contiguous) reduced in place in `pset`'s shared memory."""
         _shm_call(self._shm_of(pset).allreduce, array, op)
 
-    def network_allreduce(self, array: Any, op: str, pset: ProcessSetGroup) -> None:
-        """`array` reduced in place by `pset`'s backend group."""
-        pset.group.allreduce(array, op)
+    def network_allreduce(self, array: Any, op: str, pset: ProcessSetGroup,
+                          prescale: float = 1.0, postscale: float = 1.0) -> None:
+        """`array` reduced in place by `pset`'s backend group (scaled on the way in and
+        out by the group: `Group.allreduce`)."""
+        pset.group.allreduce(array, op, prescale, postscale)
 
     def shm_allreduce_many(self, arrays: list[Any], op: str, prescale: float,
                        postscale: float, pset: ProcessSetGroup) -> None:
@@ -157,11 +159,20 @@ class Transport:
         (scaled) and the sums written back (scaled), with no fusion-buffer copies."""
         _shm_call(self._shm_of(pset).allreduce_many, arrays, op, prescale, postscale)
 
-    def hierarchical_allreduce(self, array: Any) -> None:
+    def hierarchical_allreduce(self, array: Any, prescale: float = 1.0,
+                               postscale: float = 1.0) -> None:
         """Local sum in shared memory, cross allreduce of one shard per local rank, shards
         exchanged in shared memory, in chunks of `PIPELINE_CHUNK_BYTES`: while one chunk's
-        shard crosses the network, the next chunk is summed in the segment."""
+        shard crosses the network, the next chunk is summed in the segment. Scaled by
+        `prescale` before and `postscale` after."""
         ops = ops_for(array)
+        if prescale != 1.0:
+            ops.scale(array, prescale)
+        self._hierarchical_sum(array, ops)
+        if postscale != 1.0:
+            ops.scale(array, postscale)
+
+    def _hierarchical_sum(self, array: Any, ops: ArrayOps) -> None:
         local, cross = self.groups.local, self.groups.cross
         flat = array.reshape(-1)
         pad = (-ops.numel(flat)) % local.size
@@ -320,10 +331,13 @@ class PieceStream:
     def __len__(self) -> int:
         return len(self._pieces)
 
-    def send(self, group: Any, array: Any, op: str, after: Callable[[], None]) -> None:
-        """Puts `array` on the wire, then finishes the pieces that landed before it."""
+    def send(self, group: Any, array: Any, op: str, after: Callable[[], None],
+             prescale: float = 1.0, postscale: float = 1.0) -> None:
+        """Puts `array` on the wire (scaled by the group on the way in and out:
+        `Group.allreduce_async`), then finishes the pieces that landed before it."""
         piece = _Piece(after)
-        piece.wait = group.allreduce_async(array, op, lambda: self._landed(piece))
+        piece.wait = group.allreduce_async(array, op, lambda: self._landed(piece),
+                                           prescale, postscale)
         self._pieces.append(piece)
         self.finish_landed(before=piece)
 

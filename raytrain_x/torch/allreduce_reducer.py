@@ -421,7 +421,7 @@ class AllreduceReducer(Reducer):
         else:
             name, meta = described
             flat = unit.flat
-            request = Request(name, meta, flat, Handle(name), flat)
+            request = Request(name, meta, flat, Handle(name), flat, contiguous=True)
             handle = request.handle
         engine.enqueue(request)
         return handle

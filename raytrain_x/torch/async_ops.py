@@ -140,6 +140,7 @@ def allreduce_request(
                 registered_id(process_set), wire, work.device.type,
                 fuse=fuse, framework="torch")
     request = _core.request(name, meta, work, output=tensor if target is None else None)
+    request.contiguous = work.is_contiguous()  # checked above; a compressed form may not be
     if target is not None:
         return request, DecompressingHandle(request.handle, compression, compressor_ctx, target)
     return request, request.handle

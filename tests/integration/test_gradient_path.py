@@ -19,13 +19,15 @@ WHERE_IT_APPLIES = "only where it applies:"
 THREADS = ("MainThread", "raytrain-x-engine")  # the face's thread and the engine's
 
 
-def _traced_step() -> list[str]:
+def _traced_step() -> tuple[list[str], int]:
     """The package's modules whose functions run, on the face's thread and the engine's,
-    during one warm step of the default `DistributedOptimizer` (every gradient through it)."""
+    during one warm step of the default `DistributedOptimizer` (every gradient through it),
+    and how many pieces crossed a network in that step."""
     import sys
     import threading
 
     import raytrain_x.torch as rx
+    from raytrain_x.core import runtime
 
     seen: set[str] = set()
     recording = False
@@ -41,7 +43,11 @@ def _traced_step() -> list[str]:
     try:
         rx.init()
         torch.manual_seed(0)
-        model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)])
+        # units under 1 MB and over it: over gloo, both the flat route and the in-flight
+        # one (in pieces on the stream) run
+        model = torch.nn.Sequential(torch.nn.Linear(64, 600), torch.nn.Linear(600, 600),
+                                    torch.nn.Linear(600, 600), torch.nn.Linear(600, 64),
+                                    torch.nn.Linear(64, 64))
         opt = rx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                       named_parameters=model.named_parameters())
         x = torch.randn(8, 64)
@@ -52,13 +58,15 @@ def _traced_step() -> list[str]:
             opt.step()
         for _ in range(5):  # past the first negotiations: the response cache answers
             step()
+        pieces = runtime.engine().stats.in_flight_pieces
         recording = True
         step()
         recording = False
+        pieces = runtime.engine().stats.in_flight_pieces - pieces
     finally:
         sys.setprofile(None)
         threading.setprofile(None)
-    return sorted(seen)
+    return sorted(seen), pieces
 
 
 def _drawn() -> tuple[set[str], set[str], int]:
@@ -81,8 +89,10 @@ def _drawn() -> tuple[set[str], set[str], int]:
 def test_the_drawing_names_every_module_a_gradient_runs_through():
     traced = set()
     for env in ({}, {"RAYTRAIN_X_SHM": "0"}):  # shared memory on one host; gloo, as between hosts
-        for rank_modules in run_workers(_traced_step, 2, env=env, work_s=30):
+        for rank_modules, pieces in run_workers(_traced_step, 2, env=env, work_s=30):
             traced |= set(rank_modules)
+            if env:  # the units of 1 MB or more crossed gloo in pieces
+                assert pieces > 0
     common, applies, count = _drawn()
     assert not traced - common - applies, \
         f"on the path but not in docs/architecture.md's drawing: " \

@@ -327,7 +327,7 @@ class _Wire:
         self.failed: set[str] = set()
         self._callbacks: dict[str, object] = {}
 
-    def allreduce_async(self, array: str, op: str, landed=None):
+    def allreduce_async(self, array: str, op: str, landed=None, prescale=1.0, postscale=1.0):
         self.sent.append(array)
         self._callbacks[array] = landed
         if array in self.landed | self.failed:
@@ -464,9 +464,8 @@ class _OneRank:
             ranks = [0]
         return _Set
 
-    @staticmethod
-    def process_set_ids() -> frozenset[int]:
-        return frozenset({0})
+    sets_version = 0  # the registered sets never change: the global one alone
+    sets: dict = {}
 
 
 def test_a_repeated_set_of_cache_hits_is_agreed_once_with_the_same_lru_touches():
