@@ -11,7 +11,7 @@ import numpy as np
 from raytrain_x.core.collectives import auto_name, submit, synchronize
 from raytrain_x.core.process_sets import ProcessSet, global_process_set, registered_id
 from raytrain_x.core.runtime import rendezvous
-from raytrain_x.engine.messages import ALLGATHER, BROADCAST, Meta
+from raytrain_x.engine.messages import ALLGATHER, ALLREDUCE, BROADCAST, Meta
 
 # The name of unnamed object collectives: never the object's type (the root's object and
 # the others' None would never meet) and never a per-process counter (a worker that joined
@@ -46,6 +46,21 @@ def allgather_bytes(payload: bytes, name: str | None = None,
         out.append(data[offset:offset + size].tobytes())
         offset += size
     return out
+
+
+def broadcast_ints(values: list[int], root_rank: int = 0, name: str | None = None,
+                   process_set: ProcessSet = global_process_set) -> list[int]:
+    """`root_rank`'s few integers on every member, in one allreduce (a sum to which only
+    the root adds): a small allreduce that repeats every step crosses a network with its
+    readiness in one round trip (the engine's speculative cycles), where an object's
+    broadcast takes two collectives of two round trips each. Every member passes as many
+    values as the root (what others pass is not looked at); each fits in an int64."""
+    name = name or auto_name("broadcast_ints", process_set)
+    is_root = rendezvous().rank == root_rank
+    array = np.array(values if is_root else [0] * len(values), dtype=np.int64)
+    meta = Meta(ALLREDUCE, "int64", array.shape, "sum",
+                process_set_id=registered_id(process_set))
+    return [int(v) for v in synchronize(submit(name, meta, array))]
 
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,

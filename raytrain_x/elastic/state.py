@@ -15,7 +15,7 @@ from typing import Any
 
 from raytrain_x.common.errors import ConfigError, HostsUpdatedInterrupt, InternalError
 from raytrain_x.core import runtime, world
-from raytrain_x.core.objects import broadcast_object
+from raytrain_x.core.objects import broadcast_ints, broadcast_object
 from raytrain_x.core.process import PROCESS
 from raytrain_x.elastic.commits import CommitManager, Committed, copied
 from raytrain_x.elastic.positions import Position
@@ -107,13 +107,15 @@ class State:
         due = commits.due() if commits is not None else None
         if probe is None and due is None:  # the same on every rank
             return
-        ask = None
+        answer = [0, 0]
         if self._get_rank() == 0:  # a due checkpoint gets a write id, the same on every rank
-            version, asked = probe() if probe is not None else (None, False)
+            version, asked = probe() if probe is not None else (0, False)
             if asked and commits is not None:
                 commits.ask()
-            ask = (version, time.time_ns() if commits is not None and commits.due() else 0)
-        version, write_id = self._bcast_object(ask, 0, name="elastic.hosts_version")
+            answer = [version, time.time_ns() if commits is not None and commits.due() else 0]
+        # two integers in one small allreduce, which the engine sends with its readiness in
+        # one round trip once it repeats (each commit), not an object's two broadcasts
+        version, write_id = broadcast_ints(answer, 0, name="elastic.hosts_version")
         if write_id and commits is not None:
             commits.write(write_id)
         if probe is not None and version != runtime.rendezvous().hosts_version:
