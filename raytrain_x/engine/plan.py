@@ -81,7 +81,6 @@ def plan_batches(responses: list[Response], threshold_bytes: int,
     return batches
 
 
-
 class Route(Enum):
     ADASUM = "adasum"
     DEVICE = "device"
