@@ -113,6 +113,26 @@ def test_objects_are_broadcast_and_gathered_whatever_type_each_rank_passes():
         assert out == {"config": {"lr": 0.1}, "mixed": [{"rank": 0}, [1]], "named": 3.5}
 
 
+def _integers_from_one_rank() -> list[list[int]]:
+    from raytrain_x import core
+    from raytrain_x.core.objects import broadcast_ints
+
+    core.init()
+    out = []
+    for i in range(4):  # the same name every time, as a commit's check uses it
+        mine = [2**62 + i, -7, i] if core.rank() == 1 else [0, 0, 0]
+        out.append(broadcast_ints(mine, root_rank=1, name="answer"))
+    return out
+
+
+def test_a_roots_integers_reach_every_rank_whatever_the_others_pass():
+    """`broadcast_ints` (a commit's host-update check): the root's values exactly, large and
+    negative ones included, on every rank, call after call under one name."""
+    expected = [[2**62 + i, -7, i] for i in range(4)]
+    for env in ({}, {"RAYTRAIN_X_SHM": "0"}):
+        assert run_workers(_integers_from_one_rank, 3, env=env, work_s=30) == [expected] * 3
+
+
 def _peer_dies_while_shared_memory_opens() -> dict:
     import glob
     import os
