@@ -49,9 +49,8 @@ class Coordinator:
         self.joined: list[int] = []
 
     def forget(self, names: Iterable[str]) -> None:
-        """Drops names completed without negotiation (response-cache hits)."""
-        if not self.table:  # the steady state: nothing was ever reported for them
-            return
+        """Drops names completed without negotiation (response-cache hits); the
+        negotiator calls it only while the table holds names (not in the steady state)."""
         for name in names:
             self.table.pop(name, None)
 

@@ -234,13 +234,10 @@ class CollectiveRunner:
         same order). A piece reduced where it lies is scaled by the transfer itself; a
         packed one while packing and unpacking."""
         batch, tensors, pre, post, wire = m.batch, m.tensors, m.pre, m.post, m.wire
-        if len(batch) == 1:  # a unit, or a single tensor: one piece, nothing to vote on
-            pieces = [[0]]
-        else:
-            ops = m.ops
-            joined = self.layout.joined(m.pset.process_set_id, [r.name for r in batch],
-                                        lambda i: ops.follows(tensors[i], tensors[i + 1]))
-            pieces = in_flight_pieces([r.meta.nbytes_on_wire() for r in batch], joined)
+        # the family is asked only for a pair of arrays not voted on yet (a unit has none)
+        joined = self.layout.joined(m.pset.process_set_id, [r.name for r in batch],
+                                    lambda i: m.ops.follows(tensors[i], tensors[i + 1]))
+        pieces = in_flight_pieces([r.meta.nbytes_on_wire() for r in batch], joined)
         self.stats.in_flight_pieces += len(pieces)
 
         def prepare(k: int) -> tuple[Any, Callable[[], Any], float, float]:

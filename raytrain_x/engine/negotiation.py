@@ -29,7 +29,12 @@ from raytrain_x.common.knobs import Knobs
 from raytrain_x.engine.arrays import ops_for, ops_for_device
 from raytrain_x.engine.buffers import pack, unpack
 from raytrain_x.engine.coordinator import Coordinator, Report
-from raytrain_x.engine.execution import CollectiveRunner, scale_integers, scales
+from raytrain_x.engine.execution import (
+    CollectiveRunner,
+    is_floating,
+    scale_integers,
+    scales,
+)
 from raytrain_x.engine.messages import ALLREDUCE, DTYPE_SIZES, Meta, Request, Response
 from raytrain_x.engine.plan import fusion_key
 
@@ -469,7 +474,7 @@ class Speculation:
                                          (sum(counts) + 1) * DTYPE_SIZES[meta.dtype])
         flat = ops_for_device("cpu").view_buffer(buf, sum(counts) + 1)
         ready = bool(requests)
-        floating = meta.dtype.startswith("float") or meta.dtype == "bfloat16"
+        floating = is_floating(meta.dtype)
         pre, post = scales(meta, pset.size())
         int_pre, int_post = (1.0, 1.0) if floating else (pre, post)
         if not floating:
