@@ -83,6 +83,7 @@ from raytrain_x.tensorflow.gradients import (
     DistributedGradientTape,
     PartialDistributedGradientTape,
 )
+from raytrain_x.tensorflow.local_steps import DiLoCo, LocalSGD
 from raytrain_x.tensorflow.optimizer import DistributedOptimizer
 from raytrain_x.tensorflow.runtime_ops import (
     join,

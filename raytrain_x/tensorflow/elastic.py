@@ -35,8 +35,12 @@ class TensorFlowFormat:
     layout = "tensorflow"
     info: dict[str, Any] = {}
 
-    def __init__(self, owner: Any, variables: list[Any], names: list[str]) -> None:
+    def __init__(self, owner: Any, variables: list[Any], names: list[str],
+                 local_steps: list[Any] | None = None) -> None:
         self.variables, self.names = variables, names
+        # LocalSGD / DiLoCo states whose trained variables each rank keeps between
+        # exchanges: at a sync each decides whether a rank keeps its own (`sync_params`)
+        self.local_steps = local_steps or []
         self.keys = variable_keys(variables)
         self.attributes = Attributes(owner, names, broadcast_object)
 
@@ -62,8 +66,11 @@ class TensorFlowFormat:
         self.attributes.load(tree["attributes"])
 
     def sync_from(self, root: int) -> None:
+        kept = [(steps, steps.lineage(), steps.own_values()) for steps in self.local_steps]
         if self.variables:
             broadcast_variables(self.variables, root_rank=root)
+        for steps, lineage, own in kept:
+            steps.sync_params(lineage, own)
         self.attributes.sync_from(root)
 
     def signature(self) -> dict[str, Any]:
@@ -101,11 +108,16 @@ class TensorFlowState(ObjectState):
                  checkpoint: CheckpointConfig | None = None, **kwargs: Any) -> None:
         self.variables = list(variables or [])
         self._config = checkpoint.named(None) if checkpoint else from_env()
-        self._format = TensorFlowFormat(self, self.variables, list(kwargs))
+        self._format = TensorFlowFormat(self, self.variables, list(kwargs),
+                                        self._local_steps())
         super().__init__(bcast_object=broadcast_object, get_rank=rank, **kwargs)
 
     def _commit_manager(self) -> CommitManager:
         return CommitManager(self._format, broadcast_object, self._config)
+
+    def _local_steps(self) -> list[Any]:
+        """The LocalSGD / DiLoCo states among this state's optimizers."""
+        return []
 
 
 class TensorFlowKerasState(TensorFlowState):
@@ -130,6 +142,12 @@ class TensorFlowKerasState(TensorFlowState):
         if self.optimizer is not None:
             variables += list(self.optimizer.variables)
         super().__init__(variables, **kwargs)
+
+    def _local_steps(self) -> list[Any]:
+        """The optimizer's LocalSGD or DiLoCo: a rank that was in the job keeps its own
+        trained variables at a sync, a newcomer takes the anchor."""
+        steps = getattr(self.optimizer, "_rx_steps", None)
+        return [steps] if steps is not None else []
 
 
 KerasState = TensorFlowKerasState  # Horovod's name in horovod.tensorflow.keras.elastic

@@ -73,6 +73,10 @@ class GradientReducer:
         """The gradient of `source` stays this rank's (not reduced)."""
         self.local_sources.add(_ref(source))
 
+    def is_local(self, source: Any) -> bool:
+        """Whether the gradient of `source` stays this rank's (`register_local_source`)."""
+        return _ref(source) in self.local_sources
+
     def reduce(self, grads: Sequence[Any], sources: Sequence[Any] | None = None,
                step: bool = True) -> list[Any]:
         """Every rank's gradients combined by the op (None stays None); `step` marks the

@@ -183,7 +183,7 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, use_locking: b
                          average_aggregated_gradients: bool = False, num_groups: int = 0,
                          groups: int | Sequence[Sequence[Any]] | None = None,
                          process_set: ProcessSet = global_process_set,
-                         scale_local_gradients: bool = True) -> Any:
+                         scale_local_gradients: bool = True, reducer: Any = None) -> Any:
     """Horovod's `hvd.DistributedOptimizer` (arguments in its order): gradients combined
     across ranks before they are applied. See `raytrain_x.tensorflow.keras.DistributedOptimizer`
     for Keras optimizers and the arguments.
@@ -209,8 +209,12 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, use_locking: b
         process_set: the ranks that take part (default: every rank).
         scale_local_gradients: with local variables, divide their gradients by the number of
             members.
+        reducer: `rx.LocalSGD(...)` or `rx.DiLoCo(...)` for slow links (Keras optimizers).
     """
     if isinstance(optimizer, _LegacyOptimizer):
+        if reducer is not None:
+            raise ConfigError("reducer= (LocalSGD, DiLoCo) takes a Keras optimizer "
+                              "(tf.keras.optimizers.*), not a tf.compat.v1 one")
         if op == Adasum:
             if process_set is not global_process_set:
                 raise ConfigError("op=Adasum works on the global process set (as in Horovod)")
@@ -234,4 +238,4 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, use_locking: b
     return keras_optimizer(optimizer, name, device_dense, device_sparse, compression,
                            sparse_as_dense, gradient_predivide_factor, op,
                            backward_passes_per_step, average_aggregated_gradients,
-                           num_groups, groups, process_set, scale_local_gradients)
+                           num_groups, groups, process_set, scale_local_gradients, reducer)

@@ -8,6 +8,10 @@ accumulators, and only every k-th step reduces their sum (or mean, with
 `average_aggregated_gradients`) across ranks and updates the variables, so k-1 of k steps
 send nothing. `iterations` counts updates, as Keras 3's accumulation does (Horovod's
 counted every pass).
+
+With `reducer=rx.LocalSGD(...)` or `rx.DiLoCo(...)` no gradient is reduced: each rank
+updates on its own and every `sync_every` updates the models meet
+(`raytrain_x.tensorflow.local_steps`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from raytrain_x.core.collectives import Adasum, Average
 from raytrain_x.core.process_sets import ProcessSet, global_process_set
 from raytrain_x.tensorflow.compression import Compression, Compressor
 from raytrain_x.tensorflow.gradients import GradientReducer
+from raytrain_x.tensorflow.local_steps import LocalSGD, LocalSteps
 
 
 class _DistributedOptimizer:
@@ -29,6 +34,15 @@ class _DistributedOptimizer:
     _rx_passes: int = 1
     _rx_average_aggregated: bool = False
     _rx_reduced: bool = False  # compute_gradients combined the gradients apply gets next
+    _rx_local: LocalSGD | None = None  # LocalSGD or DiLoCo: no gradient is reduced
+    _rx_steps: LocalSteps | None = None  # its state in this optimizer, made by build
+
+    def build(self, variables: Any) -> None:
+        super().build(variables)
+        if self._rx_local is not None:
+            reducer = self._rx_reducer
+            self._rx_steps = self._rx_local.bind(self, list(variables), reducer.name,
+                                                 reducer.process_set, reducer.is_local)
 
     def register_local_var(self, var: Any) -> None:
         """Keeps the gradient of `var` local: not reduced across ranks (Horovod's name)."""
@@ -51,7 +65,7 @@ class _DistributedOptimizer:
             with tape:
                 loss = loss()
         grads = tape.gradient(loss, variables)
-        if self._rx_passes == 1:
+        if self._rx_passes == 1 and self._rx_local is None:
             grads = self._rx_reducer.reduce(list(grads), variables)
             self._rx_reduced = True  # apply_gradients takes them as they are
         return list(zip(grads, variables))
@@ -59,6 +73,15 @@ class _DistributedOptimizer:
     _compute_gradients = compute_gradients  # the name Horovod's TF 2.4+ optimizers override
 
     def apply(self, grads: Any, trainable_variables: Any = None) -> Any:
+        if self._rx_local is not None:
+            if not self.built and trainable_variables is not None:
+                self.build(list(trainable_variables))
+            if self._rx_steps is None:  # apply raises its own error for this
+                return super().apply(grads, trainable_variables)
+            self._rx_steps.before_update()
+            result = super().apply(grads, trainable_variables)
+            self._rx_steps.after_update()
+            return result
         if self._rx_reduced:
             self._rx_reduced = False
             return super().apply(grads, trainable_variables)
@@ -71,7 +94,7 @@ class _DistributedOptimizer:
     def _clip_gradients(self, grads: Any) -> Any:
         # with accumulation, Keras calls this on the update step only, with the mean of
         # the accumulated gradients: the one place they are combined across ranks
-        if self._rx_passes > 1:
+        if self._rx_passes > 1 and self._rx_local is None:
             grads = list(grads)
             if not self._rx_average_aggregated:
                 grads = [g if g is None else g * self._rx_passes for g in grads]
@@ -87,7 +110,8 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, device_dense: 
                          average_aggregated_gradients: bool = False, num_groups: int = 0,
                          groups: int | Sequence[Sequence[Any]] | None = None,
                          process_set: ProcessSet = global_process_set,
-                         scale_local_gradients: bool = True) -> Any:
+                         scale_local_gradients: bool = True,
+                         reducer: LocalSGD | None = None) -> Any:
     """A copy of the Keras `optimizer` that combines the gradients over every rank before
     using them (Horovod's `hvd.DistributedOptimizer`, with its arguments in its order).
     `model.fit` uses it unchanged; the copy has the same class name and configuration.
@@ -112,6 +136,10 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, device_dense: 
         process_set: ranks that take part.
         scale_local_gradients: divide the gradients of `register_local_var` variables by
             the set's size.
+        reducer: `rx.LocalSGD(sync_every=H)` or `rx.DiLoCo(sync_every=H)` for slow links:
+            no gradient is reduced; every H updates the variables are averaged (LocalSGD)
+            or an outer SGD steps on their averaged difference from the last exchange
+            (DiLoCo). `register_local_var` variables stay each rank's own.
     """
     if not (hasattr(optimizer, "apply") and hasattr(optimizer, "get_config")):
         raise ConfigError("DistributedOptimizer wraps a Keras optimizer (keras.optimizers.*), "
@@ -124,6 +152,8 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, device_dense: 
     passes = int(backward_passes_per_step)
     if passes < 1:
         raise ConfigError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+    if reducer is not None:
+        _check_local(reducer, op, compression, gradient_predivide_factor, groups, num_groups)
     config = optimizer.get_config()
     if passes > 1:
         if config.get("gradient_accumulation_steps"):
@@ -135,8 +165,24 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, device_dense: 
         config["gradient_accumulation_steps"] = passes
     cls = distributed_class(type(optimizer), name, compression, sparse_as_dense,
                             gradient_predivide_factor, op, passes, average_aggregated_gradients,
-                            num_groups, groups, process_set, scale_local_gradients)
+                            num_groups, groups, process_set, scale_local_gradients, reducer)
     return cls.from_config(config)
+
+
+def _check_local(reducer: Any, op: str, compression: Any, predivide: float, groups: Any,
+                 num_groups: int) -> None:
+    """One clear error for a reducer that is not LocalSGD or DiLoCo, or for arguments
+    about reducing gradients every step beside one."""
+    if not isinstance(reducer, LocalSGD):
+        raise ConfigError(f"reducer must be rx.LocalSGD(...) or rx.DiLoCo(...), got "
+                          f"{reducer!r}")
+    given = {"op": op != Average, "compression": compression is not Compression.none,
+             "gradient_predivide_factor": predivide != 1.0, "groups": bool(groups),
+             "num_groups": bool(num_groups)}
+    clash = [name for name, set_ in given.items() if set_]
+    if clash:
+        raise ConfigError(f"{reducer!r} averages whole models every {reducer.sync_every} "
+                          f"updates; leave out {', '.join(clash)}")
 
 
 def PartialDistributedOptimizer(optimizer: Any, name: str | None = None,
@@ -198,7 +244,8 @@ def distributed_class(base: type, name: str | None = None,
                       op: str = Average, backward_passes_per_step: int = 1,
                       average_aggregated_gradients: bool = False, num_groups: int = 0,
                       groups: Any = None, process_set: ProcessSet = global_process_set,
-                      scale_local_gradients: bool = True) -> type:
+                      scale_local_gradients: bool = True, reducer: LocalSGD | None = None
+                      ) -> type:
     """The class of `base` optimizers that combine gradients across ranks, with the same
     name as `base` (so a saved model loads without raytrain-x). Its instances share these
     settings; `from_config` builds one (what `load_model` relies on)."""
@@ -207,5 +254,6 @@ def distributed_class(base: type, name: str | None = None,
                                        gradient_predivide_factor, sparse_as_dense, compression,
                                        groups, num_groups, process_set, scale_local_gradients),
         "_rx_passes": int(backward_passes_per_step),
-        "_rx_average_aggregated": bool(average_aggregated_gradients)}
+        "_rx_average_aggregated": bool(average_aggregated_gradients),
+        "_rx_local": reducer}
     return type(base.__name__, (_DistributedOptimizer, base), settings)
