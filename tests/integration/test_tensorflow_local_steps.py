@@ -1,8 +1,8 @@
 """LocalSGD and DiLoCo in the TensorFlow face, between real processes with real TensorFlow:
-each matches the algorithm computed by hand (in a traced custom loop and in `model.fit`),
-a newcomer takes the anchor at an elastic sync while survivors keep their own updates, the
-state travels in the optimizer's variables (commits, durable checkpoints), and bad
-arguments get one clear error."""
+each matches the algorithm computed by hand (in a traced custom loop, with gradient
+accumulation, and in `model.fit`), a newcomer takes the anchor at an elastic sync while
+survivors keep their own updates, the state travels in the optimizer's variables (commits,
+durable checkpoints), and bad arguments get one clear error."""
 
 from __future__ import annotations
 
@@ -46,10 +46,11 @@ def _reducer(kind: str, sync_every: int = H):
     return rx.DiLoCo(sync_every=sync_every, outer_lr=0.7, outer_momentum=0.9)
 
 
-def _sgd():
+def _sgd(accumulate: int | None = None):
     from tensorflow import keras
 
-    return keras.optimizers.SGD(learning_rate=0.1, momentum=0.5)
+    return keras.optimizers.SGD(learning_rate=0.1, momentum=0.5,
+                                gradient_accumulation_steps=accumulate)
 
 
 def _step_fn(model, opt):
@@ -68,18 +69,18 @@ def _step_fn(model, opt):
     return step
 
 
-def _reference(kind: str) -> list[list[np.ndarray]]:
-    """The algorithm by hand: two models stepping on their own data with plain Keras SGD,
-    their exchange computed in numpy (DiLoCo's outer SGD with Nesterov momentum as
-    torch.optim.SGD computes it)."""
+def _reference(kind: str, passes: int) -> list[list[np.ndarray]]:
+    """The algorithm by hand: two models stepping on their own data with plain Keras SGD
+    (accumulating `passes` batches an update), their exchange computed in numpy (DiLoCo's
+    outer SGD with Nesterov momentum as torch.optim.SGD computes it)."""
     models = [_model() for _ in range(2)]
-    steps = [_step_fn(m, _sgd()) for m in models]
+    steps = [_step_fn(m, _sgd(passes if passes > 1 else None)) for m in models]
     anchor = [w.copy() for w in _weights()]
     momentum = [np.zeros_like(w) for w in anchor]
-    for step in range(STEPS):
+    for step in range(STEPS * passes):
         for rank in range(2):
             steps[rank](*_batch(rank, step))
-        if (step + 1) % H:
+        if (step + 1) % (H * passes):
             continue
         now = [[v.numpy() for v in m.trainable_variables] for m in models]
         if kind == "localsgd":
@@ -99,7 +100,9 @@ def _trained(kind: str, mode: str) -> dict:
     rx.init()
     rank = rx.rank()
     model = _model()
-    opt = rx.DistributedOptimizer(_sgd(), reducer=_reducer(kind))
+    passes = 2 if mode == "accumulate" else 1
+    opt = rx.DistributedOptimizer(_sgd(), backward_passes_per_step=passes,
+                                  reducer=_reducer(kind))
     if mode == "fit":
         batches = [_batch(rank, s) for s in range(STEPS)]
         model.compile(optimizer=opt, loss="mse")
@@ -108,19 +111,21 @@ def _trained(kind: str, mode: str) -> dict:
                   shuffle=False, verbose=0)
     else:
         step = _step_fn(model, opt)
-        for s in range(STEPS):
+        for s in range(STEPS * passes):
             step(*_batch(rank, s))
     steps = opt._rx_steps
     out = {"weights": [v.numpy() for v in model.trainable_variables],
            "exchanges": int(steps.outer.numpy()), "inner": int(steps.inner.numpy()),
-           "expected": _reference(kind)[rank] if rank == 0 else None}
+           "expected": _reference(kind, passes)[rank] if rank == 0 else None}
     rx.shutdown()
     return out
 
 
 @pytest.mark.parametrize("kind", ["localsgd", "diloco"])
-@pytest.mark.parametrize("mode", ["tf.function", "fit"])
+@pytest.mark.parametrize("mode", ["tf.function", "fit", "accumulate"])
 def test_matches_the_algorithm_computed_by_hand(kind, mode):
+    """`accumulate`: backward_passes_per_step=2 in a traced loop; sync_every counts
+    updates."""
     r0, r1 = run_workers(_trained, 2, kind, mode, env=ENV, work_s=60)
     expected = r0["expected"]
     for got, want in zip(r0["weights"], expected):
