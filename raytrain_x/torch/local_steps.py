@@ -120,6 +120,14 @@ class LocalSGD(Reducer):
                 self._apply(self._pending)
         return result
 
+    def synchronize(self) -> None:
+        """Applies an exchange still on the wire (with `overlap_steps`, one sent within
+        the last `overlap_steps` steps): call `optimizer.synchronize()` on every rank after
+        the last step, so each ends on the last exchange's model plus its own steps since,
+        and no rank leaves while another has yet to send its part."""
+        if self._pending is not None:
+            self._apply(self._pending)
+
     @torch.no_grad()
     def _flat_params(self) -> list[torch.Tensor]:
         return [torch.cat([p.detach().reshape(-1) for p in ps]) for ps in self._param_groups]

@@ -1,6 +1,7 @@
 """LocalSGD and DiLoCo between real processes: each matches the algorithm computed in one
-process (with and without the exchange overlapped), a newcomer takes the anchor at an
-elastic sync while survivors keep their inner steps, and bad arguments get one clear error."""
+process (with and without the exchange overlapped), `synchronize()` after the last step
+applies an exchange still on the wire, a newcomer takes the anchor at an elastic sync while
+survivors keep their inner steps, and bad arguments get one clear error."""
 
 from __future__ import annotations
 
@@ -51,9 +52,11 @@ def _trained(kind: str, overlap: int) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _reference(kind: str, overlap: int) -> list[list[torch.Tensor]]:
+def _reference(kind: str, overlap: int, steps: int = STEPS,
+               flush: bool = False) -> list[list[torch.Tensor]]:
     """The algorithm in one process: two models stepping on their own data, their exchange
-    computed by hand (DiLoCo's outer optimizer: torch's SGD with Nesterov momentum)."""
+    computed by hand (DiLoCo's outer optimizer: torch's SGD with Nesterov momentum); with
+    `flush`, an exchange still pending after the last step is applied."""
     models = [_model() for _ in range(2)]
     opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.5) for m in models]
     params = [list(m.parameters()) for m in models]
@@ -72,7 +75,7 @@ def _reference(kind: str, overlap: int) -> list[list[torch.Tensor]]:
             for p, n, s in zip(params[rank], average, sent[rank]):
                 p.copy_(n + (p - s))
 
-    for step in range(STEPS):
+    for step in range(steps):
         for rank in range(2):
             _local_step(models[rank], opts[rank], rank, step)
         if pending is not None:
@@ -88,6 +91,8 @@ def _reference(kind: str, overlap: int) -> list[list[torch.Tensor]]:
             if overlap == 0:
                 apply(*pending[1:])
                 pending = None
+    if flush and pending is not None:
+        apply(*pending[1:])
     return [[p.detach() for p in ps] for ps in params]
 
 
@@ -101,6 +106,39 @@ def test_matches_the_algorithm_computed_in_one_process(kind, overlap):
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     if overlap == 0:  # the last exchange left every rank on the same model, then 2 steps
         assert not all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def _flushed(kind: str) -> tuple[list[torch.Tensor], int]:
+    import time
+
+    import raytrain_x.torch as rx
+
+    rx.init()
+    model = _model()
+    opt = rx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5),
+                                  named_parameters=model.named_parameters(),
+                                  reducer=_reducer(kind, 1))
+    for step in range(2 * H):  # the last step sends an exchange the overlap leaves pending
+        if rx.rank() == 1 and step == 2 * H - 1:
+            time.sleep(1.0)  # rank 0 reaches the end first (the order holds either way)
+        _local_step(model, opt, rx.rank(), step)
+    opt.synchronize()
+    exchanges = opt.reducer.exchanges
+    rx.shutdown()
+    return [p.detach().clone() for p in model.parameters()], exchanges
+
+
+@pytest.mark.parametrize("kind", ["localsgd", "diloco"])
+def test_synchronize_after_the_last_step_applies_the_exchange_on_the_wire(kind):
+    results = run_workers(_flushed, 2, kind)
+    expected = _reference(kind, 1, steps=2 * H, flush=True)
+    for rank in range(2):
+        params, exchanges = results[rank]
+        assert exchanges == 2
+        for got, want in zip(params, expected[rank]):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for a, b in zip(results[0][0], results[1][0]):  # no step since: the same global model
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
 
 
 def _elastic_sync() -> dict:
