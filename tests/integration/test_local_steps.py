@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.expect import error_messages
 from tests.workers import run_workers
 
 H, STEPS = 3, 8  # an exchange every 3 inner steps; 8 steps: two exchanges and a remainder
@@ -220,29 +221,21 @@ def _bad_arguments() -> list[str]:
     from raytrain_x.common.errors import ConfigError
 
     rx.init()
-    errors = []
     model = _model()
-
-    def attempt(make) -> None:
-        try:
-            make()
-        except ConfigError as e:
-            errors.append(str(e))
-        else:
-            errors.append("no error")
-
-    attempt(lambda: rx.LocalSGD(sync_every=0))
-    attempt(lambda: rx.DiLoCo(sync_every=4, overlap_steps=4))
-    attempt(lambda: rx.DiLoCo(sync_every=4, outer_momentum=1.0))
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
-    attempt(lambda: rx.DistributedOptimizer(sgd, reducer=rx.LocalSGD(2), zero_stage=1))
-    attempt(lambda: rx.DistributedOptimizer(sgd, reducer=rx.DiLoCo(2), op=rx.Adasum))
-    attempt(lambda: rx.DistributedOptimizer(sgd, reducer="diloco"))
     shared = rx.LocalSGD(2)
     first = rx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                     reducer=shared)
-    attempt(lambda: rx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                            reducer=shared))
+    errors = error_messages(
+        ConfigError,
+        lambda: rx.LocalSGD(sync_every=0),
+        lambda: rx.DiLoCo(sync_every=4, overlap_steps=4),
+        lambda: rx.DiLoCo(sync_every=4, outer_momentum=1.0),
+        lambda: rx.DistributedOptimizer(sgd, reducer=rx.LocalSGD(2), zero_stage=1),
+        lambda: rx.DistributedOptimizer(sgd, reducer=rx.DiLoCo(2), op=rx.Adasum),
+        lambda: rx.DistributedOptimizer(sgd, reducer="diloco"),
+        lambda: rx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        reducer=shared))
     del first
     rx.shutdown()
     return errors

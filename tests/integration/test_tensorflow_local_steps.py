@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.expect import error_messages
 from tests.workers import run_workers
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tensorflow_ranks")]
@@ -211,26 +212,17 @@ def _bad_arguments() -> list[str]:
     import raytrain_x.tensorflow as rx
     from raytrain_x.common.errors import ConfigError
 
-    errors = []
-
-    def attempt(make) -> None:
-        try:
-            make()
-        except ConfigError as e:
-            errors.append(str(e))
-        else:
-            errors.append("no error")
-
-    attempt(lambda: rx.LocalSGD(sync_every=0))
-    attempt(lambda: rx.DiLoCo(sync_every=4, overlap_steps=1))
-    attempt(lambda: rx.DiLoCo(sync_every=4, outer_momentum=1.0))
-    attempt(lambda: rx.DistributedOptimizer(_sgd(), reducer=rx.LocalSGD(2),
-                                            compression=rx.Compression.fp16))
-    attempt(lambda: rx.DistributedOptimizer(_sgd(), reducer=rx.DiLoCo(2), op=rx.Sum))
-    attempt(lambda: rx.DistributedOptimizer(_sgd(), reducer="diloco"))
-    attempt(lambda: rx.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1),
-                                            reducer=rx.LocalSGD(2)))
-    return errors
+    return error_messages(
+        ConfigError,
+        lambda: rx.LocalSGD(sync_every=0),
+        lambda: rx.DiLoCo(sync_every=4, overlap_steps=1),
+        lambda: rx.DiLoCo(sync_every=4, outer_momentum=1.0),
+        lambda: rx.DistributedOptimizer(_sgd(), reducer=rx.LocalSGD(2),
+                                        compression=rx.Compression.fp16),
+        lambda: rx.DistributedOptimizer(_sgd(), reducer=rx.DiLoCo(2), op=rx.Sum),
+        lambda: rx.DistributedOptimizer(_sgd(), reducer="diloco"),
+        lambda: rx.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1),
+                                        reducer=rx.LocalSGD(2)))
 
 
 def test_bad_arguments_get_one_clear_error():
