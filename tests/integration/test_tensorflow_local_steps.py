@@ -95,45 +95,52 @@ def _reference(kind: str, passes: int) -> list[list[np.ndarray]]:
     return [[v.numpy() for v in m.trainable_variables] for m in models]
 
 
-def _trained(kind: str, mode: str) -> dict:
+MODES = ("tf.function", "fit", "accumulate")  # accumulate: backward_passes_per_step=2
+
+
+def _trained(kind: str) -> dict:
+    """Each mode's training, one after the other in one world (a fresh model and optimizer
+    each), and on rank 0 the hand-computed result of each."""
     import raytrain_x.tensorflow.keras as rx
 
     rx.init()
     rank = rx.rank()
-    model = _model()
-    passes = 2 if mode == "accumulate" else 1
-    opt = rx.DistributedOptimizer(_sgd(), backward_passes_per_step=passes,
-                                  reducer=_reducer(kind))
-    if mode == "fit":
-        batches = [_batch(rank, s) for s in range(STEPS)]
-        model.compile(optimizer=opt, loss="mse")
-        model.fit(np.concatenate([x for x, _ in batches]),
-                  np.concatenate([y for _, y in batches]), batch_size=BATCH, epochs=1,
-                  shuffle=False, verbose=0)
-    else:
-        step = _step_fn(model, opt)
-        for s in range(STEPS * passes):
-            step(*_batch(rank, s))
-    steps = opt._rx_steps
-    out = {"weights": [v.numpy() for v in model.trainable_variables],
-           "exchanges": int(steps.outer.numpy()), "inner": int(steps.inner.numpy()),
-           "expected": _reference(kind, passes)[rank] if rank == 0 else None}
+    out = {}
+    for mode in MODES:
+        model = _model()
+        passes = 2 if mode == "accumulate" else 1
+        opt = rx.DistributedOptimizer(_sgd(), backward_passes_per_step=passes,
+                                      reducer=_reducer(kind))
+        if mode == "fit":
+            batches = [_batch(rank, s) for s in range(STEPS)]
+            model.compile(optimizer=opt, loss="mse")
+            model.fit(np.concatenate([x for x, _ in batches]),
+                      np.concatenate([y for _, y in batches]), batch_size=BATCH, epochs=1,
+                      shuffle=False, verbose=0)
+        else:
+            step = _step_fn(model, opt)
+            for s in range(STEPS * passes):
+                step(*_batch(rank, s))
+        steps = opt._rx_steps
+        out[mode] = {"weights": [v.numpy() for v in model.trainable_variables],
+                     "exchanges": int(steps.outer.numpy()), "inner": int(steps.inner.numpy()),
+                     "expected": _reference(kind, passes)[rank] if rank == 0 else None}
     rx.shutdown()
     return out
 
 
 @pytest.mark.parametrize("kind", ["localsgd", "diloco"])
-@pytest.mark.parametrize("mode", ["tf.function", "fit", "accumulate"])
-def test_matches_the_algorithm_computed_by_hand(kind, mode):
-    """`accumulate`: backward_passes_per_step=2 in a traced loop; sync_every counts
-    updates."""
-    r0, r1 = run_workers(_trained, 2, kind, mode, env=ENV, work_s=60)
-    expected = r0["expected"]
-    for got, want in zip(r0["weights"], expected):
-        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
-    assert (r0["exchanges"], r0["inner"]) == (r1["exchanges"], r1["inner"]) == (2, 2)
-    # two updates on each rank's own data since the last exchange: the ranks differ
-    assert not all(np.array_equal(a, b) for a, b in zip(r0["weights"], r1["weights"]))
+def test_matches_the_algorithm_computed_by_hand(kind):
+    """In a traced loop, with backward_passes_per_step=2 (sync_every counts updates) and
+    in `model.fit`."""
+    results = run_workers(_trained, 2, kind, env=ENV, work_s=90)
+    for mode in MODES:
+        r0, r1 = results[0][mode], results[1][mode]
+        for got, want in zip(r0["weights"], r0["expected"]):
+            np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5, err_msg=mode)
+        assert (r0["exchanges"], r0["inner"]) == (r1["exchanges"], r1["inner"]) == (2, 2), mode
+        # two updates on each rank's own data since the last exchange: the ranks differ
+        assert not all(np.array_equal(a, b) for a, b in zip(r0["weights"], r1["weights"]))
 
 
 def _elastic_sync() -> dict:
