@@ -181,8 +181,12 @@ class LocalSteps:
         anchor = [self.anchor[i] for i in chosen]
         slots = {slot: [vs[i] for i in chosen] for slot, vs in self.slots.items()}
         now = [tf.convert_to_tensor(self.variables[i]) for i in chosen]
-        averaged = grouped_allreduce(self.spec.payload(anchor, now), op=Average,
-                                     name=self.name, process_set=self.process_set)
+        payload = self.spec.payload(anchor, now)
+        # a rank outside the process set exchanges with itself, as its gradients would be
+        # its own (`gradients._reduces`)
+        averaged = (grouped_allreduce(payload, op=Average, name=self.name,
+                                      process_set=self.process_set)
+                    if self.process_set.included() else payload)
         new = self.spec.new_global(anchor, slots, averaged)
         for i, value in zip(chosen, new):
             self.anchor[i].assign(value)

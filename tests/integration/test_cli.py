@@ -175,8 +175,10 @@ def _a_stopped_job_resumes_when_submitted_again(dash: int, env: dict) -> None:
         limits.wait_until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in pids),
                           30, "the stopped job's ranks to exit")
         resumed_from = store.checkpoints()[0].values["step"]
-        again = limits.run([str(BIN / "ray"), "job", "submit", address, *job, "40"], 40,
-                           "ray job submit, resumed", env=env, cwd=REPO)
+        # to 20 steps past where it stopped, however far the first job got before its stop
+        again = limits.run([str(BIN / "ray"), "job", "submit", address, *job,
+                            str(resumed_from + 20)], 40, "ray job submit, resumed", env=env,
+                           cwd=REPO)
         assert again.returncode == 0, again.stdout[-3000:]
         began = re.findall(r"<stdout>:began (\d+) done (\w+)", again.stdout)
         assert len(began) == 2, again.stdout[-3000:]

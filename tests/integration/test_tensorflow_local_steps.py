@@ -143,6 +143,41 @@ def test_matches_the_algorithm_computed_by_hand(kind):
         assert not all(np.array_equal(a, b) for a, b in zip(r0["weights"], r1["weights"]))
 
 
+def _outside_the_set() -> dict:
+    import raytrain_x.tensorflow.keras as rx
+
+    only_rank_0 = rx.ProcessSet([0])
+    rx.init(process_sets=[only_rank_0])
+    rank = rx.rank()
+    model = _model()
+    opt = rx.DistributedOptimizer(_sgd(), reducer=_reducer("diloco"), process_set=only_rank_0)
+    step = _step_fn(model, opt)
+    for s in range(STEPS):
+        step(*_batch(rank, s))
+    out = {"exchanges": int(opt._rx_steps.outer.numpy()),
+           "weights": [v.numpy() for v in model.trainable_variables]}
+    alone = _model()  # the same training with DiLoCo on one rank's own pseudo-gradients
+    anchor, momentum = _weights(), [np.zeros_like(w) for w in _weights()]
+    plain = _step_fn(alone, _sgd())
+    for s in range(STEPS):
+        plain(*_batch(rank, s))
+        if (s + 1) % H == 0:
+            grads = [a - v.numpy() for a, v in zip(anchor, alone.trainable_variables)]
+            momentum = [0.9 * m + g for m, g in zip(momentum, grads)]
+            anchor = [a - 0.7 * (g + 0.9 * m) for a, g, m in zip(anchor, grads, momentum)]
+            alone.set_weights(anchor)
+    out["expected"] = [v.numpy() for v in alone.trainable_variables]
+    rx.shutdown()
+    return out
+
+
+def test_a_set_of_one_and_a_rank_outside_the_set_exchange_with_themselves():
+    for r in run_workers(_outside_the_set, 2, env=ENV, work_s=60):
+        assert r["exchanges"] == 2
+        for got, want in zip(r["weights"], r["expected"]):
+            np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
 def _elastic_sync() -> dict:
     import tempfile
 
