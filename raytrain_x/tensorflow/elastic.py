@@ -67,10 +67,16 @@ class TensorFlowFormat:
 
     def sync_from(self, root: int) -> None:
         kept = [(steps, steps.lineage(), steps.own_values()) for steps in self.local_steps]
+        # a LocalSGD / DiLoCo model's trained variables are each rank's own once rank 0
+        # has an anchor: they cross only when it has none (`sync_params`)
+        each_own = {id(v) for steps in self.local_steps for v in steps.exchanged()}
         if self.variables:
-            broadcast_variables(self.variables, root_rank=root)
-        for steps, lineage, own in kept:
-            steps.sync_params(lineage, own)
+            broadcast_variables([v for v in self.variables if id(v) not in each_own],
+                                root_rank=root)
+        roots = [v for steps, lineage, own in kept if steps.sync_params(lineage, own)
+                 for v in steps.exchanged()]
+        if roots:
+            broadcast_variables(roots, root_rank=root)
         self.attributes.sync_from(root)
 
     def signature(self) -> dict[str, Any]:

@@ -205,14 +205,24 @@ class LocalSteps:
     def own_values(self) -> list[np.ndarray]:
         return [np.array(v.numpy(), copy=True) for v in self.variables]
 
-    def sync_params(self, lineage: int | None, own: list[np.ndarray]) -> None:
-        """After rank 0's variables (the optimizer's with the model's) were broadcast at an
-        elastic sync: a rank whose variables (`lineage` and `own`, taken before it) derive
-        from rank 0's last exchange keeps them; any other (a newcomer) takes the anchor.
-        Before any anchor exists every rank has rank 0's variables."""
-        if lineage is not None and lineage == self.lineage():
+    def exchanged(self) -> list[Any]:
+        """The trained variables the exchanges average (all but registered local ones):
+        an elastic sync does not broadcast them once an anchor exists (`sync_params`)."""
+        return [self.variables[i] for i in self._exchanged()]
+
+    def sync_params(self, lineage: int | None, own: list[np.ndarray]) -> bool:
+        """At an elastic sync, after rank 0's variables except `exchanged()` were broadcast
+        (the optimizer's with this state among them): a rank whose variables (`lineage`
+        and `own`, taken before it) derive from rank 0's last exchange keeps them; any
+        other (a newcomer) takes the anchor. True: rank 0 has no anchor yet (no update
+        taken; the same answer on every rank), and the caller gives every rank rank 0's
+        `exchanged()` variables."""
+        if self.lineage() is None:
+            return True
+        if lineage == self.lineage():
             for v, value in zip(self.variables, own):
                 v.assign(value)
-        elif self.lineage() is not None:  # local variables stay as broadcast
+        else:  # local variables stay as broadcast
             for i in self._exchanged():
                 self.variables[i].assign(self.anchor[i])
+        return False

@@ -167,6 +167,7 @@ def _outside_the_set() -> dict:
             anchor = [a - 0.7 * (g + 0.9 * m) for a, g, m in zip(anchor, grads, momentum)]
             alone.set_weights(anchor)
     out["expected"] = [v.numpy() for v in alone.trainable_variables]
+    rx.barrier()  # rank 1 sends nothing: it must not end the world before rank 0 is done
     rx.shutdown()
     return out
 
@@ -186,7 +187,7 @@ def _elastic_sync() -> dict:
 
     rx.init()
     rank = rx.rank()
-    model = _model()
+    model = _model(seed=3 * rank)  # the ranks start apart: the first sync gives rank 0's
     opt = rx.DistributedOptimizer(_sgd(), reducer=_reducer("diloco", sync_every=2))
     state = rx.elastic.TensorFlowKerasState(model, opt, batch=0)
     step = _step_fn(model, opt)
@@ -195,10 +196,11 @@ def _elastic_sync() -> dict:
         return [v.numpy() for v in model.trainable_variables]
 
     state.sync()
+    out = {"first": weights()}
     for s in range(3):  # an outer step at 2, then one update on each rank's own data
         step(*_batch(rank, s))
     state.commit()
-    out = {"before": weights()}
+    out["before"] = weights()
     state.sync()  # a new round with both survivors: each keeps its own update
     out["kept"] = weights()
     step(*_batch(rank, 3))  # not committed: a failure rolls it back, and a survivor
@@ -232,6 +234,8 @@ def _elastic_sync() -> dict:
 
 def test_a_newcomer_takes_the_anchor_and_survivors_keep_their_own_updates():
     r0, r1 = run_workers(_elastic_sync, 2, env=ENV, work_s=60)
+    for a, b, w in zip(r0["first"], r1["first"], _weights()):  # no anchor yet: rank 0's
+        assert np.array_equal(a, b) and np.array_equal(a, w)
     for r in (r0, r1):  # a survivor's variables are its own after a sync
         for a, b, c in zip(r["before"], r["kept"], r["restored"]):
             assert np.array_equal(a, b) and np.array_equal(a, c)
