@@ -203,7 +203,12 @@ class LocalSteps:
         return int(np.asarray(self.outer.numpy()))
 
     def own_values(self) -> list[np.ndarray]:
-        return [np.array(v.numpy(), copy=True) for v in self.variables]
+        """Copies of the variables an elastic sync broadcasts though they are each rank's:
+        the registered local ones (the exchanged ones are not broadcast once an anchor
+        exists)."""
+        exchanged = set(self._exchanged())
+        return [np.array(v.numpy(), copy=True) for i, v in enumerate(self.variables)
+                if i not in exchanged]
 
     def exchanged(self) -> list[Any]:
         """The trained variables the exchanges average (all but registered local ones):
@@ -213,14 +218,17 @@ class LocalSteps:
     def sync_params(self, lineage: int | None, own: list[np.ndarray]) -> bool:
         """At an elastic sync, after rank 0's variables except `exchanged()` were broadcast
         (the optimizer's with this state among them): a rank whose variables (`lineage`
-        and `own`, taken before it) derive from rank 0's last exchange keeps them; any
+        and `own_values()`, taken before it) derive from rank 0's last exchange keeps them
+        (its exchanged variables were never overwritten; its local ones are put back); any
         other (a newcomer) takes the anchor. True: rank 0 has no anchor yet (no update
         taken; the same answer on every rank), and the caller gives every rank rank 0's
         `exchanged()` variables."""
         if self.lineage() is None:
             return True
         if lineage == self.lineage():
-            for v, value in zip(self.variables, own):
+            exchanged = set(self._exchanged())
+            local = [v for i, v in enumerate(self.variables) if i not in exchanged]
+            for v, value in zip(local, own):
                 v.assign(value)
         else:  # local variables stay as broadcast
             for i in self._exchanged():

@@ -109,20 +109,24 @@ def test_matches_the_algorithm_computed_in_one_process(kind, overlap):
         assert not all(torch.equal(a, b) for a, b in zip(*results))
 
 
-def _flushed(kind: str) -> tuple[list[torch.Tensor], int]:
-    import time
+def _flushed(kind: str, folder: str) -> tuple[list[torch.Tensor], int]:
+    from pathlib import Path
 
     import raytrain_x.torch as rx
+    from tests import limits
 
     rx.init()
     model = _model()
     opt = rx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5),
                                   named_parameters=model.named_parameters(),
                                   reducer=_reducer(kind, 1))
+    done = Path(folder) / "rank0_done"
     for step in range(2 * H):  # the last step sends an exchange the overlap leaves pending
-        if rx.rank() == 1 and step == 2 * H - 1:
-            time.sleep(1.0)  # rank 0 reaches the end first (the order holds either way)
+        if rx.rank() == 1 and step == 2 * H - 1:  # rank 0 reaches the end first
+            limits.wait_until(done.exists, 60, "rank 0 past its last step")
         _local_step(model, opt, rx.rank(), step)
+    if rx.rank() == 0:
+        done.touch()
     opt.synchronize()
     exchanges = opt.reducer.exchanges
     rx.shutdown()
@@ -130,8 +134,8 @@ def _flushed(kind: str) -> tuple[list[torch.Tensor], int]:
 
 
 @pytest.mark.parametrize("kind", ["localsgd", "diloco"])
-def test_synchronize_after_the_last_step_applies_the_exchange_on_the_wire(kind):
-    results = run_workers(_flushed, 2, kind)
+def test_synchronize_after_the_last_step_applies_the_exchange_on_the_wire(kind, tmp_path):
+    results = run_workers(_flushed, 2, kind, str(tmp_path))
     expected = _reference(kind, 1, steps=2 * H, flush=True)
     for rank in range(2):
         params, exchanges = results[rank]
