@@ -104,16 +104,7 @@ class ProcessGroups:
     def add_process_set(self, ranks: Sequence[int]) -> ProcessSetGroup:
         """Registers a process set; every rank must call it with the same ranks, in the same
         order of calls. Returns the set (with a group only on members)."""
-        members = sorted(set(int(r) for r in ranks))
-        if not members or members[0] < 0 or members[-1] >= self.rdv.size:
-            raise ConfigError(f"process set ranks {list(ranks)} must be within "
-                              f"0..{self.rdv.size - 1}")
-        if len(members) != len(list(ranks)):
-            raise ConfigError(f"process set ranks {list(ranks)} contain duplicates")
-        for existing in self.sets.values():
-            if existing.ranks == members:
-                raise ConfigError(f"a process set with ranks {members} already exists "
-                                  f"(id {existing.process_set_id})")
+        (members,) = self.check_new_sets([ranks])
         set_id = self._next_set_id
         self._next_set_id += 1
         group = self._subgroup(f"set{set_id}", members) if self.rdv.rank in members else None
@@ -121,6 +112,33 @@ class ProcessGroups:
         self.sets[set_id] = ps
         self.sets_version += 1
         return ps
+
+    def check_new_sets(self, rank_lists: Sequence[Sequence[int]]) -> list[list[int]]:
+        """Each set's sorted members, once every set of `rank_lists` could be registered
+        after the others (ranks in the world, none twice, no set twice, none registered
+        already): `init(process_sets=...)` registers all of its sets or none.
+
+        Raises:
+            ConfigError: naming the set that cannot be registered.
+        """
+        out: list[list[int]] = []
+        taken = {tuple(existing.ranks): existing.process_set_id
+                 for existing in self.sets.values()}
+        for ranks in rank_lists:
+            members = sorted(set(int(r) for r in ranks))
+            if not members or members[0] < 0 or members[-1] >= self.rdv.size:
+                raise ConfigError(f"process set ranks {list(ranks)} must be within "
+                                  f"0..{self.rdv.size - 1}")
+            if len(members) != len(list(ranks)):
+                raise ConfigError(f"process set ranks {list(ranks)} contain duplicates")
+            if tuple(members) in taken:
+                where = taken[tuple(members)]
+                raise ConfigError(f"a process set with ranks {members} already exists "
+                                  + (f"(id {where})" if where is not None else
+                                     "earlier in the same list"))
+            taken[tuple(members)] = None
+            out.append(members)
+        return out
 
     def remove_process_set(self, process_set_id: int) -> None:
         if process_set_id == 0:

@@ -51,9 +51,16 @@ def init(
     # Registered here whether or not this call started the runtime: an `init` whose sets
     # were refused (a rank out of range, a duplicate) can be called again with sets that
     # are right, as in Horovod; sets registered already are left as they are.
-    for ps in process_sets or ():
-        if not (isinstance(ps, ProcessSet) and ps.process_set_id is not None):
-            add_process_set(ps)
+    # All of them or none: a refused list leaves nothing registered (Horovod's ValueError).
+    new = [ps for ps in process_sets or ()
+           if not (isinstance(ps, ProcessSet) and ps.process_set_id is not None)]
+    rank_lists = [ps.ranks if isinstance(ps, ProcessSet) else ps for ps in new]
+    if any(ranks is None for ranks in rank_lists):
+        raise ConfigError("init(process_sets=...): the global process set is always "
+                          "registered; list only sets of some ranks")
+    runtime.engine().groups.check_new_sets(rank_lists)
+    for ps in new:
+        add_process_set(ps)
 
 
 def transport(process_set: ProcessSet | None = None) -> str:

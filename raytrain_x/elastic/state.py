@@ -10,7 +10,7 @@ import copy
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from raytrain_x.common.errors import ConfigError, HostsUpdatedInterrupt, InternalError
@@ -46,6 +46,36 @@ def restore_count() -> int:
     return PROCESS.restores
 
 
+class HostMessages:
+    """What Horovod's `State._host_messages` queue tells a script: whether the driver has
+    hosts this world has not met yet (the next commit then raises `HostsUpdatedInterrupt`).
+    Empty outside an elastic job."""
+
+    def empty(self) -> bool:
+        probe = runtime.host_update_probe()
+        return probe is None or probe()[0] == runtime.rendezvous().hosts_version
+
+    def qsize(self) -> int:
+        return 0 if self.empty() else 1
+
+
+def check_attribute_names(state_type: type, names: Iterable[str]) -> None:
+    """A state's user attributes take any name but the state's own: a method, a property
+    or a private member (leading `_`) of `state_type`.
+
+    Raises:
+        ConfigError: naming the attribute that collides.
+    """
+    kind = state_type.__name__
+    for name in names:
+        if name.startswith("_"):
+            raise ConfigError(f"{kind}({name}=...): names that start with '_' are kept for "
+                              f"the state's own members; name the attribute without it")
+        if hasattr(state_type, name):
+            raise ConfigError(f"{kind}({name}=...): {name!r} is {kind}.{name}, part of the "
+                              f"state's API; name the attribute otherwise (e.g. {name}_)")
+
+
 class State:
     """Base of elastic states: what survives a failure is what was last committed.
 
@@ -62,7 +92,7 @@ class State:
         get_rank: this worker's rank (default: the core's).
     """
 
-    commits: CommitManager | None = None  # where a state has a format (`ObjectState`)
+    _commits: CommitManager | None = None  # where a state has a format (`ObjectState`)
 
     def __init__(self, *, bcast_object: BroadcastObject | None = None,
                  get_rank: Callable[[], int] | None = None) -> None:
@@ -71,9 +101,14 @@ class State:
         self._reset_callbacks: list[Callable[[], None]] = []
 
     @property
+    def _host_messages(self) -> HostMessages:
+        """Horovod's queue of host updates, as Horovod's scripts read it (`empty()`)."""
+        return HostMessages()
+
+    @property
     def restored_from(self) -> Any:
         """The checkpoint's manifest this process last restored from storage (None: none)."""
-        return self.commits.restored_from if self.commits is not None else None
+        return self._commits.restored_from if self._commits is not None else None
 
     def register_reset_callbacks(self, callbacks: list[Callable[[], None]]) -> None:
         """Functions run after every reset (e.g. to rescale the learning rate by size)."""
@@ -86,7 +121,7 @@ class State:
     def syncs_after_every_reset(self) -> bool:
         """True when the state is laid out for one world (a sharded optimizer's), so that
         it is synced after every reset, even one raised with `skip_sync=True`."""
-        return self.commits is not None and self.commits.shards is not None
+        return self._commits is not None and self._commits.shards is not None
 
     def commit(self) -> None:
         """Saves the state in memory, then checks for added or removed hosts (raising
@@ -103,7 +138,7 @@ class State:
         storage (it is due, or the driver asked for it), and every rank writes its part of it
         first."""
         probe = runtime.host_update_probe()
-        commits = self.commits
+        commits = self._commits
         due = commits.due() if commits is not None else None
         if probe is None and due is None:  # the same on every rank
             return
@@ -124,8 +159,8 @@ class State:
     def finish_writes(self) -> None:
         """Waits for this rank's durable write under way, if any (before leaving the job),
         up to the checkpoint's `write_timeout_s`."""
-        if self.commits is not None:
-            self.commits.finish_writes()
+        if self._commits is not None:
+            self._commits.finish_writes()
 
     def checkpoint(self, timeout_s: float | None = None) -> None:
         """Writes the last commit to durable storage now and returns once the checkpoint is
@@ -137,27 +172,27 @@ class State:
             CheckpointError: the checkpoint could not be written or completed (on every
                 rank alike), naming the path and the cause.
         """
-        if self.commits is None or self.commits.durable is None:
+        if self._commits is None or self._commits.durable is None:
             kind = type(self).__name__
             raise ConfigError(f"this {kind} has no durable checkpoints: give {kind}(..., "
                               "checkpoint=CheckpointConfig(storage_path=...)) or "
                               "RayExecutor(..., checkpoint=...)")
-        self.commits.checkpoint(timeout_s)
+        self._commits.checkpoint(timeout_s)
 
     def save(self) -> None:
-        if self.commits is None:
+        if self._commits is None:
             raise NotImplementedError
-        self.commits.commit()
+        self._commits.commit()
 
     def restore(self) -> None:
-        if self.commits is None:
+        if self._commits is None:
             raise NotImplementedError
-        self.commits.rollback()
+        self._commits.rollback()
 
     def sync(self) -> None:
-        if self.commits is None:
+        if self._commits is None:
             raise NotImplementedError
-        self.commits.sync()
+        self._commits.sync()
 
 
 class ObjectState(State):
@@ -168,12 +203,13 @@ class ObjectState(State):
 
     def __init__(self, *, bcast_object: BroadcastObject | None = None,
                  get_rank: Callable[[], int] | None = None, **kwargs: Any) -> None:
+        check_attribute_names(type(self), kwargs)
         super().__init__(bcast_object=bcast_object, get_rank=get_rank)
         self._names = list(kwargs)
         for name, value in kwargs.items():
             setattr(self, name, value)
-        self.commits = self._commit_manager()
-        self.commits.take()
+        self._commits = self._commit_manager()
+        self._commits.take()
 
     def _commit_manager(self) -> CommitManager:
         """The commit manager of this state (a framework's state gives its own format)."""

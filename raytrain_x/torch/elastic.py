@@ -12,7 +12,13 @@ from raytrain_x.common.errors import ConfigError
 from raytrain_x.core.process_sets import global_process_set
 from raytrain_x.core.runtime import rank
 from raytrain_x.elastic.commits import CommitManager
-from raytrain_x.elastic.state import ObjectState, State, restore_count, run
+from raytrain_x.elastic.state import (
+    ObjectState,
+    State,
+    check_attribute_names,
+    restore_count,
+    run,
+)
 from raytrain_x.torch import elastic_sampler as sampler
 from raytrain_x.torch.elastic_sampler import ElasticSampler
 from raytrain_x.torch.functions import broadcast_object
@@ -60,6 +66,7 @@ class TorchState(ObjectState):
                  optimizer: torch.optim.Optimizer | None = None, replicas: int = 1,
                  checkpoint: CheckpointConfig | None = None, overlap_commits: bool = True,
                  **kwargs: Any) -> None:
+        check_attribute_names(type(self), kwargs)
         self.model = model
         self.optimizer = optimizer
         handled = {"model": model, "optimizer": optimizer,

@@ -46,7 +46,7 @@ def _commit_then_step() -> dict:
     step()  # queued at once after the commit: it must not change what was committed
     state.step = 3
     moved = any(not torch.equal(v, expected[k]) for k, v in model.state_dict().items())
-    snap = state.commits.committed().tree()["handled"]["model"]
+    snap = state._commits.committed().tree()["handled"]["model"]
     placed = sorted({(str(t.device), t.is_pinned()) for t in snap.values()
                      if torch.is_tensor(t)})
     state.restore()

@@ -458,6 +458,13 @@ def _init_again_after_refused_sets() -> dict:
         rx.init(process_sets=[rx.ProcessSet([0, 7])])
     except rx.ConfigError as exc:
         out["refused"] = str(exc)
+    try:  # the first set is fine, the second repeats it: neither is registered
+        rx.init(process_sets=[rx.ProcessSet([0]), rx.ProcessSet([0])])
+    except ValueError as exc:  # Horovod's test_process_sets_static expects a ValueError
+        out["twice"] = str(exc)
+    zero = rx.ProcessSet([0])
+    rx.init(process_sets=[zero])
+    out["zero"] = zero.process_set_id
     ones = rx.ProcessSet([1])
     rx.init(process_sets=[ones])  # Horovod registers the sets of the second init
     out["id"] = ones.process_set_id
@@ -471,9 +478,13 @@ def _init_again_after_refused_sets() -> dict:
 
 def test_init_again_registers_the_process_sets_a_failed_init_did_not():
     """After an `init(process_sets=...)` whose sets were refused, a second `init` with sets
-    that are right did nothing (the runtime had started), and the sets stayed unregistered."""
+    that are right did nothing (the runtime had started), and the sets stayed unregistered.
+    A list refused for a set it names twice registered the first copy, so the same set in
+    the next `init` was refused as "already exists": a list is registered whole or not at
+    all."""
     for out in run_workers(_init_again_after_refused_sets, 2):
         assert "0..1" in out["refused"]
+        assert "earlier in the same list" in out["twice"] and out["zero"] is not None
         assert out["id"] is not None and out["id"] == out["same_id"]
         assert out.get("sum", 1.0) == 1.0
 

@@ -222,7 +222,7 @@ def _elastic_sync() -> dict:
     out["anchor_next"] = [a.numpy() for a in steps.anchor]
     state.commit()
     with tempfile.TemporaryDirectory() as folder:  # the state as durable checkpoints keep it
-        tree = state.commits.committed().tree()
+        tree = state._commits.committed().tree()
         durable.save(tree, folder)
         loaded = durable.load(folder)
         names = [k for k in loaded["keys"] if k.endswith(("_rx_anchor", "_rx_outer_momentum"))]

@@ -107,7 +107,7 @@ def test_a_torch_state_commits_rolls_back_and_syncs_through_its_manager():
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         sampler = rx.elastic.ElasticSampler(list(range(10)), shuffle=False)
         state = rx.elastic.TorchState(model, opt, sampler=sampler, epoch=0, note="a")
-        commits = state.commits
+        commits = state._commits
         assert commits.number == 0 and commits.durable is None
         state.sync()
         assert commits.number == 1
@@ -150,7 +150,48 @@ def test_an_object_state_is_the_same_manager_over_its_attributes():
         state.seen.append(3)
         state.restore()
         assert (state.epoch, state.seen) == (4, [1, 2]), (state.epoch, state.seen)
-        assert state.commits.number == 2 and state.commits.format.layout == "objects"
+        assert state._commits.number == 2 and state._commits.format.layout == "objects"
+        runtime.shutdown()
+        print("ok")
+    """)
+
+
+def test_user_attributes_take_any_name_but_the_states_methods():
+    """Horovod's elastic test script builds `TorchState(model, optimizer, batch=0, epoch=0,
+    commits=0, rendezvous=0)`: `commits` was the state's commit manager, and the first commit
+    ended in `TypeError: cannot pickle '_thread.lock' object` from inside `copy.deepcopy`.
+    Its attributes now take any name; one that is a method of the state is refused, named;
+    Horovod's `state._host_messages.empty()` answers (no driver: empty)."""
+    _run("""
+        import torch
+        from raytrain_x.common.errors import ConfigError
+        from raytrain_x.core import runtime
+        import raytrain_x.torch as rx
+
+        runtime.start()
+        model = torch.nn.Linear(2, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        state = rx.elastic.TorchState(model, opt, batch=0, epoch=0, commits=0, rendezvous=0)
+        state.sync()
+        state.commits += 1
+        state.rendezvous += 1
+        state.commit()
+        state.commits, state.rendezvous = 5, 7
+        state.restore()
+        assert (state.commits, state.rendezvous) == (1, 1), (state.commits, state.rendezvous)
+        assert state._host_messages.empty()
+        for bad, said in [({"commit": 0}, "'commit' is TorchState.commit"),
+                          ({"restored_from": 1}, "'restored_from' is TorchState.restored_from"),
+                          ({"_format": 1}, "names that start with '_'")]:
+            for make in (lambda: rx.elastic.TorchState(model, opt, **bad),
+                         lambda: rx.elastic.ObjectState(**bad)):
+                try:
+                    make()
+                except ConfigError as exc:
+                    kind = "TorchState" if "TorchState" in str(exc) else "ObjectState"
+                    assert said.replace("TorchState", kind) in str(exc), exc
+                else:
+                    raise AssertionError(f"{bad} was taken")
         runtime.shutdown()
         print("ok")
     """)

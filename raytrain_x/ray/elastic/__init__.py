@@ -18,7 +18,23 @@ log.
     parts.py           JobParts: what the job acts through (Ray's, or a simulation's)
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 from raytrain_x.ray.elastic.job import ElasticJob, run_job
+from raytrain_x.ray.elastic.ray_nodes import HostDiscovery, RayHostDiscovery, TestDiscovery
 from raytrain_x.ray.elastic.settings import ElasticSettings
 
-__all__ = ["ElasticJob", "ElasticSettings", "run_job"]
+__all__ = ["ElasticJob", "ElasticRayExecutor", "ElasticSettings", "HostDiscovery",
+           "RayHostDiscovery", "TestDiscovery", "run_job"]
+
+
+def __getattr__(name: str) -> Any:
+    """`ElasticRayExecutor`, as Horovod's `horovod.ray.elastic` has it: an alias for Horovod's
+    import path, looked up when asked for. The executor is built on this package, so the
+    dependency runs from it to here; the alias does not make one back."""
+    if name == "ElasticRayExecutor":
+        return importlib.import_module("raytrain_x.ray.elastic_executor").ElasticRayExecutor
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
