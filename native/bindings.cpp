@@ -271,6 +271,10 @@ NB_MODULE(_native, m) {
     using namespace rtx;
     m.doc() = "raytrain-x native fusion core: fusion buffers, pack/unpack, response cache, "
               "shared-memory groups.";
+    // At interpreter exit a daemon thread (the engine's cycle, autotune's sampler) may still
+    // hold the module's objects: nanobind's leak report then lists every bound function on
+    // the user's terminal, about objects the process is releasing anyway.
+    nb::set_leak_warnings(false);
 
     nb::class_<FusionBuffer>(m, "FusionBuffer")
         .def("__init__",

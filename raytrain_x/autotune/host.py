@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
+import subprocess
+import sys
 import threading
 from typing import Any
 
@@ -53,16 +56,27 @@ class ProcessController:
     training process it would hold the GIL that rank 0's training and engine threads need,
     and every rank would wait for rank 0 (measured: 150-400 ms lost per knob switch on 2
     cores, against 30-40 ms with the search out of the process).
+
+    The child is a fresh interpreter that imports only this package (`python -c`), never the
+    training script: a `spawn` child re-ran a script without an `if __name__ == "__main__":`
+    guard (Horovod's style), whose `init()` then failed. It ends when this process's end of
+    the pipe closes.
     """
 
     def __init__(self, config: AutotuneConfig, start: Knobs, fixed: frozenset[str]) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self._process = ctx.Process(target=_serve, args=(child, config, start, fixed),
-                                    name="raytrain-x-autotune", daemon=True)
-        self._process.start()
+        self._conn, child = multiprocessing.Pipe()
+        fd = child.fileno()
+        package_root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [package_root, *filter(None, [os.environ.get("PYTHONPATH")])])}
+        for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            env[var] = "1"
+        self._process = subprocess.Popen(
+            [sys.executable, "-c", f"from raytrain_x.autotune.host import serve; serve({fd})"],
+            pass_fds=(fd,), env=env, stdin=subprocess.DEVNULL)
         child.close()
         self._lock = threading.Lock()
+        self._conn.send((config, start, fixed))
 
     def _call(self, method: str, *args: Any) -> Any:
         with self._lock:
@@ -83,10 +97,14 @@ class ProcessController:
         return self._call("report", score)
 
 
-def _serve(conn, config: AutotuneConfig, start: Knobs, fixed: frozenset[str]) -> None:
-    """The child process of `ProcessController`: answers calls until the parent is gone."""
-    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        os.environ[var] = "1"
+def serve(fd: int) -> None:
+    """The child process of `ProcessController`: takes the controller's arguments, then
+    answers calls until the parent is gone."""
+    conn = multiprocessing.connection.Connection(fd)
+    try:
+        config, start, fixed = conn.recv()
+    except (EOFError, OSError):
+        return
     controller = BackgroundController(config, start, fixed)
     while True:
         try:
@@ -101,7 +119,7 @@ def _serve(conn, config: AutotuneConfig, start: Knobs, fixed: frozenset[str]) ->
 
 def local_controller(config: AutotuneConfig, start: Knobs, fixed: frozenset[str]):
     """The controller for a rank 0 without a controller actor: in a child process, or in
-    this process where none can be started (a daemonic process may have no children)."""
+    this process where none can be started."""
     try:
         return ProcessController(config, start, fixed)
     except (AssertionError, OSError) as exc:

@@ -5,6 +5,7 @@ is a benchmark's to say: docs/performance.md and docs/autotune.md, with their co
 from __future__ import annotations
 
 import csv
+import os
 import sys
 import time
 from pathlib import Path
@@ -178,3 +179,45 @@ def test_autotune_on_the_default_optimizer_path(tmp_path, bucket_cap_mb, searche
     assert out.returncode == 0, out.stderr
     assert "samples/s" in out.stdout and f"searched: {searched.replace('+', ', ')}" in out.stdout
     assert "cost of tuning" in out.stdout
+
+
+_UNGUARDED = """\
+import torch
+import raytrain_x.torch as hvd   # Horovod's style: no `if __name__ == "__main__":` guard
+
+hvd.init()
+model = torch.nn.Linear(8, 2)
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                               named_parameters=model.named_parameters())
+for step in range(2000):
+    opt.zero_grad()
+    model(torch.randn(16, 8)).pow(2).mean().backward()
+    opt.step()
+print("trained", hvd.rank())
+"""
+
+
+def test_autotune_never_runs_the_users_script_again(ray_cluster, tmp_path):
+    """The search's process was started with `spawn`, which imports the script as its main
+    module: an unguarded script ran `init()` again in it and failed ("Address already in
+    use"); rank 0 died with "the autotune controller process ended". The launched script
+    now scores samples, and the report draws them."""
+    script = tmp_path / "train.py"
+    script.write_text(_UNGUARDED)
+    log_path = tmp_path / "tune.csv"
+    bin_dir = Path(sys.executable).parent
+    out = limits.run([str(bin_dir / "raytrain-x"), "run", "-np", "2", "--address", ray_cluster,
+                      "--autotune", "--autotune-log-file", str(log_path),
+                      "--autotune-warmup-samples", "1", "--autotune-steps-per-sample", "20",
+                      "--autotune-bayes-opt-max-samples", "4", "python", str(script)],
+                     40, "an unguarded script under --autotune", cwd=tmp_path,
+                     env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "trained 0" in out.stdout and "trained 1" in out.stdout
+    assert "Address already in use" not in out.stdout + out.stderr
+    kinds = [r["kind"] for r in csv.DictReader(log_path.open())]
+    assert kinds.count("sample") >= 2 and "best" in kinds, kinds
+    plot = tmp_path / "tune.png"
+    report = limits.run([str(bin_dir / "raytrain-x"), "autotune-report", str(log_path),
+                         "--plot", str(plot)], 30, "the autotune report", cwd=REPO)
+    assert report.returncode == 0 and plot.stat().st_size > 10_000, report.stderr
