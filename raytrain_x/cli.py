@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import sys
 import threading
 import time
@@ -63,8 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Runs COMMAND on N Ray workers joined into one world.")
     run.add_argument("-np", "--num-proc", dest="np", type=int,
                      help="number of workers (required)")
-    run.add_argument("--address", help="Ray cluster address (default: running cluster, else "
-                     "a local one)")
+    run.add_argument("--address", help="Ray cluster address; 'auto' joins the one running "
+                     "on this machine (default: RAY_ADDRESS, else a new local Ray for this job)")
     run.add_argument("--cpus-per-worker", type=float, default=1.0)
     run.add_argument("--use-gpu", action="store_true")
     _add_flag(run, TIMEOUT_S, "timeout", TIMEOUT_S.default)
@@ -184,6 +185,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RaytrainXError as exc:
         sys.stderr.write(f"raytrain-x: {exc}\n")
         return 1
+    except KeyboardInterrupt:  # the workers were stopped on the way out (`finally`)
+        sys.stderr.write("raytrain-x: interrupted; the job's workers are stopped\n")
+        return 130
     return 0
 
 
@@ -205,6 +209,9 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("run needs a command, e.g. raytrain-x run -np 2 python train.py")
     if args.np < 1:
         parser.error(f"-np must be >= 1, got {args.np}")
+    if os.sep not in command[0] and shutil.which(command[0]) is None:
+        parser.error(f"command {command[0]!r} not found on PATH (raytrain-x run -np N python "
+                     "train.py runs `python train.py` on every worker)")
     cli_horovod.warn_ignored(args)
     hosts = cli_horovod.host_list(args)
     try:
@@ -232,8 +239,15 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     elastic = args.min_np is not None or args.max_np is not None
     start = time.monotonic()
-    ensure_ray(args.address, log_to_driver=args.verbose or elastic)
-    _progress(f"Ray ready in {time.monotonic() - start:.1f}s")
+    connected = ensure_ray(args.address, log_to_driver=args.verbose or elastic,
+                           logging_level=logging.INFO if args.verbose else logging.WARNING)
+    _progress(f"{connected}; ready in {time.monotonic() - start:.1f}s")
+    if connected.startswith("started"):  # it cannot grow: too many workers fail now
+        from raytrain_x.ray.connect import check_fits_local
+
+        fewest = args.np if not elastic else (
+            args.min_np if args.min_np is not None else min(args.np, args.max_np or args.np))
+        check_fits_local(fewest, args.cpus_per_worker, 1.0 if args.use_gpu else 0.0)
     run_settings = RayExecutor.create_settings(timeout_s=args.timeout)
     if elastic:
         return _run_elastic(args, command, run_settings, knobs, fixed, autotune, hosts)

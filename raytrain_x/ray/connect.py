@@ -4,6 +4,7 @@ and the job's name."""
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,22 +67,51 @@ def apply_verbose(level: int) -> None:
         logging.getLogger("raytrain_x").setLevel(logging.INFO if level == 1 else logging.DEBUG)
 
 
-def ensure_ray(address: str | None = None, **init_kwargs: Any) -> None:
-    """Connects to Ray: `address`, else a running cluster (`auto`), else a local one.
+def ensure_ray(address: str | None = None, **init_kwargs: Any) -> str:
+    """Connects to Ray: `address`, else `RAY_ADDRESS`, else a new local Ray of this process's
+    own. A cluster that merely runs on the machine (another terminal's job, a neighbour's
+    `ray start`) is never joined unasked: name it with `address="auto"` or its address.
 
     Args:
-        address: a Ray address (`auto`, `ray://...`, `host:port`, `local`); None tries a running
-            cluster, then starts a local one.
+        address: a Ray address (`auto`, `ray://...`, `host:port`, `local`); None reads
+            `RAY_ADDRESS`, then starts a local Ray.
+
+    Returns:
+        What this process is connected to, in a line for the user: "joined ...",
+        "started ..." or "already connected ...".
     """
     if ray.is_initialized():
-        return
-    if address:
-        ray.init(address=address, **init_kwargs)
-        return
-    try:
-        ray.init(address="auto", **init_kwargs)
-    except ConnectionError:
-        ray.init(**init_kwargs)
+        return "already connected to Ray"
+    named = address or os.environ.get("RAY_ADDRESS") or None
+    ray.init(address=named or "local", **init_kwargs)
+    if named:
+        return f"joined the Ray cluster at {named} ({_cpus()} CPUs)"
+    return (f"started a local Ray of {_cpus()} CPUs for this job (--address or RAY_ADDRESS "
+            "joins a running cluster)")
+
+
+def _cpus() -> str:
+    cpus = ray.cluster_resources().get("CPU", 0)
+    return f"{cpus:g}"
+
+
+def check_fits_local(workers: int, cpus_per_worker: float, gpus_per_worker: float) -> None:
+    """A Ray this process started cannot grow: more workers than it can place fail at once,
+    with the arithmetic, instead of waiting out the placement timeout.
+
+    Raises:
+        ConfigError: the workers need more CPUs or GPUs than the local Ray has.
+    """
+    have = ray.cluster_resources()
+    for kind, per in (("CPU", cpus_per_worker), ("GPU", gpus_per_worker)):
+        need = workers * per
+        if per and need > have.get(kind, 0) + 1e-9:
+            fit = int(have.get(kind, 0) // per)
+            raise ConfigError(
+                f"{workers} workers need {need:g} {kind}s ({per:g} each) and the local Ray "
+                f"this job started has {have.get(kind, 0):g}: give -np {fit} or fewer"
+                + (", a smaller --cpus-per-worker" if kind == "CPU" else "")
+                + ", or --address of a cluster with room")
 
 
 _executors_started = 0  # in this process: numbers the default job names

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayTaskError
 
 from raytrain_x.common import settings
 from raytrain_x.common.horovod_env import worker_env
@@ -99,13 +99,31 @@ def run_command_on_workers(executor: RayExecutor, command: list[str], env: dict[
                 else:
                     emit(rank, item)
         except RayActorError:
+            if interrupted.is_set():  # the launcher stops the workers: nothing to report
+                return
             emit(rank, "raytrain-x: this worker's actor died (node lost or killed)")
             results[rank] = {"code": 1, "ended": time.time(), "lost_peer": False}
+        except RayTaskError as exc:  # the launch itself failed on the worker: its cause
+            emit(rank, f"raytrain-x: the command could not run: {exc.cause!r}")
+            results[rank] = {"code": 1, "ended": time.time(), "lost_peer": False}
 
+    interrupted = threading.Event()
     threads = [threading.Thread(target=follow, args=(r,), daemon=True)
                for r in range(len(executor.workers))]
     for t in threads:
         t.start()
+    try:
+        _wait_for_ranks(executor, threads, results, emit)
+    except KeyboardInterrupt:  # Ctrl-C: the caller stops the workers, quietly
+        interrupted.set()
+        raise
+    return results
+
+
+def _wait_for_ranks(executor: RayExecutor, threads: list[threading.Thread],
+                    results: list[dict], emit: Callable[[int, str], None]) -> None:
+    """Until every rank's command ended; once one failed, the others get the job's timeout
+    and `STOP_GRACE_S`, then their workers are killed."""
     deadline = float("inf")
     while any(t.is_alive() for t in threads):
         for t in threads:
@@ -124,4 +142,3 @@ def run_command_on_workers(executor: RayExecutor, command: list[str], env: dict[
                     results[rank] = {"code": 1, "ended": time.time(), "lost_peer": True,
                                      "stopped": True}
             break
-    return results

@@ -279,13 +279,19 @@ class WorkerActor:
         fd, self.status_file = tempfile.mkstemp(prefix="rtx-status-", suffix=".json")
         os.close(fd)
         try:
-            proc = subprocess.Popen(
-                command, env={**os.environ, **env, "PYTHONUNBUFFERED": "1",
-                              settings.LAUNCHED.env: "1",
-                              settings.STATUS_FILE.env: self.status_file},
-                cwd=cwd if cwd and os.path.isdir(cwd) else None,
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                start_new_session=True, preexec_fn=die_with_parent)
+            try:
+                proc = subprocess.Popen(
+                    command, env={**os.environ, **env, "PYTHONUNBUFFERED": "1",
+                                  settings.LAUNCHED.env: "1",
+                                  settings.STATUS_FILE.env: self.status_file},
+                    cwd=cwd if cwd and os.path.isdir(cwd) else None,
+                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                    start_new_session=True, preexec_fn=die_with_parent)
+            except OSError as exc:  # not found, not executable: the shell's one line and code
+                yield f"raytrain-x: cannot run {command[0]!r}: {exc.strerror}"
+                yield {"code": 127 if isinstance(exc, FileNotFoundError) else 126,
+                       "ended": time.time(), "lost_peer": False}
+                return
             assert proc.stdout is not None
             try:
                 for raw in proc.stdout:

@@ -93,6 +93,7 @@ def test_a_failed_rank_ends_the_launch_even_with_a_stuck_peer_and_leaves_no_proc
         (["run", "-np", "2", "-H", "a:x", "python", "x.py"], "is not 'host:slots'"),
         (["run", "--log-level", "LOUD", "-np", "2", "python", "x.py"], "invalid choice"),
         (["run", "python", "x.py"], "required: -np"),
+        (["run", "-np", "2", "pyhton", "x.py"], "command 'pyhton' not found on PATH"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(args, message):
@@ -438,3 +439,77 @@ def test_a_checkpoint_path_that_cannot_be_written_fails_the_start_naming_it(
     assert out.returncode == 1, out.stderr[-3000:]
     assert f"durable checkpoints cannot be written at {blocker}/probed" in out.stderr
     assert "the script ran" not in out.stdout
+
+
+def test_a_command_that_cannot_run_is_one_line_per_rank(ray_cluster, tmp_path):
+    """A command the workers could not start was two threads' interleaved tracebacks (61
+    lines, the cause in the middle); now each rank says it in one line, with the shell's
+    exit code (126: not executable)."""
+    script = tmp_path / "not_executable.sh"
+    script.write_text("echo hi\n")
+    out = _cli("run", "-np", "2", "--address", ray_cluster, str(script), work_s=15)
+    assert out.returncode == 126, out.stderr[-2000:]
+    assert "Traceback" not in out.stdout + out.stderr, out.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"[{rank}]<stdout>:raytrain-x: cannot run {str(script)!r}: Permission denied" \
+            in out.stdout, out.stdout
+
+
+def test_a_job_starts_its_own_ray_and_says_at_once_what_cannot_fit(tmp_path):
+    """Without --address or RAY_ADDRESS the job joined any Ray running on the machine (the
+    suite's own cluster runs here now); and more workers than a local Ray can place waited
+    out the placement timeout (108 s of silence). Now it starts its own Ray, says so first,
+    and refuses what cannot fit in one line with the arithmetic."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    too_many = (os.cpu_count() or 1) + 3
+    began = time.monotonic()
+    out = limits.run([str(BIN / "raytrain-x"), "run", "-np", str(too_many), "python", "x.py"],
+                     15, "a job too big for its local Ray", ray_starts=1, cwd=tmp_path,
+                     env={**env, "RAY_AUTH_MODE": "disabled"})
+    assert out.returncode == 2, out.stderr[-2000:]
+    lines = out.stderr.strip().splitlines()
+    assert lines[0].startswith(f"raytrain-x: started a local Ray of {os.cpu_count()} CPUs"), \
+        out.stderr
+    assert lines[-1] == (f"raytrain-x: error: {too_many} workers need {too_many} CPUs (1 each) "
+                         f"and the local Ray this job started has {os.cpu_count()}: give -np "
+                         f"{os.cpu_count()} or fewer, a smaller --cpus-per-worker, or "
+                         "--address of a cluster with room"), out.stderr
+    assert len(lines) == 2, out.stderr
+    assert time.monotonic() - began < 60  # not the placement timeout (100 s)
+
+
+def test_ctrl_c_stops_the_job_with_exit_130_and_one_line(ray_cluster, tmp_path):
+    """Ctrl-C was clean underneath but printed a KeyboardInterrupt traceback and "this
+    worker's actor died" per rank, and exited 1."""
+    marker = f"rtx-ctrl-c-{os.getpid()}"
+    script = tmp_path / "long.py"
+    script.write_text(
+        "import sys, time, raytrain_x.torch as rx\n"
+        "rx.init()\n"
+        "print('training', rx.rank(), flush=True)\n"
+        f"time.sleep(1000)  # {marker}\n")
+    proc = subprocess.Popen([str(BIN / "raytrain-x"), "run", "-np", "2", "--address", ray_cluster,
+                             "python", str(script)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    try:
+        seen: list[str] = []
+        reader = threading.Thread(target=lambda: seen.extend(proc.stdout), daemon=True)
+        reader.start()
+        limits.wait_until(lambda: sum("training" in line for line in seen) == 2, 20,
+                          "both ranks training")
+        proc.send_signal(2)  # what Ctrl-C sends
+        code = proc.wait(timeout=limits.limit(20))
+        err = proc.stderr.read()
+        reader.join(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert code == 130, err[-3000:]
+    assert "Traceback" not in err and "actor died" not in "".join(seen) + err, err[-3000:]
+    assert err.strip().splitlines()[-1] == \
+        "raytrain-x: interrupted; the job's workers are stopped", err
+    limits.wait_until(lambda: subprocess.run(["pgrep", "-f", marker], capture_output=True,
+                                             text=True).stdout.strip() == "", 10,
+                      "the scripts to end with their workers")
