@@ -73,7 +73,11 @@ def main() -> None:
             num_samples=args.samples, max_concurrent_trials=1),
         run_config=tune.RunConfig(name="tune_digits", verbose=1,
                                   storage_path=os.path.abspath("results/tune")))
-    best = tuner.fit().get_best_result(metric="accuracy", mode="max")
+    results = tuner.fit()
+    if not any("accuracy" in (r.metrics or {}) for r in results):  # stopped early (Ctrl-C)
+        print("no trial reported an accuracy yet")
+        return
+    best = results.get_best_result(metric="accuracy", mode="max")
     print(f"best accuracy {best.metrics['accuracy']:.3f} with lr {best.config['lr']:.3f}, "
           f"micro-batch {int(best.config['micro_batch_size'])}")
 

@@ -36,6 +36,22 @@ def evaluate(model) -> float:
         return float(torch.nn.functional.mse_loss(model(x), y))
 
 
+def train_and_evaluate(lr: float) -> float:
+    """A training loop inside a Tune trial's workers: a few steps, then an accuracy."""
+    import torch
+
+    import raytrain_x.torch as rx
+
+    model, _ = build()
+    opt = rx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr),
+                                  named_parameters=model.named_parameters())
+    for x, y in my_shard_of_the_data:
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return 1.0 / (1.0 + evaluate(model))
+
+
 def train_some_steps(steps: int = 3) -> None:
     """A few allreduces, so the trace has something in it."""
     import torch

@@ -170,9 +170,9 @@ def probe_storage(storage: Storage, folder: str) -> None:
         storage.delete_file(path)
     except StorageError as exc:
         raise StorageError(f"durable checkpoints cannot be written at "
-                           f"{storage.describe(folder)}: {exc}. Give "
-                           "CheckpointConfig(storage_path=...) a path or bucket this job "
-                           "can write") from None
+                           f"{storage.describe(folder)}: {exc}. Give a path or bucket "
+                           "this job can write (--checkpoint-path on the command line, "
+                           "CheckpointConfig(storage_path=...) in Python)") from None
     if back != b"raytrain-x":
         raise StorageError(f"{storage.describe(path)} did not read back what was written")
 

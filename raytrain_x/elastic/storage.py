@@ -117,8 +117,9 @@ class ArrowStorage(Storage):
             try:
                 self.fs, base = pafs.FileSystem.from_uri(storage_path)
             except Exception as exc:  # noqa: BLE001 - pyarrow raises several kinds
-                raise ConfigError(f"CheckpointConfig(storage_path={storage_path!r}) cannot "
-                                  f"be opened: {exc}") from None
+                raise ConfigError(f"the checkpoint path {storage_path!r} (--checkpoint-path, "
+                                  f"CheckpointConfig(storage_path=...)) cannot be opened: "
+                                  f"{exc}") from None
         else:
             self.fs, base = pafs.LocalFileSystem(), absolute_path(storage_path)
         self.base = base.rstrip("/")

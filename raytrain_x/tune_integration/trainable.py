@@ -158,7 +158,9 @@ def DistributedTrainableCreator(  # noqa: N802 - Horovod's name
             raise ConfigError(f"num_workers must be >= 1, got {num_workers}")
         world = num_workers
     worker_bundle = {"CPU": cpus_per_worker, **({"GPU": 1} if use_gpu else {})}
-    resources = tune.PlacementGroupFactory([{"CPU": 1}] + [worker_bundle] * world)
+    # the trial driver only waits on its workers: no CPU of its own (an empty head bundle),
+    # so a 2-worker trial fits a 2-CPU machine
+    resources = tune.PlacementGroupFactory([{}] + [worker_bundle] * world)
 
     def trainable(config: dict) -> None:
         knobs = None

@@ -451,6 +451,7 @@ def test_a_checkpoint_path_that_cannot_be_written_fails_the_start_naming_it(
                str(script))
     assert out.returncode == 1, out.stderr[-3000:]
     assert f"durable checkpoints cannot be written at {blocker}/probed" in out.stderr
+    assert "--checkpoint-path on the command line" in out.stderr  # what this user gave
     assert "the script ran" not in out.stdout
 
 

@@ -3,9 +3,10 @@
 The line before each fenced block is a marker:
 
     <!-- snippet: worker -->      Python run on each rank of a 2-rank world
-    <!-- snippet: driver -->      Python run as a driver script on the session's Ray cluster
+    <!-- snippet: driver -->      Python run as a driver script on a 2-CPU Ray cluster (the
+                                  README's machine's size)
     <!-- snippet: shell -->       commands run by bash in a scratch folder, `raytrain-x`
-                                  and `python` from the test environment, the session's
+                                  and `python` from the test environment, that 2-CPU
                                   cluster as RAY_ADDRESS
     <!-- snippet: file NAME -->   a file the page's driver and shell blocks read (written
                                   into their folder first)
@@ -30,13 +31,17 @@ import ast
 import json
 import os
 import re
+import shutil
 import sys
+import tempfile
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 from tests import limits
-from tests.conftest import REPO
+from tests.conftest import REPO, TEMP_PREFIX
 from tests.workers import run_workers
 
 GUIDES = [Path(REPO) / "README.md",
@@ -197,27 +202,55 @@ def _folder(tmp_path: Path, block: Block) -> str:
     return str(folder)
 
 
-def _env(ray_cluster: str) -> dict[str, str]:
-    return {**os.environ, "RAY_ADDRESS": ray_cluster, "RAY_AUTH_MODE": "disabled",
+def _env(address: str) -> dict[str, str]:
+    return {**os.environ, "RAY_ADDRESS": address, "RAY_AUTH_MODE": "disabled",
             "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
             "PYTHONPATH": REPO}
 
 
-def test_driver_blocks_run(ray_cluster, tmp_path):
+@pytest.fixture(scope="module")
+def readme_sized_cluster():
+    """A Ray cluster the size of the README's machine, 2 CPUs, for the guides' driver and
+    shell blocks: the session's cluster has 8 logical CPUs, on which a Tune trial asking 3
+    CPUs ran, and hung on a user's 2-core machine. Stopped, whatever happens."""
+    from raytrain_x.testing.processes import cluster_processes, stop
+    from raytrain_x.testing.waiting import free_port
+
+    port = free_port()
+    temp = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}doc", dir="/tmp"))  # short socket paths
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    try:
+        start = limits.run(
+            [str(Path(sys.executable).parent / "ray"), "start", "--head", f"--port={port}",
+             "--num-cpus=2", "--include-dashboard=false", f"--temp-dir={temp}",
+             f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
+             f"--dashboard-agent-listen-port={free_port()}",
+             f"--dashboard-agent-grpc-port={free_port()}", "--disable-usage-stats"],
+            10, "a 2-CPU cluster for the guides' blocks", ray_starts=1, env=env)
+        assert start.returncode == 0, start.stderr[-2000:]
+        yield f"127.0.0.1:{port}"
+    finally:
+        stop(cluster_processes([str(temp), f":{port} "]))
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def test_driver_blocks_run(readme_sized_cluster, tmp_path):
     blocks = [(b.id, b.code, _folder(tmp_path, b)) for b in _of("driver")]
     (tmp_path / "blocks.json").write_text(json.dumps(blocks))
     script = _DRIVER.format(names=str(Path(REPO) / "tests" / "doc_names.py"),
                             blocks=str(tmp_path / "blocks.json"))
-    out = limits.run([sys.executable, "-c", script], 10 + 6 * len(blocks),
-                     "the guides' driver blocks", env=_env(ray_cluster))
+    # a home of its own: Ray Tune writes its results under ~/ray_results by default
+    out = limits.run([sys.executable, "-c", script], 30 + 6 * len(blocks),
+                     "the guides' driver blocks",
+                     env={**_env(readme_sized_cluster), "HOME": str(tmp_path)})
     assert out.returncode == 0, out.stderr[-3000:]
     failed = json.loads(out.stdout.rsplit("FAILED ", 1)[1])
     assert not failed, "\n".join(f"{k}:\n{v}" for k, v in failed.items())
 
 
-def test_shell_blocks_run(ray_cluster, tmp_path):
+def test_shell_blocks_run(readme_sized_cluster, tmp_path):
     for block in _of("shell"):
         script = "set -euo pipefail\n" + textwrap.dedent(block.code)
         out = limits.run(["bash", "-c", script], 30, f"the shell block {block.id}",
-                         cwd=_folder(tmp_path, block), env=_env(ray_cluster))
+                         cwd=_folder(tmp_path, block), env=_env(readme_sized_cluster))
         assert out.returncode == 0, (block.id, out.stdout[-2000:], out.stderr[-3000:])

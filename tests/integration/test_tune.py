@@ -27,6 +27,16 @@ def _trial(config: dict) -> None:
                 "size": rx.size(), "fusion": rx.knobs().fusion_threshold_bytes})
 
 
+def test_a_trial_asks_one_cpu_per_worker_and_none_for_its_driver():
+    """A 2-worker trial asked 1 CPU for its driver and 1 per worker: on a 2-core machine it
+    stayed PENDING forever (`examples/tune_digits.py` hung). The driver only waits on its
+    workers; the placement group's head bundle is empty."""
+    trainable = DistributedTrainableCreator(lambda config: None, num_workers=2)
+    request = trainable._resources  # what tune.with_resources attached
+    assert request.head_bundle_is_empty
+    assert request.required_resources == {"CPU": 2.0}
+
+
 def test_tuner_with_distributed_trials_and_bayesopt(ray_cluster, tmp_path):
     from ray.tune.search.bayesopt import BayesOptSearch
 
