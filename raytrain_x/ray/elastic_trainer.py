@@ -30,6 +30,7 @@ from ray.train.v2.api.result import Result
 from raytrain_x.common.errors import ConfigError, ElasticStateLost, WorkerError
 from raytrain_x.ray import internals
 from raytrain_x.ray.data_feed import start_feed
+from raytrain_x.ray.elastic.settings import ElasticSettings
 from raytrain_x.ray.executor import RayExecutor
 from raytrain_x.ray.train_reports import start_reports, storage_uri
 from raytrain_x.ray.train_worker import RunInfo, install
@@ -66,6 +67,23 @@ def check_elastic_scaling(scaling_config: Any) -> tuple[int, int]:
     return bounds[0], bounds[1]
 
 
+# Ray Train's default `elastic_resize_monitor_interval_s`: each of its resizes restarts the
+# worker group, so it looks for capacity once a minute. A resize here is a join at the next
+# commit, and the driver looks every second unless the user sets another interval.
+RAY_TRAIN_RESIZE_INTERVAL_S = 60.0
+
+
+def resize_interval(scaling_config: Any) -> float:
+    """Seconds between the driver's looks for capacity to grow into: the user's
+    `ScalingConfig(elastic_resize_monitor_interval_s=...)`, or 1 s where it is Ray Train's
+    default. Failures and drains are handled as they come, whatever the interval."""
+    given = float(getattr(scaling_config, "elastic_resize_monitor_interval_s",
+                          RAY_TRAIN_RESIZE_INTERVAL_S))
+    if given == RAY_TRAIN_RESIZE_INTERVAL_S:
+        return ElasticSettings.discovery_interval_s
+    return max(given, 0.1)
+
+
 def _worker(train_fn: Any, run: RunInfo) -> Any:
     install(run)
     return train_fn()
@@ -98,6 +116,7 @@ def fit_elastic(trainer: Any) -> Result:
         resources_per_worker=scaling.additional_resources_per_worker, knobs=config.knobs,
         autotune=config.autotune, name=name, max_failures=left,
         cooldown_range=COOLDOWN_RANGE_S)
+    executor.discovery_interval_s = resize_interval(scaling)
     train_fn = trainer._get_train_func()
     actors: list[Any] = []  # the run's ledger and feeds: gone when fit() returns or raises
     reports: Any = None

@@ -197,6 +197,9 @@ class RayExecutor:
         self.max_failures = None if max_failures == -1 else max_failures
         self.elastic_timeout = elastic_timeout
         self.start_timeout_s = start_timeout_s
+        # how often an elastic job looks for capacity to grow into (the elastic trainer sets
+        # it from ScalingConfig(elastic_resize_monitor_interval_s))
+        self.discovery_interval_s = ElasticSettings.discovery_interval_s
         self.knobs = knobs
         self.autotune = autotune
         self.elastic = elastic
@@ -358,7 +361,7 @@ class RayExecutor:
             discovery=self.host_discovery,
             env=self._elastic_env, autotune_actor=self.autotune_controller,
             start_timeout_s=self.start_timeout_s, checkpoint=self.checkpoint,
-            max_failures=self.max_failures)
+            max_failures=self.max_failures, discovery_interval_s=self.discovery_interval_s)
 
         def new_job() -> ElasticJob:
             job = self.last_elastic_job = ElasticJob(settings, fn, tuple(args or ()),

@@ -15,8 +15,10 @@ made for each worker group, and knobs and autotune come from the config as they 
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +27,7 @@ import ray
 from ray.train.backend import Backend, BackendConfig
 from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
+from raytrain_x.comm.store import ActorStore
 from raytrain_x.comm.store_actor import StoreActor
 from raytrain_x.common import training
 from raytrain_x.common.autotune_config import AutotuneConfig
@@ -179,6 +182,8 @@ class RaytrainXBackend(Backend):
         self._store = StoreActor.options(scheduling_strategy=stable_node_strategy()).remote()
         hosts = [p["host"] for p in places]
         cross_size = max(p["node_rank"] for p in places) + 1
+        torch_group = backend_config.framework in (None, "torch") and \
+            importlib.util.find_spec("torch") is not None
         ray.get([
             worker_group.execute_single_async(
                 rank, _join,
@@ -186,7 +191,7 @@ class RaytrainXBackend(Backend):
                  "local_size": p["local_size"], "cross_rank": p["node_rank"],
                  "cross_size": cross_size, "timeout_s": backend_config.timeout_s,
                  "hosts": hosts},
-                self._store, env, self._autotune_actor if rank == 0 else None)
+                self._store, env, self._autotune_actor if rank == 0 else None, torch_group)
             for rank, p in enumerate(places)])
 
     def on_shutdown(self, worker_group: Any, backend_config: RaytrainXConfig) -> None:
@@ -209,7 +214,8 @@ def _place() -> dict[str, Any]:
             "host": ray.util.get_node_ip_address()}  # Ray Train's local ranks go by node IP
 
 
-def _join(rdv: dict[str, Any], store: Any, env: dict[str, str], autotune_actor: Any) -> None:
+def _join(rdv: dict[str, Any], store: Any, env: dict[str, str], autotune_actor: Any,
+          torch_group: bool) -> None:
     inits = [0]
 
     def next_round() -> int:  # every init() after a shutdown() meets in a fresh key space
@@ -217,6 +223,10 @@ def _join(rdv: dict[str, Any], store: Any, env: dict[str, str], autotune_actor: 
         return inits[0]
 
     install_world(rdv, store, env, autotune_actor, next_round)
+    if torch_group:  # a TorchTrainer loop's `prepare_model` (DDP) needs torch's default group
+        _torch_face("default_group").init_default_group(
+            ActorStore(store, rdv["timeout_s"]), rdv["rank"], rdv["size"], rdv["timeout_s"],
+            rdv["hosts"][0])
     # the run's name is the `job` tag of its workers' metrics, unless one was set
     job = os.environ.get(JOB_NAME.env) or ray.train.get_context().get_experiment_name()
     metrics.export_this_process(metrics.rank_status, job,
@@ -227,6 +237,15 @@ def _leave() -> None:
     from raytrain_x.core import runtime
 
     runtime.shutdown()
+    if "torch" in sys.modules:
+        _torch_face("default_group").destroy_default_group()
+
+
+def _torch_face(module: str) -> Any:
+    """A module of the torch face, in a worker. Looked up by name: the driver side never
+    imports a framework face (docs/architecture.md), and these calls run in the workers,
+    which import torch anyway."""
+    return importlib.import_module(f"raytrain_x.torch.{module}")
 
 
 # ------------------------------------------------------------------------ trainers

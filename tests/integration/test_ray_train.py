@@ -309,6 +309,56 @@ def _never_runs() -> None:
     raise AssertionError("a worker started")
 
 
+def _ray_train_linear_loop(config: dict) -> None:
+    """Ray Train's own linear example as a `TorchTrainer` loop writes it: no raytrain-x, the
+    model through `ray.train.torch.prepare_model` (DDP), the data through
+    `prepare_data_loader` (a DistributedSampler)."""
+    import ray.train
+    import ray.train.torch
+    import torch
+
+    torch.manual_seed(0)
+    x = torch.linspace(-1, 1, 64).unsqueeze(1)
+    data = torch.utils.data.TensorDataset(x, 3 * x + 1)
+    loader = ray.train.torch.prepare_data_loader(
+        torch.utils.data.DataLoader(data, batch_size=8, shuffle=True))
+    model = ray.train.torch.prepare_model(torch.nn.Linear(1, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for epoch in range(config["epochs"]):
+        loader.sampler.set_epoch(epoch)
+        for xb, yb in loader:
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(xb), yb).backward()
+            opt.step()
+        weight = model.module.weight.detach().clone()
+        everyone = [torch.zeros_like(weight) for _ in range(ray.train.get_context()
+                                                            .get_world_size())]
+        torch.distributed.all_gather(everyone, weight)
+        metrics = {"epoch": epoch, "weight": weight.item(), "rows": len(loader.sampler),
+                   "same": all(torch.equal(w, weight) for w in everyone)}
+        with tempfile.TemporaryDirectory() as folder:  # v2 keeps the metrics of checkpoints
+            torch.save(model.module.state_dict(), os.path.join(folder, "model.pt"))
+            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder))
+
+
+def test_a_torch_trainer_loop_with_prepare_model_and_prepare_data_loader(ray_cluster, tmp_path):
+    """Ray Train's `prepare_model` and `prepare_data_loader` (most Ray Train scripts) failed
+    at 2 workers with "Default process group has not been initialized": the workers now
+    have torch's default group, as under `TorchTrainer`, made through the world's store."""
+    from ray.train import RunConfig, ScalingConfig
+
+    from raytrain_x.ray.train import RaytrainXTrainer
+
+    result = RaytrainXTrainer(
+        _ray_train_linear_loop, train_loop_config={"epochs": 12},
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(name="prepared", storage_path=str(tmp_path))).fit()
+    assert result.error is None, result.error
+    metrics = result.metrics
+    assert metrics["same"] and metrics["rows"] == 32  # DDP kept the ranks alike; half each
+    assert abs(metrics["weight"] - 3) < 0.5, metrics  # it learnt
+
+
 def test_bad_input_is_one_line_before_any_worker_starts(monkeypatch):
     import importlib.util
 
@@ -333,3 +383,18 @@ def test_bad_input_is_one_line_before_any_worker_starts(monkeypatch):
                         lambda name, *a: None if name == "tensorflow" else real(name, *a))
     with pytest.raises(ConfigError, match=r"tensorflow is not installed.*raytrain-x\[tensorflow\]"):
         RaytrainXConfig(framework="tensorflow")
+
+
+def test_the_elastic_trainer_reads_the_resize_interval():
+    """`ScalingConfig(elastic_resize_monitor_interval_s=...)` was never read: it is how often
+    the elastic driver looks for capacity to grow into; Ray Train's default (60 s, bounding
+    its restarts) leaves raytrain-x's 1 s, as growing here restarts nothing."""
+    from ray.train import ScalingConfig
+
+    from raytrain_x.ray.elastic_trainer import resize_interval
+
+    assert resize_interval(ScalingConfig(num_workers=(1, 2))) == 1.0
+    assert resize_interval(ScalingConfig(num_workers=(1, 2),
+                                         elastic_resize_monitor_interval_s=5)) == 5.0
+    assert resize_interval(ScalingConfig(num_workers=(1, 2),
+                                         elastic_resize_monitor_interval_s=0)) == 0.1
