@@ -234,11 +234,30 @@ def _sparse() -> dict:
         grad = rx.DistributedGradientTape(tape, sparse_as_dense=sparse_as_dense).gradient(
             loss, table)
         out[sparse_as_dense] = (type(grad).__name__, tf.convert_to_tensor(grad).numpy())
+    # Horovod's test_sparse_as_dense_with_grad_aggregation, on Keras 3: an embedding's
+    # sparse gradients densified and accumulated over 2 passes; 3 steps leave 1 pass
+    import keras
+    import raytrain_x.tensorflow.keras as hvd
+
+    opt = hvd.DistributedOptimizer(keras.optimizers.RMSprop(0.0001), sparse_as_dense=True,
+                                   backward_passes_per_step=2)
+    model = keras.models.Sequential([keras.layers.Embedding(1000, 64)])
+    model.compile(loss=keras.losses.mean_squared_error, optimizer=opt)
+    model.build((None, 10))
+    hvd.broadcast_variables(model.variables, root_rank=0)
+    rng = np.random.default_rng(r)
+    x, y = rng.integers(1000, size=(32, 10)), rng.random((32, 10, 64))
+    for _ in range(3):
+        model.train_on_batch(x, y)
+    weights = hvd.allgather_object(model.get_weights()[0].sum().item(), name="emb")
+    out["aggregation"] = (int(opt._agg_helper.counter.numpy()), weights[0] == weights[1])
     rx.shutdown()
     return out
 
 
 def test_indexed_slices_gradients_allgathered_or_densified():
+    """Also Keras 3's accumulation with densified sparse gradients, as Horovod tests it
+    (its `opt._agg_helper.counter` was missing)."""
     results = run_workers(_sparse, 2, env=ENV, work_s=30)
     expect = np.zeros((10, 4))
     expect[[1, 3]] += 1.0 / 2  # rank 0's rows, weight 1, averaged over 2 ranks
@@ -247,6 +266,7 @@ def test_indexed_slices_gradients_allgathered_or_densified():
         assert out[False][0] == "IndexedSlices" and out[True][0] != "IndexedSlices"
         np.testing.assert_allclose(out[False][1], expect)
         np.testing.assert_allclose(out[True][1], expect)
+        assert out["aggregation"] == (1, True)  # one pass left over; the ranks agree
 
 
 def _mixed_frameworks() -> str:

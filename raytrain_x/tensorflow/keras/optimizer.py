@@ -27,6 +27,19 @@ from raytrain_x.tensorflow.gradients import GradientReducer
 from raytrain_x.tensorflow.local_steps import LocalSGD, LocalSteps
 
 
+class _Aggregation:
+    """What Horovod's `opt._agg_helper` tells: `counter`, the passes accumulated since the
+    last update (a tensor, as Horovod's variable reads)."""
+
+    def __init__(self, optimizer: Any) -> None:
+        self._optimizer = optimizer
+
+    @property
+    def counter(self) -> Any:
+        optimizer = self._optimizer
+        return optimizer._iterations.value % optimizer._rx_passes
+
+
 class _DistributedOptimizer:
     """Mixed in before the wrapped optimizer's class; see `DistributedOptimizer`."""
 
@@ -43,6 +56,15 @@ class _DistributedOptimizer:
             reducer = self._rx_reducer
             self._rx_steps = self._rx_local.bind(self, list(variables), reducer.name,
                                                  reducer.process_set, reducer.is_local)
+
+    @property
+    def _agg_helper(self) -> _Aggregation:
+        """Horovod's gradient aggregation helper, as its tests read it: `counter`, the
+        backward passes since the last update (Keras's accumulation counts them)."""
+        if self._rx_passes == 1:
+            raise AttributeError("_agg_helper: backward_passes_per_step is 1, nothing is "
+                                 "aggregated")
+        return _Aggregation(self)
 
     def register_local_var(self, var: Any) -> None:
         """Keeps the gradient of `var` local: not reduced across ranks (Horovod's name)."""
