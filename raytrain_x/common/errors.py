@@ -55,7 +55,10 @@ class WorkerError(RaytrainXError):
 
     def __init__(self, rank: int, detail: str, lost_peer: bool = False,
                  process_lost: bool = False, state_lost: str | None = None) -> None:
-        super().__init__(f"rank {rank} failed:\n{detail}")
+        # rank -1: an elastic worker that failed before it joined a round (its script's
+        # import, say) has no rank yet
+        who = f"rank {rank}" if rank >= 0 else "a worker (before it joined a round)"
+        super().__init__(f"{who} failed:\n{detail}")
         self.rank = rank
         self.detail = detail
         self.lost_peer = lost_peer

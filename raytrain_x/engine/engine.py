@@ -131,6 +131,7 @@ class Engine:
         self._knob_listeners: list[Callable[[Knobs], None]] = []
         self._cycle_hooks: list[Callable[[Knobs, int, list[Response]], None]] = []
         self._shutdown_requested = False
+        self._peer_left: InternalError | None = None  # another rank stopped the engines
         self._join_handle = None
         self._join_state = JOIN_NONE
         self._error: BaseException | None = None
@@ -257,6 +258,8 @@ class Engine:
         if self._error is not None:
             raise self._error
         if self._stopped.is_set():
+            if self._peer_left is not None:
+                raise self._peer_left
             raise InternalError("raytrain-x has been shut down; call init() again first")
 
     # ----------------------------------------------------------------- engine thread
@@ -297,9 +300,17 @@ class Engine:
             self._pending.clear()
             self._queue.clear()
             self._inflight.clear()
-        error = self._error or InternalError(
-            "raytrain-x was shut down (on this or another rank) while this collective was "
-            "pending; make every rank finish its collectives before shutdown()")
+        if self._error is not None:
+            error = self._error
+        elif self._shutdown_requested:
+            error = InternalError(
+                "raytrain-x was shut down on this rank while this collective was pending; "
+                "make every rank finish its collectives before shutdown()")
+        else:  # another rank's engine stopped: most often its script raised or ended
+            error = self._peer_left = InternalError(
+                "another rank left the job while this collective was pending: its script "
+                "raised or ended (the launcher names the rank that failed first and why), "
+                "or it called shutdown() before this collective")
         for req in leftovers:
             req.handle.set_error(error)
         self._stream.fail(error)

@@ -50,8 +50,8 @@ class CapacityRequest:
         from ray.autoscaler.sdk import request_resources
 
         request_resources(bundles=[dict(self.per_worker)] * bundles)
-        log.info("raytrain-x elastic: asked the autoscaler for room for %d workers of %s",
-                 bundles, self.per_worker)
+        log.debug("raytrain-x elastic: asked the autoscaler (if any) for room for %d "
+                  "workers of %s", bundles, self.per_worker)
         self.bundles = bundles
         self.requests.append((time.time(), bundles))
 

@@ -48,6 +48,10 @@ def test_cli_reports_the_failing_rank(ray_cluster, tmp_path):
     assert out.returncode == 7
     assert "[1]<stdout>:hello from 1 {'zero_stage': 2, 'micro_batch_size': 8} 3.0" in out.stdout
     assert "rank 1 exited with code 7" in out.stderr
+    # rank 0's collective ends saying a peer left (pending, or submitted after the engines
+    # stopped), not advising about a shutdown() no one called
+    assert "make every rank finish its collectives" not in out.stdout + out.stderr
+    assert "InternalError: another rank left the job" in out.stdout, out.stdout[-3000:]
 
 
 def test_a_failed_rank_ends_the_launch_even_with_a_stuck_peer_and_leaves_no_process(

@@ -171,6 +171,16 @@ def test_fewer_than_min_workers_is_waited_for_up_to_elastic_timeout():
     assert watch.observe(1, clock()) == "below"
     clock.now += 30.5
     assert watch.observe(1, clock()) == "timeout"
+    # a start: no worker yet, both on their way, is no shortage (it warned at every start)
+    start = MinimumWatch(settings(min_workers=2, elastic_timeout=30.0))
+    assert start.observe(0, clock(), starting=2) == "waiting"
+    assert start.observe(1, clock(), starting=1) == "waiting"
+    assert start.observe(1, clock(), starting=0) == "below"  # one of them gave up
+    assert start.observe(2, clock()) == "ok"
+    clock.now += 31.0
+    assert start.observe(0, clock(), starting=2) == "waiting"
+    clock.now += 30.5  # starting or not, the wait is bounded
+    assert start.observe(0, clock(), starting=2) == "timeout"
     error = elastic_timeout_error(settings(), 1, starting=2, bundles=4,
                                   blacklisted=["abcdef0123456"])
     assert isinstance(error, ElasticTimeout)
@@ -668,3 +678,12 @@ def test_newcomers_started_together_join_in_one_round_within_the_window():
     # nobody waits: nothing to hold; everybody of the batch there: go
     assert not holds_newcomers([], [10.2], waiting_since=15.0, now=16.0)
     assert not holds_newcomers([10.0, 10.2], [], waiting_since=15.0, now=16.0)
+
+
+def test_a_worker_that_failed_before_its_first_round_is_not_rank_minus_one():
+    """A script's import error in an elastic job was reported as "rank -1 failed"."""
+    from raytrain_x.common.errors import WorkerError
+
+    assert str(WorkerError(-1, "ModuleNotFoundError: x")).startswith(
+        "a worker (before it joined a round) failed:")
+    assert str(WorkerError(3, "boom")).startswith("rank 3 failed:")

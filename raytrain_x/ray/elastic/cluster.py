@@ -34,6 +34,8 @@ class ClusterView:
             self.discovery = RayDiscovery(self.per_worker)
         self.capacity = CapacityRequest(self.per_worker)
         self._discovered: set[str] | None = None
+        self._types: dict[str, dict[str, float]] | None = None
+        self._types_read = False
 
     def nodes(self) -> dict[str, dict[str, float]]:
         """Alive node id -> total resources."""
@@ -63,7 +65,16 @@ class ClusterView:
         return draining_nodes()
 
     def node_types(self) -> dict[str, dict[str, float]] | None:
-        return node_types()
+        """The autoscaler's node types, read once (None: no autoscaler, or it does not say)."""
+        if not self._types_read:
+            self._types, self._types_read = node_types(), True
+        return self._types
+
+    @property
+    def autoscaled(self) -> bool:
+        """Whether an autoscaler serves the cluster: what the job asks it for is only worth
+        saying where one does (the request itself is harmless without one)."""
+        return self.node_types() is not None
 
     def unusable_slots(self, unusable: set[str]) -> int:
         """The worker slots of the `unusable` alive nodes (blacklisted, draining)."""

@@ -87,14 +87,14 @@ class MemberWatch:
         verdict = self.failures.on_failure(member.node)
         if verdict.kind == "lost_draining":
             ctx.log.add("lost_draining", member.node)
-            log.warning("raytrain-x elastic: worker %s (rank %d) was lost with its draining "
+            log.warning("raytrain-x elastic: worker %s (%s) was lost with its draining "
                         "node %s before its next commit; the others restore the last commit",
-                        member.worker_id, member.rank, short_node(member.node))
+                        member.worker_id, _which(member.rank), short_node(member.node))
         else:
             ctx.log.add("failure", member.node, cooldown_s=verdict.cooldown_s,
                         cause=error.cause)
-            log.warning("raytrain-x elastic: worker %s (rank %d) on node %s failed (%s); "
-                        "host blacklisted for %s", member.worker_id, member.rank,
+            log.warning("raytrain-x elastic: worker %s (%s) on node %s failed (%s); "
+                        "host blacklisted for %s", member.worker_id, _which(member.rank),
                         short_node(member.node), _last_line(error.detail),
                         "good" if verdict.cooldown_s == float("inf")
                         else f"{verdict.cooldown_s:.1f}s")
@@ -227,3 +227,8 @@ def _last_line(text: str) -> str:
     """The line of a traceback that names the error."""
     lines = [line for line in text.strip().splitlines() if line.strip()]
     return lines[-1].strip()[:300] if lines else "no detail"
+
+
+def _which(rank: int) -> str:
+    """A member's rank for a message: none before its first round."""
+    return f"rank {rank}" if rank >= 0 else "before its first round"

@@ -182,6 +182,7 @@ class RoundForming:
         self._newcomers_since = None
         entry = ctx.log.record_round(
             ctx.rounds, len(staying), len({m.node for m in staying.values()}),
-            len(ctx.pending) + left_out, ctx.cluster.capacity.bundles, len(ctx.draining))
+            len(ctx.pending) + left_out,
+            ctx.cluster.capacity.bundles if ctx.cluster.autoscaled else 0, len(ctx.draining))
         progress.info("raytrain-x elastic: %s", round_line(entry))
         return needs_round

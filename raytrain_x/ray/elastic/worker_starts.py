@@ -144,14 +144,15 @@ class WorkerStarts:
         """Warns when fewer than `min_workers` stay; stops the job past `elastic_timeout`."""
         ctx = self.ctx
         staying = len(ctx.staying())
-        verdict = self.minimum.observe(staying, ctx.clock())
+        verdict = self.minimum.observe(staying, ctx.clock(), len(ctx.pending))
         if verdict == "below":
             log.warning("raytrain-x elastic: %d workers, fewer than min_workers=%d; waiting up "
                         "to %.0fs for capacity", staying, ctx.settings.min_workers,
                         ctx.settings.elastic_timeout)
         elif verdict == "timeout":
             raise elastic_timeout_error(ctx.settings, staying, len(ctx.pending),
-                                        ctx.cluster.capacity.bundles,
+                                        ctx.cluster.capacity.bundles
+                                        if ctx.cluster.autoscaled else 0,
                                         ctx.blacklist.blacklisted())
 
 

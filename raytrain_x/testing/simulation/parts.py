@@ -261,6 +261,10 @@ class SimCluster:
     def node_types(self) -> dict[str, dict[str, float]] | None:
         return {"worker": {"CPU": float(self.world.config.slots)}}
 
+    @property
+    def autoscaled(self) -> bool:
+        return True
+
     def unusable_slots(self, unusable: set[str]) -> int:
         return sum(node.slots for n, node in self.world.alive_nodes().items() if n in unusable)
 

@@ -177,18 +177,24 @@ class MinimumWatch:
     def __init__(self, settings: ElasticSettings) -> None:
         self.settings = settings
         self.below_since: float | None = None
+        self.warned = False
 
-    def observe(self, staying: int, now: float) -> str:
-        """'ok'; 'below' at the first poll below the minimum (warn once); 'waiting' after;
-        'timeout' once below for longer than `elastic_timeout`."""
+    def observe(self, staying: int, now: float, starting: int = 0) -> str:
+        """'ok'; 'below' once per stretch below the minimum, at the first poll at which the
+        workers starting cannot make it up either (warn once: a job's start, with every
+        worker on its way, is not short of capacity); 'waiting' otherwise; 'timeout' once
+        below for longer than `elastic_timeout`, starting workers or not."""
         if staying >= self.settings.min_workers:
-            self.below_since = None
+            self.below_since, self.warned = None, False
             return "ok"
         if self.below_since is None:
             self.below_since = now
+        if now - self.below_since > self.settings.elastic_timeout:
+            return "timeout"
+        if not self.warned and staying + starting < self.settings.min_workers:
+            self.warned = True
             return "below"
-        return "timeout" if now - self.below_since > self.settings.elastic_timeout \
-            else "waiting"
+        return "waiting"
 
 
 def elastic_timeout_error(settings: ElasticSettings, staying: int, starting: int,
