@@ -237,6 +237,7 @@ def _sparse() -> dict:
     # Horovod's test_sparse_as_dense_with_grad_aggregation, on Keras 3: an embedding's
     # sparse gradients densified and accumulated over 2 passes; 3 steps leave 1 pass
     import keras
+
     import raytrain_x.tensorflow.keras as hvd
 
     opt = hvd.DistributedOptimizer(keras.optimizers.RMSprop(0.0001), sparse_as_dense=True,
