@@ -189,10 +189,19 @@ hvd.init()
 model = torch.nn.Linear(8, 2)
 opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                named_parameters=model.named_parameters())
-for step in range(2000):
+step = 0
+while True:  # until tuning is done on rank 0, however long the search takes to start
     opt.zero_grad()
     model(torch.randn(16, 8)).pow(2).mean().backward()
     opt.step()
+    step += 1
+    if step % 10 == 0:
+        from raytrain_x.core import runtime
+
+        sampler = runtime.autotune_sampler()
+        done = torch.tensor([1.0 if sampler is None or sampler.done else 0.0])
+        if hvd.allreduce(done, op=hvd.Min, name="tuned").item() == 1.0:
+            break
 print("trained", hvd.rank())
 """
 

@@ -531,3 +531,28 @@ def test_ctrl_c_stops_the_job_with_exit_130_and_one_line(ray_cluster, tmp_path):
     limits.wait_until(lambda: subprocess.run(["pgrep", "-f", marker], capture_output=True,
                                              text=True).stdout.strip() == "", 10,
                       "the scripts to end with their workers")
+
+
+@pytest.mark.parametrize("exit_mode", ["exception", "kill"])
+def test_horovods_elastic_script_survives_a_rank_that_fails(ray_cluster, tmp_path, exit_mode):
+    """Horovod's elastic integration scenario (`test_single_rank_failure`), its script's
+    shape run through `raytrain-x run` with horovodrun's elastic flags: the script names
+    attributes `commits` and `rendezvous`, which collided with the state's own members and
+    failed its first commit. Start rank 1 raises (or kills itself) at epoch 1's first
+    batch; the survivor restores its last commit, meets again (rendezvous 2) and finishes
+    every epoch alone, its counters as committed."""
+    logfile = tmp_path / "log.jsonl"
+    out = _cli("run", "-np", "2", "--min-np", "1", "--max-np", "2", "--address", ray_cluster,
+               "--blacklist-cooldown-range", "600", "900", "python",
+               str(Path(REPO) / "tests" / "scripts" / "horovod_elastic_train.py"),
+               "--logfile", str(logfile), "--exit-schedule", json.dumps({"(1, 0)": [1]}),
+               "--exit-mode", exit_mode, work_s=40)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [json.loads(line) for line in logfile.read_text().splitlines()]
+    assert [r["epoch"] for r in lines] == [0, 1, 2], lines
+    assert (lines[0]["size"], lines[0]["rendezvous"]) == (2, 1), lines[0]
+    for r in lines[1:]:
+        assert (r["start_rank"], r["size"], r["rendezvous"]) == (0, 1, 2), r
+    # 4 batches and the epoch's end per epoch: the commits as committed, none twice
+    assert [r["commits"] for r in lines] == [4, 9, 14], lines
+    assert all(r["host_messages"] for r in lines)  # no host update pending at an epoch end
