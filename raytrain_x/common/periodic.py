@@ -7,12 +7,19 @@ import threading
 from collections.abc import Callable
 
 
+QUICK_S = 0.5  # how often a call repeats while it waits for its first news (`settled`)
+
+
 class Every:
     """Calls `fn()` every `interval_s` seconds on a daemon thread named `name`, from
-    `start()` until `stop()` (which waits for a call under way to end)."""
+    `start()` until `stop()` (which waits for a call under way to end). With `settled`, it
+    calls every `QUICK_S` until `settled()` first holds (a job's first step is shown within
+    a second, not an interval later), then every `interval_s`."""
 
-    def __init__(self, interval_s: float, fn: Callable[[], None], name: str) -> None:
+    def __init__(self, interval_s: float, fn: Callable[[], None], name: str,
+                 settled: Callable[[], bool] | None = None) -> None:
         self.interval_s, self.fn = interval_s, fn
+        self._settled = settled
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
@@ -30,5 +37,13 @@ class Every:
         return self._stop.is_set()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        while not self._stop.wait(self._wait()):
             self.fn()
+
+    def _wait(self) -> float:
+        if self._settled is None:
+            return self.interval_s
+        if self._settled():
+            self._settled = None
+            return self.interval_s
+        return min(QUICK_S, self.interval_s)

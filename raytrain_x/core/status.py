@@ -70,7 +70,10 @@ class StatusFileWriter:
 
     def __init__(self, path: str, interval_s: float) -> None:
         self.path = path
-        self._every = Every(interval_s, self.write, "raytrain-x-status")
+        self._wrote_a_step = False
+        # quick until the first step is written: the metrics and the progress line show it
+        self._every = Every(interval_s, self.write, "raytrain-x-status",
+                            settled=lambda: self._wrote_a_step)
 
     def start(self) -> StatusFileWriter:
         self._every.start()
@@ -83,9 +86,11 @@ class StatusFileWriter:
     def write(self) -> None:
         tmp = f"{self.path}.{os.getpid()}.tmp"
         try:
+            snap = snapshot()
             with open(tmp, "w") as f:
-                json.dump(snapshot(), f)
+                json.dump(snap, f)
             os.replace(tmp, self.path)
+            self._wrote_a_step = snap["steps"] > 0
         except (OSError, TypeError, ValueError):  # a status file is no reason to fail a job
             pass
 

@@ -17,8 +17,12 @@ def progress_line(before: dict[str, Any] | None, now: list[dict[str, Any]]) -> s
         return "raytrain-x: no worker has started training yet"
     lead = now[0]
     parts = [f"{lead['steps']} steps"]
+    rate = None
     if before is not None and lead["time"] > before["time"] and lead["steps"] >= before["steps"]:
         rate = (lead["steps"] - before["steps"]) / (lead["time"] - before["time"])
+    elif lead.get("step_seconds") and sum(lead["step_seconds"]) > 0:  # the first line
+        rate = len(lead["step_seconds"]) / sum(lead["step_seconds"])  # its latest steps'
+    if rate is not None:
         samples = (f" ({rate * lead['batch_size'] * (lead['size'] or 1):,.0f} samples/s)"
                    if lead.get("batch_size") else "")
         parts.append(f"{rate:.2f} steps/s{samples}")

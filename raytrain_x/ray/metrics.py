@@ -231,10 +231,15 @@ class WorkerExporter:
         for seconds in durations[len(durations) - min(steps, len(durations)):]:
             record("step_seconds", seconds, tags)
         elapsed = snap["time"] - last["time"]
+        rate = None
         if self._last is not None and elapsed > 0:
-            record("steps_per_second", steps / elapsed, tags)
+            rate = steps / elapsed
+        elif durations and sum(durations) > 0:  # the first export: the latest steps' rate
+            rate = len(durations) / sum(durations)
+        if rate is not None:
+            record("steps_per_second", rate, tags)
             if snap.get("batch_size"):
-                record("samples_per_second", steps * snap["batch_size"] / elapsed, tags)
+                record("samples_per_second", rate * snap["batch_size"], tags)
 
     def _engine(self, now: dict[str, Any], before: dict[str, Any] | None,
                 tags: dict[str, str]) -> None:
@@ -277,7 +282,10 @@ class ExportThread:
         self._export = safe(self._read_and_export)
         self._lock = threading.Lock()
         self.exports, self.busy_s = 0, 0.0  # what exporting has cost (benchmarks read it)
-        self._every = Every(interval_s, self.once, "raytrain-x-metrics")
+        self._exported_a_step = False
+        # quick until the first step is exported, so a job's series appear with its start
+        self._every = Every(interval_s, self.once, "raytrain-x-metrics",
+                            settled=lambda: self._exported_a_step)
 
     def start(self) -> ExportThread:
         self._every.start()
@@ -298,6 +306,7 @@ class ExportThread:
         snap = self.read()
         if snap is not None:
             self.exporter.export(snap)
+            self._exported_a_step = snap.get("steps", 0) > 0
 
 
 _process_export: ExportThread | None = None

@@ -127,3 +127,65 @@ def test_an_elastic_jobs_metrics_reach_prometheus(elastic_nodes, tmp_path):
     assert total(seen, P + "step_seconds_count", **series) > 0
     assert total(seen, P + "collective_bytes_total", **series, kind="allreduce") > 0
     assert total(seen, P + "autotune_phase", **job) == 1  # one phase is the current one
+
+
+_LAUNCHED = """\
+import sys, time, torch, raytrain_x.torch as rx
+from pathlib import Path
+rx.init()
+model = torch.nn.Linear(16, 4)
+opt = rx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                              named_parameters=model.named_parameters())
+stop = Path(sys.argv[1])
+while True:
+    opt.zero_grad()
+    model(torch.randn(8, 16)).sum().backward()
+    opt.step()
+    time.sleep(0.02)
+    flag = torch.tensor([float(stop.exists())])
+    if rx.allreduce(flag, op=rx.Max, name="stop").item():
+        break
+"""
+
+# what every job that steps exports (the counters of events it may never meet, such as
+# stalls or failures, appear once they count: docs/metrics.md)
+EVERY_STEP = ["steps_total", "step_seconds_count", "steps_per_second",
+              "collective_bytes_total", "collective_seconds_total", "engine_cycles_total",
+              "engine_active_cycles_total", "world_size"]
+
+
+def test_a_launched_jobs_step_series_appear_with_its_first_steps(ray_cluster, tmp_path):
+    """A 23 s job launched by `raytrain-x run` showed only steps, step seconds and world
+    size: a worker exported every interval (5 s), after its status file's own interval, so
+    a series could wait two intervals and Ray's report interval. Each now exports as soon
+    as the first step is there. With the interval at 600 s, the series can only come from
+    that first export, and every per-step series is in it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.conftest import REPO
+
+    script, stop = tmp_path / "job.py", tmp_path / "stop"
+    script.write_text(_LAUNCHED)
+    name = f"first-steps-{os.getpid()}"
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).parent / "raytrain-x"), "run", "-np", "2", "--address",
+         ray_cluster, "--job-name", name, "--quiet", "python", str(script), str(stop)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "RAY_AUTH_MODE": "disabled",
+             "RAYTRAIN_X_METRICS_INTERVAL_S": "600"})
+    seen: list[Series] = []
+
+    def exported() -> bool:
+        seen[:] = scrape_cluster()
+        return all(total(seen, P + name_, job=name) > 0 for name_ in EVERY_STEP)
+
+    try:
+        wait_until(exported, 20, "every per-step series of the launched job",
+                   state=lambda: sorted({s.name for s in seen
+                                         if s.labels.get("job") == name}))
+    finally:
+        stop.touch()
+        out, err = proc.communicate(timeout=limit(30))
+    assert proc.returncode == 0, err[-3000:]

@@ -232,3 +232,26 @@ def test_the_guide_lists_every_metric_with_its_kind_and_tags():
         assert rows, f"raytrain_x_{spec.name} is not in docs/metrics.md"
         cells = [c.strip() for c in rows[0].split("|")]
         assert cells[2] == spec.kind and cells[3] == ", ".join(spec.tags), rows[0]
+
+
+def test_the_first_export_has_a_rate_and_comes_with_the_first_step():
+    """The first export had no steps/s (it needs two exports), and came an interval after
+    the first step; the first progress line had no rate either."""
+    import time
+
+    from raytrain_x.common.periodic import Every
+
+    rec = ListRecorder()
+    WorkerExporter("j", "h1", rec).export(_snap(100.0, 4, [0.5, 0.5, 0.5, 0.5]))
+    assert rec.last("steps_per_second") == 2.0
+    assert "2.00 steps/s" in progress_line(None, [_snap(100.0, 4, [0.5] * 4)])
+    # an hour's interval, and the first step is taken at once
+    calls: list[float] = []
+    stepped = threading.Event()
+    every = Every(3600.0, lambda: (calls.append(time.monotonic()), stepped.set()), "t",
+                  settled=lambda: bool(calls)).start()
+    try:
+        assert stepped.wait(30)
+    finally:
+        every.stop()
+    assert len(calls) == 1  # then settled: the next call is an hour away
