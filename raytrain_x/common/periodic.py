@@ -6,7 +6,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-
 QUICK_S = 0.5  # how often a call repeats while it waits for its first news (`settled`)
 
 
