@@ -136,6 +136,11 @@ def test_a_drain_gives_up_a_round_still_forming_with_a_member_on_its_node():
     assert not abandons_forming_round(notice, in_round=["n1"], round_id=4, committed_round=3)
     quiet = notice_drains({"n3": 1.0}, known=(), pending=[], member_nodes=["n1", "n2"])
     assert not abandons_forming_round(quiet, ["n1", "n2"], round_id=4, committed_round=0)
+    # every member synced in round 4: it runs its first step, and a drain then was taken
+    # for a failure (the newcomer restarted, the others restoring and redoing a step);
+    # now its draining member leaves at the round's first commit, nothing restored
+    assert not abandons_forming_round(notice, ["n1", "n2"], round_id=4, committed_round=3,
+                                      synced=True)
 
 
 def test_a_given_up_rounds_newcomers_wait_for_the_round_after_the_recovery():

@@ -107,7 +107,13 @@ class DrainWatch:
             return
         in_round = [m.node for m in ctx.members.values() if m.rank >= 0]
         committed_round = ctx.rounds_client.committed_round()
-        if not abandons_forming_round(notice, in_round, ctx.rounds, committed_round):
+        # every member of the round answers and said, at its last heartbeat, that it synced
+        # in it (one gone unseen may not have: the round is then taken as still forming)
+        synced_in, answering = self.members.heartbeats.state_rounds, \
+            set(self.members.responsive())
+        synced = bool(in_round) and all(synced_in.get(w, 0) >= ctx.rounds and w in answering
+                                        for w, m in ctx.members.items() if m.rank >= 0)
+        if not abandons_forming_round(notice, in_round, ctx.rounds, committed_round, synced):
             return
         ctx.store.abandon(round_prefix(ctx.rounds))
         # Those not restarted keep their place: the next round waits for them. A round

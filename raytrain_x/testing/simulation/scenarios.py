@@ -127,7 +127,7 @@ def scenarios() -> dict[str, Schedule]:
             "a worker that joined and synced holds the state: both older workers' nodes die "
             "and the job goes on with it from the committed step"),
         _named("synced-newcomer-kept", replace(THREE, max_workers=7, commit_s=1.0), [
-            [5.497, "kill_worker", 0.18, 0.0], [5.647, "drain", 0.8213, -1.0]],
+            [5.15, "kill_worker", 0.18, 0.0], [5.30, "drain", 0.8213, -1.0]],
             "a drain gives up a round whose veteran died unseen: its newcomers synced the "
             "state and are its only copy; they are not restarted", seed=49701),
         _named("other-holder-asked", replace(

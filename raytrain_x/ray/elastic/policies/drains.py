@@ -58,14 +58,18 @@ def asks_checkpoint(notice: DrainNotice, holders: Iterable[str] | None,
 
 
 def abandons_forming_round(notice: DrainNotice, in_round: Iterable[str], round_id: int,
-                           committed_round: int) -> bool:
+                           committed_round: int, synced: bool = False) -> bool:
     """Whether a drain gives up the round now forming: a member of that round (`in_round`:
-    the nodes of its ranks) is on a newly draining node, and the round has not committed
-    yet (`committed_round` < `round_id`: its rendezvous or state sync is under way). Such a
-    member could only leave at the round's first commit, after the round formed in full,
-    and then every rank would meet once more; the round's peers are answered at once
-    instead and form the next round without it."""
-    return round_id > committed_round and bool(set(notice.leaving) & set(in_round))
+    the nodes of its ranks) is on a newly draining node, and the round is still forming:
+    it has not committed (`committed_round` < `round_id`) and not every member has said it
+    synced the state in it (`synced`: its rendezvous and state sync are over, it runs its
+    first steps). Such a member could only leave at the round's first commit, after the
+    round formed in full, and then every rank would meet once more; the round's peers are
+    answered at once instead and form the next round without it. A round that has synced
+    is not given up: its members on the draining node leave at its first commit, as at any
+    other, and nothing is restored."""
+    return (round_id > committed_round and not synced
+            and bool(set(notice.leaving) & set(in_round)))
 
 
 def held_back(held: Iterable[str], members: Iterable[MemberView], draining: Iterable[str],
