@@ -84,6 +84,21 @@ def resize_interval(scaling_config: Any) -> float:
     return max(given, 0.1)
 
 
+# torch's message when DDP is built without a default process group
+_NO_DEFAULT_GROUP = "Default process group has not been initialized"
+
+
+def what_to_do(detail: str) -> str:
+    """A line that says what to change, in front of a loop's error where one is known ("":
+    none): `ray.train.torch.prepare_model` builds DDP, which needs a fixed world."""
+    if _NO_DEFAULT_GROUP in detail:
+        return ("ray.train.torch.prepare_model wraps the model in DDP, whose process group "
+                "is fixed and cannot follow an elastic run's changes of world: in an elastic "
+                "run use rx.DistributedOptimizer in its place, with rx.elastic.TorchState "
+                "(docs/ray_train.md, 'Porting a TorchTrainer loop'). ")
+    return ""
+
+
 def _worker(train_fn: Any, run: RunInfo) -> Any:
     install(run)
     return train_fn()
@@ -146,8 +161,8 @@ def fit_elastic(trainer: Any) -> Result:
                 break
             except (ElasticStateLost, WorkerError) as exc:
                 if isinstance(exc, WorkerError) and not exc.process_lost:
-                    raise WorkerGroupError(f"the elastic run {name} failed: {exc}", {}) \
-                        from exc
+                    raise WorkerGroupError(f"the elastic run {name} failed: "
+                                           f"{what_to_do(exc.detail)}{exc}", {}) from exc
                 job = executor.last_elastic_job
                 used = (job.failures if job is not None else 0) + 1
                 if left is not None and used > left:

@@ -319,3 +319,31 @@ def test_each_pass_is_an_epoch_in_every_batch_format_and_unsplit_datasets_are_wh
     assert out["numpy"] == list(range(45)) and out["rows"] == list(range(45))
     assert out["pandas_ids"] == list(range(45)) and out["pandas"] == [10, 10, 10, 10, 5]
     assert out["epoch"] == 3 and out["whole"] == list(range(5))
+
+
+def _prepare_model_loop() -> None:
+    import ray.train.torch
+    import torch
+
+    import raytrain_x.torch as rx
+
+    rx.init()
+    ray.train.torch.prepare_model(torch.nn.Linear(2, 2))
+
+
+def test_prepare_model_in_an_elastic_run_says_what_to_use_instead(ray_cluster, tmp_path):
+    """DDP's group is fixed; an elastic run changes its world in memory. The loop failed
+    inside torch ("Default process group has not been initialized") with nothing said of
+    what to do; the run's error now says it first."""
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.v2.api.exceptions import WorkerGroupError
+
+    from raytrain_x.ray.train import RaytrainXConfig, RaytrainXTrainer
+
+    with pytest.raises(WorkerGroupError) as caught:
+        RaytrainXTrainer(_prepare_model_loop, raytrain_x_config=RaytrainXConfig(framework="torch"),
+                         scaling_config=ScalingConfig(num_workers=(2, 2)),
+                         run_config=RunConfig(name="ddp", storage_path=str(tmp_path))).fit()
+    said = str(caught.value).splitlines()[1]  # after Ray Train's own first line
+    assert "prepare_model wraps the model in DDP" in said and \
+        "rx.DistributedOptimizer" in said, said
