@@ -241,13 +241,12 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     start = time.monotonic()
     connected = ensure_ray(args.address, log_to_driver=args.verbose or elastic,
                            logging_level=logging.INFO if args.verbose else logging.WARNING)
-    _progress(f"{connected}; ready in {time.monotonic() - start:.1f}s")
-    if connected.startswith("started"):  # it cannot grow: too many workers fail now
+    _progress(f"{connected.line}; ready in {time.monotonic() - start:.1f}s")
+    if connected.started:  # a Ray of its own cannot grow: too many workers fail now
         from raytrain_x.ray.connect import check_fits_local
 
-        fewest = args.np if not elastic else (
-            args.min_np if args.min_np is not None else min(args.np, args.max_np or args.np))
-        check_fits_local(fewest, args.cpus_per_worker, 1.0 if args.use_gpu else 0.0)
+        check_fits_local(_min_np(args) if elastic else args.np, args.cpus_per_worker,
+                         1.0 if args.use_gpu else 0.0)
     run_settings = RayExecutor.create_settings(timeout_s=args.timeout)
     if elastic:
         return _run_elastic(args, command, run_settings, knobs, fixed, autotune, hosts)
@@ -337,6 +336,12 @@ def _checkpoint(args: argparse.Namespace):
                             keep=args.checkpoint_keep)
 
 
+def _min_np(args: argparse.Namespace) -> int:
+    """An elastic job's least workers: horovodrun's default, -np for both bounds unless
+    given."""
+    return args.min_np if args.min_np is not None else min(args.np, args.max_np or args.np)
+
+
 def _run_elastic(args, command, run_settings, knobs, fixed, autotune, hosts) -> int:
     """Elastic jobs run the script inside each worker actor (so every rank can reach the
     rendezvous coordinator); Ray forwards the output with its worker prefix."""
@@ -351,8 +356,7 @@ def _run_elastic(args, command, run_settings, knobs, fixed, autotune, hosts) -> 
         sys.stderr.write("raytrain-x: warning: --output-filename applies to fixed jobs; an "
                          "elastic job's script runs in its worker actors, whose output Ray "
                          "keeps in its session's logs/ folder\n")
-    # horovodrun's defaults: -np for both bounds, unless given
-    min_np = args.min_np if args.min_np is not None else min(args.np, args.max_np or args.np)
+    min_np = _min_np(args)
     executor = RayExecutor(
         run_settings, cpus_per_worker=args.cpus_per_worker,
         use_gpu=args.use_gpu, min_workers=min_np,

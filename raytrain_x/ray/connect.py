@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import ray
 
@@ -67,7 +67,15 @@ def apply_verbose(level: int) -> None:
         logging.getLogger("raytrain_x").setLevel(logging.INFO if level == 1 else logging.DEBUG)
 
 
-def ensure_ray(address: str | None = None, **init_kwargs: Any) -> str:
+class Connected(NamedTuple):
+    """What `ensure_ray` did: a line for the user, and whether it started a Ray of this
+    process's own (which cannot grow: `check_fits_local`)."""
+
+    line: str
+    started: bool
+
+
+def ensure_ray(address: str | None = None, **init_kwargs: Any) -> Connected:
     """Connects to Ray: `address`, else `RAY_ADDRESS`, else a new local Ray of this process's
     own. A cluster that merely runs on the machine (another terminal's job, a neighbour's
     `ray start`) is never joined unasked: name it with `address="auto"` or its address.
@@ -77,17 +85,17 @@ def ensure_ray(address: str | None = None, **init_kwargs: Any) -> str:
             `RAY_ADDRESS`, then starts a local Ray.
 
     Returns:
-        What this process is connected to, in a line for the user: "joined ...",
-        "started ..." or "already connected ...".
+        What this process is connected to: "joined ...", "started ..." or "already
+        connected ...", and whether it started the Ray.
     """
     if ray.is_initialized():
-        return "already connected to Ray"
+        return Connected("already connected to Ray", False)
     named = address or os.environ.get("RAY_ADDRESS") or None
     ray.init(address=named or "local", **init_kwargs)
     if named:
-        return f"joined the Ray cluster at {named} ({_cpus()} CPUs)"
-    return (f"started a local Ray of {_cpus()} CPUs for this job (--address or RAY_ADDRESS "
-            "joins a running cluster)")
+        return Connected(f"joined the Ray cluster at {named} ({_cpus()} CPUs)", False)
+    return Connected(f"started a local Ray of {_cpus()} CPUs for this job (--address or "
+                     "RAY_ADDRESS joins a running cluster)", True)
 
 
 def _cpus() -> str:

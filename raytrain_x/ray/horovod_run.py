@@ -65,7 +65,7 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str,
     if not isinstance(np, int) or isinstance(np, bool) or np < 1:
         raise ConfigError(f"run(np=...) must be an int >= 1, got {np!r}")
     ensure_ray(address, log_to_driver=bool(verbose and verbose >= 2))
-    settings = RayExecutor.create_settings(**({"verbose": verbose} if verbose else {}))
+    settings = RayExecutor.create_settings(verbose=verbose)
     elastic = min_np is not None or max_np is not None
     shape: dict[str, Any] = dict(min_workers=min_np or 1, max_workers=max_np or np,
                                  reset_limit=reset_limit) if elastic else dict(num_workers=np)

@@ -10,6 +10,13 @@ from typing import Any
 from raytrain_x.common.periodic import Every
 
 
+def recent_rate(step_seconds: list[float] | None) -> float | None:
+    """Steps per second over a snapshot's latest steps (`step_seconds`), for a first
+    reading that has no earlier one to count from; None without any."""
+    total = sum(step_seconds or ())
+    return len(step_seconds) / total if total > 0 else None
+
+
 def progress_line(before: dict[str, Any] | None, now: list[dict[str, Any]]) -> str:
     """One line from the lowest rank's status now and, for the rates, the same rank's
     status the line before (`before`, None for the first line)."""
@@ -20,8 +27,8 @@ def progress_line(before: dict[str, Any] | None, now: list[dict[str, Any]]) -> s
     rate = None
     if before is not None and lead["time"] > before["time"] and lead["steps"] >= before["steps"]:
         rate = (lead["steps"] - before["steps"]) / (lead["time"] - before["time"])
-    elif lead.get("step_seconds") and sum(lead["step_seconds"]) > 0:  # the first line
-        rate = len(lead["step_seconds"]) / sum(lead["step_seconds"])  # its latest steps'
+    else:  # the first line: its latest steps'
+        rate = recent_rate(lead.get("step_seconds"))
     if rate is not None:
         samples = (f" ({rate * lead['batch_size'] * (lead['size'] or 1):,.0f} samples/s)"
                    if lead.get("batch_size") else "")

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 from raytrain_x.autotune.sampler import Phase
 from raytrain_x.common import settings
 from raytrain_x.common.periodic import Every
+from raytrain_x.ray.job_progress import recent_rate
 
 log = logging.getLogger("raytrain_x.metrics")
 
@@ -231,11 +232,10 @@ class WorkerExporter:
         for seconds in durations[len(durations) - min(steps, len(durations)):]:
             record("step_seconds", seconds, tags)
         elapsed = snap["time"] - last["time"]
-        rate = None
         if self._last is not None and elapsed > 0:
             rate = steps / elapsed
-        elif durations and sum(durations) > 0:  # the first export: the latest steps' rate
-            rate = len(durations) / sum(durations)
+        else:  # the first export: the latest steps' rate
+            rate = recent_rate(durations)
         if rate is not None:
             record("steps_per_second", rate, tags)
             if snap.get("batch_size"):

@@ -20,13 +20,7 @@ from raytrain_x.common.checkpoint_config import CheckpointConfig, from_env
 from raytrain_x.common.errors import ConfigError
 from raytrain_x.core.runtime import rank
 from raytrain_x.elastic.commits import CommitManager, Committed, copied
-from raytrain_x.elastic.state import (
-    Attributes,
-    ObjectState,
-    State,
-    check_attribute_names,
-    restore_count,
-)
+from raytrain_x.elastic.state import Attributes, ObjectState, State, restore_count
 from raytrain_x.elastic.state import run as _run
 from raytrain_x.tensorflow.arrays import unwrap_error
 from raytrain_x.tensorflow.durable import load, save, variable_keys
@@ -118,7 +112,6 @@ class TensorFlowState(ObjectState):
 
     def __init__(self, variables: Iterable[Any] | None = None, *,
                  checkpoint: CheckpointConfig | None = None, **kwargs: Any) -> None:
-        check_attribute_names(type(self), kwargs)
         self.variables = list(variables or [])
         self._config = checkpoint.named(None) if checkpoint else from_env()
         self._format = TensorFlowFormat(self, self.variables, list(kwargs),
