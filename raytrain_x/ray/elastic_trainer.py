@@ -17,6 +17,8 @@ was at that checkpoint's report; it counts as one failure.
 from __future__ import annotations
 
 import datetime
+import importlib
+import importlib.util
 import logging
 import os
 import threading
@@ -84,24 +86,37 @@ def resize_interval(scaling_config: Any) -> float:
     return max(given, 0.1)
 
 
-# torch's message when DDP is built without a default process group
+# torch's message when a collective of torch.distributed runs without a default group
 _NO_DEFAULT_GROUP = "Default process group has not been initialized"
 
 
 def what_to_do(detail: str) -> str:
     """A line that says what to change, in front of a loop's error where one is known ("":
-    none): `ray.train.torch.prepare_model` builds DDP, which needs a fixed world."""
+    none): torch.distributed's default group is fixed, so an elastic run has none."""
     if _NO_DEFAULT_GROUP in detail:
-        return ("ray.train.torch.prepare_model wraps the model in DDP, whose process group "
-                "is fixed and cannot follow an elastic run's changes of world: in an elastic "
-                "run use rx.DistributedOptimizer in its place, with rx.elastic.TorchState "
-                "(docs/ray_train.md, 'Porting a TorchTrainer loop'). ")
+        return ("torch.distributed's default process group is fixed and cannot follow an "
+                "elastic run's changes of world, so an elastic run has none: use "
+                "raytrain-x's collectives in its place (rx.allreduce, rx.allgather, "
+                "rx.broadcast, ...; docs/ray_train.md, 'Porting a TorchTrainer loop'). ")
     return ""
 
 
-def _worker(train_fn: Any, run: RunInfo) -> Any:
+def _worker(train_fn: Any, run: RunInfo, framework: str | None) -> Any:
     install(run)
+    if framework in (None, "torch") and importlib.util.find_spec("torch") is not None:
+        _prepare_model_follows_the_world()
     return train_fn()
+
+
+def _prepare_model_follows_the_world() -> None:
+    """`ray.train.torch.prepare_model` and `prepare_data_loader`, in this worker, build
+    raytrain-x's `DataParallel` and `WorldSampler` where they would build DDP and
+    `DistributedSampler`, whose world is fixed. Looked up by name: the driver side never
+    imports a framework face (docs/architecture.md); this runs in a worker."""
+    face = importlib.import_module("raytrain_x.torch.data_parallel")
+    for utils in ("ray.train.v2.torch.train_loop_utils",  # Ray Train v2's, then v1's
+                  "ray.train.torch.train_loop_utils"):
+        face.stand_in_for_ddp(importlib.import_module(utils))
 
 
 def fit_elastic(trainer: Any) -> Result:
@@ -157,7 +172,8 @@ def fit_elastic(trainer: Any) -> Result:
             run = RunInfo(name, storage_path, reports, feeds, whole,
                           ray.get(reports.latest.remote()))
             try:  # the last report is handed over before this returns
-                results = _run_reporting(executor, train_fn, run, hand_over)
+                results = _run_reporting(executor, train_fn, run, config.framework,
+                                         hand_over)
                 break
             except (ElasticStateLost, WorkerError) as exc:
                 if isinstance(exc, WorkerError) and not exc.process_lost:
@@ -187,14 +203,14 @@ def fit_elastic(trainer: Any) -> Result:
 
 
 def _run_reporting(executor: RayExecutor, train_fn: Any, run: RunInfo,
-                   hand_over: Any) -> list[Any]:
+                   framework: str | None, hand_over: Any) -> list[Any]:
     """`executor.run` on a thread while this one hands new reports to the callbacks."""
     out: dict[str, Any] = {}
 
     def target() -> None:
         _lower_priority()
         try:
-            out["results"] = executor.run(_worker, args=(train_fn, run))
+            out["results"] = executor.run(_worker, args=(train_fn, run, framework))
         except BaseException as exc:  # noqa: BLE001 - raised on the caller's thread
             out["error"] = exc
 

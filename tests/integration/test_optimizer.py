@@ -359,3 +359,50 @@ def test_a_failed_worlds_error_belongs_to_the_step_not_the_optimizers_constructi
     # an elastic job builds its optimizer before `run` catches the world's failures
     results = run_workers(_built_after_a_peer_died, 2, allow_failures=True, work_s=15)
     assert results[0].startswith("the step: ") and "peer" in results[0]
+
+
+def _data_parallel(steps: int, batch: int, accumulate: bool) -> dict:
+    """DDP's usage with raytrain-x's `DataParallel`: a plain torch optimizer steps on the
+    gradients backward averaged; with `accumulate`, half of each step's batch goes through
+    a backward under `no_sync()`."""
+    import raytrain_x.torch as rx
+    from raytrain_x.torch.data_parallel import DataParallel, WorldSampler
+
+    rx.init()
+    inner = _model()
+    if rx.rank() == 1:  # rank 0's weights reach every rank at construction, as with DDP
+        with torch.no_grad():
+            for p in inner.parameters():
+                p.add_(1.0)
+    model = DataParallel(inner)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    n, r = rx.size(), rx.rank()
+    for x, y in _data(steps, batch):
+        xs, ys = x[r * batch // n:(r + 1) * batch // n], y[r * batch // n:(r + 1) * batch // n]
+        opt.zero_grad()
+        if accumulate:
+            half = len(xs) // 2
+            with model.no_sync():
+                (torch.nn.functional.cross_entropy(model(xs[:half]), ys[:half]) / 2).backward()
+            (torch.nn.functional.cross_entropy(model(xs[half:]), ys[half:]) / 2).backward()
+        else:
+            torch.nn.functional.cross_entropy(model(xs), ys).backward()
+        opt.step()
+    sampler = WorldSampler(list(range(10)), shuffle=False)
+    return {"state": {k: v.clone() for k, v in model.module.state_dict().items()},
+            "keys": sorted(model.state_dict()), "shard": list(sampler)}
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_data_parallel_trains_as_ddp_with_a_plain_optimizer(accumulate):
+    """`DataParallel` (what `ray.train.torch.prepare_model` builds in an elastic run) gives
+    a plain torch optimizer the gradients averaged by the end of backward, as DDP does: the
+    ranks train to the weights of one process on the combined batch."""
+    steps, batch = 6, 24
+    results = run_workers(_data_parallel, 2, steps, batch, accumulate)
+    reference = _single(steps, batch, "sgd")
+    for out in results:
+        for key, value in reference.items():
+            assert torch.allclose(out["state"][key], value, atol=1e-5, rtol=1e-5), key
+        assert all(k.startswith("module.") for k in out["keys"])  # DDP's state dict keys
+    assert [out["shard"] for out in results] == [[0, 2, 4, 6, 8], [1, 3, 5, 7, 9]]

@@ -321,29 +321,112 @@ def test_each_pass_is_an_epoch_in_every_batch_format_and_unsplit_datasets_are_wh
     assert out["epoch"] == 3 and out["whole"] == list(range(5))
 
 
-def _prepare_model_loop() -> None:
+def _prepared_loop(config: dict) -> dict:
+    """Ray Train's linear example ported to an elastic run as docs/ray_train.md says, its
+    `prepare_model` and `prepare_data_loader` kept: rank 1 of the first world leaves at its
+    third step; the loop goes on at one rank until a worker joins again."""
+    import os
+    import time
+
+    import ray.train
     import ray.train.torch
     import torch
 
     import raytrain_x.torch as rx
 
     rx.init()
-    ray.train.torch.prepare_model(torch.nn.Linear(2, 2))
+    torch.manual_seed(0)
+    x = torch.linspace(-1, 1, 64).unsqueeze(1)
+    loader = ray.train.torch.prepare_data_loader(torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x, 3 * x + 1), batch_size=8, shuffle=True))
+    model = ray.train.torch.prepare_model(torch.nn.Linear(1, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = rx.elastic.TorchState(model, opt, epoch=0, steps=0, worlds=[], rows=[],
+                                  same=True)
+
+    @rx.elastic.run
+    def train(state):
+        while True:
+            worlds = state.worlds
+            done = state.epoch >= 2 and 1 in worlds and worlds[-1] == 2 and \
+                worlds.index(1) > 0
+            if rx.broadcast_object(done or time.time() > config["deadline"], 0, name="end"):
+                return {"worlds": worlds, "rows": state.rows, "same": state.same,
+                        "weight": model.module.weight.item(),
+                        "kind": [c.__name__ for c in type(model).__mro__]}
+            loader.sampler.set_epoch(state.epoch)
+            for xb, yb in loader:
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(model(xb), yb).backward()
+                opt.step()
+                state.steps += 1
+                if rx.rank() == 1 and state.steps == 3 and not os.path.exists(config["left"]):
+                    open(config["left"], "w").close()
+                    os._exit(1)
+                weights = rx.allgather_object(model.module.weight.item(), name="w")
+                state.same = state.same and len(set(weights)) == 1
+                if not state.worlds or state.worlds[-1] != rx.size():
+                    state.worlds.append(rx.size())
+                    state.rows.append(len(loader.sampler))
+                time.sleep(0.05)
+                state.commit()
+            state.epoch += 1
+            state.commit()
+
+    return train(state)
 
 
-def test_prepare_model_in_an_elastic_run_says_what_to_use_instead(ray_cluster, tmp_path):
-    """DDP's group is fixed; an elastic run changes its world in memory. The loop failed
-    inside torch ("Default process group has not been initialized") with nothing said of
-    what to do; the run's error now says it first."""
+def test_prepare_model_and_prepare_data_loader_follow_an_elastic_runs_world(ray_cluster,
+                                                                            tmp_path):
+    """`prepare_model` built DDP, whose group is fixed: the loop failed in torch ("Default
+    process group has not been initialized"). In an elastic run it now builds raytrain-x's
+    `DataParallel` and `prepare_data_loader` a sampler over the current world: a rank leaves
+    and one joins, the ranks' weights stay equal at every step and each world's rank takes
+    its part of the data."""
+    import time
+
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+
+    from raytrain_x.ray.train import RaytrainXConfig, RaytrainXTrainer
+
+    config = {"left": str(tmp_path / "left"), "deadline": time.time() + limit(120)}
+    result = RaytrainXTrainer(
+        _prepared_loop, train_loop_config=config,
+        raytrain_x_config=RaytrainXConfig(framework="torch"),
+        scaling_config=ScalingConfig(num_workers=(1, 2)),
+        run_config=RunConfig(name="prepared", storage_path=str(tmp_path),
+                             failure_config=FailureConfig(max_failures=1))).fit()
+    assert result.error is None, result.error
+    out = result.return_value
+    assert "DataParallel" in out["kind"] and out["same"], out
+    assert out["worlds"][:3] == [2, 1, 2], out  # a rank left, then one joined
+    assert out["rows"][:3] == [32, 64, 32], out  # each world's rank took its part
+    assert abs(out["weight"] - 3) < 1.0, out  # it learnt
+
+
+def _torch_distributed_loop() -> None:
+    import torch
+    import torch.distributed
+
+    import raytrain_x.torch as rx
+
+    rx.init()
+    torch.distributed.all_reduce(torch.ones(1))
+
+
+def test_torch_distributed_in_an_elastic_run_says_what_to_use_instead(ray_cluster, tmp_path):
+    """torch's default group is fixed; an elastic run changes its world in memory, so it has
+    none. A collective of torch.distributed failed inside torch ("Default process group has
+    not been initialized") with nothing said of what to do; the run's error says it first."""
     from ray.train import RunConfig, ScalingConfig
     from ray.train.v2.api.exceptions import WorkerGroupError
 
     from raytrain_x.ray.train import RaytrainXConfig, RaytrainXTrainer
 
     with pytest.raises(WorkerGroupError) as caught:
-        RaytrainXTrainer(_prepare_model_loop, raytrain_x_config=RaytrainXConfig(framework="torch"),
+        RaytrainXTrainer(_torch_distributed_loop,
+                         raytrain_x_config=RaytrainXConfig(framework="torch"),
                          scaling_config=ScalingConfig(num_workers=(2, 2)),
                          run_config=RunConfig(name="ddp", storage_path=str(tmp_path))).fit()
     said = str(caught.value).splitlines()[1]  # after Ray Train's own first line
-    assert "prepare_model wraps the model in DDP" in said and \
-        "rx.DistributedOptimizer" in said, said
+    assert "default process group is fixed" in said and "rx.allreduce" in said, said
