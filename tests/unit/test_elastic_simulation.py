@@ -166,3 +166,17 @@ def test_the_suites_share_of_random_schedules_holds_every_invariant():
                         r"s: 0 violations", last), last
     faults = int(re.search(r"\((\d+) faults", last).group(1))
     assert faults >= 10 * SUITE_SCHEDULES  # those that met a running job
+
+
+def test_the_jobs_end_does_not_wait_for_a_newcomer_on_its_way_to_a_round():
+    """A worker that started and waits for its first round when the job finishes never
+    finishes (no round forms after the end): the job's end waited `timeout_s` for it (26 s
+    here, against 16 s now). It is stopped with the job."""
+    config = WorldConfig(nodes=2, max_nodes=3, max_workers=3, commit_s=5.0,
+                         start_s=(0.5, 0.5), autoscaler=False, respawn=False)
+    outcome = run_schedule(Schedule(0, config, (Fault(12.0, "add_node"),), tail_s=0.5),
+                           keep_trace=True)
+    assert outcome.ok and outcome.stop == "finished", outcome.violations
+    started = [line for line in outcome.trace if "w2@n3 started" in line]
+    assert started and float(started[0].split()[0]) < 15.0, outcome.trace  # before the end
+    assert outcome.virtual_s < 16.0 + config.timeout_s / 2, outcome.virtual_s

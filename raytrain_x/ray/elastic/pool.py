@@ -41,6 +41,12 @@ class Member:
         return MemberView(self.worker_id, self.node, self.leaving, in_round=self.rank >= 0,
                           departed=self.departed)
 
+    def finishes_with_the_job(self) -> bool:
+        """Whether the job's end waits for this member's result: it runs the function in a
+        round and is not leaving. A newcomer still on its way to its first round never
+        finishes (no round forms once the job is done): it is stopped with the job."""
+        return self.ref is not None and self.rank >= 0 and not self.leaving
+
 
 @dataclass
 class Pending:
@@ -147,8 +153,8 @@ class WorkerPool:
         `timeout_s` (failures and departures are not waited for)."""
         deadline = self.clock() + timeout_s
         while self.clock() < deadline:
-            waiting = [m for m in self.members.values() if m.ref is not None
-                       and m.worker_id not in finished and not m.leaving]
+            waiting = [m for m in self.members.values()
+                       if m.finishes_with_the_job() and m.worker_id not in finished]
             if not waiting:
                 break
             ready, _ = ray.wait([m.ref for m in waiting], num_returns=len(waiting),

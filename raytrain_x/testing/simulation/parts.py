@@ -106,8 +106,8 @@ class SimPool(WorkerPool):
         deadline = world.now + timeout_s
 
         def waiting() -> list[Member]:
-            return [m for m in self.members.values() if m.ref is not None
-                    and m.worker_id not in finished and not m.leaving
+            return [m for m in self.members.values()
+                    if m.finishes_with_the_job() and m.worker_id not in finished
                     and not (m.ref.outcome is not None and m.ref.outcome_at <= world.now)]
 
         while world.now < deadline and waiting():
