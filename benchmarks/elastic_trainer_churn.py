@@ -388,7 +388,8 @@ def main() -> None:
     rows = []
     try:
         ray.init(address=cluster.address, log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": os.path.dirname(__file__)}})
+                 runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [
+                     os.path.dirname(__file__), os.environ.get("PYTHONPATH")]))}})
         with tempfile.TemporaryDirectory(prefix="rtx_churn_") as storage:
             for n, (way, monitor_s, changes) in enumerate(plan, 1):
                 print(f"[{n}/{len(plan)}] {way}" + (f" (resize interval {monitor_s:g} s)"

@@ -58,6 +58,19 @@ class ActorStore:
             )
         return value
 
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        """Every key's value, once all are set, in one call."""
+        start = time.monotonic()
+        values = call_actor(self.actor.multi_get, list(keys), self.timeout_s)
+        if values == ABANDONED:
+            raise InternalError(_ABANDONED_ERROR.format(key=keys[0]))
+        if values is None:
+            raise RendezvousTimeout(
+                f"rendezvous keys {keys[0]!r} ... {keys[-1]!r} did not all appear within "
+                f"{self.timeout_s:.0f}s (waited {time.monotonic() - start:.1f}s); a worker "
+                "did not start or died")
+        return values
+
     def add(self, key: str, amount: int) -> int:
         return call_actor(self.actor.add, key, int(amount))
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from raytrain_x.comm.backend import Backend, Group, writable_alias
-from raytrain_x.comm.torch_store import as_torch_store
+from raytrain_x.comm.torch_store import group_store
 from raytrain_x.common.errors import ConfigError, InternalError, RendezvousTimeout
 from raytrain_x.common.settings import GPU_OPERATIONS
 
@@ -353,6 +353,5 @@ class TorchBackend(Backend):
 
     def create_group(self, store: Any, prefix: str, rank: int, size: int,
                      ranks: Sequence[int], timeout_s: float, address: str = "") -> Group:
-        base = as_torch_store(store) if store is not None else dist.HashStore()
-        return TorchGroup(dist.PrefixStore(prefix, base), rank, size, timeout_s, ranks,
+        return TorchGroup(group_store(store, prefix, size), rank, size, timeout_s, ranks,
                           address)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from datetime import timedelta
 from typing import Any
 
@@ -52,6 +53,86 @@ class RayStore(dist.Store):
 
     def num_keys(self) -> int:
         return self._store.num_keys()
+
+
+# a key of gloo's full mesh, as a group's store sees it: `<context>/<rank>` (each of the
+# group's gloo contexts keeps every rank's address under its index)
+_MESH_KEY = re.compile(r"^(\d+)/(\d+)$")
+
+
+class MeshStore(dist.Store):
+    """One group's keys (under `prefix`) in a rendezvous store actor, with gloo's full mesh
+    read in one call: gloo's connect waits for and gets every rank's `<context>/<rank>`
+    key one at a time (2N calls a rank, 2N^2 a group, through one actor); at the first,
+    every rank's address comes in one `multi_get` and the rest are served from memory,
+    each once. Any other key goes to the store as it is."""
+
+    def __init__(self, store: ActorStore, prefix: str, size: int) -> None:
+        super().__init__()
+        self._store = store
+        self._prefix = f"{prefix}/"
+        self._size = size
+        self._fetched: dict[str, dict[str, bytes]] = {}  # context -> key -> value unread
+
+    def __reduce__(self):
+        return (MeshStore, (self._store, self._prefix[:-1], self._size))
+
+    def _context(self, key: str) -> str | None:
+        match = _MESH_KEY.match(key)
+        return match.group(1) if match and int(match.group(2)) < self._size else None
+
+    def _mesh(self, context: str) -> dict[str, bytes]:
+        unread = self._fetched.get(context)
+        if unread is None:
+            keys = [f"{context}/{r}" for r in range(self._size)]
+            values = self._store.multi_get([self._prefix + k for k in keys])
+            unread = self._fetched[context] = dict(zip(keys, values))
+        return unread
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        """Kept at the job's timeout (`RayStore.set_timeout`)."""
+
+    def set(self, key: str, value) -> None:
+        self._store.set(self._prefix + key, value)
+
+    def get(self, key: str) -> bytes:
+        context = self._context(key)
+        if context is not None:
+            unread = self._mesh(context)
+            if key in unread:
+                return unread.pop(key)
+        return self._store.get(self._prefix + key)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        contexts = {self._context(k) for k in keys}
+        if None not in contexts:
+            for context in contexts:
+                self._mesh(context)  # waits for every rank's key of the context
+            return
+        self._store.wait([self._prefix + k for k in keys])
+
+    def add(self, key: str, amount: int) -> int:
+        return self._store.add(self._prefix + key, amount)
+
+    def compare_set(self, key: str, expected, desired) -> bytes:
+        return self._store.compare_set(self._prefix + key, expected, desired)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._store.check([self._prefix + k for k in keys])
+
+    def delete_key(self, key: str) -> bool:
+        return self._store.delete_key(self._prefix + key)
+
+    def num_keys(self) -> int:
+        return self._store.num_keys()
+
+
+def group_store(store: Any, prefix: str, size: int) -> dist.Store:
+    """The torch Store of one group of `size` ranks whose keys live under `prefix`."""
+    if isinstance(store, ActorStore):
+        return MeshStore(store, prefix, size)
+    base = as_torch_store(store) if store is not None else dist.HashStore()
+    return dist.PrefixStore(prefix, base)
 
 
 def as_torch_store(store: Any) -> dist.Store:

@@ -29,17 +29,15 @@ def assign_ranks(node_ids: list[str]) -> list[Slot]:
     Workers on one node get consecutive ranks; nodes are ordered by their first worker, so
     rank 0 stays on the first worker's node. Returns slots indexed like `node_ids`.
     """
-    order: list[str] = []
-    for node in node_ids:
-        if node not in order:
-            order.append(node)
-    per_node = {n: [i for i, x in enumerate(node_ids) if x == n] for n in order}
+    per_node: dict[str, list[int]] = {}  # in the order of each node's first worker
+    for index, node in enumerate(node_ids):
+        per_node.setdefault(node, []).append(index)
     slots: list[Slot | None] = [None] * len(node_ids)
     rank = 0
-    for cross_rank, node in enumerate(order):
-        members = per_node[node]
+    for cross_rank, (node, members) in enumerate(per_node.items()):
         for local_rank, index in enumerate(members):
-            slots[index] = Slot(rank, local_rank, len(members), cross_rank, len(order), node)
+            slots[index] = Slot(rank, local_rank, len(members), cross_rank, len(per_node),
+                                node)
             rank += 1
     return [s for s in slots if s is not None]
 

@@ -17,7 +17,7 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from raytrain_x.comm.store_actor import StoreActor
+from raytrain_x.comm.store_actor import StoreActor, control_concurrency
 from raytrain_x.common.errors import WorkerError
 from raytrain_x.ray.failures import (
     node_addresses,
@@ -102,7 +102,9 @@ class StaticJob:
         order = sorted(range(len(workers)), key=lambda i: slots[i].rank)
         self.workers = [workers[i] for i in order]
         self.slots = [slots[i] for i in order]
-        self._store = StoreActor.options(scheduling_strategy=stable_node_strategy()).remote()
+        self._store = StoreActor.options(
+            scheduling_strategy=stable_node_strategy(),
+            max_concurrency=control_concurrency(len(workers))).remote()
         env_per_node = self._cuda_visible_devices() if shape.gpus else {}
         ray.get([
             w.setup.remote(self._rendezvous_args(slot), self._store,

@@ -28,7 +28,7 @@ from ray.train.backend import Backend, BackendConfig
 from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
 from raytrain_x.comm.store import ActorStore
-from raytrain_x.comm.store_actor import StoreActor
+from raytrain_x.comm.store_actor import StoreActor, control_concurrency
 from raytrain_x.common import training
 from raytrain_x.common.autotune_config import AutotuneConfig
 from raytrain_x.common.errors import ConfigError
@@ -179,7 +179,9 @@ class RaytrainXBackend(Backend):
             extra, self._autotune_actor = start_autotune(backend_config.autotune,
                                                          backend_config.knobs)
             env.update(extra)
-        self._store = StoreActor.options(scheduling_strategy=stable_node_strategy()).remote()
+        self._store = StoreActor.options(
+            scheduling_strategy=stable_node_strategy(),
+            max_concurrency=control_concurrency(len(places))).remote()
         hosts = [p["host"] for p in places]
         cross_size = max(p["node_rank"] for p in places) + 1
         torch_group = backend_config.framework in (None, "torch") and \

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError
 
-from raytrain_x.comm.store_actor import StoreActor
+from raytrain_x.comm.store_actor import StoreActor, control_concurrency
 from raytrain_x.common.errors import ControlActorLost
 from raytrain_x.elastic.checkpoints import latest_checkpoint
 from raytrain_x.ray.elastic.cluster import ClusterView
@@ -22,6 +22,10 @@ from raytrain_x.ray.elastic.rounds import ElasticRounds
 from raytrain_x.ray.elastic.settings import ElasticSettings
 from raytrain_x.ray.placement import stable_node_strategy
 
+# how long the driver waits for the rounds actor to answer one call: its calls return at
+# once (a join parks, the driver's never do), so one that takes this long will not come
+CONTROL_CALL_TIMEOUT_S = 60.0
+
 
 class RoundsClient:
     """The controller's side of the `ElasticRounds` actor: each call waits for its answer."""
@@ -29,11 +33,15 @@ class RoundsClient:
     def __init__(self, actor: Any) -> None:
         self.actor = actor  # handed to workers, which join rounds through it
 
-    def _get(self, method: str, *args: Any, timeout: float | None = None) -> Any:
+    def _get(self, method: str, *args: Any, timeout: float = CONTROL_CALL_TIMEOUT_S) -> Any:
         try:
             return ray.get(getattr(self.actor, method).remote(*args), timeout=timeout)
         except RayActorError as exc:
             raise ControlActorLost(control_lost_message("rounds", exc)) from None
+        except GetTimeoutError:
+            raise ControlActorLost(
+                f"the elastic rounds actor did not answer the driver's {method}() within "
+                f"{timeout:.0f} s (its node is cut off or overloaded)") from None
 
     def waiting(self) -> list[str]:
         return self._get("waiting")
@@ -118,8 +126,9 @@ def ray_parts(settings: ElasticSettings, clock: Callable[[], float]) -> JobParts
     """The production wiring: Ray actors, Ray's view of the cluster, real time."""
     # The job's own actors live on the head node: worker nodes may vanish at any time.
     here = stable_node_strategy()
-    rounds = ElasticRounds.options(scheduling_strategy=here).remote()
-    store = StoreActor.options(scheduling_strategy=here).remote()
+    calls = control_concurrency(settings.max_workers)
+    rounds = ElasticRounds.options(scheduling_strategy=here, max_concurrency=calls).remote()
+    store = StoreActor.options(scheduling_strategy=here, max_concurrency=calls).remote()
 
     def close() -> None:
         for actor in (rounds, store):

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrain_x.common.errors import WorkerError
@@ -21,6 +21,10 @@ from raytrain_x.ray.failures import ask, worker_error
 from raytrain_x.ray.worker import Left, Worker
 
 log = logging.getLogger("raytrain_x.elastic")
+
+# how long a started worker's setup call may take (it sets its environment and returns);
+# past it, the worker counts as died while starting
+SETUP_TIMEOUT_S = 60.0
 
 
 @dataclass
@@ -101,14 +105,21 @@ class WorkerPool:
             return [], []
         ready, _ = ray.wait(list(self.pending), num_returns=len(self.pending), timeout=0)
         joined, died = [], []
+        set_up = []  # every ready worker's setup goes out before any is waited for
         for ref in ready:
             pending = self.pending[ref]
             worker_id = f"w{next(self._ids)}"
             try:
-                ray.get(ref)
-                ray.get(setup(pending.actor, worker_id))  # its node may go meanwhile
+                ray.get(ref)  # ready: answers at once
             except (RayActorError, RayTaskError) as exc:
                 died.append((pending, exc))  # still pending: the caller gives it up
+                continue
+            set_up.append((ref, pending, worker_id, setup(pending.actor, worker_id)))
+        for ref, pending, worker_id, call in set_up:
+            try:
+                ray.get(call, timeout=SETUP_TIMEOUT_S)  # its node may go meanwhile
+            except (RayActorError, RayTaskError, GetTimeoutError) as exc:
+                died.append((pending, exc))
                 continue
             del self.pending[ref]
             member = Member(worker_id, pending.actor, pending.node, next(self._ages),

@@ -112,15 +112,17 @@ def plan_round(members: dict[str, tuple[str, int]], round_id: int,
     The oldest member that holds the state becomes rank 0, since every rank syncs from
     rank 0 (an older member that joined but never synced holds only its initial state);
     workers on one node get consecutive ranks, nodes ordered by their first worker.
+    O(N log N) in the members (the sort by age).
     """
     holders = set(holders)
     by_age = sorted(members, key=lambda w: (bool(holders) and w not in holders,
                                             members[w][1]))
     slots = assign_ranks([members[w][0] for w in by_age])
-    hosts = [s.node_id for s in sorted(slots, key=lambda s: s.rank)]
+    # a place is O(1) in the round's size: no list of every rank's host (10,000 copies of
+    # a 10,000-entry list were GBs per round); what a worker needs of its host is its own
     return {worker_id: {"rank": slot.rank, "size": len(by_age), "local_rank": slot.local_rank,
                         "local_size": slot.local_size, "cross_rank": slot.cross_rank,
-                        "cross_size": slot.cross_size, "round": round_id, "hosts": hosts,
+                        "cross_size": slot.cross_size, "round": round_id,
                         "hosts_version": hosts_version,
                         "restore_from_storage": restore_from_storage,
                         "restore_checkpoint": restore_checkpoint if restore_from_storage
