@@ -38,7 +38,10 @@ def write_cost(parked: int, writes: int, give_up_s: float) -> dict:
     store = store_actor.StoreActor.options(**options).remote()
     try:
         waits = [store.wait.remote([f"round1/rank{i}"], 600.0) for i in range(parked)]
-        ray.get(store.num_keys.remote(), timeout=give_up_s)  # started after every wait
+        try:
+            ray.get(store.num_keys.remote(), timeout=give_up_s)  # started after every wait
+        except GetTimeoutError:
+            return {"parked": parked, "write_ms": None, "stuck": True}
         seconds = []
         for i in range(writes):
             began = time.perf_counter()
@@ -100,7 +103,7 @@ def main() -> None:
     parser.add_argument("--parked", type=int, nargs="+", default=[0, 1_000, 10_000])
     parser.add_argument("--writes", type=int, default=200)
     parser.add_argument("--give-up-s", type=float, default=15.0)
-    parser.add_argument("--mesh", type=int, nargs="+", default=[16, 64, 256])
+    parser.add_argument("--mesh", type=int, nargs="*", default=[16, 64, 256])
     parser.add_argument("--mesh-way", nargs="+", default=["per-key", "multi-get"],
                         choices=["per-key", "multi-get"])
     parser.add_argument("--per-key-up-to", type=int, default=64,
