@@ -11,6 +11,8 @@
    and reads every rank's, either one wait and one get per key (`--mesh-way per-key`, what
    torch's gloo does through a plain store) or in one `multi_get` (`MeshStore`'s way).
    Reported: wall time until every rank has every address, and the actor's calls per rank.
+3. Planning a round: `plan_round` for --plan members, each on a node of its own (the
+   driver's work per round), the median of 5.
 
 Run alone: .venv/bin/python benchmarks/control_plane.py [--parked 0 1000 10000]
     [--mesh 16 64 256] [--mesh-way per-key multi-get]
@@ -98,6 +100,21 @@ def mesh_cost(size: int, way: str, give_up_s: float) -> dict:
         ray.kill(actor, no_restart=True)
 
 
+def plan_cost(members: int) -> dict:
+    import pickle
+
+    from raytrain_x.ray.elastic.rounds import plan_round
+
+    nodes = {f"w{i}": (f"node{i}", i) for i in range(members)}
+    seconds = []
+    for _ in range(5):
+        began = time.perf_counter()
+        places = plan_round(nodes, 3, 1, holders=list(nodes)[:5])
+        seconds.append(time.perf_counter() - began)
+    return {"members": members, "plan_ms": 1e3 * statistics.median(seconds),
+            "place_bytes": len(pickle.dumps(places["w0"]))}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parked", type=int, nargs="+", default=[0, 1_000, 10_000])
@@ -108,6 +125,7 @@ def main() -> None:
                         choices=["per-key", "multi-get"])
     parser.add_argument("--per-key-up-to", type=int, default=64,
                         help="the largest N run the per-key way (2N^2 calls)")
+    parser.add_argument("--plan", type=int, nargs="*", default=[1_000, 10_000])
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     import ray
@@ -128,10 +146,12 @@ def main() -> None:
                 print(f"mesh of {size}: {meshes[-1]}", flush=True)
     finally:
         ray.shutdown()
+    plans = [plan_cost(n) for n in args.plan]
     print_table(rows, ["parked", "write_ms", "stuck"])
     print_table(meshes, ["ranks", "way", "wall_s", "calls_per_rank", "failed"])
-    path = write_json("control_plane", {"args": vars(args), "writes": rows, "meshes": meshes},
-                      args.json)
+    print_table(plans, ["members", "plan_ms", "place_bytes"])
+    path = write_json("control_plane", {"args": vars(args), "writes": rows, "meshes": meshes,
+                                        "plans": plans}, args.json)
     print(f"wrote {path}")
 
 
