@@ -4,6 +4,8 @@ that advances the virtual clock. The controller runs unchanged on them."""
 
 from __future__ import annotations
 
+import collections
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -81,8 +83,16 @@ class SimPool(WorkerPool):
         world = self.world
         refs = [m.ref for m in self.members.values() if m.ref is not None]
         if refs:
-            world.advance(world.now + timeout_s,
-                          stop=lambda: any(w.outcome_at <= world.now for w in refs))
+            # stops once a member's outcome is visible: the earliest, looked up again only
+            # when an outcome was made or moved (a scan after every event was O(N) each)
+            seen, due = [-1], [math.inf]
+
+            def visible() -> bool:
+                if world.outcome_changes != seen[0]:
+                    seen[0] = world.outcome_changes
+                    due[0] = min(w.outcome_at for w in refs)
+                return due[0] <= world.now
+            world.advance(world.now + timeout_s, stop=visible)
         else:
             world.advance(world.now + timeout_s)
         out = Outcomes({}, [], [])
@@ -243,12 +253,12 @@ class SimCluster:
             self._discovered = set(hosts)
             return {n: slots - used.get(n, 0) for n, slots in hosts.items()}
         free = {}
+        held = collections.Counter(w.node.node_id for w in self.world.workers if w.alive)
         for n, node in self.world.alive_nodes().items():
             if not node.up or node.raylet_dead:
                 free[n] = 0
                 continue
-            held = sum(1 for w in self.world.workers if w.node is node and w.alive)
-            free[n] = max(0, node.slots - held)
+            free[n] = max(0, node.slots - held[n])
         return free
 
     def addresses(self) -> dict[str, str]:

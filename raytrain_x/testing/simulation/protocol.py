@@ -51,6 +51,7 @@ class WorkerSide:
     last_write: float
     write_asked: bool
     finish_after: float
+    outcome_changes: int  # outcomes made or moved so far (the driver's poll rereads them)
     phase_faults: list[tuple[str, Callable[[list[SimWorker]], None]]]
     driver_members: Callable[[], Any]
     trace: Callable[[str], None]
@@ -58,13 +59,19 @@ class WorkerSide:
     def after(self, delay: float, fn: Callable[[], None]) -> None:
         raise NotImplementedError
 
+    def outcome_due(self, w: SimWorker, at: float) -> None:
+        """`w`'s outcome is visible to the driver from `at` (every change goes through
+        here, so the driver's poll knows when to look again)."""
+        w.outcome_at = at
+        self.outcome_changes += 1
+
     def violation(self, text: str) -> None:
         raise NotImplementedError
 
     def execute(self, w: SimWorker) -> None:
         """The pool called `execute`: the worker's first `rx.init()` joins a round."""
         w.outcome = None
-        w.outcome_at = math.inf
+        self.outcome_due(w, math.inf)
         self.after(RPC_S, lambda: self._join(w))
 
     def _join(self, w: SimWorker) -> None:
@@ -113,7 +120,7 @@ class WorkerSide:
     def _ends(self, w: SimWorker, kind: str, value: Any) -> None:
         w.phase = "done"
         w.outcome = (kind, value)
-        w.outcome_at = self.now + RPC_S
+        self.outcome_due(w, self.now + RPC_S)
         self.trace(f"{w} {kind}: {value}")
         self.rounds.gone(w)
 
@@ -125,12 +132,15 @@ class WorkerSide:
         if self._abandoned(group):
             self._internal_error(w, f"round {group.round_id} was abandoned")
             return
-        if group.phase == "broken" and set(group.ranks) <= group.arrived | {w.worker_id}:
+        # a worker is placed only in a round whose ranks name it: arrivals are a subset of
+        # the ranks, so counting them says whether all came (a set per arrival was O(N))
+        if group.phase == "broken" and \
+                len(group.arrived | {w.worker_id}) == len(group.ranks):
             # every key is there, but a peer left: its connection is refused at once
             self.after(RPC_S, lambda: self._internal_error(w, "a peer left the round", group))
             return
         group.arrived.add(w.worker_id)
-        if set(group.ranks) <= group.arrived and group.phase == "rendezvous":
+        if len(group.arrived) == len(group.ranks) and group.phase == "rendezvous":
             self._formed(group)
         else:
             self.after(self.config.timeout_s, lambda: self._rendezvous_timeout(w, group))

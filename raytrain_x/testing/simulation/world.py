@@ -108,6 +108,7 @@ class World(WorkerSide):
         self.fault_times: list[float] = []  # every fault's firing, phase faults too
         self.violations: list[str] = []
         self.finish_after: float = math.inf  # workers finish at the first commit after it
+        self.outcome_changes = 0
         self.phase_faults: list[tuple[str, Callable[[list[SimWorker]], None]]] = []
         self.driver_members: Callable[[], Any] = lambda: ()
         for _ in range(config.nodes):
@@ -167,7 +168,7 @@ class World(WorkerSide):
                 self.process_dies(w, visible_in=0.0)
             elif w.outcome is None:
                 w.outcome = ("failed", "lost")
-            w.outcome_at = min(w.outcome_at, self.now)
+            self.outcome_due(w, min(w.outcome_at, self.now))
 
     def kill_node(self, node: Node, graceful: bool = False) -> None:
         """Every process on it ends now; Ray knows at once when the removal is graceful,
@@ -381,7 +382,7 @@ class World(WorkerSide):
         self.trace(f"{w} process gone")
         if w.outcome is None:
             w.outcome = ("failed", "lost")
-            w.outcome_at = self.now + visible_in
+            self.outcome_due(w, self.now + visible_in)
         self.rounds.gone(w)
         if w.group is not None:
             self._peer_gone(w.group, w)
