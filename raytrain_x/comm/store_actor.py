@@ -22,12 +22,18 @@ from raytrain_x.comm.store import ABANDONED
 RAY_ASYNC_CONCURRENCY = 1_000
 
 
+# the most: what 25,000 workers ask (Ray takes an int32; an elastic job without a
+# `max_workers` has no bound of its own)
+MOST_CONTROL_CONCURRENCY = 100_064
+
+
 def control_concurrency(workers: int) -> int:
     """How many calls a job's control actor (the store, the rounds) takes at once: every
     worker may park a call from each of its threads that talks to it (the face's and the
     engine's, and a join) and the driver adds its own, so 4 per worker and 64 more; never
-    fewer than Ray's default. A parked call is a coroutine of a few KB."""
-    return max(RAY_ASYNC_CONCURRENCY, 4 * workers + 64)
+    fewer than Ray's default, nor more than `MOST_CONTROL_CONCURRENCY`. A parked call is a
+    coroutine of a few KB."""
+    return min(max(RAY_ASYNC_CONCURRENCY, 4 * workers + 64), MOST_CONTROL_CONCURRENCY)
 
 
 @ray.remote(num_cpus=0)

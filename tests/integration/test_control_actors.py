@@ -51,10 +51,18 @@ def test_ten_thousand_parked_callers_leave_the_store_and_the_rounds_answering(ra
 
 
 def test_a_job_sizes_its_control_actors_for_its_workers():
-    from raytrain_x.comm.store_actor import RAY_ASYNC_CONCURRENCY, control_concurrency
+    import sys
+
+    from raytrain_x.comm.store_actor import (
+        MOST_CONTROL_CONCURRENCY,
+        RAY_ASYNC_CONCURRENCY,
+        control_concurrency,
+    )
 
     assert control_concurrency(2) == RAY_ASYNC_CONCURRENCY
     assert control_concurrency(WORKERS) > 3 * WORKERS  # each worker's threads, and the driver
+    # an elastic job without max_workers: Ray takes an int32
+    assert control_concurrency(sys.maxsize) == MOST_CONTROL_CONCURRENCY < 2**31
 
 
 def test_a_group_forms_in_a_constant_number_of_store_calls_per_rank(ray_cluster):
