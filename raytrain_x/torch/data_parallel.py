@@ -85,6 +85,8 @@ class DataParallel(torch.nn.Module):
             broadcast_parameters(module.state_dict(), root_rank=0)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._sync is not None:  # a backward that raised never ran its callback
+            self._sync._queued = False
         if self.broadcast_buffers and runtime.size() > 1:
             buffers = list(self.module.named_buffers())
             if buffers:
