@@ -1,8 +1,9 @@
-"""The job's control actors (the rendezvous store and the elastic rounds) with as many
-parked callers as a 10,000-worker job has: real actors on the local Ray cluster, real
-calls. With Ray's default concurrency for async actors (1,000), the thousand-and-first
-parked call queued, and every call behind it (a write that would answer the waiters, the
-driver's look at who waits) never ran."""
+"""The job's control actors (the rendezvous store and the elastic rounds) with more parked
+callers than Ray's default concurrency for async actors (1,000): real actors on the local
+Ray cluster, real calls. With that default, the thousand-and-first parked call queued, and
+every call behind it (a write that would answer the waiters, the driver's look at who
+waits) never ran. The suite parks 1,100 of each (10,000 flooded the shared 2-core runner
+for minutes: `benchmarks/control_plane.py --parked 10000` measures that size)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ import pytest
 
 from tests.limits import limit, wait_until
 
-WORKERS = 10_000
+WORKERS = 1_100  # past Ray's default of 1,000
 
 
-def test_ten_thousand_parked_callers_leave_the_store_and_the_rounds_answering(ray_cluster):
+def test_more_parked_callers_than_rays_default_leave_the_store_and_the_rounds_answering(
+        ray_cluster):
     import ray
 
     from raytrain_x.comm.store import ABANDONED
@@ -60,7 +62,7 @@ def test_a_job_sizes_its_control_actors_for_its_workers():
     )
 
     assert control_concurrency(2) == RAY_ASYNC_CONCURRENCY
-    assert control_concurrency(WORKERS) > 3 * WORKERS  # each worker's threads, and the driver
+    assert control_concurrency(10_000) > 3 * 10_000  # each worker's threads, and the driver
     # an elastic job without max_workers: Ray takes an int32
     assert control_concurrency(sys.maxsize) == MOST_CONTROL_CONCURRENCY < 2**31
 
