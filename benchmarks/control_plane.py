@@ -6,16 +6,17 @@
    from the driver; the median of --writes samples per P. A write that does not come back
    within --give-up-s is reported as stuck (with Ray's default concurrency, 1,000 parked
    calls queued every later call).
-2. A group's full mesh: N emulated ranks (threads) make the store calls gloo's connect
-   makes, with values of gloo's size for N (154 + 8N bytes): each rank sets its address
-   and reads every rank's, either one wait and one get per key (`--mesh-way per-key`, what
-   torch's gloo does through a plain store) or in one `multi_get` (`MeshStore`'s way).
-   Reported: wall time until every rank has every address, and the actor's calls per rank.
+2. A round forms: N emulated workers (coroutines in --hosts Ray actor processes) join at
+   the real rounds actor; the driver sees them all waiting, plans and publishes the round;
+   each then meets its world group at the real store actor as a gloo rank does, either
+   reading every rank's address (`--way full-mesh`, gloo's full mesh in one `multi_get`)
+   or its two ring neighbours' (`--way lazy`, pairs connected when first used). Reported:
+   the time to join, to publish, to meet, the whole round, and store calls per worker.
 3. Planning a round: `plan_round` for --plan members, each on a node of its own (the
    driver's work per round), the median of 5.
 
 Run alone: .venv/bin/python benchmarks/control_plane.py [--parked 0 1000 10000]
-    [--mesh 16 64 256] [--mesh-way per-key multi-get]
+    [--round 64 256 1024 4096] [--way lazy full-mesh]
 Writes results/control_plane.json.
 """
 
@@ -59,45 +60,90 @@ def write_cost(parked: int, writes: int, give_up_s: float) -> dict:
         ray.kill(store, no_restart=True)
 
 
-def mesh_cost(size: int, way: str, give_up_s: float) -> dict:
-    import threading
+_EMULATED_HOST = None
 
+
+def _emulated_host_class():
+    """The Ray actor class that runs one host's emulated workers (made once, after
+    `ray.init`)."""
+    global _EMULATED_HOST
+    if _EMULATED_HOST is None:
+        import ray
+
+        @ray.remote(num_cpus=0)
+        class EmulatedHost:
+            """Emulated workers of one host, as coroutines. Each joins the round at the
+            rounds actor, then meets its world group at the store as a gloo rank of that
+            round does: `full-mesh`, its address (154 + 8N bytes) and every rank's in one
+            `multi_get` (a group's full mesh, each address carrying a sequence number per
+            peer); `lazy`, its address (154 bytes) and, for its first allreduce (a ring),
+            its two neighbours', one `multi_get` each (`PeerStore`)."""
+
+            async def ready(self) -> bool:
+                return True
+
+            async def run(self, rounds, store, worker_ids, way, timeout_s):
+                import asyncio
+
+                async def worker(worker_id):
+                    place = await rounds.join.remote(worker_id, 0)
+                    rank, size = place["rank"], place["size"]
+                    prefix = f"rtx/round{place['round']}/world/0/"
+                    if way == "full-mesh":
+                        await store.set.remote(prefix + str(rank), b"x" * (154 + 8 * size))
+                        got = await store.multi_get.remote(
+                            [prefix + str(r) for r in range(size)], timeout_s)
+                        assert isinstance(got, list), got
+                    else:
+                        await store.set.remote(prefix + str(rank), b"x" * 154)
+                        for peer in sorted({(rank - 1) % size, (rank + 1) % size} - {rank}):
+                            got = await store.multi_get.remote([prefix + str(peer)], timeout_s)
+                            assert isinstance(got, list), got
+                    return time.time()
+
+                ends = await asyncio.gather(*(worker(w) for w in worker_ids))
+                return max(ends)
+
+        _EMULATED_HOST = EmulatedHost
+    return _EMULATED_HOST
+
+
+def round_cost(size: int, way: str, hosts: int, per_node: int, timeout_s: float) -> dict:
+    """A round of `size` emulated workers forms: they join at the real rounds actor, the
+    driver sees them all waiting, plans and publishes the round (`plan_round`), and each
+    meets its world group's peers at the real store actor (`way`). Timed from the first
+    join to the last worker done."""
     import ray
 
-    from raytrain_x.comm.store import ActorStore
     from raytrain_x.comm.store_actor import StoreActor, control_concurrency
+    from raytrain_x.ray.elastic.rounds import ElasticRounds, plan_round
 
-    actor = StoreActor.options(max_concurrency=control_concurrency(size)).remote()
-    store = ActorStore(actor, give_up_s)
-    value = b"x" * (154 + 8 * size)
-    keys = [f"round1/world/0/{r}" for r in range(size)]
-    errors: list[BaseException] = []
-
-    def rank(r: int) -> None:
-        try:
-            store.set(keys[r], value)
-            if way == "multi-get":
-                store.multi_get(keys)
-                return
-            for key in keys:
-                store.wait([key])
-                store.get(key)
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
+    concurrency = control_concurrency(size)
+    rounds = ElasticRounds.options(max_concurrency=concurrency).remote()
+    store = StoreActor.options(max_concurrency=concurrency).remote()
+    emulated = [_emulated_host_class().remote() for _ in range(hosts)]
     try:
-        threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(size)]
-        began = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        wall = time.perf_counter() - began
-        calls = ray.get(actor.calls.remote())
-        return {"ranks": size, "way": way, "wall_s": wall, "failed": len(errors),
-                "calls_per_rank": sum(calls.values()) / size}
+        ray.get([h.ready.remote() for h in emulated] + [rounds.waiting.remote(),
+                                                         store.num_keys.remote()])
+        workers = [f"w{i}" for i in range(size)]
+        began = time.time()
+        done = [h.run.remote(rounds, store, workers[i::hosts], way, timeout_s)
+                for i, h in enumerate(emulated)]
+        while len(ray.get(rounds.waiting.remote())) < size:
+            time.sleep(0.02)
+        joined = time.time()
+        members = {w: (f"node{i // per_node}", i) for i, w in enumerate(workers)}
+        ray.get(rounds.publish.remote(plan_round(members, 1, 0)))
+        published = time.time()
+        ended = max(ray.get(done))
+        calls = ray.get(store.calls.remote())
+        return {"workers": size, "way": way, "join_s": joined - began,
+                "publish_s": published - joined, "meet_s": ended - published,
+                "round_s": ended - began,
+                "store_calls_per_worker": sum(calls.values()) / size}
     finally:
-        ray.kill(actor, no_restart=True)
+        for actor in [rounds, store, *emulated]:
+            ray.kill(actor, no_restart=True)
 
 
 def plan_cost(members: int) -> dict:
@@ -120,11 +166,14 @@ def main() -> None:
     parser.add_argument("--parked", type=int, nargs="+", default=[0, 1_000, 10_000])
     parser.add_argument("--writes", type=int, default=200)
     parser.add_argument("--give-up-s", type=float, default=15.0)
-    parser.add_argument("--mesh", type=int, nargs="*", default=[16, 64, 256])
-    parser.add_argument("--mesh-way", nargs="+", default=["per-key", "multi-get"],
-                        choices=["per-key", "multi-get"])
-    parser.add_argument("--per-key-up-to", type=int, default=64,
-                        help="the largest N run the per-key way (2N^2 calls)")
+    parser.add_argument("--round", type=int, nargs="*", default=[64, 256, 1024, 4096])
+    parser.add_argument("--way", nargs="+", default=["lazy", "full-mesh"],
+                        choices=["lazy", "full-mesh"])
+    parser.add_argument("--full-mesh-up-to", type=int, default=1024,
+                        help="the largest N run the full-mesh way (N(154 + 8N) bytes a rank)")
+    parser.add_argument("--hosts", type=int, default=4,
+                        help="Ray actor processes the emulated workers run in")
+    parser.add_argument("--per-node", type=int, default=8, help="workers per emulated node")
     parser.add_argument("--plan", type=int, nargs="*", default=[1_000, 10_000])
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -137,20 +186,21 @@ def main() -> None:
         for parked in args.parked:
             rows.append(write_cost(parked, args.writes, args.give_up_s))
             print(f"{parked} parked: {rows[-1]}", flush=True)
-        meshes = []
-        for size in args.mesh:
-            for way in args.mesh_way:
-                if way == "per-key" and size > args.per_key_up_to:
+        formed = []
+        for size in args.round:
+            for way in args.way:
+                if way == "full-mesh" and size > args.full_mesh_up_to:
                     continue
-                meshes.append(mesh_cost(size, way, 600.0))
-                print(f"mesh of {size}: {meshes[-1]}", flush=True)
+                formed.append(round_cost(size, way, args.hosts, args.per_node, 600.0))
+                print(f"round of {size}: {formed[-1]}", flush=True)
     finally:
         ray.shutdown()
     plans = [plan_cost(n) for n in args.plan]
     print_table(rows, ["parked", "write_ms", "stuck"])
-    print_table(meshes, ["ranks", "way", "wall_s", "calls_per_rank", "failed"])
+    print_table(formed, ["workers", "way", "join_s", "publish_s", "meet_s", "round_s",
+                         "store_calls_per_worker"])
     print_table(plans, ["members", "plan_ms", "place_bytes"])
-    path = write_json("control_plane", {"args": vars(args), "writes": rows, "meshes": meshes,
+    path = write_json("control_plane", {"args": vars(args), "writes": rows, "rounds": formed,
                                         "plans": plans}, args.json)
     print(f"wrote {path}")
 

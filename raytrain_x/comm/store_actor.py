@@ -60,6 +60,16 @@ class StoreActor:
         for key in [k for k in self._waiters if k.startswith(prefix)]:
             self._wake(key)
 
+    async def delete_prefix(self, prefix: str) -> int:
+        """Deletes every key under `prefix` (a round that ended: its keys would otherwise
+        stay for the job's life) and forgets that it was abandoned; returns how many keys.
+        A wait parked on one of them keeps waiting for it."""
+        doomed = [k for k in self._data if k.startswith(prefix)]
+        for key in doomed:
+            del self._data[key]
+        self._abandoned = {p for p in self._abandoned if not p.startswith(prefix)}
+        return len(doomed)
+
     def _is_abandoned(self, key: str) -> bool:
         return any(key.startswith(p) for p in self._abandoned)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -130,6 +131,32 @@ def gloo_options(timeout: timedelta, address: str) -> Any:
     return options
 
 
+# torch reads it when a gloo group is made (torch 2.13 has no option for it)
+_LAZY_INIT_ENV = "TORCH_GLOO_LAZY_INIT"
+_lazy_env_lock = threading.Lock()
+
+
+def lazy_gloo_group(store: Any, rank: int, size: int, timeout: timedelta, address: str) -> Any:
+    """A gloo group whose pairs connect when a collective first needs them. Made, a rank
+    has published its address (one store call) and waited for no one; a ring allreduce
+    then connects 2 peers, a tree broadcast or the barrier log2 N, an alltoall all. A full
+    mesh (gloo's default) made every rank wait for, read and connect to every other at
+    creation: N^2 connections and 2N^2 store reads a group, whatever the collectives.
+    torch 2.13 takes the choice from the environment when the options are made, so only
+    that moment sees the variable set."""
+    with _lazy_env_lock:
+        before = os.environ.get(_LAZY_INIT_ENV)
+        os.environ[_LAZY_INIT_ENV] = "1"
+        try:
+            options = gloo_options(timeout, address)
+        finally:
+            if before is None:
+                del os.environ[_LAZY_INIT_ENV]
+            else:
+                os.environ[_LAZY_INIT_ENV] = before
+    return dist.ProcessGroupGloo(store, rank, size, options)
+
+
 def _gpu_operations() -> str:
     value = str(GPU_OPERATIONS.read()).strip().lower()
     if value not in ("nccl", "gloo"):
@@ -155,8 +182,8 @@ class TorchGroup(Group):
         self.ranks = list(ranks)
         self._timeout = timedelta(seconds=timeout_s)
         self._store = store
-        self._gloo = self._call("create gloo group", dist.ProcessGroupGloo, store, rank, size,
-                                gloo_options(self._timeout, address))
+        self._gloo = self._call("create gloo group", lazy_gloo_group, store, rank, size,
+                                self._timeout, address)
         self._nccl = None
         self._cuda_over_gloo = _gpu_operations() == "gloo"
 
@@ -353,5 +380,4 @@ class TorchBackend(Backend):
 
     def create_group(self, store: Any, prefix: str, rank: int, size: int,
                      ranks: Sequence[int], timeout_s: float, address: str = "") -> Group:
-        return TorchGroup(group_store(store, prefix, size), rank, size, timeout_s, ranks,
-                          address)
+        return TorchGroup(group_store(store, prefix), rank, size, timeout_s, ranks, address)

@@ -55,39 +55,28 @@ class RayStore(dist.Store):
         return self._store.num_keys()
 
 
-# a key of gloo's full mesh, as a group's store sees it: `<context>/<rank>` (each of the
+# a key of a gloo group, as the group's store sees it: `<context>/<rank>` (each of the
 # group's gloo contexts keeps every rank's address under its index)
-_MESH_KEY = re.compile(r"^(\d+)/(\d+)$")
+_PEER_KEY = re.compile(r"^(\d+)/(\d+)$")
 
 
-class MeshStore(dist.Store):
-    """One group's keys (under `prefix`) in a rendezvous store actor, with gloo's full mesh
-    read in one call: gloo's connect waits for and gets every rank's `<context>/<rank>`
-    key one at a time (2N calls a rank, 2N^2 a group, through one actor); at the first,
-    every rank's address comes in one `multi_get` and the rest are served from memory,
-    each once. Any other key goes to the store as it is."""
+class PeerStore(dist.Store):
+    """One group's keys (under `prefix`) in a rendezvous store actor, each peer's address
+    read in one call. gloo connects a group's pairs lazily (`torch_backend.lazy_gloo_group`):
+    a rank sets its own address once and, when a collective first needs a peer, waits for
+    and gets that peer's key. The wait fetches the value (one call to the actor, not a wait
+    and a get) and the get is served from memory. A rank so makes one call per peer it
+    ever talks to (2 for a ring, log2 N for a tree), not 2N as gloo's full mesh did, and
+    reads 154 bytes a peer (a full mesh's address carries a sequence number per peer)."""
 
-    def __init__(self, store: ActorStore, prefix: str, size: int) -> None:
+    def __init__(self, store: ActorStore, prefix: str) -> None:
         super().__init__()
         self._store = store
         self._prefix = f"{prefix}/"
-        self._size = size
-        self._fetched: dict[str, dict[str, bytes]] = {}  # context -> key -> value unread
+        self._fetched: dict[str, bytes] = {}  # peer key -> value not read yet
 
     def __reduce__(self):
-        return (MeshStore, (self._store, self._prefix[:-1], self._size))
-
-    def _context(self, key: str) -> str | None:
-        match = _MESH_KEY.match(key)
-        return match.group(1) if match and int(match.group(2)) < self._size else None
-
-    def _mesh(self, context: str) -> dict[str, bytes]:
-        unread = self._fetched.get(context)
-        if unread is None:
-            keys = [f"{context}/{r}" for r in range(self._size)]
-            values = self._store.multi_get([self._prefix + k for k in keys])
-            unread = self._fetched[context] = dict(zip(keys, values))
-        return unread
+        return (PeerStore, (self._store, self._prefix[:-1]))
 
     def set_timeout(self, timeout: timedelta) -> None:
         """Kept at the job's timeout (`RayStore.set_timeout`)."""
@@ -96,18 +85,15 @@ class MeshStore(dist.Store):
         self._store.set(self._prefix + key, value)
 
     def get(self, key: str) -> bytes:
-        context = self._context(key)
-        if context is not None:
-            unread = self._mesh(context)
-            if key in unread:
-                return unread.pop(key)
-        return self._store.get(self._prefix + key)
+        value = self._fetched.pop(key, None)
+        return value if value is not None else self._store.get(self._prefix + key)
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        contexts = {self._context(k) for k in keys}
-        if None not in contexts:
-            for context in contexts:
-                self._mesh(context)  # waits for every rank's key of the context
+        if all(_PEER_KEY.match(k) for k in keys):
+            unread = [k for k in keys if k not in self._fetched]
+            if unread:
+                values = self._store.multi_get([self._prefix + k for k in unread])
+                self._fetched.update(zip(unread, values))
             return
         self._store.wait([self._prefix + k for k in keys])
 
@@ -127,10 +113,10 @@ class MeshStore(dist.Store):
         return self._store.num_keys()
 
 
-def group_store(store: Any, prefix: str, size: int) -> dist.Store:
-    """The torch Store of one group of `size` ranks whose keys live under `prefix`."""
+def group_store(store: Any, prefix: str) -> dist.Store:
+    """The torch Store of one group whose keys live under `prefix`."""
     if isinstance(store, ActorStore):
-        return MeshStore(store, prefix, size)
+        return PeerStore(store, prefix)
     base = as_torch_store(store) if store is not None else dist.HashStore()
     return dist.PrefixStore(prefix, base)
 

@@ -67,11 +67,9 @@ def test_a_job_sizes_its_control_actors_for_its_workers():
     assert control_concurrency(sys.maxsize) == MOST_CONTROL_CONCURRENCY < 2**31
 
 
-def test_a_group_forms_in_a_constant_number_of_store_calls_per_rank(ray_cluster):
-    """gloo's full mesh waited for and read every rank's address one key at a time: 2N + 1
-    calls to the store actor per rank, 2N^2 + N per group. Its reads now come in one call:
-    a set and a multi_get per rank, whatever N. Real gloo groups (one per thread), a real
-    store actor."""
+def _calls_of_one_group(size: int, collective: str) -> dict[str, int]:
+    """The store actor's calls while `size` ranks (one thread each, a real gloo group each)
+    form a world group and run `collective` once."""
     import threading
 
     import numpy as np
@@ -81,9 +79,8 @@ def test_a_group_forms_in_a_constant_number_of_store_calls_per_rank(ray_cluster)
     from raytrain_x.comm.store_actor import StoreActor
     from raytrain_x.comm.torch_backend import TorchBackend
 
-    size = 8
     store = StoreActor.remote()
-    sums: dict[int, float] = {}
+    results: dict[int, float] = {}
     errors: list[BaseException] = []
 
     def rank(r: int) -> None:
@@ -92,8 +89,11 @@ def test_a_group_forms_in_a_constant_number_of_store_calls_per_rank(ray_cluster)
                                                 size, list(range(size)), limit(30),
                                                 "127.0.0.1")
             values = np.full(4, float(r + 1), dtype=np.float32)
-            group.allreduce(values)
-            sums[r] = float(values[0])
+            if collective == "allreduce":
+                group.allreduce(values)
+            else:
+                group.broadcast(values, 0)
+            results[r] = float(values[0])
             group.close()
         except BaseException as exc:  # noqa: BLE001 - raised on the test's thread
             errors.append(exc)
@@ -105,8 +105,46 @@ def test_a_group_forms_in_a_constant_number_of_store_calls_per_rank(ray_cluster)
         for t in threads:
             t.join(limit(60))
         assert not errors, errors
-        assert sums == {r: size * (size + 1) / 2 for r in range(size)}  # the group works
-        calls = ray.get(store.calls.remote(), timeout=limit(5))
-        assert calls == {"set": size, "multi_get": size}, calls
+        expected = size * (size + 1) / 2 if collective == "allreduce" else 1.0
+        assert results == {r: expected for r in range(size)}  # the group works
+        return ray.get(store.calls.remote(), timeout=limit(5))
+    finally:
+        ray.kill(store, no_restart=True)
+
+
+def test_a_group_forms_in_one_store_call_per_rank_and_connects_only_the_peers_it_uses(
+        ray_cluster):
+    """gloo's full mesh waited for and read every rank's address one key at a time: 2N + 1
+    calls to the store actor per rank, 2N^2 + N per group, and N^2 connections. A rank now
+    sets its address (one call) and reads a peer's (one call) only when a collective first
+    needs that peer: a ring allreduce connects 2 peers whatever N, a tree broadcast at most
+    log2 N. Real gloo groups (one per thread), a real store actor."""
+    for size in (4, 16):
+        calls = _calls_of_one_group(size, "allreduce")
+        assert calls == {"set": size, "multi_get": 2 * size}, (size, calls)
+    calls = _calls_of_one_group(16, "broadcast")
+    assert calls["set"] == 16 and calls["multi_get"] <= 16 * 4, calls  # log2(16) a rank
+
+
+def test_a_rounds_keys_are_deleted_and_its_abandonment_forgotten(ray_cluster):
+    """The driver deletes a round's keys once the second round after it formed
+    (`round_forming.ROUNDS_KEPT`; the simulator checks no member still meets in it):
+    the store holds two rounds' keys, not every round's of the job's life."""
+    import ray
+
+    from raytrain_x.comm.store_actor import StoreActor
+
+    store = StoreActor.remote()
+    try:
+        for round_id in (1, 2):
+            for rank in range(3):
+                ray.get(store.set.remote(f"rtx/round{round_id}/world/0/{rank}", b"a"))
+        ray.get(store.abandon.remote("rtx/round1/"))
+        assert ray.get(store.delete_prefix.remote("rtx/round1/"), timeout=limit(5)) == 3
+        assert ray.get(store.num_keys.remote()) == 3  # round 2's
+        # a key set again under the forgotten prefix is waited for, not answered abandoned
+        waiting = store.get.remote("rtx/round1/world/0/0", limit(10))
+        ray.get(store.set.remote("rtx/round1/world/0/0", b"b"))
+        assert ray.get(waiting, timeout=limit(10)) == b"b"
     finally:
         ray.kill(store, no_restart=True)

@@ -35,12 +35,11 @@ def _group(die_after_publishing: bool, late_s: float) -> dict:
     try:
         group = TorchBackend().create_group(rdv.store, "connect", rdv.rank, rdv.size,
                                             [0, 1], TIMEOUT_S)
-        made = time.monotonic() - began
         x = torch.ones(2)
-        group.allreduce(x)
+        group.allreduce(x)  # pairs connect lazily: here, not when the group is made
     except InternalError as exc:  # in the connect, or at once in the first collective
         return {"failed_after": time.monotonic() - began, "error": str(exc)}
-    return {"made_after": made, "sum": x.tolist()}
+    return {"done_after": time.monotonic() - began, "sum": x.tolist()}
 
 
 def test_a_peer_that_dies_while_the_group_connects_fails_the_others_within_the_timeout():
@@ -54,11 +53,12 @@ def test_a_peer_that_dies_while_the_group_connects_fails_the_others_within_the_t
 
 
 def test_a_peer_slower_than_one_connect_try_is_waited_for():
-    """Rank 1 comes 2.5 s late, more than a connect try (a fifth of the timeout)."""
+    """Rank 1 comes 2.5 s late, more than a connect try (a fifth of the timeout): rank 0's
+    first collective waits for its address and connects."""
     env = {"RAYTRAIN_X_TIMEOUT": str(TIMEOUT_S)}
     results = run_workers(_group, 2, False, 2.5, env=env, work_s=20)
     assert [r["sum"] for r in results] == [[2.0, 2.0], [2.0, 2.0]], results
-    assert results[0]["made_after"] >= 2.0
+    assert results[0]["done_after"] >= 2.0
 
 
 def _every_collective() -> dict:

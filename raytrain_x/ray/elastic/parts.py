@@ -83,6 +83,10 @@ class StoreClient:
         """Answers every wait under `prefix` at once (not waited for)."""
         self.actor.abandon.remote(prefix)
 
+    def forget(self, prefix: str) -> None:
+        """Deletes every key under `prefix` (not waited for)."""
+        self.actor.delete_prefix.remote(prefix)
+
     def check_alive(self) -> None:
         """Raises `ControlActorLost` once the store actor has died; never waits (the answer
         to the last probe is read when it is there, and the next probe sent)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 
+from raytrain_x.comm.groups import round_prefix
 from raytrain_x.common.errors import StorageError
 from raytrain_x.common.logs import progress_logger
 from raytrain_x.common.settings import STORAGE_POLL_S, short_node
@@ -21,6 +22,9 @@ from raytrain_x.ray.elastic.policies import (
 from raytrain_x.ray.elastic.rounds import plan_round
 
 log = logging.getLogger("raytrain_x.elastic")
+
+# the rounds whose store keys are kept: a round's are deleted once the second after it forms
+ROUNDS_KEPT = 2
 progress = progress_logger("raytrain_x.elastic.progress")
 
 
@@ -169,6 +173,9 @@ class RoundForming:
         for worker_id, place in assignments.items():
             ctx.members[worker_id].rank = place["rank"]
         ctx.rounds_client.publish(assignments)
+        if ctx.rounds > ROUNDS_KEPT:
+            # every member of that round has left it: the round after it has formed
+            ctx.store.forget(round_prefix(ctx.rounds - ROUNDS_KEPT))
         self.members.heartbeats.assigned(assignments, ctx.clock())
         self.members.stragglers.forget(assignments)
         # newcomers still starting join at a later round, once they wait for one; members

@@ -333,6 +333,10 @@ class SimStoreClient:
         if not self.world.store_dead:
             self.world.abandon(prefix)
 
+    def forget(self, prefix: str) -> None:
+        if not self.world.store_dead:
+            self.world.forget(prefix)
+
     def check_alive(self) -> None:
         if self.world.store_dead:
             raise ControlActorLost(control_lost_message("store", "killed by a fault"))

@@ -33,6 +33,7 @@ class WorkerSide:
     groups: dict[int, Group]
     rounds: SimRounds
     store_abandoned: list[str]
+    store_forgotten: list[str]
     store_dead: bool
     store_epoch: int
     commits: list[tuple[float, int, int]]
@@ -129,6 +130,9 @@ class WorkerSide:
             return
         if w.node.cut(self.now):
             return  # arrives when the node heals
+        if self._forgotten(group):  # a round the job left behind: its peers' keys never come
+            self.after(self.config.timeout_s, lambda: self._rendezvous_timeout(w, group))
+            return
         if self._abandoned(group):
             self._internal_error(w, f"round {group.round_id} was abandoned")
             return
@@ -148,6 +152,18 @@ class WorkerSide:
     def _abandoned(self, group: Group) -> bool:
         prefix = round_prefix(group.round_id)
         return any(prefix.startswith(p) for p in self.store_abandoned)
+
+    def _forgotten(self, group: Group) -> bool:
+        prefix = round_prefix(group.round_id)
+        return any(prefix.startswith(p) for p in self.store_forgotten)
+
+    def forget(self, prefix: str) -> None:
+        """The driver deleted a round's keys: never the newest round's (its members meet
+        or train in it); a straggler of the deleted round waits its timeout out."""
+        self.store_forgotten.append(prefix)
+        newest = max(self.groups, default=0)
+        if newest and round_prefix(newest).startswith(prefix):
+            self.violation(f"the driver deleted the keys of round {newest}, the newest")
 
     def abandon(self, prefix: str) -> None:
         self.store_abandoned.append(prefix)

@@ -68,6 +68,7 @@ class World(WorkerSide):
         self.groups: dict[int, Group] = {}
         self.rounds = SimRounds(self)
         self.store_abandoned: list[str] = []
+        self.store_forgotten: list[str] = []
         self.store_dead = False
         self.store_epoch = 0  # the store actor of the control actors now (one per job)
         # workers the driver restarted while their join had reached the rounds actor:
