@@ -163,7 +163,7 @@ def plan_cost(members: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--parked", type=int, nargs="+", default=[0, 1_000, 10_000])
+    parser.add_argument("--parked", type=int, nargs="*", default=[0, 1_000, 10_000])
     parser.add_argument("--writes", type=int, default=200)
     parser.add_argument("--give-up-s", type=float, default=15.0)
     parser.add_argument("--round", type=int, nargs="*", default=[64, 256, 1024, 4096])

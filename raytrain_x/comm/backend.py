@@ -77,6 +77,13 @@ class Group:
         rows = array.shape[0]
         self.allgather([output[i * rows:(i + 1) * rows] for i in range(self.size)], array)
 
+    def gather(self, outputs: list[Any] | None, array: Any, root: int) -> None:
+        """Equally shaped arrays from every member into `outputs` at group rank `root`
+        (None elsewhere). Backends without a gather of their own allgather."""
+        received = [np.empty_like(np.asarray(array)) for _ in range(self.size)] \
+            if outputs is None else outputs
+        self.allgather(received, array)
+
     def barrier(self) -> None:
         raise NotImplementedError
 
@@ -101,6 +108,20 @@ class Group:
         outs = [np.empty(longest, dtype=np.uint8) for _ in range(self.size)]
         self.allgather(outs, mine)
         return [o[: int(s[0])].tobytes() for o, s in zip(outs, sizes)]
+
+    def gather_bytes(self, payload: bytes, root: int = 0) -> list[bytes] | None:
+        """Every member's payload at `root`, in group rank order (None elsewhere): the root
+        receives N payloads, every other member sends its own."""
+        length = np.array([len(payload)], dtype=np.int64)
+        self.allreduce(length, "max")
+        mine = np.zeros(8 + int(length[0]), dtype=np.uint8)
+        mine[:8] = np.frombuffer(np.array([len(payload)], dtype=np.int64).tobytes(), np.uint8)
+        mine[8:8 + len(payload)] = np.frombuffer(payload, dtype=np.uint8)
+        outs = [np.empty_like(mine) for _ in range(self.size)] if self.rank == root else None
+        self.gather(outs, mine, root)
+        if outs is None:
+            return None
+        return [o[8:8 + int(o[:8].view(np.int64)[0])].tobytes() for o in outs]
 
     def broadcast_bytes(self, payload: bytes | None, root: int = 0) -> bytes:
         """`payload` from `root` on every member."""

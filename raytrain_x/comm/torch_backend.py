@@ -352,6 +352,16 @@ class TorchGroup(Group):
         for work in works:
             self._call("allgather", work.wait)
 
+    def gather(self, outputs: list[Any] | None, array: Any, root: int) -> None:
+        tensor = as_tensor(array)
+        pg = self._backend(tensor)
+        opts = dist.GatherOptions()
+        opts.rootRank = root
+        opts.timeout = self._timeout
+        outs = [[_moved(as_tensor(o)) for o in outputs]] if outputs is not None else []
+        moved = _moved(tensor)
+        self._call("gather", lambda: pg.gather(outs, [moved], opts).wait())
+
     def barrier(self) -> None:
         opts = dist.BarrierOptions()
         opts.timeout = self._timeout

@@ -1,16 +1,20 @@
 """Negotiation: which tensors are ready on every member, and do the ranks agree on them.
 
-The coordinator is replicated: in a negotiating cycle every rank receives every rank's
-report (one allgather, rank order) and feeds them to its own `Coordinator`, so all ranks
-compute the same responses in the same order without a second round trip from rank 0.
-Decisions that rank 0 alone may take (knob changes) travel in rank 0's report; stall
-decisions use ages carried in the reports, never a local clock.
+Rank 0 coordinates, as Horovod's controller does: in a negotiating cycle it gathers every
+rank's report, feeds them to its `Coordinator` and broadcasts the decision, so the other
+ranks do O(T) work a cycle (their report, the decision), not O(N x T). Ranks that report
+the same thing (most do: the same tensors, in the same order) are one report with the set
+of ranks that sent it, and the table keeps a set of ranks per name and layout, so the
+coordinator's work grows with the distinct reports, not with N. Decisions that rank 0
+alone may take (knob changes) travel in rank 0's report; stall decisions use ages carried
+in the reports, never a local clock.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any
 
 from raytrain_x.engine.messages import ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, Meta, Response
@@ -20,11 +24,26 @@ from raytrain_x.engine.messages import ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, 
 class Report:
     """What one rank says in a negotiating cycle."""
 
-    rank: int
+    rank: int  # the sender; -1 in a report sent for every rank that sends the same
     requests: list[tuple[str, Meta]] = field(default_factory=list)
     stalled: dict[str, float] = field(default_factory=dict)  # name -> seconds pending
     knobs: dict[str, Any] | None = None  # honoured from rank 0 only
     join: bool = False
+
+
+def ranks_of(mask: int) -> list[int]:
+    """The ranks a rank set holds (bit r: rank r), ascending."""
+    if not mask & (mask - 1):  # one rank (or none): without reading every bit
+        return [mask.bit_length() - 1] if mask else []
+    return [r for r, bit in enumerate(reversed(bin(mask)[2:])) if bit == "1"]
+
+
+def mask_of(ranks: Iterable[int]) -> int:
+    """The rank set of `ranks`."""
+    mask = 0
+    for r in ranks:
+        mask |= 1 << r
+    return mask
 
 
 @dataclass
@@ -45,68 +64,102 @@ class Coordinator:
     def __init__(self, members_of: Callable[[int], list[int]], stall_shutdown_s: float = 0.0):
         self._members_of = members_of
         self._stall_shutdown_s = stall_shutdown_s
-        self.table: dict[str, dict[int, Meta]] = {}
+        # name -> each layout submitted for it -> the ranks that submitted it (a rank set)
+        self.table: dict[str, dict[Meta, int]] = {}
+        self._submitted: dict[str, int] = {}  # name -> the ranks that submitted it
         self.joined: list[int] = []
+        self._sets: dict[int, tuple[list[int], int]] = {}  # set id -> (its ranks, their set)
 
     def forget(self, names: Iterable[str]) -> None:
         """Drops names completed without negotiation (response-cache hits); the
         negotiator calls it only while the table holds names (not in the steady state)."""
         for name in names:
             self.table.pop(name, None)
+            self._submitted.pop(name, None)
 
     def process(self, reports: list[Report]) -> Decision:
-        for rep in reports:
-            for name, meta in rep.requests:
-                self.table.setdefault(name, {})[rep.rank] = meta
-            if rep.join and rep.rank not in self.joined:
-                self.joined.append(rep.rank)
-        responses: list[Response] = []
-        for name, by_rank in list(self.table.items()):
-            response = self._try_complete(name, by_rank)
-            if response is not None:
-                del self.table[name]
-                responses.append(response)
-        warnings = self._stalls(reports, responses)
-        return Decision(responses, warnings, reports[0].knobs if reports else None)
+        """One cycle over every rank's own report."""
+        return self.process_grouped([(1 << rep.rank, rep) for rep in reports])
 
-    def _try_complete(self, name: str, by_rank: dict[int, Meta]) -> Response | None:
-        first = next(iter(by_rank.values()))
+    def process_grouped(self, reports: list[tuple[int, Report]]) -> Decision:
+        """One cycle over reports each sent by a set of ranks (a rank set, `ranks_of`),
+        the set holding rank 0 first where there is one."""
+        joins: list[int] = []
+        for mask, rep in reports:
+            for name, meta in rep.requests:
+                by_meta = self.table.setdefault(name, {})
+                if self._submitted.get(name, 0) & mask:  # a rank gave its layout again
+                    for other in [m for m in by_meta if m != meta]:
+                        by_meta[other] &= ~mask
+                        if not by_meta[other]:
+                            del by_meta[other]
+                by_meta[meta] = by_meta.get(meta, 0) | mask
+                self._submitted[name] = self._submitted.get(name, 0) | mask
+            if rep.join:
+                joins.extend(ranks_of(mask))
+        for rank in sorted(joins):
+            if rank not in self.joined:
+                self.joined.append(rank)
+        joined = mask_of(self.joined)
+        responses: list[Response] = []
+        for name, by_meta in list(self.table.items()):
+            response = self._try_complete(name, by_meta, self._submitted[name], joined)
+            if response is not None:
+                del self.table[name], self._submitted[name]
+                responses.append(response)
+        warnings = self._stalls(reports, responses, joined)
+        knobs = next((rep.knobs for mask, rep in reports if mask & 1), None)
+        return Decision(responses, warnings, knobs)
+
+    def _members(self, set_id: int) -> tuple[list[int], int]:
+        """A process set's ranks and their rank set (kept while the set's list is)."""
+        members = self._members_of(set_id)
+        kept = self._sets.get(set_id)
+        if kept is None or kept[0] is not members:
+            kept = self._sets[set_id] = (members, mask_of(members))
+        return kept
+
+    def _try_complete(self, name: str, by_meta: dict[Meta, int], submitted: int,
+                      joined_mask: int) -> Response | None:
+        first = next(iter(by_meta))
         try:
-            members = self._members_of(first.process_set_id)
+            members, everyone = self._members(first.process_set_id)
         except Exception as exc:  # unknown process set: fail the tensor, not the engine
             return Response(name, first, error=str(exc))
-        outsiders = sorted(set(by_rank) - set(members))
+        outsiders = submitted & ~everyone
         if outsiders:
             return Response(name, first, error=(
-                f"tensor {name!r}: ranks {outsiders} submitted it but are not in process set "
-                f"{first.process_set_id} (members {members})"))
-        joined = [r for r in self.joined if r in members and r not in by_rank]
+                f"tensor {name!r}: ranks {ranks_of(outsiders)} submitted it but are not in "
+                f"process set {first.process_set_id} (members {members})"))
+        joined = joined_mask & everyone & ~submitted
         if joined and first.kind != ALLREDUCE:
             return Response(name, first, error=(
-                f"tensor {name!r}: ranks {joined} have joined; only allreduce can run while "
-                "ranks are joined"))
-        if not set(members) <= set(by_rank) | set(joined):
+                f"tensor {name!r}: ranks {ranks_of(joined)} have joined; only allreduce can "
+                "run while ranks are joined"))
+        if (submitted | joined) & everyone != everyone:
             return None
-        return _agree(name, by_rank, members)
+        return _agree(name, by_meta, members)
 
-    def _stalls(self, reports: list[Report], done: list[Response]) -> list[str]:
+    def _stalls(self, reports: list[tuple[int, Report]], done: list[Response],
+                joined: int) -> list[str]:
         warnings: list[str] = []
         finished = {r.name for r in done}
         ages: dict[str, float] = {}
-        for rep in reports:
+        for _, rep in reports:
             for name, age in rep.stalled.items():
                 if name not in finished:
                     ages[name] = max(age, ages.get(name, 0.0))
         for name, age in ages.items():
-            by_rank = self.table.get(name, {})
-            first = next(iter(by_rank.values()), None)
-            members = self._members_of(first.process_set_id) if first else []
-            missing = [r for r in members if r not in by_rank and r not in self.joined]
+            by_meta = self.table.get(name, {})
+            submitted = self._submitted.get(name, 0)
+            first = next(iter(by_meta), None)
+            members = self._members(first.process_set_id)[0] if first else []
+            missing = [r for r in members if not (submitted | joined) >> r & 1]
             warnings.append(
-                f"tensor {name!r} has waited {age:.0f}s: ranks {sorted(by_rank)} submitted it, "
-                f"ranks {missing} did not. One rank is skipping a collective or is stuck.")
+                f"tensor {name!r} has waited {age:.0f}s: ranks {ranks_of(submitted)} submitted "
+                f"it, ranks {missing} did not. One rank is skipping a collective or is stuck.")
             if self._stall_shutdown_s and age >= self._stall_shutdown_s and first is not None:
-                del self.table[name]
+                del self.table[name], self._submitted[name]
                 done.append(Response(name, first, error=(
                     f"tensor {name!r} stalled for {age:.0f}s: ranks {missing} never submitted "
                     "it (stall_shutdown_time_s reached)")))
@@ -139,15 +192,22 @@ def _agreed_part(meta: Meta) -> Meta:
     return meta
 
 
-def _agree(name: str, by_rank: dict[int, Meta], members: list[int]) -> Response:
-    present = [r for r in members if r in by_rank]
-    reference = by_rank[present[0]]
-    groups: dict[Meta, list[int]] = {}
-    for r in present:
-        groups.setdefault(_agreed_part(by_rank[r]), []).append(r)
+def _agree(name: str, by_meta: dict[Meta, int], members: list[int]) -> Response:
+    """The response to `name` that every member submitted (or joined without): an error
+    naming who differs where layouts disagree. Layouts, not ranks, are iterated, except
+    where the response carries a number per member (allgather's rows, alltoall's splits)."""
+    # each layout with its first rank, in rank order (hashing a layout costs: once each)
+    entries = sorted(((mask & -mask, meta, mask) for meta, mask in by_meta.items()),
+                     key=itemgetter(0))
+    reference = entries[0][1]
+    groups: dict[Meta, tuple[int, Meta]] = {}  # agreed part -> (its ranks, its first layout)
+    for _, meta, mask in entries:
+        part = _agreed_part(meta)
+        ranks, shown = groups.get(part, (0, meta))
+        groups[part] = (ranks | mask, shown)
     if len(groups) > 1:
-        parts = "; ".join(f"ranks {ranks} have {_describe(by_rank[ranks[0]])}"
-                          for ranks in groups.values())
+        parts = "; ".join(f"ranks {ranks_of(ranks)} have {_describe(shown)}"
+                          for ranks, shown in groups.values())
         if len({m.framework for m in groups}) > 1:
             advice = ("Every rank of a job must send a collective from the same framework "
                       "(all raytrain_x.torch or all raytrain_x.tensorflow).")
@@ -156,14 +216,17 @@ def _agree(name: str, by_rank: dict[int, Meta], members: list[int]) -> Response:
                       "(allgather/alltoall: the same trailing dims).")
         return Response(name, reference,
                         error=f"ranks disagree on tensor {name!r}: {parts}. {advice}")
+    if reference.kind not in (ALLGATHER, ALLTOALL):
+        return Response(name, reference)
+    meta_of: dict[int, Meta] = {}
+    for _, meta, mask in entries:
+        meta_of.update(dict.fromkeys(ranks_of(mask), meta))
     if reference.kind == ALLGATHER:
-        return Response(name, reference, rank_dims=tuple(by_rank[r].shape[0] for r in members))
-    if reference.kind == ALLTOALL:
-        splits = tuple(by_rank[r].splits for r in members)
-        bad = [r for r, s in zip(members, splits) if len(s) != len(members)]
-        if bad:
-            return Response(name, reference, error=(
-                f"alltoall {name!r}: ranks {bad} gave splits of the wrong length; give one "
-                f"split per member ({len(members)})"))
-        return Response(name, reference, rank_dims=splits)
-    return Response(name, reference)
+        return Response(name, reference, rank_dims=tuple(meta_of[r].shape[0] for r in members))
+    splits = tuple(meta_of[r].splits for r in members)
+    bad = [r for r, s in zip(members, splits) if len(s) != len(members)]
+    if bad:
+        return Response(name, reference, error=(
+            f"alltoall {name!r}: ranks {bad} gave splits of the wrong length; give one "
+            f"split per member ({len(members)})"))
+    return Response(name, reference, rank_dims=splits)

@@ -4,11 +4,11 @@ every rank.
 Each cycle starts with one allreduce(BAND) of [status word, response-cache bits]: in steady
 state this alone tells every rank which cached names are ready everywhere (in cache slot
 order, identical on all ranks). Only when some rank has an uncached request, a stall, a
-join or a knob change do the ranks allgather their reports and feed them to the replicated
-`Coordinator`. The status word also carries each rank's answers about its arrays' layout
-(`plan.LayoutVotes`), and-ed like the bits. Over a network, a small cached batch that
-repeats every step skips even the status word: it travels with its readiness count in one
-allreduce (`Speculation`, below).
+join or a knob change does rank 0 gather the reports, feed them to its `Coordinator` and
+broadcast the decision (identical reports counted once: `coordinator.py`). The status word
+also carries each rank's answers about its arrays' layout (`plan.LayoutVotes`), and-ed like
+the bits. Over a network, a small cached batch that repeats every step skips even the
+status word: it travels with its readiness count in one allreduce (`Speculation`, below).
 """
 
 from __future__ import annotations
@@ -264,15 +264,25 @@ class Negotiator:
         result.reports_exchanged = True
         result.plans = None  # more responses than the agreed set's
         ready = {r.name for r in result.responses}
-        report = Report(rank=self.rank, stalled=stalled,
+        # the rank is left out (-1): ranks that report the same send the same bytes
+        report = Report(rank=-1, stalled=stalled,
                         knobs=knobs_wanted.to_dict() if knobs_wanted else None,
                         join=join_state == JOIN_REQUESTED)
         for name, req in pending.items():
             if not req.reported and name not in ready:
                 report.requests.append((name, req.meta))
                 req.reported = True
-        blobs = self._groups.world.allgather_bytes(pickle.dumps(report))
-        decision = self._coordinator.process([pickle.loads(b) for b in blobs])
+        world = self._groups.world
+        blobs = world.gather_bytes(pickle.dumps(report), root=0)
+        answer = None
+        if blobs is not None:  # rank 0: coordinates
+            senders: dict[bytes, int] = {}  # a report -> the ranks that sent it
+            for rank, blob in enumerate(blobs):
+                senders[blob] = senders.get(blob, 0) | (1 << rank)
+            decision = self._coordinator.process_grouped(
+                [(mask, pickle.loads(blob)) for blob, mask in senders.items()])
+            answer = pickle.dumps((decision, self._coordinator.joined))
+        decision, self._coordinator.joined = pickle.loads(world.broadcast_bytes(answer, 0))
         for r in decision.responses:
             if r.error:
                 self._cache.erase(r.name)

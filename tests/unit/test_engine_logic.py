@@ -457,8 +457,12 @@ class _OneRank:
 
     class world:  # noqa: N801 - stands in for the world group
         @staticmethod
-        def allgather_bytes(blob: bytes) -> list[bytes]:
+        def gather_bytes(blob: bytes, root: int = 0) -> list[bytes]:
             return [blob]
+
+        @staticmethod
+        def broadcast_bytes(blob: bytes, root: int = 0) -> bytes:
+            return blob
 
     @staticmethod
     def process_set(set_id: int):
@@ -468,6 +472,43 @@ class _OneRank:
 
     sets_version = 0  # the registered sets never change: the global one alone
     sets: dict = {}
+
+
+def test_reports_sent_by_many_ranks_at_once_decide_as_each_ranks_own_would():
+    """Rank 0 coordinates and counts identical reports once (a rank set each): the
+    decisions, errors and per-member numbers are those of every rank's own report."""
+    from raytrain_x.engine.coordinator import mask_of, ranks_of
+
+    size = 70  # past 64: rank sets span more than one machine word
+    everyone = list(range(size))
+    odd = [r for r in everyone if r % 2]
+    even = [r for r in everyone if not r % 2]
+    wide = Meta(ALLREDUCE, "float32", (8,), "sum")
+    requests_even = [("g", _allreduce()), ("bad", _allreduce()),
+                     ("rows", Meta(ALLGATHER, "float32", (2, 3)))]
+    requests_odd = [("g", _allreduce()), ("bad", wide),
+                    ("rows", Meta(ALLGATHER, "float32", (5, 3)))]
+
+    def by_each_rank():
+        reports = [Report(r, requests_even if r % 2 == 0 else requests_odd) for r in everyone]
+        return _coordinator({0: everyone}).process(reports)
+
+    def grouped():
+        return _coordinator({0: everyone}).process_grouped(
+            [(mask_of(even), Report(-1, requests_even)), (mask_of(odd), Report(-1, requests_odd))])
+
+    for decision in (by_each_rank(), grouped()):
+        out = {r.name: r for r in decision.responses}
+        assert not out["g"].error
+        assert f"ranks {even} have allreduce float32[4]" in out["bad"].error
+        assert f"ranks {odd} have allreduce float32[8]" in out["bad"].error
+        assert out["rows"].rank_dims == tuple(2 if r % 2 == 0 else 5 for r in everyone)
+    # a name half the ranks sent waits for the rest; joined ranks complete an allreduce
+    c = _coordinator({0: everyone})
+    assert not c.process_grouped([(mask_of(even), Report(-1, [("h", _allreduce())]))]).responses
+    (done,) = c.process_grouped([(mask_of(odd), Report(-1, join=True))]).responses
+    assert done.name == "h" and not done.error and c.joined == odd
+    assert ranks_of(mask_of([0, 3, 69])) == [0, 3, 69]
 
 
 def test_a_repeated_set_of_cache_hits_is_agreed_once_with_the_same_lru_touches():
