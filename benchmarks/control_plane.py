@@ -17,7 +17,8 @@
 
 Run alone: .venv/bin/python benchmarks/control_plane.py [--parked 0 1000 10000]
     [--round 64 256 1024 4096] [--way lazy full-mesh]
-Writes results/control_plane.json.
+Writes results/control_plane.json (--plot: the rounds' figure,
+docs/images/control_plane_rounds.png).
 """
 
 from __future__ import annotations
@@ -161,6 +162,34 @@ def plan_cost(members: int) -> dict:
             "place_bytes": len(pickle.dumps(places["w0"]))}
 
 
+def plot(formed: list[dict], path: str) -> None:
+    """A round's formation time against its workers, each way, on log axes, with a line
+    proportional to N through the first lazy point."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for way, color in (("lazy", "tab:blue"), ("full-mesh", "tab:red")):
+        points = [(r["workers"], r["round_s"]) for r in formed if r["way"] == way]
+        if points:
+            ax.plot(*zip(*points), "o-", color=color, label=way)
+    lazy = [(r["workers"], r["round_s"]) for r in formed if r["way"] == "lazy"]
+    if lazy:
+        n0, t0 = lazy[0]
+        ends = [n0, lazy[-1][0]]
+        ax.plot(ends, [t0 * n / n0 for n in ends], ":", color="gray", label="proportional to N")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("workers in the round")
+    ax.set_ylabel("seconds, first join to last peer met")
+    ax.set_title("A round forms (one rounds actor, one store actor)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parked", type=int, nargs="*", default=[0, 1_000, 10_000])
@@ -176,6 +205,7 @@ def main() -> None:
     parser.add_argument("--per-node", type=int, default=8, help="workers per emulated node")
     parser.add_argument("--plan", type=int, nargs="*", default=[1_000, 10_000])
     parser.add_argument("--json", default=None)
+    parser.add_argument("--plot", default=None, help="write the rounds' figure here (png)")
     args = parser.parse_args()
     import ray
 
@@ -203,6 +233,9 @@ def main() -> None:
     path = write_json("control_plane", {"args": vars(args), "writes": rows, "rounds": formed,
                                         "plans": plans}, args.json)
     print(f"wrote {path}")
+    if args.plot and formed:
+        plot(formed, args.plot)
+        print(f"wrote {args.plot}")
 
 
 if __name__ == "__main__":

@@ -29,6 +29,10 @@ class Report:
     stalled: dict[str, float] = field(default_factory=dict)  # name -> seconds pending
     knobs: dict[str, Any] | None = None  # honoured from rank 0 only
     join: bool = False
+    # the members of each process set its requests name (but the global set), as this rank
+    # registered it: rank 0 decides for a set it has not registered yet (a process set is
+    # registered by each rank on its own, and its members may submit before rank 0 has)
+    sets: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
 
 def ranks_of(mask: int) -> list[int]:
@@ -69,6 +73,7 @@ class Coordinator:
         self._submitted: dict[str, int] = {}  # name -> the ranks that submitted it
         self.joined: list[int] = []
         self._sets: dict[int, tuple[list[int], int]] = {}  # set id -> (its ranks, their set)
+        self._reported: dict[int, list[int]] = {}  # set id -> its ranks, as a report said
 
     def forget(self, names: Iterable[str]) -> None:
         """Drops names completed without negotiation (response-cache hits); the
@@ -85,6 +90,9 @@ class Coordinator:
         """One cycle over reports each sent by a set of ranks (a rank set, `ranks_of`),
         the set holding rank 0 first where there is one."""
         joins: list[int] = []
+        for _, rep in reports:
+            for set_id, members in rep.sets.items():
+                self._reported[set_id] = list(members)
         for mask, rep in reports:
             for name, meta in rep.requests:
                 by_meta = self.table.setdefault(name, {})
@@ -113,7 +121,12 @@ class Coordinator:
 
     def _members(self, set_id: int) -> tuple[list[int], int]:
         """A process set's ranks and their rank set (kept while the set's list is)."""
-        members = self._members_of(set_id)
+        try:
+            members = self._members_of(set_id)
+        except Exception:
+            if set_id not in self._reported:
+                raise
+            members = self._reported[set_id]  # a set rank 0 has yet to register
         kept = self._sets.get(set_id)
         if kept is None or kept[0] is not members:
             kept = self._sets[set_id] = (members, mask_of(members))

@@ -435,8 +435,13 @@ class Engine:
                 error = TensorMismatchError(first.error)
                 return
             # the set's communicator (its `group`: None where this rank is not a member)
-            pset = self.groups.sets.get(first.meta.process_set_id) or \
-                self.groups.process_set(first.meta.process_set_id)  # raises: no such set
+            pset = self.groups.sets.get(first.meta.process_set_id)
+            if pset is None and not any(requests):
+                # a set this rank has yet to register: rank 0 decided it from its members'
+                # reports, and this rank is none of them (a member submits after it did)
+                return
+            if pset is None:
+                pset = self.groups.process_set(first.meta.process_set_id)  # raises
             if pset.group is None:
                 return
             began = time.perf_counter()

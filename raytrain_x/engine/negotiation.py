@@ -272,6 +272,9 @@ class Negotiator:
             if not req.reported and name not in ready:
                 report.requests.append((name, req.meta))
                 req.reported = True
+                set_id = req.meta.process_set_id
+                if set_id and set_id not in report.sets and set_id in self._groups.sets:
+                    report.sets[set_id] = tuple(self._groups.sets[set_id].ranks)
         world = self._groups.world
         blobs = world.gather_bytes(pickle.dumps(report), root=0)
         answer = None

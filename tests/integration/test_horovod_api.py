@@ -118,3 +118,27 @@ def test_horovod_details(tmp_path):
     assert {"NEGOTIATE_ALLREDUCE", "ALLREDUCE", "CYCLE_START"} <= names
     rows = {e["args"]["name"] for e in events if e.get("name") == "thread_name"}
     assert "allreduce.traced" in rows
+
+
+def _set_registered_late_on_rank_0() -> list[float]:
+    import time
+
+    import raytrain_x.torch as rx
+
+    rx.init(process_sets="dynamic")
+    if rx.rank() == 0:
+        time.sleep(1.0)  # rank 1 registers the set and submits to it meanwhile
+    odd = rx.add_process_set([1])
+    out = rx.allreduce(torch.full((2,), 3.0), op=rx.Sum, process_set=odd).tolist() \
+        if rx.rank() == 1 else []
+    rx.allreduce(torch.ones(1), name="after")  # the world goes on together
+    rx.shutdown()
+    return out
+
+
+def test_a_set_rank_0_registers_after_its_members_submit_to_it_still_runs():
+    """Rank 0 decides every negotiating cycle, and each rank registers a process set on its
+    own: a set's members may submit before rank 0 has registered it (Horovod's own
+    process-set tests do). Rank 0 decides it from the members the reports carry."""
+    results = run_workers(_set_registered_late_on_rank_0, 2, work_s=15)
+    assert results == [[], [3.0, 3.0]]

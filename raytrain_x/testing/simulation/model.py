@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 RPC_S = 0.002  # one call to an actor on a reachable node
+# the store calls a round's member makes to meet its peers: its address, and its two ring
+# neighbours' for its first allreduce (gloo pairs connect when first used)
+STORE_CALLS_PER_MEMBER = 3
 
 
 @dataclass
@@ -43,6 +46,11 @@ class WorldConfig:
     # hosts come from a discovery script (`ScriptDiscovery`): it reports the nodes that are
     # up with their total slots, and fails on every run while discovery is down
     scripted_discovery: bool = False
+    # the store actor serves one call at a time, each taking this long (measured with
+    # `benchmarks/control_plane.py --round` on a 2-core machine: 3 x 4,096 store calls in
+    # 9.8 s): a round's formation grows with its size. The rounds actor's joins (0.5 ms
+    # each there) are not queued in the model
+    store_call_s: float = 0.0008
 
 
 @dataclass

@@ -17,7 +17,13 @@ from collections.abc import Callable
 from typing import Any
 
 from raytrain_x.comm.groups import round_prefix
-from raytrain_x.testing.simulation.model import RPC_S, Group, SimWorker, WorldConfig
+from raytrain_x.testing.simulation.model import (
+    RPC_S,
+    STORE_CALLS_PER_MEMBER,
+    Group,
+    SimWorker,
+    WorldConfig,
+)
 from raytrain_x.testing.simulation.rounds import SimRounds
 from raytrain_x.testing.simulation.storage import DAMAGES
 
@@ -34,6 +40,7 @@ class WorkerSide:
     rounds: SimRounds
     store_abandoned: list[str]
     store_forgotten: list[str]
+    free_at: dict[str, float]
     store_dead: bool
     store_epoch: int
     commits: list[tuple[float, int, int]]
@@ -91,7 +98,16 @@ class WorkerSide:
                 and not w.node.cut(self.now):
             self._join_arrives(w)
 
+    def served(self, actor: str, cost_s: float, earliest: float | None = None) -> float:
+        """When a call that reaches `actor` (the "store") at `earliest` (now) is
+        answered: the actor serves one call at a time, `cost_s` each, in arrival order."""
+        start = max(self.now if earliest is None else earliest, self.free_at[actor])
+        self.free_at[actor] = start + cost_s
+        return start + cost_s
+
     def _join_arrives(self, w: SimWorker) -> None:
+        # the rounds actor lists a join as it arrives: the joins queued at it delay the
+        # driver's `waiting()` behind them, which the driver's instant calls leave out
         w.join_arrived = True
         w.join_arrived_at = self.now
         self.rounds.join(w)
@@ -116,7 +132,10 @@ class WorkerSide:
             return
         w.group = group
         w.phase = "rendezvous"
-        self.after(self.rng.uniform(0.02, 0.3), lambda: self._arrive(w, group))
+        # its calls queue at the store behind those of the members placed before it
+        at = self.served("store", STORE_CALLS_PER_MEMBER * self.config.store_call_s,
+                         self.now + self.rng.uniform(0.02, 0.3))
+        self.after(at - self.now, lambda: self._arrive(w, group))
 
     def _ends(self, w: SimWorker, kind: str, value: Any) -> None:
         w.phase = "done"
