@@ -12,7 +12,11 @@
    reading every rank's address (`--way full-mesh`, gloo's full mesh in one `multi_get`)
    or its two ring neighbours' (`--way lazy`, pairs connected when first used). Reported:
    the time to join, to publish, to meet, the whole round, and store calls per worker.
-3. Planning a round: `plan_round` for --plan members, each on a node of its own (the
+3. The driver's liveness work: --driver members, each asked `heartbeat` by the real
+   `WorkerPool.beat` once a second and recorded by `Heartbeats` (the straggler poll), the
+   calls answered by 4 Ray actors; the driver process's CPU seconds a second, with
+   `HEARTBEATS_PER_POLL` calls a poll and with a call to every member each poll.
+4. Planning a round: `plan_round` for --plan members, each on a node of its own (the
    driver's work per round), the median of 5.
 
 Run alone: .venv/bin/python benchmarks/control_plane.py [--parked 0 1000 10000]
@@ -147,6 +151,49 @@ def round_cost(size: int, way: str, hosts: int, per_node: int, timeout_s: float)
             ray.kill(actor, no_restart=True)
 
 
+def driver_cost(members: int, seconds: float, most: int | None) -> dict:
+    """The driver's CPU a second for the liveness of `members` emulated members: once a
+    second (the straggler poll) it runs the heartbeat (`WorkerPool.beat`) and records it
+    (`Heartbeats`), the members' calls answered by 4 Ray actors. `most`: the calls a poll
+    (None: `HEARTBEATS_PER_POLL`; `members`: every member each poll)."""
+    import ray
+
+    from raytrain_x.ray.elastic import pool as pools
+    from raytrain_x.ray.elastic.policies.liveness import Heartbeats
+
+    @ray.remote(num_cpus=0)
+    class Answering:
+        async def heartbeat(self) -> tuple[float, int]:
+            return (0.0, 1)
+
+    answering = [Answering.options(max_concurrency=1_000).remote() for _ in range(4)]
+    kept = pools.HEARTBEATS_PER_POLL
+    try:
+        ray.get([a.heartbeat.remote() for a in answering])
+        if most is not None:
+            pools.HEARTBEATS_PER_POLL = most
+        pool = pools.WorkerPool(None, time.monotonic)
+        for i in range(members):
+            pool.members[f"w{i}"] = pools.Member(f"w{i}", answering[i % 4], f"node{i // 8}", i)
+        beats = Heartbeats()
+        polls, sent = 0, 0
+        began, cpu = time.monotonic(), time.process_time()
+        while time.monotonic() - began < seconds:
+            answers, failed, out = pool.beat()
+            beats.record(answers, failed, out, time.monotonic())
+            beats.keep(pool.members)
+            polls += 1
+            sent += len(out)
+            time.sleep(max(0.0, began + polls - time.monotonic()))
+        wall = time.monotonic() - began
+        return {"members": members, "calls_a_poll": most or pools.HEARTBEATS_PER_POLL,
+                "cpu_s_per_s": (time.process_time() - cpu) / wall, "calls_per_s": sent / wall}
+    finally:
+        pools.HEARTBEATS_PER_POLL = kept
+        for actor in answering:
+            ray.kill(actor, no_restart=True)
+
+
 def plan_cost(members: int) -> dict:
     import pickle
 
@@ -204,6 +251,9 @@ def main() -> None:
                         help="Ray actor processes the emulated workers run in")
     parser.add_argument("--per-node", type=int, default=8, help="workers per emulated node")
     parser.add_argument("--plan", type=int, nargs="*", default=[1_000, 10_000])
+    parser.add_argument("--driver", type=int, nargs="*", default=[4_096],
+                        help="members the driver's heartbeat runs for")
+    parser.add_argument("--driver-s", type=float, default=10.0)
     parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default=None, help="write the rounds' figure here (png)")
     args = parser.parse_args()
@@ -223,15 +273,21 @@ def main() -> None:
                     continue
                 formed.append(round_cost(size, way, args.hosts, args.per_node, 600.0))
                 print(f"round of {size}: {formed[-1]}", flush=True)
+        drivers = []
+        for members in args.driver:
+            for most in (None, members):
+                drivers.append(driver_cost(members, args.driver_s, most))
+                print(f"driver with {members}: {drivers[-1]}", flush=True)
     finally:
         ray.shutdown()
     plans = [plan_cost(n) for n in args.plan]
+    print_table(drivers, ["members", "calls_a_poll", "cpu_s_per_s", "calls_per_s"])
     print_table(rows, ["parked", "write_ms", "stuck"])
     print_table(formed, ["workers", "way", "join_s", "publish_s", "meet_s", "round_s",
                          "store_calls_per_worker"])
     print_table(plans, ["members", "plan_ms", "place_bytes"])
     path = write_json("control_plane", {"args": vars(args), "writes": rows, "rounds": formed,
-                                        "plans": plans}, args.json)
+                                        "driver": drivers, "plans": plans}, args.json)
     print(f"wrote {path}")
     if args.plot and formed:
         plot(formed, args.plot)

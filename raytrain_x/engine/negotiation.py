@@ -5,7 +5,8 @@ Each cycle starts with one allreduce(BAND) of [status word, response-cache bits]
 state this alone tells every rank which cached names are ready everywhere (in cache slot
 order, identical on all ranks). Only when some rank has an uncached request, a stall, a
 join or a knob change does rank 0 gather the reports, feed them to its `Coordinator` and
-broadcast the decision (identical reports counted once: `coordinator.py`). The status word
+broadcast the decision (identical reports counted once: `coordinator.py`); a world of up
+to `REPLICATED_UP_TO` ranks allgathers them and every rank decides alike. The status word
 also carries each rank's answers about its arrays' layout (`plan.LayoutVotes`), and-ed like
 the bits. Over a network, a small cached batch that repeats every step skips even the
 status word: it travels with its readiness count in one allreduce (`Speculation`, below).
@@ -28,7 +29,7 @@ from raytrain_x.comm.groups import ProcessGroups, ProcessSetGroup
 from raytrain_x.common.knobs import Knobs
 from raytrain_x.engine.arrays import ops_for, ops_for_device
 from raytrain_x.engine.buffers import pack, unpack
-from raytrain_x.engine.coordinator import Coordinator, Report
+from raytrain_x.engine.coordinator import Coordinator, Decision, Report
 from raytrain_x.engine.execution import (
     CollectiveRunner,
     is_floating,
@@ -49,6 +50,12 @@ JOINED = 8
 
 # join states of this rank: none -> requested -> reported (joined)
 JOIN_NONE, JOIN_REQUESTED, JOIN_REPORTED = "none", "requested", "reported"
+
+# a world of up to this many ranks decides a negotiating cycle on every rank, from one
+# allgather of the reports (two collectives); a larger one on rank 0, from a gather and a
+# broadcast (four), so that no other rank's work grows with the world: the recovery of a
+# small job negotiates every tensor of its state sync, and paid for the extra round trips
+REPLICATED_UP_TO = 16
 
 # agreed bit vectors whose responses are kept (a training loop repeats a handful a step)
 _AGREED_KEPT = 64
@@ -276,16 +283,14 @@ class Negotiator:
                 if set_id and set_id not in report.sets and set_id in self._groups.sets:
                     report.sets[set_id] = tuple(self._groups.sets[set_id].ranks)
         world = self._groups.world
-        blobs = world.gather_bytes(pickle.dumps(report), root=0)
-        answer = None
-        if blobs is not None:  # rank 0: coordinates
-            senders: dict[bytes, int] = {}  # a report -> the ranks that sent it
-            for rank, blob in enumerate(blobs):
-                senders[blob] = senders.get(blob, 0) | (1 << rank)
-            decision = self._coordinator.process_grouped(
-                [(mask, pickle.loads(blob)) for blob, mask in senders.items()])
-            answer = pickle.dumps((decision, self._coordinator.joined))
-        decision, self._coordinator.joined = pickle.loads(world.broadcast_bytes(answer, 0))
+        if world.size <= REPLICATED_UP_TO:  # every rank decides alike: one exchange
+            decision = self._decide(world.allgather_bytes(pickle.dumps(report)))
+        else:
+            blobs = world.gather_bytes(pickle.dumps(report), root=0)
+            answer = None
+            if blobs is not None:  # rank 0: coordinates
+                answer = pickle.dumps((self._decide(blobs), self._coordinator.joined))
+            decision, self._coordinator.joined = pickle.loads(world.broadcast_bytes(answer, 0))
         for r in decision.responses:
             if r.error:
                 self._cache.erase(r.name)
@@ -300,6 +305,15 @@ class Negotiator:
         result.join_reported = report.join
         result.knobs_sent = knobs_wanted is not None
         result.knobs = Knobs(**decision.knobs) if decision.knobs else None
+
+    def _decide(self, blobs: list[bytes]) -> Decision:
+        """The coordinator's decision over every rank's report (rank order), each distinct
+        report once with the ranks that sent it."""
+        senders: dict[bytes, int] = {}  # a report -> the ranks that sent it
+        for rank, blob in enumerate(blobs):
+            senders[blob] = senders.get(blob, 0) | (1 << rank)
+        return self._coordinator.process_grouped(
+            [(mask, pickle.loads(blob)) for blob, mask in senders.items()])
 
 
 def _bit_words(flags: Sequence[bool]) -> np.ndarray:

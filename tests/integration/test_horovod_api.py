@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from tests.workers import run_workers
@@ -120,25 +121,42 @@ def test_horovod_details(tmp_path):
     assert "allreduce.traced" in rows
 
 
-def _set_registered_late_on_rank_0() -> list[float]:
+def _set_registered_late_on_rank_0(replicated_up_to: int) -> dict:
     import time
 
     import raytrain_x.torch as rx
+    from raytrain_x.engine import negotiation
 
+    negotiation.REPLICATED_UP_TO = replicated_up_to
     rx.init(process_sets="dynamic")
-    if rx.rank() == 0:
+    r = rx.rank()
+    if r == 0:
         time.sleep(1.0)  # rank 1 registers the set and submits to it meanwhile
     odd = rx.add_process_set([1])
-    out = rx.allreduce(torch.full((2,), 3.0), op=rx.Sum, process_set=odd).tolist() \
-        if rx.rank() == 1 else []
-    rx.allreduce(torch.ones(1), name="after")  # the world goes on together
+    out: dict = {"set": rx.allreduce(torch.full((2,), 3.0), op=rx.Sum,
+                                     process_set=odd).tolist() if r == 1 else []}
+    # rows of each rank's own: reports that differ; then a mismatch named by rank
+    out["rows"] = rx.allgather(torch.full((r + 1, 2), float(r))).shape[0]
+    try:
+        rx.allreduce(torch.ones(2 + (r == 2)), name="mismatch")
+    except rx.HorovodInternalError as exc:
+        out["mismatch"] = str(exc)
+    except Exception as exc:  # noqa: BLE001 - the error's type is asserted by the test
+        out["mismatch"] = f"{type(exc).__name__}: {exc}"
     rx.shutdown()
     return out
 
 
-def test_a_set_rank_0_registers_after_its_members_submit_to_it_still_runs():
-    """Rank 0 decides every negotiating cycle, and each rank registers a process set on its
-    own: a set's members may submit before rank 0 has registered it (Horovod's own
-    process-set tests do). Rank 0 decides it from the members the reports carry."""
-    results = run_workers(_set_registered_late_on_rank_0, 2, work_s=15)
-    assert results == [[], [3.0, 3.0]]
+@pytest.mark.parametrize("replicated_up_to", [16, 0], ids=["every-rank", "rank-0"])
+def test_a_set_rank_0_registers_after_its_members_submit_to_it_still_runs(replicated_up_to):
+    """A negotiating cycle is decided on every rank (a small world) or on rank 0 (a large
+    one: `negotiation.REPLICATED_UP_TO`, lowered here to take that way with 3 ranks), and
+    each rank registers a process set on its own: a set's members may submit before rank 0
+    has registered it (Horovod's own process-set tests do). Rank 0 decides it from the
+    members the reports carry; differing reports and a mismatch decide alike both ways."""
+    results = run_workers(_set_registered_late_on_rank_0, 3, replicated_up_to, work_s=20)
+    assert [r["set"] for r in results] == [[], [3.0, 3.0], []]
+    assert [r["rows"] for r in results] == [6, 6, 6]
+    for r in results:
+        assert "ranks [0, 1] have allreduce float32[2]" in r["mismatch"], r["mismatch"]
+        assert "ranks [2] have allreduce float32[3]" in r["mismatch"], r["mismatch"]

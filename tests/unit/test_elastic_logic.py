@@ -297,3 +297,21 @@ def test_test_discovery_moves_hosts_in_and_out_within_its_bounds(monkeypatch):
     assert all(slots == 2 for hosts in seen for slots in hosts.values())
     assert len({frozenset(h) for h in seen}) > 3  # it moved hosts around
     assert all(len(set(a) ^ set(b)) <= 1 for a, b in zip(seen, seen[1:]))
+
+
+def test_the_heartbeat_asks_a_bounded_number_of_members_a_poll_each_in_turn():
+    """The driver's heartbeat calls a poll are bounded (`HEARTBEATS_PER_POLL`), so its CPU
+    a second does not grow with the job (benchmarks/control_plane.py --driver): a small
+    job's members are all asked every poll, a large job's each in turn."""
+    from raytrain_x.ray.elastic.pool import Member, heartbeat_turn
+
+    small = [Member(f"w{i}", None, "n", i) for i in range(5)]
+    assert heartbeat_turn(small, 1, most=8) == small
+    members = [Member(f"w{i}", None, "n", i) for i in range(10)]
+    asked = [[m.worker_id for m in heartbeat_turn(members, poll, most=4)]
+             for poll in range(1, 4)]
+    assert asked[0] == ["w0", "w1", "w2", "w3"] and asked[1] == ["w4", "w5", "w6", "w7"]
+    assert set(asked[2]) == {"w8", "w9", "w0", "w1"}  # the longest unasked first
+    # a member with a call still out (not idle) is not asked again, and others move up
+    idle = [m for m in members if m.worker_id != "w2"]
+    assert [m.worker_id for m in heartbeat_turn(idle, 4, most=2)] == ["w3", "w4"]

@@ -3,6 +3,7 @@ made on them (start, poll, give up, kill, probe). Decisions are the policies'.""
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 from collections.abc import Callable, Iterable
@@ -26,6 +27,9 @@ log = logging.getLogger("raytrain_x.elastic")
 # past it, the worker counts as died while starting
 SETUP_TIMEOUT_S = 60.0
 
+# the most heartbeat calls the driver sends in one poll (`heartbeat_turn`)
+HEARTBEATS_PER_POLL = 128
+
 
 @dataclass
 class Member:
@@ -39,6 +43,7 @@ class Member:
     # its node drains and a round formed without it: sent away when it reaches the rendezvous
     departed: bool = False
     beat: Any = None  # its heartbeat call out now (`WorkerActor.heartbeat`)
+    beat_turn: int = 0  # the heartbeat poll that last sent it a call (`heartbeat_turn`)
     asked_at: float = 0.0  # when its start was asked for (the driver's clock)
 
     def view(self) -> MemberView:
@@ -50,6 +55,22 @@ class Member:
         round and is not leaving. A newcomer still on its way to its first round never
         finishes (no round forms once the job is done): it is stopped with the job."""
         return self.ref is not None and self.rank >= 0 and not self.leaving
+
+
+def heartbeat_turn(idle: Iterable[Member], poll: int, most: int | None = None) -> list[Member]:
+    """The members without a heartbeat call out that get one in poll `poll` (counted from
+    1): every one in a job of up to `most` members (`HEARTBEATS_PER_POLL`), else the `most`
+    asked longest ago. The driver's calls a second so stay bounded whatever the job's size,
+    and each member of a larger job is asked once every N / `most` polls: a member with no
+    call out is not silent (`Heartbeats`), so such a job hears that long later of a member
+    that hangs; of one that dies it hears from Ray at once (its `execute` call fails)."""
+    most = HEARTBEATS_PER_POLL if most is None else most
+    idle = list(idle)
+    chosen = idle if len(idle) <= most else \
+        heapq.nsmallest(most, idle, key=lambda m: m.beat_turn)
+    for member in chosen:
+        member.beat_turn = poll
+    return chosen
 
 
 @dataclass
@@ -84,6 +105,7 @@ class WorkerPool:
         self.pending: dict[Any, Pending] = {}  # first-call ref -> a worker still starting
         self._ids = itertools.count()
         self._ages = itertools.count()
+        self.beat_polls = 0  # heartbeat polls so far (`beat`)
 
     # ------------------------------------------------------------------ starting
     def start(self, node: str) -> None:
@@ -194,9 +216,9 @@ class WorkerPool:
 
     def beat(self) -> tuple[dict[str, tuple[float, int]], set[str], list[str]]:
         """The driver's heartbeat: collects the members' answered `heartbeat` calls (seconds
-        in a join, the round of the state held) and sends one to each member without one
-        out. Returns (the answers, the members whose call failed, the members a call went
-        out to); never waits."""
+        in a join, the round of the state held) and sends one to the members without one
+        out whose turn it is (`heartbeat_turn`). Returns (the answers, the members whose
+        call failed, the members a call went out to); never waits."""
         answers: dict[str, tuple[float, int]] = {}
         failed: set[str] = set()
         out = {m.beat: m for m in self.members.values() if m.beat is not None}
@@ -208,11 +230,12 @@ class WorkerPool:
                 answers[member.worker_id] = tuple(ray.get(ref))
             except Exception:  # noqa: BLE001 - any error: no answer from this member
                 failed.add(member.worker_id)
+        self.beat_polls += 1
         sent = []
-        for member in self.members.values():
-            if member.beat is None:
-                member.beat = member.actor.heartbeat.remote()
-                sent.append(member.worker_id)
+        idle = (m for m in self.members.values() if m.beat is None)
+        for member in heartbeat_turn(idle, self.beat_polls):
+            member.beat = member.actor.heartbeat.remote()
+            sent.append(member.worker_id)
         return answers, failed, sent
 
     def staying(self, draining: set[str]) -> list[Member]:

@@ -12,7 +12,7 @@ from typing import Any
 from raytrain_x.common.errors import ConfigError, ControlActorLost, StorageError, WorkerError
 from raytrain_x.ray.elastic.discovery import DiscoveryHealth
 from raytrain_x.ray.elastic.parts import JobParts, control_lost_message
-from raytrain_x.ray.elastic.pool import Member, Outcomes, Pending, WorkerPool
+from raytrain_x.ray.elastic.pool import Member, Outcomes, Pending, WorkerPool, heartbeat_turn
 from raytrain_x.ray.elastic.rounds import current_holders
 from raytrain_x.ray.elastic.settings import ElasticSettings
 from raytrain_x.ray.worker import Left
@@ -160,11 +160,12 @@ class SimPool(WorkerPool):
             elif not w.alive and w.outcome_at <= now:
                 m.beat = None
                 failed.add(m.worker_id)
+        self.beat_polls += 1
         sent = []
-        for m in self.members.values():
-            if m.beat is None:
-                m.beat = now  # the call went out now
-                sent.append(m.worker_id)
+        for m in heartbeat_turn((m for m in self.members.values() if m.beat is None),
+                                self.beat_polls):
+            m.beat = now  # the call went out now
+            sent.append(m.worker_id)
         return answers, failed, sent
 
     def kill_all(self) -> None:
