@@ -222,8 +222,9 @@ def _grow_kill_drain(cluster, elastic_nodes, nodes, fit, progress: Path, tmp_pat
     _drained.add(draining)
     drain_node(cluster.address, draining, deadline_s=60)  # a preemption: not a failure
     waited(lambda: _latest(progress).get("size") == 1, "the drained node's worker to leave")
-    steps = _latest(progress)["steps"]
-    waited(lambda: _latest(progress)["steps"] > steps + 5, "the last worker to train on")
+    # the last worker trains on to the end of the drain's epoch (reported with its resizes)
+    epoch = _latest(progress)["epoch"]
+    waited(lambda: _latest(progress)["epoch"] > epoch, "the drain's epoch to end")
 
 
 def _check_grown_killed_drained(result, tmp_path: Path) -> None:
