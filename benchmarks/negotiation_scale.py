@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import pickle
-import statistics
 import subprocess
 import sys
 import time
@@ -31,7 +30,7 @@ from pathlib import Path
 from raytrain_x.engine.coordinator import Coordinator, Report
 from raytrain_x.engine.messages import ALLGATHER, ALLREDUCE, Meta
 
-from common import print_table, write_json
+from common import median_seconds, print_table, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -53,15 +52,6 @@ def _requests(rank: int, tensors: int, kind: str) -> list[tuple[str, Meta]]:
                 for i in range(tensors)]
     return [(f"rows.{i}", Meta(ALLGATHER, "float32", (1 + rank + i, 16)))
             for i in range(tensors)]
-
-
-def _median(fn, repeats: int) -> float:
-    samples = []
-    for _ in range(repeats):
-        began = time.process_time()
-        fn()
-        samples.append(time.process_time() - began)
-    return statistics.median(samples)
 
 
 def cycle_cost(ranks: int, tensors: int, kind: str, old, repeats: int) -> dict:
@@ -92,9 +82,14 @@ def cycle_cost(ranks: int, tensors: int, kind: str, old, repeats: int) -> dict:
         pickle.loads(answer[0])
 
     return {"ranks": ranks, "tensors": tensors, "reports": kind,
-            "replicated_every_rank_s": _median(replicated, repeats),
-            "coordinator_s": _median(coordinating, repeats),
-            "other_rank_s": _median(other, repeats)}
+            "replicated_every_rank_s": _cpu(replicated, repeats),
+            "coordinator_s": _cpu(coordinating, repeats),
+            "other_rank_s": _cpu(other, repeats)}
+
+
+def _cpu(fn, repeats: int) -> float:
+    """The median CPU seconds of `fn`, every run timed."""
+    return median_seconds(fn, repeats, warmup=0, clock=time.process_time)
 
 
 def main() -> None:

@@ -115,7 +115,7 @@ class Group:
         length = np.array([len(payload)], dtype=np.int64)
         self.allreduce(length, "max")
         mine = np.zeros(8 + int(length[0]), dtype=np.uint8)
-        mine[:8] = np.frombuffer(np.array([len(payload)], dtype=np.int64).tobytes(), np.uint8)
+        mine[:8].view(np.int64)[0] = len(payload)  # each payload's own length first
         mine[8:8 + len(payload)] = np.frombuffer(payload, dtype=np.uint8)
         outs = [np.empty_like(mine) for _ in range(self.size)] if self.rank == root else None
         self.gather(outs, mine, root)

@@ -40,7 +40,7 @@ class WorkerSide:
     rounds: SimRounds
     store_abandoned: list[str]
     store_forgotten: list[str]
-    free_at: dict[str, float]
+    store_free_at: float  # when the store actor is next free (`store_served`)
     store_dead: bool
     store_epoch: int
     commits: list[tuple[float, int, int]]
@@ -98,12 +98,12 @@ class WorkerSide:
                 and not w.node.cut(self.now):
             self._join_arrives(w)
 
-    def served(self, actor: str, cost_s: float, earliest: float | None = None) -> float:
-        """When a call that reaches `actor` (the "store") at `earliest` (now) is
-        answered: the actor serves one call at a time, `cost_s` each, in arrival order."""
-        start = max(self.now if earliest is None else earliest, self.free_at[actor])
-        self.free_at[actor] = start + cost_s
-        return start + cost_s
+    def store_served(self, cost_s: float, earliest: float) -> float:
+        """When calls that reach the store actor at `earliest` are answered: it serves one
+        call at a time, in arrival order, these taking `cost_s`."""
+        start = max(earliest, self.store_free_at)
+        self.store_free_at = start + cost_s
+        return self.store_free_at
 
     def _join_arrives(self, w: SimWorker) -> None:
         # the rounds actor lists a join as it arrives: the joins queued at it delay the
@@ -133,8 +133,8 @@ class WorkerSide:
         w.group = group
         w.phase = "rendezvous"
         # its calls queue at the store behind those of the members placed before it
-        at = self.served("store", STORE_CALLS_PER_MEMBER * self.config.store_call_s,
-                         self.now + self.rng.uniform(0.02, 0.3))
+        at = self.store_served(STORE_CALLS_PER_MEMBER * self.config.store_call_s,
+                               self.now + self.rng.uniform(0.02, 0.3))
         self.after(at - self.now, lambda: self._arrive(w, group))
 
     def _ends(self, w: SimWorker, kind: str, value: Any) -> None:
@@ -169,12 +169,10 @@ class WorkerSide:
             self.after(self.config.timeout_s, lambda: self._rendezvous_timeout(w, group))
 
     def _abandoned(self, group: Group) -> bool:
-        prefix = round_prefix(group.round_id)
-        return any(prefix.startswith(p) for p in self.store_abandoned)
+        return _under(group, self.store_abandoned)
 
     def _forgotten(self, group: Group) -> bool:
-        prefix = round_prefix(group.round_id)
-        return any(prefix.startswith(p) for p in self.store_forgotten)
+        return _under(group, self.store_forgotten)
 
     def forget(self, prefix: str) -> None:
         """The driver deleted a round's keys: never the newest round's (its members meet
@@ -484,3 +482,9 @@ class WorkerSide:
     def rendezvous_published(self, group: Group) -> None:
         self.groups[group.round_id] = group
         self._fire_phase_faults("rendezvous", group)
+
+
+def _under(group: Group, prefixes: list[str]) -> bool:
+    """Whether `group`'s round keys fall under one of `prefixes`."""
+    prefix = round_prefix(group.round_id)
+    return any(prefix.startswith(p) for p in prefixes)
