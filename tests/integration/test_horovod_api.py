@@ -121,20 +121,23 @@ def test_horovod_details(tmp_path):
     assert "allreduce.traced" in rows
 
 
-def _set_registered_late_on_rank_0(replicated_up_to: int) -> dict:
-    import time
+def _set_registered_late_on_rank_0(replicated_up_to: int, marker: str) -> dict:
+    from pathlib import Path
 
     import raytrain_x.torch as rx
     from raytrain_x.engine import negotiation
+    from tests.limits import wait_until
 
     negotiation.REPLICATED_UP_TO = replicated_up_to
     rx.init(process_sets="dynamic")
     r = rx.rank()
-    if r == 0:
-        time.sleep(1.0)  # rank 1 registers the set and submits to it meanwhile
+    if r == 0:  # rank 1 registers the set and has its result before rank 0 registers it
+        wait_until(Path(marker).exists, 20, "rank 1's result from the set")
     odd = rx.add_process_set([1])
     out: dict = {"set": rx.allreduce(torch.full((2,), 3.0), op=rx.Sum,
                                      process_set=odd).tolist() if r == 1 else []}
+    if r == 1:
+        Path(marker).touch()
     # rows of each rank's own: reports that differ; then a mismatch named by rank
     out["rows"] = rx.allgather(torch.full((r + 1, 2), float(r))).shape[0]
     try:
@@ -148,13 +151,15 @@ def _set_registered_late_on_rank_0(replicated_up_to: int) -> dict:
 
 
 @pytest.mark.parametrize("replicated_up_to", [16, 0], ids=["every-rank", "rank-0"])
-def test_a_set_rank_0_registers_after_its_members_submit_to_it_still_runs(replicated_up_to):
+def test_a_set_rank_0_registers_after_its_members_submit_to_it_still_runs(replicated_up_to,
+                                                                         tmp_path):
     """A negotiating cycle is decided on every rank (a small world) or on rank 0 (a large
     one: `negotiation.REPLICATED_UP_TO`, lowered here to take that way with 3 ranks), and
     each rank registers a process set on its own: a set's members may submit before rank 0
     has registered it (Horovod's own process-set tests do). Rank 0 decides it from the
     members the reports carry; differing reports and a mismatch decide alike both ways."""
-    results = run_workers(_set_registered_late_on_rank_0, 3, replicated_up_to, work_s=20)
+    results = run_workers(_set_registered_late_on_rank_0, 3, replicated_up_to,
+                          str(tmp_path / "rank1-done"), work_s=30)
     assert [r["set"] for r in results] == [[], [3.0, 3.0], []]
     assert [r["rows"] for r in results] == [6, 6, 6]
     for r in results:
