@@ -54,6 +54,13 @@ class Group:
             landed()
         return lambda: None
 
+    def allreduce_control(self, array: Any, op: str) -> None:
+        """In-place allreduce of a small control array (a few int64 words: the status
+        word) whose cost is the latency of its messages, not their bytes. Backends whose
+        allreduce takes O(N) steps in sequence (gloo's ring) do it in O(log N)
+        (`doubling.py`); the result is the same."""
+        self.allreduce(array, op)
+
     def broadcast(self, array: Any, root: int) -> None:
         """In-place broadcast from group rank `root`."""
         raise NotImplementedError
@@ -113,7 +120,7 @@ class Group:
         """Every member's payload at `root`, in group rank order (None elsewhere): the root
         receives N payloads, every other member sends its own."""
         length = np.array([len(payload)], dtype=np.int64)
-        self.allreduce(length, "max")
+        self.allreduce_control(length, "max")
         mine = np.zeros(8 + int(length[0]), dtype=np.uint8)
         mine[:8].view(np.int64)[0] = len(payload)  # each payload's own length first
         mine[8:8 + len(payload)] = np.frombuffer(payload, dtype=np.uint8)
@@ -141,7 +148,7 @@ class Group:
     def vote_all(self, flag: bool) -> bool:
         """True on every member when `flag` is True on every member."""
         vote = np.array([1 if flag else 0], dtype=np.int64)
-        self.allreduce(vote, "min")
+        self.allreduce_control(vote, "min")
         return bool(vote[0])
 
 

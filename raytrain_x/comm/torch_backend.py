@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from raytrain_x.comm.backend import Backend, Group, writable_alias
+from raytrain_x.comm.doubling import EXCHANGE, RECEIVE, SEND, schedule
 from raytrain_x.comm.torch_store import group_store
 from raytrain_x.common.errors import ConfigError, InternalError, RendezvousTimeout
 from raytrain_x.common.settings import GPU_OPERATIONS
@@ -38,6 +39,19 @@ REDUCE_OPS = {
     "product": dist.ReduceOp.PRODUCT,
     "band": dist.ReduceOp.BAND,
 }
+
+# how `TorchGroup.allreduce_control` combines a partner's partial result into its own
+COMBINE = {
+    "sum": torch.Tensor.add_,
+    "min": lambda mine, theirs: torch.minimum(mine, theirs, out=mine),
+    "max": lambda mine, theirs: torch.maximum(mine, theirs, out=mine),
+    "product": torch.Tensor.mul_,
+    "band": torch.Tensor.bitwise_and_,
+}
+
+# gloo's tag for the doubling's messages: a collective's slots carry a prefix in their top
+# byte, so a point-to-point tag under 2^56 never meets one
+DOUBLING_TAG = 0xD0B
 
 
 def nccl_available() -> bool:
@@ -258,6 +272,31 @@ class TorchGroup(Group):
         work = self._call("allreduce", lambda: pg.allreduce([tensor], opts))
         _on_landed(work, landed)
         return lambda: self._call("allreduce", lambda: (work.wait(), tensor))
+
+    def allreduce_control(self, array: Any, op: str) -> None:
+        tensor = as_tensor(array)
+        if tensor.device.type != "cpu" or tensor.dtype in GLOO_WIDENED:
+            self.allreduce(tensor, op)
+            return
+        self._call("allreduce", self._doubling, tensor, op)
+
+    def _doubling(self, tensor: torch.Tensor, op: str) -> None:
+        """Recursive doubling (`doubling.schedule`) over gloo's point-to-point messages,
+        sent from this thread: quicker than gloo's ring at every size measured, 2 ranks
+        included, since gloo runs a collective on its own worker threads
+        (`benchmarks/status_word.py`)."""
+        combine, theirs = COMBINE[op], torch.empty_like(tensor)
+        for step in schedule(self.rank, self.size):
+            sent = None
+            if step.kind in (SEND, EXCHANGE):
+                sent = self._gloo.send([tensor], step.peer, DOUBLING_TAG)
+            if step.kind in (RECEIVE, EXCHANGE):
+                into = tensor if step.final else theirs
+                self._gloo.recv([into], step.peer, DOUBLING_TAG).wait(self._timeout)
+            if sent is not None:
+                sent.wait(self._timeout)  # gloo reads the array until then
+            if step.kind in (RECEIVE, EXCHANGE) and not step.final:
+                combine(tensor, theirs)
 
     def broadcast(self, array: Any, root: int) -> None:
         tensor = as_tensor(array)

@@ -141,7 +141,7 @@ class Transport:
         if self._shm is not None:
             _shm_call(self._shm.allreduce, array, op)
         else:
-            self.groups.world.allreduce(array, op)
+            self.groups.world.allreduce_control(array, op)
 
     def shm_allreduce(self, array: Any, op: str, pset: ProcessSetGroup) -> None:
         """`array` (host memory, contiguous) reduced in place in `pset`'s shared memory."""

@@ -91,6 +91,12 @@ def _calls_of_one_group(size: int, collective: str) -> dict[str, int]:
             values = np.full(4, float(r + 1), dtype=np.float32)
             if collective == "allreduce":
                 group.allreduce(values)
+            elif collective == "control":
+                values = np.array([r + 1, ~(1 << r), r + 1], dtype=np.int64)
+                group.allreduce_control(values[:1], "sum")
+                group.allreduce_control(values[1:2], "band")
+                group.allreduce_control(values[2:], "min")
+                assert values[1] == ~((1 << size) - 1) and values[2] == 1, values
             else:
                 group.broadcast(values, 0)
             results[r] = float(values[0])
@@ -105,7 +111,7 @@ def _calls_of_one_group(size: int, collective: str) -> dict[str, int]:
         for t in threads:
             t.join(limit(60))
         assert not errors, errors
-        expected = size * (size + 1) / 2 if collective == "allreduce" else 1.0
+        expected = size * (size + 1) / 2 if collective in ("allreduce", "control") else 1.0
         assert results == {r: expected for r in range(size)}  # the group works
         return ray.get(store.calls.remote(), timeout=limit(5))
     finally:
@@ -124,6 +130,17 @@ def test_a_group_forms_in_one_store_call_per_rank_and_connects_only_the_peers_it
         assert calls == {"set": size, "multi_get": 2 * size}, (size, calls)
     calls = _calls_of_one_group(16, "broadcast")
     assert calls["set"] == 16 and calls["multi_get"] <= 16 * 4, calls  # log2(16) a rank
+
+
+def test_the_status_word_reduces_in_log_steps_over_log_peers(ray_cluster):
+    """The control allreduce (the status word each negotiating cycle and-s across the
+    world) takes recursive doubling's log2 N + 2 steps, not gloo's ring's 2(N-1) in
+    sequence, and connects at most log2 N + 1 peers a rank: at 12 ranks (not a power of
+    two, so 4 fold in first) every rank gets the same sum, and and minimum."""
+    calls = _calls_of_one_group(12, "control")
+    assert calls["set"] == 12 and calls["multi_get"] <= 12 * 4, calls  # log2(12) + 1 a rank
+    calls = _calls_of_one_group(2, "control")
+    assert calls == {"set": 2, "multi_get": 2}, calls
 
 
 def test_a_rounds_keys_are_deleted_and_its_abandonment_forgotten(ray_cluster):
