@@ -16,7 +16,11 @@
    `WorkerPool.beat` once a second and recorded by `Heartbeats` (the straggler poll), the
    calls answered by 4 Ray actors; the driver process's CPU seconds a second, with
    `HEARTBEATS_PER_POLL` calls a poll and with a call to every member each poll.
-4. Planning a round: `plan_round` for --plan members, each on a node of its own (the
+4. The driver's watch over the training: --poll members, each with its `execute` call
+   out, the real `WorkerPool.poll` in a loop as the driver runs it (a 0.1 s wait for an
+   outcome each), one call returning a second, against a `ray.wait` over every member's
+   call each poll (the driver's way before); the driver process's CPU seconds a second.
+5. Planning a round: `plan_round` for --plan members, each on a node of its own (the
    driver's work per round), the median of 5.
 
 Run alone: .venv/bin/python benchmarks/control_plane.py [--parked 0 1000 10000]
@@ -194,6 +198,78 @@ def driver_cost(members: int, seconds: float, most: int | None) -> dict:
             ray.kill(actor, no_restart=True)
 
 
+def _wait_over_every_call(pool, timeout_s: float) -> int:
+    """The baseline: the driver's poll as it was, a `ray.wait` over every member's call
+    (the outcomes found)."""
+    import ray
+
+    refs = {m.ref: m for m in pool.members.values() if m.ref is not None}
+    ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+    for ref in ready:
+        ray.get(ref)
+        refs[ref].ref = None
+    return len(ready)
+
+
+def poll_cost(members: int, seconds: float, way: str) -> dict:
+    """The driver's CPU a second for watching `members` members train: every member's
+    `execute` call out (answered by 4 Ray actors, never returning until the end) and
+    running, then the driver's loop polls for outcomes (each a 0.1 s wait), one member's
+    call returning each second (an outcome to find). `way`: `queued`, the real
+    `WorkerPool.poll`; `wait-all`, a `ray.wait` over every member's call each poll."""
+    import ray
+
+    from raytrain_x.ray.elastic import pool as pools
+
+    @ray.remote(num_cpus=0)
+    class Training:
+        def __init__(self) -> None:
+            import asyncio
+
+            self.ends: dict[int, asyncio.Event] = {}
+
+        async def execute(self, index: int) -> int:
+            import asyncio
+
+            self.ends[index] = event = asyncio.Event()
+            await event.wait()
+            return index
+
+        async def running(self) -> int:
+            return len(self.ends)
+
+        async def end(self, index: int) -> bool:
+            self.ends[index].set()
+            return True
+
+    training = [Training.options(max_concurrency=members + 100).remote() for _ in range(4)]
+    try:
+        pool = pools.WorkerPool(None, time.monotonic)
+        for i in range(members):
+            member = pools.Member(f"w{i}", training[i % 4], f"node{i // 8}", i, rank=i)
+            pool.run(member, training[i % 4].execute.remote(i))
+            pool.members[member.worker_id] = member
+        while sum(ray.get([t.running.remote() for t in training])) < members:
+            time.sleep(0.1)
+        polls, found, ended = 0, 0, 0
+        began, cpu = time.monotonic(), time.process_time()
+        while time.monotonic() - began < seconds:
+            if time.monotonic() - began >= ended:
+                training[ended % 4].end.remote(ended)
+                ended += 1
+            if way == "queued":
+                found += len(pool.poll(timeout_s=0.1).finished)
+            else:
+                found += _wait_over_every_call(pool, 0.1)
+            polls += 1
+        wall = time.monotonic() - began
+        return {"members": members, "way": way, "polls_per_s": polls / wall, "found": found,
+                "cpu_s_per_s": (time.process_time() - cpu) / wall}
+    finally:
+        for actor in training:
+            ray.kill(actor, no_restart=True)
+
+
 def plan_cost(members: int) -> dict:
     import pickle
 
@@ -254,6 +330,8 @@ def main() -> None:
     parser.add_argument("--driver", type=int, nargs="*", default=[4_096],
                         help="members the driver's heartbeat runs for")
     parser.add_argument("--driver-s", type=float, default=10.0)
+    parser.add_argument("--poll", type=int, nargs="*", default=[4_096],
+                        help="members whose outcomes the driver's loop watches")
     parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default=None, help="write the rounds' figure here (png)")
     args = parser.parse_args()
@@ -278,16 +356,23 @@ def main() -> None:
             for most in (None, members):
                 drivers.append(driver_cost(members, args.driver_s, most))
                 print(f"driver with {members}: {drivers[-1]}", flush=True)
+        polls = []
+        for members in args.poll:
+            for way in ("queued", "wait-all"):
+                polls.append(poll_cost(members, args.driver_s, way))
+                print(f"outcomes of {members}: {polls[-1]}", flush=True)
     finally:
         ray.shutdown()
     plans = [plan_cost(n) for n in args.plan]
     print_table(drivers, ["members", "calls_a_poll", "cpu_s_per_s", "calls_per_s"])
+    print_table(polls, ["members", "way", "polls_per_s", "found", "cpu_s_per_s"])
     print_table(rows, ["parked", "write_ms", "stuck"])
     print_table(formed, ["workers", "way", "join_s", "publish_s", "meet_s", "round_s",
                          "store_calls_per_worker"])
     print_table(plans, ["members", "plan_ms", "place_bytes"])
     path = write_json("control_plane", {"args": vars(args), "writes": rows, "rounds": formed,
-                                        "driver": drivers, "plans": plans}, args.json)
+                                        "driver": drivers, "polls": polls, "plans": plans},
+                      args.json)
     print(f"wrote {path}")
     if args.plot and formed:
         plot(formed, args.plot)

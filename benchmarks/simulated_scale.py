@@ -29,8 +29,8 @@ def one(workers: int) -> dict:
     config = WorldConfig(nodes=nodes, slots=8, max_nodes=nodes + 4, min_workers=1,
                          max_workers=workers + 32, timeout_s=30.0, commit_s=2.0,
                          autoscaler=False, respawn=False)
-    # a round's modelled formation: every member's store calls, one at a time
-    forming = nodes * 8 * STORE_CALLS_PER_MEMBER * config.store_call_s
+    # a round's modelled formation: every member's join and store calls, one at a time
+    forming = nodes * 8 * (config.join_call_s + STORE_CALLS_PER_MEMBER * config.store_call_s)
     gap = 20.0 + 2 * forming
     first = 20.0 + 1.5 * forming
     schedule = Schedule(0, config, (Fault(first, "kill_worker", 0.3),

@@ -617,6 +617,51 @@ def test_the_elastic_heartbeat_counts_a_dead_worker_at_once(cluster):
     assert answers == {} and beats.failed == {"w"}
 
 
+def test_the_driver_finds_each_members_outcome_once_as_it_lands(cluster):
+    """The driver's loop no longer waits over every member's call each poll (a ray.wait
+    of N refs ten times a second: 0.05 CPU-s a second at 4,096 members,
+    `benchmarks/control_plane.py --poll`): Ray queues each call as it lands, a poll
+    returns once one has, reports it once, and not the call of a member removed before."""
+    import asyncio
+
+    import ray
+
+    from raytrain_x.ray.elastic import pool as worker_pool
+
+    @ray.remote(num_cpus=0)
+    class Training:
+        def __init__(self) -> None:
+            self.ended = asyncio.Event()
+
+        async def execute(self, name: str) -> str:
+            await self.ended.wait()
+            return name
+
+        async def end(self) -> None:
+            self.ended.set()
+
+    training = {name: Training.remote() for name in "abc"}
+    try:
+        pool = worker_pool.WorkerPool(None, time.monotonic)
+        for age, (name, actor) in enumerate(training.items()):
+            member = worker_pool.Member(name, actor, "node", age, rank=age)
+            pool.members[name] = member
+            pool.run(member, actor.execute.remote(name))
+        assert pool.poll(timeout_s=0.05).finished == {}
+        ray.get(training["b"].end.remote())
+        assert pool.poll(timeout_s=limit(30)).finished == {"b": "b"}
+        assert pool.poll(timeout_s=0.05).finished == {}  # reported once
+        pool.members.pop("b")
+        # removed (its actor killed): its call's end is nobody's outcome
+        pool.remove(pool.members["a"])
+        ray.get(training["c"].end.remote())
+        assert pool.poll(timeout_s=limit(30)).finished == {"c": "c"}
+        assert pool.poll(timeout_s=0.05) == worker_pool.Outcomes({}, [], [])
+    finally:
+        for actor in training.values():
+            ray.kill(actor, no_restart=True)
+
+
 def test_a_worker_exits_when_its_nodes_raylet_dies(cluster):
     """Ray leaves the workers of a node whose raylet was killed running, answering calls and
     training with their peers, until its health checks declare the node dead (16 s with its

@@ -39,6 +39,26 @@ def test_every_named_scenario_holds_every_invariant(name):
     assert outcome.stop in ("finished", "ElasticStateLost", "ControlActorLost"), outcome.stop
 
 
+def test_the_driver_reads_joins_in_the_order_the_rounds_actor_serves_them(monkeypatch):
+    """The rounds actor lists one join at a time (`WorldConfig.join_call_s`) and answers
+    the driver's calls in arrival order, so a join the driver does not see listed has not
+    reached the actor. Were the driver's calls answered ahead of the queued joins, its
+    held-join rule (3 s in a join, unlisted) would restart workers whose joins were only
+    queued: the slow-actor scenario then fails."""
+    from raytrain_x.testing.simulation import parts
+
+    schedule = scenarios()["joins-queued-at-a-slow-rounds-actor"]
+    assert run_schedule(schedule).ok
+
+    def ahead_of_the_joins(self):
+        if self.rounds.dead:
+            raise parts.ControlActorLost("killed")
+        return self.rounds
+    monkeypatch.setattr(parts.SimRoundsClient, "_actor", ahead_of_the_joins)
+    outcome = run_schedule(schedule)
+    assert any("whose join the rounds actor had received" in v for v in outcome.violations)
+
+
 def test_losing_every_holder_stops_the_job_naming_it():
     outcome = run_schedule(scenarios()["3-every-holder-dies"])
     assert outcome.ok and outcome.stop == "ElasticStateLost"

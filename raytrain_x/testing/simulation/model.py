@@ -48,9 +48,11 @@ class WorldConfig:
     scripted_discovery: bool = False
     # the store actor serves one call at a time, each taking this long (measured with
     # `benchmarks/control_plane.py --round` on a 2-core machine: 3 x 4,096 store calls in
-    # 9.8 s): a round's formation grows with its size. The rounds actor's joins (0.5 ms
-    # each there) are not queued in the model
+    # 9.8 s): a round's formation grows with its size
     store_call_s: float = 0.0008
+    # the rounds actor lists one join at a time, each taking this long (the same
+    # benchmark: 4,096 joins in 2.2 s)
+    join_call_s: float = 0.0005
 
 
 @dataclass
@@ -101,6 +103,7 @@ class SimWorker:
         self.joining_since: float | None = None
         self.join_arrived = False
         self.join_arrived_at = -math.inf
+        self.join_attempt = 0  # its joins so far (a queued join listed only if the latest)
         self.placed_in: int | None = None  # the round its join was given, heard or not
         self.sent_away = False  # the driver sent it away (its node drains), heard or not
         self.holds = False  # synced the job's state in some round

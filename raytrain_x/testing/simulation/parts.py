@@ -291,6 +291,12 @@ class SimRoundsClient:
         self.rounds = world.rounds
 
     def _actor(self) -> SimRounds:
+        world = self.world
+        if not self.rounds.dead and world.rounds_free_at > world.now:
+            # the actor serves calls in arrival order: the driver's is answered once the
+            # joins that reached it first are listed (so a join it does not list has not
+            # reached it: `held_joins`)
+            world.advance(world.rounds_free_at)
         if self.rounds.dead:
             raise ControlActorLost(control_lost_message("rounds", "killed by a fault"))
         return self.rounds

@@ -41,6 +41,7 @@ class WorkerSide:
     store_abandoned: list[str]
     store_forgotten: list[str]
     store_free_at: float  # when the store actor is next free (`store_served`)
+    rounds_free_at: float  # when the rounds actor is next free (`_join_arrives`)
     store_dead: bool
     store_epoch: int
     commits: list[tuple[float, int, int]]
@@ -89,6 +90,7 @@ class WorkerSide:
         w.group = None
         w.joining_since = self.now
         w.join_arrived = False
+        w.join_attempt += 1
         if w.node.cut(self.now):
             return  # Ray holds the call until the node is reachable again
         self._join_arrives(w)
@@ -106,11 +108,18 @@ class WorkerSide:
         return self.store_free_at
 
     def _join_arrives(self, w: SimWorker) -> None:
-        # the rounds actor lists a join as it arrives: the joins queued at it delay the
-        # driver's `waiting()` behind them, which the driver's instant calls leave out
+        # the call has reached the rounds actor, which lists one join at a time in arrival
+        # order: listed once the joins before it are (a dead caller's too, as on Ray)
         w.join_arrived = True
         w.join_arrived_at = self.now
-        self.rounds.join(w)
+        listed = max(self.now, self.rounds_free_at) + self.config.join_call_s
+        self.rounds_free_at = listed
+        attempt = w.join_attempt
+        self.after(listed - self.now, lambda: self._join_listed(w, attempt))
+
+    def _join_listed(self, w: SimWorker, attempt: int) -> None:
+        if w.join_attempt == attempt:  # not since replaced by a join of its own
+            self.rounds.join(w)
 
     def placed(self, w: SimWorker, place: dict[str, Any]) -> None:
         """The rounds actor answered `w`'s join."""

@@ -144,10 +144,10 @@ def scenarios() -> dict[str, Schedule]:
             Fault(2.0, "add_node"), Fault(13.4, "add_node")],
             "a loaded machine: a newcomer placed after waiting for the next commit hears of "
             "its place late, while the next newcomer already waits: it is not held back"),
-        # found with an instant store: its timing needs store calls that take no time
+        # found with instant control actors: its timing needs calls that take no time
         _named("placed-member-not-stuck", replace(
             THREE, nodes=4, slots=2, max_nodes=6, max_workers=8, late_placed_s=(0.0, 1.911),
-            store_call_s=0.0), [
+            store_call_s=0.0, join_call_s=0.0), [
             [5.631, "kill_in_rendezvous", 0.0506, 0.0], [8.661, "kill_worker", 0.9652, 0.0],
             [56.377, "kill_node", 0.5232, 0.0], [62.161, "drain_in_rendezvous", 0.3887, 2.067],
             [67.955, "kill_in_rendezvous", 0.6007, 0.0], [68.417, "partition", 0.3392, 40.221]],
@@ -251,8 +251,20 @@ def scenarios() -> dict[str, Schedule]:
             "each hedge gave up a slow start seconds before it would have joined, and the "
             "job never formed a round again. Stale starts are given up for a hedge only "
             "once the job has min_workers", seed=71724),
+        _named("joins-queued-at-a-slow-rounds-actor", SLOW_ROUNDS_ACTOR, [
+            Fault(20.0, "kill_worker", 0.3), Fault(40.0, "drain", 0.6, -1.0),
+            Fault(60.0, "add_node", 0.0)],
+            "256 workers whose joins the rounds actor lists 20 ms apart (5 s for a round): a "
+            "join that reached it is listed before the driver's next call is answered, so "
+            "the driver takes no unlisted join for one Ray holds back and restarts no one"),
     ]
     return {x.name: x for x in [*s, *durable_scenarios()]}
+
+
+# 32 nodes of 8 slots, the rounds actor 40 times slower than measured on a 2-core head
+SLOW_ROUNDS_ACTOR = WorldConfig(nodes=32, slots=8, max_nodes=36, min_workers=1,
+                                max_workers=288, timeout_s=30.0, commit_s=2.0,
+                                autoscaler=False, respawn=False, join_call_s=0.02)
 
 
 # a job writing a durable checkpoint every second, each write taking 0.2-0.5 s

@@ -70,6 +70,7 @@ class World(WorkerSide):
         self.store_abandoned: list[str] = []
         self.store_forgotten: list[str] = []
         self.store_free_at = 0.0  # when the store actor is next free
+        self.rounds_free_at = 0.0  # when the rounds actor is next free
         self.store_dead = False
         self.store_epoch = 0  # the store actor of the control actors now (one per job)
         # workers the driver restarted while their join had reached the rounds actor:
