@@ -19,7 +19,11 @@ The contract, each clause held by a test (docs/elastic.md, "Durable checkpoints"
   warning naming the file, and takes the newest intact one before it;
 - a listing or read error is retried, then raised (`StorageError`): never "no checkpoint";
 - checkpoints are ordered by (generation, commit): a later run of the job is never pruned
-  in favour of an older one, and pruning never deletes the newest complete checkpoint.
+  in favour of an older one, and pruning never deletes the newest complete checkpoint;
+- no state is silently abandoned: where checkpoints were completed (a manifest published)
+  and none of them can be taken, a reader raises `CheckpointError` listing each and why,
+  never "no checkpoint"; a checkpoint found damaged is marked and set aside, and pruning
+  never deletes it.
 """
 
 from __future__ import annotations
@@ -46,6 +50,17 @@ MANIFEST = "manifest.json"
 FAILED = ".failed"  # beside a part's record: that rank's write failed, and why
 DAMAGED = "damaged"  # in a checkpoint's folder: a reader found a file's checksum wrong
 CHECKSUM = "xxh3_128"
+# why a folder is passed over where it is a write that did not finish or that its writer
+# found damaged as it finished (a failed write, never a checkpoint); every other reason is
+# a checkpoint's, completed and then found damaged
+NO_MANIFEST = "no manifest (the write did not finish)"
+LANDED_DAMAGED = "landed damaged"
+DAMAGED_BEFORE = "found damaged before"
+
+
+def never_completed(why: str) -> bool:
+    """Whether a folder passed over for `why` is a write that failed, not a checkpoint."""
+    return why == NO_MANIFEST or why.startswith(f"{DAMAGED_BEFORE}: {LANDED_DAMAGED}")
 
 Key = tuple[int, int]  # (generation, commit number): the order of checkpoints
 
@@ -308,21 +323,25 @@ class CheckpointStore:
         why = self.verify(manifest)
         self.verify_s = time.perf_counter() - began
         if why:
-            self._mark_damaged(manifest.key, why)
-            raise CheckpointError(f"{self.where(manifest.key)} landed damaged: {why}")
+            self._mark_damaged(manifest.key, f"{LANDED_DAMAGED}: {why}")
+            raise CheckpointError(f"{self.where(manifest.key)} {LANDED_DAMAGED}: {why}")
         fence()  # fenced in between: prune nothing of the newer run's
         self.prune(keep, manifest.generation)
 
     def prune(self, keep: int, generation: int) -> list[Key]:
         """Deletes complete checkpoints beyond the newest `keep`, and incomplete ones older
         than the newest complete one (writes given up); never one of a later generation
-        than `generation` (the writer's own), never the newest complete one. Returns the
-        keys deleted."""
+        than `generation` (the writer's own), never the newest complete one, never one
+        completed and then found damaged (a file changed, missing or marked: set aside,
+        what is left of a state for its owner to look at; it takes none of the `keep`
+        places). Returns the keys deleted."""
         keys = self._keys()
-        complete = [m.key for m in self._complete(keys, warn=False, verify=False)]
+        refused: list[tuple[Key, str]] = []
+        complete = [m.key for m in self._complete(keys, False, False, refused)]
         if not complete:
             return []
         kept = set(complete[:max(1, keep)])
+        kept |= {key for key, why in refused if not never_completed(why)}
         doomed = [k for k in keys if k not in kept and k < complete[0]
                   and k[0] <= generation]
         for key in doomed:
@@ -337,14 +356,35 @@ class CheckpointStore:
 
     def latest(self, warn: bool = True, verify: bool = True) -> Manifest | None:
         """The newest complete checkpoint; with `verify`, the newest whose every file has
-        its checksum too (each skipped one logged, with `warn`, naming the file)."""
-        return next(self._complete(self._keys(), warn, verify), None)
+        its checksum too (each skipped one logged, with `warn`, naming the file). None
+        only where no checkpoint was ever completed here (writes that did not finish).
+
+        Raises:
+            CheckpointError: checkpoints were completed here and none can be taken (each
+                named with why, and how to start afresh); StorageError: storage could
+                not be listed or read, after retries.
+        """
+        refused: list[tuple[Key, str]] = []
+        manifest = next(self._complete(self._keys(), warn, verify, refused), None)
+        taken_once = [(key, why) for key, why in refused if not never_completed(why)]
+        if manifest is None and taken_once:
+            listed = "; ".join(f"{self.where(key)}: {why}" for key, why in taken_once[:5])
+            more = f" (and {len(taken_once) - 5} more)" if len(taken_once) > 5 else ""
+            raise CheckpointError(
+                f"no checkpoint of this job can be restored, though {len(taken_once)} "
+                f"{'was' if len(taken_once) == 1 else 'were'} completed: {listed}{more}. "
+                "Nothing was deleted. To start the job afresh on purpose, give it another "
+                f"CheckpointConfig(name=...), or move {self.where()} aside")
+        return manifest
 
     def generations(self) -> list[int]:
         """The generations that wrote a checkpoint folder here."""
         return sorted({k[0] for k in self._keys()})
 
-    def _complete(self, keys: list[Key], warn: bool, verify: bool) -> Iterator[Manifest]:
+    def _complete(self, keys: list[Key], warn: bool, verify: bool,
+                  refused: list[tuple[Key, str]] | None = None) -> Iterator[Manifest]:
+        """The complete checkpoints among `keys`, newest first; each one passed over goes
+        into `refused` with why."""
         for key in sorted(keys, reverse=True):
             manifest, why = self._check(key)
             if manifest is not None and verify:
@@ -354,7 +394,10 @@ class CheckpointStore:
                     self._mark_damaged(key, why)
             if manifest is not None:
                 yield manifest
-            elif warn:
+                continue
+            if refused is not None:
+                refused.append((key, why))
+            if warn:
                 log.warning("raytrain-x checkpoint: skipping %s: %s; trying the one before",
                             self.where(key), why)
 
@@ -372,6 +415,11 @@ class CheckpointStore:
                     return (f"{self.storage.describe(path)} is damaged (checksum "
                             f"{digest.hexdigest()}, its manifest says {checksum})")
         return ""
+
+    def _damaged(self, key: Key) -> str | None:
+        """Why the checkpoint `key` was marked damaged (None: it was not)."""
+        mark = self.storage.read(f"{self._path(key)}/{DAMAGED}")
+        return None if mark is None else mark.decode(errors="replace")[:300]
 
     def _mark_damaged(self, key: Key, why: str) -> None:
         try:
@@ -411,10 +459,10 @@ class CheckpointStore:
         except StorageError as exc:
             raise StorageError(f"{exc} (reading the manifest of {self.where(key)})") from exc
         if raw is None:
-            return None, "no manifest (the write did not finish)"
-        damaged = self.storage.read(f"{self._path(key)}/{DAMAGED}")
+            return None, NO_MANIFEST
+        damaged = self._damaged(key)
         if damaged is not None:
-            return None, f"found damaged before: {damaged.decode()[:300]}"
+            return None, f"{DAMAGED_BEFORE}: {damaged}"
         try:
             manifest = Manifest.from_json(json.loads(raw.decode()))
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:

@@ -189,6 +189,28 @@ def test_a_damaged_checkpoint_is_skipped_for_the_one_before(tmp_path, caplog):
     assert out[0]["restored"] == older.number and out[0]["seen"] == [1, 2, 3, 4]
 
 
+def test_every_checkpoint_damaged_stops_the_rerun_with_each_named_and_deletes_none(
+        tmp_path):
+    """The only checkpoint damaged at its size (a byte flipped in a data file), the same
+    command run again: it started from step 0 with one warning, and its first checkpoint
+    pruned the damaged one. Now every rank stops with the checkpoint named and why, and
+    the folder is left as it was."""
+    storage = str(tmp_path / "store")
+    run_workers(_train, 2, storage, 2, 0, 1e9, (2,), work_s=40)
+    store = CheckpointStore(CheckpointConfig(storage, name="job"))
+    [only] = store.checkpoints()
+    data = next(Path(store.where(only.key, next(iter(only.parts)))).glob("*.distcp"))
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x40
+    data.write_bytes(bytes(raw))
+    out = run_workers(_train, 2, storage, 4, 0, 1e9, (4,), work_s=40, allow_failures=True)
+    for text in out:
+        assert isinstance(text, str) and "CheckpointError" in text, text
+        assert "no checkpoint of this job can be restored" in text and only.folder in text
+        assert "is damaged" in text and "CheckpointConfig(name=...)" in text
+    assert [p.name for p in Path(storage, "job").iterdir() if p.is_dir()] == [only.folder]
+
+
 def test_checkpoints_on_s3_keep_the_last_two_and_survive_an_outage(s3_server, tmp_path):
     uri, holder, port = s3_server
     signals = tmp_path / "signals"

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from raytrain_x.common.checkpoint_config import CheckpointConfig, entrypoint_name
-from raytrain_x.common.errors import CheckpointLeaseHeld, StorageError
+from raytrain_x.common.errors import CheckpointError, CheckpointLeaseHeld, StorageError
 from raytrain_x.elastic.checkpoints import CheckpointStore, Manifest, checkpoint_folder
 from raytrain_x.elastic.durable import DurableCheckpoints
 from raytrain_x.elastic.lease import RENEW_S, TTL_S, WriterLease
@@ -147,6 +147,72 @@ def test_a_checkpoint_damaged_later_is_skipped_for_the_intact_one_before(tmp_pat
         assert store.latest().number == 2
     assert f"{newest.folder}/common.4/data.json is damaged" in caplog.text
     assert [m.number for m in store.checkpoints()] == [2]  # marked: skipped from now on
+    _release(durable)
+
+
+def _flip_a_byte(store: CheckpointStore, manifest: Manifest) -> Path:
+    """A byte of `manifest`'s data file flipped at the same size (bit rot, a bad copy)."""
+    data = Path(store.where(manifest.key, f"common.{manifest.number}"), "data.json")
+    raw = bytearray(data.read_bytes())
+    raw[10] ^= 0x40
+    data.write_bytes(bytes(raw))
+    return data
+
+
+def test_every_checkpoint_damaged_stops_the_restore_naming_each_and_deletes_nothing(
+        tmp_path):
+    """With every completed checkpoint damaged, a restore read 'no checkpoint' and the
+    job trained from step 0; its first checkpoint then pruned the damaged one. Now the
+    reader refuses, naming each checkpoint and why, and says how to start afresh."""
+    durable = _writer(str(tmp_path), 1, keep=1)
+    only = _commit(durable, 7, 7)
+    _release(durable)
+    store = CheckpointStore(CheckpointConfig(str(tmp_path), name="job", keep=1))
+    _flip_a_byte(store, only)
+    Path(store.where((1, 8)), "common.8").mkdir(parents=True)  # a write that never ended
+    for _ in range(2):  # found damaged, then found marked
+        with pytest.raises(CheckpointError) as refused:
+            store.latest()
+        text = str(refused.value)
+        assert f"{only.folder}/common.7/data.json is damaged" in text or \
+            "found damaged before" in text, text
+        assert "checkpoint_000001_0000000007" in text and "0000000008" not in text
+        assert "CheckpointConfig(name=...)" in text and "Nothing was deleted" in text
+    assert store.prune(1, generation=2) == []
+    assert Path(store.where(only.key)).is_dir()
+    # a job whose only writes never finished has nothing to restore: a fresh start
+    fresh = CheckpointStore(CheckpointConfig(str(tmp_path), name="other"))
+    Path(fresh.where((1, 1)), "common.1").mkdir(parents=True)
+    assert fresh.latest() is None
+
+
+def test_a_write_that_landed_damaged_is_a_failed_write_not_a_checkpoint(tmp_path, faults):
+    """Its writer found it damaged as it finished: nothing was ever restorable from it,
+    so a job with only that starts afresh, and pruning deletes it as a failed attempt."""
+    durable = _writer(str(tmp_path), 1, keep=1)
+    faults(flip=1)
+    assert "landed damaged" in _write_failing(durable, 3)
+    assert durable.store.latest() is None
+    _commit(durable, 5, 5)
+    assert [p.name[-2:] for p in Path(durable.store.where()).iterdir() if p.is_dir()] == \
+        ["05"]
+    _release(durable)
+
+
+def test_a_damaged_checkpoint_is_set_aside_never_pruned(tmp_path):
+    """keep=2: checkpoint 2 intact, 4 found damaged, then 6, 8 and 10 written. Pruning
+    deleted every folder beyond the newest two complete ones; a damaged one is kept (it
+    takes no place of `keep`), the intact ones beyond `keep` go."""
+    durable = _writer(str(tmp_path), 1, keep=2)
+    _commit(durable, 2, 2)
+    damaged = _commit(durable, 4, 4)
+    store = durable.store
+    _flip_a_byte(store, damaged)
+    assert store.latest().number == 2  # found damaged: marked
+    for number in (6, 8, 10):
+        _commit(durable, number, number)
+    left = sorted(p.name[-2:] for p in Path(store.where()).iterdir() if p.is_dir())
+    assert left == ["04", "08", "10"], left
     _release(durable)
 
 
