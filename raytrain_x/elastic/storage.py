@@ -16,7 +16,6 @@ retries a real one does.
 from __future__ import annotations
 
 import errno
-import itertools
 import logging
 import os
 import time
@@ -60,8 +59,9 @@ class Storage(ABC):
         """A file's bytes; None when it does not exist."""
 
     @abstractmethod
-    def chunks(self, path: str) -> Iterator[bytes]:
-        """A file's bytes, a chunk at a time (to checksum it without holding it)."""
+    def chunks(self, path: str, offset: int = 0) -> Iterator[bytes]:
+        """A file's bytes from byte `offset` on, a chunk at a time (to checksum it without
+        holding it; a read cut off midway goes on from where it stopped)."""
 
     @abstractmethod
     def sizes(self, paths: list[str]) -> list[int | None]:
@@ -151,8 +151,10 @@ class ArrowStorage(Storage):
                 return None
             raise
 
-    def chunks(self, path: str) -> Iterator[bytes]:
-        with self.fs.open_input_stream(self._at(path)) as f:
+    def chunks(self, path: str, offset: int = 0) -> Iterator[bytes]:
+        with self.fs.open_input_file(self._at(path)) as f:  # ranged reads on a store
+            if offset:
+                f.seek(offset)
             while True:
                 chunk = f.read(CHUNK)
                 if not chunk:
@@ -266,23 +268,34 @@ class RetryingStorage(Storage):
         self.inner, self._sleep, self._clock = inner, sleep, clock
 
     def _retry(self, what: str, path: str, call: Callable[[], T]) -> T:
-        delay = self.FIRST_DELAY_S
-        deadline = self._clock() + self.BUDGET_S
-        for attempt in range(1, self.ATTEMPTS + 1):
+        backoff = self._backoff(what, path)
+        while True:
             try:
                 return call()
             except OSError as exc:
-                spent = attempt == self.ATTEMPTS or self._clock() + delay > deadline
-                if getattr(exc, "errno", None) in _LASTING or spent:
-                    tries = "once" if attempt == 1 else f"{attempt} times"
-                    raise StorageError(f"{what} {self.inner.describe(path)} failed {tries}: "
-                                       f"{str(exc).splitlines()[0][:300] or type(exc).__name__}"
-                                       ) from exc
-                log.info("raytrain-x storage: %s %s failed (%s); retrying in %.1fs", what,
-                         self.inner.describe(path), exc, delay)
-                self._sleep(delay)
-                delay = min(delay * 2, self.MAX_DELAY_S)
-        raise AssertionError("unreachable")  # pragma: no cover
+                backoff(exc)
+
+    def _backoff(self, what: str, path: str) -> Callable[[OSError], None]:
+        """The function a try of `what` on `path` calls with its error: it waits before
+        the next try, or raises the `StorageError` once the tries or the time are spent
+        (at once for a lasting error)."""
+        delay, attempt = self.FIRST_DELAY_S, 0
+        deadline = self._clock() + self.BUDGET_S
+
+        def failed(exc: OSError) -> None:
+            nonlocal delay, attempt
+            attempt += 1
+            spent = attempt == self.ATTEMPTS or self._clock() + delay > deadline
+            if getattr(exc, "errno", None) in _LASTING or spent:
+                tries = "once" if attempt == 1 else f"{attempt} times"
+                raise StorageError(f"{what} {self.inner.describe(path)} failed {tries}: "
+                                   f"{str(exc).splitlines()[0][:300] or type(exc).__name__}"
+                                   ) from exc
+            log.info("raytrain-x storage: %s %s failed (%s); retrying in %.1fs", what,
+                     self.inner.describe(path), exc, delay)
+            self._sleep(delay)
+            delay = min(delay * 2, self.MAX_DELAY_S)
+        return failed
 
     def describe(self, path: str = "") -> str:
         return self.inner.describe(path)
@@ -293,14 +306,18 @@ class RetryingStorage(Storage):
     def read(self, path: str) -> bytes | None:
         return self._retry("reading", path, lambda: self.inner.read(path))
 
-    def chunks(self, path: str) -> Iterator[bytes]:
-        # opening and the first chunk are retried; a stream cannot resume mid-way
-        def started() -> Iterator[bytes]:
-            stream = iter(self.inner.chunks(path))
-            first = next(stream, b"")
-            return itertools.chain([first], stream)
-
-        return self._retry("reading", path, started)
+    def chunks(self, path: str, offset: int = 0) -> Iterator[bytes]:
+        # a read that fails, at its start or midway, is tried again from the byte it
+        # reached, under the same backoff as every operation
+        backoff = self._backoff("reading", path)
+        while True:
+            try:
+                for chunk in self.inner.chunks(path, offset):
+                    offset += len(chunk)
+                    yield chunk
+                return
+            except OSError as exc:
+                backoff(exc)
 
     def sizes(self, paths: list[str]) -> list[int | None]:
         return self._retry("looking up", paths[0] if paths else "",

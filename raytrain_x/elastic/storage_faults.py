@@ -15,6 +15,8 @@ Its keys, all optional:
     "flip": n                     the next n uploads succeed, then one byte of a file flips
     "zero_metadata": n            the next n uploads succeed, then `.metadata` is zero-filled
                                   at the same size (a crash before the data reached the disk)
+    "midway": n                   the next n reads fail after their first chunk (a
+                                  connection reset while a file streams)
     "slow_s": x                   every operation waits x seconds first
     "match": "shard_00001"        faults apply only to paths holding this text
 """
@@ -50,7 +52,8 @@ def take(plan: dict[str, Any], op: str, path: str) -> tuple[dict[str, Any], bool
     if plan.get("match") and plan["match"] not in path:
         return {}, False
     hit = {k: plan[k] for k in ("down", "full_disk", "slow_s") if plan.get(k)}
-    counted = [_KIND[op]] + (["torn", "flip", "zero_metadata"] if op == "upload" else [])
+    counted = [_KIND[op]] + (["torn", "flip", "zero_metadata"] if op == "upload" else []) \
+        + (["midway"] if op == "chunks" else [])
     changed = False
     for key in counted:
         if plan.get(key, 0) > 0:
@@ -127,9 +130,10 @@ class FaultyStorage(Storage):
         self._enter("read", path)
         return self.inner.read(path)
 
-    def chunks(self, path: str) -> Iterator[bytes]:
-        self._enter("chunks", path)
-        return self.inner.chunks(path)
+    def chunks(self, path: str, offset: int = 0) -> Iterator[bytes]:
+        hit = self._enter("chunks", path)
+        stream = self.inner.chunks(path, offset)
+        return _cut_off(stream, path) if hit.get("midway") else stream
 
     def sizes(self, paths: list[str]) -> list[int | None]:
         self._enter("sizes", paths[0] if paths else "")
@@ -178,3 +182,11 @@ class FaultyStorage(Storage):
 
     def local(self, path: str) -> str | None:
         return self.inner.local(path)
+
+
+def _cut_off(stream: Iterator[bytes], path: str) -> Iterator[bytes]:
+    """`stream`'s first chunk, then the error of a connection reset mid-file."""
+    for chunk in stream:
+        yield chunk
+        break
+    raise OSError(errno.ECONNRESET, f"Connection reset while reading (injected) at {path}")

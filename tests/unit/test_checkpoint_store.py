@@ -216,6 +216,27 @@ def test_a_damaged_checkpoint_is_set_aside_never_pruned(tmp_path):
     _release(durable)
 
 
+def test_a_read_cut_off_midway_goes_on_from_where_it_stopped(tmp_path, faults,
+                                                             monkeypatch):
+    """A read that failed partway through a file was neither retried nor a StorageError
+    (only opening it and its first chunk were): the restoring rank died of the raw error.
+    Now each cut-off read goes on from the byte it reached, and one that keeps failing
+    is a StorageError naming the file."""
+    from raytrain_x.elastic import storage as storage_module
+
+    monkeypatch.setattr(storage_module, "CHUNK", 1000)  # the 4 KB data file in 5 reads
+    durable = _writer(str(tmp_path), 1)
+    _commit(durable, 3, 3)
+    _release(durable)
+    store = CheckpointStore(CheckpointConfig(str(tmp_path), name="job"))
+    faults(midway=3)  # three connection resets, each after a chunk
+    assert store.latest().number == 3  # every checksum right: nothing read twice
+    faults(midway=100)
+    with pytest.raises(StorageError, match=r"reading .*common\.3/\S+ failed 6 times: "
+                                           r".*Connection reset"):
+        store.latest()
+
+
 def test_a_full_disk_fails_the_write_at_once_and_names_the_path(tmp_path, faults):
     durable = _writer(str(tmp_path), 1)
     faults(full_disk=True)

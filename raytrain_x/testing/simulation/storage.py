@@ -56,10 +56,10 @@ class MemoryStorage(Storage):
     def read(self, path: str) -> bytes | None:
         return self.files.get(path)
 
-    def chunks(self, path: str) -> Iterator[bytes]:
+    def chunks(self, path: str, offset: int = 0) -> Iterator[bytes]:
         if path not in self.files:
             raise FileNotFoundError(path)
-        return iter([self.files[path]])
+        return iter([self.files[path][offset:]])
 
     def sizes(self, paths: list[str]) -> list[int | None]:
         return [len(self.files[p]) if p in self.files else None for p in paths]
