@@ -303,7 +303,8 @@ class CheckpointStore:
         """Publishes the manifest: from now on the checkpoint is visible to readers. (A
         damaged mark left by an earlier write of the same number goes first: it was of
         that write's files.)"""
-        self.storage.delete_file(f"{self._path(manifest.key)}/{DAMAGED}")
+        if self._damaged(manifest.key) is not None:
+            self.storage.delete_file(f"{self._path(manifest.key)}/{DAMAGED}")
         self.storage.publish(f"{self._path(manifest.key)}/{MANIFEST}",
                              json.dumps(manifest.to_json()).encode())
 
@@ -312,10 +313,13 @@ class CheckpointStore:
         (the writer lease still held), the manifest published, every file read back
         against its checksum, `fence()` again, then older checkpoints pruned. A checkpoint
         that landed damaged is marked and prunes nothing, so that the newest intact one
-        is never deleted for it.
+        is never deleted for it. Once it is read back intact the checkpoint is complete:
+        a fence or a pruning that fails after that is a warning (the next checkpoint
+        prunes again; a fenced run's next write is refused), not a failed checkpoint.
 
         Raises:
-            CheckpointError: it landed damaged; CheckpointLeaseHeld: this run was fenced.
+            CheckpointError: it landed damaged; CheckpointLeaseHeld: this run was fenced
+                before it published.
         """
         fence()
         self.complete(manifest)
@@ -325,8 +329,12 @@ class CheckpointStore:
         if why:
             self._mark_damaged(manifest.key, f"{LANDED_DAMAGED}: {why}")
             raise CheckpointError(f"{self.where(manifest.key)} {LANDED_DAMAGED}: {why}")
-        fence()  # fenced in between: prune nothing of the newer run's
-        self.prune(keep, manifest.generation)
+        try:
+            fence()  # fenced in between: prune nothing of the newer run's
+            self.prune(keep, manifest.generation)
+        except (CheckpointError, StorageError) as exc:  # CheckpointLeaseHeld included
+            log.warning("raytrain-x checkpoint: %s is complete; older checkpoints were not "
+                        "pruned: %s", self.where(manifest.key), exc)
 
     def prune(self, keep: int, generation: int) -> list[Key]:
         """Deletes complete checkpoints beyond the newest `keep`, and incomplete ones older

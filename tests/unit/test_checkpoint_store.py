@@ -237,6 +237,24 @@ def test_a_read_cut_off_midway_goes_on_from_where_it_stopped(tmp_path, faults,
         store.latest()
 
 
+def test_a_checkpoint_read_back_intact_is_complete_though_pruning_fails(tmp_path, faults,
+                                                                         caplog):
+    """Pruning (every delete refused: S3's 503) runs after the checkpoint is published and
+    read back: it was reported as a failed checkpoint, though complete. Now it is a
+    warning, and the next checkpoint prunes what was left."""
+    durable = _writer(str(tmp_path), 1, keep=1)
+    _commit(durable, 2, 2)
+    faults(delete=100)
+    with caplog.at_level(logging.WARNING, logger="raytrain_x.elastic"):
+        _commit(durable, 4, 4)  # asserts the write reported no error
+    assert "is complete; older checkpoints were not pruned" in caplog.text
+    assert [m.number for m in durable.store.checkpoints()] == [4, 2]
+    faults()
+    _commit(durable, 6, 6)
+    assert [m.number for m in durable.store.checkpoints()] == [6]
+    _release(durable)
+
+
 def test_a_full_disk_fails_the_write_at_once_and_names_the_path(tmp_path, faults):
     durable = _writer(str(tmp_path), 1)
     faults(full_disk=True)
