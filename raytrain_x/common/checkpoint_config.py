@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from raytrain_x.common.errors import ConfigError
-from raytrain_x.common.settings import CHECKPOINT, CHECKPOINT_NAME
+from raytrain_x.common.settings import CHECKPOINT, CHECKPOINT_NAME, DRIVER_DIR
 
 
 @dataclass(frozen=True)
@@ -92,13 +92,40 @@ class CheckpointConfig:
         return {CHECKPOINT.env: json.dumps(asdict(self))}
 
 
+# where Ray unpacks a job's working directory (`runtime_env={"working_dir": ...}`, `ray job
+# submit --working-dir`): a copy named by its content's hash, in the session's folder
+RAY_PACKAGE_COPY = re.compile(r"^.*/runtime_resources/[a-z_]+_files/_ray_pkg_[^/]+")
+
+
+def driver_dir() -> str:
+    """The driver's working directory: this process's, unless a driver above it gave its
+    own (`DRIVER_DIR`: a worker, or a driver started inside one, as a Tune trial's)."""
+    return DRIVER_DIR.read() or os.getcwd()
+
+
 def absolute_path(storage_path: str) -> str:
-    """A local path made absolute (`~` expanded); URIs as they are. The driver settles it,
-    so that every worker writes where the driver's working directory says, not its own
-    (Ray's copy of the working directory, which Ray may delete)."""
+    """A local path made absolute (`~` expanded); URIs as they are. A relative path is the
+    driver's: taken against the driver's working directory, on the driver and on every
+    worker (`DRIVER_DIR`), never a worker's own (Ray's copy of the working directory,
+    which Ray deletes).
+
+    Raises:
+        ConfigError: the path is relative and the driver itself runs in Ray's copy of
+            the job's working directory (`ray job submit --working-dir`).
+    """
     if "://" in storage_path:
         return storage_path
-    return os.path.abspath(os.path.expanduser(storage_path))
+    path = os.path.expanduser(storage_path)
+    if os.path.isabs(path):
+        return os.path.normpath(path)
+    base = driver_dir()
+    if RAY_PACKAGE_COPY.search(base):
+        raise ConfigError(
+            f"CheckpointConfig(storage_path={storage_path!r}) is relative, and this job runs "
+            f"in Ray's copy of its working directory ({base}), which Ray deletes when the "
+            "job ends: give an absolute path on storage every node sees, or a URI "
+            "(s3://bucket/prefix)")
+    return os.path.abspath(os.path.join(base, path))
 
 
 def folder_name(name: str) -> str:
@@ -116,6 +143,10 @@ def entrypoint_name(argv: Sequence[str] | None = None, cwd: str | None = None) -
     its own: its working directory stands for it (`notebook-...`)."""
     argv = list(sys.argv if argv is None else argv)
     cwd = os.getcwd() if cwd is None else cwd
+    # in Ray's copy of a submitted working directory the folder is named by the session
+    # and the files' hash: the same command must find its folder after a head restart or
+    # an edited file, so only where it runs inside the copy counts
+    cwd = RAY_PACKAGE_COPY.sub("<ray working_dir>", cwd)
     first = argv[0] if argv else ""
     if "ipykernel" in first or not argv:
         stem, argv = "notebook", []

@@ -332,6 +332,11 @@ CHECKPOINT_NAME = Setting(
     "RAYTRAIN_X_CHECKPOINT_NAME", "", str,
     "set by the executor for its workers: the folder a `CheckpointConfig` without a name "
     "takes (the driver's job name, Tune trial or command)", scope=INTERNAL)
+DRIVER_DIR = Setting(
+    "RAYTRAIN_X_DRIVER_DIR", "", str,
+    "set by the executor for its workers: the driver's working directory, which a relative "
+    "checkpoint path given on a worker is taken against (not the worker's copy)",
+    scope=INTERNAL)
 CHECKPOINT_RUN = Setting(
     "RAYTRAIN_X_CHECKPOINT_RUN", "", str,
     "set by the executor for its workers: the token of this run of the job, which holds "

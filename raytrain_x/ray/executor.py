@@ -10,12 +10,18 @@ from typing import Any
 import ray
 
 from raytrain_x.common.autotune_config import AutotuneConfig
-from raytrain_x.common.checkpoint_config import CheckpointConfig, entrypoint_name, for_job
+from raytrain_x.common.checkpoint_config import (
+    CheckpointConfig,
+    driver_dir,
+    entrypoint_name,
+    for_job,
+)
 from raytrain_x.common.errors import ConfigError
 from raytrain_x.common.knobs import Knobs
 from raytrain_x.common.settings import (
     CHECKPOINT_NAME,
     CHECKPOINT_RUN,
+    DRIVER_DIR,
     JOB_NAME,
     METRICS,
     METRICS_INTERVAL_S,
@@ -286,7 +292,7 @@ class RayExecutor:
         # checkpoints take the driver's folder and this run's writer token
         env = {**(extra_env_vars or {}), TIMEOUT_S.env: str(self.settings.timeout_s),
                JOB_NAME.env: self.name, CHECKPOINT_NAME.env: self.checkpoint_name,
-               CHECKPOINT_RUN.env: uuid.uuid4().hex,
+               CHECKPOINT_RUN.env: uuid.uuid4().hex, DRIVER_DIR.env: driver_dir(),
                METRICS.env: "1" if metrics.enabled() else "0",
                **(knob_env(self.knobs) if self.knobs else {}),
                **(self.checkpoint.to_env() if self.checkpoint is not None else {})}

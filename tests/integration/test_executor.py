@@ -38,6 +38,25 @@ def test_run_on_n_workers(ray_cluster, workers):
     assert [r["tag"] for r in again] == ["b"] * workers
 
 
+def _where_a_relative_path_goes() -> tuple[str, str]:
+    import os
+
+    from raytrain_x import CheckpointConfig
+
+    return os.getcwd(), CheckpointConfig("ckpts").named("job").storage_path
+
+
+def test_a_relative_checkpoint_path_on_a_worker_is_the_drivers(ray_cluster, tmp_path,
+                                                               monkeypatch):
+    """Workers run in a working directory of Ray's (a copy of the driver's, which Ray
+    deletes): a `CheckpointConfig("ckpts")` made on a worker is under the driver's."""
+    monkeypatch.chdir(tmp_path)
+    with RayExecutor(RayExecutor.create_settings(timeout_s=20), num_workers=2) as executor:
+        results = executor.run(_where_a_relative_path_goes)
+    assert any(cwd != str(tmp_path) for cwd, _ in results)  # not the driver's, there
+    assert {path for _, path in results} == {str(tmp_path / "ckpts")}
+
+
 class Counter:
     def __init__(self, start: int) -> None:
         import raytrain_x.torch as rx

@@ -13,7 +13,12 @@ from pathlib import Path
 import pytest
 
 from raytrain_x.common.checkpoint_config import CheckpointConfig, entrypoint_name
-from raytrain_x.common.errors import CheckpointError, CheckpointLeaseHeld, StorageError
+from raytrain_x.common.errors import (
+    CheckpointError,
+    CheckpointLeaseHeld,
+    ConfigError,
+    StorageError,
+)
 from raytrain_x.elastic.checkpoints import CheckpointStore, Manifest, checkpoint_folder
 from raytrain_x.elastic.durable import DurableCheckpoints
 from raytrain_x.elastic.lease import RENEW_S, TTL_S, WriterLease
@@ -350,6 +355,39 @@ def test_one_folder_rule_absolute_paths_and_names_from_the_command(tmp_path, mon
         entrypoint_name(["/k/ipykernel_launcher.py", "-f", "k2.json"], "/w")
     monkeypatch.setenv("RAYTRAIN_X_CHECKPOINT_NAME", "from-the-driver")
     assert CheckpointConfig("/x").named(None).name == "from-the-driver"
+
+
+COPY = "/tmp/ray/session_{}/runtime_resources/working_dir_files/_ray_pkg_{}"
+
+
+def test_a_relative_path_is_the_drivers_on_every_worker(tmp_path, monkeypatch):
+    """A worker of a RayExecutor job runs in Ray's copy of the working directory: a
+    relative `CheckpointConfig("ckpts")` given there was made absolute in that copy,
+    which Ray deletes. It is the driver's working directory's, as on the driver."""
+    worker_cwd = tmp_path / COPY.format("w", "1a2b").lstrip("/")
+    worker_cwd.mkdir(parents=True)
+    monkeypatch.chdir(worker_cwd)
+    monkeypatch.setenv("RAYTRAIN_X_DRIVER_DIR", str(tmp_path / "project"))
+    assert CheckpointConfig("ckpts").named("job").storage_path == \
+        str(tmp_path / "project" / "ckpts")
+    assert CheckpointConfig("/abs/ckpts").named("job").storage_path == "/abs/ckpts"
+    assert CheckpointConfig("s3://b/p").named("job").storage_path == "s3://b/p"
+    # a driver that itself runs in Ray's copy (`ray job submit --working-dir`): refused
+    monkeypatch.setenv("RAYTRAIN_X_DRIVER_DIR", COPY.format("d", "9f9f"))
+    with pytest.raises(ConfigError, match=r"'ckpts'\) is relative, and this job runs in "
+                                          r"Ray's copy .* give an absolute path"):
+        CheckpointConfig("ckpts").named("job")
+
+
+def test_a_submitted_jobs_name_holds_across_head_restarts_and_edited_files(monkeypatch):
+    """An unnamed `ray job submit` job's folder hashed its working directory: Ray's copy,
+    named by the session and the files' hash, so a head restart or an edited file started
+    the same command afresh. Where it runs inside the copy is what counts now."""
+    argv = ["train.py", "--lr", "0.1"]
+    first = entrypoint_name(argv, COPY.format("2026-12-01_10-00-00", "aaaa"))
+    assert first == entrypoint_name(argv, COPY.format("2026-12-06_17-30-00", "bbbb"))
+    assert first != entrypoint_name(argv, COPY.format("s", "bbbb") + "/sub")
+    assert first != entrypoint_name(["train.py", "--lr", "0.2"], COPY.format("s", "aaaa"))
 
 
 def test_older_single_number_folders_are_generation_0(tmp_path):
