@@ -263,6 +263,16 @@ class CheckpointStore:
         except Exception:  # noqa: BLE001 - storage that failed the part may fail this too
             pass
 
+    def discard(self, key: Key, part: str = "") -> None:
+        """Deletes what a failed attempt wrote: one part's folder, or (`part` empty) the
+        whole checkpoint's, which its last writer gave up before publishing a manifest.
+        Best effort: the next complete checkpoint prunes what is left."""
+        try:
+            self.storage.delete(self._path(key, part))
+        except Exception as exc:  # noqa: BLE001 - storage that failed the write may fail this
+            log.info("raytrain-x checkpoint: could not delete the failed attempt %s: %s",
+                     self.where(key, part), exc)
+
     def parts_done(self, key: Key, parts: list[str]) -> dict[str, dict[str, list[Any]]]:
         """The parts among `parts` whose upload has been recorded.
 

@@ -195,7 +195,7 @@ class DurableCheckpoints:
                every_part: list[str] | None, result: WriteResult) -> None:
         began = time.perf_counter()
         key = manifest.key
-        part = ""
+        part, publishing = "", False
         try:
             with tempfile.TemporaryDirectory(prefix="raytrain-x-checkpoint-") as tmp:
                 for part, tree in parts.items():
@@ -208,12 +208,16 @@ class DurableCheckpoints:
             if every_part is not None:
                 manifest.parts = self.store.wait_for_parts(key, every_part,
                                                            self.config.write_timeout_s)
+                publishing = True
                 self.complete(manifest, began)
         # BaseException: torch DCP's CheckpointException derives from it
         except BaseException as exc:  # noqa: BLE001 - training goes on; the next may succeed
             result.error = _cause(exc)
             if part:
                 self.store.part_failed(key, part, result.error)
+                self.store.discard(key, part)  # its files would fill a full disk again
+            if every_part is not None and not publishing:
+                self.store.discard(key)  # given up: no manifest will make it a checkpoint
             PROCESS.checkpoints.failed(manifest.number)
             log.warning("raytrain-x checkpoint: writing checkpoint %d to %s failed (%s); "
                         "training goes on, the next checkpoint is tried in %gs",
@@ -288,6 +292,8 @@ def write_now(durable: DurableCheckpoints, number: int,
     failed = [(r, why) for r, (why, _) in enumerate(results) if why]
     if failed:
         verdict = "; ".join(f"rank {r}: {why}" for r, why in failed[:4])
+        if runtime.rank() == 0 and manifest is not None:
+            durable.store.discard(manifest.key)  # given up before any manifest
     elif runtime.rank() == 0 and manifest is not None:
         manifest.parts = {p: f for _, files in results for p, f in files.items()}
         try:

@@ -260,6 +260,20 @@ def test_a_checkpoint_read_back_intact_is_complete_though_pruning_fails(tmp_path
     _release(durable)
 
 
+def test_failed_attempts_leave_nothing_behind_while_failures_last(tmp_path, faults):
+    """Six failed attempts (a full disk) left six copies beside the complete checkpoint,
+    keeping the disk full. Each attempt's writer now deletes what it wrote."""
+    durable = _writer(str(tmp_path), 1, keep=1)
+    _commit(durable, 2, 2)
+    faults(full_disk=True)
+    for number in (3, 4, 5):
+        assert "No space left on device" in _write_failing(durable, number)
+    faults()
+    assert [p.name[-2:] for p in Path(durable.store.where()).iterdir() if p.is_dir()] == \
+        ["02"]
+    _release(durable)
+
+
 def test_a_full_disk_fails_the_write_at_once_and_names_the_path(tmp_path, faults):
     durable = _writer(str(tmp_path), 1)
     faults(full_disk=True)
