@@ -367,22 +367,32 @@ def restore_decision(rdv: Rendezvous, state_round: int) -> Key | str | None:
 
 def check_signature(durable: DurableCheckpoints, manifest: Manifest,
                     signature: dict[str, Any]) -> None:
-    """Refuses a checkpoint of another state than this one (other names, shapes or dtypes).
+    """Refuses a checkpoint of another state than this one (other tensor names, shapes or
+    dtypes, other optimizers). Plain attributes are not refused: one this state has and
+    the checkpoint lacks keeps the value given; one only the checkpoint has is dropped
+    (`Attributes.load` loads only this state's own), each said in the log.
 
     Raises:
         CheckpointError: naming both and how to start afresh.
     """
-    theirs = manifest.signature
-    if not theirs or not signature or theirs == signature:
-        return
-    differ = sorted(k for k in set(theirs) | set(signature) if theirs.get(k) != signature.get(k))
-    shown = "; ".join(f"{k}: saved {theirs.get(k, 'absent')}, here {signature.get(k, 'absent')}"
-                      for k in differ[:3])
-    raise CheckpointError(
-        f"{durable.store.where(manifest.key)} holds another job's state, not this one's "
-        f"({len(differ)} entries differ: {shown}). Give this job its own "
-        "CheckpointConfig(name=...), or delete "
-        f"{durable.store.where()} to start it afresh")
+    theirs, mine = dict(manifest.signature or {}), dict(signature or {})
+    saved, here = set(theirs.pop("attributes", [])), set(mine.pop("attributes", []))
+    if theirs and mine and theirs != mine:
+        differ = sorted(k for k in set(theirs) | set(mine) if theirs.get(k) != mine.get(k))
+        shown = "; ".join(f"{k}: saved {theirs.get(k, 'absent')}, here {mine.get(k, 'absent')}"
+                          for k in differ[:3])
+        raise CheckpointError(
+            f"{durable.store.where(manifest.key)} holds another job's state, not this one's "
+            f"({len(differ)} entries differ: {shown}). Give this job its own "
+            "CheckpointConfig(name=...), or delete "
+            f"{durable.store.where()} to start it afresh")
+    if here - saved:
+        log.info("raytrain-x checkpoint: %s has no %s: %s the value given", manifest.describe(),
+                 ", ".join(sorted(here - saved)),
+                 "it keeps" if len(here - saved) == 1 else "they keep")
+    if saved - here:
+        log.warning("raytrain-x checkpoint: %s has attributes this state no longer has "
+                    "(%s): dropped", manifest.describe(), ", ".join(sorted(saved - here)))
 
 
 def restored(durable: DurableCheckpoints, manifest: Manifest, began: float) -> None:

@@ -240,7 +240,11 @@ class Attributes:
         return copied(copy.deepcopy(self.values()), copy.deepcopy)
 
     def load(self, tree: Any) -> None:
+        """Loads the attributes of this state's own among `tree`'s (a checkpoint's may hold
+        some it no longer has: `durable.check_signature`)."""
         for name, value in tree.items():
+            if name not in self._names:
+                continue
             current = getattr(self._owner, name, None)
             if isinstance(current, Position):
                 current.load_state_dict(value)

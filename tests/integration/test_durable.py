@@ -66,6 +66,26 @@ def _train(storage: str, steps: int, stage: int, every_s: float = 1e9,
     return out
 
 
+def _resume_with(storage: str, attributes: dict) -> dict:
+    """`_train`'s job resumed with other plain attributes; what the state holds after."""
+    import raytrain_x.torch as rx
+
+    rx.init()
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    opt = rx.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.05),
+                                  named_parameters=model.named_parameters())
+    state = rx.elastic.TorchState(model, opt, checkpoint=CheckpointConfig(storage, name="job"),
+                                  **attributes)
+
+    @rx.elastic.run
+    def train(state):
+        return {name: getattr(state, name, "absent") for name in ("step", "seen", "best_loss")}
+
+    out = train(state)
+    rx.shutdown()
+    return out
+
+
 def _storage_outage(signals: str, stop: bool) -> None:
     """Rank 0 of `_train`: storage goes away (at step 3); at step 6 it waits until a write
     has failed (one started after the stop, due at every commit, meets the outage once its
@@ -209,6 +229,17 @@ def test_every_checkpoint_damaged_stops_the_rerun_with_each_named_and_deletes_no
         assert "no checkpoint of this job can be restored" in text and only.folder in text
         assert "is damaged" in text and "CheckpointConfig(name=...)" in text
     assert [p.name for p in Path(storage, "job").iterdir() if p.is_dir()] == [only.folder]
+
+
+def test_a_new_attribute_keeps_its_value_and_a_removed_one_is_dropped(tmp_path):
+    """One plain attribute added to the state (`best_loss`) refused the resume, offering
+    only a new name or the folder deleted: the weights were out of reach. An attribute
+    the checkpoint lacks now keeps the value given, one only the checkpoint has is
+    dropped; the model and the other attributes resume."""
+    storage = str(tmp_path / "store")
+    run_workers(_train, 2, storage, 2, 0, 1e9, (2,), work_s=40)
+    out = run_workers(_resume_with, 2, storage, {"step": 0, "best_loss": 1.5}, work_s=40)
+    assert out == [{"step": 2, "seen": "absent", "best_loss": 1.5}] * 2
 
 
 def test_checkpoints_on_s3_keep_the_last_two_and_survive_an_outage(s3_server, tmp_path):
