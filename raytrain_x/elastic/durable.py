@@ -377,6 +377,18 @@ def check_signature(durable: DurableCheckpoints, manifest: Manifest,
     """
     theirs, mine = dict(manifest.signature or {}), dict(signature or {})
     saved, here = set(theirs.pop("attributes", [])), set(mine.pop("attributes", []))
+    theirs.pop("layout", None)
+    layout = mine.pop("layout", None)
+    written = "sharded" if any(part_kind(p) != "common" for p in manifest.parts) else "whole"
+    if layout is not None and layout != written:
+        raise CheckpointError(
+            f"{durable.store.where(manifest.key)} was written with the optimizer state "
+            f"{'sharded (ZeRO stage 1 or 2)' if written == 'sharded' else 'whole (no ZeRO)'}"
+            f", and this job's DistributedOptimizer has it "
+            f"{'sharded' if layout == 'sharded' else 'whole'}: resume it with the "
+            f"zero_stage it was written with ({'1 or 2' if written == 'sharded' else '0'}"
+            "; stages 1 and 2 restore into each other), or start afresh under another "
+            "CheckpointConfig(name=...)")
     if theirs and mine and theirs != mine:
         differ = sorted(k for k in set(theirs) | set(mine) if theirs.get(k) != mine.get(k))
         shown = "; ".join(f"{k}: saved {theirs.get(k, 'absent')}, here {mine.get(k, 'absent')}"

@@ -158,8 +158,11 @@ class TorchFormat:
 
     def signature(self) -> dict[str, Any]:
         """Each model tensor's shape and dtype by its name, the optimizers' parameter
-        counts, the attributes' names: a restore refuses a checkpoint of another."""
-        out: dict[str, Any] = {}
+        counts, the attributes' names: a restore refuses a checkpoint of another. And the
+        optimizer state's layout (ZeRO's shards or whole), which `check_signature` reads
+        against the checkpoint's parts."""
+        out: dict[str, Any] = {"layout": "sharded" if any(
+            isinstance(v, ShardedOptimizer) for v in self.handled.values()) else "whole"}
         for name, value in self.handled.items():
             if isinstance(value, torch.nn.Module):
                 for key, tensor in value.state_dict().items():

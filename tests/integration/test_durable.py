@@ -242,6 +242,25 @@ def test_a_new_attribute_keeps_its_value_and_a_removed_one_is_dropped(tmp_path):
     assert out == [{"step": 2, "seen": "absent", "best_loss": 1.5}] * 2
 
 
+@pytest.mark.parametrize("written,resumed", [(0, 1), (1, 0), (1, 2)])
+def test_another_zero_stage_resumes_or_is_refused_saying_which(tmp_path, written, resumed):
+    """A checkpoint's zero_stage changed between runs (0 -> 1, 1 -> 0) passed the check
+    and crashed with a raw ValueError; it is refused naming the stage to resume with.
+    Stages 1 and 2 keep the same shards: one resumes the other."""
+    storage = str(tmp_path / "store")
+    run_workers(_train, 2, storage, 2, written, 1e9, (2,), work_s=40)
+    out = run_workers(_train, 2, storage, 4, resumed, 1e9, (4,), work_s=40,
+                      allow_failures=True)
+    if {written, resumed} == {1, 2}:
+        assert [o["started_at"] for o in out] == [2, 2] and out[0]["step"] == 4
+        return
+    for text in out:
+        assert isinstance(text, str) and "CheckpointError" in text, text
+        assert "resume it with the zero_stage it was written with " \
+               f"({'0' if written == 0 else '1 or 2'}" in text, text
+        assert "ValueError" not in text and "AttributeError" not in text
+
+
 def test_checkpoints_on_s3_keep_the_last_two_and_survive_an_outage(s3_server, tmp_path):
     uri, holder, port = s3_server
     signals = tmp_path / "signals"
