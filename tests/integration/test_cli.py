@@ -506,10 +506,12 @@ def test_ctrl_c_stops_the_job_with_exit_130_and_one_line(ray_cluster, tmp_path):
         "rx.init()\n"
         "print('training', rx.rank(), flush=True)\n"
         f"time.sleep(1000)  # {marker}\n")
+    # faulthandler: a launcher that does not end is made to print its threads' stacks
     proc = subprocess.Popen([str(BIN / "raytrain-x"), "run", "-np", "2", "--address", ray_cluster,
                              "python", str(script)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=REPO,
-                            env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+                            env={**os.environ, "RAY_AUTH_MODE": "disabled",
+                                 "PYTHONFAULTHANDLER": "1"})
     try:
         seen: list[str] = []
         reader = threading.Thread(target=lambda: seen.extend(proc.stdout), daemon=True)
@@ -517,7 +519,13 @@ def test_ctrl_c_stops_the_job_with_exit_130_and_one_line(ray_cluster, tmp_path):
         limits.wait_until(lambda: sum("training" in line for line in seen) == 2, 20,
                           "both ranks training")
         proc.send_signal(2)  # what Ctrl-C sends
-        code = proc.wait(timeout=limits.limit(20))
+        try:
+            code = proc.wait(timeout=limits.limit(20))
+        except subprocess.TimeoutExpired:
+            proc.send_signal(6)  # SIGABRT: faulthandler writes every thread's stack
+            _, stacks = proc.communicate(timeout=30)
+            raise AssertionError("raytrain-x run did not end after Ctrl-C; where its "
+                                 f"threads were:\n{stacks[-8000:]}") from None
         err = proc.stderr.read()
         reader.join(timeout=10)
     finally:
