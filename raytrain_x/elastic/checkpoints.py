@@ -4,7 +4,9 @@ one complete, the order they are taken in, and pruning (no framework, no Ray).
 A job's checkpoints live under `storage_path/name/`, through a `Storage`
 (`raytrain_x.elastic.storage`):
 
-    lease.json                        the writer lease: which run may write (lease.py)
+    lease/000000000003.json           the writer lease: a file per run that took the job,
+                                      created only where none was; the highest writes
+                                      (lease.py)
     checkpoint_000003_0000000042/     run generation 3, commit 42
       common.<id>/                    a part: files of one writer (a torch DCP checkpoint)
       shard_00001.<id>/
@@ -292,17 +294,28 @@ class CheckpointStore:
         return done
 
     def wait_for_parts(self, key: Key, parts: list[str], timeout_s: float,
+                       still_written: Callable[[], frozenset[str] | None] = lambda: None,
                        ) -> dict[str, dict[str, list[Any]]]:
-        """Every part's file list once all are recorded.
+        """Every part's file list once all are recorded. `still_written()`: once the world
+        changed, the parts its ranks are still writing (None while it has not).
 
         Raises:
-            CheckpointError: a part failed, or not all arrived within `timeout_s`.
+            CheckpointError: a part failed, its rank left the world before recording it,
+                or not all arrived within `timeout_s`.
         """
         deadline = time.monotonic() + timeout_s
         while True:
+            writing = still_written()  # read before the records: a part is one or the other
             done = self.parts_done(key, parts)
             if len(done) == len(parts):
                 return done
+            lost = [] if writing is None else sorted(set(parts) - set(done) - writing)
+            if lost:
+                raise CheckpointError(
+                    f"the world changed while it was written: no rank of the new world "
+                    f"writes {', '.join(p.split('.')[0] for p in lost[:4])} (the rank of "
+                    "the world that began it was lost mid-write); given up, the next "
+                    "checkpoint is written from the new world")
             if time.monotonic() > deadline:
                 missing = sorted(set(parts) - set(done))
                 raise CheckpointError(f"not every rank's part arrived within {timeout_s:g}s "

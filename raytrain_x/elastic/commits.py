@@ -37,6 +37,7 @@ from typing import Any, Protocol
 from raytrain_x.common.checkpoint_config import CheckpointConfig
 from raytrain_x.common.errors import ElasticStateLost
 from raytrain_x.core import runtime
+from raytrain_x.core.objects import allgather_object
 from raytrain_x.core.process import PROCESS
 from raytrain_x.elastic.checkpoints import Manifest
 from raytrain_x.elastic.durable import (
@@ -220,6 +221,7 @@ class CommitManager:
         named from storage, or keep what the survivors hold), makes every rank's state
         the holder's, and commits. A collective."""
         root = 0
+        self._settle_writes()
         if not self._restore_from_storage():
             if self.shards is not None:
                 try:
@@ -243,6 +245,11 @@ class CommitManager:
         """The driver asks for a checkpoint of this commit (every holder is draining)."""
         if self.durable is not None:
             self.durable.ask()
+
+    def ended(self) -> None:
+        """Training returned: rank 0 releases the job's writer lease."""
+        if self.durable is not None:
+            self.durable.end_lease()
 
     def finish_writes(self) -> None:
         """Waits for this rank's write under way, up to the checkpoint's timeout."""
@@ -281,6 +288,16 @@ class CommitManager:
         write_id = self._bcast(time.time_ns(), 0, name="elastic.durable.id")
         write_now(self.durable, self.number,
                   lambda background: self.write(write_id, background), self._bcast, timeout_s)
+
+    def _settle_writes(self) -> None:
+        """At a new round: every rank says which parts its write under way (of the world
+        before) is still writing; rank 0 gives up at once a write of its that waits for a
+        part no rank of this world writes (its rank was lost mid-write). A collective."""
+        if self.durable is None:
+            return
+        writing = allgather_object(self.durable.writing(), name="elastic.durable.writing")
+        if runtime.rank() == 0:
+            self.durable.world_changed({part for parts in writing for part in parts})
 
     def _restore_from_storage(self, lost: bool = False) -> bool:
         """Loads the checkpoint the driver named (with `lost`, the latest: a sharded

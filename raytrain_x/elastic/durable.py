@@ -103,6 +103,11 @@ class DurableCheckpoints:
         self._renewal: Every | None = None
         self.fenced: CheckpointLeaseHeld | None = None
         self._probed = False
+        self._writing: list[str] = []  # this rank's parts of the write under way
+        # rank 0's wait for every part: the parts the new world's ranks still write (set
+        # at a sync after the world changed); a part neither recorded nor among them will
+        # never come
+        self._still_written: frozenset[str] | None = None
 
     # ------------------------------------------------------------------ the lease
     def hold_lease(self) -> None:
@@ -130,6 +135,19 @@ class DurableCheckpoints:
         if self._renewal is not None:
             self._renewal.stop()
             self._renewal = None
+
+    def end_lease(self) -> None:
+        """Rank 0, its training returned: renewals stop and the lease is marked released,
+        so that the next run takes it at once (on any machine); this run's own checks
+        (a write still under way, `state.checkpoint()` after training) still pass until
+        another run takes it. Best effort: a lease left unreleased expires."""
+        if self._renewal is None or self._lease is None:
+            return
+        self.release_lease()
+        try:
+            self._lease.release()
+        except Exception as exc:  # noqa: BLE001 - it expires instead
+            log.info("raytrain-x checkpoint: could not release the writer lease: %s", exc)
 
     def _renew(self) -> None:
         try:
@@ -177,6 +195,7 @@ class DurableCheckpoints:
                      "checkpoint %d", manifest.number)
             self.wait()
         self._last_start, self._asked = self._clock(), False
+        self._writing, self._still_written = list(parts), None
         self.last = WriteResult(manifest.key)
         self.store.checksum_s = self.store.verify_s = 0.0
         self._thread = threading.Thread(target=self._write,
@@ -207,7 +226,8 @@ class DurableCheckpoints:
             part = ""
             if every_part is not None:
                 manifest.parts = self.store.wait_for_parts(key, every_part,
-                                                           self.config.write_timeout_s)
+                                                           self.config.write_timeout_s,
+                                                           lambda: self._still_written)
                 publishing = True
                 self.complete(manifest, began)
         # BaseException: torch DCP's CheckpointException derives from it
@@ -223,6 +243,17 @@ class DurableCheckpoints:
                         "training goes on, the next checkpoint is tried in %gs",
                         manifest.number, self.store.where(key), result.error,
                         self.config.every_s)
+
+    def writing(self) -> list[str]:
+        """The parts this rank's write under way is writing ([] when none is)."""
+        return list(self._writing) if self.busy() else []
+
+    def world_changed(self, still_written: set[str]) -> None:
+        """Rank 0 at a sync after the world changed: `still_written` are the parts the
+        new world's ranks are still writing. A write under way that waits for a part that
+        is neither recorded nor among them (its rank was lost mid-write) is given up at
+        once, so the next checkpoint starts from the new world."""
+        self._still_written = frozenset(still_written)
 
     def complete(self, manifest: Manifest, began: float) -> None:
         """Rank 0, once every part is durable: the lease checked, the manifest published and

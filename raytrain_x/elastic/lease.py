@@ -1,22 +1,23 @@
 """The writer lease: one run of a job writes its checkpoints at a time (no framework, no Ray).
 
-A job's folder holds `lease.json`: the run that may write (`owner`, a token every worker of
-the run shares), its `generation` (one more than any run before it) and when its holder
-last renewed it. Epoch fencing as ZooKeeper and Kafka do it: a run takes the lease at its
-first sync, before it writes anything, and checks it before every manifest it publishes
-and every prune; a run whose lease was taken over finds a newer generation there and is
-refused (`CheckpointLeaseHeld`), so a stale writer never overwrites or prunes a newer one.
+Epoch fencing, with the epochs ordered by storage itself: the job's folder holds
+`lease/<generation>.json`, one file per run that took the job, each created with a
+conditional write that fails where the file exists (`Storage.create`: a hard link on a
+file system, S3's `If-None-Match: *`). The run holding the lease is the one whose file
+has the highest generation; a run takes the lease by creating the next one, so two runs
+can never hold one generation, and a run that took over is never undone by an older one's
+late write: a renewal rewrites only its own generation's file. A run checks, before every
+manifest it publishes and every prune, that no higher generation exists; one taken over
+is refused (`CheckpointLeaseHeld`), so a stale writer never overwrites or prunes a newer
+one's checkpoints.
 
-A second run on a live job's path is refused with an error naming the holder. A lease is
-live while its holder renews it (every `RENEW_S`, from rank 0); it expires `TTL_S` after
-the last renewal, or at once when its holder was a process on this machine that is gone.
-A lease whose holder has missed two renewals is waited out rather than refused: the same
-command run again after the driver was killed resumes within `TTL_S`, on any machine.
-`CheckpointConfig(takeover=True)` takes a live lease over, fencing the old run.
-
-Storage offers no compare-and-swap through `pyarrow.fs`: two runs taking an expired lease
-in the same instant both write it, and the one whose write landed last holds it; the other
-reads the lease back, finds another owner and is refused.
+Liveness is read on the reader's own monotonic clock, never by comparing hosts' wall
+clocks: the holder rewrites its file every `RENEW_S` (a counter goes up), and a second
+run watches it: a file that changes within `TTL_S` is a live holder (refused, naming it,
+at its next renewal), one that does not is a dead one (taken). A holder that was a process
+on this machine that is gone, or that released the lease at the end of its training, is
+taken at once. `CheckpointConfig(takeover=True)` takes a live lease over, fencing the old
+run.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import logging
 import os
 import socket
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -35,13 +35,15 @@ from raytrain_x.elastic.checkpoints import CheckpointStore
 
 log = logging.getLogger("raytrain_x.elastic")
 
-LEASE = "lease.json"
+LEASES = "lease"  # the folder of the generations' files
 RENEW_S = 3.0
 TTL_S = 15.0
 
 
 def new_owner() -> str:
     """A token naming one run of a job (shared by all its workers)."""
+    import uuid
+
     return uuid.uuid4().hex
 
 
@@ -51,7 +53,18 @@ class LeaseRecord:
     owner: str
     host: str
     pid: int
-    renewed_at: float  # the holder's wall clock
+    beat: int = 0  # renewals so far: what a reader watches change
+    released: bool = False  # its run ended: the next may take it at once
+    wall_time: float = 0.0  # the holder's clock, for people reading the file; never compared
+
+
+def lease_file(generation: int) -> str:
+    return f"{generation:012d}.json"
+
+
+def _generation(name: str) -> int | None:
+    stem, _, ext = name.partition(".")
+    return int(stem) if ext == "json" and stem.isdigit() else None
 
 
 def _pid_alive(pid: int) -> bool:
@@ -65,96 +78,160 @@ def _pid_alive(pid: int) -> bool:
 
 
 class WriterLease:
-    """This run's lease on a job's folder (`store`), held by `owner`."""
+    """This run's lease on a job's folder (`store`), held by `owner`. `clock` is this
+    process's monotonic clock: liveness is measured on it alone."""
 
     def __init__(self, store: CheckpointStore, owner: str,
-                 clock: Callable[[], float] = time.time,
+                 clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep) -> None:
         self.store, self.owner, self._clock, self._sleep = store, owner, clock, sleep
         self.generation = 0  # 0 until acquired
+        self._beat = 0
 
-    def read(self) -> LeaseRecord | None:
-        raw = self.store.storage.read(f"{self.store.root}/{LEASE}")
-        if raw is None:
-            return None
+    # ------------------------------------------------------------------ reading
+    def _folder(self) -> str:
+        return f"{self.store.root}/{LEASES}"
+
+    def _path(self, generation: int) -> str:
+        return f"{self._folder()}/{lease_file(generation)}"
+
+    def generations(self) -> list[int]:
+        """The generations whose files are in the folder, oldest first."""
+        found = (_generation(e.name) for e in self.store.storage.list(self._folder())
+                 if not e.is_dir)
+        return sorted(g for g in found if g is not None)
+
+    def read(self, generation: int) -> LeaseRecord | None:
+        """A generation's record; None where it is missing or damaged (a damaged file
+        still holds its generation: the order is the files' names)."""
+        raw = self.store.storage.read(self._path(generation))
         try:
-            return LeaseRecord(**json.loads(raw.decode()))
+            return None if raw is None else LeaseRecord(**json.loads(raw.decode()))
         except (TypeError, ValueError):
-            return None  # a damaged lease names no live holder
+            return None
 
-    def _write(self, generation: int) -> None:
-        record = LeaseRecord(generation, self.owner, socket.gethostname(), os.getpid(),
-                             self._clock())
-        self.store.storage.publish(f"{self.store.root}/{LEASE}",
-                                   json.dumps(asdict(record)).encode())
+    def holder(self) -> LeaseRecord | None:
+        """The record of the highest generation, where there is one."""
+        generations = self.generations()
+        return None if not generations else self.read(generations[-1]) or LeaseRecord(
+            generations[-1], "", "an unreadable lease file", 0)
 
-    def live(self, record: LeaseRecord) -> bool:
-        """Whether `record`'s holder may still be writing."""
-        if record.host == socket.gethostname() and not _pid_alive(record.pid):
-            return False
-        return self._clock() - record.renewed_at < TTL_S
+    def _record(self, released: bool = False) -> bytes:
+        record = LeaseRecord(self.generation, self.owner, socket.gethostname(), os.getpid(),
+                             self._beat, released, time.time())
+        return json.dumps(asdict(record)).encode()
 
+    # ------------------------------------------------------------------ taking it
     def acquire(self, takeover: bool = False) -> int:
         """Takes the lease (or keeps it, where this run holds it already); returns this
         run's generation.
 
         Raises:
             CheckpointLeaseHeld: another run holds a live lease (and not `takeover`), or
-                took the lease in the same instant.
-            StorageError: storage cannot be written or read (the start's probe).
+                took the next generation in the same instant.
+            StorageError: storage cannot be written or read.
         """
-        record = self.read()
-        if record is not None and record.owner == self.owner:
-            self.generation = record.generation
-            self._write(self.generation)
+        generations = self.generations()
+        top = self.read(generations[-1]) if generations else None
+        if top is not None and top.owner == self.owner:
+            self.generation = top.generation
+            self.renew()
             return self.generation
-        if record is not None and self.live(record) and not takeover and \
-                self._clock() - record.renewed_at > 2 * RENEW_S:
-            wait = TTL_S - (self._clock() - record.renewed_at)
-            log.warning("raytrain-x checkpoint: the run that held %s stopped renewing its "
-                        "writer lease %.0fs ago; waiting %.0fs for it to expire",
-                        self.store.where(), self._clock() - record.renewed_at, wait)
-            self._sleep(max(0.0, wait))
-            record = self.read()
-        if record is not None and record.owner != self.owner and self.live(record) \
-                and not takeover:
-            age = self._clock() - record.renewed_at
+        if generations and not takeover and self._live(generations[-1], top):
+            top = self.read(generations[-1]) or top
             raise CheckpointLeaseHeld(
                 f"another run of this job is writing its checkpoints at "
-                f"{self.store.where()} (process {record.pid} on {record.host}, generation "
-                f"{record.generation}, renewed {age:.0f}s ago). Stop it first; or wait "
-                f"{max(0.0, TTL_S - age):.0f}s for its lease to expire if it is dead; or give "
-                "CheckpointConfig(takeover=True) to fence it and continue from its latest "
-                "checkpoint; or give this job another CheckpointConfig(name=...)")
-        before = max([record.generation if record else 0, *self.store.generations()])
-        self.generation = before + 1
-        self._write(self.generation)
-        self.check()  # a run that wrote the lease in the same instant wins or loses here
+                f"{self.store.where()} ({_who(top)}, generation {generations[-1]}, renewing "
+                f"its lease). Stop it first; or wait {TTL_S:.0f}s if it is dead (a lease "
+                "nobody renews expires); or give CheckpointConfig(takeover=True) to fence it "
+                "and continue from its latest checkpoint; or give this job another "
+                "CheckpointConfig(name=...)")
+        before = max([0, *generations, *self.store.generations()])
+        self.generation, self._beat = before + 1, 0
+        if not self.store.storage.create(self._path(self.generation), self._record()):
+            mine = self.read(self.generation)  # our own create retried after it landed?
+            if mine is None or mine.owner != self.owner:
+                raise CheckpointLeaseHeld(
+                    f"another run of this job took the writer lease of {self.store.where()} "
+                    f"(generation {self.generation}) in the same instant as this one "
+                    f"({_who(mine)}); this run writes no checkpoints. Stop one of the two")
+        self._forget_older()
+        self.check()
         return self.generation
 
+    def _live(self, generation: int, record: LeaseRecord | None) -> bool:
+        """Whether the holder of `generation` renews its lease: its file changes within
+        `TTL_S` of this process's clock. A released lease, or one held by a process on
+        this machine that is gone, is not live, at once."""
+        if record is not None and (record.released or (
+                record.host == socket.gethostname() and not _pid_alive(record.pid))):
+            return False
+        first = self.store.storage.read(self._path(generation))
+        began = self._clock()
+        log.info("raytrain-x checkpoint: %s is held by %s (generation %d): watching whether "
+                 "it renews the lease, up to %.0fs", self.store.where(), _who(record),
+                 generation, TTL_S)
+        while self._clock() - began < TTL_S:
+            self._sleep(min(RENEW_S / 2, max(0.0, TTL_S - (self._clock() - began))))
+            generations = self.generations()
+            if generations and generations[-1] != generation:
+                return True  # a third run took it meanwhile: refuse this one
+            now = self.store.storage.read(self._path(generation))
+            if now != first:
+                return True
+        log.warning("raytrain-x checkpoint: the lease of %s (%s, generation %d) was not "
+                    "renewed for %.0fs: taking it", self.store.where(), _who(record),
+                    generation, TTL_S)
+        return False
+
+    def _forget_older(self) -> None:
+        """Deletes the files of generations before the one before this run's (best
+        effort: they fence nothing once a higher one exists)."""
+        for generation in self.generations():
+            if generation < self.generation - 1:
+                try:
+                    self.store.storage.delete_file(self._path(generation))
+                except Exception as exc:  # noqa: BLE001 - kept files do no harm
+                    log.info("raytrain-x checkpoint: could not delete an old lease file: "
+                             "%s", exc)
+
+    # ------------------------------------------------------------------ holding it
     def renew(self) -> None:
-        """Renews the lease (rank 0, every `RENEW_S`).
+        """Renews the lease (every `RENEW_S`): rewrites this run's own generation's file,
+        so that it can never overwrite a newer run's.
 
         Raises:
             CheckpointLeaseHeld: a newer run took it over.
         """
         self.check()
-        self._write(self.generation)
+        self._beat += 1
+        self.store.storage.publish(self._path(self.generation), self._record())
+
+    def release(self) -> None:
+        """This run's training ended: the next run may take the lease at once (its own
+        checks still pass until another takes it)."""
+        self._beat += 1
+        self.store.storage.publish(self._path(self.generation), self._record(released=True))
 
     def check(self) -> None:
-        """Before a manifest is published or checkpoints pruned: this run still holds the
-        lease.
+        """Before a manifest is published or checkpoints pruned: no newer run took the
+        lease. A missing or unreadable own file is still this run's (a newer run would
+        have created a higher generation).
 
         Raises:
             CheckpointLeaseHeld: another run holds it (this run was fenced).
         """
-        record = self.read()
-        if record is None or record.owner != self.owner or \
-                record.generation != self.generation:
-            holder = "nobody" if record is None else \
-                f"process {record.pid} on {record.host}, generation {record.generation}"
+        generations = self.generations()
+        top = generations[-1] if generations else 0
+        record = self.read(top) if top >= self.generation else None
+        if top > self.generation or (record is not None and record.owner != self.owner):
             raise CheckpointLeaseHeld(
                 f"this run (generation {self.generation}) no longer holds the writer lease "
-                f"of {self.store.where()}: {holder} does. Another run took the job over; "
-                "this run's checkpoints are refused so that they cannot overwrite or prune "
-                "the newer run's")
+                f"of {self.store.where()}: {_who(record)}, generation {top}, does. Another "
+                "run took the job over; this run's checkpoints are refused so that they "
+                "cannot overwrite or prune the newer run's")
+
+
+def _who(record: LeaseRecord | None) -> str:
+    return "a run whose lease file cannot be read" if record is None or not record.owner \
+        else f"process {record.pid} on {record.host}"

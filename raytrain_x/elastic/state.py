@@ -156,6 +156,12 @@ class State:
         if probe is not None and version != runtime.rendezvous().hosts_version:
             raise HostsUpdatedInterrupt(skip_sync=False)
 
+    def ended(self) -> None:
+        """The elastic function returned: the next run of the job may take the writer
+        lease at once."""
+        if self._commits is not None:
+            self._commits.ended()
+
     def finish_writes(self) -> None:
         """Waits for this rank's durable write under way, if any (before leaving the job),
         up to the checkpoint's `write_timeout_s`."""
@@ -292,7 +298,9 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
                 if not skip_sync or (reset_required and state.syncs_after_every_reset()):
                     state.sync()
                     CommitManager.note_synced()
-                return func(state, *args, **kwargs)
+                result = func(state, *args, **kwargs)
+                state.ended()
+                return result
             except InternalError as exc:
                 log.warning("raytrain-x elastic: %s; restoring the last commit", exc)
                 CommitManager.note_rollback()

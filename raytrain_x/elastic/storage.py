@@ -73,6 +73,12 @@ class Storage(ABC):
         rename after an fsync on a file system; an object store's PUT)."""
 
     @abstractmethod
+    def create(self, path: str, data: bytes) -> bool:
+        """Writes a small file only where none is at `path`, atomically: True when this
+        call made it, False when a file was there (a conditional write; what orders the
+        writer lease's generations)."""
+
+    @abstractmethod
     def upload(self, local_dir: str, folder: str) -> None:
         """Copies a local folder's files to `folder` (a no-op copy where `local_dir` is
         `local(folder)`), durable when it returns."""
@@ -125,6 +131,7 @@ class ArrowStorage(Storage):
         self.base = base.rstrip("/")
         self.is_local = isinstance(self.fs, pafs.LocalFileSystem)
         self.uri = storage_path if "://" in storage_path else self.base
+        self._conditional: Callable[[str, bytes], bool] | None = None
 
     def _at(self, path: str) -> str:
         return f"{self.base}/{path}" if path else self.base
@@ -187,6 +194,29 @@ class ArrowStorage(Storage):
                 os.remove(tmp)
         _fsync_dir(os.path.dirname(full))
 
+    def create(self, path: str, data: bytes) -> bool:
+        full = self._at(path)
+        if self.is_local:
+            os.makedirs(os.path.dirname(full), exist_ok=True)
+            tmp = f"{full}.tmp-{uuid.uuid4().hex[:12]}"
+            try:
+                with open(tmp, "wb") as out:
+                    out.write(data)
+                    out.flush()
+                    os.fsync(out.fileno())
+                try:
+                    os.link(tmp, full)  # O_EXCL's guarantee (NFS too), the content whole
+                except FileExistsError:
+                    return False
+            finally:
+                os.remove(tmp)
+            _fsync_dir(os.path.dirname(full))
+            return True
+        if self._conditional is None:
+            self._conditional = conditional_put(self.uri)
+        self.fs.create_dir(full.rsplit("/", 1)[0], recursive=True)  # the bucket, where new
+        return self._conditional(full, data)
+
     def upload(self, local_dir: str, folder: str) -> None:
         dest = self._at(folder)
         if self.is_local:
@@ -222,6 +252,62 @@ class ArrowStorage(Storage):
 
     def local(self, path: str) -> str | None:
         return self._at(path) if self.is_local else None
+
+
+def conditional_put(uri: str) -> Callable[[str, bytes], bool]:
+    """For an object store: a function that PUTs `bucket/key` only where no object is
+    (S3's `If-None-Match: *`, through boto3, at the endpoint, region and keys the URI
+    gives pyarrow). A store without conditional writes (or without boto3) gets a read
+    then a write: two runs creating in the same instant may both succeed, and the
+    lease's read back refuses the one whose write landed first."""
+    from urllib.parse import parse_qs, urlparse
+
+    parsed = urlparse(uri)
+    try:
+        import boto3
+        import botocore.exceptions as boto_errors
+    except ImportError:
+        boto3 = None
+    if parsed.scheme != "s3" or boto3 is None:
+        log.warning("raytrain-x storage: %s offers no conditional write here (S3 with boto3 "
+                    "does): the writer lease's generations are created by a read then a "
+                    "write", uri.split("?")[0])
+        return _read_then_write(uri)
+    query = {k: v[-1] for k, v in parse_qs(parsed.query).items()}
+    endpoint = query.get("endpoint_override")
+    if endpoint and "://" not in endpoint:
+        endpoint = f"{query.get('scheme', 'https')}://{endpoint}"
+    client = boto3.client(
+        "s3", endpoint_url=endpoint, region_name=query.get("region"),
+        aws_access_key_id=query.get("access_key"),
+        aws_secret_access_key=query.get("secret_key"),
+        aws_session_token=query.get("session_token"))
+
+    def put(full: str, data: bytes) -> bool:
+        bucket, _, key = full.partition("/")
+        try:
+            client.put_object(Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
+        except boto_errors.ClientError as exc:
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if status in (409, 412):  # there, or created at the same instant
+                return False
+            raise OSError(f"conditional PUT of {full}: {exc}") from exc
+        except boto_errors.BotoCoreError as exc:  # unreachable, timed out: retried
+            raise OSError(f"conditional PUT of {full}: {exc}") from exc
+        return True
+    return put
+
+
+def _read_then_write(uri: str) -> Callable[[str, bytes], bool]:
+    storage = ArrowStorage(uri)
+
+    def put(full: str, data: bytes) -> bool:
+        path = full[len(storage.base) + 1:]
+        if storage.read(path) is not None:
+            return False
+        storage.publish(path, data)
+        return True
+    return put
 
 
 def _fsync_dir(path: str) -> None:
@@ -325,6 +411,9 @@ class RetryingStorage(Storage):
 
     def publish(self, path: str, data: bytes) -> None:
         self._retry("writing", path, lambda: self.inner.publish(path, data))
+
+    def create(self, path: str, data: bytes) -> bool:
+        return self._retry("creating", path, lambda: self.inner.create(path, data))
 
     def upload(self, local_dir: str, folder: str) -> None:
         self._retry("writing", folder, lambda: self.inner.upload(local_dir, folder))

@@ -34,8 +34,8 @@ from typing import Any
 from raytrain_x.elastic.storage import Entry, Storage
 
 _KIND = {"list": "list", "read": "read", "chunks": "read", "sizes": "read",
-         "download": "read", "publish": "write", "upload": "write", "delete": "delete",
-         "delete_file": "delete"}
+         "download": "read", "publish": "write", "create": "write", "upload": "write",
+         "delete": "delete", "delete_file": "delete"}
 
 
 def write_plan(path: str, **faults: Any) -> None:
@@ -142,6 +142,10 @@ class FaultyStorage(Storage):
     def publish(self, path: str, data: bytes) -> None:
         self._enter("publish", path)
         self.inner.publish(path, data)
+
+    def create(self, path: str, data: bytes) -> bool:
+        self._enter("create", path)
+        return self.inner.create(path, data)
 
     def upload(self, local_dir: str, folder: str) -> None:
         hit = self._enter("upload", folder)

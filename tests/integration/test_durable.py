@@ -87,13 +87,17 @@ def _resume_with(storage: str, attributes: dict) -> dict:
 
 
 def _storage_outage(signals: str, stop: bool) -> None:
-    """Rank 0 of `_train`: storage goes away (at step 3); at step 6 it waits until a write
-    has failed (one started after the stop, due at every commit, meets the outage once its
-    retries are spent), and storage comes back."""
+    """Rank 0 of `_train`: storage goes away (at step 3, once a checkpoint was written
+    before it); at step 6 it waits until a write has failed (one started after the stop,
+    due at every commit, meets the outage once its retries are spent), and storage comes
+    back."""
     import raytrain_x.torch as rx  # noqa: F401 - the caller's world
     from raytrain_x.core.process import PROCESS
 
     if stop:
+        deadline = time.monotonic() + 60
+        while PROCESS.checkpoints.written_count < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
         _ask(signals, "stop")
         return
     deadline = time.monotonic() + 120  # the write's retries give up within about 20 s
@@ -228,7 +232,7 @@ def test_every_checkpoint_damaged_stops_the_rerun_with_each_named_and_deletes_no
         assert isinstance(text, str) and "CheckpointError" in text, text
         assert "no checkpoint of this job can be restored" in text and only.folder in text
         assert "is damaged" in text and "CheckpointConfig(name=...)" in text
-    assert [p.name for p in Path(storage, "job").iterdir() if p.is_dir()] == [only.folder]
+    assert [p.name for p in Path(storage, "job").glob("checkpoint_*")] == [only.folder]
 
 
 def test_a_new_attribute_keeps_its_value_and_a_removed_one_is_dropped(tmp_path):
@@ -293,3 +297,15 @@ def test_checkpoints_on_s3_keep_the_last_two_and_survive_an_outage(s3_server, tm
     assert counters["last_written"] == kept[0].number
     resumed = run_workers(_train, 2, storage, 13, 0, work_s=40)
     assert resumed[0]["started_at"] == 12 and resumed[0]["seen"][-1] == 13
+
+
+def test_a_lease_generation_is_created_once_on_s3(s3_server):
+    """S3's conditional PUT (`If-None-Match: *`) orders the lease's generations: the second
+    create of one file is refused by the server and the first one's content kept."""
+    from raytrain_x.elastic.storage import ArrowStorage
+
+    uri, _, _ = s3_server
+    storage = ArrowStorage(uri("leases"))
+    assert storage.create("job/lease/000000000001.json", b"first")
+    assert not storage.create("job/lease/000000000001.json", b"second")
+    assert storage.read("job/lease/000000000001.json") == b"first"

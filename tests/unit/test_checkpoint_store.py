@@ -199,7 +199,7 @@ def test_a_write_that_landed_damaged_is_a_failed_write_not_a_checkpoint(tmp_path
     assert "landed damaged" in _write_failing(durable, 3)
     assert durable.store.latest() is None
     _commit(durable, 5, 5)
-    assert [p.name[-2:] for p in Path(durable.store.where()).iterdir() if p.is_dir()] == \
+    assert [p.name[-2:] for p in Path(durable.store.where()).glob("checkpoint_*")] == \
         ["05"]
     _release(durable)
 
@@ -216,7 +216,7 @@ def test_a_damaged_checkpoint_is_set_aside_never_pruned(tmp_path):
     assert store.latest().number == 2  # found damaged: marked
     for number in (6, 8, 10):
         _commit(durable, number, number)
-    left = sorted(p.name[-2:] for p in Path(store.where()).iterdir() if p.is_dir())
+    left = sorted(p.name[-2:] for p in Path(store.where()).glob("checkpoint_*"))
     assert left == ["04", "08", "10"], left
     _release(durable)
 
@@ -269,7 +269,7 @@ def test_failed_attempts_leave_nothing_behind_while_failures_last(tmp_path, faul
     for number in (3, 4, 5):
         assert "No space left on device" in _write_failing(durable, number)
     faults()
-    assert [p.name[-2:] for p in Path(durable.store.where()).iterdir() if p.is_dir()] == \
+    assert [p.name[-2:] for p in Path(durable.store.where()).glob("checkpoint_*")] == \
         ["02"]
     _release(durable)
 
@@ -312,30 +312,108 @@ def test_a_second_run_is_refused_while_the_first_holds_the_lease(tmp_path):
     _release(first)
 
 
-def test_a_lease_is_refused_while_renewed_waited_out_once_renewals_stop(tmp_path):
+def test_a_lease_is_refused_while_renewed_taken_once_renewals_stop_on_the_readers_clock(
+        tmp_path):
+    """Liveness is whether the holder's file changes, timed on the reader's own clock: the
+    holder's wall clock, skewed either way, changes nothing."""
     store = CheckpointStore(CheckpointConfig(str(tmp_path), name="job"))
+    holder = WriterLease(store, "a")
+    holder.acquire()
+    lease_file = Path(tmp_path, "job", "lease", "000000000001.json")
     now = [1000.0]
     slept: list[float] = []
 
-    def sleep(seconds: float) -> None:
+    def skew(seconds: float) -> None:  # the holder's clock is off by `seconds`
+        record = json.loads(lease_file.read_text())
+        record["wall_time"] += seconds
+        lease_file.write_text(json.dumps(record))
+
+    def renewing(seconds: float) -> None:  # the holder renews while the reader watches
+        slept.append(seconds)
+        now[0] += seconds
+        holder.renew()
+        skew(-20.0)
+
+    skew(-20.0)  # 20 s behind, renewing: refused, after one renewal
+    other = WriterLease(store, "b", clock=lambda: now[0], sleep=renewing)
+    with pytest.raises(CheckpointLeaseHeld, match="another run of this job is writing"):
+        other.acquire()
+    assert sum(slept) <= RENEW_S
+    slept.clear()
+
+    def stopped(seconds: float) -> None:  # the holder is dead: its file does not change
         slept.append(seconds)
         now[0] += seconds
 
-    WriterLease(store, "a", clock=lambda: now[0]).acquire()
-    other = WriterLease(store, "b", clock=lambda: now[0], sleep=sleep)
-    now[0] += RENEW_S  # its holder renews on time: refused at once
-    with pytest.raises(CheckpointLeaseHeld, match="another run of this job is writing"):
-        other.acquire()
-    assert slept == []
-    now[0] += 2 * RENEW_S  # two renewals missed (a killed driver): waited out, then taken
+    skew(80.0)  # 60 s ahead and dead: taken after TTL_S on the reader's clock, not 75 s
+    other = WriterLease(store, "b", clock=lambda: now[0], sleep=stopped)
     assert other.acquire() == 2
-    assert slept == [pytest.approx(TTL_S - 3 * RENEW_S)]
-    # a holder on this host whose process is gone holds nothing, at once
-    record = json.loads(Path(tmp_path, "job", "lease.json").read_text())
+    assert sum(slept) == pytest.approx(TTL_S)
+    # a holder on this host whose process is gone holds nothing, at once; nor does one
+    # whose training ended (released)
+    record = json.loads(Path(tmp_path, "job", "lease", "000000000002.json").read_text())
     record.update(pid=_dead_pid(), host=socket.gethostname())
-    Path(tmp_path, "job", "lease.json").write_text(json.dumps(record))
-    assert WriterLease(store, "c", clock=lambda: now[0], sleep=sleep).acquire() == 3
-    assert len(slept) == 1
+    Path(tmp_path, "job", "lease", "000000000002.json").write_text(json.dumps(record))
+    slept.clear()
+    third = WriterLease(store, "c", clock=lambda: now[0], sleep=stopped)
+    assert third.acquire() == 3 and slept == []
+    third.release()
+    assert WriterLease(store, "d", clock=lambda: now[0], sleep=stopped).acquire() == 4
+    assert slept == []
+    assert sorted(p.name for p in Path(tmp_path, "job", "lease").iterdir()) == \
+        ["000000000003.json", "000000000004.json"]  # older generations forgotten
+
+
+class _Interleaved:
+    """A storage that runs `first()` just before its `method` does (an order of
+    events made to happen: another run acts inside this one's call)."""
+
+    def __init__(self, inner, method: str, first) -> None:
+        self._inner, self._method, self._first = inner, method, first
+
+    def __getattr__(self, name: str):
+        call = getattr(self._inner, name)
+        if name != self._method:
+            return call
+
+        def interleaved(*args, **kwargs):
+            self._first()
+            return call(*args, **kwargs)
+        return interleaved
+
+
+def test_a_renewal_landing_after_a_takeover_never_undoes_it(tmp_path):
+    """The old run's renewal checked the lease, then a run started with takeover=True took
+    it, then the old renewal's write landed: the new run still holds the lease and the old
+    one is fenced (a renewal writes only its own generation's file)."""
+    old = WriterLease(CheckpointStore(CheckpointConfig(str(tmp_path), name="job")), "old")
+    assert old.acquire() == 1
+    new = WriterLease(CheckpointStore(CheckpointConfig(str(tmp_path), name="job")), "new")
+    took: list[int] = []
+    old.store.storage = _Interleaved(old.store.storage, "publish",
+                                     lambda: took.append(new.acquire(takeover=True)))
+    old.renew()  # its check passes; the takeover lands; then its write
+    assert took == [2]
+    new.check()
+    with pytest.raises(CheckpointLeaseHeld, match=r"generation 1\) no longer holds"):
+        old.check()
+    assert new.holder().owner == "new"
+
+
+def test_two_runs_taking_one_generation_in_the_same_instant_one_is_refused(tmp_path):
+    """Storage orders them: the second create of a generation's file fails."""
+    config = CheckpointConfig(str(tmp_path), name="job")
+    first = WriterLease(CheckpointStore(config), "first")
+    second = WriterLease(CheckpointStore(config), "second")
+    won: list[int] = []
+    second.store.storage = _Interleaved(second.store.storage, "create",
+                                        lambda: won.append(first.acquire()))
+    with pytest.raises(CheckpointLeaseHeld, match="took the writer lease .* in the same "
+                                                   "instant"):
+        second.acquire()
+    assert won == [1]
+    first.check()
+    assert first.holder().owner == "first"
 
 
 def _dead_pid() -> int:
@@ -435,4 +513,37 @@ def test_a_round_restores_the_named_checkpoint_or_one_its_writer_completed_since
     with caplog.at_level(logging.WARNING, logger="raytrain_x.elastic"):
         assert durable.named((1, 4)).number == 2
     assert "common.4/data.json is damaged" in caplog.text
+    _release(durable)
+
+
+def test_a_write_waiting_for_a_part_whose_rank_was_lost_is_given_up_at_the_next_sync(
+        tmp_path):
+    """Rank 0's background write waits for every rank's part (`write_timeout_s` 600 s).
+    After the world changed, a part a rank of the new world still writes is waited for
+    and completes the checkpoint; a part no rank writes any more (its rank was lost
+    mid-write) gives the write up at once, naming it, and its attempt is deleted."""
+    config = CheckpointConfig(str(tmp_path), name="job", write_timeout_s=600)
+    durable = DurableCheckpoints(config, _save, _load)
+    durable.owner = "run"
+    durable.hold_lease()
+
+    def start(number: int) -> Manifest:
+        manifest = Manifest(number, {}, 2, {"step": number}, 0.0, {}, durable.generation)
+        durable.write({f"common.{number}": lambda: {"step": number}}, manifest,
+                      [f"common.{number}", f"shard_00001.{number}"])
+        return manifest
+
+    survived = start(3)
+    durable.world_changed({"shard_00001.3"})  # a rank of the new world still writes it
+    assert not durable.wait(0.6)
+    _save({"shard": 1}, str(tmp_path / "part"))
+    durable.store.upload(survived.key, "shard_00001.3", str(tmp_path / "part"))
+    assert durable.wait(30) and durable.last.error is None
+    assert [m.number for m in durable.store.checkpoints()] == [3]
+
+    lost = start(5)
+    durable.world_changed(set())  # nobody writes shard_00001.5 any more
+    assert durable.wait(5)
+    assert "no rank of the new world writes shard_00001" in durable.last.error
+    assert not Path(durable.store.where(lost.key)).exists()
     _release(durable)

@@ -67,6 +67,12 @@ class MemoryStorage(Storage):
     def publish(self, path: str, data: bytes) -> None:
         self.files[path] = bytes(data)
 
+    def create(self, path: str, data: bytes) -> bool:
+        if path in self.files:
+            return False
+        self.files[path] = bytes(data)
+        return True
+
     def upload(self, local_dir: str, folder: str) -> None:
         raise NotImplementedError("the simulation writes parts with publish")
 
