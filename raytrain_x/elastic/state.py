@@ -284,12 +284,17 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
         reset_required = False
         skip_sync = False
+        elastic = True  # a driver forms new rounds; a fixed world cannot go on without a rank
         while True:
+            reset_failed = False
             try:  # a peer may die during the reset and the sync too: same recovery
                 if reset_required:
                     try:
                         world.reset()
-                    except (InternalError, HostsUpdatedInterrupt):
+                    except InternalError:
+                        reset_failed = True
+                        raise
+                    except HostsUpdatedInterrupt:
                         raise
                     except BaseException:  # it leaves the job (a drain) or the job stopped
                         state.finish_writes()
@@ -302,6 +307,13 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
                 state.ended()
                 return result
             except InternalError as exc:
+                if reset_failed and not elastic:
+                    raise InternalError(
+                        f"a rank of this fixed-size world failed, and the world cannot form "
+                        f"again without it ({exc}); a fixed world stops here. To train on "
+                        "without a lost worker, run the job elastic (ElasticRayExecutor "
+                        "with min_workers, or raytrain-x run --min-num-proc)") from exc
+                elastic = elastic and _formed_by_a_driver()
                 log.warning("raytrain-x elastic: %s; restoring the last commit", exc)
                 CommitManager.note_rollback()
                 state.restore()
@@ -311,3 +323,12 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
             reset_required = True
 
     return wrapper
+
+
+def _formed_by_a_driver() -> bool:
+    """Whether an elastic driver formed this world (it forms the next round without a lost
+    rank); False for a fixed world, which a lost rank ends."""
+    try:
+        return bool(runtime.rendezvous().elastic)
+    except Exception:  # noqa: BLE001 - no world to ask: reset as before
+        return True

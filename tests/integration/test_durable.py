@@ -309,3 +309,37 @@ def test_a_lease_generation_is_created_once_on_s3(s3_server):
     assert storage.create("job/lease/000000000001.json", b"first")
     assert not storage.create("job/lease/000000000001.json", b"second")
     assert storage.read("job/lease/000000000001.json") == b"first"
+
+
+def _rank_0_dies_in_a_fixed_world() -> str:
+    """A fixed world of 2 (no elastic driver): rank 0 exits at step 3; rank 1's elastic
+    run must stop, saying why, rather than reset forever into a world that cannot form."""
+    import raytrain_x.torch as rx
+
+    rx.init()
+    model = torch.nn.Linear(4, 2)
+    opt = rx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                  named_parameters=model.named_parameters())
+    state = rx.elastic.TorchState(model, opt, step=0)
+
+    @rx.elastic.run
+    def train(state):
+        while state.step < 50:
+            if rx.rank() == 0 and state.step == 3:
+                os._exit(1)  # a real crash: no shutdown, its sockets close
+            opt.zero_grad()
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+            state.step += 1
+            state.commit()
+
+    train(state)
+    return "trained on"
+
+
+def test_a_rank_lost_in_a_fixed_world_stops_the_others_saying_why():
+    began = time.monotonic()
+    out = run_workers(_rank_0_dies_in_a_fixed_world, 2, allow_failures=True, work_s=60)
+    assert isinstance(out[1], str) and "InternalError" in out[1], out[1]
+    assert "fixed-size world" in out[1] and "min_workers" in out[1], out[1]
+    assert time.monotonic() - began < 60
