@@ -63,6 +63,17 @@ def broadcast_ints(values: list[int], root_rank: int = 0, name: str | None = Non
     return [int(v) for v in synchronize(submit(name, meta, array))]
 
 
+def max_ints(values: list[int], name: str | None = None,
+             process_set: ProcessSet = global_process_set) -> list[int]:
+    """The largest of each of every member's few integers, in one allreduce (as
+    `broadcast_ints`: a small allreduce that repeats every step). A root's values reach
+    every member where the others pass 0 and the root's are not negative."""
+    name = name or auto_name("max_ints", process_set)
+    meta = Meta(ALLREDUCE, "int64", (len(values),), "max",
+                process_set_id=registered_id(process_set))
+    return [int(v) for v in synchronize(submit(name, meta, np.array(values, dtype=np.int64)))]
+
+
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> Any:
     """`root_rank`'s object on every member (pickled with cloudpickle).

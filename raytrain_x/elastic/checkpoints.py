@@ -295,9 +295,11 @@ class CheckpointStore:
 
     def wait_for_parts(self, key: Key, parts: list[str], timeout_s: float,
                        still_written: Callable[[], frozenset[str] | None] = lambda: None,
+                       failed_there: Callable[[], bool] = lambda: False,
                        ) -> dict[str, dict[str, list[Any]]]:
         """Every part's file list once all are recorded. `still_written()`: once the world
-        changed, the parts its ranks are still writing (None while it has not).
+        changed, the parts its ranks are still writing (None while it has not);
+        `failed_there()`: a rank said its part failed (at a commit, not through storage).
 
         Raises:
             CheckpointError: a part failed, its rank left the world before recording it,
@@ -309,6 +311,10 @@ class CheckpointStore:
             done = self.parts_done(key, parts)
             if len(done) == len(parts):
                 return done
+            if failed_there():
+                raise CheckpointError("a rank's part failed on its rank (it said so at the "
+                                      "next commit; its note in storage could not be "
+                                      "written: see that rank's log for the cause)")
             lost = [] if writing is None else sorted(set(parts) - set(done) - writing)
             if lost:
                 raise CheckpointError(

@@ -246,6 +246,15 @@ class CommitManager:
         if self.durable is not None:
             self.durable.ask()
 
+    def failed_write(self) -> int:
+        """The id of this rank's last write whose part failed (0: none)."""
+        return 0 if self.durable is None else self.durable.failed_write
+
+    def failed_elsewhere(self, write_id: int) -> None:
+        """Rank 0: a rank said its part of write `write_id` failed."""
+        if self.durable is not None:
+            self.durable.failed_elsewhere(write_id)
+
     def ended(self) -> None:
         """Training returned: rank 0 releases the job's writer lease."""
         if self.durable is not None:
@@ -278,7 +287,8 @@ class CommitManager:
         manifest = Manifest(self.number, {}, size, plain_values(self.format.values()), 0.0,
                             info, self.durable.generation, self.format.signature())
         if parts:
-            self.durable.write(parts, manifest, every if background and rank == 0 else None)
+            self.durable.write(parts, manifest, every if background and rank == 0 else None,
+                               write_id)
         return manifest if rank == 0 else None
 
     def checkpoint(self, timeout_s: float | None) -> None:

@@ -108,6 +108,9 @@ class DurableCheckpoints:
         # at a sync after the world changed); a part neither recorded nor among them will
         # never come
         self._still_written: frozenset[str] | None = None
+        self._write_id = 0  # of this rank's write under way
+        self.failed_write = 0  # the id of this rank's last write whose part failed
+        self._failed_elsewhere = 0  # rank 0: a rank said its part of this write failed
 
     # ------------------------------------------------------------------ the lease
     def hold_lease(self) -> None:
@@ -184,7 +187,7 @@ class DurableCheckpoints:
 
     # ------------------------------------------------------------------ writing
     def write(self, parts: dict[str, Callable[[], Any]], manifest: Manifest,
-              every_part: list[str] | None) -> None:
+              every_part: list[str] | None, write_id: int = 0) -> None:
         """Writes this rank's `parts` (each a function returning the tree to save) of
         `manifest`'s checkpoint on a background thread. With `every_part` (rank 0 in the
         background), the thread then waits for every part and completes the checkpoint.
@@ -196,6 +199,7 @@ class DurableCheckpoints:
             self.wait()
         self._last_start, self._asked = self._clock(), False
         self._writing, self._still_written = list(parts), None
+        self._write_id, self._failed_elsewhere = write_id, 0
         self.last = WriteResult(manifest.key)
         self.store.checksum_s = self.store.verify_s = 0.0
         self._thread = threading.Thread(target=self._write,
@@ -227,13 +231,15 @@ class DurableCheckpoints:
             if every_part is not None:
                 manifest.parts = self.store.wait_for_parts(key, every_part,
                                                            self.config.write_timeout_s,
-                                                           lambda: self._still_written)
+                                                           lambda: self._still_written,
+                                                           self._failed_there)
                 publishing = True
                 self.complete(manifest, began)
         # BaseException: torch DCP's CheckpointException derives from it
         except BaseException as exc:  # noqa: BLE001 - training goes on; the next may succeed
             result.error = _cause(exc)
             if part:
+                self.failed_write = self._write_id  # said to rank 0 at the next commit
                 self.store.part_failed(key, part, result.error)
                 self.store.discard(key, part)  # its files would fill a full disk again
             if every_part is not None and not publishing:
@@ -247,6 +253,15 @@ class DurableCheckpoints:
     def writing(self) -> list[str]:
         """The parts this rank's write under way is writing ([] when none is)."""
         return list(self._writing) if self.busy() else []
+
+    def failed_elsewhere(self, write_id: int) -> None:
+        """Rank 0: a rank said (at a commit) that its part of write `write_id` failed; the
+        write under way gives up at once if it is that one."""
+        if write_id and write_id == self._write_id:
+            self._failed_elsewhere = write_id
+
+    def _failed_there(self) -> bool:
+        return bool(self._failed_elsewhere)
 
     def world_changed(self, still_written: set[str]) -> None:
         """Rank 0 at a sync after the world changed: `still_written` are the parts the

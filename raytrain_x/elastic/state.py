@@ -15,7 +15,7 @@ from typing import Any
 
 from raytrain_x.common.errors import ConfigError, HostsUpdatedInterrupt, InternalError
 from raytrain_x.core import runtime, world
-from raytrain_x.core.objects import broadcast_ints, broadcast_object
+from raytrain_x.core.objects import broadcast_object, max_ints
 from raytrain_x.core.process import PROCESS
 from raytrain_x.elastic.commits import CommitManager, Committed, copied
 from raytrain_x.elastic.positions import Position
@@ -142,15 +142,22 @@ class State:
         due = commits.due() if commits is not None else None
         if probe is None and due is None:  # the same on every rank
             return
-        answer = [0, 0]
+        # every rank adds the id of its last write whose part failed: rank 0 learns of it
+        # at this commit, not through the storage that failed the part
+        failed = commits.failed_write() if commits is not None else 0
+        answer = [0, 0, failed]
         if self._get_rank() == 0:  # a due checkpoint gets a write id, the same on every rank
             version, asked = probe() if probe is not None else (0, False)
             if asked and commits is not None:
                 commits.ask()
-            answer = [version, time.time_ns() if commits is not None and commits.due() else 0]
-        # two integers in one small allreduce, which the engine sends with its readiness in
-        # one round trip once it repeats (each commit), not an object's two broadcasts
-        version, write_id = broadcast_ints(answer, 0, name="elastic.hosts_version")
+            answer = [version, time.time_ns() if commits is not None and commits.due() else 0,
+                      failed]
+        # three integers in one small allreduce (the largest of each: the others pass 0
+        # for rank 0's two), which the engine sends with its readiness in one round trip
+        # once it repeats (each commit), not an object's two broadcasts
+        version, write_id, failed = max_ints(answer, name="elastic.hosts_version")
+        if failed and commits is not None and self._get_rank() == 0:
+            commits.failed_elsewhere(failed)
         if write_id and commits is not None:
             commits.write(write_id)
         if probe is not None and version != runtime.rendezvous().hosts_version:

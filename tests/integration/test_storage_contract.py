@@ -185,3 +185,60 @@ def test_a_round_that_restores_nothing_trains_on_while_storage_is_down(tmp_path)
     assert [r["step"] for r in out] == [4, 4] and out[0]["errors"] == []
     [kept] = CheckpointStore(CheckpointConfig(storage, name="job")).checkpoints()
     assert kept.values["step"] == 4
+
+
+def _part_fails_with_its_note(storage: str, plan: str) -> dict:
+    """ZeRO-1 on 2 ranks, a background checkpoint due at every commit: at step 4 rank 1's
+    shard meets a full disk, its `.failed` note too (the same storage); at step 30 the
+    disk has room again. Returns rank 0's counters and the step at which it counted the
+    first failed checkpoint."""
+    import raytrain_x.torch as rx
+    from raytrain_x.core.process import PROCESS
+
+    rx.init()
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
+    opt = rx.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.05),
+                                  named_parameters=model.named_parameters(), zero_stage=1)
+    config = CheckpointConfig(storage, name="job", every_s=0.001, write_timeout_s=600)
+    state = rx.elastic.TorchState(model, opt, checkpoint=config, step=0)
+    out: dict = {"failed_at": None}
+
+    @rx.elastic.run
+    def train(state):
+        while state.step < 45:
+            if rx.rank() == 0 and state.step == 4:
+                write_plan(plan, full_disk=True, match="shard_00001")
+            if rx.rank() == 0 and state.step == 30:
+                write_plan(plan)
+            opt.zero_grad()
+            model(torch.randn(4, 6)).square().mean().backward()
+            opt.step()
+            state.step += 1
+            state.commit()
+            if out["failed_at"] is None and PROCESS.checkpoints.failed_count:
+                out["failed_at"] = state.step
+            time.sleep(0.1)  # a step's work: writes overlap it
+
+    train(state)
+    state.finish_writes()
+    out.update(counters=dict(vars(PROCESS.checkpoints)))
+    rx.shutdown()
+    return out
+
+
+def test_a_failed_part_reaches_rank_0_at_the_next_commit_not_through_failing_storage(
+        tmp_path):
+    """Rank 1's part and its `.failed` note both fail (a full disk): rank 0 learns of it
+    from the commit's small allreduce and gives the write up at once, instead of waiting
+    `write_timeout_s` (600 s) for a part that will never come; once the disk has room,
+    checkpoints complete again."""
+    plan = str(tmp_path / "faults.json")
+    write_plan(plan)
+    storage = str(tmp_path / "store")
+    out = run_workers(_part_fails_with_its_note, 2, storage, plan,
+                      env={"RAYTRAIN_X_STORAGE_FAULTS": plan}, work_s=90)
+    rank0 = out[0]
+    assert rank0["failed_at"] is not None and rank0["failed_at"] < 30, rank0
+    assert rank0["counters"]["failed_count"] >= 1
+    [newest, *_] = CheckpointStore(CheckpointConfig(storage, name="job")).checkpoints()
+    assert newest.values["step"] > 30 and rank0["counters"]["last_written"] == newest.number
