@@ -33,6 +33,8 @@ CLAIMS: dict[str, tuple[str, list[str], bool]] = {
     "checkpoint": ("throughput with durable checkpoints every 30 s vs none",
                    ["benchmarks/durable_checkpoint.py", "--every", "30", "--seconds", "95"],
                    False),
+    "checksum": ("a checkpoint write hashed as written vs re-read vs no checksums",
+                 ["benchmarks/checkpoint_checksum.py", "--rounds", "15"], False),
     "networks": ("ResNet-18 / GPT samples/s vs DDP, 2 emulated hosts",
                  ["benchmarks/real_networks.py", "--hosts", "2", "--steps", "4"], True),
     "autotune": ("autotune vs the default knobs, ResNet-18, one host",

@@ -67,6 +67,11 @@ def never_completed(why: str) -> bool:
 Key = tuple[int, int]  # (generation, commit number): the order of checkpoints
 
 
+def new_hasher() -> Any:
+    """A running xxh3-128 hash (`update`, `hexdigest`): what manifests record."""
+    return _hasher()
+
+
 def _hasher() -> Any:
     try:
         import xxhash
@@ -237,17 +242,22 @@ class CheckpointStore:
         local or shared folder); None for object stores, which take `upload`."""
         return self.storage.local(self._path(key, part))
 
-    def upload(self, key: Key, part: str, local_dir: str) -> dict[str, list[Any]]:
-        """Checksums the part's files in `local_dir`, copies them to storage (unless it is
-        the part's own folder, written in place), makes them durable, then records them
-        (`part.json`); returns {file: [bytes, checksum]}."""
+    def upload(self, key: Key, part: str, local_dir: str,
+               hashed: dict[str, list[Any]] | None = None) -> dict[str, list[Any]]:
+        """Checksums the part's files in `local_dir` (those in `hashed`, {file: [bytes,
+        checksum]} taken as they were written, at their size, are not read again), copies
+        them to storage (unless it is the part's own folder, written in place), makes them
+        durable, then records them (`part.json`); returns {file: [bytes, checksum]}."""
         files: dict[str, list[Any]] = {}
+        hashed = hashed or {}
         began = time.perf_counter()
         for folder, _, names in os.walk(local_dir):
             for file in names:
                 path = os.path.join(folder, file)
-                files[os.path.relpath(path, local_dir)] = [os.path.getsize(path),
-                                                           file_checksum(path)]
+                name, size = os.path.relpath(path, local_dir), os.path.getsize(path)
+                known = hashed.get(name)
+                files[name] = [size, known[1] if known and known[0] == size
+                               else file_checksum(path)]
         self.checksum_s += time.perf_counter() - began
         self.storage.upload(local_dir, self._path(key, part))
         self.record(key, part, files)

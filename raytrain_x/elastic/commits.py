@@ -94,8 +94,9 @@ class Format(Protocol):
     def signature(self) -> dict[str, Any]:
         """What the state is (names, shapes, dtypes): a restore refuses another."""
 
-    def save(self, tree: Any, folder: str) -> None:
-        """Writes a part's tree to a local folder."""
+    def save(self, tree: Any, folder: str) -> dict[str, list[Any]] | None:
+        """Writes a part's tree to a local folder; may return each file's [bytes,
+        xxh3-128 checksum], hashed as it was written (not read again)."""
 
     def read(self, folder: str) -> Any:
         """Reads back what `save` wrote."""

@@ -86,7 +86,7 @@ class DurableCheckpoints:
     writer, the writer lease, and reading parts back (in the framework's format: `save`,
     `load`)."""
 
-    def __init__(self, config: CheckpointConfig, save: Callable[[Any, str], None],
+    def __init__(self, config: CheckpointConfig, save: Callable[[Any, str], Any],
                  load: Callable[[str], Any],
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
@@ -225,8 +225,9 @@ class DurableCheckpoints:
                     # a folder on this machine is written in place; object stores from a
                     # local copy
                     local = self.store.local_folder(key, part) or os.path.join(tmp, part)
-                    self._save(tree(), local)
-                    result.files[part] = self.store.upload(key, part, local)
+                    hashed = self._save(tree(), local)  # a format may hash as it writes
+                    result.files[part] = self.store.upload(
+                        key, part, local, hashed if isinstance(hashed, dict) else None)
             part = ""
             if every_part is not None:
                 manifest.parts = self.store.wait_for_parts(key, every_part,

@@ -204,6 +204,11 @@ class WriterLease:
             CheckpointLeaseHeld: a newer run took it over.
         """
         self.check()
+        self.write_renewal()
+
+    def write_renewal(self) -> None:
+        """A renewal's write, after its check: this run's own generation's file, one beat
+        on."""
         self._beat += 1
         self.store.storage.publish(self._path(self.generation), self._record())
 

@@ -24,7 +24,8 @@ import os
 import pickle
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -127,17 +128,119 @@ def _filled(skeleton: Any, saved: Any) -> Any:
     return skeleton
 
 
-def save(tree: Any, folder: str) -> None:
-    """Writes `tree` (nested dicts of tensors and values) as a DCP checkpoint: its tensors
-    under `state` (as the tree nests them), and the tree's exact shape and values under
-    `skeleton`."""
-    import torch.distributed.checkpoint as dcp
-
+def dcp_payload(tree: Any) -> dict[str, Any]:
+    """What `save` hands torch DCP for `tree`: its tensors under `state` (as the tree nests
+    them), and the tree's exact shape and values under `skeleton`."""
     pickled = [False]
     skeleton = json.dumps({"format": SKELETON_FORMAT, "tree": encode(_skeleton(tree), pickled),
                            "pickled": pickled[0]})
-    dcp.save({"state": _tensors(tree) or {}, "skeleton": skeleton}, checkpoint_id=folder,
-             no_dist=True)
+    return {"state": _tensors(tree) or {}, "skeleton": skeleton}
+
+
+def save(tree: Any, folder: str) -> dict[str, list[Any]]:
+    """Writes `tree` (nested dicts of tensors and values) as a DCP checkpoint
+    (`dcp_payload`); returns each file's [bytes, xxh3-128 checksum], hashed as it was
+    written (a file whose hash could not be taken so is left out: it is hashed after)."""
+    import torch.distributed.checkpoint as dcp
+
+    writer, streams = hashing_writer(folder)
+    dcp.save(dcp_payload(tree), storage_writer=writer, no_dist=True)
+    files = {}
+    for path, stream in streams.items():
+        if stream.usable and os.path.exists(path) and os.path.getsize(path) == stream.size:
+            files[os.path.relpath(path, folder)] = [stream.size, stream.hexdigest()]
+    return files
+
+
+_OVERLAP_BYTES = 1 << 20  # a write this large is hashed while it is written
+_HASHER: list[Any] = []
+os.register_at_fork(after_in_child=_HASHER.clear)  # a forked child has not its thread
+
+
+def _hash_thread() -> Any:
+    """The one thread that hashes a large write while the writer's thread writes it."""
+    if not _HASHER:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _HASHER.append(ThreadPoolExecutor(1, thread_name_prefix="raytrain-x-hash"))
+    return _HASHER[0]
+
+
+class _Hashing:
+    """A file being written, hashed (xxh3-128, as manifests record) as its bytes go by:
+    no second read. A seek or truncate while writing marks the hash unusable (the file
+    is then hashed whole, after)."""
+
+    def __init__(self, raw: Any, digest: Any) -> None:
+        self._raw, self._digest = raw, digest
+        self.size, self.usable = 0, True
+
+    def write(self, data: Any) -> int:
+        try:
+            view = memoryview(data).cast("B")
+        except (TypeError, ValueError):
+            self.usable = False
+            return self._raw.write(data)
+        if not self.usable:
+            return self._raw.write(data)
+        if view.nbytes < _OVERLAP_BYTES:
+            written = self._raw.write(data)
+            self._digest.update(view)
+        else:  # hashed on a helper thread while this one writes (both drop the GIL)
+            hashing = _hash_thread().submit(self._digest.update, view)
+            try:
+                written = self._raw.write(data)
+            finally:
+                hashing.result()
+        if written is None or written != view.nbytes:
+            self.usable = False
+        self.size += written or 0
+        return written
+
+    def seek(self, *args: Any) -> int:
+        self.usable = False
+        return self._raw.seek(*args)
+
+    def truncate(self, *args: Any) -> int:
+        self.usable = False
+        return self._raw.truncate(*args)
+
+    def hexdigest(self) -> str:
+        return self._digest.hexdigest()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._raw, name)
+
+
+def hashing_writer(folder: str) -> tuple[Any, dict[str, _Hashing]]:
+    """torch DCP's file system writer for `folder` whose files are hashed as they are
+    written; and the files' hashes by path (a renamed file under its final name)."""
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    from raytrain_x.elastic.checkpoints import new_hasher
+
+    streams: dict[str, _Hashing] = {}
+
+    class HashingFileSystem(FileSystem):
+        @contextmanager
+        def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+            with super().create_stream(path, mode) as raw:
+                if "w" not in mode:
+                    yield raw
+                    return
+                stream = _Hashing(raw, new_hasher())
+                yield stream
+            streams[str(path)] = stream
+
+        def rename(self, path: Any, new_path: Any) -> None:
+            super().rename(path, new_path)
+            if str(path) in streams:
+                streams[str(new_path)] = streams.pop(str(path))
+
+    writer = FileSystemWriter(folder)
+    writer.fs = HashingFileSystem()
+    return writer, streams
 
 
 def load(folder: str) -> Any:

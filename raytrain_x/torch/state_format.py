@@ -172,8 +172,8 @@ class TorchFormat:
                 out[name] = [sum(len(g["params"]) for g in value.param_groups), "parameters"]
         return {**out, **self.attributes.signature()}
 
-    def save(self, tree: Any, folder: str) -> None:
-        durable.save(tree, folder)
+    def save(self, tree: Any, folder: str) -> dict[str, list[Any]]:
+        return durable.save(tree, folder)
 
     def read(self, folder: str) -> Any:
         return durable.load(folder)

@@ -324,7 +324,20 @@ def damaged_writes_not_read_back(mp) -> None:
     mp.setattr(CheckpointStore, "verify", lambda self, manifest: "")
 
 
+def renewals_overwrite_the_lease(mp) -> None:
+    """A renewal rewrote the job's one lease file whole: the killed run's renewal, checked
+    before the takeover and landing after it, undid the new run's generation."""
+    from raytrain_x.elastic.lease import WriterLease
+
+    def write_renewal(self) -> None:
+        top = max(self.generations(), default=self.generation)
+        self.store.storage.publish(self._path(top), self._record())
+
+    mp.setattr(WriterLease, "write_renewal", write_renewal)
+
+
 REVERTS["durable-stale-writer-fenced"] = stale_writers_not_fenced
+REVERTS["durable-late-renewal-after-takeover"] = renewals_overwrite_the_lease
 REVERTS["durable-damaged-write-skipped"] = damaged_writes_not_read_back
 
 

@@ -340,6 +340,12 @@ def durable_scenarios() -> list[Schedule]:
                "the driver killed while rank 0 writes, its writer going on; the same command "
                "run 0.2 s later takes the lease: the old writer's manifest is refused, and no "
                "checkpoint of the new run is pruned for it"),
+        _named("durable-late-renewal-after-takeover",
+               replace(DURABLE, storage_write_s=(2.5, 3.0)),
+               [Fault(8.0, "kill_driver", 0.9, 0.2), Fault(20.0, "lose_everything")],
+               "the driver killed, its rank 0 going on; the same command run 0.2 s later "
+               "takes the lease, then the old run's renewal (checked before the takeover) "
+               "lands: the new run still holds the lease, its checkpoints complete"),
         _named("durable-lost-twice", DURABLE, [
             Fault(8.0, "lose_everything"), Fault(20.0, "lose_everything"),
             Fault(21.0, "kill_node", 0.5)],

@@ -116,6 +116,19 @@ class SimStorage:
         self.lease.acquire(takeover=True)
         return self.lease
 
+    def stale_renewal(self, old: WriterLease) -> None:
+        """A renewal of a run that was taken over, whose check passed before the takeover,
+        lands after it (a slow lease write): the run holding the lease must still hold
+        it."""
+        old.write_renewal()
+        current = self.lease
+        try:
+            if current is not None:
+                current.check()
+        except CheckpointLeaseHeld:
+            self.violations.append(f"a late renewal of generation {old.generation} undid "
+                                   f"generation {current.generation}'s takeover")
+
     def write(self, lease: WriterLease, number: int, step: int, damage: str | None,
               full_disk: bool) -> str:
         """Writes checkpoint `number` (step `step`) as rank 0's writer does; returns what

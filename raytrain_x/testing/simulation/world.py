@@ -350,7 +350,13 @@ class World(WorkerSide):
         self.trace("a new driver starts the job again")
         self.driver_up = True
         if self.lease is not None:
+            old = self.lease
             self.lease = self.storage.new_run(lambda: self.now)
+            # the killed run's rank 0 goes on (its writer, its lease's renewal), or its
+            # renewal was under way as it died
+            if self.writer_outlives or self.storage_rng.random() < 0.5:
+                self.trace("a renewal of the killed run's lease lands after the takeover")
+                self.storage.stale_renewal(old)
         self.new_control()
 
     def kill_control(self, pick: float) -> None:
