@@ -341,6 +341,11 @@ CHECKPOINT_RUN = Setting(
     "RAYTRAIN_X_CHECKPOINT_RUN", "", str,
     "set by the executor for its workers: the token of this run of the job, which holds "
     "the writer lease of its checkpoints (`raytrain_x.elastic.lease`)", scope=INTERNAL)
+CHECKPOINT_DRIVER = Setting(
+    "RAYTRAIN_X_CHECKPOINT_DRIVER", "", str,
+    "set by the executor for its workers: `host:pid` of the driver, which renews the "
+    "writer lease too (a lease is free at once only when every process renewing it is "
+    "gone)", scope=INTERNAL)
 STORAGE_FAULTS = Setting(
     "RAYTRAIN_X_STORAGE_FAULTS", "", str,
     "set by tests and the simulator: a JSON file of storage faults to inject under every "

@@ -27,7 +27,7 @@ from raytrain_x.comm.rendezvous import Rendezvous
 from raytrain_x.common.checkpoint_config import CheckpointConfig
 from raytrain_x.common.errors import CheckpointError, CheckpointLeaseHeld, StorageError
 from raytrain_x.common.periodic import Every
-from raytrain_x.common.settings import CHECKPOINT_RUN
+from raytrain_x.common.settings import CHECKPOINT_DRIVER, CHECKPOINT_RUN
 from raytrain_x.core import runtime
 from raytrain_x.core.objects import allgather_object
 from raytrain_x.core.process import PROCESS
@@ -125,7 +125,7 @@ class DurableCheckpoints:
             raise self.fenced
         self.owner = self.owner or new_owner()
         if self._lease is None or self._lease.owner != self.owner:
-            self._lease = WriterLease(self.store, self.owner)
+            self._lease = WriterLease(self.store, self.owner, driver=CHECKPOINT_DRIVER.read())
         self.generation = self._lease.acquire(self.config.takeover)
         if not self._probed:
             probe_storage(self.store.storage, self.store.root)

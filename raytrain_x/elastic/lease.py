@@ -56,6 +56,7 @@ class LeaseRecord:
     beat: int = 0  # renewals so far: what a reader watches change
     released: bool = False  # its run ended: the next may take it at once
     wall_time: float = 0.0  # the holder's clock, for people reading the file; never compared
+    driver: str = ""  # `host:pid` of the job's driver, which renews it too ("": none)
 
 
 def lease_file(generation: int) -> str:
@@ -65,6 +66,17 @@ def lease_file(generation: int) -> str:
 def _generation(name: str) -> int | None:
     stem, _, ext = name.partition(".")
     return int(stem) if ext == "json" and stem.isdigit() else None
+
+
+def _gone(record: LeaseRecord) -> bool:
+    """Whether every process renewing `record` (rank 0's, the driver's) was on this
+    machine and is gone."""
+    here = socket.gethostname()
+    renewers = [(record.host, record.pid)]
+    if record.driver:
+        host, _, pid = record.driver.rpartition(":")
+        renewers.append((host, int(pid) if pid.isdigit() else 0))
+    return all(host == here and not _pid_alive(pid) for host, pid in renewers)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -83,8 +95,9 @@ class WriterLease:
 
     def __init__(self, store: CheckpointStore, owner: str,
                  clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+                 sleep: Callable[[float], None] = time.sleep, driver: str = "") -> None:
         self.store, self.owner, self._clock, self._sleep = store, owner, clock, sleep
+        self.driver = driver  # `host:pid` of the job's driver, which renews it too
         self.generation = 0  # 0 until acquired
         self._beat = 0
 
@@ -118,7 +131,7 @@ class WriterLease:
 
     def _record(self, released: bool = False) -> bytes:
         record = LeaseRecord(self.generation, self.owner, socket.gethostname(), os.getpid(),
-                             self._beat, released, time.time())
+                             self._beat, released, time.time(), self.driver)
         return json.dumps(asdict(record)).encode()
 
     # ------------------------------------------------------------------ taking it
@@ -163,8 +176,7 @@ class WriterLease:
         """Whether the holder of `generation` renews its lease: its file changes within
         `TTL_S` of this process's clock. A released lease, or one held by a process on
         this machine that is gone, is not live, at once."""
-        if record is not None and (record.released or (
-                record.host == socket.gethostname() and not _pid_alive(record.pid))):
+        if record is not None and (record.released or _gone(record)):
             return False
         first = self.store.storage.read(self._path(generation))
         began = self._clock()
@@ -240,3 +252,46 @@ class WriterLease:
 def _who(record: LeaseRecord | None) -> str:
     return "a run whose lease file cannot be read" if record is None or not record.owner \
         else f"process {record.pid} on {record.host}"
+
+
+class LeaseKeeper:
+    """The job's driver's side of the writer lease: every `RENEW_S` it renews the lease
+    its run's rank 0 took (found by the run's token, `owner`), so that the lease outlives
+    rank 0's process and an elastic recovery that waits for capacity keeps it. It takes
+    nothing: before rank 0 took the lease, after another run took it over, or once the run
+    released it, it writes nothing. `stop()` releases it (the run ended)."""
+
+    def __init__(self, store: CheckpointStore, owner: str) -> None:
+        self.lease = WriterLease(store, owner, driver=driver_identity())
+
+    def _ours(self) -> LeaseRecord | None:
+        generations = self.lease.generations()
+        record = self.lease.read(generations[-1]) if generations else None
+        if record is None or record.owner != self.lease.owner or record.released:
+            return None
+        self.lease.generation = record.generation
+        self.lease._beat = max(self.lease._beat, record.beat)
+        return record
+
+    def renew(self) -> None:
+        """One renewal, if the run holds the lease (storage errors logged: the next try
+        may pass before the lease expires)."""
+        try:
+            if self._ours() is not None:
+                self.lease.write_renewal()
+        except Exception as exc:  # noqa: BLE001 - rank 0 renews too; the next may pass
+            log.info("raytrain-x checkpoint: the driver could not renew the writer lease: "
+                     "%s", exc)
+
+    def stop(self) -> None:
+        """The run ended: its lease is released, if it still holds it (best effort)."""
+        try:
+            if self._ours() is not None:
+                self.lease.release()
+        except Exception as exc:  # noqa: BLE001 - it expires instead
+            log.info("raytrain-x checkpoint: could not release the writer lease: %s", exc)
+
+
+def driver_identity() -> str:
+    """`host:pid` of this process (a driver names itself in its run's lease)."""
+    return f"{socket.gethostname()}:{os.getpid()}"

@@ -19,6 +19,7 @@ from raytrain_x.common.checkpoint_config import (
 from raytrain_x.common.errors import ConfigError
 from raytrain_x.common.knobs import Knobs
 from raytrain_x.common.settings import (
+    CHECKPOINT_DRIVER,
     CHECKPOINT_NAME,
     CHECKPOINT_RUN,
     DRIVER_DIR,
@@ -242,6 +243,7 @@ class RayExecutor:
         self._elastic_env: dict[str, str] | None = None
         self._static: StaticJob | None = None
         self.autotune_controller = None
+        self._lease_keeper: tuple[Any, Any] | None = None  # (LeaseKeeper, its renewal)
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -284,15 +286,19 @@ class RayExecutor:
         apply_verbose(self.settings.verbose)
         ensure_ray()
         self.name = self.name or job_name()
+        run = uuid.uuid4().hex  # this run's writer token
         if self.checkpoint is not None:
             from raytrain_x.elastic.checkpoints import probe
 
             probe(self.checkpoint)  # an unwritable path fails the start, not the 1st write
+            self._keep_lease(run)
         # the workers export metrics where the driver does, under the job's name; their
         # checkpoints take the driver's folder and this run's writer token
         env = {**(extra_env_vars or {}), TIMEOUT_S.env: str(self.settings.timeout_s),
                JOB_NAME.env: self.name, CHECKPOINT_NAME.env: self.checkpoint_name,
-               CHECKPOINT_RUN.env: uuid.uuid4().hex, DRIVER_DIR.env: driver_dir(),
+               CHECKPOINT_RUN.env: run, DRIVER_DIR.env: driver_dir(),
+               CHECKPOINT_DRIVER.env: self._lease_keeper[0].lease.driver
+               if self._lease_keeper else "",
                METRICS.env: "1" if metrics.enabled() else "0",
                **(knob_env(self.knobs) if self.knobs else {}),
                **(self.checkpoint.to_env() if self.checkpoint is not None else {})}
@@ -326,8 +332,27 @@ class RayExecutor:
         env, self.autotune_controller = start_autotune(self.autotune, self.knobs)
         return env
 
+    def _keep_lease(self, run: str) -> None:
+        """The driver renews the writer lease its run's rank 0 takes (`LeaseKeeper`): the
+        job holds it while a recovery waits for capacity or after rank 0 died."""
+        from raytrain_x.common.periodic import Every
+        from raytrain_x.elastic.checkpoints import CheckpointStore
+        from raytrain_x.elastic.lease import RENEW_S, LeaseKeeper
+
+        assert self.checkpoint is not None
+        if self._lease_keeper:  # started again: the last run's keeper ends
+            self._lease_keeper[1].stop()
+        keeper = LeaseKeeper(CheckpointStore(self.checkpoint), run)
+        self._lease_keeper = (keeper, Every(RENEW_S, keeper.renew,
+                                            "raytrain-x-lease-keeper").start())
+
     def shutdown(self) -> None:
         """Kills the workers and frees their placement group."""
+        if self._lease_keeper:
+            keeper, renewal = self._lease_keeper
+            renewal.stop()
+            keeper.stop()  # the run ended: the next one takes the lease at once
+            self._lease_keeper = None
         self._elastic_env = None
         if self.metrics is not None:
             self.metrics.close()

@@ -21,7 +21,7 @@ from raytrain_x.common.errors import (
 )
 from raytrain_x.elastic.checkpoints import CheckpointStore, Manifest, checkpoint_folder
 from raytrain_x.elastic.durable import DurableCheckpoints
-from raytrain_x.elastic.lease import RENEW_S, TTL_S, WriterLease
+from raytrain_x.elastic.lease import RENEW_S, TTL_S, LeaseKeeper, WriterLease
 from raytrain_x.elastic.storage import RetryingStorage
 from raytrain_x.elastic.storage_faults import write_plan
 
@@ -547,3 +547,38 @@ def test_a_write_waiting_for_a_part_whose_rank_was_lost_is_given_up_at_the_next_
     assert "no rank of the new world writes shard_00001" in durable.last.error
     assert not Path(durable.store.where(lost.key)).exists()
     _release(durable)
+
+
+def test_the_driver_keeps_its_runs_lease_after_rank_0_is_gone(tmp_path):
+    """Rank 0 took the lease and its process is gone (on this machine); the driver's
+    keeper renews the lease for the run, so a second run is refused at the keeper's next
+    renewal, not given the lease at once. The keeper takes and renews nothing that is not
+    its run's; its stop (the run ended) releases the lease for the next run at once."""
+    store = CheckpointStore(CheckpointConfig(str(tmp_path), name="job"))
+    keeper = LeaseKeeper(store, "run-1")
+    keeper.renew()  # rank 0 has not taken it yet: nothing written
+    assert not Path(tmp_path, "job", "lease").exists()
+    WriterLease(store, "run-1", driver=keeper.lease.driver).acquire()
+    lease_file = Path(tmp_path, "job", "lease", "000000000001.json")
+    record = json.loads(lease_file.read_text())
+    record["pid"] = _dead_pid()  # rank 0's process is gone; the driver (this one) is not
+    lease_file.write_text(json.dumps(record))
+    now = [0.0]
+
+    def renewing(seconds: float) -> None:
+        now[0] += seconds
+        keeper.renew()
+
+    with pytest.raises(CheckpointLeaseHeld, match="another run of this job is writing"):
+        WriterLease(store, "run-2", clock=lambda: now[0], sleep=renewing).acquire()
+    assert now[0] <= RENEW_S
+    keeper.stop()  # the run ended
+    assert json.loads(lease_file.read_text())["released"]
+
+    def no_wait(seconds: float) -> None:
+        raise AssertionError("a released lease is taken at once")
+
+    assert WriterLease(store, "run-3", sleep=no_wait).acquire() == 2
+    taken = Path(tmp_path, "job", "lease", "000000000002.json").read_text()
+    keeper.renew()  # another run's lease: not touched
+    assert Path(tmp_path, "job", "lease", "000000000002.json").read_text() == taken
