@@ -32,6 +32,13 @@ log = logging.getLogger("raytrain_x.elastic")
 
 T = TypeVar("T")
 CHUNK = 8 * 1024 * 1024  # bytes read at a time to checksum or copy
+_READ = [0]  # bytes this process read from storage through `ArrowStorage`
+
+
+def bytes_read() -> int:
+    """The bytes this process has read from storage (files read, streamed or copied out;
+    a local folder read in place by torch DCP is not counted): what a restore costs."""
+    return _READ[0]
 
 
 @dataclass(frozen=True)
@@ -152,7 +159,9 @@ class ArrowStorage(Storage):
     def read(self, path: str) -> bytes | None:
         try:
             with self.fs.open_input_stream(self._at(path)) as f:
-                return f.read()
+                data = f.read()
+            _READ[0] += len(data)
+            return data
         except OSError as exc:
             if _not_found(exc):
                 return None
@@ -166,6 +175,7 @@ class ArrowStorage(Storage):
                 chunk = f.read(CHUNK)
                 if not chunk:
                     return
+                _READ[0] += len(chunk)
                 yield chunk
 
     def sizes(self, paths: list[str]) -> list[int | None]:
@@ -235,6 +245,8 @@ class ArrowStorage(Storage):
         os.makedirs(local_dir, exist_ok=True)
         self._pafs.copy_files(self._at(folder), local_dir, source_filesystem=self.fs,
                               destination_filesystem=self._pafs.LocalFileSystem())
+        _READ[0] += sum(os.path.getsize(os.path.join(d, f))
+                        for d, _, names in os.walk(local_dir) for f in names)
 
     def delete(self, folder: str) -> None:
         try:
