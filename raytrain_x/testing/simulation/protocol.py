@@ -263,6 +263,8 @@ class WorkerSide:
             return
         if self.storage_rng.random() < 0.3:
             self.storage.flaky_listings(self.storage_rng.randint(1, 3))
+        if self.storage_rng.random() < 0.2:  # a read cut off midway (a connection reset)
+            self.storage.cut_reads(self.storage_rng.randint(1, 2))
         try:  # what `DurableCheckpoints.named` does with the driver's name
             manifest = self.storage.latest()
         except Exception as exc:  # noqa: BLE001 - a violation, whatever it is

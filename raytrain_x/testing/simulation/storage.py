@@ -5,9 +5,11 @@ What a worker's writer does in production (`raytrain_x.elastic.durable`) is done
 the same order through the same store: each part's files are written and recorded with
 their checksums, the lease is checked, the manifest published, the lease checked again and
 older checkpoints pruned. Faults come from the schedule: transient listing errors (503
-SlowDown, retried), a full disk while storage is down, writes that land damaged (torn, a
-byte flipped at the same size, a zero-filled `.metadata`), and a killed driver's writer
-that goes on after the next run took the lease (which fencing must refuse).
+SlowDown, retried), reads cut off midway (resumed from the byte reached), a full disk
+while storage is down, writes that land damaged (torn, a byte flipped at the same size, a
+zero-filled `.metadata`), a killed driver's writer that goes on after the next run took
+the lease (which fencing must refuse), and its lease's renewal landing after the takeover
+(which must not undo it).
 
 The ground truth the invariants read is the world's: which checkpoints were completed
 intact, by which run, and which the store gives back.
@@ -202,6 +204,11 @@ class SimStorage:
             newest = max(self.intact)
             if newest not in set(self.store_keys()):
                 self.violations.append(f"the newest intact checkpoint {newest} was pruned")
+
+    def cut_reads(self, count: int) -> None:
+        """The next `count` reads of a file's chunks are cut off after their first chunk
+        (a connection reset midway), fewer than the retries."""
+        self.plan.faults["midway"] = self.plan.faults.get("midway", 0) + count
 
     def flaky_listings(self, count: int) -> None:
         """The next `count` listings fail (S3's 503 SlowDown), fewer than the retries."""
