@@ -7,6 +7,7 @@ import os
 import re
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -506,12 +507,15 @@ def test_ctrl_c_stops_the_job_with_exit_130_and_one_line(ray_cluster, tmp_path):
         "rx.init()\n"
         "print('training', rx.rank(), flush=True)\n"
         f"time.sleep(1000)  # {marker}\n")
-    # faulthandler: a launcher that does not end is made to print its threads' stacks
+    # faulthandler: a launcher that does not end is made to print its threads' stacks.
+    # Ctrl-C's default disposition, as a terminal gives it: a suite started as a background
+    # job (`make test &`, some CI runners) ignores SIGINT, and its children inherit that
     proc = subprocess.Popen([str(BIN / "raytrain-x"), "run", "-np", "2", "--address", ray_cluster,
                              "python", str(script)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=REPO,
                             env={**os.environ, "RAY_AUTH_MODE": "disabled",
-                                 "PYTHONFAULTHANDLER": "1"})
+                                 "PYTHONFAULTHANDLER": "1"},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         seen: list[str] = []
         reader = threading.Thread(target=lambda: seen.extend(proc.stdout), daemon=True)
