@@ -191,13 +191,8 @@ class ArrowStorage(Storage):
             with self.fs.open_output_stream(full) as out:  # one PUT: atomic
                 out.write(data)
             return
-        os.makedirs(os.path.dirname(full), exist_ok=True)
-        tmp = f"{full}.tmp-{uuid.uuid4().hex[:12]}"
+        tmp = _durable_temp(full, data)
         try:
-            with open(tmp, "wb") as out:
-                out.write(data)
-                out.flush()
-                os.fsync(out.fileno())
             os.replace(tmp, full)
         finally:
             if os.path.exists(tmp):
@@ -207,17 +202,11 @@ class ArrowStorage(Storage):
     def create(self, path: str, data: bytes) -> bool:
         full = self._at(path)
         if self.is_local:
-            os.makedirs(os.path.dirname(full), exist_ok=True)
-            tmp = f"{full}.tmp-{uuid.uuid4().hex[:12]}"
+            tmp = _durable_temp(full, data)
             try:
-                with open(tmp, "wb") as out:
-                    out.write(data)
-                    out.flush()
-                    os.fsync(out.fileno())
-                try:
-                    os.link(tmp, full)  # O_EXCL's guarantee (NFS too), the content whole
-                except FileExistsError:
-                    return False
+                os.link(tmp, full)  # O_EXCL's guarantee (NFS too), the content whole
+            except FileExistsError:
+                return False
             finally:
                 os.remove(tmp)
             _fsync_dir(os.path.dirname(full))
@@ -320,6 +309,23 @@ def _read_then_write(uri: str) -> Callable[[str, bytes], bool]:
         storage.publish(path, data)
         return True
     return put
+
+
+def _durable_temp(full: str, data: bytes) -> str:
+    """`data` in a new file beside `full` (its folder made), fsynced: what a rename or a
+    hard link then puts in `full`'s place whole. Returns its path."""
+    os.makedirs(os.path.dirname(full), exist_ok=True)
+    tmp = f"{full}.tmp-{uuid.uuid4().hex[:12]}"
+    try:
+        with open(tmp, "wb") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    return tmp
 
 
 def _fsync_dir(path: str) -> None:
