@@ -36,7 +36,7 @@ def main() -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
-    from raytrain_x.elastic.checkpoints import file_checksum
+    from raytrain_x.elastic.checksums import file_checksum
     from raytrain_x.torch.durable import dcp_payload, hashing_writer
     from raytrain_x.torch.workloads import GPTDecoder, synthetic_tokens
 
@@ -57,7 +57,7 @@ def main() -> None:
         if way == "streamed":
             writer, streams = hashing_writer(folder)
             dcp.save(payload, storage_writer=writer, no_dist=True)
-            return {path: s.hexdigest() for path, s in streams.items()}
+            return {path: s.record()[1] for path, s in streams.items()}
         dcp.save(payload, storage_writer=FileSystemWriter(folder), no_dist=True)
         if way == "plain":
             return {}

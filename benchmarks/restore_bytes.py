@@ -3,9 +3,10 @@ workload written by --writers ranks to moto's S3 server on loopback, then restor
 --readers ranks (a new job of another size). Bytes are counted through raytrain-x's
 storage layer on each rank, from the restore's start to its end.
 
-Reported per reading rank: bytes read, its share (its own optimizer shard in the new
-layout's worth of the shard parts, plus the common part on rank 0, which loads it), and
-the ratio. Writes results/restore_bytes_cpu.json.
+Reported per reading rank: bytes read, and its share: the stored bytes of the optimizer
+shards it owns in the new layout, the part every reader of a shard part reads (each
+part's `.metadata` and skeleton), and on rank 0 the common part (models, attributes),
+which it loads; the target is read / share <= 1.1. Writes results/restore_bytes_cpu.json.
 
 Run: .venv/bin/python benchmarks/restore_bytes.py [--layers 4 --width 256]
 """
@@ -45,8 +46,8 @@ def _job(rank: int, size: int, port: int, uri: str, restore: bool, args, queue) 
         state.checkpoint()
     every = rx.allgather_object(read)
     if rank == 0:
-        queue.put({"read": every, "restored": getattr(state, "restored_from", None)
-                   is not None})
+        queue.put({"read": every, "owners": opt.owners_by_index(),
+                   "restored": getattr(state, "restored_from", None) is not None})
     rx.shutdown()
 
 
@@ -56,6 +57,7 @@ def main() -> None:
     from raytrain_x.common.checkpoint_config import CheckpointConfig
     from raytrain_x.elastic.checkpoints import CheckpointStore
     from raytrain_x.elastic.durable import part_kind
+    from raytrain_x.torch.durable import shard_bytes
     from raytrain_x.testing.waiting import free_port
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -74,25 +76,36 @@ def main() -> None:
         uri = (f"s3://bench/runs?endpoint_override=127.0.0.1:{port}&scheme=http"
                "&allow_bucket_creation=true")
         run_ranks(_job, args.writers, uri, False, args)
-        [written] = CheckpointStore(CheckpointConfig(uri, name="bench")).checkpoints()
-        sizes = {part: sum(size for size, _ in files.values())
+        store = CheckpointStore(CheckpointConfig(uri, name="bench"))
+        [written] = store.checkpoints()
+        sizes = {part: sum(entry[0] for entry in files.values())
                  for part, files in written.parts.items()}
         common = sum(v for p, v in sizes.items() if part_kind(p) == "common")
-        shards = sum(v for p, v in sizes.items() if part_kind(p) != "common")
+        shard_parts = [p for p in sizes if part_kind(p) != "common"]
+        by_index: dict[int, int] = {}  # each parameter's optimizer state, stored bytes
+        for part in shard_parts:
+            [states] = shard_bytes(store.part(written, part)).values()
+            for index, size in states.items():
+                by_index[index] = by_index.get(index, 0) + size
+        shards = sum(sizes[p] for p in shard_parts)
+        every_reader = shards - sum(by_index.values())  # metadata, skeletons
         out = run_ranks(_job, args.readers, uri, True, args)
     finally:
         server.stop()
     assert out["restored"], "the new job did not restore the checkpoint"
     rows = []
     for rank, read in enumerate(out["read"]):
-        share = shards / args.readers + (common if rank == 0 else 0)
-        rows.append({"rank": rank, "read MB": read / 1e6, "share MB": share / 1e6,
-                     "read / share": read / share})
+        own = sum(size for i, size in by_index.items() if out["owners"].get(i) == rank)
+        share = own + every_reader + (common if rank == 0 else 0)
+        rows.append({"rank": rank, "read MB": read / 1e6, "own shards MB": own / 1e6,
+                     "share MB": share / 1e6, "read / share": read / share})
     print(f"checkpoint of {args.writers} ranks: common {common / 1e6:.2f} MB, shards "
-          f"{shards / 1e6:.2f} MB; restored by {args.readers} ranks from S3 (moto)")
-    print_table(rows, ["rank", "read MB", "share MB", "read / share"])
+          f"{shards / 1e6:.2f} MB (of which {every_reader / 1e6:.3f} MB every reader "
+          f"reads); restored by {args.readers} ranks from S3 (moto)")
+    print_table(rows, ["rank", "read MB", "own shards MB", "share MB", "read / share"])
     payload = {"args": vars(args), "common_bytes": common, "shard_bytes": shards,
-               "read": out["read"], "ratio": [r["read / share"] for r in rows]}
+               "every_reader_bytes": every_reader, "read": out["read"],
+               "ratio": [r["read / share"] for r in rows]}
     print(f"wrote {write_json('restore_bytes_cpu', payload, args.json)}")
 
 

@@ -40,8 +40,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from raytrain_x.common.checkpoint_config import CheckpointConfig
-from raytrain_x.common.errors import CheckpointError, ConfigError, StorageError
+from raytrain_x.common.errors import CheckpointError, StorageError
 from raytrain_x.common.settings import STORAGE_FAULTS
+from raytrain_x.elastic.checksums import (
+    CHECKSUM,
+    CheckpointDamaged,
+    PartFiles,
+    file_checksum,
+)
 from raytrain_x.elastic.storage import ArrowStorage, RetryingStorage, Storage
 from raytrain_x.elastic.storage_faults import FaultyStorage
 
@@ -51,7 +57,6 @@ _PREFIX = "checkpoint_"
 MANIFEST = "manifest.json"
 FAILED = ".failed"  # beside a part's record: that rank's write failed, and why
 DAMAGED = "damaged"  # in a checkpoint's folder: a reader found a file's checksum wrong
-CHECKSUM = "xxh3_128"
 # why a folder is passed over where it is a write that did not finish or that its writer
 # found damaged as it finished (a failed write, never a checkpoint); every other reason is
 # a checkpoint's, completed and then found damaged
@@ -65,36 +70,6 @@ def never_completed(why: str) -> bool:
     return why == NO_MANIFEST or why.startswith(f"{DAMAGED_BEFORE}: {LANDED_DAMAGED}")
 
 Key = tuple[int, int]  # (generation, commit number): the order of checkpoints
-
-
-def new_hasher() -> Any:
-    """A running xxh3-128 hash (`update`, `hexdigest`): what manifests record."""
-    return _hasher()
-
-
-def _hasher() -> Any:
-    try:
-        import xxhash
-    except ImportError:  # pragma: no cover - the checkpoint extra installs it
-        raise ConfigError("durable checkpoints need xxhash: pip install "
-                          "'raytrain-x[checkpoint]'") from None
-    return xxhash.xxh3_128()
-
-
-def bytes_checksum(data: bytes) -> str:
-    """The xxh3-128 checksum of `data`."""
-    digest = _hasher()
-    digest.update(data)
-    return digest.hexdigest()
-
-
-def file_checksum(path: str) -> str:
-    """The xxh3-128 checksum of a local file."""
-    digest = _hasher()
-    with open(path, "rb") as f:
-        while chunk := f.read(8 * 1024 * 1024):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 @dataclass
@@ -256,8 +231,8 @@ class CheckpointStore:
                 path = os.path.join(folder, file)
                 name, size = os.path.relpath(path, local_dir), os.path.getsize(path)
                 known = hashed.get(name)
-                files[name] = [size, known[1] if known and known[0] == size
-                               else file_checksum(path)]
+                files[name] = list(known) if known and known[0] == size \
+                    else [size, file_checksum(path)]
         self.checksum_s += time.perf_counter() - began
         self.storage.upload(local_dir, self._path(key, part))
         self.record(key, part, files)
@@ -450,18 +425,25 @@ class CheckpointStore:
 
     def verify(self, manifest: Manifest) -> str:
         """'' when every file of `manifest` has its checksum, else which one does not."""
-        for part, files in manifest.parts.items():
-            for file, (_, checksum) in files.items():
-                if checksum is None:
-                    continue  # written before checksums were recorded: sizes only
-                digest = _hasher()
-                path = f"{self._path(manifest.key, part)}/{file}"
-                for chunk in self.storage.chunks(path):
-                    digest.update(chunk)
-                if digest.hexdigest() != checksum:
-                    return (f"{self.storage.describe(path)} is damaged (checksum "
-                            f"{digest.hexdigest()}, its manifest says {checksum})")
+        for part in manifest.parts:
+            files = self.part(manifest, part)
+            for file in files.names():
+                try:
+                    for _ in files.chunks(file):
+                        pass
+                except CheckpointDamaged as exc:
+                    return str(exc)
         return ""
+
+    def part(self, manifest: Manifest, part: str) -> PartFiles:
+        """A part of `manifest`'s checkpoint, read through storage and checked as it is
+        read (`PartFiles`)."""
+        return PartFiles(self.storage, self._path(manifest.key, part), manifest.parts[part])
+
+    def mark_damaged(self, key: Key, why: str) -> None:
+        """Sets the checkpoint `key` aside: a reader found one of its files damaged
+        (`why`). Readers pass it over from now on, and pruning never deletes it."""
+        self._mark_damaged(key, why)
 
     def _damaged(self, key: Key) -> str | None:
         """Why the checkpoint `key` was marked damaged (None: it was not)."""
@@ -474,22 +456,6 @@ class CheckpointStore:
         except StorageError as exc:  # a reader that cannot write still skips it
             log.warning("raytrain-x checkpoint: cannot mark %s damaged: %s", self.where(key),
                         exc)
-
-    def download(self, manifest: Manifest, part: str, local_dir: str) -> str:
-        """Copies a part's files into `local_dir/part`, checking each file's checksum;
-        returns that folder.
-
-        Raises:
-            CheckpointError: a file changed since the checkpoint was verified.
-        """
-        dest = os.path.join(local_dir, part)
-        self.storage.download(self._path(manifest.key, part), dest)
-        for file, (_, checksum) in manifest.parts[part].items():
-            if checksum is not None and file_checksum(os.path.join(dest, file)) != checksum:
-                raise CheckpointError(f"{self.where(manifest.key, part)}/{file} changed "
-                                      "while it was read (its checksum differs from the "
-                                      "manifest's)")
-        return dest
 
     def _keys(self) -> list[Key]:
         """Every checkpoint folder's key. A listing error is retried, then raised."""

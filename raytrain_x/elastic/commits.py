@@ -29,7 +29,6 @@ then they restore the latest checkpoint.
 from __future__ import annotations
 
 import logging
-import tempfile
 import time
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
@@ -40,6 +39,7 @@ from raytrain_x.core import runtime
 from raytrain_x.core.objects import allgather_object
 from raytrain_x.core.process import PROCESS
 from raytrain_x.elastic.checkpoints import Manifest
+from raytrain_x.elastic.checksums import CheckpointDamaged, PartFiles
 from raytrain_x.elastic.durable import (
     COMMON,
     DurableCheckpoints,
@@ -98,8 +98,9 @@ class Format(Protocol):
         """Writes a part's tree to a local folder; may return each file's [bytes,
         xxh3-128 checksum], hashed as it was written (not read again)."""
 
-    def read(self, folder: str) -> Any:
-        """Reads back what `save` wrote."""
+    def read(self, part: PartFiles) -> Any:
+        """Reads back what `save` wrote, from a checkpoint's part in storage (checked as
+        it is read: `CheckpointDamaged` where it is not what was written)."""
 
 
 class Shards(Protocol):
@@ -127,9 +128,9 @@ class Shards(Protocol):
     def own_part(self) -> Any:
         """This rank's own shard, as its checkpoint part's tree."""
 
-    def restore_from(self, folders: Iterable[str]) -> None:
+    def restore_from(self, parts: Iterable[PartFiles]) -> None:
         """From storage: re-shards for this world and reads only this rank's shards from
-        the checkpoint's shard parts (`folders`, each a local folder)."""
+        the checkpoint's shard parts (each checked as it is read)."""
 
 
 class _Copy:
@@ -313,24 +314,39 @@ class CommitManager:
     def _restore_from_storage(self, lost: bool = False) -> bool:
         """Loads the checkpoint the driver named (with `lost`, the latest: a sharded
         state's shards were lost with every copy): rank 0 the common part, every rank only
-        its own optimizer shards in this world's layout. False when there is nothing to
-        restore."""
+        its own optimizer shards in this world's layout, each checking the bytes it reads.
+        Where a rank finds the checkpoint damaged, every rank takes the one before. False
+        when there is nothing to restore."""
         if self.durable is None:
             return False
-        manifest = checkpoint_to_restore(self.durable, self._bcast, self.format.signature(),
-                                         latest=lost)
-        if manifest is None:
-            return False
-        began = time.perf_counter()
-        if runtime.rank() == 0:
-            common = next(p for p in manifest.parts if part_kind(p) == COMMON)
-            self.format.load(self.durable.load(manifest, common))
-        if self.shards is not None:
-            with tempfile.TemporaryDirectory(prefix="raytrain-x-restore-") as tmp:
-                folders = (self.durable.part_folder(manifest, p, tmp)
-                           for p in sorted(manifest.parts) if part_kind(p) != COMMON)
-                self.shards.restore_from(folders)
+        while True:
+            manifest = checkpoint_to_restore(self.durable, self._bcast,
+                                             self.format.signature(), latest=lost)
+            if manifest is None:
+                return False
+            began = time.perf_counter()
+            try:
+                self._load_checkpoint(manifest)
+                damaged = None
+            except CheckpointDamaged as exc:
+                damaged = str(exc)
+            found = [why for why in allgather_object(damaged, name="elastic.durable.read")
+                     if why]
+            if not found:
+                break
+            if runtime.rank() == 0:  # marked: the next pick passes it over
+                self.durable.set_aside(manifest, found[0])
         self.number = manifest.number
         self.restored_from = manifest
         restored(self.durable, manifest, began)
         return True
+
+    def _load_checkpoint(self, manifest: Manifest) -> None:
+        """This rank's share of `manifest`'s checkpoint loaded into the live state."""
+        assert self.durable is not None
+        if runtime.rank() == 0:
+            common = next(p for p in manifest.parts if part_kind(p) == COMMON)
+            self.format.load(self.durable.load(manifest, common))
+        if self.shards is not None:
+            self.shards.restore_from(self.durable.part(manifest, p)
+                                     for p in sorted(manifest.parts) if part_kind(p) != COMMON)

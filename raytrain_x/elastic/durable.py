@@ -32,6 +32,7 @@ from raytrain_x.core import runtime
 from raytrain_x.core.objects import allgather_object
 from raytrain_x.core.process import PROCESS
 from raytrain_x.elastic.checkpoints import CheckpointStore, Key, Manifest, probe_storage
+from raytrain_x.elastic.checksums import PartFiles
 from raytrain_x.elastic.lease import RENEW_S, WriterLease, new_owner
 
 log = logging.getLogger("raytrain_x.elastic")
@@ -284,32 +285,43 @@ class DurableCheckpoints:
 
     # ------------------------------------------------------------------ reading
     def latest(self) -> Manifest | None:
-        """The newest intact checkpoint; incomplete or damaged ones after it are skipped
-        with a warning naming the file."""
-        return self.store.latest(warn=True, verify=True)
+        """The newest complete checkpoint (every file at its size); incomplete ones after
+        it, and ones found damaged before, are skipped with a warning naming the file. Its
+        bytes are checked as the ranks read them (`load`, `part`): a rank that finds one
+        damaged makes the restore take the one before (`CommitManager`)."""
+        return self.store.latest(warn=True, verify=False)
 
     def named(self, key: Key) -> Manifest | None:
-        """The checkpoint a round restores whose driver named `key`: the newest intact one.
-        That is the named one, or one this job's writer completed after the driver decided
-        (a holder's background write that ended as the holders were lost: restoring the
-        named one would lose its steps), or, where the named one is found damaged, the
-        newest intact one before it (each skipped one logged, naming the file)."""
-        manifest = self.store.latest(warn=True, verify=True)
+        """The checkpoint a round restores whose driver named `key`: the newest complete
+        one (`latest`). That is the named one, or one this job's writer completed after the
+        driver decided (a holder's background write that ended as the holders were lost:
+        restoring the named one would lose its steps), or, where the named one was found
+        damaged, the newest before it (each skipped one logged, naming the file)."""
+        manifest = self.store.latest(warn=True, verify=False)
         if manifest is not None and manifest.key > tuple(key):
             log.info("raytrain-x checkpoint: %s was completed after the driver named "
                      "checkpoint %s: restoring it", manifest.describe(), key)
         return manifest
 
     def load(self, manifest: Manifest, part: str) -> Any:
-        """A part of `manifest`'s checkpoint, as the tree that was saved (host tensors)."""
-        with tempfile.TemporaryDirectory(prefix="raytrain-x-restore-") as tmp:
-            return self._load(self.part_folder(manifest, part, tmp))
+        """A part of `manifest`'s checkpoint, as the tree that was saved (host tensors),
+        its bytes checked as they are read.
 
-    def part_folder(self, manifest: Manifest, part: str, tmp: str) -> str:
-        """A part's folder to read: in place on a file system, else a local copy in
-        `tmp`, its files checked against the manifest's checksums."""
-        return self.store.local_folder(manifest.key, part) or \
-            self.store.download(manifest, part, tmp)
+        Raises:
+            CheckpointDamaged: a file of it is not what the manifest records.
+        """
+        return self._load(self.store.part(manifest, part))
+
+    def part(self, manifest: Manifest, part: str) -> PartFiles:
+        """A part of `manifest`'s checkpoint to read, checked as it is read."""
+        return self.store.part(manifest, part)
+
+    def set_aside(self, manifest: Manifest, why: str) -> None:
+        """Rank 0: a rank found `manifest`'s checkpoint damaged as it read it (`why`):
+        marked, so that the restore, and every later reader, takes the one before."""
+        log.warning("raytrain-x checkpoint: %s is damaged (%s); restoring the one before",
+                    self.store.where(manifest.key), why)
+        self.store.mark_damaged(manifest.key, why)
 
 
 def write_now(durable: DurableCheckpoints, number: int,

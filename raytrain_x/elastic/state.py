@@ -273,7 +273,7 @@ class Attributes:
     def save(self, tree: Any, folder: str) -> None:
         raise NotImplementedError("an ObjectState writes no durable checkpoints")
 
-    def read(self, folder: str) -> Any:
+    def read(self, part: Any) -> Any:
         raise NotImplementedError("an ObjectState writes no durable checkpoints")
 
 

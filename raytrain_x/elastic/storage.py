@@ -66,9 +66,11 @@ class Storage(ABC):
         """A file's bytes; None when it does not exist."""
 
     @abstractmethod
-    def chunks(self, path: str, offset: int = 0) -> Iterator[bytes]:
-        """A file's bytes from byte `offset` on, a chunk at a time (to checksum it without
-        holding it; a read cut off midway goes on from where it stopped)."""
+    def chunks(self, path: str, offset: int = 0, length: int | None = None
+               ) -> Iterator[bytes]:
+        """A file's bytes from byte `offset` on (up to `length` of them: a ranged read on
+        an object store), a chunk at a time (to checksum it without holding it; a read cut
+        off midway goes on from where it stopped)."""
 
     @abstractmethod
     def sizes(self, paths: list[str]) -> list[int | None]:
@@ -167,15 +169,18 @@ class ArrowStorage(Storage):
                 return None
             raise
 
-    def chunks(self, path: str, offset: int = 0) -> Iterator[bytes]:
+    def chunks(self, path: str, offset: int = 0, length: int | None = None
+               ) -> Iterator[bytes]:
+        left = -1 if length is None else length
         with self.fs.open_input_file(self._at(path)) as f:  # ranged reads on a store
             if offset:
                 f.seek(offset)
-            while True:
-                chunk = f.read(CHUNK)
+            while left:
+                chunk = f.read(CHUNK if left < 0 else min(CHUNK, left))
                 if not chunk:
                     return
                 _READ[0] += len(chunk)
+                left -= len(chunk) if left > 0 else 0
                 yield chunk
 
     def sizes(self, paths: list[str]) -> list[int | None]:
@@ -410,14 +415,17 @@ class RetryingStorage(Storage):
     def read(self, path: str) -> bytes | None:
         return self._retry("reading", path, lambda: self.inner.read(path))
 
-    def chunks(self, path: str, offset: int = 0) -> Iterator[bytes]:
+    def chunks(self, path: str, offset: int = 0, length: int | None = None
+               ) -> Iterator[bytes]:
         # a read that fails, at its start or midway, is tried again from the byte it
         # reached, under the same backoff as every operation
         backoff = self._backoff("reading", path)
         while True:
             try:
-                for chunk in self.inner.chunks(path, offset):
+                for chunk in self.inner.chunks(path, offset, length):
                     offset += len(chunk)
+                    if length is not None:
+                        length -= len(chunk)
                     yield chunk
                 return
             except OSError as exc:

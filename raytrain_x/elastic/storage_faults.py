@@ -130,9 +130,10 @@ class FaultyStorage(Storage):
         self._enter("read", path)
         return self.inner.read(path)
 
-    def chunks(self, path: str, offset: int = 0) -> Iterator[bytes]:
+    def chunks(self, path: str, offset: int = 0, length: int | None = None
+               ) -> Iterator[bytes]:
         hit = self._enter("chunks", path)
-        stream = self.inner.chunks(path, offset)
+        stream = self.inner.chunks(path, offset, length)
         return _cut_off(stream, path) if hit.get("midway") else stream
 
     def sizes(self, paths: list[str]) -> list[int | None]:

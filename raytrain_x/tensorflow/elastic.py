@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import tempfile
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -19,6 +20,7 @@ import numpy as np
 from raytrain_x.common.checkpoint_config import CheckpointConfig, from_env
 from raytrain_x.common.errors import ConfigError
 from raytrain_x.core.runtime import rank
+from raytrain_x.elastic.checksums import PartFiles
 from raytrain_x.elastic.commits import CommitManager, Committed, copied
 from raytrain_x.elastic.state import Attributes, ObjectState, State, restore_count
 from raytrain_x.elastic.state import run as _run
@@ -88,8 +90,10 @@ class TensorFlowFormat:
     def save(self, tree: Any, folder: str) -> None:
         save(tree, folder)
 
-    def read(self, folder: str) -> Any:
-        return load(folder)
+    def read(self, part: PartFiles) -> Any:
+        with tempfile.TemporaryDirectory(prefix="raytrain-x-restore-") as tmp, \
+                part.local_folder(tmp) as folder:
+            return load(folder)
 
 
 def _copy_tree(tree: dict[str, Any]) -> dict[str, Any]:

@@ -19,6 +19,7 @@ The commit manager (`raytrain_x.elastic.commits`) writes and reads the parts thr
 from __future__ import annotations
 
 import base64
+import io
 import json
 import os
 import pickle
@@ -30,6 +31,8 @@ from typing import Any
 
 import torch
 
+from raytrain_x.common.errors import RaytrainXError
+from raytrain_x.elastic.checksums import PartFiles, new_hasher
 from raytrain_x.torch.snapshot import map_paths
 
 # DCP warns on every save and load outside a torch.distributed world: each part is written
@@ -139,8 +142,10 @@ def dcp_payload(tree: Any) -> dict[str, Any]:
 
 def save(tree: Any, folder: str) -> dict[str, list[Any]]:
     """Writes `tree` (nested dicts of tensors and values) as a DCP checkpoint
-    (`dcp_payload`); returns each file's [bytes, xxh3-128 checksum], hashed as it was
-    written (a file whose hash could not be taken so is left out: it is hashed after)."""
+    (`dcp_payload`); returns each file's [bytes, xxh3-128 checksum, pieces], hashed as it
+    was written (a file whose hash could not be taken so is left out: it is hashed after).
+    The pieces, [[bytes, checksum], ...] in file order, are DCP's items: a reader of one
+    item checks its bytes alone (`raytrain_x.elastic.checkpoints.PartFiles`)."""
     import torch.distributed.checkpoint as dcp
 
     writer, streams = hashing_writer(folder)
@@ -148,7 +153,7 @@ def save(tree: Any, folder: str) -> dict[str, list[Any]]:
     files = {}
     for path, stream in streams.items():
         if stream.usable and os.path.exists(path) and os.path.getsize(path) == stream.size:
-            files[os.path.relpath(path, folder)] = [stream.size, stream.hexdigest()]
+            files[os.path.relpath(path, folder)] = stream.record()
     return files
 
 
@@ -168,12 +173,20 @@ def _hash_thread() -> Any:
 
 class _Hashing:
     """A file being written, hashed (xxh3-128, as manifests record) as its bytes go by:
-    no second read. A seek or truncate while writing marks the hash unusable (the file
-    is then hashed whole, after)."""
+    no second read. Each stretch between two `tell()`s (DCP asks where it is before and
+    after each item it writes) is hashed on its own too: the file's pieces, each of which
+    a reader can check alone. A seek or truncate while writing marks the hash unusable
+    (the file is then hashed whole, after)."""
 
-    def __init__(self, raw: Any, digest: Any) -> None:
-        self._raw, self._digest = raw, digest
+    def __init__(self, raw: Any, digest: Any, new_digest: Callable[[], Any]) -> None:
+        self._raw, self._digest, self._new = raw, digest, new_digest
         self.size, self.usable = 0, True
+        self._piece, self._piece_at = new_digest(), 0
+        self.pieces: list[list[Any]] = []  # [[bytes, checksum], ...] from the file's start
+
+    def _update(self, view: memoryview) -> None:
+        self._digest.update(view)
+        self._piece.update(view)
 
     def write(self, data: Any) -> int:
         try:
@@ -185,9 +198,9 @@ class _Hashing:
             return self._raw.write(data)
         if view.nbytes < _OVERLAP_BYTES:
             written = self._raw.write(data)
-            self._digest.update(view)
+            self._update(view)
         else:  # hashed on a helper thread while this one writes (both drop the GIL)
-            hashing = _hash_thread().submit(self._digest.update, view)
+            hashing = _hash_thread().submit(self._update, view)
             try:
                 written = self._raw.write(data)
             finally:
@@ -197,6 +210,20 @@ class _Hashing:
         self.size += written or 0
         return written
 
+    def tell(self) -> int:
+        at = self._raw.tell()
+        if self.usable and at != self.size:
+            self.usable = False
+        elif self.usable:
+            self._cut()
+        return at
+
+    def _cut(self) -> None:
+        """Ends the piece under way where the file has got to (where it is not empty)."""
+        if self.size > self._piece_at:
+            self.pieces.append([self.size - self._piece_at, self._piece.hexdigest()])
+            self._piece, self._piece_at = self._new(), self.size
+
     def seek(self, *args: Any) -> int:
         self.usable = False
         return self._raw.seek(*args)
@@ -205,8 +232,11 @@ class _Hashing:
         self.usable = False
         return self._raw.truncate(*args)
 
-    def hexdigest(self) -> str:
-        return self._digest.hexdigest()
+    def record(self) -> list[Any]:
+        """The file's [bytes, checksum], and its pieces where it has more than one."""
+        self._cut()
+        return [self.size, self._digest.hexdigest()] + \
+            ([self.pieces] if len(self.pieces) > 1 else [])
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._raw, name)
@@ -218,8 +248,6 @@ def hashing_writer(folder: str) -> tuple[Any, dict[str, _Hashing]]:
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.filesystem import FileSystem
 
-    from raytrain_x.elastic.checkpoints import new_hasher
-
     streams: dict[str, _Hashing] = {}
 
     class HashingFileSystem(FileSystem):
@@ -229,7 +257,7 @@ def hashing_writer(folder: str) -> tuple[Any, dict[str, _Hashing]]:
                 if "w" not in mode:
                     yield raw
                     return
-                stream = _Hashing(raw, new_hasher())
+                stream = _Hashing(raw, new_hasher(), new_hasher)
                 yield stream
             streams[str(path)] = stream
 
@@ -243,42 +271,71 @@ def hashing_writer(folder: str) -> tuple[Any, dict[str, _Hashing]]:
     return writer, streams
 
 
-def load(folder: str) -> Any:
-    """Reads a DCP checkpoint `save` wrote back into the tree that was saved: tensors with
-    `weights_only=True`, values from JSON (unpickled only where `save` had to pickle)."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+def reader(source: str | PartFiles) -> Any:
+    """torch DCP's reader of a part: a local folder's own, or (`PartFiles`) one that reads
+    through storage each item's bytes alone (a ranged read on an object store), checked
+    against the manifest's pieces as they are read."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.filesystem import FileSystem
 
-    path = os.path.join(folder, "..", os.path.basename(folder) + ".pt")
-    dcp_to_torch_save(folder, path)
-    try:
-        saved = torch.load(path, weights_only=True)
-    finally:
-        os.remove(path)
-    raw = json.loads(saved["skeleton"])
-    skeleton = decode(raw["tree"], allow_pickle=bool(raw["pickled"]))
-    return _filled(skeleton, saved.get("state", {}))
+    if isinstance(source, str):
+        return FileSystemReader(source)
+
+    class PartFileSystem(FileSystem):
+        @contextmanager
+        def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+            if "w" in mode or "a" in mode:
+                raise ValueError("a checkpoint part is read, never written, through storage")
+            name = os.path.basename(str(path))
+            # the metadata is read whole (and kept: each load reads it); an item's bytes
+            # are read alone, where DCP slices them (below)
+            yield io.BytesIO(source.read(name, keep=True)) if name.endswith(".metadata") \
+                else _Unread(name)
+
+        def concat_path(self, path: Any, suffix: str) -> str:
+            return f"{path}/{suffix}"
+
+        def init_path(self, path: Any) -> str:
+            return str(path)
+
+    class PartReader(FileSystemReader):
+        def _slice_file(self, file: Any, sinfo: Any) -> Any:
+            return io.BytesIO(source.read_range(sinfo.relative_path, sinfo.offset,
+                                                sinfo.length))
+
+    out = PartReader(source.folder)
+    out.fs, out.path = PartFileSystem(), source.folder
+    return out
 
 
-def _skeleton_of(folder: str) -> Any:
+class _Unread:
+    """A data file DCP opens: its items are read range by range, where DCP slices them."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def load(source: str | PartFiles) -> Any:
+    """Reads a DCP checkpoint `save` wrote (a local folder, or a checkpoint's part through
+    storage) back into the tree that was saved: tensors with `weights_only=True`, values
+    from JSON (unpickled only where `save` had to pickle)."""
+    skeleton = _skeleton_of(source)
+    template = _template(source, [skeleton])
+    return _filled(skeleton, template)
+
+
+def _skeleton_of(source: str | PartFiles) -> Any:
     """The skeleton of a part `save` wrote, without its tensors."""
-    import torch.distributed.checkpoint as dcp
-
     head = {"skeleton": ""}
-    dcp.load(head, checkpoint_id=folder, no_dist=True)
+    _dcp_load(head, source)
     raw = json.loads(head["skeleton"])
     return decode(raw["tree"], allow_pickle=bool(raw["pickled"]))
 
 
-def load_shards(folder: str, wanted: Callable[[str, int], bool]) -> dict[str, dict[int, Any]]:
-    """The optimizer shards of a `shard_<rank>` part that `wanted(optimizer, index)` picks,
-    read alone: DCP reads only their tensors' bytes, so a rank never holds the others'."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
-
-    metadata = FileSystemReader(folder).read_metadata().state_dict_metadata
-    skeleton = _skeleton_of(folder)
-    chosen = {name: {i: sub for i, sub in states.items() if wanted(name, i)}
-              for name, states in skeleton["shards"].items()}
+def _template(source: str | PartFiles, skeletons: list[Any]) -> dict[str, Any]:
+    """The tensors the placeholders of `skeletons` stand for, read from the part (only
+    theirs: DCP reads no other item's bytes), nested as `save` nested them."""
+    metadata = reader(source).read_metadata().state_dict_metadata
     template: dict[str, Any] = {}
 
     def allocate(path: tuple, _: Any) -> None:
@@ -288,13 +345,58 @@ def load_shards(folder: str, wanted: Callable[[str, int], bool]) -> dict[str, di
             node = node.setdefault(str(key), {})
         node[str(path[-1])] = torch.empty(entry.size, dtype=entry.properties.dtype)
 
-    for states in chosen.values():
-        for sub in states.values():
-            _walk_placeholders(sub, allocate)
+    for skeleton in skeletons:
+        _walk_placeholders(skeleton, allocate)
     if template:
-        dcp.load({"state": template}, checkpoint_id=folder, no_dist=True)
+        _dcp_load({"state": template}, source)
+    return template
+
+
+def _dcp_load(state: dict[str, Any], source: str | PartFiles) -> None:
+    """torch DCP's load of `state` from the part, raising what storage raised (a
+    `CheckpointDamaged`, a `StorageError`) as itself, not wrapped in DCP's exception."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.load(state, storage_reader=reader(source), no_dist=True)
+    except CheckpointException as exc:
+        for failure in exc.failures.values():
+            cause = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(cause, RaytrainXError):
+                raise cause from None
+        raise
+
+
+def load_shards(source: str | PartFiles, wanted: Callable[[str, int], bool]
+                ) -> dict[str, dict[int, Any]]:
+    """The optimizer shards of a `shard_<rank>` part that `wanted(optimizer, index)` picks,
+    read alone: DCP reads only their tensors' bytes, so a rank never holds the others'."""
+    skeleton = _skeleton_of(source)
+    chosen = {name: {i: sub for i, sub in states.items() if wanted(name, i)}
+              for name, states in skeleton["shards"].items()}
+    template = _template(source, [sub for states in chosen.values()
+                                  for sub in states.values()])
     return {name: {i: _filled(sub, template) for i, sub in states.items()}
             for name, states in chosen.items()}
+
+
+def shard_bytes(source: str | PartFiles) -> dict[str, dict[int, int]]:
+    """The stored bytes of each optimizer shard (by optimizer and parameter index) of a
+    `shard_<rank>` part: what `load_shards` reads for it."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    metadata = reader(source).read_metadata()
+    lengths = {index.fqn: info.length for index, info in metadata.storage_data.items()
+               if isinstance(index, MetadataIndex)}
+    out: dict[str, dict[int, int]] = {}
+    for name, states in _skeleton_of(source)["shards"].items():
+        for i, sub in states.items():
+            paths: list[tuple] = []
+            _walk_placeholders(sub, lambda path, _, into=paths: into.append(path))
+            out.setdefault(name, {})[i] = sum(
+                lengths.get(".".join(["state", *map(str, p)]), 0) for p in paths)
+    return out
 
 
 def _walk_placeholders(skeleton: Any, fn: Callable[[tuple, Any], None]) -> None:

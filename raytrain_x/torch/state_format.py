@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from raytrain_x.core.objects import allgather_object
+from raytrain_x.elastic.checksums import PartFiles
 from raytrain_x.elastic.positions import Position
 from raytrain_x.elastic.state import Attributes
 from raytrain_x.torch import durable
@@ -175,8 +176,8 @@ class TorchFormat:
     def save(self, tree: Any, folder: str) -> dict[str, list[Any]]:
         return durable.save(tree, folder)
 
-    def read(self, folder: str) -> Any:
-        return durable.load(folder)
+    def read(self, part: PartFiles) -> Any:
+        return durable.load(part)
 
 
 def _keeps_local(value: Any) -> bool:

@@ -27,6 +27,7 @@ from raytrain_x.common.errors import ElasticStateLost
 from raytrain_x.core import runtime
 from raytrain_x.core.collectives import synchronize
 from raytrain_x.core.objects import allgather_object
+from raytrain_x.elastic.checksums import PartFiles
 from raytrain_x.torch.async_ops import alltoall_async
 from raytrain_x.torch.durable import load_shards
 from raytrain_x.torch.zero_optimizer import ShardedOptimizer
@@ -183,16 +184,17 @@ class ShardedCommits:
                 own.setdefault(name, {})[index] = shard
         return {"rank": rank, "shards": own}
 
-    def restore_from(self, folders: Iterable[str]) -> None:
+    def restore_from(self, parts: Iterable[PartFiles]) -> None:
         """From storage: re-shards every optimizer for this world and reads only the shards
-        this rank owns in it from the checkpoint's shard parts (local folders)."""
+        this rank owns in it from the checkpoint's shard parts (each checked as it is
+        read)."""
         rank = runtime.rank()
         for opt in self.optimizers.values():
             opt.reshard()
         owners = {name: opt.owners_by_index() for name, opt in self.optimizers.items()}
         shards: dict[str, dict[int, Any]] = {}
-        for folder in folders:
-            mine = load_shards(folder, lambda name, i: owners.get(name, {}).get(i) == rank)
+        for part in parts:
+            mine = load_shards(part, lambda name, i: owners.get(name, {}).get(i) == rank)
             for name, states in mine.items():
                 shards.setdefault(name, {}).update(states)
         for name, opt in self.optimizers.items():

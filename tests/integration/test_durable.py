@@ -213,6 +213,34 @@ def test_a_damaged_checkpoint_is_skipped_for_the_one_before(tmp_path, caplog):
     assert out[0]["restored"] == older.number and out[0]["seen"] == [1, 2, 3, 4]
 
 
+def test_a_shard_damaged_where_only_its_new_owner_reads_it_restores_the_one_before(
+        tmp_path):
+    """Rank 0 read the whole checkpoint to check it before any rank loaded a byte. Now each
+    rank checks only what it reads: a byte flipped in one parameter's optimizer state in
+    rank 2's shard part is found by the rank that owns that parameter now, and every rank
+    restores the checkpoint before; the damaged one is set aside, not deleted."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    storage = str(tmp_path / "store")
+    first = run_workers(_train, 3, storage, 4, 1, 1e9, (2, 4), work_s=60)
+    store = CheckpointStore(CheckpointConfig(storage, name="job"))
+    newest, older = store.checkpoints()
+    shard = store.where(newest.key, next(p for p in newest.parts
+                                         if part_kind(p) == "shard_00002"))
+    items = FileSystemReader(shard).read_metadata().storage_data
+    item = next(v for k, v in items.items() if k.fqn.endswith(".exp_avg_sq"))
+    data = Path(shard, item.relative_path)
+    raw = bytearray(data.read_bytes())
+    raw[item.offset + item.length - 2] ^= 0x40
+    data.write_bytes(bytes(raw))
+    out = run_workers(_train, 3, storage, 4, 1, work_s=60)
+    for o in out:
+        assert o["started_at"] == 2 and o["restored"] == older.number
+        _same(first[0], o)  # steps 3 and 4 again, from the intact checkpoint
+    assert Path(store.where(newest.key), "damaged").exists()
+    assert [m.number for m in store.checkpoints()] == [older.number]
+
+
 def test_every_checkpoint_damaged_stops_the_rerun_with_each_named_and_deletes_none(
         tmp_path):
     """The only checkpoint damaged at its size (a byte flipped in a data file), the same

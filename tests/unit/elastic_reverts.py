@@ -336,7 +336,19 @@ def renewals_overwrite_the_lease(mp) -> None:
     mp.setattr(WriterLease, "write_renewal", write_renewal)
 
 
+def reads_unchecked(mp) -> None:
+    """A restore's reads were not checked as they were read (rank 0 checked every file
+    first, then the ranks read them again): bit rot after that check was restored."""
+    from raytrain_x.elastic.checksums import PartFiles
+
+    def unchecked(self, file, offset, length, pieces, hold):
+        yield from self.storage.chunks(f"{self.folder}/{file}", offset, length)
+
+    mp.setattr(PartFiles, "_checked", unchecked)
+
+
 REVERTS["durable-stale-writer-fenced"] = stale_writers_not_fenced
+REVERTS["durable-bit-rot-found-as-read"] = reads_unchecked
 REVERTS["durable-late-renewal-after-takeover"] = renewals_overwrite_the_lease
 REVERTS["durable-damaged-write-skipped"] = damaged_writes_not_read_back
 

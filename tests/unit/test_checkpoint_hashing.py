@@ -10,7 +10,8 @@ import torch
 
 from raytrain_x.common.checkpoint_config import CheckpointConfig
 from raytrain_x.elastic import checkpoints
-from raytrain_x.elastic.checkpoints import CheckpointStore, file_checksum
+from raytrain_x.elastic.checkpoints import CheckpointStore
+from raytrain_x.elastic.checksums import file_checksum
 from raytrain_x.torch.durable import load, save
 
 
@@ -23,7 +24,7 @@ def test_a_part_is_hashed_as_written_and_never_read_again(tmp_path, monkeypatch)
     on_disk = {os.path.relpath(os.path.join(d, f), folder)
                for d, _, names in os.walk(folder) for f in names}
     assert set(hashed) == on_disk and ".metadata" in hashed  # every file, the renamed one too
-    for name, (size, checksum) in hashed.items():
+    for name, (size, checksum, *_) in hashed.items():
         path = str(folder / name)
         assert size == os.path.getsize(path) and checksum == file_checksum(path), name
     reread: list[str] = []
@@ -39,3 +40,51 @@ def test_a_part_is_hashed_as_written_and_never_read_again(tmp_path, monkeypatch)
     assert [os.path.basename(p) for p in reread] == [".metadata"]
     back = load(str(folder))
     assert torch.equal(back["model"]["big"], tree["model"]["big"])
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_each_item_is_a_piece_a_reader_reads_alone_and_checks(tmp_path):
+    """A restore read every shard part whole on every rank, and rank 0 the whole
+    checkpoint once more to check it: a whole file's checksum cannot check a range. Now
+    each DCP item is a piece with its own checksum, recorded as it is written; a reader
+    reads its items' bytes alone (ranged reads) and checks each, so damage in another
+    rank's item is not its to find, and damage in its own is found, named, as it reads."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from raytrain_x.elastic.checksums import CheckpointDamaged, PartFiles
+    from raytrain_x.elastic.storage import ArrowStorage, bytes_read
+    from raytrain_x.torch.durable import load_shards
+
+    torch.manual_seed(0)
+    tree = {"rank": 1, "shards": {"opt": {i: {"step": torch.tensor(3.0),
+                                              "exp_avg": torch.randn(200, 100)}
+                                          for i in range(4)}}}
+    folder = tmp_path / "part"
+    files = save(tree, str(folder))
+    [data] = [f for f in files if f.endswith(".distcp")]
+    items = sorted((i.offset, i.length) for i in
+                   FileSystemReader(str(folder)).read_metadata().storage_data.values())
+    offsets = [0]
+    for size, _ in files[data][2]:
+        offsets.append(offsets[-1] + size)
+    assert [(a, b - a) for a, b in zip(offsets, offsets[1:])] == items  # a piece an item
+    part = PartFiles(ArrowStorage(str(tmp_path)), "part", files)
+    before = bytes_read()
+    mine = load_shards(part, lambda name, i: i == 1)
+    read = bytes_read() - before
+    assert torch.equal(mine["opt"][1]["exp_avg"], tree["shards"]["opt"][1]["exp_avg"])
+    total = sum(entry[0] for entry in files.values())
+    assert read < 0.3 * total  # one item of four, its metadata and skeleton
+
+    reader = FileSystemReader(str(folder))
+    storage_data = reader.read_metadata().storage_data
+    [item] = [v for k, v in storage_data.items() if k.fqn == "state.shards.opt.2.exp_avg"]
+    raw = bytearray((folder / data).read_bytes())
+    raw[item.offset + item.length // 2] ^= 0x40  # rank 2's item damaged at its size
+    (folder / data).write_bytes(bytes(raw))
+    fresh = PartFiles(ArrowStorage(str(tmp_path)), "part", files)
+    assert torch.equal(load_shards(fresh, lambda name, i: i == 1)["opt"][1]["exp_avg"],
+                       tree["shards"]["opt"][1]["exp_avg"])
+    with pytest.raises(CheckpointDamaged, match=rf"part/{data} is damaged \(bytes "
+                                                 rf"{item.offset}-{item.offset + item.length}"):
+        load_shards(fresh, lambda name, i: i == 2)

@@ -50,6 +50,7 @@ class WorkerSide:
     storage_down_until: float
     storage: Any  # a `SimStorage`
     storage_rng: Any
+    rot_rng: Any  # bit rot, ranks lost mid-write
     lease: Any  # this run's `WriterLease`
     driver_up: bool
     orphans: set[str]  # workers a driver kill ended: their writer threads may go on
@@ -265,6 +266,12 @@ class WorkerSide:
             self.storage.flaky_listings(self.storage_rng.randint(1, 3))
         if self.storage_rng.random() < 0.2:  # a read cut off midway (a connection reset)
             self.storage.cut_reads(self.storage_rng.randint(1, 2))
+        rot = self.rot_rng
+        if rot.random() < 0.05:
+            self.storage.every_checkpoint_damaged_stops()
+        if rot.random() < 0.15:  # bit rot in some of them, never all: one intact is left
+            self.storage.rot(lambda keys: rot.sample(keys, rot.randint(0, len(keys) - 1))
+                             if keys else [])
         try:  # what `DurableCheckpoints.named` does with the driver's name
             manifest = self.storage.latest()
         except Exception as exc:  # noqa: BLE001 - a violation, whatever it is
@@ -282,7 +289,8 @@ class WorkerSide:
                            f"newest intact checkpoint {expected}")
             return
         step = manifest.values["step"]
-        if step < max(s for _, s in self.durable):
+        rotten = set(self.storage.rotten.values())
+        if step < max((s for _, s in self.durable if s not in rotten), default=0):
             self.violation(f"round {group.round_id} restores checkpoint {step}, not the "
                            "latest complete one")
         self.trace(f"round {group.round_id} restores durable checkpoint {manifest.key}")
@@ -319,7 +327,8 @@ class WorkerSide:
                 self.trace(f"checkpoint {step} cut off: its writer is gone")
                 return
             down = down_at_start or self.now < self.storage_down_until
-            outcome = self.storage.write(lease, step, step, damage, full_disk=down)
+            outcome = self.storage.write(lease, step, step, damage, full_disk=down,
+                                         rank_lost=self.rot_rng.random() < 0.05)
             if outcome.startswith("damaged"):
                 self.damaged_writes.append(self.now)
             if outcome == "complete":

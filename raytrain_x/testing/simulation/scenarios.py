@@ -335,6 +335,11 @@ def durable_scenarios() -> list[Schedule]:
                "a checkpoint lands with a byte flipped at its size: its writer reads it back, "
                "marks it and prunes nothing for it; every worker then lost: the newest intact "
                "checkpoint is restored"),
+        _named("durable-bit-rot-found-as-read", DURABLE,
+               [Fault(9.3, "storage_rot"), Fault(9.5, "lose_everything")],
+               "the newest checkpoint damaged where it lies, long after it was written and "
+               "read back; every worker then lost: the ranks find the damage as they read it, "
+               "set it aside and restore the intact one before"),
         _named("durable-stale-writer-fenced", replace(DURABLE, storage_write_s=(2.5, 3.0)),
                [Fault(8.0, "kill_driver", 0.9, 0.2), Fault(20.0, "lose_everything")],
                "the driver killed while rank 0 writes, its writer going on; the same command "

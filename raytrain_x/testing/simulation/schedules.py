@@ -242,6 +242,8 @@ def apply(world: World, fault: Fault) -> None:
         world.kill_control(pick)
     elif kind == "storage_damage":
         world.next_damage = DAMAGES[int(pick * len(DAMAGES)) % len(DAMAGES)]
+    elif kind == "storage_rot":  # the newest intact checkpoint damaged where it lies
+        world.storage.rot(lambda keys: keys[-1:])
     else:
         phase, what = {
             "kill_in_rendezvous": ("rendezvous", "worker"),

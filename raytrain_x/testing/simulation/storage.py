@@ -7,9 +7,12 @@ their checksums, the lease is checked, the manifest published, the lease checked
 older checkpoints pruned. Faults come from the schedule: transient listing errors (503
 SlowDown, retried), reads cut off midway (resumed from the byte reached), a full disk
 while storage is down, writes that land damaged (torn, a byte flipped at the same size, a
-zero-filled `.metadata`), a killed driver's writer that goes on after the next run took
-the lease (which fencing must refuse), and its lease's renewal landing after the takeover
-(which must not undo it).
+zero-filled `.metadata`), a rank lost while it writes its part (the write given up at
+once, never completed without it), a killed driver's writer that goes on after the next
+run took the lease (which fencing must refuse), its lease's renewal landing after the
+takeover (which must not undo it), and bit rot in completed checkpoints, which a restore
+finds as it reads them (taking the newest intact one; with every one damaged, stopping
+with each named, never starting from 0).
 
 The ground truth the invariants read is the world's: which checkpoints were completed
 intact, by which run, and which the store gives back.
@@ -26,10 +29,10 @@ from raytrain_x.elastic.checkpoints import (
     CheckpointStore,
     Key,
     Manifest,
-    bytes_checksum,
     checkpoint_folder,
     parse_folder,
 )
+from raytrain_x.elastic.checksums import CheckpointDamaged, bytes_checksum
 from raytrain_x.elastic.lease import WriterLease
 from raytrain_x.elastic.storage import Entry, RetryingStorage, Storage
 from raytrain_x.elastic.storage_faults import FaultyStorage, MemoryPlan
@@ -58,10 +61,12 @@ class MemoryStorage(Storage):
     def read(self, path: str) -> bytes | None:
         return self.files.get(path)
 
-    def chunks(self, path: str, offset: int = 0) -> Iterator[bytes]:
+    def chunks(self, path: str, offset: int = 0, length: int | None = None
+               ) -> Iterator[bytes]:
         if path not in self.files:
             raise FileNotFoundError(path)
-        return iter([self.files[path][offset:]])
+        end = None if length is None else offset + length
+        return iter([self.files[path][offset:end]])
 
     def sizes(self, paths: list[str]) -> list[int | None]:
         return [len(self.files[p]) if p in self.files else None for p in paths]
@@ -100,13 +105,15 @@ class SimStorage:
         self.plan = MemoryPlan()
         faulty = FaultyStorage(self.memory, self.plan, sleep=lambda _: None)
         self.store = CheckpointStore(CheckpointConfig("memory://", name="job", keep=keep),
-                                     storage=RetryingStorage(faulty, sleep=lambda _: None))
+                                     storage=RetryingStorage(faulty, sleep=lambda _: None),
+                                     sleep=lambda _: None)
         self.keep = keep
         self.runs = 0
         self.lease: WriterLease | None = None
         # ground truth: every checkpoint completed intact (key -> step), and every key a
         # writer of each generation completed
         self.intact: dict[Key, int] = {}
+        self.rotten: dict[Key, int] = {}  # completed intact, damaged since (bit rot)
         self.violations: list[str] = []
 
     def new_run(self, clock: Callable[[], float]) -> WriterLease:
@@ -132,9 +139,11 @@ class SimStorage:
                                    f"generation {current.generation}'s takeover")
 
     def write(self, lease: WriterLease, number: int, step: int, damage: str | None,
-              full_disk: bool) -> str:
+              full_disk: bool, rank_lost: bool = False) -> str:
         """Writes checkpoint `number` (step `step`) as rank 0's writer does; returns what
-        came of it: "complete", "damaged", "failed: ..." or "fenced"."""
+        came of it: "complete", "damaged", "failed: ..." or "fenced". With `rank_lost`,
+        another rank writes a part too and is lost before it records it: the world
+        changes while rank 0 waits for it."""
         key = (lease.generation, number)
         part = f"common.{number}.{len(self.memory.files)}"
         data = json.dumps({"step": step}).encode() + b" " * 64
@@ -146,6 +155,8 @@ class SimStorage:
                 self.store.storage.publish(f"{folder}/{name}", body)
             record = {n: [len(b), bytes_checksum(b)] for n, b in files.items()}
             self.store.record(key, part, record)
+            if rank_lost:
+                return self._wait_for_a_lost_part(key, part)
             if damage:
                 self._damage(folder, damage)
             newer = {k for k in self.store_keys() if k[0] > lease.generation}
@@ -169,6 +180,28 @@ class SimStorage:
         self.intact[key] = step
         return "complete"
 
+    def _wait_for_a_lost_part(self, key: Key, part: str) -> str:
+        """Rank 0's wait for the parts (the real `wait_for_parts`) while the rank writing
+        the other one is lost: the world changes at the third look, and the wait must
+        give up at that look (not at its timeout), the attempt discarded."""
+        looks: list[int] = []
+
+        def still_written() -> frozenset[str] | None:
+            looks.append(len(looks))
+            return None if len(looks) < 3 else frozenset()
+
+        shard = f"shard_00001.{key[1]}.{len(self.memory.files)}"
+        try:
+            self.store.wait_for_parts(key, [part, shard], 600.0, still_written)
+        except CheckpointError as exc:
+            if len(looks) != 3:
+                self.violations.append(f"checkpoint {key} waited {len(looks) - 3} more "
+                                       "looks for a part whose rank was lost")
+            self.store.discard(key)
+            return f"failed: {exc}"
+        self.violations.append(f"checkpoint {key} completed without its lost rank's part")
+        return "complete"
+
     def _damage(self, folder: str, damage: str) -> None:
         path = f"{folder}/.metadata" if damage == "zero_metadata" else f"{folder}/data"
         data = bytearray(self.memory.files[path])
@@ -185,8 +218,64 @@ class SimStorage:
                             if e.is_dir) if k is not None]
 
     def latest(self) -> Manifest | None:
-        """What a restore takes (rank 0: the newest intact checkpoint)."""
-        return self.store.latest(warn=False, verify=True)
+        """What a restore takes, as the ranks take it (`CommitManager`): the newest
+        complete checkpoint by its sizes, every part read and checked as it is read
+        (`PartFiles`); one found damaged is set aside and the one before it taken."""
+        while True:
+            manifest = self.store.latest(warn=False, verify=False)
+            if manifest is None:
+                return None
+            try:
+                for part in manifest.parts:
+                    files = self.store.part(manifest, part)
+                    for name in files.names():
+                        files.read(name)
+                return manifest
+            except CheckpointDamaged as exc:
+                self.store.mark_damaged(manifest.key, str(exc))
+
+    def _flip(self, key: Key) -> None:
+        """A byte flipped in every part's data of checkpoint `key`, at its size."""
+        folder = f"{self.store.root}/{checkpoint_folder(*key)}"
+        for entry in self.memory.list(folder):
+            path = f"{folder}/{entry.name}/data"
+            if entry.is_dir and path in self.memory.files:
+                data = bytearray(self.memory.files[path])
+                data[len(data) // 3] ^= 0x08
+                self.memory.files[path] = bytes(data)
+
+    def rot(self, pick: Callable[[list[Key]], list[Key]]) -> None:
+        """Bit rot: the checkpoints `pick` chooses among the intact ones still kept are
+        damaged, long after they were written and checked; they are intact no more."""
+        kept = set(self.store_keys())
+        for key in pick(sorted(k for k in self.intact if k in kept)):
+            self._flip(key)
+            self.rotten[key] = self.intact.pop(key)
+
+    def every_checkpoint_damaged_stops(self) -> None:
+        """Were every completed checkpoint damaged now, a restore would stop naming them
+        (never "nothing to restore": a silent start from 0): tried on storage as it is,
+        which is then put back as it was."""
+        saved = dict(self.memory.files)
+        completed = [k for k in self.store_keys()
+                     if f"{self.store.root}/{checkpoint_folder(*k)}/manifest.json" in saved]
+        if not completed:
+            return
+        try:
+            for key in completed:
+                self._flip(key)
+            try:
+                taken = self.latest()
+            except CheckpointError as exc:
+                if "no checkpoint of this job can be restored" not in str(exc):
+                    self.violations.append(f"every checkpoint damaged, a restore failed "
+                                           f"otherwise than naming them: {exc}")
+                return
+            self.violations.append(f"every checkpoint damaged, a restore took "
+                                   f"{None if taken is None else taken.key} instead of "
+                                   "stopping")
+        finally:
+            self.memory.files = saved
 
     def expected_latest(self) -> tuple[Key, int] | None:
         """The newest checkpoint completed intact that pruning may not have deleted: the

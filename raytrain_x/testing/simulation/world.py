@@ -98,6 +98,9 @@ class World(WorkerSide):
         self.next_damage: str | None = None  # a named scenario's: the next write lands so
         self.writer_outlives = False  # a named scenario's: a killed driver's writer goes on
         self.storage_rng = random.Random(seed + 5)
+        # bit rot in completed checkpoints, ranks lost mid-write: drawn apart again, so
+        # that the faults above fall as they did before these were modelled
+        self.rot_rng = random.Random(seed + 11)
         self.lease = self.storage.new_run(lambda: self.now) \
             if config.checkpoint_every_s is not None else None
         self.discovery_down_until = -math.inf  # the discovery script fails until then
