@@ -57,8 +57,8 @@ def main() -> None:
     from raytrain_x.common.checkpoint_config import CheckpointConfig
     from raytrain_x.elastic.checkpoints import CheckpointStore
     from raytrain_x.elastic.durable import part_kind
-    from raytrain_x.torch.durable import shard_bytes
     from raytrain_x.testing.waiting import free_port
+    from raytrain_x.torch.durable import shard_bytes
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=4)
