@@ -16,9 +16,10 @@ A job's checkpoints live under `storage_path/name/`, through a `Storage`
 The contract, each clause held by a test (docs/elastic.md, "Durable checkpoints"):
 
 - a checkpoint is complete only when its manifest lists every file with its size and an
-  xxh3-128 checksum, published after the files are durable; a reader skips one that is
-  incomplete or damaged (a file missing, of another size, or of another checksum) with a
-  warning naming the file, and takes the newest intact one before it;
+  xxh3-128 checksum, published after the files are durable and read back intact by the
+  rank that wrote them (a part that landed damaged fails the write); a reader skips one
+  that is incomplete or damaged (a file missing, of another size, or of another checksum)
+  with a warning naming the file, and takes the newest intact one before it;
 - a listing or read error is retried, then raised (`StorageError`): never "no checkpoint";
 - checkpoints are ordered by (generation, commit): a later run of the job is never pruned
   in favour of an older one, and pruning never deletes the newest complete checkpoint;
@@ -222,7 +223,12 @@ class CheckpointStore:
         """Checksums the part's files in `local_dir` (those in `hashed`, {file: [bytes,
         checksum]} taken as they were written, at their size, are not read again), copies
         them to storage (unless it is the part's own folder, written in place), makes them
-        durable, then records them (`part.json`); returns {file: [bytes, checksum]}."""
+        durable, reads them back (`read_back`), then records them (`part.json`); returns
+        {file: [bytes, checksum]}.
+
+        Raises:
+            CheckpointError: the part landed damaged; StorageError: storage failed.
+        """
         files: dict[str, list[Any]] = {}
         hashed = hashed or {}
         began = time.perf_counter()
@@ -235,8 +241,26 @@ class CheckpointStore:
                     else [size, file_checksum(path)]
         self.checksum_s += time.perf_counter() - began
         self.storage.upload(local_dir, self._path(key, part))
+        began = time.perf_counter()
+        why = self.read_back(key, part, files)
+        self.verify_s += time.perf_counter() - began
+        if why:
+            raise CheckpointError(f"{self.where(key, part)} {LANDED_DAMAGED}: {why}")
         self.record(key, part, files)
         return files
+
+    def read_back(self, key: Key, part: str, files: dict[str, list[Any]]) -> str:
+        """'' when the part's files, as they landed in storage, are what was written (each
+        read back once against its checksum, by the rank that wrote it), else which one
+        is not: a part that landed damaged fails its write, and is never recorded."""
+        landed = PartFiles(self.storage, self._path(key, part), files)
+        try:
+            for file in landed.names():
+                for _ in landed.chunks(file):
+                    pass
+        except CheckpointDamaged as exc:
+            return str(exc)
+        return ""
 
     def record(self, key: Key, part: str, files: dict[str, list[Any]]) -> None:
         """Records a part's durable files ({file: [bytes, checksum]}): the part is done."""
@@ -323,26 +347,18 @@ class CheckpointStore:
                              json.dumps(manifest.to_json()).encode())
 
     def finish(self, manifest: Manifest, keep: int, fence: Callable[[], None]) -> None:
-        """The last writer's end of a checkpoint whose parts are all recorded: `fence()`
-        (the writer lease still held), the manifest published, every file read back
-        against its checksum, `fence()` again, then older checkpoints pruned. A checkpoint
-        that landed damaged is marked and prunes nothing, so that the newest intact one
-        is never deleted for it. Once it is read back intact the checkpoint is complete:
-        a fence or a pruning that fails after that is a warning (the next checkpoint
-        prunes again; a fenced run's next write is refused), not a failed checkpoint.
+        """The last writer's end of a checkpoint whose parts are all recorded (each read
+        back intact by its writer): `fence()` (the writer lease still held), the manifest
+        published, `fence()` again, then older checkpoints pruned. Once the manifest is
+        published the checkpoint is complete: a fence or a pruning that fails after that is
+        a warning (the next checkpoint prunes again; a fenced run's next write is
+        refused), not a failed checkpoint.
 
         Raises:
-            CheckpointError: it landed damaged; CheckpointLeaseHeld: this run was fenced
-                before it published.
+            CheckpointLeaseHeld: this run was fenced before it published.
         """
         fence()
         self.complete(manifest)
-        began = time.perf_counter()
-        why = self.verify(manifest)
-        self.verify_s = time.perf_counter() - began
-        if why:
-            self._mark_damaged(manifest.key, f"{LANDED_DAMAGED}: {why}")
-            raise CheckpointError(f"{self.where(manifest.key)} {LANDED_DAMAGED}: {why}")
         try:
             fence()  # fenced in between: prune nothing of the newer run's
             self.prune(keep, manifest.generation)

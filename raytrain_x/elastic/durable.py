@@ -273,8 +273,9 @@ class DurableCheckpoints:
         self._still_written = frozenset(still_written)
 
     def complete(self, manifest: Manifest, began: float) -> None:
-        """Rank 0, once every part is durable: the lease checked, the manifest published and
-        read back, older checkpoints pruned (`CheckpointStore.finish`)."""
+        """Rank 0, once every part is durable and read back by its writer: the lease
+        checked, the manifest published, older checkpoints pruned
+        (`CheckpointStore.finish`)."""
         manifest.written_at = time.time()
         self.store.finish(manifest, self.config.keep, self.check_lease)
         seconds = time.perf_counter() - began

@@ -19,6 +19,7 @@ Its keys, all optional:
                                   connection reset while a file streams)
     "slow_s": x                   every operation waits x seconds first
     "match": "shard_00001"        faults apply only to paths holding this text
+    "op": "upload"                faults apply only to this operation (a `Storage` method)
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def write_plan(path: str, **faults: Any) -> None:
 def take(plan: dict[str, Any], op: str, path: str) -> tuple[dict[str, Any], bool]:
     """The faults `plan` gives operation `op` on `path`, its counters taken (in place);
     and whether `plan` changed."""
-    if plan.get("match") and plan["match"] not in path:
+    if (plan.get("match") and plan["match"] not in path) or plan.get("op", op) != op:
         return {}, False
     hit = {k: plan[k] for k in ("down", "full_disk", "slow_s") if plan.get(k)}
     counted = [_KIND[op]] + (["torn", "flip", "zero_metadata"] if op == "upload" else []) \

@@ -18,7 +18,7 @@ from raytrain_x.comm.store import ActorStore
 from raytrain_x.comm.store_actor import StoreActor
 from raytrain_x.common.checkpoint_config import CheckpointConfig
 from raytrain_x.common.errors import ElasticStateLost, InternalError, RendezvousTimeout
-from raytrain_x.elastic.checkpoints import CheckpointStore
+from raytrain_x.elastic.checkpoints import CheckpointStore, parse_folder
 from raytrain_x.ray import RayExecutor
 from raytrain_x.ray.elastic import pool as worker_pool
 from raytrain_x.ray.placement import stable_node_strategy
@@ -427,6 +427,57 @@ def test_losing_every_worker_with_durable_checkpoints_resumes_from_the_latest(
     assert len(restored) == 1 and "restore" in restored[0]["reason"], executor.elastic_history
     assert restored[0]["restored_from"]["number"] is not None
     assert all(r["restores_from_storage"] == 1 for r in results), results
+
+
+def test_a_rank_lost_mid_write_holds_no_checkpoint_back(elastic_nodes, tmp_path):
+    """Elastic ZeRO-1, a checkpoint every 0.5 s, rank 1 killed while it uploads its part:
+    rank 0 waited `write_timeout_s` (here 600 s) for that part, and no checkpoint was
+    written meanwhile. Now the round after the loss gives that write up at its sync (no
+    rank of the new world writes the part) and the next checkpoint is written from the new
+    world; the lost write's folder is deleted."""
+    from raytrain_x.elastic.storage_faults import write_plan
+
+    elastic_nodes(2)
+    plan = str(tmp_path / "faults.json")
+    write_plan(plan)
+    root = tmp_path / "checkpoints"
+    config = CheckpointConfig(str(root), name="job", every_s=0.5, write_timeout_s=600)
+    executor = RayExecutor(RayExecutor.create_settings(timeout_s=10), min_workers=1,
+                           max_workers=2, cpus_per_worker=1,
+                           resources_per_worker={ELASTIC_RESOURCE: 1},
+                           cooldown_range=(1.0, 1.0), checkpoint=config)
+    executor.start(extra_env_vars={"RAYTRAIN_X_STORAGE_FAULTS": plan})
+    progress, stop = tmp_path / "progress", tmp_path / "stop"
+    store = CheckpointStore(config)
+    job = _Job(executor, None, 0.05, None, str(progress), 1, str(stop), fn=_until_stopped)
+
+    def stuck() -> list[Path]:  # rank 1's part written, its upload not recorded
+        return [p for p in (root / "job").glob("checkpoint_*/shard_00001.*")
+                if p.is_dir() and not Path(f"{p}.json").exists()]
+
+    try:
+        job.wait_until(lambda: job.trained(progress, 5, 2) and store.checkpoints(),
+                       "a durable checkpoint after 5 steps with 2 workers")
+        write_plan(plan, slow_s=300, match="shard_00001", op="upload")
+        job.wait_until(lambda: bool(stuck()), "rank 1 uploading its part")
+        [part] = stuck()
+        lost = parse_folder(part.parent.name)
+        rank_1 = next(m for m in executor.last_elastic_job.members.values() if m.rank == 1)
+        ray.kill(rank_1.actor, no_restart=True)
+        write_plan(plan)  # the new world's writes go at full speed
+        killed_at = time.monotonic()
+        job.wait_until(lambda: any(m.key > lost for m in store.checkpoints()),
+                       "a checkpoint after the one the lost rank was writing", work_s=60)
+        print(f"next checkpoint {time.monotonic() - killed_at:.1f}s after the kill")
+        assert not part.parent.exists() or not any(
+            m.key == lost for m in store.checkpoints()), "the lost write completed"
+        stop.touch()
+        results = job.join()
+    finally:
+        stop.touch()
+        executor.shutdown()
+    assert not part.parent.exists(), "the given-up write's folder was left behind"
+    _check_committed_history(results, results[0]["step"])
 
 
 def test_a_drain_of_the_whole_pool_writes_a_checkpoint_before_the_workers_go(

@@ -317,11 +317,11 @@ def stale_writers_not_fenced(mp) -> None:
 
 
 def damaged_writes_not_read_back(mp) -> None:
-    """A checkpoint counted as complete once its manifest was published, unread: one that
-    landed damaged pruned the intact checkpoint before it."""
+    """A part counted as written once it was uploaded, unread: a checkpoint that landed
+    damaged completed and pruned the intact checkpoint before it."""
     from raytrain_x.elastic.checkpoints import CheckpointStore
 
-    mp.setattr(CheckpointStore, "verify", lambda self, manifest: "")
+    mp.setattr(CheckpointStore, "read_back", lambda self, key, part, files: "")
 
 
 def renewals_overwrite_the_lease(mp) -> None:

@@ -332,9 +332,9 @@ def durable_scenarios() -> list[Schedule]:
             "ControlActorLost, which says to give the job a checkpoint"),
         _named("durable-damaged-write-skipped", replace(DURABLE, storage_write_s=(0.2, 0.3)),
                [Fault(6.0, "storage_damage", 0.4), Fault(8.5, "lose_everything")],
-               "a checkpoint lands with a byte flipped at its size: its writer reads it back, "
-               "marks it and prunes nothing for it; every worker then lost: the newest intact "
-               "checkpoint is restored"),
+               "a checkpoint lands with a byte flipped at its size: its writer reads its part "
+               "back and gives the write up, pruning nothing for it; every worker then lost: "
+               "the newest intact checkpoint is restored"),
         _named("durable-bit-rot-found-as-read", DURABLE,
                [Fault(9.3, "storage_rot"), Fault(9.5, "lose_everything")],
                "the newest checkpoint damaged where it lies, long after it was written and "

@@ -2,17 +2,17 @@
 fault injection (`raytrain_x.elastic`) over files held in memory, on the virtual clock.
 
 What a worker's writer does in production (`raytrain_x.elastic.durable`) is done here in
-the same order through the same store: each part's files are written and recorded with
-their checksums, the lease is checked, the manifest published, the lease checked again and
-older checkpoints pruned. Faults come from the schedule: transient listing errors (503
-SlowDown, retried), reads cut off midway (resumed from the byte reached), a full disk
-while storage is down, writes that land damaged (torn, a byte flipped at the same size, a
-zero-filled `.metadata`), a rank lost while it writes its part (the write given up at
-once, never completed without it), a killed driver's writer that goes on after the next
-run took the lease (which fencing must refuse), its lease's renewal landing after the
-takeover (which must not undo it), and bit rot in completed checkpoints, which a restore
-finds as it reads them (taking the newest intact one; with every one damaged, stopping
-with each named, never starting from 0).
+the same order through the same store: each part's files are written, read back and
+recorded with their checksums, the lease is checked, the manifest published, the lease
+checked again and older checkpoints pruned. Faults come from the schedule: transient
+listing errors (503 SlowDown, retried), reads cut off midway (resumed from the byte
+reached), a full disk while storage is down, writes that land damaged (torn, a byte
+flipped at the same size, a zero-filled `.metadata`), a rank lost while it writes its part
+(the write given up at once, never completed without it), a killed driver's writer that
+goes on after the next run took the lease (which fencing must refuse), its lease's renewal
+landing after the takeover (which must not undo it), and bit rot in completed checkpoints,
+which a restore finds as it reads them (taking the newest intact one; with every one
+damaged, stopping with each named, never starting from 0).
 
 The ground truth the invariants read is the world's: which checkpoints were completed
 intact, by which run, and which the store gives back.
@@ -154,11 +154,15 @@ class SimStorage:
             for name, body in files.items():
                 self.store.storage.publish(f"{folder}/{name}", body)
             record = {n: [len(b), bytes_checksum(b)] for n, b in files.items()}
+            if damage:
+                self._damage(folder, damage)
+            why = self.store.read_back(key, part, record)  # as `upload` does, then records
+            if why:
+                self.store.discard(key)
+                return f"damaged: {why}"
             self.store.record(key, part, record)
             if rank_lost:
                 return self._wait_for_a_lost_part(key, part)
-            if damage:
-                self._damage(folder, damage)
             newer = {k for k in self.store_keys() if k[0] > lease.generation}
             manifest = Manifest(number, {part: record}, 1, {"step": step}, 0.0, {},
                                 lease.generation)
