@@ -18,6 +18,8 @@ Its keys, all optional:
     "midway": n                   the next n reads fail after their first chunk (a
                                   connection reset while a file streams)
     "slow_s": x                   every operation waits x seconds first
+    "stall": n, "stall_s": x      the next n operations wait x seconds first (the plan's
+                                  count says when one has begun waiting)
     "match": "shard_00001"        faults apply only to paths holding this text
     "op": "upload"                faults apply only to this operation (a `Storage` method)
 """
@@ -53,14 +55,17 @@ def take(plan: dict[str, Any], op: str, path: str) -> tuple[dict[str, Any], bool
     if (plan.get("match") and plan["match"] not in path) or plan.get("op", op) != op:
         return {}, False
     hit = {k: plan[k] for k in ("down", "full_disk", "slow_s") if plan.get(k)}
-    counted = [_KIND[op]] + (["torn", "flip", "zero_metadata"] if op == "upload" else []) \
-        + (["midway"] if op == "chunks" else [])
+    counted = [_KIND[op], "stall"] + \
+        (["torn", "flip", "zero_metadata"] if op == "upload" else []) + \
+        (["midway"] if op == "chunks" else [])
     changed = False
     for key in counted:
         if plan.get(key, 0) > 0:
             plan[key] -= 1
             hit[key] = True
             changed = True
+    if hit.get("stall"):
+        hit["stall_s"] = plan.get("stall_s", 0.0)
     return hit, changed
 
 
@@ -111,6 +116,8 @@ class FaultyStorage(Storage):
         hit = self.plan.take(op, path)
         if hit.get("slow_s"):
             self._sleep(float(hit["slow_s"]))
+        if hit.get("stall"):
+            self._sleep(float(hit.get("stall_s", 0.0)))
         if hit.get("down"):
             raise OSError(errno.EHOSTUNREACH, f"storage unreachable (injected) at {path}")
         if hit.get("full_disk") and _KIND[op] == "write":

@@ -3,6 +3,7 @@ and added nodes, blacklisting with cooldown, reset_limit and min_workers."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -458,8 +459,9 @@ def test_a_rank_lost_mid_write_holds_no_checkpoint_back(elastic_nodes, tmp_path)
     try:
         job.wait_until(lambda: job.trained(progress, 5, 2) and store.checkpoints(),
                        "a durable checkpoint after 5 steps with 2 workers")
-        write_plan(plan, slow_s=300, match="shard_00001", op="upload")
-        job.wait_until(lambda: bool(stuck()), "rank 1 uploading its part")
+        write_plan(plan, stall=1, stall_s=300, match="shard_00001", op="upload")
+        job.wait_until(lambda: json.loads(Path(plan).read_text())["stall"] == 0,
+                       "rank 1 uploading its part (stalled)")
         [part] = stuck()
         lost = parse_folder(part.parent.name)
         rank_1 = next(m for m in executor.last_elastic_job.members.values() if m.rank == 1)
@@ -471,6 +473,7 @@ def test_a_rank_lost_mid_write_holds_no_checkpoint_back(elastic_nodes, tmp_path)
         print(f"next checkpoint {time.monotonic() - killed_at:.1f}s after the kill")
         assert not part.parent.exists() or not any(
             m.key == lost for m in store.checkpoints()), "the lost write completed"
+        job.wait_until(lambda: read_progress(progress)[0] >= 60, "an epoch past the loss")
         stop.touch()
         results = job.join()
     finally:
