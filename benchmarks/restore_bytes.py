@@ -3,10 +3,11 @@ workload written by --writers ranks to moto's S3 server on loopback, then restor
 --readers ranks (a new job of another size). Bytes are counted through raytrain-x's
 storage layer on each rank, from the restore's start to its end.
 
-Reported per reading rank: bytes read, and its share: the stored bytes of the optimizer
-shards it owns in the new layout, the part every reader of a shard part reads (each
-part's `.metadata` and skeleton), and on rank 0 the common part (models, attributes),
-which it loads; the target is read / share <= 1.1. Writes results/restore_bytes_cpu.json.
+Reported per reading rank: bytes read, the reads it made (requests to the store), and its
+share: the stored bytes of the optimizer shards it owns in the new layout, the part every
+reader of a shard part reads (each part's `.metadata` and skeleton), and on rank 0 the
+common part (models, attributes), which it loads; the target is read / share <= 1.1.
+Writes results/restore_bytes_cpu.json.
 
 Run: .venv/bin/python benchmarks/restore_bytes.py [--layers 4 --width 256]
 """
@@ -24,7 +25,7 @@ from common import join_world, lm_step, print_table, run_ranks, write_json
 def _job(rank: int, size: int, port: int, uri: str, restore: bool, args, queue) -> None:
     import raytrain_x.torch as rx
     from raytrain_x.common.checkpoint_config import CheckpointConfig
-    from raytrain_x.elastic.storage import bytes_read
+    from raytrain_x.elastic.storage import bytes_read, reads_made
     from raytrain_x.torch.workloads import GPTDecoder, synthetic_tokens
 
     join_world(rank, size, port)
@@ -35,18 +36,19 @@ def _job(rank: int, size: int, port: int, uri: str, restore: bool, args, queue) 
                                   named_parameters=model.named_parameters(), zero_stage=1)
     state = rx.elastic.TorchState(model, opt, checkpoint=CheckpointConfig(uri, name="bench"),
                                   step=0)
-    before = bytes_read()
+    before, requests = bytes_read(), reads_made()
     state.sync()  # a fixed world's start: the latest checkpoint, where there is one
-    read = bytes_read() - before
+    read, requests = bytes_read() - before, reads_made() - requests
     if not restore:
         ids, targets = synthetic_tokens(4, seed=rank)
         lm_step(model, opt, ids, targets)
         state.step += 1
         state.commit()
         state.checkpoint()
-    every = rx.allgather_object(read)
+    every = rx.allgather_object((read, requests))
     if rank == 0:
-        queue.put({"read": every, "owners": opt.owners_by_index(),
+        queue.put({"read": [r for r, _ in every], "requests": [n for _, n in every],
+                   "owners": opt.owners_by_index(),
                    "restored": getattr(state, "restored_from", None) is not None})
     rx.shutdown()
 
@@ -98,13 +100,16 @@ def main() -> None:
         own = sum(size for i, size in by_index.items() if out["owners"].get(i) == rank)
         share = own + every_reader + (common if rank == 0 else 0)
         rows.append({"rank": rank, "read MB": read / 1e6, "own shards MB": own / 1e6,
-                     "share MB": share / 1e6, "read / share": read / share})
+                     "share MB": share / 1e6, "read / share": read / share,
+                     "reads": out["requests"][rank]})
     print(f"checkpoint of {args.writers} ranks: common {common / 1e6:.2f} MB, shards "
           f"{shards / 1e6:.2f} MB (of which {every_reader / 1e6:.3f} MB every reader "
           f"reads); restored by {args.readers} ranks from S3 (moto)")
-    print_table(rows, ["rank", "read MB", "own shards MB", "share MB", "read / share"])
+    print_table(rows, ["rank", "read MB", "own shards MB", "share MB", "read / share",
+                       "reads"])
     payload = {"args": vars(args), "common_bytes": common, "shard_bytes": shards,
                "every_reader_bytes": every_reader, "read": out["read"],
+               "requests": out["requests"],
                "ratio": [r["read / share"] for r in rows]}
     print(f"wrote {write_json('restore_bytes_cpu', payload, args.json)}")
 

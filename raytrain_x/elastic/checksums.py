@@ -22,6 +22,7 @@ from raytrain_x.common.errors import CheckpointError, ConfigError
 from raytrain_x.elastic.storage import Storage
 
 CHECKSUM = "xxh3_128"
+RUN_BYTES = 64 * 1024 * 1024  # the most `PartFiles.read_ranges` reads in one request
 
 
 class CheckpointDamaged(CheckpointError):
@@ -116,6 +117,31 @@ class PartFiles:
                                           hold=True))
         # not bounded by pieces (written without them): the whole file, read once
         return self.read(file, keep=True)[offset:end]
+
+    def read_ranges(self, ranges: Iterable[tuple[str, int, int]]) -> dict[tuple[str, int], bytes]:
+        """The bytes of each (file, offset, length) in `ranges`, by (file, offset), each
+        checked piece by piece: ranges that follow one another in a file are read together,
+        in one read of up to `RUN_BYTES` (one request to an object store, not one per
+        item), and no byte outside them is read."""
+        out: dict[tuple[str, int], bytes] = {}
+        run: list[tuple[str, int, int]] = []
+
+        def flush() -> None:
+            if run:
+                file, start = run[0][0], run[0][1]
+                data = self.read_range(file, start, run[-1][1] + run[-1][2] - start)
+                for _, offset, length in run:
+                    out[(file, offset)] = data[offset - start:offset - start + length]
+                run.clear()
+
+        for file, offset, length in sorted(set(ranges)):
+            joins = run and run[-1][0] == file and run[-1][1] + run[-1][2] == offset and \
+                offset + length - run[0][1] <= RUN_BYTES
+            if not joins:
+                flush()
+            run.append((file, offset, length))
+        flush()
+        return out
 
     def chunks(self, file: str) -> Iterator[memoryview]:
         """A whole file a chunk at a time, checked against the whole file's checksum once

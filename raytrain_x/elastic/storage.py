@@ -32,13 +32,19 @@ log = logging.getLogger("raytrain_x.elastic")
 
 T = TypeVar("T")
 CHUNK = 8 * 1024 * 1024  # bytes read at a time to checksum or copy
-_READ = [0]  # bytes this process read from storage through `ArrowStorage`
+_READ = [0, 0]  # bytes this process read from storage through `ArrowStorage`, and reads
 
 
 def bytes_read() -> int:
     """The bytes this process has read from storage (files read, streamed or copied out;
     a local folder read in place by torch DCP is not counted): what a restore costs."""
     return _READ[0]
+
+
+def reads_made() -> int:
+    """The reads (requests: a GET, ranged or whole, on an object store) this process made
+    of storage's files."""
+    return _READ[1]
 
 
 @dataclass(frozen=True)
@@ -160,6 +166,7 @@ class ArrowStorage(Storage):
 
     def read(self, path: str) -> bytes | None:
         try:
+            _READ[1] += 1
             with self.fs.open_input_stream(self._at(path)) as f:
                 data = f.read()
             _READ[0] += len(data)
@@ -172,6 +179,7 @@ class ArrowStorage(Storage):
     def chunks(self, path: str, offset: int = 0, length: int | None = None
                ) -> Iterator[bytes]:
         left = -1 if length is None else length
+        _READ[1] += 1
         with self.fs.open_input_file(self._at(path)) as f:  # ranged reads on a store
             if offset:
                 f.seek(offset)

@@ -332,6 +332,11 @@ def rank_status() -> dict[str, Any] | None:
 
 
 # ---------------------------------------------------------------- the driver
+# how often the driver sets its gauges again at the longest: under Ray's report interval
+# (`metrics_report_interval_ms`, 10 s by default), two of which drop a gauge not set
+GAUGE_REFRESH_S = 5.0
+
+
 class DriverMetrics:
     """The job's view from the driver: its world size and, as an elastic job's event log
     listener (`on_event`), its rounds, resets, failures, drains, blacklist and recoveries.
@@ -350,15 +355,17 @@ class DriverMetrics:
         self._every: Every | None = None
 
     def start(self, interval_s: float) -> DriverMetrics:
-        """Sets the job's gauges again every `interval_s` until `close()`: Ray's agent drops
-        a gauge that was not set for two of its report intervals."""
+        """Sets the job's gauges again every `interval_s` (at most `GAUGE_REFRESH_S`) until
+        `close()`: Ray's agent drops a gauge that was not set for two of its report
+        intervals, whatever the job's own export interval."""
         record = safe(self.recorder.record)
 
         def refresh() -> None:
             for name, value in list(self._gauges.items()):
                 record(name, value, {"job": self.job})
 
-        self._every = Every(interval_s, refresh, "raytrain-x-job-metrics").start()
+        self._every = Every(min(interval_s, GAUGE_REFRESH_S), refresh,
+                            "raytrain-x-job-metrics").start()
         return self
 
     def close(self) -> None:

@@ -273,8 +273,9 @@ def hashing_writer(folder: str) -> tuple[Any, dict[str, _Hashing]]:
 
 def reader(source: str | PartFiles) -> Any:
     """torch DCP's reader of a part: a local folder's own, or (`PartFiles`) one that reads
-    through storage each item's bytes alone (a ranged read on an object store), checked
-    against the manifest's pieces as they are read."""
+    through storage only the items a load asks for (ranged reads on an object store, the
+    items that follow one another in one request), checked against the manifest's pieces
+    as they are read."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.filesystem import FileSystem
 
@@ -299,9 +300,18 @@ def reader(source: str | PartFiles) -> Any:
             return str(path)
 
     class PartReader(FileSystemReader):
+        def read_data(self, plan: Any, planner: Any) -> Any:
+            # the plan's items read first, items that follow one another in one request
+            wanted = [self.storage_data[item.storage_index] for item in plan.items]
+            self.fetched = source.read_ranges((i.relative_path, i.offset, i.length)
+                                              for i in wanted)
+            try:
+                return super().read_data(plan, planner)
+            finally:
+                self.fetched = {}
+
         def _slice_file(self, file: Any, sinfo: Any) -> Any:
-            return io.BytesIO(source.read_range(sinfo.relative_path, sinfo.offset,
-                                                sinfo.length))
+            return io.BytesIO(self.fetched[(sinfo.relative_path, sinfo.offset)])
 
     out = PartReader(source.folder)
     out.fs, out.path = PartFileSystem(), source.folder

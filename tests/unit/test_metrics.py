@@ -148,6 +148,33 @@ def test_the_driver_sets_its_gauges_again_until_closed():
     assert len(rec.records) == count
 
 
+def test_the_driver_sets_its_gauges_within_rays_report_interval_whatever_the_interval(
+        monkeypatch):
+    """With a long export interval (600 s) the driver set `world_size` once at the start:
+    Ray's agent dropped it after two of its report intervals, before a slow job's first
+    step exported the workers' series (the suite's launched-job metrics test, on a loaded
+    machine). Its gauges are now set again at least every `GAUGE_REFRESH_S`."""
+    from raytrain_x.ray import metrics as metrics_module
+
+    monkeypatch.setattr(metrics_module, "GAUGE_REFRESH_S", 0.01)
+
+    class Counting(ListRecorder):
+        def __init__(self) -> None:
+            super().__init__()
+            self.third = threading.Event()
+
+        def record(self, name, value, tags) -> None:
+            super().record(name, value, tags)
+            if len(self.records) >= 3:
+                self.third.set()
+
+    rec = Counting()
+    driver = DriverMetrics("j", rec).start(600)
+    driver.world_size(2)  # once here, then by the refresh thread, not 600 s later
+    assert rec.third.wait(30)
+    driver.close()
+
+
 def test_a_recorder_that_fails_is_reported_once_and_never_reaches_the_job(caplog):
     class Broken:
         def record(self, name, value, tags):
