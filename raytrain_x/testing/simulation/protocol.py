@@ -55,7 +55,7 @@ class WorkerSide:
     driver_up: bool
     orphans: set[str]  # workers a driver kill ended: their writer threads may go on
     next_damage: str | None
-    damaged_writes: list[float]  # when a write landed damaged (its writer found it)
+    damaged_writes: list[float]  # when a write landed damaged or lost a rank mid-write
     writer_outlives: bool
     writing: bool
     last_write: float
@@ -329,7 +329,7 @@ class WorkerSide:
             down = down_at_start or self.now < self.storage_down_until
             outcome = self.storage.write(lease, step, step, damage, full_disk=down,
                                          rank_lost=self.rot_rng.random() < 0.05)
-            if outcome.startswith("damaged"):
+            if outcome.startswith(("damaged", "lost")):  # the one before is restored
                 self.damaged_writes.append(self.now)
             if outcome == "complete":
                 if lease is not self.lease:  # the next run holds the lease: too late

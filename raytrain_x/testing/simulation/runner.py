@@ -333,9 +333,10 @@ def _check_pool_drains(world: World, stop: str) -> None:
     if one was under way) loses no step from before its notice: the job restores a
     checkpoint at least as new, it does not stop with `ElasticStateLost`. Checked where
     nothing else happened from a while before the notice until the deadline (no other
-    fault, storage up, no write landing damaged (its writer then falls back to the one
-    before), a commit within the second before it: the job was training, not in
-    a rendezvous or a restore, whose step is not yet the job's)."""
+    fault, storage up, no write landing damaged or losing a rank mid-write (the one before
+    is then restored), the drain's checkpoint not rotted since, a commit within the second
+    before it: the job was training, not in a rendezvous or a restore, whose step is not
+    yet the job's)."""
     config = world.config
     if config.checkpoint_every_s is None:
         return
@@ -351,7 +352,8 @@ def _check_pool_drains(world: World, stop: str) -> None:
         if written_by >= ends or any(quiet_from <= t <= ends and t != at
                                      for t in world.fault_times) \
                 or any(a < written_by and b > at for a, b in world.outages) \
-                or any(at <= t <= ends for t in world.damaged_writes):
+                or any(at <= t <= ends for t in world.damaged_writes) \
+                or any(s >= step for s in world.storage.rotten.values()):
             continue
         restored = [s for t, s in world.storage_restores if t > at]
         if restored and restored[0] < step:

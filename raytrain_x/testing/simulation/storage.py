@@ -141,7 +141,8 @@ class SimStorage:
     def write(self, lease: WriterLease, number: int, step: int, damage: str | None,
               full_disk: bool, rank_lost: bool = False) -> str:
         """Writes checkpoint `number` (step `step`) as rank 0's writer does; returns what
-        came of it: "complete", "damaged", "failed: ..." or "fenced". With `rank_lost`,
+        came of it: "complete", "damaged", "failed: ...", "lost: ..." or "fenced". With
+        `rank_lost`,
         another rank writes a part too and is lost before it records it: the world
         changes while rank 0 waits for it."""
         key = (lease.generation, number)
@@ -202,7 +203,7 @@ class SimStorage:
                 self.violations.append(f"checkpoint {key} waited {len(looks) - 3} more "
                                        "looks for a part whose rank was lost")
             self.store.discard(key)
-            return f"failed: {exc}"
+            return f"lost: {exc}"
         self.violations.append(f"checkpoint {key} completed without its lost rank's part")
         return "complete"
 
@@ -238,23 +239,27 @@ class SimStorage:
             except CheckpointDamaged as exc:
                 self.store.mark_damaged(manifest.key, str(exc))
 
-    def _flip(self, key: Key) -> None:
-        """A byte flipped in every part's data of checkpoint `key`, at its size."""
+    def _flip(self, key: Key, at: float) -> None:
+        """A byte flipped in every part's data of checkpoint `key`, at its size (`at`: where,
+        as a share of the file; two flips of one byte would mend it)."""
         folder = f"{self.store.root}/{checkpoint_folder(*key)}"
         for entry in self.memory.list(folder):
             path = f"{folder}/{entry.name}/data"
             if entry.is_dir and path in self.memory.files:
                 data = bytearray(self.memory.files[path])
-                data[len(data) // 3] ^= 0x08
+                data[int(len(data) * at)] ^= 0x08
                 self.memory.files[path] = bytes(data)
 
-    def rot(self, pick: Callable[[list[Key]], list[Key]]) -> None:
+    def rot(self, pick: Callable[[list[Key]], list[Key]]) -> int:
         """Bit rot: the checkpoints `pick` chooses among the intact ones still kept are
-        damaged, long after they were written and checked; they are intact no more."""
+        damaged, long after they were written and checked; they are intact no more.
+        Returns how many."""
         kept = set(self.store_keys())
-        for key in pick(sorted(k for k in self.intact if k in kept)):
-            self._flip(key)
+        chosen = pick(sorted(k for k in self.intact if k in kept))
+        for key in chosen:
+            self._flip(key, 1 / 3)
             self.rotten[key] = self.intact.pop(key)
+        return len(chosen)
 
     def every_checkpoint_damaged_stops(self) -> None:
         """Were every completed checkpoint damaged now, a restore would stop naming them
@@ -267,7 +272,7 @@ class SimStorage:
             return
         try:
             for key in completed:
-                self._flip(key)
+                self._flip(key, 0.0)
             try:
                 taken = self.latest()
             except CheckpointError as exc:
