@@ -126,18 +126,21 @@ def test_the_driver_turns_the_event_log_into_rounds_resets_failures_and_recoveri
     assert rec.last("blacklisted_hosts") == 1
 
 
+class _Counting(ListRecorder):
+    """A `ListRecorder` that says when it has 3 records (`third`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.third = threading.Event()
+
+    def record(self, name, value, tags) -> None:
+        super().record(name, value, tags)
+        if len(self.records) >= 3:
+            self.third.set()
+
+
 def test_the_driver_sets_its_gauges_again_until_closed():
-    class Counting(ListRecorder):
-        def __init__(self) -> None:
-            super().__init__()
-            self.third = threading.Event()
-
-        def record(self, name, value, tags) -> None:
-            super().record(name, value, tags)
-            if len(self.records) >= 3:
-                self.third.set()
-
-    rec = Counting()
+    rec = _Counting()
     driver = DriverMetrics("j", rec).start(0.01)
     driver.world_size(3)  # once here, then by the refresh thread
     assert rec.third.wait(30)
@@ -158,17 +161,7 @@ def test_the_driver_sets_its_gauges_within_rays_report_interval_whatever_the_int
 
     monkeypatch.setattr(metrics_module, "GAUGE_REFRESH_S", 0.01)
 
-    class Counting(ListRecorder):
-        def __init__(self) -> None:
-            super().__init__()
-            self.third = threading.Event()
-
-        def record(self, name, value, tags) -> None:
-            super().record(name, value, tags)
-            if len(self.records) >= 3:
-                self.third.set()
-
-    rec = Counting()
+    rec = _Counting()
     driver = DriverMetrics("j", rec).start(600)
     driver.world_size(2)  # once here, then by the refresh thread, not 600 s later
     assert rec.third.wait(30)
