@@ -441,14 +441,10 @@ class CheckpointStore:
 
     def verify(self, manifest: Manifest) -> str:
         """'' when every file of `manifest` has its checksum, else which one does not."""
-        for part in manifest.parts:
-            files = self.part(manifest, part)
-            for file in files.names():
-                try:
-                    for _ in files.chunks(file):
-                        pass
-                except CheckpointDamaged as exc:
-                    return str(exc)
+        for part, files in manifest.parts.items():
+            why = self.read_back(manifest.key, part, files)
+            if why:
+                return why
         return ""
 
     def part(self, manifest: Manifest, part: str) -> PartFiles:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import io
 import os
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 from raytrain_x.common.errors import CheckpointError, ConfigError
@@ -161,13 +160,6 @@ class PartFiles:
                 for chunk in self.chunks(file):
                     out.write(chunk)
         return local_dir
-
-    @contextmanager
-    def local_folder(self, tmp: str) -> Iterator[str]:
-        """The part as a local folder for a format that reads folders: a checked copy in
-        `tmp` (storage's own folder, where it is on this machine, is checked as it is
-        copied too: a file checked and then read again could have changed between)."""
-        yield self.copy_to(os.path.join(tmp, os.path.basename(self.folder)))
 
     def _record(self, file: str) -> list[Any]:
         record = self.files.get(file)

@@ -91,9 +91,9 @@ class TensorFlowFormat:
         save(tree, folder)
 
     def read(self, part: PartFiles) -> Any:
-        with tempfile.TemporaryDirectory(prefix="raytrain-x-restore-") as tmp, \
-                part.local_folder(tmp) as folder:
-            return load(folder)
+        # a checked copy: a folder read in place could change between check and read
+        with tempfile.TemporaryDirectory(prefix="raytrain-x-restore-") as tmp:
+            return load(part.copy_to(tmp))
 
 
 def _copy_tree(tree: dict[str, Any]) -> dict[str, Any]:
