@@ -485,10 +485,12 @@ def test_a_rank_lost_mid_write_holds_no_checkpoint_back(elastic_nodes, tmp_path)
 
 def test_a_drain_of_the_whole_pool_writes_a_checkpoint_before_the_workers_go(
         cluster, elastic_nodes, tmp_path):
-    """A spot notice for the whole pool (both nodes drain at once, 60 s deadline) with the
-    periodic checkpoint an hour away: rank 0 writes one at its next commit. The nodes then
-    go (as at the deadline); the job restores that checkpoint on a fresh node and finishes
-    with every step once."""
+    """A spot notice for the whole pool reaching the job one node after the other (60 s
+    deadlines) with the periodic checkpoint an hour away: the first node's worker leaves,
+    and when the last holder's node drains rank 0 writes one at its next commit. With
+    nowhere to go, that worker trains on in one round (no round per commit) until its node
+    goes; the job restores that checkpoint on a fresh node and finishes with every step
+    once."""
     nodes = elastic_nodes(2, rtx_spot_pool=1)  # drained: removed after the test
     config = CheckpointConfig(str(tmp_path / "checkpoints"), name="job", every_s=3600)
     executor = _executor(1, 2, cooldown_range=(1.0, 1.0), checkpoint=config)
@@ -497,14 +499,20 @@ def test_a_drain_of_the_whole_pool_writes_a_checkpoint_before_the_workers_go(
     job = _Job(executor, None, 0.05, None, str(progress), 0, str(stop), fn=_until_stopped)
     try:
         job.wait_until(lambda: job.trained(progress, 5, 2), "5 steps with 2 workers")
-        for node in nodes:
-            drain_node(cluster.address, node.node_id, deadline_s=60)
+        drain_node(cluster.address, nodes[0].node_id, deadline_s=60)
+        job.wait_until(lambda: job.trained(progress, 0, 1), "a step with the other worker")
+        assert store.latest() is None  # a holder stays: nothing to write yet
+        drain_node(cluster.address, nodes[1].node_id, deadline_s=60)
         job.wait_until(lambda: store.latest() is not None,
                        "the durable checkpoint the drain asks for")
         written = store.latest()
-        assert written.number >= 5 and written.world_size == 2, written
+        assert written.number >= 5 and written.world_size == 1, written
         events = executor.last_elastic_job.log.of("checkpoint_asked")
         assert len(events) == 1, executor.last_elastic_job.events
+        rounds = executor.last_elastic_job.rounds
+        step, _ = read_progress(progress)
+        job.wait_until(lambda: job.trained(progress, step + 20, 1), "20 more steps")
+        assert executor.last_elastic_job.rounds <= rounds + 1, executor.elastic_history[-3:]
         for node in nodes:  # the deadline: the pool is gone
             cluster.remove_node(node)
         elastic_nodes(1)

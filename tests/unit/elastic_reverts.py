@@ -4,6 +4,8 @@ scenario fails without it."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from raytrain_x.ray.elastic import (
     discovery,
     drain_watch,
@@ -366,3 +368,23 @@ def starts_not_counted(mp) -> None:
 
 
 REVERTS["scripted-host-leaves-discovery"] = starts_not_counted
+
+
+def round_all_draining_released(mp) -> None:
+    """A round that kept members on a draining node was asked over at its commit though
+    no member of it stayed: with nowhere to go, one round formed per commit."""
+    decide = round_policy.decide_round
+
+    def decide_round(waiting, members, draining, min_workers, round_committed=True,
+                     holders=None):
+        members = list(members)
+        decision = decide(waiting, members, draining, min_workers, round_committed, holders)
+        draining = set(draining)
+        release = (holders is not None and round_committed and not decision.form
+                   and any(m.in_round and not m.leaving and m.node in draining
+                           and m.worker_id not in set(waiting) for m in members))
+        return replace(decision, release=release)
+    mp.setattr(round_forming, "decide_round", decide_round)
+
+
+REVERTS["durable-pool-drains-node-by-node"] = round_all_draining_released

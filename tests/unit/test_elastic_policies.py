@@ -448,6 +448,21 @@ def test_a_drained_member_that_alone_holds_the_state_stays_until_a_staying_one_d
     assert after.leave == ["old"] and after.ranks == ["new"] and after.kept == []
 
 
+def test_a_round_all_on_draining_nodes_trains_on_without_a_round_per_commit():
+    """The last holder's node drains after the others did and there is nowhere to go: its
+    round commits and is not asked over (each commit would form a round of the same
+    member, one per step, until the node went)."""
+    alone = [MemberView("last", "n2", in_round=True), MemberView("gone", "n1", departed=True,
+                                                                  leaving=True)]
+    decision = decide_round([], alone, draining={"n1", "n2"}, min_workers=1,
+                            holders=["last"])
+    assert not decision.release and not decision.form and not decision.interrupt
+    # it arrives at the rendezvous anyway (a fault, a newcomer asked over): kept, it forms
+    there = decide_round(["last"], alone, draining={"n1", "n2"}, min_workers=1,
+                         holders=["last"])
+    assert there.form and there.ranks == ["last"] and there.kept == ["last"]
+
+
 def test_a_staying_holder_counts_only_once_it_waits_at_the_rendezvous():
     """One on its way may have died unseen: until it waits, the drained holder stays."""
     members = [MemberView("d", "n1", in_round=True), MemberView("s", "n2", in_round=True)]

@@ -187,18 +187,18 @@ class MemberWatch:
                 and beats.silent_for(w, now) < 2 * STRAGGLER_POLL_S]
 
     def holders(self, committed_round: int | None = None) -> list[str] | None:
-        """The workers that hold the job's latest committed state (None: it never
-        committed): those that said so when they last joined a round, and the members of
-        the round that committed last (they report it only at their next join), and those
-        whose last heartbeat says so (a join Ray holds back after a partition never says
-        it)."""
+        """The members that hold the job's latest committed state (None: it never
+        committed; one that left or died holds nothing the job can reach): those that said
+        so when they last joined a round, the members of the round that committed last
+        (they report it only at their next join), and those whose last heartbeat says so
+        (a join Ray holds back after a partition never says it)."""
         ctx = self.ctx
         if committed_round is None:
             committed_round = ctx.rounds_client.committed_round()
         if not committed_round:
             return None
         members = set(ctx.members)
-        holders = set(ctx.rounds_client.holders())
+        holders = set(ctx.rounds_client.holders()) & members  # one gone holds nothing
         holders |= ctx.round_members.get(committed_round, set()) & members
         holders |= set(current_holders(self.heartbeats.state_rounds, committed_round)) & members
         return sorted(holders)

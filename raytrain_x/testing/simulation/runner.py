@@ -366,7 +366,9 @@ def _check_pool_drains(world: World, stop: str) -> None:
 
 
 def _check_events(world: World, job: ElasticJob) -> None:
-    """Blacklist, cooldown, drains and give-ups as docs/elastic.md states them."""
+    """Blacklist, cooldown, drains and give-ups as docs/elastic.md states them, and no
+    two rounds in a row formed for nothing the driver noted (a round asked over at every
+    commit: the job trains one step per round)."""
     blacklisted: dict[str, tuple[float, float]] = {}  # host -> (since, until)
     drained: dict[str, float] = {}
     for e in job.log.events:  # in the order the driver recorded them
@@ -389,6 +391,13 @@ def _check_events(world: World, job: ElasticJob) -> None:
             if answer and e.host not in answer[-1]:
                 world.violation(f"worker placed on {e.host} at {e.time:.2f}s, which the "
                                 "discovery script's latest answer left out")
+    rounds = job.log.of("round")
+    for before, e in zip(rounds[1:], rounds[2:]):
+        if not before.detail.get("reason") and not e.detail.get("reason"):
+            world.violation(f"rounds {before.detail['round']} and {e.detail['round']} formed "
+                            f"at {before.time:.2f}s and {e.time:.2f}s with nothing to answer "
+                            "(no failure, join, drain or restore noted): a round per commit?")
+            break
     for e in job.log.of("gave_up"):
         why = e.detail.get("why", "")
         node = world.nodes.get(e.host)

@@ -296,6 +296,14 @@ def durable_scenarios() -> list[Schedule]:
             "every node of the job drains at once with a 3 s deadline, too short for a "
             "replacement to start and sync: the driver asks rank 0 for a checkpoint at its "
             "next commit, and the job restores it, not the one from 10 s before"),
+        _named("durable-pool-drains-node-by-node", replace(
+            DURABLE, nodes=2, max_nodes=3, max_workers=2, autoscaler=False, respawn=False,
+            checkpoint_every_s=60.0),
+            [Fault(6.0, "drain", 0.0, 20.0), Fault(9.0, "drain", 0.99, 20.0),
+             Fault(40.0, "add_node", 0.0)],
+            "the pool's nodes drain one after the other, nowhere to go: the last holder "
+            "trains on in one round (not a round per commit), the driver asks rank 0 for a "
+            "checkpoint, and a node added after the pool went restores it"),
         _named("durable-driver-killed", DURABLE, [
             Fault(8.0, "kill_driver", 0.0, 5.0), Fault(9.0, "kill_node", 0.5),
             Fault(20.0, "kill_driver", 0.0, 1.0)],

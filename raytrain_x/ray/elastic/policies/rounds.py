@@ -99,7 +99,9 @@ def decide_round(waiting: Iterable[str], members: Iterable[MemberView],
     arrives, unless no staying member was in the last round: then the last round is all
     on draining nodes and is waited for (it trains on to its next commit). A round that
     kept members on a draining node is asked over once it has committed (`release`): its
-    staying members then hold the state."""
+    staying members then hold the state. A round all on draining nodes is not: nobody
+    would hold the state without them, so they train on in it until their nodes go (asked
+    over at each commit, they would form one round per step)."""
     waiting, draining = set(waiting), set(draining)
     members = list(members)
     kept = kept_on_drain(members, draining, holders, waiting)
@@ -119,7 +121,9 @@ def decide_round(waiting: Iterable[str], members: Iterable[MemberView],
                       and m.worker_id not in kept)
     release = (holders is not None and round_committed and not form
                and any(m.in_round and not m.leaving and m.node in draining
-                       and m.worker_id not in waiting for m in members))
+                       and m.worker_id not in waiting for m in members)
+               and any(m.in_round and not m.leaving and m.node not in draining
+                       for m in members))
     return RoundDecision(leave, form, arrived if form else [], interrupt, departed,
                          sorted(kept & set(arrived)) if form else [], release)
 
