@@ -77,3 +77,23 @@ def train_fn() -> int:
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
     return rx.rank()
+
+
+def train_loop(config: dict) -> None:
+    """A Ray Train loop (`RaytrainXTrainer`): a few steps at `config["lr"]`, then the loss
+    reported to Ray Train."""
+    import ray.train
+    import torch
+
+    import raytrain_x.torch as rx
+
+    rx.init()
+    model, _ = build()
+    opt = rx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=config["lr"]),
+                                  named_parameters=model.named_parameters())
+    rx.broadcast_parameters(model.state_dict(), root_rank=0)
+    for x, y in my_shard_of_the_data:
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    ray.train.report({"loss": evaluate(model)})
