@@ -6,12 +6,15 @@ Two ways, in this one process:
   every rank's report (the allgather), unpickles all N and runs its own coordinator over
   them: O(N x T) on every rank.
 - rank 0 coordinates (the engine now): rank 0 receives the N reports (the gather), counts
-  identical ones once, runs the coordinator and pickles the decision; every other rank
-  pickles its report and unpickles the decision: O(T).
+  identical ones once (an allgather's rows travel beside the report, so ranks that differ
+  only in their rows send the same report), runs the coordinator and pickles the decision;
+  every other rank frames its report and unpickles the decision: O(T), but the decision
+  of a cycle of allgathers carries every rank's rows.
 
 Two kinds of reports: `same` (every rank reports the same allreduces: a first step), and
-`differ` (every rank's allgathers have its own row count, so no two reports are alike: the
-coordinator's worst case). The median of --repeats cycles.
+`differ` (every rank's allgathers have its own row count: before the rows travelled
+beside the report no two reports were alike, the coordinator's worst case). The median of
+--repeats cycles.
 
 Run: .venv/bin/python benchmarks/negotiation_scale.py [--ranks 64 512 4096] [--tensors 100]
 Writes results/negotiation_scale.json.
@@ -27,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from raytrain_x.engine.coordinator import Coordinator, Report
+from raytrain_x.engine.coordinator import Coordinator, Report, frame_report, group_reports
 from raytrain_x.engine.messages import ALLGATHER, ALLREDUCE, Meta
 
 from common import median_seconds, print_table, write_json
@@ -58,7 +61,7 @@ def cycle_cost(ranks: int, tensors: int, kind: str, old, repeats: int) -> dict:
     members = list(range(ranks))
     # what each way sends: the replicated way's reports carry their rank
     own = [pickle.dumps(old.Report(r, _requests(r, tensors, kind))) for r in members]
-    sent = [pickle.dumps(Report(-1, _requests(r, tensors, kind))) for r in members]
+    sent = [frame_report(Report(-1, _requests(r, tensors, kind))) for r in members]
 
     def replicated():  # every rank
         old.Coordinator(lambda _: members).process([pickle.loads(b) for b in own])
@@ -66,19 +69,15 @@ def cycle_cost(ranks: int, tensors: int, kind: str, old, repeats: int) -> dict:
     answer = []
 
     def coordinating():  # rank 0
-        senders: dict[bytes, int] = {}
-        for rank, blob in enumerate(sent):
-            senders[blob] = senders.get(blob, 0) | (1 << rank)
         coordinator = Coordinator(lambda _: members)
-        decision = coordinator.process_grouped(
-            [(mask, pickle.loads(blob)) for blob, mask in senders.items()])
+        decision = coordinator.process_grouped(group_reports(sent))
         answer[:] = [pickle.dumps((decision, coordinator.joined))]
 
     coordinating()
     mine = _requests(ranks - 1, tensors, kind)
 
     def other():  # every rank but 0
-        pickle.dumps(Report(-1, mine))
+        frame_report(Report(-1, mine))
         pickle.loads(answer[0])
 
     return {"ranks": ranks, "tensors": tensors, "reports": kind,

@@ -5,17 +5,24 @@ rank's report, feeds them to its `Coordinator` and broadcasts the decision, so t
 ranks do O(T) work a cycle (their report, the decision), not O(N x T). Ranks that report
 the same thing (most do: the same tensors, in the same order) are one report with the set
 of ranks that sent it, and the table keeps a set of ranks per name and layout, so the
-coordinator's work grows with the distinct reports, not with N. Decisions that rank 0
-alone may take (knob changes) travel in rank 0's report; stall decisions use ages carried
-in the reports, never a local clock.
+coordinator's work grows with the distinct reports, not with N. The one number a rank may
+give alone (an allgather's dim 0: each rank its own rows) travels beside its report, not
+in it (`frame_report`), so those reports stay alike and the numbers go as arrays.
+Decisions that rank 0 alone may take (knob changes) travel in rank 0's report; stall
+decisions use ages carried in the reports, never a local clock.
 """
 
 from __future__ import annotations
 
+import pickle
+import struct
+from array import array
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from operator import itemgetter
 from typing import Any
+
+import numpy as np
 
 from raytrain_x.engine.messages import ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, Meta, Response
 
@@ -33,6 +40,53 @@ class Report:
     # registered it: rank 0 decides for a set it has not registered yet (a process set is
     # registered by each rank on its own, and its members may submit before rank 0 has)
     sets: dict[int, tuple[int, ...]] = field(default_factory=dict)
+
+
+# an allgather's dim 0 in a framed report's layout: the rank's own rows travel beside it
+OWN_ROWS = -1
+_LENGTH = struct.Struct("<q")
+
+
+def frame_report(report: Report) -> bytes:
+    """`report` as a rank sends it: the pickled report with every allgather's dim 0 taken
+    out (`OWN_ROWS`), then those dims as int64, in request order. Ranks that differ only
+    in their rows send the same report bytes (`group_reports` counts them once)."""
+    rows = [meta.shape[0] for _, meta in report.requests
+            if meta.kind == ALLGATHER and meta.shape]
+    if rows:
+        report = replace(report, requests=[
+            (name, replace(meta, shape=(OWN_ROWS, *meta.shape[1:]))
+             if meta.kind == ALLGATHER and meta.shape else meta)
+            for name, meta in report.requests])
+    body = pickle.dumps(report)
+    return b"".join((_LENGTH.pack(len(body)), body, array("q", rows).tobytes()))
+
+
+@dataclass
+class Rows:
+    """The ranks that sent one report and each one's rows: row i of `values` is rank
+    `ranks[i]`'s, one column per allgather of the report, in its order."""
+
+    ranks: np.ndarray
+    values: np.ndarray
+
+
+def group_reports(blobs: list[bytes]) -> list[tuple[int, Report, Rows]]:
+    """Every rank's framed report (rank order) as the distinct reports, each with the
+    ranks that sent it (a rank set) and their rows."""
+    senders: dict[bytes, tuple[list[int], list[bytes]]] = {}
+    for rank, blob in enumerate(blobs):
+        start = _LENGTH.size + _LENGTH.unpack_from(blob)[0]
+        # a report without rows is its own key: no copy (a report has rows or not alike
+        # on every rank that sends it)
+        key = blob if start == len(blob) else blob[:start]
+        sent = senders.setdefault(key, ([], []))
+        sent[0].append(rank)
+        sent[1].append(blob[start:])
+    return [(mask_of(ranks), pickle.loads(memoryview(key)[_LENGTH.size:]),
+             Rows(np.asarray(ranks), np.frombuffer(b"".join(rows), dtype=np.int64)
+                  .reshape(len(ranks), -1)))
+            for key, (ranks, rows) in senders.items()]
 
 
 def ranks_of(mask: int) -> list[int]:
@@ -74,6 +128,8 @@ class Coordinator:
         self.joined: list[int] = []
         self._sets: dict[int, tuple[list[int], int]] = {}  # set id -> (its ranks, their set)
         self._reported: dict[int, list[int]] = {}  # set id -> its ranks, as a report said
+        # name -> the rows its allgather's ranks gave beside their reports, in arrival order
+        self._rows: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
 
     def forget(self, names: Iterable[str]) -> None:
         """Drops names completed without negotiation (response-cache hits); the
@@ -81,19 +137,23 @@ class Coordinator:
         for name in names:
             self.table.pop(name, None)
             self._submitted.pop(name, None)
+            self._rows.pop(name, None)
 
     def process(self, reports: list[Report]) -> Decision:
         """One cycle over every rank's own report."""
         return self.process_grouped([(1 << rep.rank, rep) for rep in reports])
 
-    def process_grouped(self, reports: list[tuple[int, Report]]) -> Decision:
+    def process_grouped(self, reports: list[tuple[int, Report]] |
+                        list[tuple[int, Report, Rows]]) -> Decision:
         """One cycle over reports each sent by a set of ranks (a rank set, `ranks_of`),
-        the set holding rank 0 first where there is one."""
+        the set holding rank 0 first where there is one; a framed report comes with its
+        ranks' rows (`group_reports`)."""
         joins: list[int] = []
-        for _, rep in reports:
+        for _, rep, *_ in reports:
             for set_id, members in rep.sets.items():
                 self._reported[set_id] = list(members)
-        for mask, rep in reports:
+        for mask, rep, *rows in reports:
+            column = 0
             for name, meta in rep.requests:
                 by_meta = self.table.setdefault(name, {})
                 if self._submitted.get(name, 0) & mask:  # a rank gave its layout again
@@ -103,6 +163,10 @@ class Coordinator:
                             del by_meta[other]
                 by_meta[meta] = by_meta.get(meta, 0) | mask
                 self._submitted[name] = self._submitted.get(name, 0) | mask
+                if meta.kind == ALLGATHER and meta.shape and meta.shape[0] == OWN_ROWS:
+                    self._rows.setdefault(name, []).append(
+                        (rows[0].ranks, rows[0].values[:, column]))
+                    column += 1
             if rep.join:
                 joins.extend(ranks_of(mask))
         for rank in sorted(joins):
@@ -114,9 +178,10 @@ class Coordinator:
             response = self._try_complete(name, by_meta, self._submitted[name], joined)
             if response is not None:
                 del self.table[name], self._submitted[name]
+                self._rows.pop(name, None)
                 responses.append(response)
         warnings = self._stalls(reports, responses, joined)
-        knobs = next((rep.knobs for mask, rep in reports if mask & 1), None)
+        knobs = next((rep.knobs for mask, rep, *_ in reports if mask & 1), None)
         return Decision(responses, warnings, knobs)
 
     def _members(self, set_id: int) -> tuple[list[int], int]:
@@ -151,14 +216,13 @@ class Coordinator:
                 "run while ranks are joined"))
         if (submitted | joined) & everyone != everyone:
             return None
-        return _agree(name, by_meta, members)
+        return _agree(name, by_meta, members, self._rows.get(name, ()))
 
-    def _stalls(self, reports: list[tuple[int, Report]], done: list[Response],
-                joined: int) -> list[str]:
+    def _stalls(self, reports: list, done: list[Response], joined: int) -> list[str]:
         warnings: list[str] = []
         finished = {r.name for r in done}
         ages: dict[str, float] = {}
-        for _, rep in reports:
+        for _, rep, *_ in reports:
             for name, age in rep.stalled.items():
                 if name not in finished:
                     ages[name] = max(age, ages.get(name, 0.0))
@@ -173,6 +237,7 @@ class Coordinator:
                 f"it, ranks {missing} did not. One rank is skipping a collective or is stuck.")
             if self._stall_shutdown_s and age >= self._stall_shutdown_s and first is not None:
                 del self.table[name], self._submitted[name]
+                self._rows.pop(name, None)
                 done.append(Response(name, first, error=(
                     f"tensor {name!r} stalled for {age:.0f}s: ranks {missing} never submitted "
                     "it (stall_shutdown_time_s reached)")))
@@ -194,6 +259,21 @@ def _describe(meta: Meta) -> str:
     return text
 
 
+def _rows_of(entries: list[tuple[int, Meta, int]], members: list[int],
+             rows: Iterable[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+    """Every rank's dim 0 of an allgather, indexed by rank: from the layouts that carry it
+    and from the rows given beside the reports (later ones win)."""
+    rows = list(rows)
+    top = max([*members, *(int(ranks.max()) for ranks, _ in rows if len(ranks))])
+    dims = np.zeros(top + 1, dtype=np.int64)
+    for _, meta, mask in entries:
+        if meta.shape[0] != OWN_ROWS:
+            dims[ranks_of(mask)] = meta.shape[0]
+    for ranks, values in rows:
+        dims[ranks] = values
+    return dims
+
+
 def _agreed_part(meta: Meta) -> Meta:
     """The fields that must match: for allgather/alltoall dim 0 and splits may differ."""
     if meta.kind in (ALLGATHER, ALLTOALL):
@@ -205,10 +285,13 @@ def _agreed_part(meta: Meta) -> Meta:
     return meta
 
 
-def _agree(name: str, by_meta: dict[Meta, int], members: list[int]) -> Response:
+def _agree(name: str, by_meta: dict[Meta, int], members: list[int],
+           rows: Iterable[tuple[np.ndarray, np.ndarray]] = ()) -> Response:
     """The response to `name` that every member submitted (or joined without): an error
     naming who differs where layouts disagree. Layouts, not ranks, are iterated, except
-    where the response carries a number per member (allgather's rows, alltoall's splits)."""
+    where the response carries a number per member (allgather's rows, alltoall's splits):
+    rows given beside the reports (`rows`: ranks and their values, later ones win) are
+    placed as arrays."""
     # each layout with its first rank, in rank order (hashing a layout costs: once each)
     entries = sorted(((mask & -mask, meta, mask) for meta, mask in by_meta.items()),
                      key=itemgetter(0))
@@ -218,8 +301,16 @@ def _agree(name: str, by_meta: dict[Meta, int], members: list[int]) -> Response:
         part = _agreed_part(meta)
         ranks, shown = groups.get(part, (0, meta))
         groups[part] = (ranks | mask, shown)
+    dims = _rows_of(entries, members, rows) if reference.kind == ALLGATHER else None
+
+    def own(meta: Meta, ranks: int) -> Meta:  # an allgather's layout with its first rank's rows
+        if dims is None or meta.shape[0] != OWN_ROWS:
+            return meta
+        first = (ranks & -ranks).bit_length() - 1
+        return replace(meta, shape=(int(dims[first]), *meta.shape[1:]))
+
     if len(groups) > 1:
-        parts = "; ".join(f"ranks {ranks_of(ranks)} have {_describe(shown)}"
+        parts = "; ".join(f"ranks {ranks_of(ranks)} have {_describe(own(shown, ranks))}"
                           for ranks, shown in groups.values())
         if len({m.framework for m in groups}) > 1:
             advice = ("Every rank of a job must send a collective from the same framework "
@@ -231,11 +322,12 @@ def _agree(name: str, by_meta: dict[Meta, int], members: list[int]) -> Response:
                         error=f"ranks disagree on tensor {name!r}: {parts}. {advice}")
     if reference.kind not in (ALLGATHER, ALLTOALL):
         return Response(name, reference)
+    if dims is not None:
+        return Response(name, own(reference, entries[0][2]),
+                        rank_dims=tuple(dims[members].tolist()))
     meta_of: dict[int, Meta] = {}
     for _, meta, mask in entries:
         meta_of.update(dict.fromkeys(ranks_of(mask), meta))
-    if reference.kind == ALLGATHER:
-        return Response(name, reference, rank_dims=tuple(meta_of[r].shape[0] for r in members))
     splits = tuple(meta_of[r].splits for r in members)
     bad = [r for r, s in zip(members, splits) if len(s) != len(members)]
     if bad:

@@ -29,7 +29,13 @@ from raytrain_x.comm.groups import ProcessGroups, ProcessSetGroup
 from raytrain_x.common.knobs import Knobs
 from raytrain_x.engine.arrays import ops_for, ops_for_device
 from raytrain_x.engine.buffers import pack, unpack
-from raytrain_x.engine.coordinator import Coordinator, Decision, Report
+from raytrain_x.engine.coordinator import (
+    Coordinator,
+    Decision,
+    Report,
+    frame_report,
+    group_reports,
+)
 from raytrain_x.engine.execution import (
     CollectiveRunner,
     is_floating,
@@ -284,9 +290,9 @@ class Negotiator:
                     report.sets[set_id] = tuple(self._groups.sets[set_id].ranks)
         world = self._groups.world
         if world.size <= REPLICATED_UP_TO:  # every rank decides alike: one exchange
-            decision = self._decide(world.allgather_bytes(pickle.dumps(report)))
+            decision = self._decide(world.allgather_bytes(frame_report(report)))
         else:
-            blobs = world.gather_bytes(pickle.dumps(report), root=0)
+            blobs = world.gather_bytes(frame_report(report), root=0)
             answer = None
             if blobs is not None:  # rank 0: coordinates
                 answer = pickle.dumps((self._decide(blobs), self._coordinator.joined))
@@ -307,13 +313,9 @@ class Negotiator:
         result.knobs = Knobs(**decision.knobs) if decision.knobs else None
 
     def _decide(self, blobs: list[bytes]) -> Decision:
-        """The coordinator's decision over every rank's report (rank order), each distinct
-        report once with the ranks that sent it."""
-        senders: dict[bytes, int] = {}  # a report -> the ranks that sent it
-        for rank, blob in enumerate(blobs):
-            senders[blob] = senders.get(blob, 0) | (1 << rank)
-        return self._coordinator.process_grouped(
-            [(mask, pickle.loads(blob)) for blob, mask in senders.items()])
+        """The coordinator's decision over every rank's framed report (rank order), each
+        distinct report once with the ranks that sent it and their rows."""
+        return self._coordinator.process_grouped(group_reports(blobs))
 
 
 def _bit_words(flags: Sequence[bool]) -> np.ndarray:

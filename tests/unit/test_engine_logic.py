@@ -10,7 +10,7 @@ import pytest
 
 from raytrain_x.common.errors import ConfigError, InternalError, WorkerError
 from raytrain_x.engine.arrays import NUMPY, ops_for
-from raytrain_x.engine.coordinator import Coordinator, Report
+from raytrain_x.engine.coordinator import Coordinator, Report, frame_report, group_reports
 from raytrain_x.engine.messages import ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, Meta, Response
 from raytrain_x.engine.plan import (
     IN_FLIGHT_MIN_BYTES,
@@ -515,6 +515,43 @@ def test_reports_sent_by_many_ranks_at_once_decide_as_each_ranks_own_would():
     (done,) = c.process_grouped([(mask_of(odd), Report(-1, join=True))]).responses
     assert done.name == "h" and not done.error and c.joined == odd
     assert ranks_of(mask_of([0, 3, 69])) == [0, 3, 69]
+
+
+def test_ranks_that_differ_only_in_their_allgather_rows_send_one_report():
+    """Each rank's rows travel beside its report: 64 ranks with rows of their own are one
+    distinct report (the coordinator's work does not grow with N), and the response still
+    carries every rank's rows, the layout rank 0 gave, and disagreements as before."""
+    everyone = list(range(64))
+
+    def report(rank):
+        return Report(-1, [("g", _allreduce()), ("rows", Meta(ALLGATHER, "float32", (rank, 3))),
+                           ("more", Meta(ALLGATHER, "int64", (2 * rank + 1,)))])
+
+    grouped = group_reports([frame_report(report(r)) for r in everyone])
+    assert len(grouped) == 1 and grouped[0][0] == (1 << 64) - 1
+    out = {r.name: r for r in _coordinator({0: everyone}).process_grouped(grouped).responses}
+    assert not any(r.error for r in out.values())
+    assert out["rows"].rank_dims == tuple(everyone)
+    assert out["more"].rank_dims == tuple(2 * r + 1 for r in everyone)
+    assert out["rows"].meta == Meta(ALLGATHER, "float32", (0, 3))  # rank 0's own
+    # the same as reports with the rows inside, one per rank
+    inside = _coordinator({0: everyone}).process([
+        Report(r, report(r).requests) for r in everyone]).responses
+    assert {r.name: r for r in inside} == out
+    # trailing dims that differ are still named; rows given over two cycles still add up
+    bad = [Report(-1, [("t", Meta(ALLGATHER, "float32", (r, 3 + (r == 5))))]) for r in range(8)]
+    (resp,) = _coordinator({0: list(range(8))}).process_grouped(
+        group_reports([frame_report(b) for b in bad])).responses
+    assert "ranks [5] have allgather float32[5, 4]" in resp.error
+    c = _coordinator({0: [0, 1, 2]})
+    first = group_reports([frame_report(Report(-1, [("x", Meta(ALLGATHER, "float32", (4,)))])),
+                           frame_report(Report(-1)), frame_report(Report(-1))])
+    assert not c.process_grouped(first).responses
+    later = group_reports([frame_report(Report(-1)),
+                           *[frame_report(Report(-1, [("x", Meta(ALLGATHER, "float32", (r,)))]))
+                             for r in (7, 9)]])
+    (done,) = c.process_grouped(later).responses
+    assert done.rank_dims == (4, 7, 9) and not done.error
 
 
 def test_a_repeated_set_of_cache_hits_is_agreed_once_with_the_same_lru_touches():
