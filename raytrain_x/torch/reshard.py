@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from raytrain_x.common.errors import ConfigError
+from raytrain_x.core.process_sets import ProcessSet, global_process_set
 from raytrain_x.elastic.reshard import (
     DEST,
     SOURCE,
@@ -29,7 +30,9 @@ from raytrain_x.torch.ops import alltoall
 
 def reshard(plan: ReshardPlan, tensors: Sequence[ShardedTensor], old_world: int,
             position: int, new_world: int, held: Mapping[int, Sequence[torch.Tensor]],
-            like: Sequence[torch.Tensor], name: str = "reshard") -> list[torch.Tensor]:
+            like: Sequence[torch.Tensor], name: str = "reshard",
+            ranks: Sequence[int] | None = None,
+            process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """This rank's chunk of every tensor in the new layout (position `position` of
     `new_world`), every rank of the new world calling it with the same plan and its own
     `held`.
@@ -45,6 +48,8 @@ def reshard(plan: ReshardPlan, tensors: Sequence[ShardedTensor], old_world: int,
             chunk this rank holds.
         like: a tensor per layout entry giving the dtype and trailing dims of its rows.
         name: the collective's name.
+        ranks: the rank in `process_set` of each position (None: position k is rank k).
+        process_set: the ranks of the new world (default: every rank).
 
     Raises:
         ConfigError: a chunk the plan says this rank holds is missing, or a tensor's rows
@@ -62,18 +67,20 @@ def reshard(plan: ReshardPlan, tensors: Sequence[ShardedTensor], old_world: int,
             rows[start - first:stop - first] = _rows(held, chunk, index, tensor,
                                                      olds[index], start, stop)
         out.append(rows)
+    ranks = list(range(new_world)) if ranks is None else list(ranks)
+    position_of = {rank: p for p, rank in enumerate(ranks)}
     pieces, splits = [], []
-    for dest in range(new_world):
-        size = 0
+    for member in range(new_world):
+        dest, size = position_of[member], 0
         for t, _, _, a, b in sent[sent[:, DEST] == dest].tolist():
             chunk = int(np.searchsorted(olds[t], a, side="right") - 1)
             pieces.append(_bytes(_rows(held, chunk, t, tensors[t], olds[t], a, b)))
             size += pieces[-1].numel()
         splits.append(size)
     payload = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8)
-    got, _ = alltoall(payload, splits=splits, name=name)
+    got, _ = alltoall(payload, splits=splits, name=name, process_set=process_set)
     offset = 0
-    for t, _, _, a, b in sorted(received.tolist(), key=lambda r: (r[SOURCE], r[TENSOR],
+    for t, _, _, a, b in sorted(received.tolist(), key=lambda r: (ranks[r[SOURCE]], r[TENSOR],
                                                                    r[START])):
         first = int(news[t][position])
         target = _bytes(out[t][a - first:b - first])

@@ -1,0 +1,107 @@
+"""A model sharded by torch's FSDP2 (`fully_shard` per layer, AdamW) re-sharded in memory when
+its world changes (`raytrain_x.torch.fsdp`, `raytrain_x.torch.reshard`): a newcomer joins 2
+ranks, or one of 3 is lost with its chunks' copy on a survivor. Every rank's rows move as
+the plan says (nothing gathered whole), FSDP2 goes on over the new mesh, and the parameters
+after two more steps match a model trained unsharded on the same global batch."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.workers import run_workers
+
+STEPS_BEFORE, STEPS_AFTER, BATCH = 2, 2, 12
+
+
+def _resize(path: str, scenario: str) -> dict:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    import raytrain_x.torch as rx
+    from raytrain_x.elastic.reshard import plan_resize
+    from raytrain_x.torch.fsdp import local_chunks, rebind, replicated_states, sharded_layout
+    from raytrain_x.torch.reshard import reshard
+
+    survivors = rx.ProcessSet([0, 1])
+    rx.init(process_sets=[survivors])
+    rank = rx.rank()
+    dist.init_process_group("gloo", store=dist.FileStore(path, 3), rank=rank, world_size=3)
+    old_ranks, members = ([0, 1], [0, 1, 2]) if scenario == "grow" else ([0, 1, 2], [0, 1])
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 7), nn.ReLU(),
+                             nn.Linear(7, 5))
+
+    def shard(model, mesh):
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+
+    def train(model, opt, step, part, parts):
+        generator = torch.Generator().manual_seed(100 + step)
+        x, y = torch.randn(BATCH, 8, generator=generator), torch.randn(BATCH, 5,
+                                                                       generator=generator)
+        rows = slice(part * BATCH // parts, (part + 1) * BATCH // parts)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+        opt.step()
+
+    reference = build()
+    reference_opt = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    model, opt = build(), None
+    old_mesh = DeviceMesh("cpu", torch.tensor(old_ranks))
+    if rank in old_ranks:
+        shard(model, old_mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    for step in range(STEPS_BEFORE):
+        train(reference, reference_opt, step, 0, 1)
+        if rank in old_ranks:
+            train(model, opt, step, old_ranks.index(rank), len(old_ranks))
+    # what a commit leaves: each rank its chunks; the lost rank's copy on rank 0
+    layout = rx.broadcast_object(sharded_layout(model, opt) if rank == 0 else None, 0)
+    like = rx.broadcast_object([torch.empty((0, *c.shape[1:]), dtype=c.dtype)
+                                for c in local_chunks(model, opt)] if rank == 0 else None, 0)
+    replicated = rx.broadcast_object(replicated_states(model, opt) if rank == 0 else None, 0)
+    held = {old_ranks.index(rank): [c.clone() for c in local_chunks(model, opt)]} \
+        if rank in old_ranks else {}
+    holders = {j: [r] for j, r in enumerate(old_ranks)}
+    if scenario == "lose":  # rank 2 goes; its copy lives on rank 0
+        copy = rx.broadcast_object(held.get(2) if rank == 2 else None, 2)
+        if rank == 0:
+            held[2] = copy
+        holders[2] = [0]
+    positions, plan = plan_resize(layout, len(old_ranks), holders, members)
+    order = [m for m, _ in sorted(positions.items(), key=lambda kv: kv[1])]
+    new_mesh = DeviceMesh("cpu", torch.tensor(order))
+    if rank not in members:  # the lost rank: nothing more
+        return {"ok": True, "received": 0, "planned": plan.moved_bytes}
+    process_set = survivors if scenario == "lose" else rx.global_process_set
+    rows = reshard(plan, layout, len(old_ranks), positions[rank], len(members), held, like,
+                   ranks=order, process_set=process_set)
+    if rank not in old_ranks:  # the newcomer builds and shards its model as its script does
+        shard(model, new_mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    rebind(model, opt, new_mesh, {t.name: r for t, r in zip(layout, rows)}, replicated)
+    for step in range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER):
+        train(reference, reference_opt, step, 0, 1)
+        train(model, opt, step, positions[rank], len(members))
+    want = dict(reference.named_parameters())
+    diff = max((p.full_tensor() if isinstance(p, DTensor) else p).sub(want[n]).abs().max().item()
+               for n, p in model.named_parameters())
+    received = plan.received_by(positions[rank])
+    moved = sum(int(b - a) * layout[t].row_bytes for t, _, _, a, b in received.tolist())
+    dist.destroy_process_group()
+    return {"ok": diff < 1e-5, "diff": diff, "received": moved, "planned": plan.moved_bytes}
+
+
+@pytest.mark.parametrize("scenario", ["grow", "lose"])
+def test_fsdp2_trains_on_after_a_resize_as_the_same_global_batch_unsharded(tmp_path, scenario):
+    results = run_workers(_resize, 3, str(tmp_path / "store"), scenario, work_s=40)
+    assert all(r["ok"] for r in results), results
+    assert sum(r["received"] for r in results) == results[0]["planned"] > 0
