@@ -153,14 +153,25 @@ def chunk_overlaps(tensors: Sequence[ShardedTensor], old_world: int,
     return pairs // new_world, pairs % new_world, total
 
 
+# swap passes after the greedy pairing: each looks at every pair once
+SWAP_PASSES = 8
+# the best assignment (scipy's, where installed) for worlds up to this many members: its
+# matrix of members by positions takes 8 bytes a cell (134 MB at 4,096)
+BEST_UP_TO = 4096
+
+
 def place_members(tensors: Sequence[ShardedTensor], old_world: int,
                   holders: Mapping[int, Sequence[Hashable]],
                   members: Sequence[Hashable]) -> dict[Hashable, int]:
-    """Each member's position in the new layout (a world of `len(members)`): the positions
-    whose rows the members already hold (`holders`: old chunk -> the members holding it,
-    its owner and the peers keeping a copy) go to them, the pairs that keep the most bytes
-    first; every other member (a newcomer) takes a position left, in `members` order.
-    Never keeps fewer bytes in place than `members` in their own order."""
+    """Each member's position in the new layout (a world of `len(members)`), keeping in
+    place as many of the bytes the members hold as it finds (`holders`: old chunk -> the
+    members holding it, its owner and the peers keeping a copy). Up to `BEST_UP_TO`
+    members with scipy installed, the most there is (a maximum-weight assignment);
+    otherwise the pairs of member and position that keep the most bytes first, then two
+    members swap positions wherever that keeps more (within a few percent of the most at
+    a few hundred ranks, `benchmarks/reshard_plan.py`). Members holding nothing
+    (newcomers) take the positions left. Never keeps fewer bytes in place than `members`
+    in their own order."""
     new_world = len(members)
     if len(set(members)) != new_world:
         raise ValueError("a member is listed twice")
@@ -172,22 +183,63 @@ def place_members(tensors: Sequence[ShardedTensor], old_world: int,
             if member in index:
                 key = (index[member], k)
                 edges[key] = edges.get(key, 0) + w
+    placed = _best(edges, new_world) if new_world <= BEST_UP_TO else None
+    if placed is None:
+        placed = _swaps(edges, _greedy(edges, new_world))
+    in_order = {m: m for m in range(new_world)}
+    if sum(edges.get(p, 0) for p in in_order.items()) > \
+            sum(edges.get(p, 0) for p in placed.items()):
+        placed = in_order  # the greedy pairing can lose to it in small worlds
+    return {members[m]: k for m, k in placed.items()}
+
+
+def _best(edges: Mapping[tuple[int, int], int], new_world: int) -> dict[int, int] | None:
+    """The assignment that keeps the most bytes (scipy's `linear_sum_assignment`); None
+    without scipy."""
+    try:
+        from scipy.optimize import linear_sum_assignment
+    except ImportError:
+        return None
+    weights = np.zeros((new_world, new_world))
+    for (m, k), w in edges.items():
+        weights[m, k] = w
+    rows, cols = linear_sum_assignment(weights, maximize=True)
+    return dict(zip(rows.tolist(), cols.tolist()))
+
+
+def _greedy(edges: Mapping[tuple[int, int], int], new_world: int) -> dict[int, int]:
     placed: dict[int, int] = {}
     taken: set[int] = set()
     for (m, k), _ in sorted(edges.items(), key=lambda e: (-e[1], e[0])):
         if m not in placed and k not in taken:
             placed[m] = k
             taken.add(k)
-    free = iter(k for k in range(new_world) if k not in taken)
-    for m in range(new_world):
-        if m not in placed:
-            placed[m] = next(free)
-    # the greedy pairing can lose to the members' own order (rarely, in small worlds):
-    # the order kept when it keeps more
-    if sum(edges.get((m, m), 0) for m in range(new_world)) > \
-            sum(edges.get((m, k), 0) for m, k in placed.items()):
-        placed = {m: m for m in range(new_world)}
-    return {members[m]: k for m, k in placed.items()}
+    free = iter(sorted(set(range(new_world)) - taken))
+    return {**placed, **{m: next(free) for m in range(new_world) if m not in placed}}
+
+
+def _swaps(edges: Mapping[tuple[int, int], int], placed: dict[int, int]) -> dict[int, int]:
+    """`placed` with two members swapped wherever one of them keeps bytes at the other's
+    position and the swap keeps more in all, pass after pass until none does (at most
+    `SWAP_PASSES`)."""
+    placed = dict(placed)
+    at = {k: m for m, k in placed.items()}
+    for _ in range(SWAP_PASSES):
+        swapped = False
+        for (m, k), w in edges.items():
+            here = placed[m]
+            if k == here:
+                continue
+            other = at[k]
+            gain = w + edges.get((other, here), 0) - edges.get((m, here), 0) \
+                - edges.get((other, k), 0)
+            if gain > 0:
+                placed[m], placed[other] = k, here
+                at[k], at[here] = m, other
+                swapped = True
+        if not swapped:
+            break
+    return placed
 
 
 def plan_resize(tensors: Sequence[ShardedTensor], old_world: int,

@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from raytrain_x.elastic import reshard
 from raytrain_x.elastic.reshard import (
     DEST,
     SOURCE,
@@ -196,17 +197,49 @@ def test_placed_members_get_every_row_once_and_keep_at_least_what_rank_order_kee
     members = survivors + [f"new{i}" for i in range(data.draw(st.integers(0, 4)))]
     holders = {r: [k for k in dict.fromkeys((r + i) % world for i in range(replicas + 1))
                    if k not in lost] for r in range(world)}
-    positions, plan = plan_resize(tensors, world, holders, members)
-    assert sorted(positions.values()) == list(range(len(members)))
-    at = {j: [positions[m] for m in ms] for j, ms in holders.items()}
-    assert plan.moved_bytes == play(tensors, world, len(members), at, plan)
     in_order = {m: i for i, m in enumerate(members)}
     ordered = plan_reshard(tensors, world, len(members),
                            {j: [in_order[m] for m in ms] for j, ms in holders.items()})
-    # greedy: never worse than half the best; here held to rank order's bytes kept
-    assert plan.kept_bytes >= ordered.kept_bytes
+    for best_up_to in (4096, 0):  # scipy's assignment, then the greedy pairing and swaps
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(reshard, "BEST_UP_TO", best_up_to)
+            positions, plan = plan_resize(tensors, world, holders, members)
+        assert sorted(positions.values()) == list(range(len(members)))
+        at = {j: [positions[m] for m in ms] for j, ms in holders.items()}
+        assert plan.moved_bytes == play(tensors, world, len(members), at, plan)
+        assert plan.kept_bytes >= ordered.kept_bytes
 
 
 def test_a_member_listed_twice_is_refused():
     with pytest.raises(ValueError, match="listed twice"):
         place_members(MODEL, 2, {0: [0], 1: [1]}, [0, 0])
+
+
+@pytest.mark.parametrize("best_up_to,within", [(4096, 1.0), (0, 1.1)])
+def test_placement_moves_the_least_there_is_or_close_to_it(monkeypatch, best_up_to, within):
+    """Three row counts over 256 ranks (their chunks change size differently when 24 ranks
+    go, one copy each on the rank 8 on): the bytes moved against the best assignment of
+    members to positions there is (scipy's), and against rank order; with scipy's
+    assignment (up to `BEST_UP_TO` members) and with the greedy pairing and swaps."""
+    from scipy.optimize import linear_sum_assignment
+
+    from raytrain_x.elastic.reshard import chunk_overlaps
+
+    monkeypatch.setattr(reshard, "BEST_UP_TO", best_up_to)
+
+    model = [ShardedTensor("embed", 32000, 80), ShardedTensor("ffn", 11008, 40),
+             ShardedTensor("attn", 4096, 40)]
+    gone = {(3 + 10 * i) % 256 for i in range(24)}
+    members = [r for r in range(256) if r not in gone]
+    holders = {j: [k for k in (j, (j + 8) % 256) if k not in gone] for j in range(256)}
+    _, placed = plan_resize(model, 256, holders, members)
+    weights = np.zeros((len(members), len(members)))
+    for j, k, w in zip(*chunk_overlaps(model, 256, len(members))):
+        for m in holders[int(j)]:
+            weights[members.index(m), k] += w
+    rows, cols = linear_sum_assignment(weights, maximize=True)
+    least = sum(t.rows * t.row_bytes for t in model) - weights[rows, cols].sum()
+    assert placed.moved_bytes <= within * least
+    in_order = plan_reshard(model, 256, len(members), {
+        j: [members.index(m) for m in ms] for j, ms in holders.items()})
+    assert placed.moved_bytes < 0.8 * in_order.moved_bytes
