@@ -91,13 +91,34 @@ def _entry(rank: int, size: int, port: int, fn: Callable, args: tuple, env: dict
             pass
 
 
+# what rank 0 says when the port picked for its store was taken before it could listen
+# (another test's process, between `free_port` and the bind): the ranks are started again
+# on a new port, once
+PORT_TAKEN = "could not listen on"
+
+
 def run_workers(fn: Callable, size: int, *args: Any, env: dict | None = None, hosts: int = 1,
                 work_s: float = 30.0, allow_failures: bool = False) -> list[Any]:
     """Runs `fn(*args)` on `size` new processes; returns per-rank results in rank order.
 
     `work_s` is what the whole run takes on an idle runner (tests/limits.py makes the limit).
     With `allow_failures`, a failed rank's entry is the exception text instead of raising.
+    A run whose store port was taken before rank 0 listened (`PORT_TAKEN`) runs again once.
     """
+    for attempt in (1, 2):
+        results, failures = _run_once(fn, size, args, env, hosts, work_s)
+        if attempt == 1 and any(PORT_TAKEN in text for text in failures.values()):
+            continue
+        break
+    if failures and not allow_failures:
+        raise AssertionError("\n".join(f"rank {r} failed: {t}"
+                                       for r, t in sorted(failures.items())))
+    return [pickle.loads(results[r]) if r in results else failures[r] for r in range(size)]
+
+
+def _run_once(fn: Callable, size: int, args: tuple, env: dict | None, hosts: int,
+              work_s: float) -> tuple[dict[int, Any], dict[int, str]]:
+    """One run of `run_workers`: each rank's result, and each failed rank's error."""
     ctx = _CONTEXT
     queue = ctx.Queue()
     port = free_port()
@@ -132,7 +153,4 @@ def run_workers(fn: Callable, size: int, *args: Any, env: dict | None = None, ho
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
-    if failures and not allow_failures:
-        raise AssertionError("\n".join(f"rank {r} failed: {t}"
-                                       for r, t in sorted(failures.items())))
-    return [pickle.loads(results[r]) if r in results else failures[r] for r in range(size)]
+    return results, failures

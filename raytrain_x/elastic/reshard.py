@@ -31,7 +31,11 @@ from dataclasses import dataclass
 import numpy as np
 
 # the columns of a plan's transfers, one row per transfer
-TENSOR, SOURCE, DEST, START, STOP = range(5)
+TENSOR = 0  # the tensor's index in the layout
+SOURCE = 1  # the new rank that sends
+DEST = 2  # the new rank that receives
+START = 3  # the first row
+STOP = 4  # the row after the last
 
 
 @dataclass(frozen=True)

@@ -19,12 +19,10 @@ def _resize(path: str, scenario: str) -> dict:
     from torch import nn
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import DTensor
 
     import raytrain_x.torch as rx
     from raytrain_x.elastic.reshard import plan_resize
-    from raytrain_x.torch.fsdp import local_chunks, rebind, replicated_states, sharded_layout
-    from raytrain_x.torch.reshard import reshard
+    from raytrain_x.torch.fsdp import local_chunks, replicated_states, sharded_layout
 
     survivors = rx.ProcessSet([0, 1])
     rx.init(process_sets=[survivors])
@@ -79,10 +77,31 @@ def _resize(path: str, scenario: str) -> dict:
     positions, plan = plan_resize(layout, len(old_ranks), holders, members)
     order = [m for m, _ in sorted(positions.items(), key=lambda kv: kv[1])]
     new_mesh = DeviceMesh("cpu", torch.tensor(order))
-    if rank not in members:  # the lost rank: nothing more
-        return {"ok": True, "received": 0, "planned": plan.moved_bytes}
-    process_set = survivors if scenario == "lose" else rx.global_process_set
-    rows = reshard(plan, layout, len(old_ranks), positions[rank], len(members), held, like,
+    result = {"ok": True, "received": 0, "planned": plan.moved_bytes}
+    if rank in members:  # not the lost rank
+        result = _train_on(rank, members, positions, plan, layout, len(old_ranks), held, like,
+                           order, survivors if scenario == "lose" else rx.global_process_set,
+                           old_ranks, model, opt, new_mesh, replicated, reference,
+                           reference_opt, shard, train)
+    # the lost rank stays until the others are done: its script ending would be a rank
+    # leaving the job under their collectives
+    rx.allreduce(torch.zeros(1), name="done")
+    dist.destroy_process_group()
+    return result
+
+
+def _train_on(rank, members, positions, plan, layout, old_world, held, like, order,
+              process_set, old_ranks, model, opt, new_mesh, replicated, reference,
+              reference_opt, shard, train) -> dict:
+    """The new world's ranks: their rows moved, the model re-bound (a newcomer's built and
+    sharded first), two more steps, compared with the unsharded model."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from raytrain_x.torch.fsdp import rebind
+    from raytrain_x.torch.reshard import reshard
+
+    rows = reshard(plan, layout, old_world, positions[rank], len(members), held, like,
                    ranks=order, process_set=process_set)
     if rank not in old_ranks:  # the newcomer builds and shards its model as its script does
         shard(model, new_mesh)
@@ -96,7 +115,6 @@ def _resize(path: str, scenario: str) -> dict:
                for n, p in model.named_parameters())
     received = plan.received_by(positions[rank])
     moved = sum(int(b - a) * layout[t].row_bytes for t, _, _, a, b in received.tolist())
-    dist.destroy_process_group()
     return {"ok": diff < 1e-5, "diff": diff, "received": moved, "planned": plan.moved_bytes}
 
 
