@@ -58,6 +58,17 @@ def chunk_bounds(rows: int, world: int) -> np.ndarray:
     return np.minimum(np.arange(world + 1, dtype=np.int64) * size, rows)
 
 
+def segments(rows: int, old_world: int,
+             new_world: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """`rows` cut at both worlds' chunk bounds: each piece's first row, the row after its
+    last, the old chunk it lay in and the new chunk it lies in."""
+    old, new = chunk_bounds(rows, old_world), chunk_bounds(rows, new_world)
+    cuts = np.union1d(old, new)
+    starts, stops = cuts[:-1], cuts[1:]
+    return (starts, stops, np.searchsorted(old, starts, side="right") - 1,
+            np.searchsorted(new, starts, side="right") - 1)
+
+
 @dataclass
 class ReshardPlan:
     """The transfers of a re-shard and what they cost.
@@ -112,13 +123,9 @@ def plan_reshard(tensors: Sequence[ShardedTensor], old_world: int, new_world: in
         raise ValueError(f"a holder's new rank is outside the new world of {new_world}")
     parts, kept, moved, lost = [], 0, 0, []
     for index, tensor in enumerate(tensors):
-        old, new = chunk_bounds(tensor.rows, old_world), chunk_bounds(tensor.rows, new_world)
-        cuts = np.union1d(old, new)
-        starts, stops = cuts[:-1], cuts[1:]
+        starts, stops, owner, dest = segments(tensor.rows, old_world, new_world)
         if not len(starts):
             continue
-        owner = np.searchsorted(old, starts, side="right") - 1  # old rank of each segment
-        dest = np.searchsorted(new, starts, side="right") - 1
         held = (table[owner] == dest[:, None]).any(axis=1)
         rows = stops - starts
         kept += int(rows[held].sum()) * tensor.row_bytes
@@ -137,16 +144,12 @@ def plan_reshard(tensors: Sequence[ShardedTensor], old_world: int, new_world: in
 
 
 def chunk_overlaps(tensors: Sequence[ShardedTensor], old_world: int,
-              new_world: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                   new_world: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The bytes old chunk j and new position k share, summed over the tensors: (j, k,
     bytes) for every pair that shares any."""
     keys, weights = [], []
     for tensor in tensors:
-        old, new = chunk_bounds(tensor.rows, old_world), chunk_bounds(tensor.rows, new_world)
-        cuts = np.union1d(old, new)
-        starts, stops = cuts[:-1], cuts[1:]
-        owner = np.searchsorted(old, starts, side="right") - 1
-        dest = np.searchsorted(new, starts, side="right") - 1
+        starts, stops, owner, dest = segments(tensor.rows, old_world, new_world)
         keys.append(owner * new_world + dest)
         weights.append((stops - starts) * tensor.row_bytes)
     if not keys:

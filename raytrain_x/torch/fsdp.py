@@ -164,8 +164,6 @@ def rebind(model: nn.Module, optimizer: torch.optim.Optimizer | None, mesh: Any,
     if optimizer is not None:
         for group in optimizer.param_groups:
             group["params"] = [renamed.get(id(p), p) for p in group["params"]]
-        for old_id in renamed:
-            for p in list(optimizer.state):
-                if id(p) == old_id:
-                    del optimizer.state[p]
+        for p in [p for p in optimizer.state if id(p) in renamed]:
+            del optimizer.state[p]
         optimizer.state.update(states)

@@ -19,11 +19,11 @@ from raytrain_x.elastic.reshard import (
     DEST,
     SOURCE,
     START,
-    STOP,
     TENSOR,
     ReshardPlan,
     ShardedTensor,
     chunk_bounds,
+    segments,
 )
 from raytrain_x.torch.ops import alltoall
 
@@ -62,10 +62,14 @@ def reshard(plan: ReshardPlan, tensors: Sequence[ShardedTensor], old_world: int,
     for index, (tensor, kind) in enumerate(zip(tensors, like)):
         new, first = news[index], int(news[index][position])
         rows = torch.empty((int(new[position + 1]) - first, *kind.shape[1:]), dtype=kind.dtype)
-        for start, stop, chunk in _kept(olds[index], first, int(new[position + 1]),
-                                        received[received[:, TENSOR] == index]):
-            rows[start - first:stop - first] = _rows(held, chunk, index, tensor,
-                                                     olds[index], start, stop)
+        # the pieces of this rank's new chunk that no transfer brings: it holds them
+        starts, stops, owners, dests = segments(tensor.rows, old_world, new_world)
+        arriving = set(received[received[:, TENSOR] == index, START].tolist())
+        for start, stop, chunk in zip(*(a[dests == position].tolist()
+                                        for a in (starts, stops, owners))):
+            if start not in arriving:
+                rows[start - first:stop - first] = _rows(held, chunk, index, tensor,
+                                                         olds[index], start, stop)
         out.append(rows)
     ranks = list(range(new_world)) if ranks is None else list(ranks)
     position_of = {rank: p for p, rank in enumerate(ranks)}
@@ -90,18 +94,6 @@ def reshard(plan: ReshardPlan, tensors: Sequence[ShardedTensor], old_world: int,
         raise ConfigError(f"{name}: received {got.numel()} bytes where the plan names "
                           f"{offset}; every rank must call it with the same plan")
     return out
-
-
-def _kept(old: np.ndarray, start: int, stop: int,
-          arriving: np.ndarray) -> list[tuple[int, int, int]]:
-    """The rows [start, stop) not arriving by a transfer, cut at the old chunks' bounds:
-    (first row, row after the last, old chunk)."""
-    cuts = np.union1d(old[(old > start) & (old < stop)], [start, stop])
-    spans = []
-    for a, b in zip(cuts[:-1].tolist(), cuts[1:].tolist()):
-        if not ((arriving[:, START] <= a) & (arriving[:, STOP] >= b)).any():
-            spans.append((a, b, int(np.searchsorted(old, a, side="right") - 1)))
-    return spans
 
 
 def _rows(held: Mapping[int, Sequence[torch.Tensor]], chunk: int, index: int,
