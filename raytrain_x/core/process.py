@@ -91,6 +91,9 @@ class World:
     sampler: AutotuneSampler | None = None  # rank 0's, while tuning
     # (collective kind, process set id) -> the next number of an unnamed collective
     names: dict[tuple[str, int], itertools.count] = field(default_factory=dict)
+    # the torch face's device mesh of this round (`raytrain_x.torch.mesh`): (the rank at
+    # each position, the mesh, its group's store), made on torch's default process group
+    mesh: tuple[tuple[int, ...], Any, Any] | None = None
 
 
 @dataclass

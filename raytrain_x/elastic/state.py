@@ -118,6 +118,12 @@ class State:
         for callback in self._reset_callbacks:
             callback()
 
+    def peer_failed(self, exc: BaseException) -> bool:
+        """Whether `exc`, raised by the training function, is a lost peer that the state's
+        own collectives report in their own way (torch's process group under an FSDP2
+        model): `run` then restores the last commit, as for `InternalError`."""
+        return False
+
     def syncs_after_every_reset(self) -> bool:
         """True when the state is laid out for one world (a sharded optimizer's), so that
         it is synced after every reset, even one raised with `skip_sync=True`."""
@@ -280,11 +286,12 @@ class Attributes:
 def run(func: Callable[..., Any]) -> Callable[..., Any]:
     """Makes `func(state, *args, **kwargs)` elastic.
 
-    On `InternalError` (a peer or the transport failed) the state is restored to its last
-    commit; on `HostsUpdatedInterrupt` it is kept. Either way the worker re-initialises
-    through a new rendezvous round (the tuned knobs carry over), runs the reset callbacks,
-    syncs the state from the new rank 0 (the oldest surviving worker) and calls `func`
-    again.
+    On `InternalError` (a peer or the transport failed; or what the state's `peer_failed`
+    says is one, such as torch's process group under an FSDP2 model) the state is
+    restored to its last commit; on `HostsUpdatedInterrupt` it is kept. Either way the
+    worker re-initialises through a new rendezvous round (the tuned knobs carry over), runs
+    the reset callbacks, syncs the state from the new rank 0 (the oldest surviving worker)
+    and calls `func` again.
     """
 
     @functools.wraps(func)
@@ -313,7 +320,11 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
                 result = func(state, *args, **kwargs)
                 state.ended()
                 return result
-            except InternalError as exc:
+            except HostsUpdatedInterrupt as exc:
+                skip_sync = exc.skip_sync
+            except Exception as exc:
+                if not (isinstance(exc, InternalError) or state.peer_failed(exc)):
+                    raise
                 if reset_failed and not elastic:
                     raise InternalError(
                         f"a rank of this fixed-size world failed, and the world cannot form "
@@ -325,8 +336,6 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
                 CommitManager.note_rollback()
                 state.restore()
                 skip_sync = False
-            except HostsUpdatedInterrupt as exc:
-                skip_sync = exc.skip_sync
             reset_required = True
 
     return wrapper

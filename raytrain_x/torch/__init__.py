@@ -81,6 +81,7 @@ from raytrain_x.torch.functions import (
     broadcast_parameters,
 )
 from raytrain_x.torch.local_steps import DiLoCo, LocalSGD
+from raytrain_x.torch.mesh import device_mesh
 from raytrain_x.torch.ops import (
     allgather,
     allreduce,

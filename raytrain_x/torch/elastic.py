@@ -20,9 +20,12 @@ from raytrain_x.elastic.state import (
     run,
 )
 from raytrain_x.torch import elastic_sampler as sampler
+from raytrain_x.torch import fsdp
 from raytrain_x.torch.elastic_sampler import ElasticSampler
+from raytrain_x.torch.fsdp_elastic import FSDPCommits
 from raytrain_x.torch.functions import broadcast_object
 from raytrain_x.torch.global_batch import GlobalBatch
+from raytrain_x.torch.mesh import is_peer_failure
 from raytrain_x.torch.state_format import TorchFormat, kind_of
 from raytrain_x.torch.zero_elastic import ShardedCommits
 from raytrain_x.torch.zero_optimizer import ShardedOptimizer
@@ -75,11 +78,15 @@ class TorchState(ObjectState):
         for name, value in handled.items():
             setattr(self, name, value)
         sharded = {k: v for k, v in handled.items() if isinstance(v, ShardedOptimizer)}
-        self._shards: ShardedCommits | None = None
-        if sharded:
-            if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
-                raise ConfigError(f"replicas must be an int >= 1 (copies of each rank's "
-                                  f"optimizer shard), got {replicas!r}")
+        self._shards: ShardedCommits | FSDPCommits | None = None
+        fsdp_names = _fsdp_pair(handled, sharded)
+        if fsdp_names:
+            _check_replicas(replicas, minimum=0)
+            model_name, *opt_name = sorted(fsdp_names, key=lambda n: kind_of(handled[n]))
+            self._shards = FSDPCommits(handled[model_name],
+                                       handled[opt_name[0]] if opt_name else None, replicas)
+        elif sharded:
+            _check_replicas(replicas, minimum=1)
             for name, opt in sharded.items():
                 if opt._process_set is not global_process_set:
                     raise ConfigError(f"elastic training re-shards {name!r} over the whole "
@@ -87,11 +94,49 @@ class TorchState(ObjectState):
             self._shards = ShardedCommits(sharded, replicas)
         self._config = checkpoint.named(None) if checkpoint else from_env()
         plain = {k: v for k, v in kwargs.items() if k not in handled}
-        self._format = TorchFormat(self, handled, list(plain), overlap_commits)
+        self._format = TorchFormat(self, handled, list(plain), overlap_commits,
+                                   frozenset(fsdp_names))
         super().__init__(bcast_object=broadcast_object, get_rank=rank, **plain)
 
     def _commit_manager(self) -> CommitManager:
         return CommitManager(self._format, broadcast_object, self._config, self._shards)
+
+    def peer_failed(self, exc: BaseException) -> bool:
+        """A lost peer as torch's process group reports it, under an FSDP2 model."""
+        return isinstance(self._shards, FSDPCommits) and is_peer_failure(exc)
+
+
+def _check_replicas(replicas: Any, minimum: int) -> None:
+    if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < minimum:
+        raise ConfigError(f"replicas must be an int >= {minimum} (peers keeping a copy of "
+                          f"each rank's shard), got {replicas!r}")
+
+
+def _fsdp_pair(handled: dict[str, Any], zero: dict[str, Any]) -> set[str]:
+    """The names of the model sharded by `fully_shard` and of the optimizer of its
+    parameters (where one is given); empty without such a model.
+
+    Raises:
+        ConfigError: more than one FSDP2 model or optimizer of it, or a ZeRO optimizer
+            beside it.
+    """
+    models = [k for k, v in handled.items() if kind_of(v) == "model" and fsdp.is_sharded(v)]
+    if not models:
+        return set()
+    if len(models) > 1:
+        raise ConfigError(f"TorchState holds one model sharded by fully_shard; got {models}: "
+                          "wrap them in one module, or give each its own state")
+    if zero:
+        raise ConfigError(f"{sorted(zero)} shard the optimizer state of a model that "
+                          "fully_shard shards already: give the FSDP2 model a plain torch "
+                          "optimizer (AdamW, ...), not DistributedOptimizer(zero_stage=...)")
+    params = {id(p) for p in handled[models[0]].parameters()}
+    optimizers = [k for k, v in handled.items() if kind_of(v) == "optimizer" and any(
+        id(p) in params for g in v.param_groups for p in g["params"])]
+    if len(optimizers) > 1:
+        raise ConfigError(f"{optimizers} both step the FSDP2 model's parameters; give "
+                          "TorchState the one optimizer of them")
+    return {models[0], *optimizers}
 
 
 __all__ = ["CheckpointConfig", "ElasticSampler", "GlobalBatch", "ObjectState", "State",

@@ -43,6 +43,18 @@ def _groups(model: nn.Module) -> list[Any]:
     return groups
 
 
+def mesh_info(model: nn.Module) -> Any:
+    """The mesh info (`shard_mesh_rank`, `shard_mesh_size`) the model is sharded over."""
+    return _groups(model)[0].mesh_info
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether `fully_shard` wrapped `model` or any of its modules."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
 def _fsdp_params(model: nn.Module) -> dict[str, Any]:
     """Every FSDP parameter by its name in `model.named_parameters()`."""
     by_param = {id(fp.sharded_param): fp for group in _groups(model)
@@ -152,9 +164,10 @@ def rebind(model: nn.Module, optimizer: torch.optim.Optimizer | None, mesh: Any,
             del fp._unsharded_param
         renamed[id(old)] = fp.sharded_param
         prefix = f"{name}{STATE_SEPARATOR}"
+        # the state's own tensors: `rows` may be kept (a commit's copy)
         state = {key[len(prefix):]: DTensor.from_local(
-                     value, mesh, [Shard(0)], run_check=False, shape=fp._orig_size,
-                     stride=fp._contiguous_orig_stride)
+                     value.to(fp.device, copy=True), mesh, [Shard(0)], run_check=False,
+                     shape=fp._orig_size, stride=fp._contiguous_orig_stride)
                  for key, value in rows.items() if key.startswith(prefix)}
         given = replicated.get(name, {}) if replicated is not None else {
             k: v for k, v in kept.items() if not (isinstance(v, DTensor) and v.dim() > 0)}

@@ -53,21 +53,26 @@ class TorchFormat:
         handled: models, optimizers, samplers and data positions by name.
         names: the plain attributes' names.
         overlap: let a CUDA commit's copy run beside the next forward and backward.
+        sharded: the names of an FSDP2 model and its optimizer, whose sharded tensors are
+            committed as chunks (`raytrain_x.torch.fsdp_elastic`): the tree keeps the
+            model's other tensors (buffers) and the optimizer's group settings.
     """
 
     info = {"skeleton": durable.SKELETON_FORMAT}
 
     def __init__(self, owner: Any, handled: dict[str, Any], names: list[str],
-                 overlap: bool) -> None:
+                 overlap: bool, sharded: frozenset[str] = frozenset()) -> None:
         self.handled = handled
         self.names = names
         self.attributes = Attributes(owner, names, broadcast_object)
-        sharded = any(isinstance(v, ShardedOptimizer) for v in handled.values())
-        self.layout = "sharded" if sharded else "unsharded"
+        self.fsdp = sharded
+        zero = any(isinstance(v, ShardedOptimizer) for v in handled.values())
+        self.layout = "fsdp" if sharded else "sharded" if zero else "unsharded"
         self._snapshots = Snapshots()
         self._unordered: Snapshot | None = None  # copies not yet ordered before a change
         # a sharded optimizer steps buckets as their reductions land, during backward
-        self.overlap = bool(overlap) and not sharded and self._hook_modifications()
+        # (an FSDP2 model's chunks are copied at the commit itself)
+        self.overlap = bool(overlap) and not (sharded or zero) and self._hook_modifications()
 
     def _hook_modifications(self) -> bool:
         """Orders a pending commit's copy before the handled tensors' next change: every
@@ -99,8 +104,11 @@ class TorchFormat:
         them), the plain attributes."""
         handled = {}
         for name, value in self.handled.items():
-            if isinstance(value, ShardedOptimizer):
-                handled[name] = value.group_settings()
+            if isinstance(value, ShardedOptimizer) or name in self.fsdp and \
+                    kind_of(value) == "optimizer":
+                handled[name] = _group_settings(value)
+            elif name in self.fsdp:
+                handled[name] = _unsharded(value)
             else:
                 handled[name] = value.state_dict()
         return {"handled": handled, "attributes": self.values()}
@@ -118,9 +126,14 @@ class TorchFormat:
             saved = tree["handled"].get(name)
             if saved is None:
                 continue
-            if isinstance(value, ShardedOptimizer):
+            if isinstance(value, ShardedOptimizer) or name in self.fsdp and \
+                    kind_of(value) == "optimizer":
                 for group, settings in zip(value.param_groups, saved):
                     group.update(settings)
+            elif name in self.fsdp:
+                live = _unsharded(value)
+                for key, tensor in saved.items():
+                    live[key].copy_(tensor)
             else:
                 value.load_state_dict(saved)
         self.attributes.load(tree["attributes"])
@@ -133,15 +146,17 @@ class TorchFormat:
                  for p in opt._requires_update if p.numel()}
         for name, value in self.handled.items():
             kind = kind_of(value)
-            if kind == "model":
-                broadcast_parameters({k: t for k, t in value.state_dict().items()
-                                      if not (torch.is_tensor(t) and t.data_ptr() in local)},
-                                     root_rank=root)
-            elif isinstance(value, ShardedOptimizer):
-                settings = broadcast_object(value.group_settings(), root,
+            if name in self.fsdp and kind == "model":  # its shards came with the re-shard
+                broadcast_parameters(_unsharded(value), root_rank=root)
+            elif name in self.fsdp or isinstance(value, ShardedOptimizer):
+                settings = broadcast_object(_group_settings(value), root,
                                             name=f"elastic.{name}.groups")
                 for group, chosen in zip(value.param_groups, settings):
                     group.update(chosen)
+            elif kind == "model":
+                broadcast_parameters({k: t for k, t in value.state_dict().items()
+                                      if not (torch.is_tensor(t) and t.data_ptr() in local)},
+                                     root_rank=root)
             elif _keeps_local(value):
                 lineage = value._reducer.lineage()
                 broadcast_optimizer_state(value, root_rank=root)
@@ -162,7 +177,7 @@ class TorchFormat:
         counts, the attributes' names: a restore refuses a checkpoint of another. And the
         optimizer state's layout (ZeRO's shards or whole), which `check_signature` reads
         against the checkpoint's parts."""
-        out: dict[str, Any] = {"layout": "sharded" if any(
+        out: dict[str, Any] = {"layout": "fsdp" if self.fsdp else "sharded" if any(
             isinstance(v, ShardedOptimizer) for v in self.handled.values()) else "whole"}
         for name, value in self.handled.items():
             if isinstance(value, torch.nn.Module):
@@ -178,6 +193,20 @@ class TorchFormat:
 
     def read(self, part: PartFiles) -> Any:
         return durable.load(part)
+
+
+def _group_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each parameter group's settings (lr, betas, ...), without its parameters."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+def _unsharded(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The entries of an FSDP2 model's `state_dict` that `fully_shard` does not cut (its
+    buffers, parameters it left whole)."""
+    from torch.distributed.tensor import DTensor
+
+    return {k: v for k, v in model.state_dict().items()
+            if torch.is_tensor(v) and not isinstance(v, DTensor)}
 
 
 def _keeps_local(value: Any) -> bool:

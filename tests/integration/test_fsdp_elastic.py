@@ -1,0 +1,69 @@
+"""A GPT sharded by torch's FSDP2 (`fully_shard` per block, AdamW) trained elastically under
+`RayExecutor(min_workers, max_workers)`: a killed worker, a drained node and an added one.
+The model's chunks and optimizer state are re-sharded in memory over each new world (no
+storage is read), and with the global batch held the job follows the loss curve of the
+same model trained whole without faults."""
+
+from __future__ import annotations
+
+import ray
+
+from raytrain_x.testing import drain_node
+from raytrain_x.testing.jobs.fsdp_gpt import reference_losses
+from raytrain_x.testing.jobs.ledger import read_progress
+from tests.integration.test_elastic import _executor, _Job, _youngest
+
+
+def _train(steps, pause, progress, stop=None, replicas=1) -> dict:  # runs in the workers
+    from raytrain_x.testing.jobs.fsdp_gpt import fsdp_train
+
+    return fsdp_train(steps, pause, stop=stop, progress=progress, replicas=replicas)
+
+
+def _check_losses(results: list[dict], steps: int) -> None:
+    expected = reference_losses(steps)
+    for result in results:
+        assert result["step"] == steps
+        got = result["losses"]
+        worst = max(abs(a - b) / b for a, b in zip(got, expected))
+        assert worst < 0.01, (worst, got, expected)
+
+
+def test_a_kill_a_drain_and_an_add_reshard_in_memory_and_follow_the_fault_free_curve(
+        cluster, elastic_nodes, tmp_path):
+    """3 workers; one killed (its chunks come from their copy on a survivor), then one of
+    the two left drained (it leaves at a commit), then a node added (the newcomer receives
+    its chunks only): 3 -> 2 -> 1 -> 2 ranks, the global batch the same at every step."""
+    nodes = elastic_nodes(3)
+    executor = _executor(1, 3)
+    progress, stop = tmp_path / "progress", tmp_path / "stop"
+    job = _Job(executor, None, 0.05, str(progress), str(stop), fn=_train)
+    try:
+        job.wait_until(lambda: job.trained(progress, 4, 3), "4 steps with 3 workers")
+        victim = _youngest(executor)
+        ray.kill(victim.actor, no_restart=True)
+        job.wait_until(lambda: job.trained(progress, 0, 2), "a step with the 2 left")
+        step, _ = read_progress(progress)
+        job.wait_until(lambda: job.trained(progress, step + 3, 2), "3 more steps with 2")
+        left = [m for m in executor.last_elastic_job.members.values()]
+        drained = next(n for n in nodes if n.node_id == max(left, key=lambda m: m.age).node)
+        drain_node(cluster.address, drained.node_id, deadline_s=60)
+        job.wait_until(lambda: job.trained(progress, 0, 1), "a step with the last worker")
+        cluster.remove_node(drained)  # its worker left: the node goes, as at its deadline
+        step, _ = read_progress(progress)
+        job.wait_until(lambda: job.trained(progress, step + 3, 1), "3 more steps with 1")
+        elastic_nodes(1)
+        job.wait_until(lambda: job.trained(progress, 0, 2), "a step with the newcomer")
+        step, _ = read_progress(progress)
+        job.wait_until(lambda: job.trained(progress, step + 3, 2), "3 more steps with 2")
+        stop.touch()
+        results = job.join()
+        events = [kind for _, kind, _ in executor.last_elastic_job.events]
+    finally:
+        stop.touch()
+        executor.shutdown()
+    assert len(results) == 2
+    sizes = results[0]["sizes"]
+    assert [s for i, s in enumerate(sizes) if i == 0 or sizes[i - 1] != s] == [3, 2, 1, 2]
+    assert "failure" in events and "scale_up" in events, events
+    _check_losses(results, results[0]["step"])
