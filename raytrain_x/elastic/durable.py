@@ -44,6 +44,11 @@ def shard_part(rank: int) -> str:
     return f"shard_{rank:05d}"
 
 
+def shard_rank(folder: str) -> int:
+    """The rank whose `shard_<rank>` part a part's folder holds."""
+    return int(part_kind(folder.rstrip("/").rsplit("/", 1)[-1]).split("_", 1)[1])
+
+
 def part_name(part: str, write_id: int) -> str:
     """A part's folder in one write attempt: a commit's number can be written twice (after
     a restore from storage the job commits it again), and attempts never share files."""
@@ -440,7 +445,16 @@ def check_signature(durable: DurableCheckpoints, manifest: Manifest,
     theirs.pop("layout", None)
     layout = mine.pop("layout", None)
     written = "sharded" if any(part_kind(p) != "common" for p in manifest.parts) else "whole"
-    if layout is not None and layout != written:
+    if "fsdp" in (layout, manifest.info.get("layout")):  # a model sharded by fully_shard
+        written = str(manifest.info.get("layout"))
+        if layout != written:
+            was = "" if written == "fsdp" else "not "
+            raise CheckpointError(
+                f"{durable.store.where(manifest.key)} was written by a model {was}sharded "
+                f"by fully_shard, and this job's model is {'' if was else 'not '}: resume it "
+                "with the model wrapped as it was written, or start afresh under another "
+                "CheckpointConfig(name=...)")
+    elif layout is not None and layout != written:
         raise CheckpointError(
             f"{durable.store.where(manifest.key)} was written with the optimizer state "
             f"{'sharded (ZeRO stage 1 or 2)' if written == 'sharded' else 'whole (no ZeRO)'}"

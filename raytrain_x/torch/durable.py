@@ -334,6 +334,14 @@ def load(source: str | PartFiles) -> Any:
     return _filled(skeleton, template)
 
 
+def load_entries(source: str | PartFiles, keys: list[str]) -> dict[str, Any]:
+    """The entries `keys` of a part's tree (a dict), with their tensors, read alone: DCP
+    reads no other tensor's bytes."""
+    skeleton = _skeleton_of(source)
+    template = _template(source, [skeleton[k] for k in keys])
+    return {k: _filled(skeleton[k], template) for k in keys}
+
+
 def _skeleton_of(source: str | PartFiles) -> Any:
     """The skeleton of a part `save` wrote, without its tensors."""
     head = {"skeleton": ""}

@@ -31,14 +31,23 @@ from raytrain_x.core import runtime
 from raytrain_x.core.objects import allgather_object, broadcast_object, max_ints
 from raytrain_x.core.process import PROCESS
 from raytrain_x.elastic.checksums import PartFiles
-from raytrain_x.elastic.reshard import ShardedTensor, chunk_bounds, place_members, plan_reshard
+from raytrain_x.elastic.durable import shard_rank
+from raytrain_x.elastic.reshard import (
+    ShardedTensor,
+    chunk_bounds,
+    place_members,
+    plan_reshard,
+    segments,
+)
 from raytrain_x.torch import fsdp
+from raytrain_x.torch.durable import load_entries, load_shards
 from raytrain_x.torch.mesh import device_mesh
 from raytrain_x.torch.ops import alltoall
 from raytrain_x.torch.reshard import reshard
 from raytrain_x.torch.zero_elastic import replica_holders
 
 Kind = tuple[torch.dtype, tuple[int, ...]]  # a layout entry's dtype and the dims of a row
+PART = "fsdp"  # a checkpoint part's chunks, under `shards` as a ZeRO part's optimizers are
 
 
 @dataclass
@@ -252,11 +261,59 @@ class FSDPCommits:
         self.staged = None
         return source.root
 
-    def own_part(self) -> Any:
-        raise ConfigError("durable checkpoints of an FSDP2 model are not written yet")
+    def own_part(self) -> dict[str, Any]:
+        """This rank's chunks of the generation it took up, as its checkpoint part: every
+        layout entry's rows (`shards`, by entry), with the layout, the world's order and
+        the optimizer state not cut."""
+        gen, position = self.taken, self._place()[0]
+        return {"rank": runtime.rank(), "position": position, "world": gen.world,
+                "order": list(self._order()),
+                "layout": [[t.name, t.rows, t.row_bytes] for t in gen.layout],
+                "kinds": [[str(dtype).removeprefix("torch."), list(dims)]
+                          for dtype, dims in gen.kinds],
+                "replicated": gen.replicated,
+                "shards": {PART: {i: {"rows": c} for i, c in enumerate(gen.held[position])}}}
 
     def restore_from(self, parts: Iterable[PartFiles]) -> None:
-        raise ConfigError("durable checkpoints of an FSDP2 model are not read yet")
+        """From storage, at any world size: this rank's chunks in this world's layout (its
+        rank order), read from the parts whose chunks overlap them, each entry's chunk
+        alone (checked as it is read); then the model and optimizer bound to the round's
+        mesh."""
+        by_rank = {shard_rank(p.folder): p for p in parts}
+        if not by_rank:
+            raise ConfigError("the checkpoint holds no chunks of the sharded model")
+        head = load_entries(next(iter(by_rank.values())),
+                            ["order", "world", "layout", "kinds", "replicated"])
+        order, world = head["order"], int(head["world"])
+        layout = [ShardedTensor(str(n), int(r), int(b)) for n, r, b in head["layout"]]
+        kinds = [(getattr(torch, d), tuple(dims)) for d, dims in head["kinds"]]
+        rank, size = runtime.rank(), runtime.size()
+        wanted: dict[int, set[int]] = {}  # old position -> the entries whose rows it gives
+        for index, tensor in enumerate(layout):
+            _, _, owner, dest = segments(tensor.rows, world, size)
+            for old in set(owner[dest == rank].tolist()):
+                wanted.setdefault(old, set()).add(index)
+        read: dict[int, dict[int, torch.Tensor]] = {}
+        for old, indices in wanted.items():
+            got = load_shards(by_rank[order[old]],
+                              lambda name, i, chosen=indices: name == PART and i in chosen)
+            read[old] = {i: entry["rows"] for i, entry in got.get(PART, {}).items()}
+        rows = []
+        for index, (tensor, (dtype, dims)) in enumerate(zip(layout, kinds)):
+            olds, news = chunk_bounds(tensor.rows, world), chunk_bounds(tensor.rows, size)
+            first, last = int(news[rank]), int(news[rank + 1])
+            out = torch.empty((last - first, *dims), dtype=dtype)
+            for old, entries in read.items():
+                low, high = max(first, int(olds[old])), min(last, int(olds[old + 1]))
+                if index in entries and low < high:
+                    out[low - first:high - first] = entries[index][low - olds[old]:
+                                                                   high - olds[old]]
+            rows.append(out)
+        replicated = head["replicated"]
+        fsdp.rebind(self.model, self.optimizer, device_mesh(),
+                    {t.name: r for t, r in zip(layout, rows)}, replicated)
+        self.taken = Chunks(0, size, layout, kinds, {rank: rows}, replicated)
+        self.staged = None
 
 
 def holders_of(rank: int, hosts: list[int], replicas: int) -> list[int]:

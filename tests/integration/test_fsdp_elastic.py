@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import ray
 
+from raytrain_x.common.checkpoint_config import CheckpointConfig
+from raytrain_x.elastic.checkpoints import CheckpointStore
 from raytrain_x.testing import drain_node
 from raytrain_x.testing.jobs.fsdp_gpt import reference_losses
 from raytrain_x.testing.jobs.ledger import read_progress
@@ -66,4 +68,38 @@ def test_a_kill_a_drain_and_an_add_reshard_in_memory_and_follow_the_fault_free_c
     sizes = results[0]["sizes"]
     assert [s for i, s in enumerate(sizes) if i == 0 or sizes[i - 1] != s] == [3, 2, 1, 2]
     assert "failure" in events and "scale_up" in events, events
+    _check_losses(results, results[0]["step"])
+
+
+def test_losing_every_worker_restores_the_chunks_from_storage_at_another_size(
+        cluster, elastic_nodes, tmp_path):
+    """3 workers writing durable checkpoints (DCP parts, one a rank); two nodes go and the
+    last worker is killed: no worker holds the chunks, so the next round (1 worker)
+    restores the latest checkpoint, each rank reading the chunks that overlap its own,
+    and training follows the fault-free curve from that commit on."""
+    nodes = elastic_nodes(3)
+    config = CheckpointConfig(str(tmp_path / "checkpoints"), name="job", every_s=0.3)
+    executor = _executor(1, 3, cooldown_range=(1.0, 1.0), checkpoint=config)
+    store = CheckpointStore(config)
+    progress, stop = tmp_path / "progress", tmp_path / "stop"
+    job = _Job(executor, None, 0.05, str(progress), str(stop), fn=_train)
+    try:
+        job.wait_until(lambda: job.trained(progress, 4, 3) and store.checkpoints(),
+                       "a durable checkpoint after 4 steps with 3 workers")
+        members = sorted(executor.last_elastic_job.members.values(), key=lambda m: m.age)
+        kept = next(n for n in nodes if n.node_id == members[0].node)
+        for node in nodes:
+            if node is not kept:
+                cluster.remove_node(node, allow_graceful=False)
+        ray.kill(members[0].actor, no_restart=True)
+        job.wait_until(lambda: job.trained(progress, 0, 1), "a step after the restore")
+        step, _ = read_progress(progress)
+        job.wait_until(lambda: job.trained(progress, step + 3, 1), "3 more steps with 1")
+        stop.touch()
+        results = job.join(work_s=60)
+    finally:
+        stop.touch()
+        executor.shutdown()
+    assert len(results) == 1 and results[0]["restored_from"] is not None, results
+    assert results[0]["sizes"][0] == 3 and results[0]["sizes"][-1] == 1
     _check_losses(results, results[0]["step"])

@@ -61,7 +61,8 @@ def fsdp_train(steps: int | None = None, pause: float = 0.0, *, stop: str | None
 
     Returns:
         This rank's committed record: `step`, `losses` (one a step), `sizes` (the world of
-        each step) and `restores`.
+        each step), `restores` (rollbacks to a commit) and `restored_from` (the number of
+        the durable checkpoint it restored, None where it restored none).
     """
     import torch
     from torch.distributed.fsdp import fully_shard
@@ -101,6 +102,7 @@ def fsdp_train(steps: int | None = None, pause: float = 0.0, *, stop: str | None
             time.sleep(pause)
         return {"step": state.step, "losses": list(state.losses),
                 "sizes": list(state.sizes), "restores": rx.elastic.restore_count(),
-                "rank": rx.rank()}
+                "restored_from": None if state.restored_from is None
+                else state.restored_from.number, "rank": rx.rank()}
 
     return train(state)
