@@ -126,16 +126,23 @@ def chunk_sizes(layout: Sequence[ShardedTensor], world: int, position: int) -> l
 def from_bytes(data: torch.Tensor, layout: Sequence[ShardedTensor], kinds: Sequence[Kind],
                world: int, position: int) -> list[torch.Tensor]:
     """`position`'s chunks of every layout entry, cut from its bytes as `_as_bytes` laid
-    them out (views of `data`)."""
-    out, offset = [], 0
-    for tensor, (dtype, dims), rows in zip(layout, kinds, chunk_sizes(layout, world,
-                                                                      position)):
-        size = rows * tensor.row_bytes
-        out.append(data[offset:offset + size].view(dtype).view(rows, *dims))
-        offset += size
-    if offset != data.numel():
+    them out (views of `data` where their bytes lie aligned for their dtype, else copies).
+
+    Raises:
+        ConfigError: `data` is not as long as the layout says.
+    """
+    sizes = [rows * t.row_bytes for t, rows in zip(layout, chunk_sizes(layout, world,
+                                                                       position))]
+    if sum(sizes) != data.numel():
         raise ConfigError(f"a copy of chunk {position} has {data.numel()} bytes where its "
-                          f"layout has {offset}")
+                          f"layout has {sum(sizes)}")
+    out, offset = [], 0
+    for size, (dtype, dims) in zip(sizes, kinds):
+        piece = data[offset:offset + size]
+        if (data.storage_offset() + offset) % dtype.itemsize:
+            piece = piece.clone()
+        out.append(piece.view(dtype).view(-1, *dims))
+        offset += size
     return out
 
 
