@@ -267,6 +267,20 @@ def test_cli_elastic_job(ray_cluster, tmp_path):
     assert re.search(r"test accuracy 0\.9", out.stdout + out.stderr), out.stdout[-2000:]
 
 
+def test_an_fsdp2_script_trains_on_when_a_worker_exits(ray_cluster, tmp_path):
+    """examples/elastic_fsdp.py through `raytrain-x run --min-np 1 --max-np 2`: the last
+    rank exits at step 5; the survivor gets its chunks from their copy and finishes."""
+    marker = tmp_path / "exited"
+    out = _cli("run", "-np", "2", "--min-np", "1", "--max-np", "2", "--address", ray_cluster,
+               "--blacklist-cooldown-range", "600", "900", "python",
+               "examples/elastic_fsdp.py", "--steps", "12", "--exit-once", str(marker),
+               work_s=40)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert marker.exists()
+    assert re.search(r"after 12 steps; workers \[2, 1\]; restored 1 time", out.stdout), \
+        out.stdout[-2000:]
+
+
 _JOB_WAITS_FOR_OUTSIDER = """\
 import os, sys, time, torch, raytrain_x.torch as rx
 from pathlib import Path

@@ -14,6 +14,7 @@ from raytrain_x.testing import drain_node
 from raytrain_x.testing.jobs.fsdp_gpt import reference_losses
 from raytrain_x.testing.jobs.ledger import read_progress
 from tests.integration.test_elastic import _executor, _Job, _youngest
+from tests.integration.test_ray_train_elastic import _Fit
 
 
 def _train(steps, pause, progress, stop=None, replicas=1) -> dict:  # runs in the workers
@@ -103,3 +104,51 @@ def test_losing_every_worker_restores_the_chunks_from_storage_at_another_size(
     assert len(results) == 1 and results[0]["restored_from"] is not None, results
     assert results[0]["sizes"][0] == 3 and results[0]["sizes"][-1] == 1
     _check_losses(results, results[0]["step"])
+
+
+def _trainer_loop(config: dict) -> dict:  # runs in Ray Train's workers
+    from raytrain_x.testing.jobs.fsdp_gpt import fsdp_train
+
+    return fsdp_train(None, 0.05, stop=config["stop"], progress=config["progress"])
+
+
+def test_the_elastic_trainer_grows_an_fsdp2_run_in_memory(cluster, elastic_nodes, tmp_path,
+                                                         monkeypatch):
+    """`RaytrainXTrainer(scaling_config=ScalingConfig(num_workers=(1, 3)))`: 2 workers,
+    then a node comes and the run grows to 3 at a commit, the newcomer receiving its
+    chunks from the two (Ray Train's own elastic mode restarts every worker from a
+    checkpoint instead)."""
+    from ray.train import RunConfig, ScalingConfig
+
+    from raytrain_x.ray.train import RaytrainXConfig, RaytrainXTrainer
+    from tests.conftest import ELASTIC_RESOURCE
+    from tests.limits import wait_until
+
+    monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
+    elastic_nodes(2)
+    progress, stop = tmp_path / "progress", tmp_path / "stop"
+    trainer = RaytrainXTrainer(
+        _trainer_loop, train_loop_config={"progress": str(progress), "stop": str(stop)},
+        raytrain_x_config=RaytrainXConfig(framework="torch", timeout_s=10),
+        scaling_config=ScalingConfig(num_workers=(1, 3),
+                                     resources_per_worker={"CPU": 1, ELASTIC_RESOURCE: 1}),
+        run_config=RunConfig(name="fsdp_run", storage_path=str(tmp_path / "storage")))
+    fit = _Fit(trainer)
+    try:
+        def trained(steps: int, size: int) -> bool:
+            assert fit.thread.is_alive(), f"the fit ended early: {fit.error!r}"
+            step, world = read_progress(progress)
+            return step >= steps and world == size
+
+        wait_until(lambda: trained(3, 2), 60, "3 steps with 2 workers")
+        elastic_nodes(1)
+        wait_until(lambda: trained(0, 3), 60, "a step with the newcomer")
+        step, _ = read_progress(progress)
+        wait_until(lambda: trained(step + 3, 3), 60, "3 more steps with 3")
+    finally:
+        stop.touch()
+    result = fit.join(60).return_value
+    assert [s for i, s in enumerate(result["sizes"])
+            if i == 0 or result["sizes"][i - 1] != s] == [2, 3]
+    assert result["restores"] == 0  # grown at a commit: nothing rolled back
+    _check_losses([result], result["step"])
