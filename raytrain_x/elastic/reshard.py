@@ -257,3 +257,18 @@ def plan_resize(tensors: Sequence[ShardedTensor], old_world: int,
     positions = place_members(tensors, old_world, holders, members)
     at = {j: [positions[m] for m in ms if m in positions] for j, ms in holders.items()}
     return positions, plan_reshard(tensors, old_world, len(members), at)
+
+
+def replica_holders(rank: int, hosts: Sequence[Hashable], replicas: int) -> list[int]:
+    """The ranks that keep copies of `rank`'s shard: the next ranks on other hosts, then the
+    next on its own host."""
+    size = len(hosts)
+    others = [(rank + i) % size for i in range(1, size)]
+    elsewhere = [r for r in others if hosts[r] != hosts[rank]]
+    return (elsewhere + [r for r in others if hosts[r] == hosts[rank]])[:replicas]
+
+
+def holders_of(rank: int, hosts: Sequence[Hashable], replicas: int) -> list[int]:
+    """The ranks whose chunks `rank` keeps a copy of."""
+    return [r for r in range(len(hosts)) if r != rank
+            and rank in replica_holders(r, hosts, replicas)]

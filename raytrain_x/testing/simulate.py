@@ -31,7 +31,8 @@ CHUNK = 250  # schedules per task handed to a process
 
 def _run_chunk(args: tuple[int, int, int]) -> dict:
     first, count, faults = args
-    out = {"schedules": 0, "faults": 0, "scheduled": 0, "virtual_s": 0.0, "stops": {},
+    out = {"schedules": 0, "faults": 0, "scheduled": 0, "virtual_s": 0.0, "reshards": 0,
+           "chunks_lost": 0, "stops": {},
            "failing": [], "recoveries": {}}
     for seed in range(first, first + count):
         schedule = random_schedule(seed, faults=faults)
@@ -47,14 +48,16 @@ def _add(total: dict, outcome: Outcome) -> None:
     total["schedules"] += 1
     total["faults"] += outcome.faults
     total["virtual_s"] += outcome.virtual_s
+    total["reshards"] = total.get("reshards", 0) + outcome.reshards
+    total["chunks_lost"] = total.get("chunks_lost", 0) + outcome.chunks_lost
     total["stops"][outcome.stop] = total["stops"].get(outcome.stop, 0) + 1
     for kind, values in outcome.recoveries.items():
         total["recoveries"].setdefault(kind, []).extend(values)
 
 
 def _merge(total: dict, part: dict) -> None:
-    for key in ("schedules", "faults", "scheduled", "virtual_s"):
-        total[key] += part.get(key, 0)
+    for key in ("schedules", "faults", "scheduled", "virtual_s", "reshards", "chunks_lost"):
+        total[key] = total.get(key, 0) + part.get(key, 0)
     for stop, n in part["stops"].items():
         total["stops"][stop] = total["stops"].get(stop, 0) + n
     total["failing"] += part["failing"]
@@ -180,10 +183,14 @@ def main(argv: list[str] | None = None) -> int:
                        "faults_scheduled": total["scheduled"],
                        "virtual_hours": total["virtual_s"] / 3600, "wall_s": wall,
                        "violations": violations, "stops": total["stops"],
+                       "reshards_checked": total.get("reshards", 0),
+                       "reshards_with_a_chunk_lost": total.get("chunks_lost", 0),
                        "failing_seeds": [s for s, _ in total["failing"]],
                        "recovery": {k: {"n": len(v), "median": statistics.median(v),
                                         "max": max(v)}
                                     for k, v in total["recoveries"].items() if v}}, f, indent=1)
+    print(f"re-shards of the model's chunks planned and checked: {total.get('reshards', 0)} "
+          f"({total.get('chunks_lost', 0)} found a chunk with no copy)", flush=True)
     print(f"simulated {total['schedules']} schedules ({total['faults']} faults, "
           f"{total['virtual_s'] / 3600:.1f} virtual hours) in {wall:.0f} s: "
           f"{violations} violations", flush=True)

@@ -35,8 +35,10 @@ from raytrain_x.elastic.durable import shard_rank
 from raytrain_x.elastic.reshard import (
     ShardedTensor,
     chunk_bounds,
+    holders_of,
     place_members,
     plan_reshard,
+    replica_holders,
     segments,
 )
 from raytrain_x.torch import fsdp
@@ -44,7 +46,6 @@ from raytrain_x.torch.durable import load_entries, load_shards
 from raytrain_x.torch.mesh import device_mesh
 from raytrain_x.torch.ops import alltoall
 from raytrain_x.torch.reshard import reshard
-from raytrain_x.torch.zero_elastic import replica_holders
 
 Kind = tuple[torch.dtype, tuple[int, ...]]  # a layout entry's dtype and the dims of a row
 PART = "fsdp"  # a checkpoint part's chunks, under `shards` as a ZeRO part's optimizers are
@@ -161,6 +162,9 @@ class FSDPCommits:
         self.optimizer = optimizer
         self.replicas = replicas
         fsdp.sharded_layout(model)  # a clear error where nothing is sharded
+        if fsdp.mesh_info(model).mesh.ndim != 1:
+            raise ConfigError("an elastic FSDP2 model is sharded over a 1-D mesh "
+                              "(rx.device_mesh()); HSDP's 2-D mesh is not re-sharded")
         self.taken = self._own(0)
         self.staged: Chunks | None = None
 
@@ -321,12 +325,6 @@ class FSDPCommits:
                     {t.name: r for t, r in zip(layout, rows)}, replicated)
         self.taken = Chunks(0, size, layout, kinds, {rank: rows}, replicated)
         self.staged = None
-
-
-def holders_of(rank: int, hosts: list[int], replicas: int) -> list[int]:
-    """The ranks whose chunks `rank` keeps a copy of."""
-    return [r for r in range(len(hosts)) if r != rank
-            and rank in replica_holders(r, hosts, replicas)]
 
 
 def _copy(states: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:

@@ -97,6 +97,12 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     groups = groups if groups is not None else (num_groups or None)
     if zero_stage is None:  # a config file's, through raytrain-x run or the trainer
         zero_stage = training_settings().get("zero_stage", 0)
+    if zero_stage == 3:  # one implementation of sharded parameters: torch's FSDP2
+        raise ConfigError(
+            "zero_stage=3 shards the parameters too: shard the model with torch's "
+            "fully_shard over rx.device_mesh() (each block, then the model) and give it a "
+            "plain torch optimizer; rx.elastic.TorchState(model, optimizer) keeps it "
+            "elastic (docs/fsdp.md)")
     if zero_stage not in (0, 1, 2):
         raise ConfigError(f"zero_stage must be 0, 1 or 2, got {zero_stage!r}")
     if reducer is not None:

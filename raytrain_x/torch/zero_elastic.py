@@ -28,6 +28,7 @@ from raytrain_x.core import runtime
 from raytrain_x.core.collectives import synchronize
 from raytrain_x.core.objects import allgather_object
 from raytrain_x.elastic.checksums import PartFiles
+from raytrain_x.elastic.reshard import replica_holders
 from raytrain_x.torch.async_ops import alltoall_async
 from raytrain_x.torch.durable import load_shards
 from raytrain_x.torch.zero_optimizer import ShardedOptimizer
@@ -89,15 +90,6 @@ def plan_restore(reports: list[Report],
         f"every copy of the sharded optimizer state of {len(missing)} parameter(s) ({names}) "
         "was lost with the workers that held them. Keep more copies "
         "(TorchState(..., replicas=2)), or spread the workers over more nodes")
-
-
-def replica_holders(rank: int, hosts: list[int], replicas: int) -> list[int]:
-    """The ranks that keep copies of `rank`'s shard: the next ranks on other hosts, then the
-    next on its own host."""
-    size = len(hosts)
-    others = [(rank + i) % size for i in range(1, size)]
-    elsewhere = [r for r in others if hosts[r] != hosts[rank]]
-    return (elsewhere + [r for r in others if hosts[r] == hosts[rank]])[:replicas]
 
 
 def exchange(payloads: dict[int, Any], name: str) -> dict[int, Any]:

@@ -29,7 +29,7 @@ def _check_losses(results: list[dict], steps: int) -> None:
         assert result["step"] == steps
         got = result["losses"]
         worst = max(abs(a - b) / b for a, b in zip(got, expected))
-        assert worst < 0.01, (worst, got, expected)
+        assert worst < 1e-3, (worst, got, expected)  # the target is 1%; it holds to 1e-6
 
 
 def test_a_kill_a_drain_and_an_add_reshard_in_memory_and_follow_the_fault_free_curve(

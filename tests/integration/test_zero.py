@@ -242,7 +242,9 @@ def test_elastic_state_of_a_sharded_optimizer_takes_a_count_of_replicas():
         assert "replicas must be an int >= 1" in message
 
 
-BAD = [({"zero_stage": 3}, "zero_stage must be 0, 1 or 2"),
+BAD = [({"zero_stage": 3}, "zero_stage=3 shards the parameters too: shard the model with "
+                         "torch's fully_shard"),
+       ({"zero_stage": 4}, "zero_stage must be 0, 1 or 2"),
        ({"zero_stage": 1, "op": "adasum"}, "not rx.Adasum"),
        ({"zero_stage": 2, "groups": 2}, "leave groups out"),
        ({"zero_stage": 1, "bucket_cap_mb": 0}, "bucket_cap_mb must be > 0")]

@@ -8,16 +8,14 @@ import pytest
 import torch
 
 from raytrain_x.common.errors import ElasticStateLost
-from raytrain_x.elastic.reshard import ShardedTensor, chunk_bounds
+from raytrain_x.elastic.reshard import ShardedTensor, chunk_bounds, holders_of, replica_holders
 from raytrain_x.torch.fsdp_elastic import (
     Report,
     _as_bytes,
     choose_generation,
     chunk_sizes,
     from_bytes,
-    holders_of,
 )
-from raytrain_x.torch.zero_elastic import replica_holders
 
 
 def _report(taken, **generations):

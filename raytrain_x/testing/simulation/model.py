@@ -85,6 +85,7 @@ class Group:
     restore_checkpoint: tuple[int, int] | None = None  # the one it named (None: the latest)
     commit_due: bool = False  # a commit is scheduled
     store: int = 0  # the store actor its keys go to (each job's control actors have one)
+    order: list[str] | None = None  # the worker at each position of its sharded layout
 
 
 class SimWorker:

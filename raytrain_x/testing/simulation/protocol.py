@@ -24,6 +24,7 @@ from raytrain_x.testing.simulation.model import (
     SimWorker,
     WorldConfig,
 )
+from raytrain_x.testing.simulation.reshards import Generation, generation, reshard_round
 from raytrain_x.testing.simulation.rounds import SimRounds
 from raytrain_x.testing.simulation.storage import DAMAGES
 
@@ -45,6 +46,9 @@ class WorkerSide:
     store_dead: bool
     store_epoch: int
     commits: list[tuple[float, int, int]]
+    chunks: Generation | None  # the last commit as an FSDP2 model's chunks (`reshards`)
+    chunks_lost: int  # rounds that found a chunk with no copy (the real job: storage)
+    reshards: int  # rounds whose re-shard was planned and checked
     durable: list[tuple[float, int]]
     storage_restores: list[tuple[float, int]]
     storage_down_until: float
@@ -347,6 +351,7 @@ class WorkerSide:
     def _synced(self, group: Group, step: int) -> None:
         if group.phase != "sync" or group.stalled_since is not None:
             return
+        self._reshard(group, step)
         for w in self._members(group):
             w.phase = "training"
             w.holds = True
@@ -354,6 +359,25 @@ class WorkerSide:
             w.state_round = group.round_id
         group.phase = "training"
         self._schedule_commit(group)
+
+    def _reshard(self, group: Group, step: int) -> None:
+        """The round syncing commit `step` from memory re-shards the model's chunks as
+        FSDP2's would be: its members placed and its plan checked (`reshards`)."""
+        members = [w.worker_id for w in sorted(self._members(group),
+                                               key=lambda w: group.ranks[w.worker_id])]
+        last = self.chunks
+        if last is None or last.step != step or group.restore_from_storage:
+            group.order = members  # the first round, or from storage: in rank order
+            return
+        group.order, problems, lost = reshard_round(last, members)
+        self.reshards += 1
+        for problem in problems:
+            self.violation(f"round {group.round_id}'s re-shard of commit {step} "
+                           f"({last.world} -> {len(members)} ranks): {problem}")
+        if lost:
+            self.chunks_lost += 1
+            self.trace(f"round {group.round_id}: every copy of {lost[0]} is lost (of "
+                       f"{len(lost)}): an FSDP2 job restores from storage")
 
     def _schedule_commit(self, group: Group) -> None:
         if not group.commit_due:
@@ -382,6 +406,9 @@ class WorkerSide:
         for w in members:
             w.step = w.saved = step
             w.state_round = group.round_id
+        by_rank = sorted(members, key=lambda w: group.ranks[w.worker_id])
+        self.chunks = generation(step, group.order or [w.worker_id for w in by_rank],
+                                 [w.worker_id for w in by_rank], [w.node.node_id for w in by_rank])
         if self.rounds.dead:  # saved; telling the rounds actor fails: the driver ends them
             group.phase = "broken"
             return

@@ -50,6 +50,8 @@ class Outcome:
     commits: int
     recoveries: dict[str, list[float]] = field(default_factory=dict)  # fault kind -> s
     trace: list[str] = field(default_factory=list)
+    reshards: int = 0  # rounds that re-sharded the model's chunks, each plan checked
+    chunks_lost: int = 0  # of them, rounds that found a chunk with no copy left
 
     @property
     def ok(self) -> bool:
@@ -188,7 +190,7 @@ def run_schedule(schedule: Schedule, keep_trace: bool = False) -> Outcome:
     if keep_trace:
         lines += [f"driver: {line}" for line in driver_lines]
     return Outcome(schedule, list(world.violations), stop, world.now, fired[0],
-                   len(world.commits), recoveries, lines)
+                   len(world.commits), recoveries, lines, world.reshards, world.chunks_lost)
 
 
 def _driver(world: World, settings: ElasticSettings, seed: int) -> ElasticJob:

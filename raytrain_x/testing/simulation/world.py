@@ -81,6 +81,9 @@ class World(WorkerSide):
         self.next_start: tuple[str, float] | None = None  # a slow or stuck start fault
         # what the invariants read
         self.commits: list[tuple[float, int, int]] = []  # (time, round, step)
+        self.chunks = None  # the last commit as an FSDP2 model's chunks
+        self.chunks_lost = 0
+        self.reshards = 0
         # durable checkpoints: complete ones (time, step), restores from them (time, step),
         # storage down until, a write under way, when the last one started
         self.durable: list[tuple[float, int]] = []
