@@ -149,8 +149,7 @@ def _kill_at(config: dict, out: dict) -> None:
         progress = Path(config["progress"])
         wait_until(lambda: any(s >= KILL_AT for _, s, _ in _steps(progress)), 600,
                    f"step {KILL_AT}")
-        pids = sorted(Path(config["pids"]).iterdir(), key=lambda p: p.stat().st_mtime_ns)
-        victim = max(int(p.name) for p in pids)
+        victim = max(int(p.name) for p in Path(config["pids"]).iterdir())
         out["killed_at"] = time.time()
         os.kill(victim, signal.SIGKILL)
 
@@ -203,7 +202,8 @@ def measure_torch_trainer(tmp: Path, args) -> float:
 
 
 def measure_add(cluster, tmp: Path, args) -> dict:
-    """The elastic job from 2 workers; a node added at step `KILL_AT`."""
+    """The elastic job from 2 workers; a node added at step `KILL_AT` (Ray adds nodes from
+    the main thread: the job runs on another)."""
     from raytrain_x.ray import RayExecutor
 
     config = _config(tmp, args, "add")
@@ -211,26 +211,31 @@ def measure_add(cluster, tmp: Path, args) -> dict:
                            max_workers=3, cpus_per_worker=1, resources_per_worker={RESOURCE: 1})
     executor.start()
     progress = Path(config["progress"])
-    added: dict = {}
+    failed: list[BaseException] = []
 
-    def add() -> None:
-        wait_until(lambda: any(s >= KILL_AT for _, s, _ in _steps(progress)), 600,
-                   f"step {KILL_AT}")
-        added["at"] = time.time()
-        added["node"] = cluster.add_node(num_cpus=1, resources={RESOURCE: 1})
+    def run() -> None:
+        try:
+            executor.run(_elastic, args=(config,))
+        except BaseException as exc:  # noqa: BLE001 - raised on the main thread
+            failed.append(exc)
 
-    thread = threading.Thread(target=add, daemon=True)
+    thread = threading.Thread(target=run, daemon=True)
     thread.start()
     try:
-        executor.run(_elastic, args=(config,))
+        wait_until(lambda: failed or any(s >= KILL_AT for _, s, _ in _steps(progress)), 600,
+                   f"step {KILL_AT}")
+        added_at = time.time()
+        node = cluster.add_node(num_cpus=1, resources={RESOURCE: 1})
+        thread.join()
     finally:
         executor.shutdown()
-    thread.join()
-    cluster.remove_node(added["node"])
+    if failed:
+        raise failed[0]
+    cluster.remove_node(node)
     steps = _steps(progress)
     times = [t for t, _, _ in steps]
     gaps = [b - a for a, b in zip(times, times[1:])]
-    before = [g for (t, _, n), g in zip(steps[1:], gaps) if n == 2 and t < added["at"]]
+    before = [g for (t, _, n), g in zip(steps[1:], gaps) if n == 2 and t < added_at]
     grown = next(i for i, (_, _, n) in enumerate(steps) if n == 3)
     around = gaps[max(0, grown - 3):grown + 1]
     return {"step_s": statistics.median(before), "longest_pause_s": max(around),
@@ -261,14 +266,15 @@ def main() -> None:
         for i in range(args.repeats):
             with tempfile.TemporaryDirectory() as tmp:
                 runs["elastic"].append(measure_elastic(Path(tmp), args))
+                print(f"repeat {i + 1}: elastic {runs['elastic'][-1]:.2f}s", flush=True)
                 runs["torch_trainer"].append(measure_torch_trainer(Path(tmp), args))
+                print(f"repeat {i + 1}: torch_trainer {runs['torch_trainer'][-1]:.2f}s",
+                      flush=True)
                 cluster.remove_node(nodes.pop())
                 runs["add"].append(measure_add(cluster, Path(tmp), args))
+                print(f"repeat {i + 1}: add {runs['add'][-1]}", flush=True)
                 nodes.append(cluster.add_node(num_cpus=1, resources={RESOURCE: 1}))
                 cluster.wait_for_nodes()
-            print(f"repeat {i + 1}/{args.repeats}: elastic {runs['elastic'][-1]:.2f}s, "
-                  f"torch_trainer {runs['torch_trainer'][-1]:.2f}s, add {runs['add'][-1]}",
-                  flush=True)
     finally:
         ray.shutdown()
         cluster.shutdown()

@@ -230,7 +230,10 @@ class CommitManager:
                     root = self.shards.restore()
                     if runtime.rank() == root:
                         self.rollback()
-                except ElasticStateLost:  # every rank finds the same: storage, or lost
+                except ElasticStateLost as exc:  # every rank finds the same: storage, or lost
+                    if self.durable is not None and runtime.rank() == 0:
+                        log.warning("raytrain-x elastic: %s; restoring the latest durable "
+                                    "checkpoint", exc)
                     if not self._restore_from_storage(lost=True):
                         raise
         self.number = self._bcast(self.number, root, name="elastic.commits.number")
