@@ -57,7 +57,8 @@ def fsdp_train(steps: int | None = None, pause: float = 0.0, *, stop: str | None
                progress: str | None = None, replicas: int = 1) -> dict:
     """Trains the GPT sharded over the round's mesh, one commit a step, until `steps` steps
     or the `stop` file (every rank stops at the same step). Each rank takes its even part
-    of the global batch; the reported loss is the global batch's (the ranks' mean).
+    of the global batch; the reported loss is the global batch's (the ranks' mean). Rank 0
+    writes "step size" to `progress` and appends each committed step to `progress.steps`.
 
     Returns:
         This rank's committed record: `step`, `losses` (one a step), `sizes` (the world of
@@ -99,6 +100,8 @@ def fsdp_train(steps: int | None = None, pause: float = 0.0, *, stop: str | None
             state.commit()
             if rank == 0 and progress:
                 write_progress(progress, state.step, size)
+                with open(f"{progress}.steps", "a") as log:  # every commit rank 0 made
+                    log.write(f"{state.step}\n")
             time.sleep(pause)
         return {"step": state.step, "losses": list(state.losses),
                 "sizes": list(state.sizes), "restores": rx.elastic.restore_count(),
