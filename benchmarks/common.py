@@ -351,3 +351,12 @@ def lm_step(model: Any, optimizer: Any, ids: Any, targets: Any) -> None:
     torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                       targets.reshape(-1)).backward()
     optimizer.step()
+
+
+def add_small_gpt_arguments(parser: Any) -> None:
+    """The FSDP2 benchmarks' GPT: its size and each rank's batch (8.4 M parameters)."""
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=4)

@@ -37,7 +37,7 @@ import ray
 
 from raytrain_x.testing.waiting import wait_until
 
-from common import print_table, write_json
+from common import add_small_gpt_arguments, print_table, write_json
 
 RESOURCE = "fsdp_slot"
 KILL_AT = 10
@@ -245,11 +245,7 @@ def measure_add(cluster, tmp: Path, args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--vocab", type=int, default=4096)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=4)
+    add_small_gpt_arguments(parser)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     from ray.cluster_utils import Cluster

@@ -33,7 +33,14 @@ import time
 import torch
 import torch.distributed as dist
 
-from common import join_world, print_table, report_slowest, run_ranks, write_json
+from common import (
+    add_small_gpt_arguments,
+    join_world,
+    print_table,
+    report_slowest,
+    run_ranks,
+    write_json,
+)
 
 
 def _local(tensor) -> torch.Tensor:
@@ -121,11 +128,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--commit-every", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--vocab", type=int, default=4096)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=4)
+    add_small_gpt_arguments(parser)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     ways = ["ddp", "fsdp_gloo", "fsdp", "rx_fsdp"]
