@@ -639,6 +639,58 @@ def test_a_member_that_answers_but_never_comes_to_the_rendezvous_fails(
         assert "was in restore (test_elastic.py" in failure.detail, failure.detail
 
 
+def _one_loads_holding_the_interpreter_lock(hold: str, go: str) -> dict:
+    """The first worker to get here loads for 8 s holding Python's interpreter lock, as
+    `import torch` does on a loaded node, once the test says its peer waits at the
+    rendezvous: libc's `sleep` called through `ctypes.PyDLL` keeps the lock, so the
+    worker's heartbeat thread cannot answer. Then both train a few steps."""
+    import ctypes
+
+    import torch
+
+    import raytrain_x.torch as rx
+
+    try:
+        os.close(os.open(hold, os.O_CREAT | os.O_EXCL))
+        loading = True
+    except FileExistsError:
+        loading = False
+    if loading:
+        while not os.path.exists(go):
+            time.sleep(0.05)
+        ctypes.PyDLL(None).sleep(8)
+    rx.init()
+    total = sum(rx.allreduce(torch.ones(1), op=rx.Sum, name=f"s{i}").item() for i in range(3))
+    return {"loading": loading, "total": total}
+
+
+def test_a_newcomer_silent_while_it_loads_is_waited_for_not_failed(elastic_nodes, tmp_path):
+    """A worker not yet in a round that does not answer the heartbeat while a peer waits
+    at the rendezvous is loading (its framework's import holds the interpreter lock for
+    seconds on a loaded node), not cut off: it joins when it is done, and no host is
+    blacklisted. Only members of a round fail by silence."""
+    elastic_nodes(2)
+    executor = _executor(2, 2)
+    go = tmp_path / "go"
+    try:
+        job = _Job(executor, str(tmp_path / "hold"), str(go),
+                   fn=_one_loads_holding_the_interpreter_lock)
+
+        def one_waits() -> bool:
+            elastic = executor.last_elastic_job
+            return elastic is not None and len(elastic.ctx.rounds_client.waiting()) == 1
+
+        job.wait_until(one_waits, "one worker to wait at the rendezvous", work_s=60)
+        go.touch()
+        results = job.join(work_s=60)
+        events = executor.last_elastic_job.events
+    finally:
+        executor.shutdown()
+    assert sorted(r["loading"] for r in results) == [False, True]
+    assert all(r["total"] == 6.0 for r in results)
+    assert [kind for _, kind, _ in events].count("failure") == 0, events
+
+
 def _gone(pid: int) -> bool:
     """Whether process `pid` has exited (a zombie its parent has not reaped counts)."""
     try:

@@ -260,11 +260,25 @@ def test_an_absent_member_silent_to_the_heartbeat_is_lost_at_once():
     assert rule.observe(["a"], ["a", "b"], clock(), silent={"b": 0.5}) == (True, [], [], ["b"])
     # b has not answered for 11 s (cut off since before a left its collective): lost now,
     # at the first look, with no probe's wait
-    assert rule.observe(["a"], ["a", "b"], clock(), silent={"a": 0.2, "b": 11.0}).lost == ["b"]
+    assert rule.observe(["a"], ["a", "b"], clock(), in_round=["a", "b"],
+                        silent={"a": 0.2, "b": 11.0}).lost == ["b"]
     # a call that failed (its process or node gone) counts at once, however recent
     assert rule.observe(["a"], ["a", "b"], clock(), failed=["b"]).lost == ["b"]
     assert rule.observe([], ["a", "b"], clock(), silent={"b": 30.0}) == (False, [], [], [])
     assert rule.absent_since == {}
+
+
+def test_a_newcomers_silence_fails_it_not_only_its_death_does():
+    # c is a newcomer (never given a rank) loading its framework, silent for 12 s while a
+    # and b wait: no one left a collective for it, so it is absent, not lost
+    rule = StragglerRule(lost_after_s=5.0, stuck_after_s=15.0)
+    verdict = rule.observe(["a", "b"], ["a", "b", "c"], now=0.0, in_round=["a", "b"],
+                           silent={"c": 12.0})
+    assert verdict == (True, [], [], ["c"])
+    # the first round (no member was in one) waits for it the same way
+    assert rule.observe(["a"], ["a", "c"], now=1.0, silent={"c": 30.0}).lost == []
+    # its call failed (Ray reports its process or node gone): lost at once
+    assert rule.observe(["a"], ["a", "c"], now=2.0, failed=["c"]).lost == ["c"]
 
 
 def test_silence_alone_fails_no_one():

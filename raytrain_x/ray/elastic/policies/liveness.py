@@ -181,7 +181,13 @@ class StragglerRule:
     backoff), and a rendezvous `join` held that way never arrives (`held_joins` catches
     that sooner). Only members that were in a round can be stuck; a newcomer still
     starting is not. Silence alone fails no one: a host cut off for less than the
-    collective timeout is back before its peers leave their collective."""
+    collective timeout is back before its peers leave their collective. Nor does a
+    newcomer's (a member never given a rank): no peer left a collective for it, and one
+    loading its framework is silent for seconds on a loaded node (`import torch` holds
+    Python's interpreter lock through its libraries' loading, and the heartbeat's thread
+    waits for it: 11-15 s measured with three busy processes on two cores). A newcomer
+    fails when Ray reports its process or node gone (its call fails); a round with
+    members of an earlier round does not wait for it anyway (`decide_round`)."""
 
     def __init__(self, lost_after_s: float = math.inf, stuck_after_s: float = math.inf) -> None:
         self.lost_after_s = lost_after_s
@@ -200,8 +206,9 @@ class StragglerRule:
             return Stragglers(bool(waiting & present), [], [], [])
         self.absent_since = {w: self.absent_since.get(w, now) for w in absent}
         silent, failed = silent or {}, set(failed)
-        lost = [w for w in absent if w in failed or silent.get(w, 0.0) >= self.lost_after_s]
         veterans = set(in_round)
+        lost = [w for w in absent if w in failed
+                or (w in veterans and silent.get(w, 0.0) >= self.lost_after_s)]
         stuck = [w for w in absent if w not in lost and w in veterans
                  and now - self.absent_since[w] >= self.stuck_after_s]
         return Stragglers(True, lost, stuck, absent)
