@@ -51,6 +51,53 @@ def test_more_parked_callers_than_rays_default_leave_the_store_and_the_rounds_an
         ray.kill(rounds, no_restart=True)
 
 
+def test_the_driver_waiting_for_a_rounds_workers_hears_each_join_as_it_lands(ray_cluster):
+    """While a round waits for its workers, the driver keeps one `next_join` call out
+    (`RoundsClient.watch_joins`); it returns as a join lands and ends the driver's poll of
+    outcomes (`WorkerPool.wake`), which would otherwise wait out its timeout (here 600 s).
+    A watch that saw a different count returns at once, and a job that stops ends it."""
+    import threading
+    import time
+
+    import ray
+
+    from raytrain_x.ray.elastic.parts import RoundsClient
+    from raytrain_x.ray.elastic.pool import WorkerPool
+    from raytrain_x.ray.elastic.rounds import ElasticRounds
+
+    rounds = ElasticRounds.options(max_concurrency=8).remote()
+    client, pool = RoundsClient(rounds), WorkerPool(None, time.monotonic)
+    try:
+        first = rounds.join.remote("w0")
+        wait_until(lambda: client.waiting() == ["w0"], 30, "w0 to wait")
+        watch = rounds.next_join.remote(1, 600.0)  # the driver saw one: waits for the next
+        assert not ray.wait([watch], timeout=0.5)[0]  # nothing new: it waits
+        client.watch_joins(1, pool.wake)
+        joined = threading.Event()
+
+        def join_later() -> None:  # the driver's poll is under way (or about to be)
+            joined.set()
+            rounds.join.remote("w1")
+
+        threading.Timer(0.2, join_later).start()
+        started = time.monotonic()
+        out = pool.poll(timeout_s=600.0)
+        assert joined.is_set() and time.monotonic() - started < limit(30)
+        assert (out.finished, out.failed, out.left) == ({}, [], [])
+        assert ray.get(watch, timeout=limit(30)) == 2 and sorted(client.waiting()) == \
+            ["w0", "w1"]
+        # a watch that saw fewer than wait now answers at once
+        assert ray.get(rounds.next_join.remote(1, 600.0), timeout=limit(30)) == 2
+        ray.get(rounds.publish.remote({"w0": {"rank": 0}}))
+        assert ray.get(first, timeout=limit(30)) == {"rank": 0}
+        # the job stops: a watch out ends
+        stopped = rounds.next_join.remote(1, 600.0)
+        ray.get(rounds.fail.remote("the job stopped"))
+        assert ray.get(stopped, timeout=limit(30)) == 0
+    finally:
+        ray.kill(rounds, no_restart=True)
+
+
 def test_a_job_sizes_its_control_actors_for_its_workers():
     import sys
 

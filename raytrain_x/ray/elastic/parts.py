@@ -25,6 +25,9 @@ from raytrain_x.ray.placement import stable_node_strategy
 # how long the driver waits for the rounds actor to answer one call: its calls return at
 # once (a join parks, the driver's never do), so one that takes this long will not come
 CONTROL_CALL_TIMEOUT_S = 60.0
+# the longest the rounds actor holds the driver's watch for a join (`watch_joins`); the
+# driver sends another at its next look that finds the round still waiting
+JOIN_WATCH_S = 10.0
 
 
 class RoundsClient:
@@ -32,6 +35,7 @@ class RoundsClient:
 
     def __init__(self, actor: Any) -> None:
         self.actor = actor  # handed to workers, which join rounds through it
+        self._join_watch: tuple | None = None  # the `next_join` call out and its future
 
     def _get(self, method: str, *args: Any, timeout: float = CONTROL_CALL_TIMEOUT_S) -> Any:
         try:
@@ -45,6 +49,15 @@ class RoundsClient:
 
     def waiting(self) -> list[str]:
         return self._get("waiting")
+
+    def watch_joins(self, known: int, wake: Callable[[], None]) -> None:
+        """Calls `wake` (from Ray's thread) when the number of workers waiting is no longer
+        `known`, or after `JOIN_WATCH_S`; one call is out at a time."""
+        if self._join_watch is not None and not self._join_watch[1].done():
+            return
+        ref = self.actor.next_join.remote(known, JOIN_WATCH_S)
+        self._join_watch = (ref, ref.future())
+        self._join_watch[1].add_done_callback(lambda _: wake())
 
     def committed_round(self) -> int:
         return self._get("committed_round")

@@ -31,6 +31,8 @@ SETUP_TIMEOUT_S = 60.0
 
 # the most heartbeat calls the driver sends in one poll (`heartbeat_turn`)
 HEARTBEATS_PER_POLL = 128
+# put in the queue of landed calls to end a poll early (`WorkerPool.wake`)
+_WAKE = object()
 
 
 @dataclass
@@ -179,7 +181,8 @@ class WorkerPool:
         each poll cost the driver 0.05 CPU-s a second at 4,096 members)."""
         out = Outcomes({}, [], [])
         deadline = time.monotonic() + timeout_s
-        while not (out.finished or out.failed or out.left):
+        woken = False
+        while not (out.finished or out.failed or out.left or woken):
             try:
                 landed = [self._landed.get(timeout=max(0.0, deadline - time.monotonic()))]
             except queue.Empty:
@@ -187,8 +190,16 @@ class WorkerPool:
             while not self._landed.empty():
                 landed.append(self._landed.get_nowait())
             for ref in landed:
-                self._outcome(ref, out)
+                if ref is _WAKE:
+                    woken = True
+                else:
+                    self._outcome(ref, out)
         return out
+
+    def wake(self) -> None:
+        """Ends the poll under way now, or the next one, at once (from any thread): the
+        driver has something to look at besides outcomes (a join landed)."""
+        self._landed.put(_WAKE)
 
     def _outcome(self, ref: Any, out: Outcomes) -> None:
         """Adds what the call `ref` returned to `out`, unless its member was removed."""

@@ -70,19 +70,26 @@ class RoundForming:
             return False
         if decision.interrupt and not decision.release and not decision.leave and \
                 self._holds_for_batch(waiting):
-            return True  # the survivors train on while the rest of the batch arrives
+            return self._await_joins(waiting)  # the survivors train on meanwhile
         if (decision.interrupt or decision.release) and not self._asked_over:
             self._asked_over = True
             ctx.rounds_client.bump_hosts()
             if decision.interrupt:
                 ctx.log.add("scale_up")
         if not decision.form:
-            return True  # survivors are still on their way to the rendezvous
+            return self._await_joins(waiting)  # survivors are on their way to it
         departed = [ctx.members[w] for w in decision.departed]
         note_left(ctx, departed)  # the round forms without them: they left with it
         for member in departed:
             member.departed = True
         return self._form({w: ctx.members[w] for w in decision.ranks}, kept=len(decision.kept))
+
+    def _await_joins(self, waiting: list[str]) -> bool:
+        """The round waits for workers to join: the driver's poll ends as the next join
+        lands (`RoundsClient.watch_joins`), and the round forms then, not at the next
+        look. Returns that a round is still needed."""
+        self.ctx.rounds_client.watch_joins(len(waiting), self.ctx.pool.wake)
+        return True
 
     def _holds_for_batch(self, waiting: list[str]) -> bool:
         """Newcomers wait at the rendezvous: whether they wait on for the workers started

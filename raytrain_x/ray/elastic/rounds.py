@@ -24,6 +24,7 @@ class ElasticRounds:
         self._committed_round = 0  # the last round rank 0 committed in (rounds count from 1)
         self._state_rounds: dict[str, int] = {}  # worker -> the round of the state it holds
         self._checkpoint_asked = False  # the driver wants the next commit written durably
+        self._join_watchers: list[asyncio.Future] = []  # the driver's `next_join` calls
 
     async def join(self, worker_id: str, state_round: int = 0) -> dict[str, Any]:
         """Blocks until the driver puts this worker in a round; returns its place.
@@ -34,10 +35,34 @@ class ElasticRounds:
         self._state_rounds[worker_id] = int(state_round)
         future = asyncio.get_running_loop().create_future()
         self._waiting[worker_id] = future
+        self._wake_watchers()
         return await future
 
     async def waiting(self) -> list[str]:
         return list(self._waiting)
+
+    async def next_join(self, known: int, wait_s: float) -> int:
+        """Returns once more or fewer than `known` workers wait (a join landed), the job
+        stopped, or `wait_s` passed; returns how many wait. The driver keeps one such call
+        out while a round waits for its workers, and looks again as it returns: the round
+        forms as its last worker joins, not at the driver's next look."""
+        if len(self._waiting) == known and not self._error:
+            watcher = asyncio.get_running_loop().create_future()
+            self._join_watchers.append(watcher)
+            try:
+                await asyncio.wait_for(watcher, wait_s)
+            except asyncio.TimeoutError:
+                pass
+            finally:
+                if watcher in self._join_watchers:
+                    self._join_watchers.remove(watcher)
+        return len(self._waiting)
+
+    def _wake_watchers(self) -> None:
+        for watcher in self._join_watchers:
+            if not watcher.done():
+                watcher.set_result(None)
+        self._join_watchers.clear()
 
     async def publish(self, assignments: dict[str, dict[str, Any]]) -> None:
         for worker_id, place in assignments.items():
@@ -52,6 +77,7 @@ class ElasticRounds:
             if not future.done():
                 future.set_exception(ElasticJobStopped(message))
         self._waiting.clear()
+        self._wake_watchers()
 
     async def bump_hosts(self) -> int:
         self._hosts_version += 1
