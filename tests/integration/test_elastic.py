@@ -4,6 +4,7 @@ and added nodes, blacklisting with cooldown, reset_limit and min_workers."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import threading
@@ -470,7 +471,12 @@ def test_a_rank_lost_mid_write_holds_no_checkpoint_back(elastic_nodes, tmp_path)
         killed_at = time.monotonic()
         job.wait_until(lambda: any(m.key > lost for m in store.checkpoints()),
                        "a checkpoint after the one the lost rank was writing", work_s=60)
-        print(f"next checkpoint {time.monotonic() - killed_at:.1f}s after the kill")
+        seen_at = time.monotonic()
+        formed = [t for t, kind, _ in executor.last_elastic_job.events
+                  if kind == "round" and t > killed_at] or [math.nan]
+        # the issue's figure (every_s=0.5: within 1 s of that round), printed, not asserted
+        print(f"next checkpoint {seen_at - killed_at:.2f}s after the kill, "
+              f"{seen_at - formed[0]:.2f}s after the round that followed it")
         assert not part.parent.exists() or not any(
             m.key == lost for m in store.checkpoints()), "the lost write completed"
         job.wait_until(lambda: read_progress(progress)[0] >= 60, "an epoch past the loss")
