@@ -737,6 +737,31 @@ def test_the_elastic_heartbeat_counts_a_dead_worker_at_once(cluster):
     assert answers == {} and beats.failed == {"w"}
 
 
+def test_a_start_whose_node_went_before_ray_placed_it_is_given_up_not_raised(
+        cluster, elastic_nodes):
+    """A worker asked for on a node that left before Ray scheduled the actor there fails
+    with Ray's `ActorUnschedulableError`, which is no `RayActorError`: it escaped the
+    driver's loop and ended the job (seen under a loaded suite, a node removed while its
+    start was held). The pool now reports it as died while starting, and the job gives
+    it up naming why. The order is made here: the node is removed, then asked for."""
+    from types import SimpleNamespace
+
+    from ray.exceptions import ActorUnschedulableError
+
+    [node] = elastic_nodes(1)
+    cluster.remove_node(node, allow_graceful=True)
+    settings = SimpleNamespace(per_worker={}, cpus_per_worker=0, gpus_per_worker=0)
+    pool = worker_pool.WorkerPool(settings, time.monotonic)
+    pool.start(node.node_id)
+    wait_until(lambda: bool(ray.wait(list(pool.pending), timeout=0)[0]), limit(30),
+               "the start on a node that is not there to fail")
+    joined, died = pool.poll_pending(lambda actor, worker_id: None, _elastic_train, (), {})
+    assert joined == [] and len(died) == 1
+    assert isinstance(died[0][1], ActorUnschedulableError)
+    pool.give_up(died[0][0].ref)
+    assert not pool.pending
+
+
 def test_the_driver_finds_each_members_outcome_once_as_it_lands(cluster):
     """The driver's loop no longer waits over every member's call each poll (a ray.wait
     of N refs ten times a second: 0.05 CPU-s a second at 4,096 members,

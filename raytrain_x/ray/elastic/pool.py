@@ -13,7 +13,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import (
+    ActorUnschedulableError,
+    GetTimeoutError,
+    RayActorError,
+    RayTaskError,
+)
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrain_x.common.errors import WorkerError
@@ -33,6 +38,9 @@ SETUP_TIMEOUT_S = 60.0
 HEARTBEATS_PER_POLL = 128
 # put in the queue of landed calls to end a poll early (`WorkerPool.wake`)
 _WAKE = object()
+# what a starting worker's calls raise when it will never run: it died while starting, or
+# Ray cannot place it (its node left before the actor was scheduled there)
+START_FAILED = (RayActorError, RayTaskError, ActorUnschedulableError)
 
 
 @dataclass
@@ -141,14 +149,14 @@ class WorkerPool:
             worker_id = f"w{next(self._ids)}"
             try:
                 ray.get(ref)  # ready: answers at once
-            except (RayActorError, RayTaskError) as exc:
+            except START_FAILED as exc:
                 died.append((pending, exc))  # still pending: the caller gives it up
                 continue
             set_up.append((ref, pending, worker_id, setup(pending.actor, worker_id)))
         for ref, pending, worker_id, call in set_up:
             try:
                 ray.get(call, timeout=SETUP_TIMEOUT_S)  # its node may go meanwhile
-            except (RayActorError, RayTaskError, GetTimeoutError) as exc:
+            except (*START_FAILED, GetTimeoutError) as exc:
                 died.append((pending, exc))
                 continue
             del self.pending[ref]
