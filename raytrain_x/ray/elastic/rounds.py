@@ -42,10 +42,10 @@ class ElasticRounds:
         return list(self._waiting)
 
     async def next_join(self, known: int, wait_s: float) -> int:
-        """Returns once more or fewer than `known` workers wait (a join landed), the job
-        stopped, or `wait_s` passed; returns how many wait. The driver keeps one such call
-        out while a round waits for its workers, and looks again as it returns: the round
-        forms as its last worker joins, not at the driver's next look."""
+        """Returns at once where the number waiting is not `known`; else once a join
+        lands, the job stops, or `wait_s` passes. Returns how many wait. The driver keeps
+        one such call out while a round waits for its workers, and looks again as it
+        returns: the round forms as its last worker joins, not at the driver's next look."""
         if len(self._waiting) == known and not self._error:
             watcher = asyncio.get_running_loop().create_future()
             self._join_watchers.append(watcher)
