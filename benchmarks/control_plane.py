@@ -22,9 +22,16 @@
    call each poll (the driver's way before); the driver process's CPU seconds a second.
 5. Planning a round: `plan_round` for --plan members, each on a node of its own (the
    driver's work per round), the median of 5.
+6. The driver while a round waits for its workers: --forming members of the last round
+   come back to the rendezvous over --forming-spread-s seconds (as after a failure); the
+   real `RoundForming.step` runs after each 0.1 s `WorkerPool.poll`, with its join watch
+   (`threshold`: woken once the joins its decision waits for land), against one woken at
+   every join (`each-join`) and none (`none`: a look each poll). Reported: the driver's
+   looks, its calls to the rounds actor, its CPU seconds, and the time from the last join
+   to the round published.
 
 Run alone: .venv/bin/python benchmarks/control_plane.py [--parked 0 1000 10000]
-    [--round 64 256 1024 4096] [--way lazy full-mesh]
+    [--round 64 256 1024 4096] [--way lazy full-mesh] [--forming 64 1024 4096]
 Writes results/control_plane.json (--plot: the rounds' figure,
 docs/images/control_plane_rounds.png).
 """
@@ -152,6 +159,129 @@ def round_cost(size: int, way: str, hosts: int, per_node: int, timeout_s: float)
                 "store_calls_per_worker": sum(calls.values()) / size}
     finally:
         for actor in [rounds, store, *emulated]:
+            ray.kill(actor, no_restart=True)
+
+
+def _joining_host_class():
+    """The Ray actor class whose coroutines join the rounds actor as a round's members do
+    after a failure: each at its own time (made once, after `ray.init`)."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class JoiningHost:
+        async def ready(self) -> bool:
+            return True
+
+        async def join(self, rounds, worker_ids, offsets_s):
+            import asyncio
+
+            began = time.time()
+
+            async def worker(worker_id, offset_s):
+                await asyncio.sleep(max(0.0, began + offset_s - time.time()))
+                sent = time.time()
+                await rounds.join.remote(worker_id, 1)
+                return sent
+
+            return max(await asyncio.gather(*(worker(w, o)
+                                              for w, o in zip(worker_ids, offsets_s))))
+
+    return JoiningHost
+
+
+class _CountedRounds:
+    """The driver's `RoundsClient` with its calls to the rounds actor counted; `watch`:
+    `threshold`, the client's own join watch; `each-join`, one that ends at every join;
+    `none`, no watch (the driver looks every 0.1 s poll)."""
+
+    def __init__(self, client, watch: str) -> None:
+        self.client, self.watch, self.calls = client, watch, 0
+        self.seen = 0  # how many waited at the driver's last look
+
+    def __getattr__(self, name):
+        method = getattr(self.client, name)
+        if not callable(method):
+            return method
+
+        def counted(*args, **kwargs):
+            if name == "watch_joins":
+                if self.watch == "none":
+                    return None
+                if self.watch == "each-join":
+                    args = (self.seen + 1, *args[1:])
+                sent = self.client._join_watch
+                out = method(*args, **kwargs)
+                self.calls += self.client._join_watch is not sent
+                return out
+            self.calls += 1
+            out = method(*args, **kwargs)
+            if name == "waiting":
+                self.seen = len(out)
+            return out
+
+        return counted
+
+
+def forming_cost(size: int, spread_s: float, hosts: int, per_node: int, watch: str) -> dict:
+    """The driver's work while a round waits for its workers: `size` members of the last
+    round (committed) come back to the rendezvous at even intervals over `spread_s` (as
+    survivors do after a failure), joining the real rounds actor from `hosts` Ray actor
+    processes; the driver runs the real `RoundForming.step` after each `WorkerPool.poll`
+    (a 0.1 s wait that a join watch ends early) until the round is published. Reported:
+    the driver's looks, its calls to the rounds actor, its CPU seconds, and the time from
+    the last join to the round published."""
+    import types
+
+    import ray
+
+    from raytrain_x.comm.store_actor import control_concurrency
+    from raytrain_x.ray.elastic.blacklist import Blacklist
+    from raytrain_x.ray.elastic.context import JobContext
+    from raytrain_x.ray.elastic.events import EventLog
+    from raytrain_x.ray.elastic.member_watch import MemberWatch
+    from raytrain_x.ray.elastic.parts import JobParts, RoundsClient
+    from raytrain_x.ray.elastic.pool import Member, WorkerPool
+    from raytrain_x.ray.elastic.round_forming import RoundForming
+    from raytrain_x.ray.elastic.rounds import ElasticRounds
+    from raytrain_x.ray.elastic.settings import ElasticSettings
+
+    settings = ElasticSettings(
+        min_workers=1, max_workers=size, cpus_per_worker=1, gpus_per_worker=0,
+        resources_per_worker={}, reset_limit=None, cooldown_range=None,
+        elastic_timeout=600.0, timeout_s=600.0)
+    rounds = ElasticRounds.options(max_concurrency=control_concurrency(size)).remote()
+    joining = [_joining_host_class().remote() for _ in range(hosts)]
+    try:
+        ray.get([h.ready.remote() for h in joining] + [rounds.commit.remote(1)])
+        client = _CountedRounds(RoundsClient(rounds), watch)
+        pool = WorkerPool(settings, time.monotonic)
+        workers = [f"w{i}" for i in range(size)]
+        for i, w in enumerate(workers):
+            pool.members[w] = Member(w, None, f"node{i // per_node}", i, rank=i)
+        parts = JobParts(pool=pool, rounds=client, sleep=time.sleep, wall_clock=time.time,
+                         close=lambda: None,
+                         cluster=types.SimpleNamespace(autoscaled=False, capacity=None),
+                         store=types.SimpleNamespace(forget=lambda prefix: None))
+        ctx = JobContext(settings, time.monotonic, parts, EventLog(time.monotonic),
+                         Blacklist(None, time.monotonic), rounds=1, needs_round=True,
+                         round_members={1: set(workers)})
+        forming = RoundForming(ctx, MemberWatch(ctx))
+        offsets = [spread_s * i / max(1, size - 1) for i in range(size)]
+        done = [h.join.remote(rounds, workers[i::hosts], offsets[i::hosts])
+                for i, h in enumerate(joining)]
+        looks, cpu = 0, time.process_time()
+        needs_round = True
+        while needs_round:
+            pool.poll(timeout_s=0.1)
+            looks += 1
+            needs_round = forming.step(True)
+        published, cpu = time.time(), time.process_time() - cpu
+        last_join = max(ray.get(done))  # when the last join was sent
+        return {"workers": size, "spread_s": spread_s, "watch": watch, "looks": looks,
+                "rounds_calls": client.calls, "driver_cpu_s": cpu,
+                "last_join_to_round_s": published - last_join}
+    finally:
+        for actor in [rounds, *joining]:
             ray.kill(actor, no_restart=True)
 
 
@@ -332,6 +462,9 @@ def main() -> None:
     parser.add_argument("--driver-s", type=float, default=10.0)
     parser.add_argument("--poll", type=int, nargs="*", default=[4_096],
                         help="members whose outcomes the driver's loop watches")
+    parser.add_argument("--forming", type=int, nargs="*", default=[64, 1_024, 4_096],
+                        help="members that come back to a round the driver waits for")
+    parser.add_argument("--forming-spread-s", type=float, default=10.0)
     parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default=None, help="write the rounds' figure here (png)")
     args = parser.parse_args()
@@ -361,6 +494,12 @@ def main() -> None:
             for way in ("queued", "wait-all"):
                 polls.append(poll_cost(members, args.driver_s, way))
                 print(f"outcomes of {members}: {polls[-1]}", flush=True)
+        forming = []
+        for members in args.forming:
+            for watch in ("threshold", "each-join", "none"):
+                forming.append(forming_cost(members, args.forming_spread_s, args.hosts,
+                                            args.per_node, watch))
+                print(f"forming with {members}: {forming[-1]}", flush=True)
     finally:
         ray.shutdown()
     plans = [plan_cost(n) for n in args.plan]
@@ -370,8 +509,11 @@ def main() -> None:
     print_table(formed, ["workers", "way", "join_s", "publish_s", "meet_s", "round_s",
                          "store_calls_per_worker"])
     print_table(plans, ["members", "plan_ms", "place_bytes"])
+    print_table(forming, ["workers", "spread_s", "watch", "looks", "rounds_calls",
+                          "driver_cpu_s", "last_join_to_round_s"])
     path = write_json("control_plane", {"args": vars(args), "writes": rows, "rounds": formed,
-                                        "driver": drivers, "polls": polls, "plans": plans},
+                                        "driver": drivers, "polls": polls, "plans": plans,
+                                        "forming": forming},
                       args.json)
     print(f"wrote {path}")
     if args.plot and formed:

@@ -51,40 +51,49 @@ def test_more_parked_callers_than_rays_default_leave_the_store_and_the_rounds_an
         ray.kill(rounds, no_restart=True)
 
 
-def test_the_driver_waiting_for_a_rounds_workers_hears_each_join_as_it_lands(ray_cluster):
-    """While a round waits for its workers, the driver keeps one `next_join` call out
-    (`RoundsClient.watch_joins`); it returns as a join lands and ends the driver's poll of
-    outcomes (`WorkerPool.wake`), which would otherwise wait out its timeout (here 600 s).
-    A watch that saw a different count returns at once, and a job that stops ends it."""
+def test_the_driver_waiting_for_a_rounds_workers_hears_the_joins_it_waits_for_as_they_land(
+        ray_cluster):
+    """While a round waits for its workers, the driver keeps a `next_join` call out for as
+    many as its decision waits for (`RoundsClient.watch_joins`); it returns as the last of
+    them lands, not at each join before, and ends the driver's poll of outcomes
+    (`WorkerPool.wake`), which would otherwise wait out its timeout (here 600 s). A watch
+    for no more than already wait returns at once, and a job that stops ends it."""
     import time
 
     import ray
 
+    from raytrain_x.ray.elastic import pool as pools
     from raytrain_x.ray.elastic.parts import RoundsClient
-    from raytrain_x.ray.elastic.pool import WorkerPool
     from raytrain_x.ray.elastic.rounds import ElasticRounds
 
     rounds = ElasticRounds.options(max_concurrency=8).remote()
-    client, pool = RoundsClient(rounds), WorkerPool(None, time.monotonic)
+    client, pool = RoundsClient(rounds), pools.WorkerPool(None, time.monotonic)
     try:
         first = rounds.join.remote("w0")
         wait_until(lambda: client.waiting() == ["w0"], 30, "w0 to wait")
-        watch = rounds.next_join.remote(1, 600.0)  # the driver saw one: waits for the next
-        assert not ray.wait([watch], timeout=0.5)[0]  # nothing new: it waits
-        client.watch_joins(1, pool.wake)
-        rounds.join.remote("w1")  # lands before or during the poll: either ends it
+        watch = rounds.next_join.remote(3, 600.0)  # the round waits for two more
+        client.watch_joins(3, pool.wake)
+        rounds.join.remote("w1")
+        wait_until(lambda: len(client.waiting()) == 2, 30, "w1 to wait")
+        # a join the round does not form on yet ends neither watch (each woke at its
+        # join's call, before `waiting` answered)
+        assert not ray.wait([watch], timeout=0.5)[0]
+        started = time.monotonic()
+        assert pool.poll(timeout_s=0.5) == pools.Outcomes({}, [], [])
+        assert time.monotonic() - started >= 0.45  # not woken: it waited out its time
+        rounds.join.remote("w2")  # lands before or during the poll: either ends it
         started = time.monotonic()
         out = pool.poll(timeout_s=600.0)
         assert time.monotonic() - started < limit(30)
         assert (out.finished, out.failed, out.left) == ({}, [], [])
-        assert ray.get(watch, timeout=limit(30)) == 2 and sorted(client.waiting()) == \
-            ["w0", "w1"]
-        # a watch that saw fewer than wait now answers at once
-        assert ray.get(rounds.next_join.remote(1, 600.0), timeout=limit(30)) == 2
+        assert ray.get(watch, timeout=limit(30)) == 3 and sorted(client.waiting()) == \
+            ["w0", "w1", "w2"]
+        # a watch for no more than wait answers at once
+        assert ray.get(rounds.next_join.remote(2, 600.0), timeout=limit(30)) == 3
         ray.get(rounds.publish.remote({"w0": {"rank": 0}}))
         assert ray.get(first, timeout=limit(30)) == {"rank": 0}
         # the job stops: a watch out ends
-        stopped = rounds.next_join.remote(1, 600.0)
+        stopped = rounds.next_join.remote(5, 600.0)
         ray.get(rounds.fail.remote("the job stopped"))
         assert ray.get(stopped, timeout=limit(30)) == 0
     finally:

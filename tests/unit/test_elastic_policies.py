@@ -29,6 +29,7 @@ from raytrain_x.ray.elastic.policies import (
     StragglerRule,
     abandons_forming_round,
     asks_checkpoint,
+    batch_awaited,
     decide_round,
     drain_line,
     elastic_timeout_error,
@@ -430,6 +431,29 @@ def test_a_later_round_does_not_wait_for_newcomers_still_starting():
     assert decide_round(["x", "y"], first, (), 1).ranks == ["x", "y"]
 
 
+def test_a_round_waiting_for_its_workers_says_how_many_more_joins_can_change_it():
+    """The driver's join watch wakes it once `awaits` more workers wait, so a round of
+    thousands costs it a look or two, not one a join (benchmarks/control_plane.py
+    --forming)."""
+    veterans = [MemberView(w, f"n{i}", in_round=True) for i, w in enumerate("abcd")]
+    # nobody back yet (or all training): any arrival may matter, a newcomer asking over
+    assert decide_round([], veterans, (), 1).awaits == 1
+    # survivors coming back: the rest of them
+    assert decide_round(["a"], veterans, (), 1).awaits == 3
+    assert decide_round(["a", "b", "c"], veterans, (), 1).awaits == 1
+    everyone = decide_round(["a", "b", "c", "d"], veterans, (), 1)
+    assert everyone.form and everyone.awaits == 0
+    # a newcomer's arrival does not change what the others wait for
+    newcomer = [*veterans, MemberView("new", "n9")]
+    assert decide_round(["a", "new"], newcomer, (), 1, round_committed=False).awaits == 3
+    # the first round waits for everyone it started; min_workers may ask more of it
+    first = [MemberView(w, f"n{i}") for i, w in enumerate("xyz")]
+    assert decide_round(["x"], first, (), 1).awaits == 2
+    assert decide_round(["x"], first[:1], (), 3).awaits == 2  # two more must come
+    # a member leaving is not waited for
+    assert decide_round(["a"], veterans, {"n3"}, 1).awaits == 2
+
+
 def test_a_drained_member_slower_to_the_rendezvous_departs_with_the_round_formed_without_it():
     members = [MemberView("a", "n1", in_round=True), MemberView("b", "n2", in_round=True),
                MemberView("c", "n3", in_round=True), MemberView("new", "n3")]
@@ -711,6 +735,9 @@ def test_newcomers_started_together_join_in_one_round_within_the_window():
     # nobody waits: nothing to hold; everybody of the batch there: go
     assert not holds_newcomers([], [10.2], waiting_since=15.0, now=16.0)
     assert not holds_newcomers([10.0, 10.2], [], waiting_since=15.0, now=16.0)
+    # how many of the batch the newcomers wait on: the driver is woken as they arrive
+    assert batch_awaited([10.0], [10.2, 10.5, 2.0, 14.0], waiting_since=15.0, now=16.0) == 2
+    assert batch_awaited([10.0], [10.2], waiting_since=15.0, now=25.0) == 0
 
 
 def test_a_worker_that_failed_before_its_first_round_is_not_rank_minus_one():

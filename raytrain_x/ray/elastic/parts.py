@@ -35,7 +35,8 @@ class RoundsClient:
 
     def __init__(self, actor: Any) -> None:
         self.actor = actor  # handed to workers, which join rounds through it
-        self._join_watch: tuple | None = None  # the `next_join` call out and its future
+        # the last `next_join` call sent: how many it waits for, its ref and future
+        self._join_watch: tuple[int, Any, Any] | None = None
 
     def _get(self, method: str, *args: Any, timeout: float = CONTROL_CALL_TIMEOUT_S) -> Any:
         try:
@@ -50,14 +51,17 @@ class RoundsClient:
     def waiting(self) -> list[str]:
         return self._get("waiting")
 
-    def watch_joins(self, known: int, wake: Callable[[], None]) -> None:
-        """Calls `wake` (from Ray's thread) when the number of workers waiting is no longer
-        `known`, or after `JOIN_WATCH_S`; one call is out at a time."""
-        if self._join_watch is not None and not self._join_watch[1].done():
+    def watch_joins(self, at_least: int, wake: Callable[[], None]) -> None:
+        """Calls `wake` (from Ray's thread) once `at_least` workers wait to join, or after
+        `JOIN_WATCH_S`. A call out for the same number is not sent again; one for another
+        number ends by itself (its count reached, or its time up) and wakes the driver for
+        a look that costs nothing else."""
+        if self._join_watch is not None and self._join_watch[0] == at_least and \
+                not self._join_watch[2].done():
             return
-        ref = self.actor.next_join.remote(known, JOIN_WATCH_S)
-        self._join_watch = (ref, ref.future())
-        self._join_watch[1].add_done_callback(lambda _: wake())
+        ref = self.actor.next_join.remote(at_least, JOIN_WATCH_S)
+        self._join_watch = (at_least, ref, ref.future())
+        self._join_watch[2].add_done_callback(lambda _: wake())
 
     def committed_round(self) -> int:
         return self._get("committed_round")

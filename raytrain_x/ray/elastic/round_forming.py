@@ -14,8 +14,8 @@ from raytrain_x.ray.elastic.drain_watch import note_left
 from raytrain_x.ray.elastic.history import round_line
 from raytrain_x.ray.elastic.member_watch import MemberWatch
 from raytrain_x.ray.elastic.policies import (
+    batch_awaited,
     decide_round,
-    holds_newcomers,
     state_lost,
     state_lost_error,
 )
@@ -68,46 +68,48 @@ class RoundForming:
                 member.leaving = True
         if not needs_round:
             return False
-        if decision.interrupt and not decision.release and not decision.leave and \
-                self._holds_for_batch(waiting):
-            return self._await_joins(waiting)  # the survivors train on meanwhile
+        if decision.interrupt and not decision.release and not decision.leave:
+            batch = self._batch_awaited(waiting)
+            if batch:  # the survivors train on meanwhile
+                return self._await_joins(len(waiting) + batch)
         if (decision.interrupt or decision.release) and not self._asked_over:
             self._asked_over = True
             ctx.rounds_client.bump_hosts()
             if decision.interrupt:
                 ctx.log.add("scale_up")
-        if not decision.form:
-            return self._await_joins(waiting)  # survivors are on their way to it
+        if not decision.form:  # survivors are on their way to it
+            return self._await_joins(len(waiting) + decision.awaits)
         departed = [ctx.members[w] for w in decision.departed]
         note_left(ctx, departed)  # the round forms without them: they left with it
         for member in departed:
             member.departed = True
         return self._form({w: ctx.members[w] for w in decision.ranks}, kept=len(decision.kept))
 
-    def _await_joins(self, waiting: list[str]) -> bool:
-        """The round waits for workers to join: the driver's poll ends as the next join
-        lands (`RoundsClient.watch_joins`), and the round forms then, not at the next
-        look. Returns that a round is still needed."""
-        self.ctx.rounds_client.watch_joins(len(waiting), self.ctx.pool.wake)
+    def _await_joins(self, at_least: int) -> bool:
+        """The round waits for workers to join: the driver's poll ends as `at_least` wait
+        (`RoundsClient.watch_joins`: the joins the decision waits for, not each join of a
+        large round), and the round forms then, not at the next look. Returns that a round
+        is still needed."""
+        self.ctx.rounds_client.watch_joins(at_least, self.ctx.pool.wake)
         return True
 
-    def _holds_for_batch(self, waiting: list[str]) -> bool:
-        """Newcomers wait at the rendezvous: whether they wait on for the workers started
-        with them (`holds_newcomers`), so that a batch joins in one round."""
+    def _batch_awaited(self, waiting: list[str]) -> int:
+        """Newcomers wait at the rendezvous: how many workers started with them they wait
+        on (`batch_awaited`; 0: none), so that a batch joins in one round."""
         ctx = self.ctx
         waiting = set(waiting)
         newcomers = [m for m in ctx.members.values() if m.rank < 0 and not m.leaving]
         arrived = [m.asked_at for m in newcomers if m.worker_id in waiting]
         if not arrived:
             self._newcomers_since = None
-            return False
+            return 0
         now = ctx.clock()
         if self._newcomers_since is None:
             self._newcomers_since = now
         others = [m.asked_at for m in newcomers if m.worker_id not in waiting]
         others += [p.asked_at for p in ctx.pending.values()
                    if p.node not in ctx.draining]
-        return holds_newcomers(arrived, others, self._newcomers_since, now)
+        return batch_awaited(arrived, others, self._newcomers_since, now)
 
     def _restores(self, staying: dict, holders: list[str] | None) -> dict | None:
         """The checkpoint the round restores (None: none; it keeps what its members hold):

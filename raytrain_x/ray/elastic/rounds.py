@@ -24,7 +24,8 @@ class ElasticRounds:
         self._committed_round = 0  # the last round rank 0 committed in (rounds count from 1)
         self._state_rounds: dict[str, int] = {}  # worker -> the round of the state it holds
         self._checkpoint_asked = False  # the driver wants the next commit written durably
-        self._join_watchers: list[asyncio.Future] = []  # the driver's `next_join` calls
+        # the driver's `next_join` calls: how many each waits for, and its future
+        self._join_watchers: list[tuple[int, asyncio.Future]] = []
 
     async def join(self, worker_id: str, state_round: int = 0) -> dict[str, Any]:
         """Blocks until the driver puts this worker in a round; returns its place.
@@ -41,28 +42,34 @@ class ElasticRounds:
     async def waiting(self) -> list[str]:
         return list(self._waiting)
 
-    async def next_join(self, known: int, wait_s: float) -> int:
-        """Returns at once where the number waiting is not `known`; else once a join
-        lands, the job stops, or `wait_s` passes. Returns how many wait. The driver keeps
-        one such call out while a round waits for its workers, and looks again as it
-        returns: the round forms as its last worker joins, not at the driver's next look."""
-        if len(self._waiting) == known and not self._error:
+    async def next_join(self, at_least: int, wait_s: float) -> int:
+        """Returns once `at_least` workers wait to join (at once if they do), the job
+        stops, or `wait_s` passes; returns how many wait. The driver keeps such a call out
+        while a round waits for its workers, for as many as its decision waits for, and
+        looks again as it returns: the round forms as its last worker joins, not at the
+        driver's next look, and a round of thousands costs the driver a look or two, not
+        one a join."""
+        if len(self._waiting) < at_least and not self._error:
             watcher = asyncio.get_running_loop().create_future()
-            self._join_watchers.append(watcher)
+            self._join_watchers.append((at_least, watcher))
             try:
                 await asyncio.wait_for(watcher, wait_s)
             except asyncio.TimeoutError:
                 pass
             finally:
-                if watcher in self._join_watchers:
-                    self._join_watchers.remove(watcher)
+                self._join_watchers = [w for w in self._join_watchers if w[1] is not watcher]
         return len(self._waiting)
 
-    def _wake_watchers(self) -> None:
-        for watcher in self._join_watchers:
-            if not watcher.done():
-                watcher.set_result(None)
-        self._join_watchers.clear()
+    def _wake_watchers(self, stopped: bool = False) -> None:
+        """Ends the watches whose count is reached (every one: `stopped`)."""
+        count, left = len(self._waiting), []
+        for at_least, watcher in self._join_watchers:
+            if stopped or count >= at_least:
+                if not watcher.done():
+                    watcher.set_result(None)
+            else:
+                left.append((at_least, watcher))
+        self._join_watchers = left
 
     async def publish(self, assignments: dict[str, dict[str, Any]]) -> None:
         for worker_id, place in assignments.items():
@@ -77,7 +84,7 @@ class ElasticRounds:
             if not future.done():
                 future.set_exception(ElasticJobStopped(message))
         self._waiting.clear()
-        self._wake_watchers()
+        self._wake_watchers(stopped=True)
 
     async def bump_hosts(self) -> int:
         self._hosts_version += 1

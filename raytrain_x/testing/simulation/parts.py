@@ -304,7 +304,7 @@ class SimRoundsClient:
     def waiting(self) -> list[str]:
         return list(self._actor().waiting)
 
-    def watch_joins(self, known: int, wake: Callable[[], None]) -> None:
+    def watch_joins(self, at_least: int, wake: Callable[[], None]) -> None:
         """Not modelled: the simulated driver hears of a join at its next look, every 0.1
         virtual seconds while a round waits (the real one as the join lands). The
         decisions the simulator checks are the same; only that latency is not."""

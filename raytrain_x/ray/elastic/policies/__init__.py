@@ -25,6 +25,7 @@ from raytrain_x.ray.elastic.policies.liveness import (
 )
 from raytrain_x.ray.elastic.policies.rounds import (
     RoundDecision,
+    batch_awaited,
     decide_round,
     holds_newcomers,
     kept_on_drain,
@@ -46,7 +47,8 @@ from raytrain_x.ray.elastic.policies.views import (
 __all__ = [
     'DrainNotice', 'FailurePolicy', 'FailureVerdict', 'Heartbeats', 'MemberView',
     'MinimumWatch', 'PendingView', 'RoundDecision', 'ScalingPolicy', 'StragglerRule',
-    'Stragglers', 'abandons_forming_round', 'asks_checkpoint', 'decide_round', 'drain_line',
-    'elastic_timeout_error', 'held_back', 'held_joins', 'kept_on_drain', 'notice_drains',
+    'Stragglers', 'abandons_forming_round', 'asks_checkpoint', 'batch_awaited',
+    'decide_round', 'drain_line', 'elastic_timeout_error', 'held_back', 'held_joins',
+    'holds_newcomers', 'kept_on_drain', 'notice_drains',
     'shape', 'spare_last_holders', 'state_lost', 'state_lost_error',
 ]

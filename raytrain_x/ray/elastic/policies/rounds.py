@@ -51,6 +51,10 @@ class RoundDecision:
     # the last round, which kept members on a draining node, has committed (so everyone in
     # it holds the state): ask its members over, and the drained ones leave
     release: bool = False
+    # how many more workers must wait at the rendezvous before a join can change this
+    # decision (0: the round forms now): the driver's join watch wakes it then, not at
+    # every join of a large round
+    awaits: int = 0
 
 
 def kept_on_drain(members: Iterable[MemberView], draining: Iterable[str],
@@ -124,8 +128,14 @@ def decide_round(waiting: Iterable[str], members: Iterable[MemberView],
                        and m.worker_id not in waiting for m in members)
                and any(m.in_round and not m.leaving and m.node not in draining
                        for m in members))
+    if form:
+        awaits = 0
+    elif veterans and not veterans & waiting:
+        awaits = 1  # they train on, or none is back yet: any arrival may ask them over
+    else:
+        awaits = max(1, len(must_wait - waiting), max(1, min_workers) - len(arrived))
     return RoundDecision(leave, form, arrived if form else [], interrupt, departed,
-                         sorted(kept & set(arrived)) if form else [], release)
+                         sorted(kept & set(arrived)) if form else [], release, awaits)
 
 
 # Newcomers asked for within this many seconds of each other (one scale-up: a host's slots,
@@ -137,19 +147,28 @@ TOGETHER_S = 1.0
 JOIN_WINDOW_S = 10.0
 
 
+def batch_awaited(waiting_asked: Iterable[float], others_asked: Iterable[float],
+                  waiting_since: float, now: float,
+                  window_s: float = JOIN_WINDOW_S, together_s: float = TOGETHER_S) -> int:
+    """How many workers newcomers that wait at the rendezvous (asked for at
+    `waiting_asked`) wait on, before the survivors are interrupted (0: none): the rest of
+    their batch, workers asked for with them (`others_asked`: starting, or started and not
+    at the rendezvous yet, asked within `together_s` of them), for at most `window_s` from
+    `waiting_since` (when the first of them waited). One scale-up then costs one reset,
+    not one per newcomer (Horovod's `--reset-limit` counts them). A start asked for long
+    before (a slow one being hedged) is not of the batch and holds nothing."""
+    waiting_asked = list(waiting_asked)
+    if not waiting_asked or now - waiting_since >= window_s:
+        return 0
+    earliest, latest = min(waiting_asked), max(waiting_asked)
+    return sum(earliest - together_s <= asked <= latest + together_s
+               for asked in others_asked)
+
+
 def holds_newcomers(waiting_asked: Iterable[float], others_asked: Iterable[float],
                     waiting_since: float, now: float,
                     window_s: float = JOIN_WINDOW_S, together_s: float = TOGETHER_S) -> bool:
-    """Whether newcomers that wait at the rendezvous (asked for at `waiting_asked`) wait
-    on, before the survivors are interrupted, for the rest of their batch: workers asked
-    for with them (`others_asked`: starting, or started and not at the rendezvous yet,
-    asked within `together_s` of them), for at most `window_s` from `waiting_since` (when
-    the first of them waited). One scale-up then costs one reset, not one per newcomer
-    (Horovod's `--reset-limit` counts them). A start asked for long before (a slow one
-    being hedged) is not of the batch and holds nothing."""
-    waiting_asked = list(waiting_asked)
-    if not waiting_asked or now - waiting_since >= window_s:
-        return False
-    earliest, latest = min(waiting_asked), max(waiting_asked)
-    return any(earliest - together_s <= asked <= latest + together_s
-               for asked in others_asked)
+    """Whether newcomers that wait at the rendezvous wait on for the rest of their batch
+    (`batch_awaited`)."""
+    return batch_awaited(waiting_asked, others_asked, waiting_since, now, window_s,
+                         together_s) > 0
