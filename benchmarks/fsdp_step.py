@@ -11,6 +11,8 @@ each way in a fresh set of processes (so each peak RSS is its own):
   rx_fsdp    the same model and mesh, inside `rx.elastic.run` with
              `TorchState(model, optimizer, replicas=1)`, a commit every --commit-every steps
              (each rank's chunks copied to host memory and to one peer)
+  rx_fsdp_bg the same with `commit_in_background=True`: the copies to the peer travel on
+             the engine's thread while training goes on, taken up at the next commit
 
 Each times --steps steps after 3 warmup steps (one commit among them; the slower rank's
 seconds), and reads what a rank holds after a step, counted from the tensors themselves:
@@ -20,6 +22,7 @@ resident memory. On a GPU the live state and the commits sit in different memori
 these CPUs both are host memory, so the committed copies are shown apart.
 
 Run: .venv/bin/python benchmarks/fsdp_step.py [--worlds 2 3 4] [--steps 20] [--rounds 3]
+    [--ways ddp fsdp_gloo fsdp rx_fsdp rx_fsdp_bg]
 Writes results/fsdp_step.json.
 """
 
@@ -105,8 +108,9 @@ def _worker(rank: int, size: int, port: int, way: str, args, queue) -> None:
         return {"step_s": seconds / args.steps,
                 "commit_s": statistics.median(commits) if commits else 0.0}
 
-    if way == "rx_fsdp":
-        state = rx.elastic.TorchState(net, opt, replicas=1)
+    if way.startswith("rx_fsdp"):
+        state = rx.elastic.TorchState(net, opt, replicas=1,
+                                      commit_in_background=way == "rx_fsdp_bg")
         timing = rx.elastic.run(lambda s: timed(s))(state)
         gen = state._shards.taken
         committed = sum(c.numel() * c.element_size() for chunks in gen.held.values()
@@ -129,9 +133,13 @@ def main() -> None:
     parser.add_argument("--commit-every", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=1)
     add_small_gpt_arguments(parser)
+    parser.add_argument("--ways", nargs="+",
+                        default=["ddp", "fsdp_gloo", "fsdp", "rx_fsdp", "rx_fsdp_bg"])
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    ways = ["ddp", "fsdp_gloo", "fsdp", "rx_fsdp"]
+    ways = args.ways
+    if not {"ddp", "fsdp", "rx_fsdp"} <= set(ways):
+        parser.error("--ways needs ddp, fsdp and rx_fsdp (the ratios' baselines)")
     results: dict[str, dict] = {}
     rows, ratios = [], {}
     for world in args.worlds:
@@ -159,6 +167,12 @@ def main() -> None:
             "committed_over_full": rx["committed_bytes"] / full,
             "target_over_full": (1 + 1) / world,
         }
+        if "rx_fsdp_bg" in got:
+            bg = got["rx_fsdp_bg"]
+            ratios[str(world)].update({
+                "bg_speed_over_fsdp": plain["step_s"] / bg["step_s"],
+                "bg_commit_share": bg["commit_s"] / (args.commit_every * bg["step_s"]),
+                "bg_speed_over_rx_fsdp": rx["step_s"] / bg["step_s"]})
     print_table(rows, ["world", "way", "step ms", "live MB", "committed MB", "peak RSS MB"])
     for world, r in ratios.items():
         print(f"world {world}: " + ", ".join(f"{k} {v:.3f}" for k, v in r.items()))

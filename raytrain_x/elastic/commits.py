@@ -114,6 +114,10 @@ class Shards(Protocol):
     def keep(self, copies: Committed) -> None:
         """The rest of the state as this rank holds it now (the initial state)."""
 
+    def settle(self) -> None:
+        """Takes up the commit whose copies are under way, once they landed everywhere (a
+        collective; nothing where `commit` returns with them landed)."""
+
     def committed(self) -> Committed:
         """The rest of the state as committed with the generation this rank took up."""
 
@@ -194,6 +198,12 @@ class CommitManager:
         exchanged: a collective) and counts a commit."""
         self.number += 1
         self._hold(self.format.take(), exchange=True)
+
+    def settle(self) -> None:
+        """Before the ranks leave for a new round they agreed on: the commit whose copies
+        went out in the background is taken up (a collective)."""
+        if self.shards is not None:
+            self.shards.settle()
 
     def _hold(self, copies: Committed, exchange: bool) -> None:
         if self.shards is None:

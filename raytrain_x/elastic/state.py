@@ -167,6 +167,8 @@ class State:
         if write_id and commits is not None:
             commits.write(write_id)
         if probe is not None and version != runtime.rendezvous().hosts_version:
+            if commits is not None:  # every rank alike: its copies land before the round
+                commits.settle()
             raise HostsUpdatedInterrupt(skip_sync=False)
 
     def ended(self) -> None:

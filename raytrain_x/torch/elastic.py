@@ -60,6 +60,12 @@ class TorchState(ObjectState):
             parameters or the optimizer state are changed outside `optimizer.step()` between
             a commit and the next step (a weight average by hand): each commit's copy is
             then ordered before any later work on the device.
+        commit_in_background: with a model sharded by `fully_shard`, each commit's
+            copies travel to their peers while training goes on, and the commit is taken
+            up at the next one: `commit()` returns after the copy to host memory, and a
+            worker lost before the next commit may take the job back to the commit
+            before it (where its copies had not landed). Off by default: a commit is
+            kept by its peers when `commit()` returns.
         **kwargs: more modules, optimizers, samplers or data positions (by any name: a
             GAN's two models; the elastic trainer's `ray.train.get_dataset_shard(...)`), and
             plain attributes (epoch, batch, ...), as in `ObjectState`.
@@ -68,7 +74,7 @@ class TorchState(ObjectState):
     def __init__(self, model: torch.nn.Module | None = None,
                  optimizer: torch.optim.Optimizer | None = None, replicas: int = 1,
                  checkpoint: CheckpointConfig | None = None, overlap_commits: bool = True,
-                 **kwargs: Any) -> None:
+                 commit_in_background: bool = False, **kwargs: Any) -> None:
         check_attribute_names(type(self), kwargs)
         self.model = model
         self.optimizer = optimizer
@@ -84,7 +90,12 @@ class TorchState(ObjectState):
             _check_replicas(replicas, minimum=0)
             model_name, *opt_name = sorted(fsdp_names, key=lambda n: kind_of(handled[n]))
             self._shards = FSDPCommits(handled[model_name],
-                                       handled[opt_name[0]] if opt_name else None, replicas)
+                                       handled[opt_name[0]] if opt_name else None, replicas,
+                                       background=bool(commit_in_background))
+        elif commit_in_background:
+            raise ConfigError("commit_in_background applies to a model sharded by "
+                              "fully_shard (FSDP2); this TorchState holds none: leave it "
+                              "out")
         elif sharded:
             _check_replicas(replicas, minimum=1)
             for name, opt in sharded.items():

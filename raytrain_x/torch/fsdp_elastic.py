@@ -6,7 +6,9 @@ its chunks to host memory and sends them to `replicas` peers (on other hosts fir
 alltoall of bytes. Each commit is a numbered generation that every rank takes up only once
 every rank has its copies (the exchange, then a small allreduce every rank reaches only
 after its exchange); a rank whose commit broke off keeps the last generation it took up
-and, when its own exchange finished, the one being committed.
+and, when its own exchange finished, the one being committed. With `background`, the
+exchange runs on the engine's thread while training goes on, and the generation is taken
+up at the next commit (or before the ranks go to a new round they agreed on).
 
 At the next round (`restore`) the survivors report which chunks they hold; the newest
 generation whose every chunk some survivor holds is restored. The members are placed in
@@ -42,9 +44,9 @@ from raytrain_x.elastic.reshard import (
     segments,
 )
 from raytrain_x.torch import fsdp
+from raytrain_x.torch.async_ops import alltoall_async
 from raytrain_x.torch.durable import load_entries, load_shards
 from raytrain_x.torch.mesh import device_mesh
-from raytrain_x.torch.ops import alltoall
 from raytrain_x.torch.reshard import reshard
 
 Kind = tuple[torch.dtype, tuple[int, ...]]  # a layout entry's dtype and the dims of a row
@@ -62,6 +64,16 @@ class Chunks:
     held: dict[int, list[torch.Tensor]]  # position -> its chunk of every layout entry
     replicated: dict[str, dict[str, Any]]  # optimizer state not cut (AdamW's step)
     copies: Any = None  # the rest of the state (buffers, samplers, attributes) as committed
+
+
+@dataclass
+class Exchange:
+    """A commit's copies on their way to and from the replica holders."""
+
+    gen: Chunks  # the generation committed (this rank's own chunks in it so far)
+    handle: Any  # the alltoall's (`alltoall_async`)
+    order: tuple[int, ...]  # the rank at each position of the round's mesh
+    senders: frozenset[int]  # the ranks whose chunks this rank keeps a copy of
 
 
 @dataclass
@@ -154,13 +166,17 @@ class FSDPCommits:
         model: the model, wrapped by `fully_shard` (its blocks, then itself).
         optimizer: the optimizer of its parameters (None: the parameters alone).
         replicas: how many peers keep a copy of each rank's chunks.
+        background: send each commit's copies while training goes on, and take the
+            commit up at the next one (`settle`).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-                 replicas: int) -> None:
+                 replicas: int, background: bool = False) -> None:
         self.model = model
         self.optimizer = optimizer
         self.replicas = replicas
+        self.background = background
+        self._exchange: Exchange | None = None  # a commit's copies under way
         fsdp.sharded_layout(model)  # a clear error where nothing is sharded
         if fsdp.mesh_info(model).mesh.ndim != 1:
             raise ConfigError("an elastic FSDP2 model is sharded over a 1-D mesh "
@@ -194,37 +210,55 @@ class FSDPCommits:
 
     def commit(self, copies: Any) -> None:
         """Phase one: this rank's chunks to its replica holders; phase two: a small
-        allreduce every rank reaches only once every exchange is done; then taken."""
+        allreduce every rank reaches only once every exchange is done; then taken. With
+        `background`, phase one runs on while training goes on, and the commit before
+        this one is taken up first."""
+        self.settle()
         own = self._own(self.taken.number + 1)
         own.copies = copies
-        order = self._order()
-        position = next(iter(own.held))
         hosts = [cross for _, cross in runtime.engine().groups.layout]
         mine = runtime.rank()
         holders = replica_holders(mine, hosts, self.replicas)
-        data = _as_bytes(own.held[position])
+        data = _as_bytes(next(iter(own.held.values())))
         splits = [data.numel() if r in holders else 0 for r in range(runtime.size())]
         payload = torch.cat([data] * len(holders)) if holders and data.numel() else \
             torch.empty(0, dtype=torch.uint8)
-        got, counts = alltoall(payload, splits=splits,
-                               name=f"elastic.fsdp.replicas.{own.number}")
-        offset, senders = 0, holders_of(mine, hosts, self.replicas)
-        for sender, count in enumerate(counts.tolist()):
-            if sender in senders:
-                peer = order.index(sender)
-                own.held[peer] = from_bytes(got[offset:offset + count], own.layout,
-                                            own.kinds, own.world, peer)
-            offset += count
+        handle = alltoall_async(payload, splits=splits,
+                                name=f"elastic.fsdp.replicas.{own.number}")
         self.staged = own
-        max_ints([own.number], name=f"elastic.fsdp.taken.{own.number}")
-        self.taken, self.staged = own, None
+        self._exchange = Exchange(own, handle, self._order(),
+                                  frozenset(holders_of(mine, hosts, self.replicas)))
+        if not self.background:
+            self.settle()
+
+    def settle(self) -> None:
+        """Waits for the copies of the commit under way, keeps the peers' it is sent, and
+        takes the commit up once every rank has (a collective: every rank settles at the
+        same commit, or before the new round the ranks agreed on)."""
+        if self._exchange is None:
+            return
+        exchange, self._exchange = self._exchange, None
+        _keep_copies(exchange, exchange.handle.wait())
+        max_ints([exchange.gen.number], name=f"elastic.fsdp.taken.{exchange.gen.number}")
+        self.taken, self.staged = exchange.gen, None
 
     def report(self) -> Report:
+        exchange, self._exchange = self._exchange, None
+        if exchange is not None and exchange.handle.done():  # a worker lost meanwhile
+            try:
+                _keep_copies(exchange, exchange.handle.wait())
+            except Exception:  # noqa: BLE001 - it broke off: its own chunks are kept
+                pass
         report = Report(taken=self.taken.number)
         for gen in (self.taken, self.staged):
             if gen is not None:
                 report.generations[(gen.number, gen.world)] = frozenset(gen.held)
         return report
+
+    def newest(self) -> Chunks:
+        """The newest generation this rank committed: the one under way (`background`),
+        or the one it took up."""
+        return self.staged or self.taken
 
     def held(self, number: int, world: int) -> Chunks | None:
         return next((g for g in (self.taken, self.staged) if g is not None
@@ -235,8 +269,8 @@ class FSDPCommits:
         self.taken.copies = copies
 
     def committed(self) -> Any:
-        """The rest of the state as committed with the generation this rank took up."""
-        return self.taken.copies
+        """The rest of the state as committed with the newest generation."""
+        return self.newest().copies
 
     def restore(self) -> int:
         """At a new round: agree on the generation, place the members, make the round's
@@ -273,10 +307,10 @@ class FSDPCommits:
         return source.root
 
     def own_part(self) -> dict[str, Any]:
-        """This rank's chunks of the generation it took up, as its checkpoint part: every
+        """This rank's chunks of the newest generation, as its checkpoint part: every
         layout entry's rows (`shards`, by entry), with the layout, the world's order and
-        the optimizer state not cut."""
-        gen, position = self.taken, self._place()[0]
+        the optimizer state not cut (a checkpoint needs no copy on a peer)."""
+        gen, position = self.newest(), self._place()[0]
         return {"rank": runtime.rank(), "position": position, "world": gen.world,
                 "order": list(self._order()),
                 "layout": [[t.name, t.rows, t.row_bytes] for t in gen.layout],
@@ -325,6 +359,18 @@ class FSDPCommits:
                     {t.name: r for t, r in zip(layout, rows)}, replicated)
         self.taken = Chunks(0, size, layout, kinds, {rank: rows}, replicated)
         self.staged = None
+
+
+def _keep_copies(exchange: Exchange, received: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Adds the peers' chunks this rank received in `exchange` to its generation."""
+    got, counts = received
+    gen, offset = exchange.gen, 0
+    for sender, count in enumerate(counts.tolist()):
+        if sender in exchange.senders:
+            peer = exchange.order.index(sender)
+            gen.held[peer] = from_bytes(got[offset:offset + count], gen.layout, gen.kinds,
+                                        gen.world, peer)
+        offset += count
 
 
 def _copy(states: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:

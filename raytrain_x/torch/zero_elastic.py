@@ -160,6 +160,9 @@ class ShardedCommits:
         """The rest of the state as this rank holds it now (the initial state)."""
         self.taken.copies = copies
 
+    def settle(self) -> None:
+        """Nothing: a commit's copies have landed when `commit` returns."""
+
     def committed(self) -> Any:
         """The rest of the state as committed with the generation this rank took up."""
         return self.taken.copies

@@ -25,6 +25,12 @@ def _train(steps, pause, progress, stop=None, replicas=1) -> dict:  # runs in th
     return fsdp_train(steps, pause, stop=stop, progress=progress, replicas=replicas)
 
 
+def _train_in_background(steps, pause, progress, stop=None) -> dict:  # runs in the workers
+    from raytrain_x.testing.jobs.fsdp_gpt import fsdp_train
+
+    return fsdp_train(steps, pause, stop=stop, progress=progress, background=True)
+
+
 def _check_no_commit_lost(progress) -> None:
     """Rank 0's commits, in order, each after the one before: none taken back by a restore
     (a failed worker loses no committed step; a commit at which the world changes raises
@@ -80,6 +86,37 @@ def test_a_kill_a_drain_and_an_add_reshard_in_memory_and_follow_the_fault_free_c
     assert [s for i, s in enumerate(sizes) if i == 0 or sizes[i - 1] != s] == [3, 2, 1, 2]
     assert "failure" in events and "scale_up" in events, events
     _check_no_commit_lost(progress)
+    _check_losses(results, results[0]["step"])
+
+
+def test_commits_sent_in_the_background_survive_a_kill_and_an_add(cluster, elastic_nodes,
+                                                                  tmp_path):
+    """`commit_in_background=True`: 2 workers, one killed while its last commit's copies
+    may still travel (the survivor restores the newest commit whose copies landed, from
+    memory), then a node added (the commit under way is taken up before the ranks go to
+    the new round): 2 -> 1 -> 2 ranks, on the fault-free curve."""
+    elastic_nodes(2)
+    executor = _executor(1, 2)
+    progress, stop = tmp_path / "progress", tmp_path / "stop"
+    job = _Job(executor, None, 0.05, str(progress), str(stop), fn=_train_in_background)
+    try:
+        job.wait_until(lambda: job.trained(progress, 4, 2), "4 steps with 2 workers")
+        ray.kill(_youngest(executor).actor, no_restart=True)
+        job.wait_until(lambda: job.trained(progress, 0, 1), "a step with the one left")
+        step, _ = read_progress(progress)
+        job.wait_until(lambda: job.trained(progress, step + 3, 1), "3 more steps with 1")
+        elastic_nodes(1)
+        job.wait_until(lambda: job.trained(progress, 0, 2), "a step with the newcomer")
+        step, _ = read_progress(progress)
+        job.wait_until(lambda: job.trained(progress, step + 3, 2), "3 more steps with 2")
+        stop.touch()
+        results = job.join()
+    finally:
+        stop.touch()
+        executor.shutdown()
+    assert len(results) == 2
+    sizes = results[0]["sizes"]
+    assert [s for i, s in enumerate(sizes) if i == 0 or sizes[i - 1] != s] == [2, 1, 2]
     _check_losses(results, results[0]["step"])
 
 

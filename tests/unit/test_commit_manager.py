@@ -195,3 +195,15 @@ def test_user_attributes_take_any_name_but_the_states_methods():
         runtime.shutdown()
         print("ok")
     """)
+
+
+def test_commits_in_the_background_are_refused_for_a_state_without_an_fsdp2_model():
+    import torch
+
+    import raytrain_x.torch as rx
+
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(rx.ConfigError, match="commit_in_background applies to a model "
+                                             "sharded by fully_shard"):
+        rx.elastic.TorchState(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                              commit_in_background=True)

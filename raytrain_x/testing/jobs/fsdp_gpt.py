@@ -54,9 +54,11 @@ def reference_losses(steps: int) -> list[float]:
 
 
 def fsdp_train(steps: int | None = None, pause: float = 0.0, *, stop: str | None = None,
-               progress: str | None = None, replicas: int = 1) -> dict:
+               progress: str | None = None, replicas: int = 1,
+               background: bool = False) -> dict:
     """Trains the GPT sharded over the round's mesh, one commit a step, until `steps` steps
-    or the `stop` file (every rank stops at the same step). Each rank takes its even part
+    or the `stop` file (every rank stops at the same step); with `background`, each
+    commit's copies travel while training goes on. Each rank takes its even part
     of the global batch; the reported loss is the global batch's (the ranks' mean). Rank 0
     writes "step size" to `progress` and appends each committed step to `progress.steps`.
 
@@ -77,7 +79,9 @@ def fsdp_train(steps: int | None = None, pause: float = 0.0, *, stop: str | None
         fully_shard(block, mesh=mesh)
     fully_shard(net, mesh=mesh)
     opt = torch.optim.AdamW(net.parameters(), lr=LR)
-    state = rx.elastic.TorchState(net, opt, replicas=replicas, step=0, losses=[], sizes=[])
+    state = rx.elastic.TorchState(net, opt, replicas=replicas,
+                                  commit_in_background=background, step=0, losses=[],
+                                  sizes=[])
 
     @rx.elastic.run
     def train(state: Any) -> dict:
