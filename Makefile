@@ -19,7 +19,7 @@ MODULE_LIST := $(VENV)/.module-list
 INSTALL = $(UV) pip install --python $(BIN)/python -c $(CONSTRAINTS) --compile-bytecode \
 	$(shell $(PYTHON) requirements/pip_sources.py)
 
-.PHONY: setup demo test bench lint clean soak-sim docs wheel FORCE
+.PHONY: setup demo test check bench lint clean soak-sim docs wheel FORCE
 
 setup: $(BUILD_STAMP)
 
@@ -62,6 +62,12 @@ demo: setup
 TEST_PROCESSES ?= 2
 test: lint
 	$(BIN)/python -m pytest $(if $(filter-out 0,$(TEST_PROCESSES)),-n $(TEST_PROCESSES) --dist loadfile)
+
+# The tier a developer runs before each commit (about 2 minutes): lint, then the unit tests
+# (the pure logic, the policies, the simulator's scenarios and its share of random
+# schedules; real processes where a test needs them, no Ray cluster).
+check: lint
+	$(BIN)/python -m pytest tests/unit $(if $(filter-out 0,$(TEST_PROCESSES)),-n $(TEST_PROCESSES))
 
 # The benchmarks behind the README's and docs/performance.md's figures, one at a time
 # (about 90 minutes; `benchmarks/claims.py --list`, `--only NAME`).

@@ -29,7 +29,7 @@ WAYS = ("none", "durable")
 
 def _worker(rank: int, size: int, port: int, way: str, storage: str, args, queue) -> None:
     import raytrain_x.torch as rx
-    from raytrain_x.core.process import PROCESS
+    from raytrain_x.common.process import PROCESS
     from raytrain_x.torch.workloads import GPTDecoder, synthetic_tokens
 
     cuda = args.device == "cuda"

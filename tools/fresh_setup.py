@@ -1,8 +1,8 @@
 """Times the README's two commands as a new user meets them, phase by phase.
 
 A clean clone of this repository's HEAD in a temporary folder, with empty package caches (uv's
-and pip's point into that folder), runs `make demo` and, with --test, `make test`, one make
-target at a time so each phase has its own time:
+and pip's point into that folder), runs `make demo`, with --check `make check` and with
+--test `make test`, one make target at a time so each phase has its own time:
 
     venv + uv     python -m venv, then uv itself (pip)
     install       what the demo imports (uv)
@@ -10,6 +10,7 @@ target at a time so each phase has its own time:
     Ray start     from `raytrain-x run`'s "Ray ready in" line
     demo job      the rest of the demo: workers, training, shutdown
     test set-up   the test tools and extras `make test` adds (uv)
+    make check    lint and the unit tests, the tier run before each commit
     lint + tests  the rest of `make test` (ruff, import-linter, pytest)
 
 --load N runs N CPU-bound processes (`while True: pass`) beside it all, started before the
@@ -20,6 +21,7 @@ run.
 
     python tools/fresh_setup.py                       # make demo
     python tools/fresh_setup.py --test                # make demo, then make test
+    python tools/fresh_setup.py --check               # make demo, then make check
     python tools/fresh_setup.py --test --load 1 --json loaded.json --logs loaded-logs
 """
 
@@ -41,7 +43,9 @@ RAY_PROCESSES = ("raylet", "gcs_server", "ray::", "default_worker")  # is Ray ru
 
 DEMO = [("venv + uv", ".venv/bin/uv"), ("install", ".venv/.demo-deps-stamp"),
         ("build", ".venv/.build-stamp"), ("demo", "demo")]
-TEST = [("test set-up", ".venv/.test-deps-stamp"), ("lint + tests", "test")]
+SET_UP = [("test set-up", ".venv/.test-deps-stamp")]
+CHECK = [("make check", "check")]
+TEST = [("lint + tests", "test")]
 
 
 def _ray_processes() -> list[str]:
@@ -92,7 +96,7 @@ def _run_step(name: str, target: str, clone: Path, env: dict, logs: Path) -> tup
     return seconds, text
 
 
-def measure(test: bool, workdir: Path, keep_logs: str | None) -> dict:
+def measure(test: bool, workdir: Path, keep_logs: str | None, check: bool = False) -> dict:
     clone = workdir / "raytrain-x"
     logs = workdir / "logs"
     logs.mkdir()
@@ -100,7 +104,9 @@ def measure(test: bool, workdir: Path, keep_logs: str | None) -> dict:
     env = {**os.environ, "UV_CACHE_DIR": str(workdir / "uv-cache"), "PIP_NO_CACHE_DIR": "1",
            "PYTEST_ADDOPTS": "--durations=25"}
     times: dict[str, float] = {}
-    for name, target in DEMO + (TEST if test else []):
+    steps = DEMO + (SET_UP if test or check else []) + (CHECK if check else []) + \
+        (TEST if test else [])
+    for name, target in steps:
         try:
             times[name], text = _run_step(name, target, clone, env, logs)
         finally:
@@ -126,6 +132,7 @@ def measure(test: bool, workdir: Path, keep_logs: str | None) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--test", action="store_true", help="also run make test")
+    parser.add_argument("--check", action="store_true", help="also run make check")
     parser.add_argument("--load", type=int, default=0, help="CPU-bound processes beside it")
     parser.add_argument("--json", help="write the figures to this file")
     parser.add_argument("--logs", help="copy each step's output into this folder")
@@ -142,14 +149,14 @@ def main() -> int:
         with tempfile.TemporaryDirectory(prefix="raytrain-x-fresh-") as workdir:
             before = Path(workdir) / "before.json"
             _snapshot(before)
-            times = measure(args.test, Path(workdir), args.logs)
+            times = measure(args.test, Path(workdir), args.logs, args.check)
             left = _left_behind(Path(workdir) / "raytrain-x", before)
     finally:
         for burner in burners:
             burner.kill()
             burner.wait()
     left["temp entries"] = sorted(set(os.listdir(tempfile.gettempdir())) - tmp_before)
-    for name in ("make demo", "make test", "test summary"):
+    for name in ("make demo", "make check", "make test", "test summary"):
         if name in times:
             print(f"{name}: {times[name]:.1f}s" if isinstance(times[name], float)
                   else f"{name}: {times[name]}")

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 from raytrain_x.comm.key_table import KeyTable
 from raytrain_x.common.errors import RendezvousTimeout, StoreAuthError
+from raytrain_x.common.process import PROCESS
 from raytrain_x.common.settings import TIMEOUT_S
 
 MAGIC = b"RTXS1"
@@ -355,8 +356,9 @@ class JobStoreClient:
 def open_job_store(host: str, port: int, secret: bytes | str, timeout_s: float,
                    serve: bool) -> JobStoreClient:
     """The client of a job's store; with `serve`, this process serves it first (rank 0)."""
+    # init() again after shutdown(): the same store
     if serve and not any(s.host == host and s.port == port and not s._closed
-                         for s in _servers):  # init() again after shutdown(): same store
+                         for s in PROCESS.store_servers):
         try:
             server = JobStoreServer(host, secret, port)
         except OSError as exc:  # the launcher picked the port free; another took it since
@@ -364,11 +366,8 @@ def open_job_store(host: str, port: int, secret: bytes | str, timeout_s: float,
                 f"rank 0 could not listen on {host}:{port} for the job's store ({exc}); "
                 "another process took the port after it was picked: start the job again"
             ) from None
-        _servers.append(server)
+        PROCESS.store_servers.append(server)
     return JobStoreClient(host, port, secret, timeout_s)
-
-
-_servers: list[JobStoreServer] = []  # kept for the life of the process, as TCPStore's is
 
 
 def _as_bytes(value: bytes | str) -> bytes:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -24,6 +23,7 @@ from raytrain_x.comm.backend import Backend, Group, writable_alias
 from raytrain_x.comm.doubling import EXCHANGE, RECEIVE, SEND, schedule
 from raytrain_x.comm.torch_store import group_store
 from raytrain_x.common.errors import ConfigError, InternalError, RendezvousTimeout
+from raytrain_x.common.process import PROCESS
 from raytrain_x.common.settings import GPU_OPERATIONS
 
 log = logging.getLogger("raytrain_x.comm")
@@ -147,7 +147,6 @@ def gloo_options(timeout: timedelta, address: str) -> Any:
 
 # torch reads it when a gloo group is made (torch 2.13 has no option for it)
 _LAZY_INIT_ENV = "TORCH_GLOO_LAZY_INIT"
-_lazy_env_lock = threading.Lock()
 
 
 def lazy_gloo_group(store: Any, rank: int, size: int, timeout: timedelta, address: str) -> Any:
@@ -158,7 +157,7 @@ def lazy_gloo_group(store: Any, rank: int, size: int, timeout: timedelta, addres
     creation: N^2 connections and 2N^2 store reads a group, whatever the collectives.
     torch 2.13 takes the choice from the environment when the options are made, so only
     that moment sees the variable set."""
-    with _lazy_env_lock:
+    with PROCESS.environ_lock:
         before = os.environ.get(_LAZY_INIT_ENV)
         os.environ[_LAZY_INIT_ENV] = "1"
         try:

@@ -9,7 +9,7 @@ import math
 from typing import Any
 
 from raytrain_x.common.errors import ConfigError
-from raytrain_x.core.process import PROCESS
+from raytrain_x.common.process import PROCESS
 from raytrain_x.core.process_sets import ProcessSet, global_process_set, registered_id
 from raytrain_x.core.runtime import engine
 from raytrain_x.engine.messages import BARRIER, DTYPE_SIZES, Handle, Meta, Request
@@ -26,7 +26,7 @@ def auto_name(kind: str, process_set: ProcessSet = global_process_set) -> str:
     """A name for an unnamed collective: the same on every member of `process_set` that
     submits the same unnamed collectives on it in the same order (as in Horovod). Counted
     per set, so a rank's collectives on the sets it alone is in leave the others' names
-    unchanged. Counted per world (`core.process.World.names`): every rank of a round an
+    unchanged. Counted per world (`common.process.World.names`): every rank of a round an
     elastic reset made numbers them from 0, a worker that just joined as the others."""
     key = (kind, registered_id(process_set))
     with PROCESS.lock:

@@ -1,5 +1,5 @@
 """What `init()` does and what the world answers: the rendezvous, the process groups, the
-engine and rank 0's autotune sampler, kept in this process's state (`core.process`).
+engine and rank 0's autotune sampler, kept in this process's state (`common.process`).
 Framework faces (`raytrain_x.torch`, ...) call into this module; it knows no framework."""
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from raytrain_x.common.autotune_log import load_best_knobs
 from raytrain_x.common.errors import LOST_PEER_ERRORS, LOST_PEER_EXIT_CODE, ConfigError
 from raytrain_x.common.knobs import Knobs, load_knobs
 from raytrain_x.common.logs import apply_log_level
-from raytrain_x.core.process import PROCESS, StepClock, World
-from raytrain_x.core.process import mark_step as mark_step  # the step clock's; re-exported
+from raytrain_x.common.process import PROCESS, StepClock, World
+from raytrain_x.common.process import mark_step as mark_step  # the step clock's; re-exported
 from raytrain_x.engine.engine import Engine, EngineStats
 
 log = logging.getLogger("raytrain_x.elastic")

@@ -19,8 +19,8 @@ from typing import Any
 
 from raytrain_x.common import settings
 from raytrain_x.common.periodic import Every
+from raytrain_x.common.process import PROCESS
 from raytrain_x.core import runtime
-from raytrain_x.core.process import PROCESS
 
 
 def engine_counters() -> dict[str, Any] | None:

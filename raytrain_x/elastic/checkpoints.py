@@ -49,8 +49,9 @@ from raytrain_x.elastic.checksums import (
     PartFiles,
     file_checksum,
 )
-from raytrain_x.elastic.storage import ArrowStorage, RetryingStorage, Storage
+from raytrain_x.elastic.storage import RetryingStorage, Storage
 from raytrain_x.elastic.storage_faults import FaultyStorage
+from raytrain_x.elastic.storage_schemes import open_backend
 
 log = logging.getLogger("raytrain_x.elastic")
 
@@ -139,9 +140,10 @@ def parse_folder(name: str) -> Key | None:
 
 
 def open_storage(storage_path: str, sleep: Callable[[float], None] = time.sleep) -> Storage:
-    """The storage of a `CheckpointConfig.storage_path`, with retries (and the injected
-    faults of `RAYTRAIN_X_STORAGE_FAULTS`, where a test set it, under them)."""
-    storage: Storage = ArrowStorage(storage_path)
+    """The storage of a `CheckpointConfig.storage_path` (by its scheme: `open_backend`),
+    with retries (and the injected faults of `RAYTRAIN_X_STORAGE_FAULTS`, where a test set
+    it, under them)."""
+    storage: Storage = open_backend(storage_path)
     plan = STORAGE_FAULTS.read()
     if plan:
         storage = FaultyStorage(storage, plan, sleep=sleep)

@@ -35,9 +35,9 @@ from typing import Any, Protocol
 
 from raytrain_x.common.checkpoint_config import CheckpointConfig
 from raytrain_x.common.errors import ElasticStateLost
+from raytrain_x.common.process import PROCESS
 from raytrain_x.core import runtime
 from raytrain_x.core.objects import allgather_object
-from raytrain_x.core.process import PROCESS
 from raytrain_x.elastic.checkpoints import Manifest
 from raytrain_x.elastic.checksums import CheckpointDamaged, PartFiles
 from raytrain_x.elastic.durable import (

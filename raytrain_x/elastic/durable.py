@@ -27,10 +27,10 @@ from raytrain_x.comm.rendezvous import Rendezvous
 from raytrain_x.common.checkpoint_config import CheckpointConfig
 from raytrain_x.common.errors import CheckpointError, CheckpointLeaseHeld, StorageError
 from raytrain_x.common.periodic import Every
+from raytrain_x.common.process import PROCESS
 from raytrain_x.common.settings import CHECKPOINT_DRIVER, CHECKPOINT_RUN
 from raytrain_x.core import runtime
 from raytrain_x.core.objects import allgather_object
-from raytrain_x.core.process import PROCESS
 from raytrain_x.elastic.checkpoints import CheckpointStore, Key, Manifest, probe_storage
 from raytrain_x.elastic.checksums import PartFiles
 from raytrain_x.elastic.lease import RENEW_S, WriterLease, new_owner

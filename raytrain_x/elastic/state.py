@@ -14,9 +14,9 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from raytrain_x.common.errors import ConfigError, HostsUpdatedInterrupt, InternalError
+from raytrain_x.common.process import PROCESS
 from raytrain_x.core import runtime, world
 from raytrain_x.core.objects import broadcast_object, max_ints
-from raytrain_x.core.process import PROCESS
 from raytrain_x.elastic.commits import CommitManager, Committed, copied
 from raytrain_x.elastic.positions import Position
 

@@ -27,24 +27,24 @@ from typing import TypeVar
 
 from raytrain_x.common.checkpoint_config import absolute_path
 from raytrain_x.common.errors import ConfigError, StorageError
+from raytrain_x.common.process import PROCESS
 
 log = logging.getLogger("raytrain_x.elastic")
 
 T = TypeVar("T")
 CHUNK = 8 * 1024 * 1024  # bytes read at a time to checksum or copy
-_READ = [0, 0]  # bytes this process read from storage through `ArrowStorage`, and reads
 
 
 def bytes_read() -> int:
     """The bytes this process has read from storage (files read, streamed or copied out;
     a local folder read in place by torch DCP is not counted): what a restore costs."""
-    return _READ[0]
+    return PROCESS.storage_bytes_read
 
 
 def reads_made() -> int:
     """The reads (requests: a GET, ranged or whole, on an object store) this process made
     of storage's files."""
-    return _READ[1]
+    return PROCESS.storage_reads
 
 
 @dataclass(frozen=True)
@@ -166,10 +166,10 @@ class ArrowStorage(Storage):
 
     def read(self, path: str) -> bytes | None:
         try:
-            _READ[1] += 1
+            PROCESS.storage_reads += 1
             with self.fs.open_input_stream(self._at(path)) as f:
                 data = f.read()
-            _READ[0] += len(data)
+            PROCESS.storage_bytes_read += len(data)
             return data
         except OSError as exc:
             if _not_found(exc):
@@ -179,7 +179,7 @@ class ArrowStorage(Storage):
     def chunks(self, path: str, offset: int = 0, length: int | None = None
                ) -> Iterator[bytes]:
         left = -1 if length is None else length
-        _READ[1] += 1
+        PROCESS.storage_reads += 1
         with self.fs.open_input_file(self._at(path)) as f:  # ranged reads on a store
             if offset:
                 f.seek(offset)
@@ -187,7 +187,7 @@ class ArrowStorage(Storage):
                 chunk = f.read(CHUNK if left < 0 else min(CHUNK, left))
                 if not chunk:
                     return
-                _READ[0] += len(chunk)
+                PROCESS.storage_bytes_read += len(chunk)
                 left -= len(chunk) if left > 0 else 0
                 yield chunk
 
@@ -247,8 +247,8 @@ class ArrowStorage(Storage):
         os.makedirs(local_dir, exist_ok=True)
         self._pafs.copy_files(self._at(folder), local_dir, source_filesystem=self.fs,
                               destination_filesystem=self._pafs.LocalFileSystem())
-        _READ[0] += sum(os.path.getsize(os.path.join(d, f))
-                        for d, _, names in os.walk(local_dir) for f in names)
+        PROCESS.storage_bytes_read += sum(os.path.getsize(os.path.join(d, f))
+                                          for d, _, names in os.walk(local_dir) for f in names)
 
     def delete(self, folder: str) -> None:
         try:

@@ -8,9 +8,10 @@ import threading
 import time
 from typing import Any
 
+from raytrain_x.common.process import PROCESS
+
 _END = "{}]\n"
 _ORIGIN = time.perf_counter()  # every engine of this process on one time axis
-_engines: dict[str, int] = {}  # path -> engines of this process that wrote it
 
 
 class Timeline:
@@ -25,8 +26,8 @@ class Timeline:
         self.path = os.fspath(path)
         self.mark_cycles = mark_cycles
         key = os.path.abspath(self.path)
-        self._pid = _engines.get(key, 0)
-        _engines[key] = self._pid + 1
+        self._pid = PROCESS.timelines.get(key, 0)  # engines of this process that wrote it
+        PROCESS.timelines[key] = self._pid + 1
         self._file = open(path, "w" if self._pid == 0 else "r+")  # noqa: SIM115 - close()
         if self._pid:  # reopen the array where the engine before closed it
             end = self._file.seek(0, os.SEEK_END)

@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 import ray
 
 from raytrain_x.common.errors import ConfigError
+from raytrain_x.common.process import next_number
 from raytrain_x.common.settings import JOB_NAME, TIMEOUT_S, check_seconds
 
 log = logging.getLogger("raytrain_x")
@@ -122,15 +123,11 @@ def check_fits_local(workers: int, cpus_per_worker: float, gpus_per_worker: floa
                 + ", or --address of a cluster with room")
 
 
-_executors_started = 0  # in this process: numbers the default job names
-
-
 def job_name() -> str:
     """`RAYTRAIN_X_JOB_NAME`, else the Ray job's id and this executor's number in it
     (`02000000.1`): distinct for every executor a driver (or a Tune trial) starts."""
-    global _executors_started
-    _executors_started += 1
-    return JOB_NAME.read() or f"{ray.get_runtime_context().get_job_id()}.{_executors_started}"
+    number = next_number("executor") + 1  # this process's executors, from 1
+    return JOB_NAME.read() or f"{ray.get_runtime_context().get_job_id()}.{number}"
 
 
 def horovod_shape(num_workers: Any, min_workers: Any, num_workers_per_host: Any,

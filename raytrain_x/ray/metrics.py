@@ -27,6 +27,7 @@ from typing import Any, Protocol
 from raytrain_x.autotune.sampler import Phase
 from raytrain_x.common import settings
 from raytrain_x.common.periodic import Every
+from raytrain_x.common.process import PROCESS
 from raytrain_x.ray.job_progress import recent_rate
 
 log = logging.getLogger("raytrain_x.metrics")
@@ -309,18 +310,16 @@ class ExportThread:
             self._exported_a_step = snap.get("steps", 0) > 0
 
 
-_process_export: ExportThread | None = None
-
-
 def export_this_process(read: Callable[[], dict[str, Any] | None], job: str,
                         host: str) -> ExportThread | None:
     """Starts exporting this worker process's metrics (`read` gives its status), once per
     process; None where metrics are turned off."""
-    global _process_export
-    if _process_export is None and enabled():
-        _process_export = ExportThread(read, WorkerExporter(job, host, RayRecorder()),
-                                       settings.METRICS_INTERVAL_S.read()).start()
-    return _process_export
+    with PROCESS.lock:
+        if PROCESS.metrics_export is None and enabled():
+            PROCESS.metrics_export = ExportThread(
+                read, WorkerExporter(job, host, RayRecorder()),
+                settings.METRICS_INTERVAL_S.read()).start()
+        return PROCESS.metrics_export
 
 
 def rank_status() -> dict[str, Any] | None:

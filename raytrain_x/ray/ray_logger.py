@@ -16,16 +16,17 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-log_ = logging.getLogger("raytrain_x.ray")
+from raytrain_x.common.process import PROCESS
 
-_sink: tuple[Any, bool] | None = None  # this worker's (queue, rank 0 only), while fn runs
+log_ = logging.getLogger("raytrain_x.ray")
 
 
 def log(info: Any) -> None:
     """Sends `info` (a dict, as Horovod's examples log) to the driver's callbacks."""
-    if _sink is None:
+    sink = PROCESS.log_sink  # this worker's (queue, rank 0 only), while fn runs
+    if sink is None:
         return
-    queue, rank0_only = _sink
+    queue, rank0_only = sink
     if rank0_only and os.environ.get("HOROVOD_RANK", "0") != "0":
         return
     queue.put(info)
@@ -41,12 +42,11 @@ class _Logged:
         self.__name__ = getattr(fn, "__name__", "logged")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        global _sink
-        _sink = (self.queue, self.rank0_only)
+        PROCESS.log_sink = (self.queue, self.rank0_only)
         try:
             return self.fn(*args, **kwargs)
         finally:
-            _sink = None
+            PROCESS.log_sink = None
 
 
 class Relay:

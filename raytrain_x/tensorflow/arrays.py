@@ -12,7 +12,6 @@ inputs as numpy views of the tensors and adopts aligned outputs without a copy a
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,6 +20,7 @@ import tensorflow as tf
 
 from raytrain_x.comm.backend import writable_alias
 from raytrain_x.common.errors import ConfigError, RaytrainXError
+from raytrain_x.common.process import next_number
 from raytrain_x.core import collectives as _core
 from raytrain_x.core.process_sets import ProcessSet, registered_id
 from raytrain_x.tensorflow import kernels
@@ -127,7 +127,7 @@ def op_name(kind: str, name: str | None, process_set: ProcessSet) -> str:
     if label is None:  # a tf.Graph, which has no name
         label = getattr(graph, "_raytrain_x_label", None)
         if label is None:
-            label = graph._raytrain_x_label = f"graph{next(_graph_numbers)}"
+            label = graph._raytrain_x_label = f"graph{next_number('tf.graph')}"
     counts = getattr(graph, "_raytrain_x_collectives", None)
     if counts is None:
         counts = graph._raytrain_x_collectives = {}
@@ -135,8 +135,6 @@ def op_name(kind: str, name: str | None, process_set: ProcessSet) -> str:
     count = counts[set_id] = counts.get(set_id, -1) + 1
     return f"{kind}.{label}.{count}"
 
-
-_graph_numbers = itertools.count()
 
 
 class GraphKernelError(RaytrainXError):

@@ -5,20 +5,19 @@ results are views of the buffers."""
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
+from raytrain_x.common.process import next_number
 from raytrain_x.core import collectives as _core
 from raytrain_x.core import runtime
 from raytrain_x.core.collectives import Adasum
 from raytrain_x.core.process_sets import ProcessSet, registered_id
 from raytrain_x.engine.messages import (
     ALLREDUCE,
-    Handle,
     Meta,
 )
 from raytrain_x.tensorflow import kernels
@@ -30,6 +29,7 @@ from raytrain_x.tensorflow.arrays import (
 )
 from raytrain_x.tensorflow.compression import Compressor
 from raytrain_x.tensorflow.ops import FRAMEWORK
+from raytrain_x.tensorflow.process import tf_process
 
 # Dense allreduces travel in chunks of about this many bytes, fixed when a function is
 # traced. Each chunk is submitted as soon as its tensors exist (inside `tf.function`, while
@@ -37,10 +37,6 @@ from raytrain_x.tensorflow.ops import FRAMEWORK
 # fusion threshold, the knob autotune moves.
 CHUNK_BYTES = 4 << 20
 
-# token -> (handle, what the engine reduces, the chunk's buffer): the two differ only when
-# compression casts a non-float32 buffer, and the result is then copied back
-_pending: dict[int, tuple[Handle, np.ndarray, np.ndarray]] = {}
-_tokens = itertools.count()
 
 
 def _chunks(tensors: Sequence[tf.Tensor]) -> list[list[int]]:
@@ -77,14 +73,17 @@ def _submit_chunk(flat: np.ndarray, shapes: np.ndarray, name: str, op: str, pres
     meta = Meta(ALLREDUCE, work.dtype.name, work.shape, op, 0, prescale, postscale,
                 registered_id(process_set), wire, "cpu", splits=tuple(shapes.tolist()),
                 framework=FRAMEWORK)
-    token = next(_tokens)
-    _pending[token] = (_core.submit(name, meta, work, output=work), work, flat)
+    # token -> (handle, what the engine reduces, the chunk's buffer): the two differ only
+    # when compression casts a non-float32 buffer, and the result is then copied back
+    token, pending = next_number("tf.chunk"), tf_process().pending
+    pending[token] = (_core.submit(name, meta, work, output=work), work, flat)
     return np.array(token, dtype=np.int64)
 
 
 def _wait(tokens: Sequence[np.ndarray], step: bool) -> None:
     """Waits for the chunks behind `tokens` (all of them, even after a failure)."""
-    entries = [_pending.pop(int(t)) for t in tokens if int(t) in _pending]
+    pending = tf_process().pending
+    entries = [pending.pop(int(t)) for t in tokens if int(t) in pending]
     error = None
     for handle, work, flat in entries:
         try:

@@ -12,7 +12,6 @@ elastic `run`) find the original.
 from __future__ import annotations
 
 import functools
-import itertools
 import re
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -20,6 +19,8 @@ from typing import Any, TypeVar
 import tensorflow as tf
 
 from raytrain_x.common.errors import ConfigError, RaytrainXError, TensorMismatchError
+from raytrain_x.common.process import next_number
+from raytrain_x.tensorflow.process import tf_process
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -77,10 +78,9 @@ def raises_tf_errors(fn: F) -> F:
     return wrapped  # type: ignore[return-value]
 
 
-# Errors of kernels that ran inside a graph, by number: TensorFlow passes only a code and
-# a text out of a kernel, so the text holds the number and `original` finds the error.
-_errors: dict[int, BaseException] = {}
-_numbers = itertools.count()
+# Errors of kernels that ran inside a graph, by number (`TensorFlowProcess.errors`):
+# TensorFlow passes only a code and a text out of a kernel, so the text holds the number
+# and `original` finds the error.
 _KEPT = 64  # older ones are dropped: nobody unwrapped them
 _TAG = re.compile(r"\[raytrain-x error (\d+)\]")
 
@@ -99,16 +99,17 @@ def graph_error(exc: BaseException) -> tuple[int, str]:
     text = tf_exc.message if isinstance(tf_exc, tf.errors.OpError) else str(exc)
     if not isinstance(exc, RaytrainXError):
         return code, f"{type(exc).__name__}: {text}"
-    number = next(_numbers)
-    _errors[number] = exc
-    for old in [n for n in _errors if n <= number - _KEPT]:
-        del _errors[old]
+    number, errors = next_number("tf.error"), tf_process().errors
+    errors[number] = exc
+    for old in [n for n in errors if n <= number - _KEPT]:
+        del errors[old]
     return code, f"[raytrain-x error {number}] {type(exc).__name__}: {text}"
 
 
 def original(exc: BaseException) -> BaseException | None:
     """The raytrain-x error behind a graph kernel's `tf.errors.OpError`, if any."""
     found = _TAG.search(str(exc))
-    if found and int(found.group(1)) in _errors:
-        return _errors.pop(int(found.group(1)))
+    errors = tf_process().errors
+    if found and int(found.group(1)) in errors:
+        return errors.pop(int(found.group(1)))
     return None

@@ -19,6 +19,7 @@ from typing import Any
 import tensorflow as tf
 
 from raytrain_x.common.errors import ConfigError
+from raytrain_x.common.process import PROCESS
 from raytrain_x.core import collectives as _core
 from raytrain_x.core import runtime
 from raytrain_x.core.collectives import Average
@@ -30,7 +31,6 @@ from raytrain_x.tensorflow.compression import Compression, Compressor
 from raytrain_x.tensorflow.ops import allreduce_sparse
 
 log = logging.getLogger("raytrain_x.tensorflow")
-_warned_serial: list[bool] = []
 
 
 def warn_if_serial_graphs() -> None:
@@ -38,9 +38,10 @@ def warn_if_serial_graphs() -> None:
     could not be built: TensorFlow's concatenation and `tf.numpy_function` then wait behind
     every op of backward, though they were ready long before, so nothing overlaps. Built,
     they run as soon as a chunk exists (`kernels`)."""
-    if (not _warned_serial and tf.config.threading.get_inter_op_parallelism_threads() == 1
+    if ("serial graphs" not in PROCESS.warned
+            and tf.config.threading.get_inter_op_parallelism_threads() == 1
             and not kernels.available()):
-        _warned_serial.append(True)
+        PROCESS.warned.add("serial graphs")
         log.warning("tf.config.threading inter-op parallelism is 1 and raytrain-x's "
                     "TensorFlow kernels are not built: inside tf.function (model.fit) the "
                     "gradient reductions then start only after backward ends; leave it at "

@@ -23,13 +23,10 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import hashlib
-import itertools
 import logging
 import os
-import queue
 import subprocess
 import sys
-import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -38,6 +35,8 @@ import numpy as np
 import tensorflow as tf
 
 from raytrain_x.common import settings
+from raytrain_x.common.process import next_number
+from raytrain_x.tensorflow.process import tf_process
 
 log = logging.getLogger(__name__)
 
@@ -47,12 +46,6 @@ _DISPATCH = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
                              ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int),
                              ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int64))
 
-# kernel id -> the numpy kernel (arrays in, arrays out), its output dtypes, whether it
-# returns at once (it runs on TensorFlow's thread: no handoff)
-_kernels: dict[int, tuple[Callable[..., list[np.ndarray]], list[np.dtype], bool]] = {}
-_kernel_ids = itertools.count(1)
-_lock = threading.Lock()
-_loaded: Any = None  # (the op module, the library) once loaded; False if it cannot be
 
 
 def library_path() -> Path:
@@ -89,9 +82,9 @@ def build(path: Path | None = None) -> Path:
 
 def _load() -> Any:
     """The op module, built and loaded on first use; None where it cannot be built."""
-    global _loaded
-    with _lock:
-        if _loaded is None:
+    state = tf_process()
+    with state.lock:
+        if state.loaded is None:
             try:
                 path = build()
                 ops = tf.load_op_library(str(path))
@@ -101,13 +94,13 @@ def _load() -> Any:
                     ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int),
                     ctypes.POINTER(ctypes.c_int64)]
                 lib.raytrain_x_tf_register(_dispatch_c)
-                _loaded = (ops, lib)
+                state.loaded = (ops, lib)
             except (RuntimeError, OSError, tf.errors.NotFoundError) as exc:
                 log.warning("raytrain-x: %s; TensorFlow graphs run collectives through "
                             "tf.numpy_function, which needs them in one order on every rank",
                             exc)
-                _loaded = False
-        return _loaded or None
+                state.loaded = False
+        return state.loaded or None
 
 
 def available() -> bool:
@@ -121,8 +114,8 @@ def run_async(kernel: Callable[..., list[np.ndarray]], inputs: Sequence[tf.Tenso
     kernel that never `waits` (it only submits to the engine) runs on TensorFlow's
     thread; the others on a raytrain-x thread."""
     ops, _ = _load()
-    kernel_id = next(_kernel_ids)
-    _kernels[kernel_id] = (kernel, [np.dtype(d.as_numpy_dtype) for d in out_dtypes],
+    kernel_id = next_number("tf.kernel") + 1  # 0 is no kernel
+    tf_process().kernels[kernel_id] = (kernel, [np.dtype(d.as_numpy_dtype) for d in out_dtypes],
                            not waits)
     return list(ops.raytrain_x_async(list(inputs), Tout=list(out_dtypes), kernel=kernel_id,
                                      cheap=not waits))
@@ -140,33 +133,6 @@ def concat(tensors: Sequence[tf.Tensor], row: int) -> tuple[tf.Tensor, tf.Tensor
 
 
 # ----------------------------------------------------------------------- the Python side
-class _Runners:
-    """Threads that run kernels: one per call in flight (an idle one is reused), so no
-    call waits for another to finish before it reaches the engine."""
-
-    def __init__(self) -> None:
-        self._work: queue.SimpleQueue = queue.SimpleQueue()
-        self._idle = 0
-        self._lock = threading.Lock()
-
-    def submit(self, fn: Callable[[], None]) -> None:
-        with self._lock:
-            spawn = self._idle == 0
-            if not spawn:
-                self._idle -= 1
-        self._work.put(fn)
-        if spawn:
-            threading.Thread(target=self._run, name="raytrain-x-tf-kernel", daemon=True).start()
-
-    def _run(self) -> None:
-        while True:
-            fn = self._work.get()
-            fn()
-            with self._lock:
-                self._idle += 1
-
-
-_runners = _Runners()
 
 
 def _array(address: int, dtype: int, shape: tuple[int, ...]) -> np.ndarray:
@@ -190,14 +156,15 @@ def _dispatch_c(kernel_id, call, n, data, dtypes, ranks, dims) -> None:
             shape = tuple(dims[k + d] for d in range(ranks[i]))
             k += ranks[i]
             arrays.append(_array(data[i] or 0, dtypes[i], shape))
-        kernel, out_dtypes, inline = _kernels[kernel_id]
+        state = tf_process()
+        kernel, out_dtypes, inline = state.kernels[kernel_id]
     except BaseException as exc:  # noqa: BLE001 - the op fails with it, not the process
         _complete(call, exc, [])
         return
     if inline:
         _run(call, kernel, out_dtypes, arrays)
     else:
-        _runners.submit(lambda: _run(call, kernel, out_dtypes, arrays))
+        state.runners.submit(lambda: _run(call, kernel, out_dtypes, arrays))
 
 
 def _run(call: int, kernel: Callable[..., list[np.ndarray]], out_dtypes: list[np.dtype],
@@ -212,7 +179,7 @@ def _run(call: int, kernel: Callable[..., list[np.ndarray]], out_dtypes: list[np
 
 
 def _complete(call: int, exc: BaseException | None, outs: list[np.ndarray]) -> None:
-    _, lib = _loaded
+    _, lib = tf_process().loaded
     if exc is not None:
         from raytrain_x.tensorflow.errors import graph_error
         code, message = graph_error(exc)

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from raytrain_x.common.errors import RaytrainXError
+from raytrain_x.common.process import PROCESS
 from raytrain_x.elastic.checksums import PartFiles, new_hasher
 from raytrain_x.torch.snapshot import map_paths
 
@@ -158,17 +159,22 @@ def save(tree: Any, folder: str) -> dict[str, list[Any]]:
 
 
 _OVERLAP_BYTES = 1 << 20  # a write this large is hashed while it is written
-_HASHER: list[Any] = []
-os.register_at_fork(after_in_child=_HASHER.clear)  # a forked child has not its thread
+
+
+def _no_hash_thread() -> None:
+    PROCESS.hash_thread = None  # a forked child has not its parent's thread
+
+
+os.register_at_fork(after_in_child=_no_hash_thread)
 
 
 def _hash_thread() -> Any:
     """The one thread that hashes a large write while the writer's thread writes it."""
-    if not _HASHER:
+    if PROCESS.hash_thread is None:
         from concurrent.futures import ThreadPoolExecutor
 
-        _HASHER.append(ThreadPoolExecutor(1, thread_name_prefix="raytrain-x-hash"))
-    return _HASHER[0]
+        PROCESS.hash_thread = ThreadPoolExecutor(1, thread_name_prefix="raytrain-x-hash")
+    return PROCESS.hash_thread
 
 
 class _Hashing:

@@ -29,9 +29,9 @@ from typing import Any
 import torch
 
 from raytrain_x.common.errors import ConfigError, ElasticStateLost
+from raytrain_x.common.process import PROCESS
 from raytrain_x.core import runtime
 from raytrain_x.core.objects import allgather_object, broadcast_object, max_ints
-from raytrain_x.core.process import PROCESS
 from raytrain_x.elastic.checksums import PartFiles
 from raytrain_x.elastic.durable import shard_rank
 from raytrain_x.elastic.reshard import (

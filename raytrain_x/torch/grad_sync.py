@@ -12,9 +12,7 @@ and runs the step; it never counts passes nor registers hooks.
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import itertools
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
@@ -23,11 +21,9 @@ from typing import Any
 import torch
 
 from raytrain_x.common.errors import ConfigError
+from raytrain_x.common.process import next_number
 from raytrain_x.core import runtime
 from raytrain_x.core.process_sets import ProcessSet
-
-# DistributedOptimizers built without named_parameters, counted per kind of collective
-_UNNAMED: dict[str, itertools.count] = collections.defaultdict(itertools.count)
 
 REDUCER_KEY = "raytrain_x.reducer"  # the reducer's own state in the optimizer's state_dict
 
@@ -77,7 +73,8 @@ def parameter_names(named_parameters: Iterable[tuple[str, torch.Tensor]] | None,
             raise ConfigError(f"named_parameters misses {len(missing)} of the optimizer's "
                               "parameters; pass model.named_parameters() of the same model")
         return {p: by_id.get(id(p), f"{kind}.noname.{i}") for i, p in enumerate(params)}
-    unnamed = next(_UNNAMED[kind])
+    # DistributedOptimizers built without named_parameters, counted per kind of collective
+    unnamed = next_number(f"unnamed optimizer.{kind}")
     prefix = kind if unnamed == 0 else f"{kind}.opt{unnamed}"
     return {p: f"{prefix}.noname.{i}" for i, p in enumerate(params)}
 

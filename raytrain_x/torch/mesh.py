@@ -24,8 +24,8 @@ import torch.distributed as dist
 from raytrain_x.comm.torch_backend import lazy_gloo_group
 from raytrain_x.comm.torch_store import group_store
 from raytrain_x.common.errors import ConfigError
+from raytrain_x.common.process import PROCESS
 from raytrain_x.core import runtime
-from raytrain_x.core.process import PROCESS
 
 BACKEND = "raytrain_x_gloo"  # torch's name for the round's lazily connected gloo group
 

@@ -22,9 +22,8 @@ from ray import tune
 
 from raytrain_x.common.errors import ConfigError
 from raytrain_x.common.knobs import Knobs
+from raytrain_x.common.process import PROCESS
 from raytrain_x.common.settings import TIMEOUT_S
-
-_session: dict[str, Any] = {}
 
 PEAK_MEMORY = "peak_memory_mb"  # added to every report that does not give its own
 
@@ -74,11 +73,11 @@ def report(metrics: dict[str, Any], checkpoint: str | tune.Checkpoint | None = N
     """
     if not isinstance(metrics, dict):
         raise ConfigError(f"report needs a dict of metrics, got {type(metrics).__name__}")
-    queue = _session.get("queue")
+    queue = PROCESS.tune_session.get("queue")
     if queue is None:
         raise ConfigError("raytrain_x.autotune.report is only available inside a "
                           "function run by DistributedTrainableCreator or autotune_experiments")
-    if _session.get("rank") != 0:
+    if PROCESS.tune_session.get("rank") != 0:
         return
     data = None
     if checkpoint is not None:
@@ -92,12 +91,12 @@ def report(metrics: dict[str, Any], checkpoint: str | tune.Checkpoint | None = N
 
 def get_checkpoint() -> str | None:
     """The directory of the checkpoint this trial resumes from (on every rank), or None."""
-    data = _session.get("checkpoint")
+    data = PROCESS.tune_session.get("checkpoint")
     if data is None:
         return None
-    if "checkpoint_dir" not in _session:
-        _session["checkpoint_dir"] = _unpack_dir(data)
-    return _session["checkpoint_dir"]
+    if "checkpoint_dir" not in PROCESS.tune_session:
+        PROCESS.tune_session["checkpoint_dir"] = _unpack_dir(data)
+    return PROCESS.tune_session["checkpoint_dir"]
 
 
 def _worker_entry(train_fn: Callable[[dict], Any], config: dict, queue: Any,
@@ -105,11 +104,11 @@ def _worker_entry(train_fn: Callable[[dict], Any], config: dict, queue: Any,
     from raytrain_x import core  # runs inside the worker; no framework needed here
 
     core.init()
-    _session.update(queue=queue, rank=core.rank(), checkpoint=checkpoint)
+    PROCESS.tune_session.update(queue=queue, rank=core.rank(), checkpoint=checkpoint)
     try:
         return train_fn(config)
     finally:
-        _session.clear()
+        PROCESS.tune_session.clear()
 
 
 def _pump(queue: Any) -> None:

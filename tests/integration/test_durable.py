@@ -26,7 +26,7 @@ def _train(storage: str, steps: int, stage: int, every_s: float = 1e9,
     where one exists), calls `state.checkpoint()` after the steps in `checkpoint_at`, and
     returns what it ended with."""
     import raytrain_x.torch as rx
-    from raytrain_x.core.process import PROCESS
+    from raytrain_x.common.process import PROCESS
 
     rx.init()
     torch.manual_seed(100 + rx.rank())  # the ranks start apart: the sync or restore shows
@@ -92,7 +92,7 @@ def _storage_outage(signals: str, stop: bool) -> None:
     due at every commit, meets the outage once its retries are spent), and storage comes
     back."""
     import raytrain_x.torch as rx  # noqa: F401 - the caller's world
-    from raytrain_x.core.process import PROCESS
+    from raytrain_x.common.process import PROCESS
 
     if stop:
         deadline = time.monotonic() + 60
@@ -144,6 +144,17 @@ def s3_server():
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def test_s3_keeps_the_storage_contract(s3_server, tmp_path):
+    """S3 through pyarrow, against moto's S3-compatible server, under the retries, as a
+    job's checkpoints use it (`raytrain_x.testing.storage_contract`)."""
+    from raytrain_x.elastic.checkpoints import open_storage
+    from raytrain_x.testing.storage_contract import CLAUSES, check_storage
+
+    uri, _, _ = s3_server
+    assert check_storage(open_storage(uri("contract")), str(tmp_path)) == \
+        [text for text, _ in CLAUSES]
 
 
 def _same(a: dict, b: dict) -> None:

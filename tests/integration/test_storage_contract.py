@@ -34,7 +34,7 @@ def _job(storage: str, steps: int, stage: int = 0, width: int = 5,
 
     import raytrain_x.torch as rx
     from raytrain_x.common.errors import CheckpointError
-    from raytrain_x.core.process import PROCESS
+    from raytrain_x.common.process import PROCESS
 
     rx.init()
     model = torch.nn.Sequential(torch.nn.Linear(6, width), torch.nn.Linear(width, 3))
@@ -193,7 +193,7 @@ def _part_fails_with_its_note(storage: str, plan: str) -> dict:
     disk has room again. Returns rank 0's counters and the step at which it counted the
     first failed checkpoint."""
     import raytrain_x.torch as rx
-    from raytrain_x.core.process import PROCESS
+    from raytrain_x.common.process import PROCESS
 
     rx.init()
     model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))

@@ -25,8 +25,8 @@ def ledger_train(steps: int | None = None, pause: float = 0.05, *, stop: str | N
     import torch
 
     import raytrain_x.torch as rx
+    from raytrain_x.common.process import PROCESS
     from raytrain_x.core import runtime
-    from raytrain_x.core.process import PROCESS
 
     rx.init()
     torch.manual_seed(0)

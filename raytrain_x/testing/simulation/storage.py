@@ -21,7 +21,7 @@ intact, by which run, and which the store gives back.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 from raytrain_x.common.checkpoint_config import CheckpointConfig
 from raytrain_x.common.errors import CheckpointError, CheckpointLeaseHeld, StorageError
@@ -34,67 +34,11 @@ from raytrain_x.elastic.checkpoints import (
 )
 from raytrain_x.elastic.checksums import CheckpointDamaged, bytes_checksum
 from raytrain_x.elastic.lease import WriterLease
-from raytrain_x.elastic.storage import Entry, RetryingStorage, Storage
+from raytrain_x.elastic.storage import RetryingStorage
 from raytrain_x.elastic.storage_faults import FaultyStorage, MemoryPlan
+from raytrain_x.elastic.storage_schemes import MemoryStorage
 
 DAMAGES = ("torn", "flip", "zero_metadata")
-
-
-class MemoryStorage(Storage):
-    """Files in a dict, by path."""
-
-    def __init__(self) -> None:
-        self.files: dict[str, bytes] = {}
-
-    def describe(self, path: str = "") -> str:
-        return f"memory://{path}"
-
-    def list(self, folder: str) -> list[Entry]:
-        prefix = f"{folder}/"
-        children: dict[str, Entry] = {}
-        for path, data in self.files.items():
-            if path.startswith(prefix):
-                name, _, rest = path[len(prefix):].partition("/")
-                children[name] = Entry(name, bool(rest), 0 if rest else len(data))
-        return list(children.values())
-
-    def read(self, path: str) -> bytes | None:
-        return self.files.get(path)
-
-    def chunks(self, path: str, offset: int = 0, length: int | None = None
-               ) -> Iterator[bytes]:
-        if path not in self.files:
-            raise FileNotFoundError(path)
-        end = None if length is None else offset + length
-        return iter([self.files[path][offset:end]])
-
-    def sizes(self, paths: list[str]) -> list[int | None]:
-        return [len(self.files[p]) if p in self.files else None for p in paths]
-
-    def publish(self, path: str, data: bytes) -> None:
-        self.files[path] = bytes(data)
-
-    def create(self, path: str, data: bytes) -> bool:
-        if path in self.files:
-            return False
-        self.files[path] = bytes(data)
-        return True
-
-    def upload(self, local_dir: str, folder: str) -> None:
-        raise NotImplementedError("the simulation writes parts with publish")
-
-    def download(self, folder: str, local_dir: str) -> None:
-        raise NotImplementedError("the simulation reads parts with read")
-
-    def delete(self, folder: str) -> None:
-        for path in [p for p in self.files if p.startswith(f"{folder}/")]:
-            del self.files[path]
-
-    def delete_file(self, path: str) -> None:
-        self.files.pop(path, None)
-
-    def local(self, path: str) -> str | None:
-        return None
 
 
 class SimStorage:

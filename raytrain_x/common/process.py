@@ -1,18 +1,21 @@
 """This process's state, in one object.
 
-`PROCESS` holds everything raytrain-x keeps in a worker process; no other module keeps
-state of its own between calls (the registries of array types, backends and kernels hold
-code, not state). Its `world` is what `init()` makes: the engine, the knobs the user fixed,
-rank 0's autotune sampler and the numbering of unnamed collectives. An elastic reset
-replaces it whole, so a worker that joins a running job and the veterans start the new
-round alike (the unnamed collectives of the round are numbered from 0 on every rank). The
-rest lives as long as the process: what drives it (the elastic driver's probe, the
-autotune controller's client), what the job told it (the batch size), its training steps,
-its tuning record and its elastic history.
+`PROCESS` holds everything raytrain-x keeps in a process; no other module keeps state of
+its own between calls (the registries of array types and backends hold code, not state;
+tests/unit/test_process_state.py walks every module). It sits in `common`, the lowest
+layer, so that every layer keeps its state here. Its `world` is what `init()` makes: the
+engine, the knobs the user fixed, rank 0's autotune sampler and the numbering of unnamed
+collectives. An elastic reset replaces it whole, so a worker that joins a running job and
+the veterans start the new round alike (the unnamed collectives of the round are numbered
+from 0 on every rank). The rest lives as long as the process: what drives it (the elastic
+driver's probe, the autotune controller's client), what the job told it (the batch size),
+its training steps, its tuning record and its elastic history, and what it serves and
+runs (the job's store, the metrics export, the TensorFlow face's kernels).
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import threading
 import time
@@ -126,9 +129,44 @@ class ProcessState:
     rendezvous_provider: Callable[[], Rendezvous] | None = None
     env_rounds: int = 0
     lock: threading.RLock = field(default_factory=threading.RLock)
+    # numbers that need only differ within this process, by kind (`next_number`): the
+    # executors a driver started, TensorFlow's graphs, kernels, tokens and errors, the
+    # DistributedOptimizers built without named_parameters
+    numbers: dict[str, itertools.count] = field(
+        default_factory=lambda: collections.defaultdict(itertools.count))
+    # what the Ray face runs in this process: its metrics export (`ray.metrics`), the
+    # queue `ray_logger.log` sends to while the executor's function runs, and a Tune
+    # trial's worker's session while its function runs (`tune_integration.trainable`)
+    metrics_export: Any = None
+    log_sink: tuple[Any, bool] | None = None
+    tune_session: dict[str, Any] = field(default_factory=dict)
+    # the job stores this process serves (rank 0's `comm.job_store`), kept for its life as
+    # TCPStore's is, and the timelines its engines wrote (path -> how many engines)
+    store_servers: list = field(default_factory=list)
+    timelines: dict[str, int] = field(default_factory=dict)
+    # warnings given once a process (by name)
+    warned: set[str] = field(default_factory=set)
+    # held while a variable of os.environ is set for a moment (`comm.torch_backend`)
+    environ_lock: threading.Lock = field(default_factory=threading.Lock)
+    # what this process read of durable storage's files (`elastic.storage`): bytes and
+    # requests; and the thread that hashes a large checkpoint file as it is written
+    # (`torch.durable`; a forked child has none)
+    storage_bytes_read: int = 0
+    storage_reads: int = 0
+    hash_thread: Any = None
+    # `memory://NAME` storage's files, by NAME (`elastic.storage_schemes`)
+    memory_files: dict[str, dict[str, bytes]] = field(default_factory=dict)
+    # the TensorFlow face's: its kernels, allreduces in flight and errors
+    # (`tensorflow.process.TensorFlowProcess`)
+    tensorflow: Any = None
 
 
 PROCESS = ProcessState()
+
+
+def next_number(kind: str) -> int:
+    """The next of this process's numbers of `kind`, from 0 (`ProcessState.numbers`)."""
+    return next(PROCESS.numbers[kind])
 
 
 def mark_step() -> None:
