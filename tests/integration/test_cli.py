@@ -298,9 +298,9 @@ while not (here / "go").exists():
 total = rx.allreduce(torch.full((3,), float(rx.rank() + 1)), op=rx.Sum, name="after")
 rx.barrier()
 if rx.rank() == 0:
-    from raytrain_x.comm.job_store import _servers
-    table = _servers[0].table
-    print("refused", _servers[0].refused, "intruder key", table.check(["intruder"]))
+    from raytrain_x.common.process import PROCESS
+    server = PROCESS.store_servers[0]
+    print("refused", server.refused, "intruder key", server.table.check(["intruder"]))
 print("sum", total.tolist())
 """
 
