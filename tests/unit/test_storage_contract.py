@@ -22,7 +22,7 @@ from raytrain_x.testing.storage_contract import CLAUSES, check_storage
 def test_each_backend_keeps_the_storage_contract(tmp_path, kind):
     root = tmp_path / "root"
     storage = ArrowStorage(str(root)) if kind.startswith("local") else \
-        open_backend(f"memory://contract-{kind}")
+        open_backend(f"memory://contract-{tmp_path.name}")  # fresh files each run
     if kind.endswith("retrying"):
         storage = RetryingStorage(storage, sleep=lambda _: None)
     scratch = tmp_path / "scratch"
