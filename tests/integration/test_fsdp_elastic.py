@@ -48,6 +48,13 @@ def _check_losses(results: list[dict], steps: int) -> None:
         assert worst < 1e-3, (worst, got, expected)  # the target is 1%; it holds to 1e-6
 
 
+def _trains_on(job, progress, size: int, first: str) -> None:
+    """Waits for a step with `size` workers (`first` names it), then 3 more with them."""
+    job.wait_until(lambda: job.trained(progress, 0, size), first)
+    step, _ = read_progress(progress)
+    job.wait_until(lambda: job.trained(progress, step + 3, size), f"3 more steps with {size}")
+
+
 def test_a_kill_a_drain_and_an_add_reshard_in_memory_and_follow_the_fault_free_curve(
         cluster, elastic_nodes, tmp_path):
     """3 workers; one killed (its chunks come from their copy on a survivor), then one of
@@ -61,9 +68,7 @@ def test_a_kill_a_drain_and_an_add_reshard_in_memory_and_follow_the_fault_free_c
         job.wait_until(lambda: job.trained(progress, 4, 3), "4 steps with 3 workers")
         victim = _youngest(executor)
         ray.kill(victim.actor, no_restart=True)
-        job.wait_until(lambda: job.trained(progress, 0, 2), "a step with the 2 left")
-        step, _ = read_progress(progress)
-        job.wait_until(lambda: job.trained(progress, step + 3, 2), "3 more steps with 2")
+        _trains_on(job, progress, 2, "a step with the 2 left")
         left = [m for m in executor.last_elastic_job.members.values()]
         drained = next(n for n in nodes if n.node_id == max(left, key=lambda m: m.age).node)
         drain_node(cluster.address, drained.node_id, deadline_s=60)
@@ -72,9 +77,7 @@ def test_a_kill_a_drain_and_an_add_reshard_in_memory_and_follow_the_fault_free_c
         step, _ = read_progress(progress)
         job.wait_until(lambda: job.trained(progress, step + 3, 1), "3 more steps with 1")
         elastic_nodes(1)
-        job.wait_until(lambda: job.trained(progress, 0, 2), "a step with the newcomer")
-        step, _ = read_progress(progress)
-        job.wait_until(lambda: job.trained(progress, step + 3, 2), "3 more steps with 2")
+        _trains_on(job, progress, 2, "a step with the newcomer")
         stop.touch()
         results = job.join()
         events = [kind for _, kind, _ in executor.last_elastic_job.events]
@@ -102,13 +105,9 @@ def test_commits_sent_in_the_background_survive_a_kill_and_an_add(cluster, elast
     try:
         job.wait_until(lambda: job.trained(progress, 4, 2), "4 steps with 2 workers")
         ray.kill(_youngest(executor).actor, no_restart=True)
-        job.wait_until(lambda: job.trained(progress, 0, 1), "a step with the one left")
-        step, _ = read_progress(progress)
-        job.wait_until(lambda: job.trained(progress, step + 3, 1), "3 more steps with 1")
+        _trains_on(job, progress, 1, "a step with the one left")
         elastic_nodes(1)
-        job.wait_until(lambda: job.trained(progress, 0, 2), "a step with the newcomer")
-        step, _ = read_progress(progress)
-        job.wait_until(lambda: job.trained(progress, step + 3, 2), "3 more steps with 2")
+        _trains_on(job, progress, 2, "a step with the newcomer")
         stop.touch()
         results = job.join()
     finally:
