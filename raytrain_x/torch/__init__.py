@@ -80,6 +80,7 @@ from raytrain_x.torch.functions import (
     broadcast_optimizer_state,
     broadcast_parameters,
 )
+from raytrain_x.torch.grad_sync import GradientSync, Reducer
 from raytrain_x.torch.local_steps import DiLoCo, LocalSGD
 from raytrain_x.torch.mesh import device_mesh
 from raytrain_x.torch.ops import (
@@ -96,6 +97,7 @@ from raytrain_x.torch.ops import (
     reducescatter,
 )
 from raytrain_x.torch.optimizer import DistributedOptimizer
+from raytrain_x.torch.powersgd import PowerSGD
 from raytrain_x.torch.sync_batch_norm import SyncBatchNorm
 
 HorovodInternalError = InternalError  # Horovod's name for a failed peer or transport

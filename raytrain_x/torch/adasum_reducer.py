@@ -37,7 +37,7 @@ class AdasumReducer(Reducer):
     def bind(self, core: GradientSync) -> None:
         super().bind(core)
         self._starts = {p: torch.zeros_like(p, requires_grad=False)
-                        for p in core._requires_update}
+                        for p in core.reduced_params}
 
     def ready(self, p: torch.Tensor) -> None:
         self._handles[p] = self._step_and_reduce(p)
@@ -59,19 +59,19 @@ class AdasumReducer(Reducer):
             group["params"] = [p] if any(p is q for q in group["params"]) else []
         try:
             self._starts[p].copy_(p)
-            core._local_step()
+            core.local_step()
         finally:
             for group, params in zip(core.param_groups, stashed):
                 group["params"] = params
         p.sub_(self._starts[p])  # p now holds this rank's delta
         return allreduce_async_(p.data, name=f"adasum.{core.gradient_names[p]}", op=Adasum,
-                                process_set=core._process_set, compression=self._compression)
+                                process_set=core.process_set, compression=self._compression)
 
     @torch.no_grad()
     def synchronize(self) -> None:
         """Waits for every delta's reduction and sets each parameter to its value before
         the local step plus the combined delta."""
-        for p in self.core._requires_update:
+        for p in self.core.reduced_params:
             if p not in self._handles:
                 self._handles[p] = self._step_and_reduce(p)
         for p, handle in self._handles.items():

@@ -99,7 +99,7 @@ class TorchState(ObjectState):
         elif sharded:
             _check_replicas(replicas, minimum=1)
             for name, opt in sharded.items():
-                if opt._process_set is not global_process_set:
+                if opt.process_set is not global_process_set:
                     raise ConfigError(f"elastic training re-shards {name!r} over the whole "
                                       "world: build it without a process_set")
             self._shards = ShardedCommits(sharded, replicas)

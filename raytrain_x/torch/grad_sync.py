@@ -80,7 +80,16 @@ def parameter_names(named_parameters: Iterable[tuple[str, torch.Tensor]] | None,
 
 
 class Reducer:
-    """How a `GradientSync`'s gradients are combined; the defaults do nothing.
+    """How a `DistributedOptimizer`'s gradients are combined: subclass it and pass an
+    instance as `reducer=` (docs/reducers.md). The defaults do nothing.
+
+    The optimizer (`core`, a `GradientSync`) calls `ready(p)` once `p`'s gradient is complete
+    for the step (every backward pass accumulated), `synchronize()` before the step, and
+    `step(closure, synchronize)` for the step itself. A reducer reads the optimizer's
+    `reduced_params` (registration order, the same on every rank), `gradient_names` (each
+    parameter's name in collectives), `process_set`, and calls `local_step(closure)` for the
+    wrapped optimizer's own step; it sends tensors with the collectives of
+    `raytrain_x.torch` (`allreduce_async_` and the others: named the same on every rank).
 
     Attributes:
         kind: the prefix of unnamed parameters' collectives (Horovod's `allreduce.noname.0`).
@@ -107,7 +116,10 @@ class Reducer:
     def bind(self, core: GradientSync) -> None:
         """Takes the optimizer it serves (its parameters, names, process set, inner step),
         through a weak reference: a dropped optimizer frees its buffers at once, with no
-        cycle left for the collector."""
+        cycle left for the collector. A subclass lays out what it keeps here."""
+        if getattr(self, "_core", None) is not None:  # its buffers and counters are that one's
+            raise ConfigError(f"this {type(self).__name__} serves another optimizer already; "
+                              "make one per DistributedOptimizer")
         self._core = weakref.ref(core)
 
     @property
@@ -142,7 +154,7 @@ class Reducer:
         and the wrapped optimizer's step."""
         if synchronize:
             self.core.synchronize()
-        return self.core._local_step(closure)
+        return self.core.local_step(closure)
 
     def zero_grad(self, set_to_none: bool) -> bool:
         """Zeroes what the reducer keeps; True when that was every gradient."""
@@ -177,7 +189,7 @@ class GradientSync:
                  process_set: ProcessSet) -> None:
         super().__init__(params)  # type: ignore[call-arg]
         self.backward_passes_per_step = backward_passes_per_step
-        self._process_set = process_set
+        self.process_set = process_set  # Horovod's attribute
         every = [p for group in self.param_groups for p in group["params"]]
         # each parameter's name in its collectives (read by the reducers)
         self.gradient_names = parameter_names(named_parameters, every, reducer.kind,
@@ -201,6 +213,12 @@ class GradientSync:
         """How this optimizer's gradients are combined (`rx.LocalSGD`, `rx.DiLoCo`, or the
         allreduce or Adasum reducer its `op` chose)."""
         return self._reducer
+
+    @property
+    def reduced_params(self) -> list[torch.Tensor]:
+        """The parameters whose gradients the reducer combines (those that require
+        gradients), in registration order: the same order on every rank."""
+        return self._requires_update
 
     @property
     def bucket_cap_bytes(self) -> int:
@@ -272,13 +290,13 @@ class GradientSync:
         finally:
             self._should_synchronize = True
 
-    def _local_step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """The wrapped optimizer's own step."""
+    def local_step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """The wrapped optimizer's own step (a reducer's `step` calls it)."""
         return super().step(closure)  # type: ignore[misc]
 
     def step(self, closure=None):
         if not self._member:
-            result = self._local_step(closure)
+            result = self.local_step(closure)
             runtime.mark_step()
             return result
         by_hand = self._synchronized

@@ -96,18 +96,15 @@ class LocalSGD(Reducer):
         return self._outer
 
     def bind(self, core: GradientSync) -> None:
-        if hasattr(self, "_core"):  # its anchor and counters are that optimizer's
-            raise ConfigError(f"this {type(self).__name__} serves another optimizer already; "
-                              "make one per DistributedOptimizer")
         super().bind(core)
-        self._param_groups = _groups(core._requires_update)
+        self._param_groups = _groups(core.reduced_params)
 
     # ------------------------------------------------------------------ the step
     def step(self, closure: Callable[[], Any] | None, synchronize: bool) -> Any:
         if self._anchor is None:  # the model every rank starts from (broadcast by now)
             self._anchor = self._flat_params()
             self._params_outer = self._outer
-        result = self.core._local_step(closure)
+        result = self.core.local_step(closure)
         self._inner += 1
         if self._pending is not None:
             self._pending.age += 1
@@ -139,7 +136,7 @@ class LocalSGD(Reducer):
         core = self.core
         prefix = f"{self.kind}.{core.gradient_names[self._param_groups[0][0]]}"
         handles = [allreduce_async_(flat, name=f"{prefix}.{i}", op=Average,
-                                    process_set=core._process_set)
+                                    process_set=core.process_set)
                    for i, flat in enumerate(payload)]
         return _Exchange(handles, now if self.overlap_steps else None)
 

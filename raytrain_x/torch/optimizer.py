@@ -1,7 +1,8 @@
 """`DistributedOptimizer`: Horovod's wrapper of a torch optimizer, on the gradient-sync
 core (`grad_sync`) with the reducer its arguments choose: allreduce while backward runs
-(the default, `allreduce_reducer`), Adasum (`adasum_reducer`), LocalSGD or DiLoCo
-(`local_steps`), or ZeRO's sharded state (`zero_optimizer`).
+(the default, `allreduce_reducer`), Adasum (`adasum_reducer`), ZeRO's sharded state
+(`zero_optimizer`), or any `Reducer` given as `reducer=` (LocalSGD and DiLoCo in
+`local_steps`, PowerSGD in `powersgd`, or a user's own).
 """
 
 from __future__ import annotations
@@ -19,8 +20,7 @@ from raytrain_x.engine.adasum import check_size
 from raytrain_x.torch.adasum_reducer import AdasumReducer
 from raytrain_x.torch.allreduce_reducer import AllreduceReducer
 from raytrain_x.torch.compression import Compression, Compressor
-from raytrain_x.torch.grad_sync import wrap
-from raytrain_x.torch.local_steps import LocalSGD
+from raytrain_x.torch.grad_sync import Reducer, wrap
 from raytrain_x.torch.zero_optimizer import ShardedOptimizer, ZeroReducer
 
 
@@ -37,7 +37,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     process_set: ProcessSet = global_process_set,
     bucket_cap_mb: float | None = None,
     zero_stage: int | None = None,
-    reducer: LocalSGD | None = None,
+    reducer: Reducer | None = None,
 ) -> Any:
     """Wraps `optimizer` so gradients are allreduced while backward runs.
 
@@ -79,11 +79,14 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
             (25 MB by default); `state_dict()` gives the full state and every rank calls it;
             `clip_grad_norm_` clips by the total norm. Not with `op=Adasum`, `compression`
             or `groups`, nor sparse gradients.
-        reducer: `LocalSGD(sync_every=H)` or `DiLoCo(sync_every=H)` for slow links: no
-            gradient is reduced; each rank steps on its own and every H steps the models
-            are averaged (LocalSGD) or an outer optimizer steps on the averaged
-            pseudo-gradients (DiLoCo). One instance per optimizer. Not with `op=Adasum`,
-            `compression`, `groups`, `bucket_cap_mb` or `zero_stage`.
+        reducer: how the gradients are combined, in place of `op`'s allreduce: for slow
+            links `LocalSGD(sync_every=H)` or `DiLoCo(sync_every=H)` (no gradient is
+            reduced; each rank steps on its own and every H steps the models are averaged,
+            or an outer optimizer steps on the averaged pseudo-gradients) or
+            `PowerSGD(matrix_rank=r)` (gradients compressed to rank r with error
+            feedback); or a `rx.Reducer` of your own (docs/reducers.md). One instance per
+            optimizer. Not with `op=Adasum`, `compression`, `groups`, `bucket_cap_mb` or
+            `zero_stage`: the reducer has its own.
     """
     if backward_passes_per_step < 1:
         raise ConfigError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
@@ -106,16 +109,16 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     if zero_stage not in (0, 1, 2):
         raise ConfigError(f"zero_stage must be 0, 1 or 2, got {zero_stage!r}")
     if reducer is not None:
-        if not isinstance(reducer, LocalSGD):
-            raise ConfigError(f"reducer must be rx.LocalSGD(...) or rx.DiLoCo(...), got "
-                              f"{reducer!r}")
+        if not isinstance(reducer, Reducer):
+            raise ConfigError(f"reducer must be an rx.Reducer such as rx.LocalSGD(...), "
+                              f"rx.DiLoCo(...) or rx.PowerSGD(...), got {reducer!r}")
         given = {"op=rx.Adasum": op == Adasum, "compression": compression is not
                  Compression.none, "groups": bool(groups), "bucket_cap_mb": bucket_cap_mb
                  is not None, "zero_stage": bool(zero_stage)}
         clash = [name for name, set_ in given.items() if set_]
         if clash:
-            raise ConfigError(f"{reducer!r} exchanges whole models every "
-                              f"{reducer.sync_every} steps; leave out {', '.join(clash)}")
+            raise ConfigError(f"{reducer!r} combines the gradients its own way; leave out "
+                              f"{', '.join(clash)}")
         return wrap(optimizer, named_parameters, reducer, backward_passes_per_step,
                     process_set)
     if zero_stage:

@@ -72,7 +72,7 @@ class ZeroReducer(Reducer):
 
     def bind(self, core: GradientSync) -> None:
         super().bind(core)
-        params = core._requires_update
+        params = core.reduced_params
         self._prefix = core.gradient_names[params[0]] if params else ""
         self.lay_out()
 
@@ -80,12 +80,12 @@ class ZeroReducer(Reducer):
         """Buckets and owners for the world as it is now (the parameters keep their values,
         in new flat buffers); gradients and reductions under way are dropped."""
         core = self.core
-        pset = core._process_set
+        pset = core.process_set
         core._member = pset.ranks is None or runtime.rank() in pset.ranks
         size = pset.size() if core._member else 1
         rank = pset.rank() if core._member else 0
         self._handles.clear()
-        self._buckets = make_buckets(core._requires_update, self._cap, size, rank,
+        self._buckets = make_buckets(core.reduced_params, self._cap, size, rank,
                                      grads_in_place=self._stage == 1)
         self._bucket_of = {p: b for b in self._buckets for p in b.params}
         self.owned = {p for b in self._buckets for p in b.mine}
@@ -133,7 +133,7 @@ class ZeroReducer(Reducer):
         """Starts the reduce-scatter of a bucket's gradients. Stage 2 reduces each backward
         pass on its own and sums the passes' results into the shard: the same as reducing
         the accumulated gradients, the reduction being linear."""
-        pset = self.core._process_set
+        pset = self.core.process_set
         op, pre, post = predivided(self._op, self._predivide, pset.size())
         name = f"zero.{self._prefix}.rs{bucket.index}"
         # a bucket's reduction starts once the one before it has landed (none is in flight
@@ -255,7 +255,7 @@ class ZeroReducer(Reducer):
         buffer (no gathered copy)."""
         return allgather_into_async(bucket.my_params_segment(), bucket.flat_params,
                                     name=f"zero.{self._prefix}.ag{bucket.index}",
-                                    process_set=self.core._process_set)
+                                    process_set=self.core.process_set)
 
     def _finish_gathers(self, handles: list[Handle]) -> None:
         with torch.no_grad():
@@ -364,7 +364,7 @@ class ShardedOptimizer(GradientSync):
         mine = {index[p]: {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in s.items()}
                 for p, s in self._reducer.local_state().items() if p in index}
         every = (allgather_object(mine, name=f"zero.{self._reducer._prefix}.state",
-                                  process_set=self._process_set)
+                                  process_set=self.process_set)
                  if self._member else [mine])
         state: dict[int, Any] = {}
         for part in every:
@@ -400,7 +400,7 @@ class ShardedOptimizer(GradientSync):
         """
         grads = [p.grad for p in self._reducer.owned if p.grad is not None]
         return clip_by_total_norm(grads, max_norm, norm_type,
-                                  f"zero.{self._reducer._prefix}.norm", self._process_set)
+                                  f"zero.{self._reducer._prefix}.norm", self.process_set)
 
 
 def clip_by_total_norm(grads: list[torch.Tensor], max_norm: float, norm_type: float,

@@ -253,5 +253,5 @@ def test_bad_arguments_get_one_clear_error():
     assert "outer_momentum must be in [0, 1)" in errors[2]
     assert "leave out zero_stage" in errors[3]
     assert "leave out op=rx.Adasum" in errors[4]
-    assert "reducer must be rx.LocalSGD(...) or rx.DiLoCo(...)" in errors[5]
+    assert "reducer must be an rx.Reducer" in errors[5]
     assert "make one per DistributedOptimizer" in errors[6]

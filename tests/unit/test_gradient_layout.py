@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from raytrain_x.torch.allreduce_reducer import (
+from raytrain_x.torch.gradient_layout import (
     FIRST_RUN_BYTES,
     MIN_RUNS,
     GradientLayout,
