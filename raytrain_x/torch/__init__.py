@@ -80,7 +80,7 @@ from raytrain_x.torch.functions import (
     broadcast_optimizer_state,
     broadcast_parameters,
 )
-from raytrain_x.torch.grad_sync import GradientSync, Reducer
+from raytrain_x.torch.grad_sync import Reducer
 from raytrain_x.torch.local_steps import DiLoCo, LocalSGD
 from raytrain_x.torch.mesh import device_mesh
 from raytrain_x.torch.ops import (
