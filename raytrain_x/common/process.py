@@ -36,23 +36,55 @@ if TYPE_CHECKING:
 
 class StepClock:
     """Counts training steps (the marks `mark_step` sets) and keeps the latest durations
-    between marks (`core.status` reads them)."""
+    between marks (`core.status` reads them), and this rank's own work in each step of the
+    current world: the step's duration less the time the stepping thread was blocked
+    waiting for collectives (`blocked`). A synchronous step lasts as long on every rank,
+    the slowest's; the others wait for it, so the work tells which rank that is (the
+    elastic driver's heartbeat carries it to its policies)."""
 
-    def __init__(self, keep: int = 1024) -> None:
+    def __init__(self, keep: int = 1024, keep_work: int = 64) -> None:
         self.steps = 0
         self._last: float | None = None
         self._durations: deque[float] = deque(maxlen=keep)
+        self._work: deque[float] = deque(maxlen=keep_work)
+        self._blocked = 0.0  # seconds the stepping thread waited since the last mark
+        self._thread: int | None = None  # the thread that marks steps
 
     def mark(self) -> None:
         now = time.perf_counter()
         if self._last is not None:
-            self._durations.append(now - self._last)
+            duration = now - self._last
+            self._durations.append(duration)
+            self._work.append(max(0.0, duration - self._blocked))
         self._last = now
+        self._blocked = 0.0
+        self._thread = threading.get_ident()
         self.steps += 1
+
+    def blocked(self, seconds: float) -> None:
+        """The calling thread waited `seconds` for a collective (counted when it is the
+        thread that marks steps)."""
+        if threading.get_ident() == self._thread:
+            self._blocked += seconds
+
+    def new_world(self) -> None:
+        """A new world began: its steps' work is measured afresh (the re-forming is not a
+        step, and the world's size may change each rank's share)."""
+        self._work.clear()
+        self._last = None
+        self._blocked = 0.0
 
     def recent(self) -> list[float]:
         """The latest step durations, oldest first (the last one ends at step `steps`)."""
         return list(self._durations)
+
+    def work(self) -> tuple[float, int]:
+        """(the median of this rank's work per step in this world, in seconds; how many
+        steps it is of, at most the last 64): (0.0, 0) before a step was measured."""
+        if not self._work:
+            return 0.0, 0
+        ordered = sorted(self._work)
+        return ordered[len(ordered) // 2], len(ordered)
 
 
 @dataclass

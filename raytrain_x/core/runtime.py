@@ -134,6 +134,7 @@ def start(
                 sampler.samples_per_step = _P.batch_size * rdv.size
             engine.add_cycle_hook(sampler.on_cycle)
         _P.world = world  # the whole world at once: a reset replaced the one before
+        _P.steps.new_world()
         return True
 
 

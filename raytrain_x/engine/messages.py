@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from raytrain_x.common.process import PROCESS
+
 # Collectives the engine runs; only allreduce goes through the response cache and fusion.
 ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER, BARRIER = (
     "allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "barrier")
@@ -40,9 +42,11 @@ class Handle:
     def wait(self, timeout: float | None = None) -> Any:
         """Blocks until the collective finished; raises the error it failed with."""
         if not self._done:
+            began = time.perf_counter()
             if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
                 raise TimeoutError(f"collective {self.name!r} not done after {timeout}s")
             self._lock.release()  # let any other waiter through
+            PROCESS.steps.blocked(time.perf_counter() - began)  # not this rank's own work
         if self._error is not None:
             raise self._error
         return self._result

@@ -145,7 +145,7 @@ def fit_elastic(trainer: Any) -> Result:
         use_gpu=scaling.use_gpu, gpus_per_worker=scaling.num_gpus_per_worker or None,
         resources_per_worker=scaling.additional_resources_per_worker, knobs=config.knobs,
         autotune=config.autotune, name=name, max_failures=left,
-        cooldown_range=COOLDOWN_RANGE_S)
+        cooldown_range=COOLDOWN_RANGE_S, policies=config.policies)
     executor.discovery_interval_s = resize_interval(scaling)
     train_fn = trainer._get_train_func()
     actors: list[Any] = []  # the run's ledger and feeds: gone when fit() returns or raises

@@ -42,6 +42,7 @@ from raytrain_x.ray.connect import (
 )
 from raytrain_x.ray.elastic import ElasticJob, ElasticSettings, run_job
 from raytrain_x.ray.elastic.discovery import ScriptDiscovery, StaticDiscovery, parse_hosts
+from raytrain_x.ray.elastic.policies import DriverPolicy
 from raytrain_x.ray.elastic.settings import EVERY_FREE_SLOT
 from raytrain_x.ray.metrics import DriverMetrics
 from raytrain_x.ray.placement import Slot, validate_shape
@@ -107,6 +108,9 @@ class RayExecutor:
             probed (written, read back, deleted) when the executor starts.
         override_discovery: Horovod's; taken, the discovery is Ray's unless
             `host_discovery_script` is given.
+        policies: elastic: driver policies that decide which workers leave the job
+            (`DriverPolicy`s), such as `SlowWorkers()`: a worker whose steps hold the
+            others back leaves at its next commit (docs/elastic.md).
         cpus_per_slot: Horovod's older name of `cpus_per_worker` (give one or the other).
         gpus_per_slot: Horovod's older name of `gpus_per_worker`.
 
@@ -152,6 +156,7 @@ class RayExecutor:
         hosts: str | Mapping[str, int] | None = None,
         slots_per_host: int | None = None,
         max_failures: int | None = None,
+        policies: Sequence[Any] = (),
     ) -> None:
         num_workers_per_host, cpus_per_worker, gpus_per_worker = horovod_shape(
             num_workers, min_workers, num_workers_per_host, cpus_per_worker, gpus_per_worker,
@@ -174,6 +179,15 @@ class RayExecutor:
                               f"{max_failures!r}")
         if reset_limit is not None and reset_limit < 0:
             raise ConfigError(f"reset_limit must be >= 0, got {reset_limit}")
+        policies = tuple(policies or ())
+        if policies and not elastic:
+            raise ConfigError("policies= decide which workers leave an elastic job; give "
+                              "min_workers/max_workers too")
+        for policy in policies:
+            if not isinstance(policy, DriverPolicy):
+                raise ConfigError(f"each of policies= needs a decide(job) method (a "
+                                  f"raytrain_x.ray.DriverPolicy such as SlowWorkers()), got "
+                                  f"{policy!r}")
         if cooldown_range is not None and (
                 len(cooldown_range) != 2 or
                 not 0 < check_seconds("cooldown_range", cooldown_range[0])
@@ -202,6 +216,7 @@ class RayExecutor:
         self.min_workers, self.max_workers = min_workers, max_workers
         self.reset_limit, self.cooldown_range = reset_limit, cooldown_range
         self.max_failures = None if max_failures == -1 else max_failures
+        self.policies = policies
         self.elastic_timeout = elastic_timeout
         self.start_timeout_s = start_timeout_s
         # how often an elastic job looks for capacity to grow into (the elastic trainer sets
@@ -392,7 +407,8 @@ class RayExecutor:
             discovery=self.host_discovery,
             env=self._elastic_env, autotune_actor=self.autotune_controller,
             start_timeout_s=self.start_timeout_s, checkpoint=self.checkpoint,
-            max_failures=self.max_failures, discovery_interval_s=self.discovery_interval_s)
+            max_failures=self.max_failures, discovery_interval_s=self.discovery_interval_s,
+            policies=self.policies)
 
         def new_job() -> ElasticJob:
             job = self.last_elastic_job = ElasticJob(settings, fn, tuple(args or ()),

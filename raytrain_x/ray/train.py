@@ -68,6 +68,8 @@ class RaytrainXConfig(BackendConfig):
             `gradient_accumulation_steps`) every worker gets: `autotune_experiments`'
             `best_config.json` is one. `DistributedOptimizer` takes its `zero_stage`, the
             loop reads the rest with `raytrain_x.training_settings()`.
+        policies: an elastic run's driver policies (`raytrain_x.ray.DriverPolicy`s, such
+            as `SlowWorkers()`): they decide which workers leave the run at a commit.
     """
 
     framework: str | None = None
@@ -75,6 +77,7 @@ class RaytrainXConfig(BackendConfig):
     autotune: AutotuneConfig | bool | None = None
     timeout_s: float = TIMEOUT_S.default
     config_file: str | None = None
+    policies: tuple = ()
 
     def __post_init__(self) -> None:
         if self.framework is not None and self.framework not in FRAMEWORKS:

@@ -321,16 +321,22 @@ class WorkerActor:
         return os.getpid()
 
     @ray.method(concurrency_group="probe")
-    def heartbeat(self) -> tuple[float, int]:
+    def heartbeat(self) -> tuple[float, int, float, int]:
         """The elastic driver's probe, answered at once like `ping`: the seconds this worker
         has been in its call to join the next round (0: not in one), which the driver
         compares with the joins the rounds actor received (a call Ray holds back never
-        arrives), and the round of the state it holds (`elastic.state.state_round`), which
-        tells the driver it holds the job's state before its next join can say so."""
+        arrives); the round of the state it holds (`elastic.state.state_round`), which
+        tells the driver it holds the job's state before its next join can say so; and its
+        own work per step in this world and over how many steps (`StepClock.work`), which
+        the driver's policies compare between workers."""
+        from raytrain_x.common.process import PROCESS
         from raytrain_x.elastic.state import state_round
 
         since = self.joining_since
-        return (0.0 if since is None else time.monotonic() - since), state_round()
+        # in a join, the last world's work is over (the next world measures its own)
+        work_s, work_steps = PROCESS.steps.work() if since is None else (0.0, 0)
+        return ((0.0 if since is None else time.monotonic() - since), state_round(),
+                work_s, work_steps)
 
     @ray.method(concurrency_group="probe")
     def where(self, frames: int = 4) -> str:

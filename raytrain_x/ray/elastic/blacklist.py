@@ -44,6 +44,11 @@ class Blacklist:
         self.until[host] = self.clock() + wait
         return wait
 
+    def rest(self, host: str, seconds: float) -> None:
+        """Keeps `host` out for `seconds` (a driver policy sent a worker there away), not
+        counted as a failure; a longer stay it has already is kept."""
+        self.until[host] = max(self.until.get(host, float("-inf")), self.clock() + seconds)
+
     def is_blacklisted(self, host: str) -> bool:
         return self.clock() < self.until.get(host, float("-inf"))
 

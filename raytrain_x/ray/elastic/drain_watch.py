@@ -137,5 +137,8 @@ def note_left(ctx: JobContext, members: list[Member]) -> None:
     forms without them (`departed`) or when they are sent away at the rendezvous
     (`leaving`), whichever comes first. Called before either flag is set."""
     new = [m for m in members if not (m.leaving or m.departed)]
-    if new:
-        ctx.log.note("drain", left=len(new))
+    asked = sum(m.asked_to_leave is not None for m in new)
+    if asked:
+        ctx.log.note("policy", left=asked)
+    if len(new) > asked:
+        ctx.log.note("drain", left=len(new) - asked)

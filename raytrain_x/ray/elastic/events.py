@@ -12,7 +12,8 @@ from typing import Any
 from raytrain_x.ray.elastic.history import RoundHistory
 
 KINDS = ("place", "start", "gave_up", "failure", "lost_draining", "left", "drain",
-         "abandoned", "scale_up", "round", "restore_storage", "checkpoint_asked")
+         "abandoned", "scale_up", "round", "restore_storage", "checkpoint_asked",
+         "asked_to_leave")
 
 
 @dataclass(frozen=True)

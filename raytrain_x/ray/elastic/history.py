@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-REASONS = ("start", "scale_up", "failure", "drain", "restore")
+REASONS = ("start", "scale_up", "failure", "drain", "policy", "restore")
 
 
 class RoundHistory:
@@ -35,8 +35,9 @@ class RoundHistory:
 
     def is_reset(self) -> bool:
         """Whether the next round counts against `reset_limit`: any round after the first,
-        unless only drains led to it (their workers left at a commit, nothing failed)."""
-        return bool(self.entries) and bool(self.reasons - {"drain", "start"})
+        unless only drains or a driver policy's leaves led to it (their workers left at a
+        commit, nothing failed)."""
+        return bool(self.entries) and bool(self.reasons - {"drain", "policy", "start"})
 
     def record(self, round_id: int, size: int, hosts: int, starting: int, requested: int,
                draining_nodes: int) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from raytrain_x.ray.elastic.drain_watch import DrainWatch
 from raytrain_x.ray.elastic.events import EventLog
 from raytrain_x.ray.elastic.member_watch import MemberWatch
 from raytrain_x.ray.elastic.parts import JobParts, ray_parts
+from raytrain_x.ray.elastic.policy_watch import PolicyWatch
 from raytrain_x.ray.elastic.pool import Member, Pending
 from raytrain_x.ray.elastic.round_forming import RoundForming
 from raytrain_x.ray.elastic.settings import DRAIN_POLL_S, STRAGGLER_POLL_S, ElasticSettings
@@ -52,6 +53,7 @@ class ElasticJob:
         self.starts = WorkerStarts(self.ctx)
         self.drains = DrainWatch(self.ctx, self.member_watch, self.starts)
         self.forming = RoundForming(self.ctx, self.member_watch)
+        self.policies = PolicyWatch(self.ctx, self.member_watch)
 
     # ------------------------------------------------------------------ views
     @property
@@ -152,6 +154,7 @@ class ElasticJob:
                     next_discovery = self.clock() + self.settings.discovery_interval_s
                 if self.clock() >= next_straggler_check:
                     ctx.needs_round |= self.member_watch.check_stragglers()
+                    ctx.needs_round |= self.policies.check()
                     next_straggler_check = self.clock() + STRAGGLER_POLL_S
                 self.starts.check_minimum()
                 ctx.needs_round = self.forming.step(ctx.needs_round)

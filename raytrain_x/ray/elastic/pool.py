@@ -57,10 +57,12 @@ class Member:
     beat: Any = None  # its heartbeat call out now (`WorkerActor.heartbeat`)
     beat_turn: int = 0  # the heartbeat poll that last sent it a call (`heartbeat_turn`)
     asked_at: float = 0.0  # when its start was asked for (the driver's clock)
+    # why a driver policy asked it to leave (None: none did): it goes as if its node drained
+    asked_to_leave: str | None = None
 
     def view(self) -> MemberView:
         return MemberView(self.worker_id, self.node, self.leaving, in_round=self.rank >= 0,
-                          departed=self.departed)
+                          departed=self.departed, asked_to_leave=self.asked_to_leave is not None)
 
     def finishes_with_the_job(self) -> bool:
         """Whether the job's end waits for this member's result: it runs the function in a
@@ -259,12 +261,12 @@ class WorkerPool:
                          method)
         return answers
 
-    def beat(self) -> tuple[dict[str, tuple[float, int]], set[str], list[str]]:
+    def beat(self) -> tuple[dict[str, tuple], set[str], list[str]]:
         """The driver's heartbeat: collects the members' answered `heartbeat` calls (seconds
-        in a join, the round of the state held) and sends one to the members without one
-        out whose turn it is (`heartbeat_turn`). Returns (the answers, the members whose
-        call failed, the members a call went out to); never waits."""
-        answers: dict[str, tuple[float, int]] = {}
+        in a join, the round of the state held, the work per step) and sends one to the
+        members without one out whose turn it is (`heartbeat_turn`). Returns (the answers,
+        the members whose call failed, the members a call went out to); never waits."""
+        answers: dict[str, tuple] = {}
         failed: set[str] = set()
         out = {m.beat: m for m in self.members.values() if m.beat is not None}
         ready, _ = ray.wait(list(out), num_returns=len(out), timeout=0) if out else ([], [])
@@ -284,8 +286,10 @@ class WorkerPool:
         return answers, failed, sent
 
     def staying(self, draining: set[str]) -> list[Member]:
-        """Members that stay in the job: not leaving, not on a draining node."""
-        return [m for m in self.members.values() if not m.leaving and m.node not in draining]
+        """Members that stay in the job: not leaving, not on a draining node, not asked to
+        leave by a policy."""
+        return [m for m in self.members.values() if not m.leaving and m.node not in draining
+                and m.asked_to_leave is None]
 
     def kill_all(self) -> None:
         for actor in [m.actor for m in self.members.values()] + \

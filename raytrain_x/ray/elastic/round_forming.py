@@ -57,11 +57,8 @@ class RoundForming:
                                 ctx.draining, ctx.settings.min_workers,
                                 committed_round >= ctx.rounds, holders)
         if decision.leave:  # they return from `execute` with `Left`; the poll drops them
-            ctx.rounds_client.publish(
-                {w: {"leave": True,
-                     "reason": f"node {short_node(ctx.members[w].node)} "
-                               f"{ctx.leave_reasons.get(ctx.members[w].node, 'is draining')}"}
-                 for w in decision.leave})
+            ctx.rounds_client.publish({w: {"leave": True, "reason": _leave_reason(ctx, w)}
+                                       for w in decision.leave})
             leaving = [ctx.members[w] for w in decision.leave]
             note_left(ctx, leaving)
             for member in leaving:
@@ -202,3 +199,13 @@ class RoundForming:
             ctx.cluster.capacity.bundles if ctx.cluster.autoscaled else 0, len(ctx.draining))
         progress.info("raytrain-x elastic: %s", round_line(entry))
         return needs_round
+
+
+def _leave_reason(ctx: JobContext, worker_id: str) -> str:
+    """Why a member is sent away: what the policy that asked it to leave said, or its
+    node's drain."""
+    member = ctx.members[worker_id]
+    if member.asked_to_leave is not None:
+        return member.asked_to_leave
+    return f"node {short_node(member.node)} " \
+           f"{ctx.leave_reasons.get(member.node, 'is draining')}"

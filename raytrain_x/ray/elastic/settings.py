@@ -45,6 +45,9 @@ class ElasticSettings:
     # worker failures the job survives, counted as Ray Train counts them: the failures that
     # one reset recovers from are one (None: no limit; drains are not failures)
     max_failures: int | None = None
+    # driver policies (`policies.DriverPolicy`: `decide(JobSnapshot) -> list[Leave]`) the
+    # job asks at every straggler poll; their decisions are carried out by `PolicyWatch`
+    policies: tuple[Any, ...] = ()
 
     @property
     def bounded(self) -> bool:

@@ -14,6 +14,12 @@ from raytrain_x.ray.elastic.policies.drains import (
     held_back,
     notice_drains,
 )
+from raytrain_x.ray.elastic.policies.injected import (
+    DriverPolicy,
+    JobSnapshot,
+    Leave,
+    WorkerSample,
+)
 from raytrain_x.ray.elastic.policies.liveness import (
     FailurePolicy,
     FailureVerdict,
@@ -39,16 +45,17 @@ from raytrain_x.ray.elastic.policies.scaling import (
     last_resort_nodes,
     shape,
 )
+from raytrain_x.ray.elastic.policies.slow_workers import SlowWorkers
 from raytrain_x.ray.elastic.policies.views import (
     MemberView,
     PendingView,
 )
 
 __all__ = [
-    'DrainNotice', 'FailurePolicy', 'FailureVerdict', 'Heartbeats', 'MemberView',
-    'MinimumWatch', 'PendingView', 'RoundDecision', 'ScalingPolicy', 'StragglerRule',
-    'Stragglers', 'abandons_forming_round', 'asks_checkpoint', 'batch_awaited',
-    'decide_round', 'drain_line', 'elastic_timeout_error', 'held_back', 'held_joins',
-    'holds_newcomers', 'kept_on_drain', 'notice_drains',
-    'shape', 'spare_last_holders', 'state_lost', 'state_lost_error',
+    'DrainNotice', 'DriverPolicy', 'FailurePolicy', 'FailureVerdict', 'Heartbeats',
+    'JobSnapshot', 'Leave', 'MemberView', 'MinimumWatch', 'PendingView', 'RoundDecision',
+    'ScalingPolicy', 'SlowWorkers', 'StragglerRule', 'Stragglers', 'WorkerSample',
+    'abandons_forming_round', 'asks_checkpoint', 'batch_awaited', 'decide_round', 'drain_line',
+    'elastic_timeout_error', 'held_back', 'held_joins', 'holds_newcomers', 'kept_on_drain',
+    'notice_drains', 'shape', 'spare_last_holders', 'state_lost', 'state_lost_error',
 ]

@@ -94,15 +94,19 @@ class Heartbeats:
         self.join_began: dict[str, float] = {}  # member -> earliest its join can have begun
         self.assigned_at: dict[str, float] = {}  # member -> when it was last given a rank
         self.state_rounds: dict[str, int] = {}  # member -> the round of the state it holds
+        # member -> (its median work per step in its world, over how many steps)
+        self.work: dict[str, tuple[float, int]] = {}
         self.failed: set[str] = set()  # members whose last call failed
 
-    def record(self, answers: Mapping[str, tuple[float, int]], failed: Iterable[str],
+    def record(self, answers: Mapping[str, tuple], failed: Iterable[str],
                sent: Iterable[str], now: float) -> None:
         """One round of the heartbeat (`WorkerPool.beat`): the answers collected (seconds in
-        a join, the round of the state held), the calls that failed, the members a call
-        went out to at `now`."""
-        for worker_id, (joining_s, state_round) in answers.items():
+        a join, the round of the state held, and the work per step with its count of
+        steps), the calls that failed, the members a call went out to at `now`."""
+        for worker_id, (joining_s, state_round, *work) in answers.items():
             self.answered(worker_id, joining_s, self.out_since.get(worker_id), state_round)
+            if work:
+                self.work[worker_id] = (work[0], work[1])
         for worker_id in failed:
             self.call_failed(worker_id)
         for worker_id in sent:
@@ -124,9 +128,11 @@ class Heartbeats:
         self.join_began[worker_id] = -math.inf if sent_at is None else sent_at - joining_s
 
     def assigned(self, worker_ids: Iterable[str], now: float) -> None:
-        """These members were given a rank in a round published at `now`."""
+        """These members were given a rank in a round published at `now` (the work they
+        reported was their last world's)."""
         for worker_id in worker_ids:
             self.assigned_at[worker_id] = now
+            self.work.pop(worker_id, None)
 
     def joins(self) -> dict[str, float]:
         """Seconds each member was in its call to join at its last answer, for the joins
@@ -145,7 +151,7 @@ class Heartbeats:
         """Forgets members no longer in the job."""
         keep = set(worker_ids)
         for table in (self.out_since, self.joining, self.join_began, self.assigned_at,
-                      self.state_rounds):
+                      self.state_rounds, self.work):
             for worker_id in set(table) - keep:
                 del table[worker_id]
         self.failed &= keep

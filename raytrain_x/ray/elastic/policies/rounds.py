@@ -73,8 +73,8 @@ def kept_on_drain(members: Iterable[MemberView], draining: Iterable[str],
       formed without it would train beside it from an older state."""
     draining, waiting = set(draining), set(waiting)
     members = [m for m in members if not m.leaving]
-    staying = [m for m in members if m.node not in draining]
-    drained = [m for m in members if m.node in draining]
+    staying = [m for m in members if not m.drains(draining)]
+    drained = [m for m in members if m.drains(draining)]
     kept = set()
     if not any(m.in_round for m in staying):
         kept = {m.worker_id for m in drained if m.in_round and not m.departed}
@@ -105,14 +105,15 @@ def decide_round(waiting: Iterable[str], members: Iterable[MemberView],
     kept members on a draining node is asked over once it has committed (`release`): its
     staying members then hold the state. A round all on draining nodes is not: nobody
     would hold the state without them, so they train on in it until their nodes go (asked
-    over at each commit, they would form one round per step)."""
+    over at each commit, they would form one round per step). A member a driver policy
+    asked to leave (`Leave`) counts as one on a draining node throughout."""
     waiting, draining = set(waiting), set(draining)
     members = list(members)
     kept = kept_on_drain(members, draining, holders, waiting)
     leave = sorted(m.worker_id for m in members if m.worker_id in waiting and not m.leaving
-                   and m.node in draining and m.worker_id not in kept)
+                   and m.drains(draining) and m.worker_id not in kept)
     staying = [m for m in members if not m.leaving
-               and (m.node not in draining or m.worker_id in kept)]
+               and (not m.drains(draining) or m.worker_id in kept)]
     veterans = {m.worker_id for m in staying if m.in_round}
     arrived = sorted(m.worker_id for m in staying if m.worker_id in waiting)
     must_wait = veterans or {m.worker_id for m in staying}
@@ -121,12 +122,12 @@ def decide_round(waiting: Iterable[str], members: Iterable[MemberView],
     interrupt = (round_committed and bool(veterans - waiting)
                  and any(m not in veterans for m in arrived))
     departed = sorted(m.worker_id for m in members if form and m.in_round and not m.leaving
-                      and m.node in draining and m.worker_id not in waiting
+                      and m.drains(draining) and m.worker_id not in waiting
                       and m.worker_id not in kept)
     release = (holders is not None and round_committed and not form
-               and any(m.in_round and not m.leaving and m.node in draining
+               and any(m.in_round and not m.leaving and m.drains(draining)
                        and m.worker_id not in waiting for m in members)
-               and any(m.in_round and not m.leaving and m.node not in draining
+               and any(m.in_round and not m.leaving and not m.drains(draining)
                        for m in members))
     if form:
         awaits = 0
