@@ -729,7 +729,7 @@ def test_the_elastic_heartbeat_counts_a_dead_worker_at_once(cluster):
     wait_until(lambda: _gone(pid), 5, f"worker process {pid} to exit")
     answers, failed, sent = pool.beat()
     # not in a join, holding no state
-    assert answers == {"w": (0.0, 0)} and failed == set() and sent == ["w"]
+    assert answers == {"w": (0.0, 0, 0.0, 0)} and failed == set() and sent == ["w"]
     wait_until(answered, limit(5), "the call to the dead worker to fail")
     answers, failed, _ = pool.beat()
     for worker_id in failed:

@@ -17,21 +17,34 @@ from typing import Protocol, runtime_checkable
 
 @dataclass(frozen=True)
 class WorkerSample:
-    """What a policy is shown of one member of the current round."""
+    """What a policy is shown of one member of the current round.
+
+    Attributes:
+        worker_id: the member's id (what a `Leave` names).
+        node: the Ray node it runs on.
+        rank: its rank in the current round.
+        work_s: the median of its own work per step in this round: each step's duration
+            less the time it waited for collectives (its peers).
+        work_steps: how many steps `work_s` is of (0: none measured yet).
+    """
 
     worker_id: str
     node: str
     rank: int
-    # the median of its own work per step in this round (from the end of its last step to
-    # its optimizer's step, where it waits for its peers), and over how many steps
     work_s: float
     work_steps: int
 
 
 @dataclass(frozen=True)
 class JobSnapshot:
-    """One look at the job: the members of its current round that stay (none leaving),
-    the job's `min_workers`, its round number and the driver's clock."""
+    """One look at the job.
+
+    Attributes:
+        members: the members of its current round that stay (none leaving), by rank.
+        min_workers: the fewest workers the job trains with.
+        round: the current round's number.
+        now: the driver's clock (monotonic seconds).
+    """
 
     members: tuple[WorkerSample, ...]
     min_workers: int
@@ -41,8 +54,13 @@ class JobSnapshot:
 
 @dataclass(frozen=True)
 class Leave:
-    """`worker_id` leaves the job at its next commit, for `reason` (logged, and recorded in
-    the job's events); its host takes no new worker for `cooldown_s` seconds."""
+    """A decision: a worker leaves the job at its next commit.
+
+    Attributes:
+        worker_id: the worker (`WorkerSample.worker_id`).
+        reason: why, logged and recorded in the job's events (`asked_to_leave`).
+        cooldown_s: its host takes no new worker for this long.
+    """
 
     worker_id: str
     reason: str
