@@ -14,6 +14,7 @@ from raytrain_x.ray.elastic.context import JobContext
 from raytrain_x.ray.elastic.member_watch import MemberWatch
 from raytrain_x.ray.elastic.policies import (
     DrainNotice,
+    NodesDraining,
     abandons_forming_round,
     asks_checkpoint,
     drain_line,
@@ -35,9 +36,9 @@ class DrainWatch:
         self.members = members
         self.starts = starts
 
-    def check(self) -> bool:
-        """Takes in the nodes that started draining since the last look; returns whether
-        the job needs a round for them (its members must leave draining nodes)."""
+    def check(self) -> list[NodesDraining]:
+        """Takes in the nodes that started draining since the last look; returns them as
+        the change a round must answer (their members leave), or none."""
         ctx = self.ctx
         ray_draining = ctx.cluster.draining()
         draining = {**self._departing(), **ray_draining}
@@ -60,7 +61,7 @@ class DrainWatch:
             ctx.log.note("drain")
             ctx.rounds_client.bump_hosts()
             self._abandon_forming_round(notice)
-        return notice.interrupt
+        return [NodesDraining(tuple(sorted(notice.leaving)))] if notice.interrupt else []
 
     def _departing(self) -> dict[str, float]:
         """Horovod's hosts that go (no deadline: their members leave at the next commit):

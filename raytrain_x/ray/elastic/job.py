@@ -28,6 +28,15 @@ from raytrain_x.ray.elastic.drain_watch import DrainWatch
 from raytrain_x.ray.elastic.events import EventLog
 from raytrain_x.ray.elastic.member_watch import MemberWatch
 from raytrain_x.ray.elastic.parts import JobParts, ray_parts
+from raytrain_x.ray.elastic.policies import (
+    Change,
+    Event,
+    JobEnded,
+    Phase,
+    RoundFormed,
+    WorkerFinished,
+    next_phase,
+)
 from raytrain_x.ray.elastic.policy_watch import PolicyWatch
 from raytrain_x.ray.elastic.pool import Member, Pending
 from raytrain_x.ray.elastic.round_forming import RoundForming
@@ -54,6 +63,10 @@ class ElasticJob:
         self.drains = DrainWatch(self.ctx, self.member_watch, self.starts)
         self.forming = RoundForming(self.ctx, self.member_watch)
         self.policies = PolicyWatch(self.ctx, self.member_watch)
+        self.phase = Phase.STARTING
+        # (time, phase before, phase after, the event that moved it), every move in order
+        self.transitions: list[tuple[float, Phase, Phase, Event]] = []
+        self._answers: list[Change] = []  # changes since the last round: the next answers
 
     # ------------------------------------------------------------------ views
     @property
@@ -118,12 +131,38 @@ class ElasticJob:
         """The members whose node is not draining."""
         return self.ctx.staying()
 
+    # ------------------------------------------------------------------ the phase
+    def _moved(self, event: Event) -> None:
+        """The job's phase after `event` (`policies.TRANSITIONS`)."""
+        before = self.phase
+        self.phase = next_phase(before, event)
+        self.transitions.append((self.clock(), before, self.phase, event))
+
+    def _take(self, changes: list[Change]) -> None:
+        """Changes the next round must answer: each moves the phase and is carried into
+        the `RoundFormed` that answers it."""
+        for change in changes:
+            self._moved(change)
+            self._answers.append(change)
+        if changes:
+            self.ctx.needs_round = True
+
+    def _step_rounds(self) -> None:
+        """Forms the next round if one is needed and ready (`RoundForming.step`)."""
+        ctx = self.ctx
+        before = ctx.rounds
+        ctx.needs_round = self.forming.step(ctx.needs_round)
+        if ctx.rounds > before:
+            answers, self._answers = tuple(self._answers), []
+            self._moved(RoundFormed(ctx.rounds, len(ctx.round_members.get(ctx.rounds, ())),
+                                    answers))
+
     # ------------------------------------------------------------------ the loop
     def run(self) -> list[Any]:
         ctx = self.ctx
         try:
             self.starts.check_feasible()
-            ctx.needs_round |= self.drains.check()
+            self._take(self.drains.check())
             self.starts.scale_up()
             self.starts.update_request()
             now = self.clock()
@@ -133,18 +172,21 @@ class ElasticJob:
             while True:
                 polled = self.member_watch.poll()
                 if polled.finished:
-                    return self._finish(polled.finished)
-                ctx.needs_round |= polled.needs_round
-                if polled.needs_round and ctx.cluster.scripted:
+                    self._moved(WorkerFinished(next(iter(polled.finished))))
+                    results = self._finish(polled.finished)
+                    self._moved(JobEnded())
+                    return results
+                self._take(polled.changes)
+                if polled.changes and ctx.cluster.scripted:
                     # a failure blacklists its host: its other workers leave before the
                     # next round forms, not in a round of their own after it
-                    ctx.needs_round |= self.drains.check()
+                    self._take(self.drains.check())
                 if not ctx.members and ctx.last_failure is not None:
                     self.member_watch.check_all_failed()
                 # newcomers are asked over once they wait to join
-                ctx.needs_round |= self.starts.poll_pending(self.fn, self.args, self.kwargs)
+                self._take(self.starts.poll_pending(self.fn, self.args, self.kwargs))
                 if self.clock() >= next_drain_check:
-                    ctx.needs_round |= self.drains.check()
+                    self._take(self.drains.check())
                     next_drain_check = self.clock() + DRAIN_POLL_S
                 if self.clock() >= next_discovery:
                     ctx.store.check_alive()
@@ -153,12 +195,14 @@ class ElasticJob:
                     self.starts.update_request()
                     next_discovery = self.clock() + self.settings.discovery_interval_s
                 if self.clock() >= next_straggler_check:
-                    ctx.needs_round |= self.member_watch.check_stragglers()
-                    ctx.needs_round |= self.policies.check()
+                    self._take(self.member_watch.check_stragglers())
+                    self._take(self.policies.check())
                     next_straggler_check = self.clock() + STRAGGLER_POLL_S
                 self.starts.check_minimum()
-                ctx.needs_round = self.forming.step(ctx.needs_round)
+                self._step_rounds()
         except BaseException as exc:
+            if self.phase is not Phase.ENDED:
+                self._moved(JobEnded(type(exc).__name__))
             # a worker that failed calling a dead control actor: their death is the cause
             lost = ctx.parts.control_lost() if isinstance(exc, Exception) and \
                 not isinstance(exc, ControlActorLost) else None

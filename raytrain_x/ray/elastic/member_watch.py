@@ -12,9 +12,12 @@ from raytrain_x.common.errors import ElasticStateLost, StorageError, WorkerError
 from raytrain_x.common.settings import JOIN_HELD_S, SILENT_LOST_S, STUCK_GRACE_S, short_node
 from raytrain_x.ray.elastic.context import JobContext
 from raytrain_x.ray.elastic.policies import (
+    Change,
     FailurePolicy,
     Heartbeats,
+    PeersWaiting,
     StragglerRule,
+    WorkerFailed,
     held_joins,
     spare_last_holders,
     state_lost_error,
@@ -31,7 +34,7 @@ class Polled(NamedTuple):
     """What one poll of the members found."""
 
     finished: dict[str, Any]  # worker id -> the result of a member that finished
-    needs_round: bool  # a member failed: its round forms again without it
+    changes: list[Change]  # members failed: their round forms again without them
 
 
 class MemberWatch:
@@ -46,25 +49,25 @@ class MemberWatch:
 
     def poll(self) -> Polled:
         """Waits briefly for outcomes; handles failures and departures; returns the
-        results of members that finished, and whether a failure needs a round."""
+        results of members that finished, and the failures a round must answer."""
         ctx = self.ctx
         if not any(m.ref is not None for m in ctx.members.values()):
             ctx.parts.sleep(0.1)
-            return Polled({}, False)
+            return Polled({}, [])
         outcomes = ctx.pool.poll(timeout_s=0.1)
-        needs_round = False
+        changes: list[Change] = []
         for member, error in outcomes.failed:
-            needs_round |= self.on_failure(member, error)
+            changes += self.on_failure(member, error)
         for member, left in outcomes.left:
             ctx.pool.remove(member)
             ctx.log.add("left", member.node)
             log.info("raytrain-x elastic: worker %s left the job (%s)", member.worker_id,
                      left.reason)
-        return Polled(outcomes.finished, needs_round)
+        return Polled(outcomes.finished, changes)
 
-    def on_failure(self, member: Member, error: WorkerError) -> bool:
-        """Takes a member's failure in; returns whether its round must form again without
-        it (not for a member that had left the job's rounds)."""
+    def on_failure(self, member: Member, error: WorkerError) -> list[Change]:
+        """Takes a member's failure in; returns it as the change its round must answer by
+        forming again without it (none for a member that had left the job's rounds)."""
         ctx = self.ctx
         if member.leaving or member.departed:
             # it had left the job's rounds (its node drains): no round waits for it
@@ -72,7 +75,7 @@ class MemberWatch:
             ctx.log.add("left", member.node, lost=True)
             log.info("raytrain-x elastic: worker %s, which had left the job, was lost with its "
                      "draining node", member.worker_id)
-            return False
+            return []
         if error.state_lost is not None:
             # it found part of the committed state gone with every copy (a sharded
             # optimizer's shard): every member of its round finds the same, and another
@@ -98,7 +101,8 @@ class MemberWatch:
                         short_node(member.node), _last_line(error.detail),
                         "good" if verdict.cooldown_s == float("inf")
                         else f"{verdict.cooldown_s:.1f}s")
-        return True
+        return [WorkerFailed(member.worker_id, member.node, member.rank, str(error.cause),
+                             lost_draining=verdict.kind == "lost_draining")]
 
     def check_all_failed(self) -> None:
         """No worker is left, the last one having failed. A function that raised fails the
@@ -131,9 +135,10 @@ class MemberWatch:
         log_ = self.ctx.log
         return len(log_.of("failure")) + len(log_.of("lost_draining"))
 
-    def check_stragglers(self) -> bool:
+    def check_stragglers(self) -> list[Change]:
         """Looks at who is absent from the rendezvous (`StragglerRule`) and fails the lost,
-        held and stuck; returns whether the job needs a round for what it found."""
+        held and stuck; returns what the next round must answer of what it found: their
+        failures, or members waiting at the rendezvous for a round."""
         ctx = self.ctx
         beats, now = self.heartbeats, ctx.clock()
         beats.record(*ctx.pool.beat(), now)
@@ -143,10 +148,10 @@ class MemberWatch:
         verdict = self.stragglers.observe(
             waiting, present, now, [w for w in present if ctx.members[w].rank >= 0],
             silent={w: beats.silent_for(w, now) for w in present}, failed=beats.failed)
-        needs_round = verdict.needs_round
+        changes: list[Change] = []
         if verdict.lost:
             addresses = ctx.cluster.addresses()
-            needs_round |= self.fail_all(verdict.lost, lambda ranks, nodes: unreachable_error(
+            changes += self.fail_all(verdict.lost, lambda ranks, nodes: unreachable_error(
                 ranks, nodes, "while their peers waited for them at the rendezvous",
                 addresses))
         # absent ones that answer: in a join the rounds actor never received? (asked
@@ -157,14 +162,16 @@ class MemberWatch:
             held = held_joins(answering, ctx.rounds_client.waiting(), JOIN_HELD_S)
             held = self.spare_last_holders(held)
             if held:
-                needs_round |= self.fail_all(held, held_join_error)
+                changes += self.fail_all(held, held_join_error)
         stuck = self.spare_last_holders(verdict.stuck)
         if stuck:
             where = ctx.pool.ask(stuck, "where")
-            needs_round |= self.fail_all(stuck, lambda ranks, nodes: stuck_error(
+            changes += self.fail_all(stuck, lambda ranks, nodes: stuck_error(
                 ranks, nodes, self.stragglers.stuck_after_s,
                 {ctx.members[w].rank: at for w, at in where.items()}))
-        return needs_round
+        if verdict.needs_round and not changes:
+            changes.append(PeersWaiting(len(set(waiting) & set(present))))
+        return changes
 
     def spare_last_holders(self, candidates: list[str]) -> list[str]:
         """`spare_last_holders` of the members about to be restarted, the other holders
@@ -210,17 +217,17 @@ class MemberWatch:
         training in that round look stuck)."""
         return [w for w, m in self.ctx.members.items() if not m.leaving and not m.departed]
 
-    def fail_all(self, worker_ids: Iterable[str], errors_of: Callable) -> bool:
+    def fail_all(self, worker_ids: Iterable[str], errors_of: Callable) -> list[Change]:
         """Fails these members with one error naming them all: `errors_of(ranks, nodes)`;
-        returns whether a round must form again without them."""
+        returns their failures (a round forms again without them)."""
         members = [self.ctx.members[w] for w in worker_ids if w in self.ctx.members]
         if not members:
-            return False
+            return []
         errors = errors_of(sorted(m.rank for m in members), [m.node for m in members])
-        needs_round = False
+        changes: list[Change] = []
         for member in members:
-            needs_round |= self.on_failure(member, errors[member.rank])
-        return needs_round
+            changes += self.on_failure(member, errors[member.rank])
+        return changes
 
 
 def _last_line(text: str) -> str:

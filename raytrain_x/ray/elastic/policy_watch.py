@@ -10,7 +10,7 @@ from raytrain_x.common.logs import progress_logger
 from raytrain_x.common.settings import short_node
 from raytrain_x.ray.elastic.context import JobContext
 from raytrain_x.ray.elastic.member_watch import MemberWatch
-from raytrain_x.ray.elastic.policies import JobSnapshot, Leave, WorkerSample
+from raytrain_x.ray.elastic.policies import AskedToLeave, JobSnapshot, Leave, WorkerSample
 
 log = logging.getLogger("raytrain_x.elastic")
 progress = progress_logger("raytrain_x.elastic.progress")
@@ -36,30 +36,30 @@ class PolicyWatch:
                           for m in sorted(staying, key=lambda m: m.rank)),
             min_workers=ctx.settings.min_workers, round=ctx.rounds, now=ctx.clock())
 
-    def check(self) -> bool:
-        """Returns whether members must leave (every rank is asked over at its next
-        commit, and the round forms without them)."""
+    def check(self) -> list[AskedToLeave]:
+        """Returns the members that must leave, as the change the next round answers
+        (every rank is asked over at its next commit; the round forms without them)."""
         if not self.policies or not self.ctx.rounds:
-            return False
+            return []
         job = self.snapshot()
-        leaving = False
+        leaving: list[AskedToLeave] = []
         for policy in self.policies:
             for leave in policy.decide(job):
-                leaving |= self._leave(leave, type(policy).__name__)
+                leaving += self._leave(leave, type(policy).__name__)
         if leaving:
             self.ctx.rounds_client.bump_hosts()
         return leaving
 
-    def _leave(self, leave: Leave, policy: str) -> bool:
+    def _leave(self, leave: Leave, policy: str) -> list[AskedToLeave]:
         ctx = self.ctx
         member = ctx.members.get(leave.worker_id)
         if member is None or member.asked_to_leave is not None or member.leaving:
-            return False
+            return []
         if len([m for m in ctx.staying() if m.rank >= 0]) - 1 < max(1, ctx.settings.min_workers):
             log.info("raytrain-x elastic: %s asked worker %s to leave; it stays (the job "
                      "would fall below min_workers=%d)", policy, leave.worker_id,
                      ctx.settings.min_workers)
-            return False
+            return []
         member.asked_to_leave = f"{policy}: {leave.reason}"
         if leave.cooldown_s > 0:
             ctx.blacklist.rest(member.node, leave.cooldown_s)
@@ -68,4 +68,4 @@ class PolicyWatch:
         progress.info("raytrain-x elastic: rank %d (worker %s on node %s) leaves at its next "
                       "commit: %s, %s", member.rank, leave.worker_id, short_node(member.node),
                       policy, leave.reason)
-        return True
+        return [AskedToLeave(leave.worker_id, policy, leave.reason)]

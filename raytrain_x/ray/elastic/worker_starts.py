@@ -11,6 +11,7 @@ from raytrain_x.common.settings import PROGRESS_EVERY_S, short_node
 from raytrain_x.ray.elastic.context import JobContext
 from raytrain_x.ray.elastic.policies import (
     MinimumWatch,
+    NewcomersWaiting,
     ScalingPolicy,
     elastic_timeout_error,
     last_resort_nodes,
@@ -77,9 +78,9 @@ class WorkerStarts:
                 set(ctx.draining) | set(ctx.blacklist.blacklisted()))
         ctx.cluster.capacity.ask(self.scaling.bundles(staying, starting, unusable))
 
-    def poll_pending(self, fn: Any, args: tuple, kwargs: dict) -> bool:
+    def poll_pending(self, fn: Any, args: tuple, kwargs: dict) -> list[NewcomersWaiting]:
         """Turns workers that answered into members (they run `fn(*args, **kwargs)`);
-        returns whether any did (a round must take them in)."""
+        returns them as the change a round must take in (none: none did)."""
         ctx = self.ctx
         settings = ctx.settings
 
@@ -103,7 +104,7 @@ class WorkerStarts:
                      "hedged start and the one it hedged both did); it leaves",
                      short_node(member.node), settings.max_workers)
             ctx.pool.remove(member)
-        return bool(joined)
+        return [NewcomersWaiting(len(joined))] if joined else []
 
     def check_pending(self) -> None:
         """Gives up on starting workers that cannot start (`ScalingPolicy.give_ups`) and

@@ -18,6 +18,7 @@ from raytrain_x.common.errors import (
 )
 from raytrain_x.common.settings import SILENT_LOST_S, STUCK_GRACE_S
 from raytrain_x.ray.elastic.job import ElasticJob, run_job
+from raytrain_x.ray.elastic.policies import Phase, RoundFormed, WorkerFailed
 from raytrain_x.ray.elastic.settings import ElasticSettings
 from raytrain_x.testing.simulation.model import WorldConfig
 from raytrain_x.testing.simulation.parts import sim_parts
@@ -183,6 +184,7 @@ def run_schedule(schedule: Schedule, keep_trace: bool = False) -> Outcome:
         progress.handlers, progress.propagate = saved[1:]
     for job in jobs:
         _check_events(world, job)
+        _check_phases(world, job)
     _check_restarts(world, jobs)
     _check_pool_drains(world, stop)
     world.storage.check_kept()
@@ -412,3 +414,21 @@ def _check_events(world: World, job: ElasticJob) -> None:
         if drained and w.outcome and w.outcome[0] == "failed" and w.outcome[1] != "lost" \
                 and "stopped" not in str(w.outcome[1]):
             world.violation(f"{w} on a draining node failed ({w.outcome[1]}), not left")
+
+
+def _check_phases(world: World, job: ElasticJob) -> None:
+    """The job ended in `Phase.ENDED` (whatever stopped it), and every failure it found was
+    carried, as the same value, into the round that answered it, unless no round formed
+    after it (the job ended first)."""
+    if job.phase is not Phase.ENDED:
+        world.violation(f"the driver's job stopped in phase {job.phase.value}, not ended")
+    found: list = []
+    for _, _, _, event in job.transitions:
+        if isinstance(event, WorkerFailed):
+            found.append(event)
+        elif isinstance(event, RoundFormed):
+            lost = [f for f in found if f not in event.answers]
+            if lost:
+                world.violation(f"round {event.round} formed without answering the failure "
+                                f"of {lost[0].worker_id} (rank {lost[0].rank})")
+            found = []

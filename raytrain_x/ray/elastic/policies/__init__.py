@@ -29,6 +29,22 @@ from raytrain_x.ray.elastic.policies.liveness import (
     held_joins,
     spare_last_holders,
 )
+from raytrain_x.ray.elastic.policies.phases import (
+    CHANGES,
+    TRANSITIONS,
+    AskedToLeave,
+    Change,
+    Event,
+    JobEnded,
+    NewcomersWaiting,
+    NodesDraining,
+    PeersWaiting,
+    Phase,
+    RoundFormed,
+    WorkerFailed,
+    WorkerFinished,
+    next_phase,
+)
 from raytrain_x.ray.elastic.policies.rounds import (
     RoundDecision,
     batch_awaited,
@@ -52,10 +68,13 @@ from raytrain_x.ray.elastic.policies.views import (
 )
 
 __all__ = [
-    'DrainNotice', 'DriverPolicy', 'FailurePolicy', 'FailureVerdict', 'Heartbeats',
-    'JobSnapshot', 'Leave', 'MemberView', 'MinimumWatch', 'PendingView', 'RoundDecision',
-    'ScalingPolicy', 'SlowWorkers', 'StragglerRule', 'Stragglers', 'WorkerSample',
+    'AskedToLeave', 'CHANGES', 'Change', 'Event', 'DrainNotice', 'DriverPolicy', 'FailurePolicy',
+    'FailureVerdict', 'Heartbeats', 'JobEnded', 'JobSnapshot', 'Leave', 'MemberView',
+    'MinimumWatch', 'NewcomersWaiting', 'NodesDraining', 'PeersWaiting', 'PendingView', 'Phase',
+    'RoundDecision', 'RoundFormed', 'ScalingPolicy', 'SlowWorkers', 'StragglerRule',
+    'Stragglers', 'TRANSITIONS', 'WorkerFailed', 'WorkerFinished', 'WorkerSample',
     'abandons_forming_round', 'asks_checkpoint', 'batch_awaited', 'decide_round', 'drain_line',
     'elastic_timeout_error', 'held_back', 'held_joins', 'holds_newcomers', 'kept_on_drain',
-    'notice_drains', 'shape', 'spare_last_holders', 'state_lost', 'state_lost_error',
+    'next_phase', 'notice_drains', 'shape', 'spare_last_holders', 'state_lost',
+    'state_lost_error',
 ]
