@@ -284,7 +284,7 @@ class ExportThread:
         self._lock = threading.Lock()
         self.exports, self.busy_s = 0, 0.0  # what exporting has cost (benchmarks read it)
         self._exported_a_step = False
-        # quick until the first step is exported, so a job's series appear with its start
+        # quick until a step's time is exported, so a job's series appear with its start
         self._every = Every(interval_s, self.once, "raytrain-x-metrics",
                             settled=lambda: self._exported_a_step)
 
@@ -307,7 +307,9 @@ class ExportThread:
         snap = self.read()
         if snap is not None:
             self.exporter.export(snap)
-            self._exported_a_step = snap.get("steps", 0) > 0
+            # a step's duration, not only its count: exported at the first step alone, the
+            # step-time series and the rate would wait a whole interval
+            self._exported_a_step = bool(snap.get("step_seconds"))
 
 
 def export_this_process(read: Callable[[], dict[str, Any] | None], job: str,
