@@ -283,8 +283,7 @@ class PowerSGD(Reducer):
             b.phase = 0
             b.handles = []
             b.buffer.ready = 0
-            if b.sent_input is not None:  # a failed step: its input is not this rank's error
-                b.sent_input = None
+            b.sent_input = None  # a failed step's input is not this rank's error
         self._began = False
 
     def step(self, closure: Callable[[], Any] | None, synchronize: bool) -> Any:

@@ -7,11 +7,11 @@ from __future__ import annotations
 import os
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
 from raytrain_x.ray import RayExecutor, SlowWorkers
+from raytrain_x.testing.jobs.ledger import read_progress
 from tests.conftest import ELASTIC_RESOURCE
 from tests.limits import limit, wait_until
 
@@ -26,6 +26,7 @@ def _train(claim: str, progress: str, stop: str) -> dict:
     import torch
 
     import raytrain_x.torch as rx
+    from raytrain_x.testing.jobs.ledger import write_progress
 
     try:
         os.close(os.open(claim, os.O_CREAT | os.O_EXCL))
@@ -54,17 +55,9 @@ def _train(claim: str, progress: str, stop: str) -> dict:
             state.sizes = [*state.sizes[-50:], rx.size()]
             state.commit()
             if rx.rank() == 0:
-                Path(progress).write_text(f"{state.step} {rx.size()}")
+                write_progress(progress, state.step, rx.size())
 
     return train(state)
-
-
-def _progress(path: Path) -> tuple[int, int]:
-    try:
-        step, size = path.read_text().split()
-        return int(step), int(size)
-    except (FileNotFoundError, ValueError):
-        return 0, 0
 
 
 @pytest.mark.parametrize("policies", [[SlowWorkers(min_steps=5, cooldown_s=600)], []],
@@ -83,15 +76,15 @@ def test_a_slowed_worker_leaves_at_a_commit_with_the_slow_workers_policy(
         _train, args=[str(tmp_path / "claim"), str(progress), str(stop)])), daemon=True)
     thread.start()
     try:
-        wait_until(lambda: _progress(progress)[1] == 3, 60, "a round of 3 to commit")
-        first = _progress(progress)[0]
+        wait_until(lambda: read_progress(progress)[1] == 3, 60, "a round of 3 to commit")
+        first = read_progress(progress)[0]
         if policies:
-            wait_until(lambda: _progress(progress)[1] == 2, 60,
+            wait_until(lambda: read_progress(progress)[1] == 2, 60,
                        "the slowed worker to leave (a round of 2 to commit)")
-            at = _progress(progress)[0]
-            wait_until(lambda: _progress(progress)[0] >= at + 10, 60, "10 more steps of 2")
+            at = read_progress(progress)[0]
+            wait_until(lambda: read_progress(progress)[0] >= at + 10, 60, "10 more steps of 2")
         else:  # as many steps as the policy waits and more: the three train on
-            wait_until(lambda: _progress(progress)[0] >= first + 20, 60, "20 more steps")
+            wait_until(lambda: read_progress(progress)[0] >= first + 20, 60, "20 more steps")
         stop.touch()
         thread.join(limit(60))
         assert not thread.is_alive(), "the job did not stop"

@@ -11,6 +11,7 @@ from raytrain_x.common.settings import short_node
 from raytrain_x.ray.elastic.context import JobContext
 from raytrain_x.ray.elastic.member_watch import MemberWatch
 from raytrain_x.ray.elastic.policies import AskedToLeave, JobSnapshot, Leave, WorkerSample
+from raytrain_x.ray.elastic.pool import Member
 
 log = logging.getLogger("raytrain_x.elastic")
 progress = progress_logger("raytrain_x.elastic.progress")
@@ -24,16 +25,19 @@ class PolicyWatch:
         self.members = members
         self.policies = list(ctx.settings.policies)
 
+    def _in_round(self) -> list[Member]:
+        """The members of the current round that stay (none leaving or asked to)."""
+        return [m for m in self.ctx.staying() if m.rank >= 0 and not m.departed]
+
     def snapshot(self) -> JobSnapshot:
         """The members of the current round that stay, with the work per step each last
         reported in it."""
         ctx = self.ctx
         work = self.members.heartbeats.work
-        staying = [m for m in ctx.staying() if m.rank >= 0 and not m.departed]
         return JobSnapshot(
             members=tuple(WorkerSample(m.worker_id, m.node, m.rank,
                                        *work.get(m.worker_id, (0.0, 0)))
-                          for m in sorted(staying, key=lambda m: m.rank)),
+                          for m in sorted(self._in_round(), key=lambda m: m.rank)),
             min_workers=ctx.settings.min_workers, round=ctx.rounds, now=ctx.clock())
 
     def check(self) -> list[AskedToLeave]:
@@ -55,7 +59,7 @@ class PolicyWatch:
         member = ctx.members.get(leave.worker_id)
         if member is None or member.asked_to_leave is not None or member.leaving:
             return []
-        if len([m for m in ctx.staying() if m.rank >= 0]) - 1 < max(1, ctx.settings.min_workers):
+        if len(self._in_round()) - 1 < max(1, ctx.settings.min_workers):
             log.info("raytrain-x elastic: %s asked worker %s to leave; it stays (the job "
                      "would fall below min_workers=%d)", policy, leave.worker_id,
                      ctx.settings.min_workers)
