@@ -1,7 +1,7 @@
-"""The TensorFlow face's dense allreduces, in chunks: each chunk's tensors are concatenated
-into a fresh 64-byte aligned buffer (the one copy), the engine reduces it in place,
-fusing the chunks of a cycle up to the fusion threshold (the autotuned knob), and the
-results are views of the buffers."""
+"""The TensorFlow face's dense allreduces, in units (`gradient_layout`): each unit's tensors
+are concatenated into a fresh 64-byte aligned buffer (the one copy), the engine reduces it
+in place, fusing the units of a cycle up to the fusion threshold (the autotuned knob), and
+the results are views of the buffers."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import tensorflow as tf
 from raytrain_x.common.process import next_number
 from raytrain_x.core import collectives as _core
 from raytrain_x.core import runtime
-from raytrain_x.core.collectives import Adasum
 from raytrain_x.core.process_sets import ProcessSet, registered_id
 from raytrain_x.engine.messages import (
     ALLREDUCE,
@@ -28,40 +27,15 @@ from raytrain_x.tensorflow.arrays import (
     writable,
 )
 from raytrain_x.tensorflow.compression import Compressor
+from raytrain_x.tensorflow.gradient_layout import units
 from raytrain_x.tensorflow.ops import FRAMEWORK
 from raytrain_x.tensorflow.process import tf_process
 
-# Dense allreduces travel in chunks of about this many bytes, fixed when a function is
-# traced. Each chunk is submitted as soon as its tensors exist (inside `tf.function`, while
-# backward still computes the others) and the engine fuses the chunks of a cycle up to the
-# fusion threshold, the knob autotune moves.
-CHUNK_BYTES = 4 << 20
 
-
-
-def _chunks(tensors: Sequence[tf.Tensor]) -> list[list[int]]:
-    """Consecutive same-dtype tensors, last first (backward produces the last layers'
-    gradients first), up to `CHUNK_BYTES` each; a tensor of unknown size is a chunk."""
-    chunks: list[list[int]] = []
-    used = 0
-    for i in reversed(range(len(tensors))):
-        t = tensors[i]
-        known = t.shape.is_fully_defined()
-        nbytes = t.shape.num_elements() * t.dtype.size if known else CHUNK_BYTES
-        if chunks and known and t.dtype == tensors[chunks[-1][0]].dtype \
-                and used + nbytes <= CHUNK_BYTES:
-            chunks[-1].append(i)
-            used += nbytes
-        else:
-            chunks.append([i])
-            used = nbytes
-    return chunks
-
-
-def _submit_chunk(flat: np.ndarray, shapes: np.ndarray, name: str, op: str, prescale: float,
+def _submit_unit(flat: np.ndarray, shapes: np.ndarray, name: str, op: str, prescale: float,
                   postscale: float, process_set: ProcessSet,
                   compression: type[Compressor]) -> np.ndarray:
-    """Queues the in-place allreduce of a chunk's buffer; returns a token for `_wait`."""
+    """Queues the in-place allreduce of a unit's buffer; returns a token for `_wait`."""
     flat = writable(flat)
     work, wire = flat, ""
     if compression.wire_dtype and flat.dtype.kind == "f" and flat.dtype != np.float16:
@@ -73,15 +47,15 @@ def _submit_chunk(flat: np.ndarray, shapes: np.ndarray, name: str, op: str, pres
     meta = Meta(ALLREDUCE, work.dtype.name, work.shape, op, 0, prescale, postscale,
                 registered_id(process_set), wire, "cpu", splits=tuple(shapes.tolist()),
                 framework=FRAMEWORK)
-    # token -> (handle, what the engine reduces, the chunk's buffer): the two differ only
+    # token -> (handle, what the engine reduces, the unit's buffer): the two differ only
     # when compression casts a non-float32 buffer, and the result is then copied back
-    token, pending = next_number("tf.chunk"), tf_process().pending
+    token, pending = next_number("tf.unit"), tf_process().pending
     pending[token] = (_core.submit(name, meta, work, output=work), work, flat)
     return np.array(token, dtype=np.int64)
 
 
 def _wait(tokens: Sequence[np.ndarray], step: bool) -> None:
-    """Waits for the chunks behind `tokens` (all of them, even after a failure)."""
+    """Waits for the units behind `tokens` (all of them, even after a failure)."""
     pending = tf_process().pending
     entries = [pending.pop(int(t)) for t in tokens if int(t) in pending]
     error = None
@@ -100,7 +74,7 @@ def _wait(tokens: Sequence[np.ndarray], step: bool) -> None:
 
 
 def _tail_rows(pad: int, dtype: tf.DType, count: int) -> list[tf.Tensor]:
-    """A row of zeros for the end of each of `count` chunks: it keeps a concatenation a
+    """A row of zeros for the end of each of `count` units: it keeps a concatenation a
     fresh buffer even for one tensor (a lone input would be passed through, and the
     caller's tensor reduced in place). In a graph the rows are slices of one stateful op's
     output, which the graph optimizer never merges, so two reductions of the same tensors
@@ -128,7 +102,7 @@ def _padded(members: list[tf.Tensor], sizes: list[Any], pad: int) -> list[tf.Ten
 
 
 def _signature(members: list[tf.Tensor]) -> tf.Tensor:
-    """The chunk's tensors' shapes, each as its rank and its dims, in one int64 vector: it
+    """The unit's tensors' shapes, each as its rank and its dims, in one int64 vector: it
     goes with the request, so ranks whose tensors differ in shape get a mismatch error
     (as in Horovod) instead of a reduced concatenation."""
     if all(t.shape.is_fully_defined() for t in members):
@@ -139,48 +113,47 @@ def _signature(members: list[tf.Tensor]) -> tf.Tensor:
 
 def grouped_reduce(tensors: Sequence[tf.Tensor], name: str, op: str, prescale: float,
                    postscale: float, process_set: ProcessSet, compression: type[Compressor],
-                   step: bool = False) -> list[tf.Tensor]:
-    """Allreduce of dense tensors of any dtypes.
+                   step: bool = False, groups: Any = None,
+                   sources: Sequence[Any] | None = None) -> list[tf.Tensor]:
+    """Allreduce of dense tensors of any dtypes, in the units `gradient_layout.units` cuts
+    (with Horovod's `groups` over the tensors' `sources`).
 
-    Per chunk (see `CHUNK_BYTES`), the tensors are concatenated, each padded to a 64-byte
-    row, into a fresh buffer: the one copy of the path, made inside a graph by
-    raytrain-x's own op (`kernels.concat`, which the executor runs as soon as the chunk
-    exists), eagerly or without that op by TensorFlow's. A numpy kernel queues the
-    in-place reduction of that buffer and returns at once; a last kernel waits for every
-    chunk. Nothing comes back through `tf.numpy_function` but tokens. Each result is a
-    view of its chunk's buffer: split along rows (TensorFlow shares memory for aligned
-    splits) and reshaped; only a tensor whose size is not a multiple of a row is sliced,
-    a copy of it.
+    Per unit, the tensors are concatenated, each padded to a 64-byte row, into a fresh
+    buffer: the one copy of the path, made inside a graph by raytrain-x's own op
+    (`kernels.concat`, which the executor runs as soon as the unit exists), eagerly or
+    without that op by TensorFlow's. A numpy kernel queues the in-place reduction of that
+    buffer and returns at once; a last kernel waits for every unit. Nothing comes back
+    through `tf.numpy_function` but tokens. Each result is a view of its unit's buffer:
+    split along rows (TensorFlow shares memory for aligned splits) and reshaped; only a
+    tensor whose size is not a multiple of a row is sliced, a copy of it.
     """
     if not tensors:
         return []
     dtypes = [t.dtype for t in tensors]
     work = [tf.cast(t, REDUCED_AS[t.dtype]) if t.dtype in REDUCED_AS else t for t in tensors]
-    # Adasum combines each tensor on its own (its coefficients are per tensor)
-    chunks = _chunks(work) if op != Adasum else [[i] for i in reversed(range(len(work)))]
-    # in a graph the chunks are laid out by raytrain-x's own op where it is built: the
-    # executor runs it as soon as the chunk exists (kernels.concat)
+    cut = units(work, name, op, groups, sources)
+    # in a graph the units are laid out by raytrain-x's own op where it is built: the
+    # executor runs it as soon as the unit exists (kernels.concat)
     own_concat = not tf.executing_eagerly() and kernels.available()
     tails: dict[tf.DType, list[tf.Tensor]] = {}
     if not own_concat:
-        for d in {work[m[0]].dtype for m in chunks}:
+        for d in {work[u.members[0]].dtype for u in cut}:
             tails[d] = _tail_rows(ALIGN // d.size, d,
-                                  sum(1 for m in chunks if work[m[0]].dtype == d))
+                                  sum(1 for u in cut if work[u.members[0]].dtype == d))
     buffers, tokens = [], []
-    for k, members in enumerate(chunks):
-        d = work[members[0]].dtype
+    for unit in cut:
+        d = work[unit.members[0]].dtype
         pad = ALIGN // d.size
-        chunk = [work[i] for i in members]
-        sizes = _sizes(chunk)
+        tensors_of = [work[i] for i in unit.members]
+        sizes = _sizes(tensors_of)
         if own_concat:
-            flat, signature = kernels.concat(chunk, pad)
+            flat, signature = kernels.concat(tensors_of, pad)
         else:
-            signature = _signature(chunk)
-            flat = tf.concat([*_padded(chunk, sizes, pad), tails[d].pop()], 0)
-        chunk_name = name if len(chunks) == 1 else f"{name}.{k}"
+            signature = _signature(tensors_of)
+            flat = tf.concat([*_padded(tensors_of, sizes, pad), tails[d].pop()], 0)
 
-        def submit(a, n, chunk_name=chunk_name):
-            return [_submit_chunk(a, n, chunk_name, op, prescale, postscale, process_set,
+        def submit(a, n, unit_name=unit.name):
+            return [_submit_unit(a, n, unit_name, op, prescale, postscale, process_set,
                                   compression)]
 
         tokens += run_kernel(submit, [flat, tf.cast(signature, tf.int64)], [tf.int64],
@@ -197,7 +170,7 @@ def grouped_reduce(tensors: Sequence[tf.Tensor], name: str, op: str, prescale: f
     (done,) = run_kernel(wait, [*tokens, *[b[0] for b in buffers]], [tf.int32],
                          [tf.TensorShape([])])
     out: list[Any] = [None] * len(work)
-    for members, (flat, sizes, pad) in zip(chunks, buffers):
+    for members, (flat, sizes, pad) in zip((u.members for u in cut), buffers):
         with tf.control_dependencies([done]):  # read the buffer after the engine wrote it
             flat = tf.identity(flat)
         rows = [(n + pad - 1) // pad for n in sizes] + [1]

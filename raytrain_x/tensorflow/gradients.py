@@ -1,10 +1,10 @@
 """Averaging gradients: `DistributedGradientTape`, `PartialDistributedGradientTape` and what
 the optimizers share.
 
-All dense gradients of a step go to the engine in one kernel call (one graph op inside
-`tf.function` or a session), bucketed by the fusion threshold, or one call per group when
-`groups=` fixes which gradients travel together. `tf.IndexedSlices` gradients (embedding
-lookups) are allgathered, or densified and reduced with the rest when `sparse_as_dense`.
+A step's dense gradients go to the engine in the units `gradient_layout` cuts (Horovod's
+`groups=` among what decides them), each submitted as soon as its gradients exist, and the
+engine fuses the units of a cycle up to the fusion threshold. `tf.IndexedSlices` gradients
+(embedding lookups) are allgathered, or densified and reduced with the rest when `sparse_as_dense`.
 Gradients of registered local sources are not reduced: they stay this rank's own, divided
 by the set's size when `scale_local_gradients` (Horovod's rule).
 """
@@ -12,7 +12,6 @@ by the set's size when `scale_local_gradients` (Horovod's rule).
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,6 +27,7 @@ from raytrain_x.tensorflow import kernels
 from raytrain_x.tensorflow.arrays import check_dtype
 from raytrain_x.tensorflow.chunked_reduce import grouped_reduce
 from raytrain_x.tensorflow.compression import Compression, Compressor
+from raytrain_x.tensorflow.gradient_layout import check_groups, ref
 from raytrain_x.tensorflow.ops import allreduce_sparse
 
 log = logging.getLogger("raytrain_x.tensorflow")
@@ -64,7 +64,7 @@ class GradientReducer:
         _core.predivided(self.op, self.predivide, 1)  # the clear error for a bad pair
         self.sparse_as_dense = sparse_as_dense
         self.compression = compression
-        self.groups = _check_groups(groups, num_groups)
+        self.groups = check_groups(groups, num_groups)
         self.process_set = process_set
         self.scale_local_gradients = scale_local_gradients
         self.local_sources: set[Any] = set()
@@ -72,11 +72,11 @@ class GradientReducer:
 
     def register_local_source(self, source: Any) -> None:
         """The gradient of `source` stays this rank's (not reduced)."""
-        self.local_sources.add(_ref(source))
+        self.local_sources.add(ref(source))
 
     def is_local(self, source: Any) -> bool:
         """Whether the gradient of `source` stays this rank's (`register_local_source`)."""
-        return _ref(source) in self.local_sources
+        return ref(source) in self.local_sources
 
     def reduce(self, grads: Sequence[Any], sources: Sequence[Any] | None = None,
                step: bool = True) -> list[Any]:
@@ -87,7 +87,7 @@ class GradientReducer:
             if step:
                 runtime.mark_step()
             return grads
-        local = [sources is not None and _ref(s) in self.local_sources
+        local = [sources is not None and ref(s) in self.local_sources
                  for s in (sources or [None] * len(grads))]
         out: list[Any] = list(grads)
         size = self.process_set.size()
@@ -107,55 +107,17 @@ class GradientReducer:
             check_dtype(g.dtype, "gradient")
             dense.append((i, g))
         reduce_op, pre, post = _core.predivided(self.op, self.predivide, size)
-        buckets = self._buckets(dense, sources)
-        for k, bucket in enumerate(buckets):
-            name = self.name if len(buckets) == 1 else f"{self.name}.group{k}"
-            reduced = grouped_reduce([g for _, g in bucket], name, reduce_op, pre, post,
-                                     self.process_set, self.compression,
-                                     step=step and k == len(buckets) - 1)
-            for (i, _), r in zip(bucket, reduced):
+        if dense:
+            reduced = grouped_reduce([g for _, g in dense], self.name, reduce_op, pre, post,
+                                     self.process_set, self.compression, step=step,
+                                     groups=self.groups,
+                                     sources=None if sources is None else
+                                     [sources[i] for i, _ in dense])
+            for (i, _), r in zip(dense, reduced):
                 out[i] = r
-        if step and not buckets:
+        elif step:
             runtime.mark_step()
         return out
-
-    def _buckets(self, dense: list[tuple[int, tf.Tensor]],
-                 sources: Sequence[Any] | None) -> list[list[tuple[int, tf.Tensor]]]:
-        """The gradients that travel together: all of them, or Horovod's groups (an int k:
-        k runs of about equal count in order; lists of variables: each list, then every
-        other gradient alone)."""
-        if not dense:
-            return []
-        if self.groups is None:
-            return [dense]
-        if isinstance(self.groups, int):
-            k = min(self.groups, len(dense))
-            per, extra = divmod(len(dense), k)
-            out, start = [], 0
-            for j in range(k):
-                end = start + per + (1 if j < extra else 0)
-                out.append(dense[start:end])
-                start = end
-            return out
-        if sources is None:
-            raise ConfigError("groups= lists of variables need the gradients' variables; "
-                              "use an int for groups here")
-        position = {_ref(s): i for i, s in enumerate(sources)}
-        by_index = dict(dense)
-        out, taken = [], set()
-        for group in self.groups:
-            members = [position[_ref(v)] for v in group if _ref(v) in position]
-            members = [i for i in members if i in by_index and i not in taken]
-            taken.update(members)
-            if members:
-                out.append([(i, by_index[i]) for i in sorted(members)])
-        out += [[(i, g)] for i, g in dense if i not in taken]
-        return out
-
-
-def _ref(source: Any) -> Any:
-    """A hashable key for a variable or tensor (TensorFlow's `.ref()`)."""
-    return source.ref() if hasattr(source, "ref") else id(source)
 
 
 def _reduces(process_set: ProcessSet) -> bool:
@@ -170,26 +132,6 @@ def _divided(grad: Any, size: int) -> Any:
         return tf.IndexedSlices(grad.values / tf.cast(size, grad.values.dtype), grad.indices,
                                 grad.dense_shape)
     return grad / tf.cast(size, grad.dtype)
-
-
-def _check_groups(groups: Any, num_groups: int) -> Any:
-    """Horovod's `groups=` (an int > 0 or lists of variables) and its deprecated
-    `num_groups=`."""
-    if num_groups:
-        warnings.warn("num_groups is deprecated; use groups=", DeprecationWarning,
-                      stacklevel=3)
-        if groups is None:
-            groups = num_groups
-    if groups is None or groups == 0:
-        return None
-    if isinstance(groups, bool) or not (isinstance(groups, int) or
-                                        isinstance(groups, (list, tuple))):
-        raise ConfigError("groups must be an int > 0 or a list of lists of variables, got "
-                          f"{groups!r}")
-    if isinstance(groups, int) and groups < 0:
-        raise ConfigError(f"groups must be an int > 0 or a list of lists of variables, got "
-                          f"{groups}")
-    return groups
 
 
 class DistributedGradientTape:

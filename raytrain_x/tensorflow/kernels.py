@@ -8,9 +8,9 @@ with TensorFlow's threads: each rank starts all of them, in whatever order its e
 picks, and the engine negotiates one order, as with Horovod's `AsyncOpKernel`s. Errors
 come back with TensorFlow's error codes (`tf.errors.FailedPreconditionError` for ranks
 that disagree, `InvalidArgumentError` for a bad argument), as Horovod's ops raise them.
-`RaytrainXConcat` (`concat`) lays a chunk of gradients out for the engine. The executor
+`RaytrainXConcat` (`concat`) lays a unit of gradients out for the engine. The executor
 runs it, and a `RaytrainXAsync` that only submits, at once on the thread that produced its
-last input, rather than queueing it behind backward's kernels: a chunk reaches the engine
+last input, rather than queueing it behind backward's kernels: a unit reaches the engine
 as soon as backward has produced it.
 
 Where the ops cannot be built (no C++ compiler), kernels run through `tf.numpy_function`
@@ -125,7 +125,7 @@ def concat(tensors: Sequence[tf.Tensor], row: int) -> tuple[tf.Tensor, tf.Tensor
     """One `RaytrainXConcat` op of the current graph: `tensors` (one dtype) flattened,
     each zero-padded to whole rows of `row` elements, back to back in a fresh buffer with
     one more row of zeros at the end; and their shapes (each its rank, then its dims) as
-    one int64 vector. The executor runs it as soon as the last of them exists, so a chunk
+    one int64 vector. The executor runs it as soon as the last of them exists, so a unit
     of gradients reaches the engine while backward goes on."""
     ops, _ = _load()
     flat, shapes = ops.raytrain_x_concat(list(tensors), row=row)

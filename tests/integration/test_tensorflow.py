@@ -588,32 +588,38 @@ def test_learning_rate_schedule_and_warmup_callbacks():
         assert seen["warmup"] == pytest.approx([*warm, 0.4, 0.4, 0.4, 0.4, 0.4], rel=1e-6)
 
 
-_SERIAL_GRAPH = """
-import logging, os, sys
-os.environ["RAYTRAIN_X_TF_ASYNC"] = sys.argv[2]
-import tensorflow as tf
-tf.config.threading.set_inter_op_parallelism_threads(int(sys.argv[1]))
-import keras
-import raytrain_x.tensorflow.keras as rx
-logging.basicConfig()
-rx.DistributedOptimizer(keras.optimizers.SGD(0.1))
-rx.DistributedOptimizer(keras.optimizers.SGD(0.1))
-"""
+def _serial_graph_warnings(threads: int) -> int:
+    """Builds two optimizers after TensorFlow's inter-op threads are set to `threads` (0:
+    its default); how often the serial-graph warning was logged."""
+    import logging
+
+    import keras
+    import tensorflow as tf
+
+    import raytrain_x.tensorflow.keras as rx
+
+    tf.config.threading.set_inter_op_parallelism_threads(threads)
+    said = []
+
+    class Count(logging.Handler):
+        def emit(self, record):
+            said.append(record.getMessage())
+
+    logging.getLogger("raytrain_x.tensorflow").addHandler(Count())
+    rx.DistributedOptimizer(keras.optimizers.SGD(0.1))
+    rx.DistributedOptimizer(keras.optimizers.SGD(0.1))
+    return sum("inter-op parallelism is 1" in m for m in said)
 
 
 def test_one_inter_op_thread_without_the_kernels_is_warned_of_once():
     """With one inter-op thread and without raytrain-x's kernels (`RAYTRAIN_X_TF_ASYNC=0`
     here, no compiler elsewhere) TensorFlow runs all of backward before the reductions
     (docs/tensorflow.md): the optimizer says so, once. With the kernels, or TensorFlow's
-    default threads, there is nothing to warn of."""
-    import sys
-
-    from tests import limits
-
+    default threads, there is nothing to warn of. Each case is a fresh process, TensorFlow
+    not yet started."""
     said = {}
     for threads, built in ((1, "0"), (1, "1"), (0, "0")):
-        out = limits.run([sys.executable, "-c", _SERIAL_GRAPH, str(threads), built], 15,
-                         "a TensorFlow process making two optimizers")
-        assert out.returncode == 0, out.stderr
-        said[threads, built] = out.stderr.count("inter-op parallelism is 1")
+        (said[threads, built],) = run_workers(_serial_graph_warnings, 1, threads,
+                                              env={**ENV, "RAYTRAIN_X_TF_ASYNC": built},
+                                              work_s=10)
     assert said == {(1, "0"): 1, (1, "1"): 0, (0, "0"): 0}

@@ -1,0 +1,64 @@
+"""The TensorFlow face's one grouping authority (`tensorflow/gradient_layout.py`): the units
+its dense tensors are submitted in, from Horovod's groups, dtypes, sizes and the op."""
+
+from __future__ import annotations
+
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+
+from raytrain_x.common.errors import ConfigError  # noqa: E402
+from raytrain_x.core.collectives import Adasum, Average  # noqa: E402
+from raytrain_x.tensorflow.gradient_layout import (  # noqa: E402
+    UNIT_BYTES,
+    check_groups,
+    units,
+)
+
+QUARTER = UNIT_BYTES // 4 // 4  # float32 elements in a quarter of a unit
+
+
+def spec(elements: int | None, dtype=tf.float32):
+    return tf.TensorSpec([elements], dtype)
+
+
+def members(cut):
+    return [list(u.members) for u in cut]
+
+
+def test_units_are_runs_of_one_dtype_last_first_up_to_the_unit_size():
+    tensors = [spec(QUARTER)] * 6
+    assert members(units(tensors, "g", Average)) == [[5, 4, 3, 2], [1, 0]]
+    mixed = [spec(10), spec(10, tf.float64), spec(10, tf.float64), spec(None), spec(10)]
+    assert members(units(mixed, "g", Average)) == [[4], [3], [2, 1], [0]]
+    assert [u.name for u in units(mixed, "g", Average)] == ["g.0", "g.1", "g.2", "g.3"]
+    assert [u.name for u in units([spec(3)], "g", Average)] == ["g"]
+
+
+def test_adasum_makes_a_unit_of_each_tensor():
+    assert members(units([spec(3)] * 3, "g", Adasum)) == [[2], [1], [0]]
+
+
+def test_an_int_makes_that_many_groups_of_about_equal_count_and_no_unit_crosses_one():
+    cut = units([spec(3)] * 5, "g", Average, groups=2)
+    assert members(cut) == [[2, 1, 0], [4, 3]]
+    assert [u.name for u in cut] == ["g.group0", "g.group1"]
+    assert members(units([spec(3)] * 2, "g", Average, groups=5)) == [[0], [1]]
+
+
+def test_lists_of_variables_make_groups_and_every_other_gradient_its_own():
+    sources = [tf.Variable([float(i)]) for i in range(4)]
+    cut = units([spec(1)] * 4, "g", Average, groups=[[sources[3], sources[0]], [sources[1]]],
+                sources=sources)
+    assert members(cut) == [[3, 0], [1], [2]]
+    with pytest.raises(ConfigError, match="use an int"):
+        units([spec(1)], "g", Average, groups=[[sources[0]]])
+
+
+def test_groups_are_checked_and_num_groups_is_deprecated():
+    assert check_groups(None, 0) is None and check_groups(0, 0) is None
+    with pytest.warns(DeprecationWarning):
+        assert check_groups(None, 3) == 3
+    for bad in (-1, True, "two"):
+        with pytest.raises(ConfigError, match="groups must be"):
+            check_groups(bad, 0)
