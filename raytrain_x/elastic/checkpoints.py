@@ -270,18 +270,18 @@ class CheckpointStore:
 
     def part_failed(self, key: Key, part: str, cause: str) -> None:
         """Records that this rank's part will not come (so that the last writer gives the
-        checkpoint up at once, not after its timeout); best effort."""
+        checkpoint up at once, not after its timeout); best effort, tried once."""
         try:
-            self.storage.publish(f"{self._path(key)}/{part}{FAILED}", cause.encode())
+            self.storage.once().publish(f"{self._path(key)}/{part}{FAILED}", cause.encode())
         except Exception:  # noqa: BLE001 - storage that failed the part may fail this too
             pass
 
     def discard(self, key: Key, part: str = "") -> None:
         """Deletes what a failed attempt wrote: one part's folder, or (`part` empty) the
         whole checkpoint's, which its last writer gave up before publishing a manifest.
-        Best effort: the next complete checkpoint prunes what is left."""
+        Best effort, tried once: the next complete checkpoint prunes what is left."""
         try:
-            self.storage.delete(self._path(key, part))
+            self.storage.once().delete(self._path(key, part))
         except Exception as exc:  # noqa: BLE001 - storage that failed the write may fail this
             log.info("raytrain-x checkpoint: could not delete the failed attempt %s: %s",
                      self.where(key, part), exc)

@@ -115,6 +115,13 @@ class Storage(ABC):
         """Where `path` can be written in place on this machine (a local or shared file
         system); None for object stores."""
 
+    def once(self) -> Storage:
+        """This storage with each operation tried once: for what is done on a best-effort
+        basis after a failure (the storage that failed a write is likely to fail its
+        clean-up too, and a retried clean-up would hold the writer for its whole retry
+        budget again). Storage without retries of its own is itself."""
+        return self
+
 
 def _not_found(exc: BaseException) -> bool:
     if isinstance(exc, FileNotFoundError):
@@ -416,6 +423,9 @@ class RetryingStorage(Storage):
 
     def describe(self, path: str = "") -> str:
         return self.inner.describe(path)
+
+    def once(self) -> Storage:
+        return self.inner.once()
 
     def list(self, folder: str) -> list[Entry]:
         return self._retry("listing", folder, lambda: self.inner.list(folder))

@@ -287,6 +287,27 @@ def test_a_full_disk_fails_the_write_at_once_and_names_the_path(tmp_path, faults
     _release(durable)
 
 
+def test_the_clean_up_of_a_write_storage_failed_is_tried_once(tmp_path, faults):
+    """Storage that stops answering fails the write once its retries are spent; what the
+    writer does after (marking its part failed, deleting what it wrote) is tried once: on
+    S3 a retried clean-up held the writer, and the commit waiting on it, for about four
+    times the write's own retries."""
+    durable = _writer(str(tmp_path), 1)
+    many = 100
+    faults(write=many, delete=many)  # S3 refusing every write and delete
+    manifest = Manifest(3, {}, 1, {}, 0.0, {}, 1)
+    durable.write({"common.3": lambda: {}}, manifest, ["common.3"])
+    assert durable.wait(30)
+    assert "failed 6 times" in durable.last.error  # the upload: every retry
+    plan = json.loads(Path(os.environ["RAYTRAIN_X_STORAGE_FAULTS"]).read_text())
+    # one upload tried ATTEMPTS times, then one try at marking the part failed; one try
+    # each at deleting the part's folder and the checkpoint's
+    assert many - plan["write"] == RetryingStorage.ATTEMPTS + 1
+    assert many - plan["delete"] == 2
+    faults()
+    _release(durable)
+
+
 def test_a_checkpoint_is_complete_only_with_a_checksum_per_file(tmp_path):
     durable = _writer(str(tmp_path), 1)
     manifest = _commit(durable, 1, 1)
