@@ -18,6 +18,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
 import time
 import uuid
 from abc import ABC, abstractmethod
@@ -372,6 +373,17 @@ def _fsync_tree(root: str) -> None:
 # errors no retry mends: a full disk, no permission, a file where a folder should be
 _LASTING = (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS,
             errno.ENOTDIR, errno.EEXIST)
+# an object store's answers no retry mends: credentials refused, access denied (pyarrow's
+# S3 and GCS errors carry the status as text, without an errno)
+_LASTING_STATUS = re.compile(r"HTTP status (401|403)\b|AWS Error (ACCESS_DENIED|"
+                             r"INVALID_ACCESS_KEY_ID|SIGNATURE_DOES_NOT_MATCH)\b|"
+                             r"AccessDenied|InvalidAccessKeyId|SignatureDoesNotMatch")
+
+
+def lasting(exc: OSError) -> bool:
+    """Whether no retry mends `exc` (a full disk, a missing permission)."""
+    return getattr(exc, "errno", None) in _LASTING or \
+        bool(_LASTING_STATUS.search(str(exc)))
 
 
 class RetryingStorage(Storage):
@@ -410,7 +422,7 @@ class RetryingStorage(Storage):
             nonlocal delay, attempt
             attempt += 1
             spent = attempt == self.ATTEMPTS or self._clock() + delay > deadline
-            if getattr(exc, "errno", None) in _LASTING or spent:
+            if lasting(exc) or spent:
                 tries = "once" if attempt == 1 else f"{attempt} times"
                 raise StorageError(f"{what} {self.inner.describe(path)} failed {tries}: "
                                    f"{str(exc).splitlines()[0][:300] or type(exc).__name__}"

@@ -338,6 +338,22 @@ def test_checkpoints_on_s3_keep_the_last_two_and_survive_an_outage(s3_server, tm
     assert resumed[0]["started_at"] == 12 and resumed[0]["seen"][-1] == 13
 
 
+def test_credentials_s3_refuses_fail_at_once_naming_the_path(s3_server, monkeypatch):
+    """A 403 (moto checking credentials, which it knows none of) is no outage: no retry
+    mends it, so it is raised at the first answer instead of after every retry."""
+    import moto.settings
+
+    from raytrain_x.common.errors import StorageError
+    from raytrain_x.elastic.checkpoints import open_storage
+
+    uri, _, _ = s3_server
+    monkeypatch.setattr(moto.settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)
+    storage = open_storage(uri("refused"))
+    with pytest.raises(StorageError, match=r"writing s3://refused/runs/a.json failed once: "
+                                           r".*ACCESS_DENIED"):
+        storage.publish("a.json", b"{}")
+
+
 def test_a_lease_generation_is_created_once_on_s3(s3_server):
     """S3's conditional PUT (`If-None-Match: *`) orders the lease's generations: the second
     create of one file is refused by the server and the first one's content kept."""
