@@ -20,13 +20,13 @@ from raytrain_x.testing.waiting import free_port
 from tests.limits import limit
 
 # Ranks start as forks of a server that has imported torch once (a fresh interpreter per rank
-# spent about 2 s of CPU importing it, for each of the suite's ~100 worker runs), and the
-# torch face with torch._dynamo: torch imports it the first time an optimizer is built, about
-# 1.4 s of CPU more for every rank that builds one. Each rank still is a new process with the
-# caller's environment as it is at the call (raytrain-x reads its settings when it runs, not
-# when it is imported).
+# spent about 2 s of CPU importing it, for each of the suite's ~100 worker runs), and
+# torch._dynamo: torch imports it the first time an optimizer is built, about 1.4 s of CPU
+# more for every rank that builds one. Not raytrain-x itself: a rank checks which of its faces
+# it loads. Each rank still is a new process with the caller's environment as it is at the
+# call.
 _CONTEXT = mp.get_context("forkserver")
-_PRELOAD = ["torch", "torch._dynamo", "numpy", "pytest", "raytrain_x.torch", "tests.limits"]
+_PRELOAD = ["torch", "torch._dynamo", "numpy", "pytest", "tests.limits"]
 _CONTEXT.set_forkserver_preload(_PRELOAD)
 
 

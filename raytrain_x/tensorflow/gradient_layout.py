@@ -22,12 +22,13 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
-
-import tensorflow as tf
+from typing import TYPE_CHECKING, Any
 
 from raytrain_x.common.errors import ConfigError
 from raytrain_x.core.collectives import Adasum
+
+if TYPE_CHECKING:  # the layout reads shapes and dtypes alone: pure, tested without TensorFlow
+    import tensorflow as tf
 
 # Units of about this many bytes: small enough that the first is submitted early in
 # backward, large enough that a model's gradients are a few requests.

@@ -373,7 +373,8 @@ def _tape_with_autotune(log: str, timeline: str) -> dict:
     rx.init(autotune=AutotuneConfig(log_file=log, warmup_samples=1, steps_per_sample=3,
                                     bayes_opt_max_samples=5,
                                     rules=SearchRules(convergence_patience=0)))
-    # 4 MB each: one chunk per variable (CHUNK_BYTES), so the engine has chunks to fuse
+    # 4 MB each: one unit per variable (gradient_layout.UNIT_BYTES): units for the engine
+    # to fuse
     variables = [tf.Variable(tf.ones([1024, 1024])) for _ in range(6)] + \
         [tf.Variable(tf.ones([64])) for _ in range(6)]
 

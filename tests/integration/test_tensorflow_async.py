@@ -142,7 +142,7 @@ def test_a_session_fetching_independent_collectives_in_any_order_completes(size)
 
 
 def _chunk_reaches_engine_first(wait_s: float) -> dict:
-    """A gradient chunk whose tensor is done must reach the engine before the executor's
+    """A gradient unit whose tensors are done must reach the engine before the executor's
     one thread runs the next expensive op, as backward's next kernel would be. Here that op
     waits until the chunk was submitted (or `wait_s`): had the executor run it first, it
     would wait out the whole time while the chunk sat behind it."""
@@ -157,13 +157,13 @@ def _chunk_reaches_engine_first(wait_s: float) -> dict:
     rx.init()
     r, n = rx.rank(), rx.size()
     submitted = threading.Event()
-    submit = chunked_reduce._submit_chunk
+    submit = chunked_reduce._submit_unit
 
     def observed(*args, **kwargs):  # the real submission, noted
         submitted.set()
         return submit(*args, **kwargs)
 
-    chunked_reduce._submit_chunk = observed
+    chunked_reduce._submit_unit = observed
 
     def next_kernel(_: np.ndarray) -> np.ndarray:
         return np.array(submitted.wait(wait_s))

@@ -1,25 +1,53 @@
 """The TensorFlow face's one grouping authority (`tensorflow/gradient_layout.py`): the units
-its dense tensors are submitted in, from Horovod's groups, dtypes, sizes and the op."""
+its dense tensors are submitted in, from Horovod's groups, dtypes, sizes and the op. Pure
+logic over shapes and dtypes: the tensors are stand-ins with TensorFlow's shape and dtype
+methods."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 
-tf = pytest.importorskip("tensorflow")
-
-from raytrain_x.common.errors import ConfigError  # noqa: E402
-from raytrain_x.core.collectives import Adasum, Average  # noqa: E402
-from raytrain_x.tensorflow.gradient_layout import (  # noqa: E402
-    UNIT_BYTES,
-    check_groups,
-    units,
-)
+from raytrain_x.common.errors import ConfigError
+from raytrain_x.core.collectives import Adasum, Average
+from raytrain_x.tensorflow.gradient_layout import UNIT_BYTES, check_groups, units
 
 QUARTER = UNIT_BYTES // 4 // 4  # float32 elements in a quarter of a unit
 
 
-def spec(elements: int | None, dtype=tf.float32):
-    return tf.TensorSpec([elements], dtype)
+@dataclass(frozen=True)
+class DType:
+    name: str
+    size: int
+
+
+@dataclass(frozen=True)
+class Shape:
+    elements: int | None
+
+    def is_fully_defined(self) -> bool:
+        return self.elements is not None
+
+    def num_elements(self) -> int | None:
+        return self.elements
+
+
+@dataclass(frozen=True)
+class Spec:
+    shape: Shape
+    dtype: DType
+
+
+FLOAT32, FLOAT64 = DType("float32", 4), DType("float64", 8)
+
+
+def spec(elements: int | None, dtype: DType = FLOAT32) -> Spec:
+    return Spec(Shape(elements), dtype)
+
+
+class Variable:
+    """A variable's stand-in: keyed by identity, as `ref()` keys one."""
 
 
 def members(cut):
@@ -29,7 +57,7 @@ def members(cut):
 def test_units_are_runs_of_one_dtype_last_first_up_to_the_unit_size():
     tensors = [spec(QUARTER)] * 6
     assert members(units(tensors, "g", Average)) == [[5, 4, 3, 2], [1, 0]]
-    mixed = [spec(10), spec(10, tf.float64), spec(10, tf.float64), spec(None), spec(10)]
+    mixed = [spec(10), spec(10, FLOAT64), spec(10, FLOAT64), spec(None), spec(10)]
     assert members(units(mixed, "g", Average)) == [[4], [3], [2, 1], [0]]
     assert [u.name for u in units(mixed, "g", Average)] == ["g.0", "g.1", "g.2", "g.3"]
     assert [u.name for u in units([spec(3)], "g", Average)] == ["g"]
@@ -47,7 +75,7 @@ def test_an_int_makes_that_many_groups_of_about_equal_count_and_no_unit_crosses_
 
 
 def test_lists_of_variables_make_groups_and_every_other_gradient_its_own():
-    sources = [tf.Variable([float(i)]) for i in range(4)]
+    sources = [Variable() for _ in range(4)]
     cut = units([spec(1)] * 4, "g", Average, groups=[[sources[3], sources[0]], [sources[1]]],
                 sources=sources)
     assert members(cut) == [[3, 0], [1], [2]]
