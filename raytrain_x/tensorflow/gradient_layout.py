@@ -84,12 +84,12 @@ def units(tensors: Sequence[tf.Tensor], name: str, op: str, groups: Any = None,
     out: list[Unit] = []
     for g, group in enumerate(grouped):
         base = name if len(grouped) == 1 else f"{name}.group{g}"
-        cut = ([[i] for i in reversed(group)] if op == Adasum
+        # positions within the group
+        cut = ([[p] for p in reversed(range(len(group)))] if op == Adasum
                else _by_bytes([tensors[i] for i in group]))
         for k, positions in enumerate(cut):
-            members = (tuple(positions) if op == Adasum
-                       else tuple(group[p] for p in positions))
-            out.append(Unit(members, base if len(cut) == 1 else f"{base}.{k}"))
+            out.append(Unit(tuple(group[p] for p in positions),
+                            base if len(cut) == 1 else f"{base}.{k}"))
     return out
 
 
