@@ -233,6 +233,11 @@ def pytest_sessionstart(session):
         prefix=f"{TEMP_PREFIX}tmp", dir="/tmp")
     # Ray writes the address of the last cluster started to $TMPDIR/ray without making it
     os.mkdir(os.path.join(_at_start["children_temp"], "ray"))
+    # Ray starts idle Python workers ahead of need: one per CPU of the head when the first
+    # driver connects, one on each node added. The suite's driver has a runtime_env, so its
+    # actors never start on them; every test cluster does without them.
+    for setting in ("RAY_enable_worker_prestart", "RAY_prestart_worker_first_driver"):
+        os.environ.setdefault(setting, "0")
     # The snapshot is taken before the suite's processes start (pytest-xdist starts them
     # after this hook).
     _at_start["before"] = leaks.snapshot(TEMP_PREFIX)
