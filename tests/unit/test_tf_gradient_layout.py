@@ -1,17 +1,36 @@
 """The TensorFlow face's one grouping authority (`tensorflow/gradient_layout.py`): the units
 its dense tensors are submitted in, from Horovod's groups, dtypes, sizes and the op. Pure
 logic over shapes and dtypes: the tensors are stand-ins with TensorFlow's shape and dtype
-methods."""
+methods.
+
+The module is loaded from its file, not through its package: `raytrain_x.tensorflow` imports
+TensorFlow (about 4 s of CPU), and every suite process collects this file."""
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
+import raytrain_x
 from raytrain_x.common.errors import ConfigError
 from raytrain_x.core.collectives import Adasum, Average
-from raytrain_x.tensorflow.gradient_layout import UNIT_BYTES, check_groups, units
+
+
+def _load_layout():
+    path = Path(raytrain_x.__file__).parent / "tensorflow" / "gradient_layout.py"
+    spec = importlib.util.spec_from_file_location("tf_gradient_layout_alone", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+_layout = _load_layout()
+UNIT_BYTES, check_groups, units = _layout.UNIT_BYTES, _layout.check_groups, _layout.units
 
 QUARTER = UNIT_BYTES // 4 // 4  # float32 elements in a quarter of a unit
 
