@@ -131,68 +131,45 @@ def _check_committed_history(results: list[dict], steps: int = STEPS) -> None:
     assert len(results[0]["seen"]) > 1, "the test should finish at least one epoch"
 
 
-def test_killed_worker_actor_training_finishes(elastic_nodes, tmp_path):
-    """With a sharded optimizer (zero_stage=1): the dead worker's shard is rebuilt from its
-    copy on a survivor and re-sharded over the two left."""
+def test_a_killed_worker_an_added_node_and_a_removed_node_in_one_job(cluster, elastic_nodes,
+                                                                     tmp_path):
+    """One job through 3, 2, 3 and 2 workers, with sharded optimizer state and gradients
+    (zero_stage=2), keeping its state in memory at each change: a killed worker actor (its
+    shard rebuilt from the copy on a survivor and re-sharded over the two left; its host
+    blacklisted, so no replacement starts there), a node added (the newcomer joins at the
+    next commit and receives its shard re-sharded over three), and a node removed without
+    notice (the survivors go on). Each change comes once the round before has committed
+    steps of its own."""
     elastic_nodes(3)
     executor = _executor(2, 3)
-    progress = tmp_path / "progress"
-    job = _Job(executor, STEPS, 0.1, None, str(progress), 1)
+    progress, stop = tmp_path / "progress", tmp_path / "stop"
+    job = _Job(executor, None, 0.05, None, str(progress), 2, str(stop), fn=_until_stopped)
     job.wait_until(lambda: job.trained(progress, 10, 3),  # mid-epoch, 3 workers
                    "rank 0 to commit 10 steps with 3 workers")
     ray.kill(_youngest(executor).actor, no_restart=True)
-    results = job.join()
-    events = executor.last_elastic_job.events
-    rounds = executor.last_elastic_job.rounds
-    executor.shutdown()
-    assert len(results) == 2  # the survivors finished
-    _check_committed_history(results)
-    assert any(kind == "failure" for _, kind, _ in events)
-    assert rounds >= 2
-    assert 3 in results[0]["sizes"] and results[0]["sizes"][-1] == 2
-    # horovodrun's worker variables follow the reset
-    assert sorted(tuple(r["horovod_env"]) for r in results) == [("0", "2"), ("1", "2")]
-
-
-def test_removed_node_survivors_continue(cluster, elastic_nodes, tmp_path):
-    """With sharded optimizer state and gradients (zero_stage=2)."""
-    nodes = elastic_nodes(3)
-    executor = _executor(2, 3)
-    progress = tmp_path / "progress"
-    job = _Job(executor, STEPS, 0.1, None, str(progress), 2)
-    job.wait_until(lambda: job.trained(progress, 10, 3),
-                   "rank 0 to commit 10 steps with 3 workers")
-    victim = _youngest(executor)
-    cluster.remove_node(next(n for n in nodes if n.node_id == victim.node),
-                        allow_graceful=False)
-    results = job.join()
-    executor.shutdown()
-    assert len(results) == 2
-    _check_committed_history(results)
-    assert 3 in results[0]["sizes"] and results[0]["sizes"][-1] == 2
-
-
-def test_added_node_joins_at_the_next_commit(elastic_nodes, tmp_path):
-    """With a sharded optimizer (zero_stage=1): the newcomer receives its shard of the
-    state re-sharded over three."""
-    elastic_nodes(2)
-    executor = _executor(2, 3)
-    progress, stop = tmp_path / "progress", tmp_path / "stop"
-    job = _Job(executor, None, 0.05, None, str(progress), 1, str(stop), fn=_until_stopped)
-    job.wait_until(lambda: job.trained(progress, 5, 2),
-                   "rank 0 to commit 5 steps with 2 workers")
-    elastic_nodes(1)
+    job.wait_until(lambda: job.trained(progress, 15, 2),
+                   "rank 0 to commit step 15 with the 2 survivors of the kill")
+    added = elastic_nodes(1)[0]
     # the job trains on until the newcomer has committed with the others, past an epoch
     job.wait_until(lambda: job.trained(progress, 30, 3), "rank 0 to commit step 30 with 3")
+    newcomer = _youngest(executor)
+    assert newcomer.node == added.node_id
+    cluster.remove_node(added, allow_graceful=False)
+    job.wait_until(lambda: job.trained(progress, 35, 2),
+                   "rank 0 to commit step 35 with the 2 survivors of the removed node")
     stop.touch()
     results = job.join()
     events = executor.last_elastic_job.events
     executor.shutdown()
-    assert len(results) == 3  # the new worker finished with the others
-    _check_committed_history(results, results[0]["step"])  # it received the committed state
+    assert len(results) == 2  # the survivors finished
+    _check_committed_history(results, results[0]["step"])  # the newcomer got the state
+    kinds = [kind for _, kind, _ in events]
+    assert kinds.count("failure") >= 2 and "scale_up" in kinds, kinds
     sizes = results[0]["sizes"]
-    assert 2 in sizes and sizes[-1] == 3
-    assert any(kind == "scale_up" for _, kind, _ in events)
+    changes = [size for i, size in enumerate(sizes) if i == 0 or size != sizes[i - 1]]
+    assert changes == [3, 2, 3, 2], sizes
+    # horovodrun's worker variables follow each reset
+    assert sorted(tuple(r["horovod_env"]) for r in results) == [("0", "2"), ("1", "2")]
 
 
 def test_horovods_hosts_join_in_one_round_leave_with_discovery_and_go_when_blacklisted(
@@ -297,7 +274,8 @@ def test_slow_starts_are_waited_for_and_a_vanished_slot_is_given_up_with_a_reaso
                    and len(executor.last_elastic_job.pending) == 3, "3 workers starting")
     # its worker can never start now; gracefully, so Ray knows at once that the node is gone
     # (a killed raylet is declared dead only after ~15 s of health checks, which this test
-    # would wait out; the abrupt loss is test_removed_node_survivors_continue's)
+    # would wait out; the abrupt loss is in
+    # test_a_killed_worker_an_added_node_and_a_removed_node_in_one_job)
     cluster.remove_node(nodes[0], allow_graceful=True)
     lost = nodes[0].node_id
     job.wait_until(lambda: any(host == lost for _, host, _ in
