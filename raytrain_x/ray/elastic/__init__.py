@@ -23,18 +23,30 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from raytrain_x.ray.elastic.job import ElasticJob, run_job
-from raytrain_x.ray.elastic.ray_nodes import HostDiscovery, RayHostDiscovery, TestDiscovery
-from raytrain_x.ray.elastic.settings import ElasticSettings
+_WHERE = {
+    "ElasticJob": "raytrain_x.ray.elastic.job",
+    "run_job": "raytrain_x.ray.elastic.job",
+    "HostDiscovery": "raytrain_x.ray.elastic.ray_nodes",
+    "RayHostDiscovery": "raytrain_x.ray.elastic.ray_nodes",
+    "TestDiscovery": "raytrain_x.ray.elastic.ray_nodes",
+    "ElasticSettings": "raytrain_x.ray.elastic.settings",
+    # Horovod's `horovod.ray.elastic` path; the executor is built on this package, so the
+    # dependency runs from it to here and the alias makes none back
+    "ElasticRayExecutor": "raytrain_x.ray.elastic_executor",
+}
 
-__all__ = ["ElasticJob", "ElasticRayExecutor", "ElasticSettings", "HostDiscovery",
-           "RayHostDiscovery", "TestDiscovery", "run_job"]
+__all__ = sorted(_WHERE)
 
 
 def __getattr__(name: str) -> Any:
-    """`ElasticRayExecutor`, as Horovod's `horovod.ray.elastic` has it: an alias for Horovod's
-    import path, looked up when asked for. The executor is built on this package, so the
-    dependency runs from it to here; the alias does not make one back."""
-    if name == "ElasticRayExecutor":
-        return importlib.import_module("raytrain_x.ray.elastic_executor").ElasticRayExecutor
+    """Each public name is loaded when first asked for: the rounds actor's process imports
+    `rounds.py` alone, not the driver's job."""
+    if name in _WHERE:
+        value = getattr(importlib.import_module(_WHERE[name]), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return __all__
