@@ -72,7 +72,7 @@ def train(steps: int, step_pause_s: float, until_file: str | None,
             state.commit()
             if progress_file is not None and rx.rank() == 0:
                 with open(progress_file + ".tmp", "w") as f:
-                    f.write(f"{state.step} {rx.size()}\n")
+                    f.write(f"{state.step} {rx.size()} {rx.elastic.restore_count()}\n")
                 os.replace(progress_file + ".tmp", progress_file)
         weights = torch.cat([p.detach().flatten() for p in model.parameters()])
         return {"rank": rx.rank(), "size": rx.size(), "steps": state.step,
@@ -144,7 +144,7 @@ def main() -> int:
     parser.add_argument("--cooldown", type=float, nargs=2, default=(10, 60),
                         metavar=("LO", "HI"), help="blacklist cooldown range, seconds")
     parser.add_argument("--progress", help="rank 0 rewrites this file after every commit "
-                                           "with `step world_size`")
+                                           "with `step world_size restores`")
     parser.add_argument("--json", help="write the history and per-rank results here")
     parser.add_argument("--plot", help="write a plot of the world size over time here")
     args = parser.parse_args()
