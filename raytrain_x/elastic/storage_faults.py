@@ -49,6 +49,14 @@ def write_plan(path: str, **faults: Any) -> None:
     os.replace(tmp, path)
 
 
+def read_plan(path: str) -> dict[str, Any]:
+    """The plan at `path` as it stands, read under the lock its users rewrite it under (read
+    without it, a plan being rewritten can read as empty)."""
+    with open(path) as f:
+        fcntl.flock(f, fcntl.LOCK_SH)
+        return json.loads(f.read() or "{}")
+
+
 def take(plan: dict[str, Any], op: str, path: str) -> tuple[dict[str, Any], bool]:
     """The faults `plan` gives operation `op` on `path`, its counters taken (in place);
     and whether `plan` changed."""

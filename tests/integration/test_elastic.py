@@ -3,7 +3,6 @@ and added nodes, blacklisting with cooldown, reset_limit and min_workers."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import signal
@@ -415,7 +414,7 @@ def test_a_rank_lost_mid_write_holds_no_checkpoint_back(elastic_nodes, tmp_path)
     written meanwhile. Now the round after the loss gives that write up at its sync (no
     rank of the new world writes the part) and the next checkpoint is written from the new
     world; the lost write's folder is deleted."""
-    from raytrain_x.elastic.storage_faults import write_plan
+    from raytrain_x.elastic.storage_faults import read_plan, write_plan
 
     elastic_nodes(2)
     plan = str(tmp_path / "faults.json")
@@ -439,7 +438,7 @@ def test_a_rank_lost_mid_write_holds_no_checkpoint_back(elastic_nodes, tmp_path)
         job.wait_until(lambda: job.trained(progress, 5, 2) and store.checkpoints(),
                        "a durable checkpoint after 5 steps with 2 workers")
         write_plan(plan, stall=1, stall_s=300, match="shard_00001", op="upload")
-        job.wait_until(lambda: json.loads(Path(plan).read_text())["stall"] == 0,
+        job.wait_until(lambda: read_plan(plan)["stall"] == 0,
                        "rank 1 uploading its part (stalled)")
         [part] = stuck()
         lost = parse_folder(part.parent.name)
