@@ -8,10 +8,9 @@ starts).
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from raytrain_x.common.exports import lazy_names
 
-_WHERE = {
+_HOMES: dict[str, str | None] = {
     "CheckpointConfig": "raytrain_x.common.checkpoint_config",
     "DriverPolicy": "raytrain_x.ray.elastic.policies",
     "JobSnapshot": "raytrain_x.ray.elastic.policies",
@@ -25,20 +24,8 @@ _WHERE = {
     "RayExecutor": "raytrain_x.ray.executor",
     "Settings": "raytrain_x.ray.executor",
     "ensure_ray": "raytrain_x.ray.executor",
+    "ray_logger": None,
 }
 
-__all__ = sorted([*_WHERE, "ray_logger"])
-
-
-def __getattr__(name: str) -> Any:
-    if name == "ray_logger":
-        return importlib.import_module("raytrain_x.ray.ray_logger")
-    if name in _WHERE:
-        value = getattr(importlib.import_module(_WHERE[name]), name)
-        globals()[name] = value  # looked up once
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return __all__
+__all__ = sorted(_HOMES)
+__getattr__, __dir__ = lazy_names(__name__, _HOMES)

@@ -10,18 +10,15 @@ The clusters load when first named, so that the harness's Ray-free parts (`leaks
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from raytrain_x.common.exports import lazy_names
 
-_HOMES = {"LocalAutoscalingCluster": "autoscaling", "drain_node": "autoscaling",
-          "kill_node": "autoscaling", "EmulatedCluster": "cluster",
-          "NamespacesUnavailable": "cluster"}
+_HOMES: dict[str, str | None] = {
+    "LocalAutoscalingCluster": "raytrain_x.testing.autoscaling",
+    "drain_node": "raytrain_x.testing.autoscaling",
+    "kill_node": "raytrain_x.testing.autoscaling",
+    "EmulatedCluster": "raytrain_x.testing.cluster",
+    "NamespacesUnavailable": "raytrain_x.testing.cluster",
+}
 
 __all__ = sorted(_HOMES)
-
-
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{home}"), name)
+__getattr__, __dir__ = lazy_names(__name__, _HOMES)

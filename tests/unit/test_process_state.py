@@ -38,8 +38,8 @@ def test_a_new_world_replaces_the_last_whole_and_numbers_unnamed_collectives_fro
 
 
 # Module-level objects made at import that are not state: what makes them (loggers, type
-# variables), and by module and name, each with why
-MAKERS_OF_CONSTANTS = {"logging.getLogger", "progress_logger", "TypeVar"}
+# variables, a package's `__getattr__` and `__dir__`), and by module and name, each with why
+MAKERS_OF_CONSTANTS = {"logging.getLogger", "progress_logger", "TypeVar", "lazy_names"}
 NOT_STATE = {
     ("core/process_sets.py", "global_process_set"): "a name: its members live in the world",
     ("torch/mpi_ops.py", "_basics"): "Horovod's `_basics`: reads the runtime, holds nothing",

@@ -20,10 +20,11 @@ log.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from raytrain_x.common.exports import lazy_names
 
-_WHERE = {
+# Each public name is loaded when first asked for: the rounds actor's process imports
+# `rounds.py` alone, not the driver's job.
+_HOMES: dict[str, str | None] = {
     "ElasticJob": "raytrain_x.ray.elastic.job",
     "run_job": "raytrain_x.ray.elastic.job",
     "HostDiscovery": "raytrain_x.ray.elastic.ray_nodes",
@@ -35,18 +36,5 @@ _WHERE = {
     "ElasticRayExecutor": "raytrain_x.ray.elastic_executor",
 }
 
-__all__ = sorted(_WHERE)
-
-
-def __getattr__(name: str) -> Any:
-    """Each public name is loaded when first asked for: the rounds actor's process imports
-    `rounds.py` alone, not the driver's job."""
-    if name in _WHERE:
-        value = getattr(importlib.import_module(_WHERE[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return __all__
+__all__ = sorted(_HOMES)
+__getattr__, __dir__ = lazy_names(__name__, _HOMES)
